@@ -1,0 +1,1 @@
+"""expertmesh coordinator: discovery, membership, ownership and the HTTP API."""

@@ -1,0 +1,1 @@
+"""expertmesh node: engine, expert store, index, Hub access and the CLI."""

@@ -1,0 +1,55 @@
+"""Every environment variable and default of expertmesh, read in one place.
+
+huggingface_hub reads `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` itself; we only
+re-export what we need so that the rest of the code never touches `os.environ`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import constants as hf_constants
+
+
+def expertmesh_home() -> Path:
+    """Where pulled cores, expert caches and node state live (`EXPERTMESH_HOME`)."""
+    return Path(os.environ.get("EXPERTMESH_HOME", "~/.cache/expertmesh")).expanduser()
+
+
+def hf_endpoint() -> str:
+    """The Hub endpoint huggingface_hub is configured with (`HF_ENDPOINT`)."""
+    return hf_constants.ENDPOINT.rstrip("/")
+
+
+def hf_offline() -> bool:
+    return bool(hf_constants.HF_HUB_OFFLINE)
+
+
+# Files of a model repo that belong to the core besides its tensors.
+CORE_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "*.tiktoken",
+    "tiktoken.model",
+    "model.safetensors.index.json",
+)
+
+# Range requests in flight while pulling a core.
+PULL_CONCURRENCY = 4
+# Adjacent core tensors closer than this are fetched in one range request.
+RANGE_COALESCE_GAP_BYTES = 0
+# Ranges larger than this are split, so progress and resume are fine-grained.
+MAX_RANGE_BYTES = 64 * 1024 * 1024
+# Free space that `pull` leaves on the disk beyond the core itself.
+DISK_HEADROOM_BYTES = 1 * 1024**3
+HTTP_TIMEOUT_S = 30.0
+HTTP_MAX_RETRIES = 8

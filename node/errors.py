@@ -1,0 +1,39 @@
+"""One exception hierarchy whose messages are written for the user.
+
+The CLI prints `str(error)` on one line and exits non-zero; it never shows a traceback
+for an `ExpertmeshError`.
+"""
+
+
+class ExpertmeshError(Exception):
+    """Base of every error expertmesh reports to a user."""
+
+    exit_code = 1
+
+
+class ModelNotFoundError(ExpertmeshError):
+    """The repository or the revision does not exist on the endpoint."""
+
+
+class AuthError(ExpertmeshError):
+    """The endpoint refused our token (or wants one)."""
+
+
+class EndpointUnreachableError(ExpertmeshError):
+    """The Hub endpoint cannot be reached at all."""
+
+
+class UnsupportedModelError(ExpertmeshError):
+    """The model cannot be run by expertmesh (architecture, no routed experts, format)."""
+
+
+class InsufficientDiskError(ExpertmeshError):
+    """Not enough free space for what was asked."""
+
+
+class DownloadError(ExpertmeshError):
+    """A download kept failing after its retries, or returned the wrong bytes."""
+
+
+class NotPulledError(ExpertmeshError):
+    """A command needs a model that has not been pulled yet."""
