@@ -1,0 +1,22 @@
+"""Shared fixtures: tiny repos are built once per test session (they are deterministic)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.tiny import ARCHS, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> a folder `hub/expertmesh/tiny-<arch>` holding that tiny repo (seed 0)."""
+    hub = tmp_path_factory.mktemp("hub")
+    return {arch: make_tiny_model(hub / "expertmesh" / f"tiny-{arch}", arch, seed=0) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hub_root(tiny_repos: dict[str, Path]) -> Path:
+    """The folder of repos that `expertmesh hub` serves in tests."""
+    return next(iter(tiny_repos.values())).parent.parent
