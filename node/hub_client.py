@@ -306,9 +306,10 @@ def read_safetensors_header(reader: RangeReader, remote: RemoteFile) -> tuple[di
 @contextlib.contextmanager
 def using_endpoint(url: str) -> Iterator[None]:
     """Point huggingface_hub at `url` for the duration (it reads `HF_ENDPOINT` at import only)."""
-    previous = hf_constants.ENDPOINT
+    previous = hf_constants.ENDPOINT, hf_constants.HUGGINGFACE_CO_URL_TEMPLATE
     hf_constants.ENDPOINT = url.rstrip("/")
+    hf_constants.HUGGINGFACE_CO_URL_TEMPLATE = hf_constants.ENDPOINT + "/{repo_id}/resolve/{revision}/{filename}"
     try:
         yield
     finally:
-        hf_constants.ENDPOINT = previous
+        hf_constants.ENDPOINT, hf_constants.HUGGINGFACE_CO_URL_TEMPLATE = previous
