@@ -96,17 +96,30 @@ def translate_hub_error(e: Exception, repo_id: str, revision: str | None = None)
     return e
 
 
+def _api_call(fn, repo_id: str, revision: str | None, max_retries: int = constants.HTTP_MAX_RETRIES):
+    """Call huggingface_hub, retrying rate limits, 5xx and dropped connections with backoff."""
+    _check_online()
+    for attempt in range(max_retries + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - translated below
+            response = getattr(e, "response", None)
+            status = getattr(response, "status_code", None)
+            transient = status in _RETRY_STATUS or isinstance(e, httpx2.TransportError)
+            if not transient or attempt == max_retries:
+                raise translate_hub_error(e, repo_id, revision) from None
+            wait = _retry_after(response.headers.get("retry-after")) if response is not None else None
+            time.sleep(wait if wait is not None else random.uniform(0, min(8.0, 0.25 * 2**attempt)))
+    raise AssertionError("unreachable")
+
+
 def resolve_commit(repo_id: str, revision: str | None = None) -> str:
     """Pin `revision` (branch, tag or sha; default `main`) to its commit sha.
 
     Raises:
         ModelNotFoundError, AuthError, EndpointUnreachableError: as the endpoint answers.
     """
-    _check_online()
-    try:
-        info = HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision)
-    except Exception as e:  # noqa: BLE001 - translated, or re-raised unchanged
-        raise translate_hub_error(e, repo_id, revision) from None
+    info = _api_call(lambda: HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision), repo_id, revision)
     if not info.sha:
         raise DownloadError(f"{endpoint()} did not report a commit sha for {repo_id}@{revision or 'main'}")
     return info.sha
@@ -114,21 +127,18 @@ def resolve_commit(repo_id: str, revision: str | None = None) -> str:
 
 def list_files(repo_id: str, commit: str) -> list[str]:
     """The file names of a pinned revision."""
-    try:
-        info = HfApi(endpoint=endpoint()).model_info(repo_id, revision=commit)
-    except Exception as e:  # noqa: BLE001
-        raise translate_hub_error(e, repo_id, commit) from None
+    info = _api_call(lambda: HfApi(endpoint=endpoint()).model_info(repo_id, revision=commit), repo_id, commit)
     return [s.rfilename for s in info.siblings or []]
 
 
 def download_file(remote: RemoteFile, local_dir: Path) -> Path:
     """Download one (small) file of the pinned revision into `local_dir`."""
-    try:
-        path = hf_hub_download(
-            remote.repo_id, remote.filename, revision=remote.commit, local_dir=local_dir, endpoint=endpoint()
-        )
-    except Exception as e:  # noqa: BLE001
-        raise translate_hub_error(e, remote.repo_id, remote.commit) from None
+    path = _api_call(
+        lambda: hf_hub_download(remote.repo_id, remote.filename, revision=remote.commit, local_dir=local_dir,
+                                endpoint=endpoint()),  # fmt: skip
+        remote.repo_id,
+        remote.commit,
+    )
     return Path(path)
 
 
@@ -283,21 +293,20 @@ def _retry_after(value: str | None, cap_s: float = 120.0) -> float | None:
 
 
 def read_safetensors_header(reader: RangeReader, remote: RemoteFile) -> tuple[dict[str, TensorEntry], int]:
-    """A remote shard's tensors (absolute offsets) and size, read with one or two range requests.
+    """A remote shard's tensors (absolute offsets) and size.
 
-    Like huggingface_hub's `parse_safetensors_file_metadata`, the first request asks for the
-    first 100 kB, which holds most headers whole; unlike it, we keep the header length, which
-    absolute byte offsets need.
+    Two exact range reads: the 8-byte length, then the header. huggingface_hub's
+    `parse_safetensors_file_metadata` reads a 100 kB probe instead, which saves a round trip
+    but also downloads the first tensors' bytes — experts, in an expert-bearing shard.
     """
-    first, size = reader.read_with_size(remote, 0, safetensors_format.HEADER_PROBE_BYTES)
+    prefix, size = reader.read_with_size(remote, 0, 8)
     if size is None:
         raise DownloadError(f"{remote}: the server did not report the file size")
     try:
-        n = safetensors_format.header_length(first)
-        header = first[8 : 8 + n]
-        if len(header) < n:
-            header += reader.read(remote, len(first), 8 + n)
-        tensors, _ = safetensors_format.parse_header(header, size)
+        n = safetensors_format.header_length(prefix)
+        if 8 + n > size:
+            raise safetensors_format.SafetensorsFormatError("header longer than the file")
+        tensors, _ = safetensors_format.parse_header(reader.read(remote, 8, 8 + n), size)
     except safetensors_format.SafetensorsFormatError as e:
         raise DownloadError(f"{remote} is not a valid safetensors file: {e}") from None
     return tensors, size

@@ -18,8 +18,6 @@ from typing import BinaryIO, Iterable
 
 # Safetensors refuses headers larger than this; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-# huggingface_hub reads the first 100 kB to get a header in one request; so do we.
-HEADER_PROBE_BYTES = 100_000
 
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,

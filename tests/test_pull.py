@@ -1,0 +1,175 @@
+"""`expertmesh pull` through `expertmesh hub`: only the core crosses the link, exactly, resumably."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node import hub_client, safetensors_format
+from node.errors import AuthError, EndpointUnreachableError, ModelNotFoundError, UnsupportedModelError
+from node.expert_index import INDEX_FILENAME, ExpertIndex
+from node.hub_server import Fault, HubServer
+from node.pull import pull
+from node.tiny import ARCHS
+
+
+@pytest.fixture(scope="module")
+def hub(hub_root: Path):
+    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+        yield server
+
+
+def _reset(hub: HubServer, faults: list[Fault] | None = None) -> None:
+    with hub.stats_.lock:
+        hub.stats_.reset()
+    hub.knobs.faults = faults or []
+
+
+def _expert_bytes_served(hub: HubServer, repo: Path, repo_id: str) -> int:
+    """Bytes of routed experts the hub sent, from its per-range stats and the repo's headers."""
+    spans = []
+    for shard in repo.glob("*.safetensors"):
+        for e in safetensors_format.read_header(shard).values():
+            if ".experts." in e.name or "switch_mlp" in e.name:
+                spans.append((shard.name, e.start, e.end))
+    served = 0
+    for key, entry in hub.stats()["files"].items():
+        for a, b, n in entry["ranges"]:
+            for shard, s, e in spans:
+                if key == f"{repo_id}/{shard}":
+                    served += n * max(0, min(b + 1, e) - max(a, s))
+    return served
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_pull_with_faults_fetches_only_the_core(arch: str, hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
+    repo = tiny_repos[arch]
+    repo_id = f"expertmesh/{repo.name}"
+    _reset(hub, [Fault("429", count=2, retry_after_s=0), Fault("503", count=1, retry_after_s=0),
+                 Fault("500", count=1), Fault("cut", count=3, path_glob="*.safetensors")])  # fmt: skip
+    result = pull(repo_id, home=tmp_path, progress=False)
+    stats = hub.stats()
+    assert sum(stats["faults"].values()) >= 5  # the faults really happened
+    assert _expert_bytes_served(hub, repo, repo_id) == 0
+    assert result.retries >= 3  # the cut and the ignored range hit core ranges and were retried
+    # every core tensor is byte-identical to the original
+    index = ExpertIndex.load(result.path / INDEX_FILENAME)
+    assert len(index.experts) >= 4 * 32
+    for shard in {t.file for t in index.core.values()}:
+        local = safetensors_format.read_header(result.path / shard)
+        original = (repo / shard).read_bytes()
+        pulled = (result.path / shard).read_bytes()
+        for name, e in local.items():
+            src = index.core[name]
+            assert pulled[e.start : e.end] == original[src.start : src.end], name
+        assert not any(".experts." in n for n in local)
+    assert result.fetched_bytes == index.core_bytes
+    again = pull(repo_id, home=tmp_path, progress=False)
+    assert again.already_complete and again.fetched_bytes == 0
+
+
+def test_ignored_range_is_retried_never_used(hub: HubServer, tiny_repos: dict[str, Path]) -> None:
+    """A 200 carrying the whole shard is refused; the retry gets exactly the range."""
+    _reset(hub, [Fault("ignore_range", count=2)])
+    reader = hub_client.RangeReader(backoff_base_s=0.01)
+    remote = hub_client.RemoteFile("expertmesh/tiny-qwen3_moe", hub.repos["expertmesh/tiny-qwen3_moe"].commit,
+                                   "model-00001-of-00002.safetensors")  # fmt: skip
+    data = reader.read(remote, 100, 300)
+    assert data == (tiny_repos["qwen3_moe"] / remote.filename).read_bytes()[100:300]
+    assert reader.retries == 2 and hub.stats()["faults"] == {"ignore_range": 2}
+
+
+def test_killed_pull_resumes_and_fetches_less(hub: HubServer, hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """kill -9 part-way through a slow pull, then pull again: same bytes, fewer fetched."""
+    from node import constants
+
+    monkeypatch.setattr(constants, "MAX_RANGE_BYTES", 32 * 1024)  # as in the killed process
+    repo_id = "expertmesh/tiny-kimi_k3"
+    _reset(hub)
+    hub.knobs.bandwidth_bytes_per_s = 400_000  # ≈ 2 s for the core, so the kill lands mid-way
+    env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
+    code = ("import sys; from node import constants; constants.MAX_RANGE_BYTES = 32 * 1024; "
+            "from node.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code, "pull", repo_id, "--no-progress", "--concurrency", "2"], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        parts = tmp_path / "models" / "expertmesh--tiny-kimi_k3"
+        while time.monotonic() < deadline and len(list(parts.rglob("*.part"))) < 4:
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait(10)
+    finally:
+        hub.knobs.bandwidth_bytes_per_s = 0
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, "the pull finished before it could be killed"
+    first = hub.stats()["bytes_served"]
+    _reset(hub)
+    result = pull(repo_id, home=tmp_path, progress=False)
+    assert 0 < result.fetched_bytes < result.core_bytes
+    index = ExpertIndex.load(result.path / INDEX_FILENAME)
+    original = {p.name: p.read_bytes() for p in tiny_repos["kimi_k3"].glob("*.safetensors")}
+    for shard in {t.file for t in index.core.values()}:
+        local = safetensors_format.read_header(result.path / shard)
+        pulled = (result.path / shard).read_bytes()
+        for name, e in local.items():
+            src = index.core[name]
+            assert pulled[e.start : e.end] == original[shard][src.start : src.end]
+    assert first > 0
+    assert not list(result.path.rglob("*.part"))
+
+
+def test_bad_inputs_give_clear_errors(hub: HubServer, hub_root: Path, tmp_path: Path) -> None:
+    _reset(hub)
+    with pytest.raises(ModelNotFoundError, match="no such model"):
+        pull("expertmesh/does-not-exist", home=tmp_path, progress=False)
+    with pytest.raises(ModelNotFoundError, match="revision"):
+        pull("expertmesh/tiny-kimi_k3", revision="v9", home=tmp_path, progress=False)
+    with hub_client.using_endpoint("http://127.0.0.1:9"), pytest.raises(EndpointUnreachableError):
+        pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+
+
+def test_unsupported_and_dense_models(hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    root = tmp_path / "hub"
+    weird = root / "other" / "unknown-arch"
+    shutil.copytree(tiny_repos["qwen3_moe"], weird)
+    cfg = json.loads((weird / "config.json").read_text())
+    (weird / "config.json").write_text(json.dumps({**cfg, "model_type": "no_such_arch"}))
+    dense = root / "other" / "dense"
+    dense.mkdir(parents=True)
+    (dense / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    safetensors_format.write_file(dense / "model.safetensors", [("model.layers.0.mlp.up_proj.weight", "F32", (2,), b"\0" * 8)])
+    with HubServer(root) as server, hub_client.using_endpoint(server.url):
+        with pytest.raises(UnsupportedModelError, match="not implemented by mlx-lm"):
+            pull("other/unknown-arch", home=tmp_path / "home", progress=False)
+        with pytest.raises(UnsupportedModelError, match="no routed experts"):
+            pull("other/dense", home=tmp_path / "home", progress=False)
+
+
+def test_rejected_token(hub_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants as hf_constants
+
+    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+        server.knobs.required_token = "hf_right"
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        with pytest.raises(AuthError, match="rejected the token") as e:
+            pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+        assert "hf_wrong" not in str(e.value)
+
+
+def test_cli_errors_are_one_line(hub: HubServer, tmp_path: Path) -> None:
+    env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
+    r = subprocess.run([sys.executable, "-m", "node.cli", "pull", "expertmesh/nope", "--no-progress"],
+                       env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode != 0
+    assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
