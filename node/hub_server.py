@@ -264,6 +264,11 @@ class _Handler(BaseHTTPRequestHandler):
             except (ValueError, TypeError) as e:
                 return self._error(400, None, str(e))
             return self._send(200, json.dumps(asdict(self.hub.knobs)).encode())
+        if m := re.match(r"^/api/models/([^/]+/[^/]+)/paths-info/([^/]+)$", unquote(url.path)):
+            ctype = self.headers.get("Content-Type", "")
+            form = json.loads(body) if "json" in ctype else {k: v for k, v in parse_qs(body.decode()).items()}
+            paths = form.get("paths", [])
+            return self._tree(m.group(1), m.group(2), "", [paths] if isinstance(paths, str) else paths)
         if url.path == "/_hub/stats/reset":
             with self.hub.stats_.lock:
                 self.hub.stats_.reset()
@@ -281,6 +286,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, b'{"status":"ok"}')
         if self.hub.knobs.ttfb_s:
             time.sleep(self.hub.knobs.ttfb_s)
+        if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)$", path):
+            return self._tree(m.group(1), m.group(2), m.group(3), None)
         if m := re.match(r"^/api/models/([^/]+/[^/]+?)(?:/revision/(.+))?/?$", path):
             return self._model_info(m.group(1), m.group(2) or "main", parse_qs(url.query))
         if m := re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path):
@@ -309,6 +316,39 @@ class _Handler(BaseHTTPRequestHandler):
                "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
                "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings}  # fmt: skip
         self._send(200, json.dumps(doc).encode())
+
+    def _tree(self, repo_id: str, rev: str, folder: str, paths: list[str] | None) -> None:
+        """Tree listing (GET, one folder level) or paths-info (POST, the named paths)."""
+        self._count(None)
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        if not self._authorized(repo) or not self._revision(repo, rev):
+            return
+        folder = folder.strip("/")
+        entries, dirs = [], set()
+        for name, f in repo.files.items():
+            if paths is not None:
+                if name in paths:
+                    entries.append(self._file_entry(name, f))
+                continue
+            rel = name[len(folder) + 1 :] if folder else name
+            if folder and not name.startswith(folder + "/"):
+                continue
+            if "/" in rel:
+                dirs.add((f"{folder}/" if folder else "") + rel.split("/", 1)[0])
+            else:
+                entries.append(self._file_entry(name, f))
+        entries += [{"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0}
+                    for d in sorted(dirs)]  # fmt: skip
+        self._send(200, json.dumps(entries).encode())
+
+    def _file_entry(self, name: str, f: Path) -> dict:
+        size = f.stat().st_size
+        entry = {"type": "file", "path": name, "size": size, "oid": hashlib.sha1(f.read_bytes()).hexdigest()}
+        if self._is_lfs(name, f):
+            entry["lfs"] = {"oid": self._sha256(f), "size": size, "pointerSize": 134}
+        return entry
 
     @staticmethod
     def _is_lfs(name: str, f: Path) -> bool:
@@ -366,7 +406,11 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None or repo.commit != commit or name not in repo.files:
             return self._error(404, None, "not found")
         data = repo.files[name].read_bytes()
-        self._serve_bytes(key, data, {"ETag": f'"{self._sha256(repo.files[name])}"', "Accept-Ranges": "bytes"})
+        sha = f'"{self._sha256(repo.files[name])}"'
+        # The CDN shares our host, so huggingface_hub treats its URL as a relative redirect
+        # and expects the Hub's headers on it too.
+        self._serve_bytes(key, data, {"ETag": sha, "X-Linked-Etag": sha, "X-Linked-Size": str(len(data)),
+                                      "X-Repo-Commit": commit, "Accept-Ranges": "bytes"})  # fmt: skip
 
     def _serve_bytes(self, key: str, data: bytes, headers: dict) -> None:
         size = len(data)

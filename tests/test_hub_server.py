@@ -1,0 +1,118 @@
+"""`expertmesh hub` speaks the Hub protocol as the real huggingface_hub client uses it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
+from huggingface_hub import errors as hf_errors
+
+from node import hub_client
+from node.hub_server import Fault, HubServer
+
+REPO = "expertmesh/tiny-kimi_k3"
+
+
+@pytest.fixture(scope="module")
+def hub(hub_root: Path):
+    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+        yield server
+
+
+def test_hf_hub_download_small_and_lfs(hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
+    repo = tiny_repos["kimi_k3"]
+    for name in ("config.json", "model-00002-of-00003.safetensors"):
+        path = hf_hub_download(REPO, name, cache_dir=tmp_path, endpoint=hub.url)
+        assert Path(path).read_bytes() == (repo / name).read_bytes()
+    info = HfApi(endpoint=hub.url).model_info(REPO)
+    assert len(info.sha) == 40 and "config.json" in {s.rfilename for s in info.siblings}
+    path = hf_hub_download(REPO, "config.json", revision=info.sha, cache_dir=tmp_path / "b", endpoint=hub.url)
+    assert Path(path).read_bytes() == (repo / "config.json").read_bytes()
+
+
+def test_get_safetensors_metadata(hub: HubServer) -> None:
+    meta = HfApi(endpoint=hub.url).get_safetensors_metadata(REPO)
+    t = meta.files_metadata[meta.weight_map["model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"]]
+    info = t.tensors["model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"]
+    assert info.dtype == "U8" and info.shape == [64, 16]
+
+
+def test_hf_file_system_range_read(hub: HubServer, tiny_repos: dict[str, Path]) -> None:
+    fs = HfFileSystem(endpoint=hub.url)
+    name = "model-00001-of-00003.safetensors"
+    with fs.open(f"{REPO}/{name}", "rb") as f:
+        f.seek(1000)
+        data = f.read(500)
+    assert data == (tiny_repos["kimi_k3"] / name).read_bytes()[1000:1500]
+
+
+def test_ranges_and_errors(hub: HubServer, tiny_repos: dict[str, Path]) -> None:
+    url = f"{hub.url}/{REPO}/resolve/main/config.json"
+    body = (tiny_repos["kimi_k3"] / "config.json").read_bytes()
+    r = httpx2.get(url, headers={"Range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == body[10:20]
+    assert r.headers["content-range"] == f"bytes 10-19/{len(body)}"
+    r = httpx2.get(url, headers={"Range": "bytes=-5"})
+    assert r.status_code == 206 and r.content == body[-5:]
+    r = httpx2.get(url, headers={"Range": f"bytes={len(body) + 5}-"})
+    assert r.status_code == 416 and r.headers["content-range"] == f"bytes */{len(body)}"
+    assert httpx2.get(url).status_code == 200
+    r = httpx2.head(f"{hub.url}/{REPO}/resolve/main/model-00001-of-00003.safetensors")
+    assert r.status_code == 302 and "x-linked-size" in r.headers and "x-repo-commit" in r.headers
+    api = HfApi(endpoint=hub.url)
+    with pytest.raises(hf_errors.RepositoryNotFoundError):
+        api.model_info("expertmesh/nope")
+    with pytest.raises(hf_errors.RevisionNotFoundError):
+        api.model_info(REPO, revision="nope")
+    with pytest.raises(hf_errors.EntryNotFoundError):
+        hf_hub_download(REPO, "missing.txt", endpoint=hub.url)
+
+
+def test_faults_and_stats(hub: HubServer) -> None:
+    url = f"{hub.url}/{REPO}/resolve/main/config.json"
+    hub.knobs.faults = [Fault("429", count=2, retry_after_s=3)]
+    assert [httpx2.get(url).status_code for _ in range(3)] == [429, 429, 200]
+    hub.knobs.faults = [Fault("wrong_bytes", count=1)]
+    a, b = httpx2.get(url), httpx2.get(url)
+    assert len(a.content) == len(b.content) and a.content != b.content
+    httpx2.post(f"{hub.url}/_hub/stats/reset")
+    httpx2.post(f"{hub.url}/_hub/knobs", json={"faults": [{"kind": "503", "count": 1}]})
+    assert httpx2.get(url).status_code == 503
+    httpx2.get(url, headers={"Range": "bytes=0-9"})
+    stats = httpx2.get(f"{hub.url}/_hub/stats").json()
+    assert stats["faults"] == {"503": 1}
+    assert stats["files"][f"{REPO}/config.json"]["ranges"] == [[0, 9, 1]]
+
+
+def test_bandwidth_is_a_lower_bound(hub: HubServer) -> None:
+    hub.knobs.faults = []
+    hub.knobs.bandwidth_bytes_per_s = 500_000
+    try:
+        t = time.monotonic()
+        r = httpx2.get(f"{hub.url}/{REPO}/resolve/main/model-00001-of-00003.safetensors", follow_redirects=True)
+        elapsed = time.monotonic() - t
+    finally:
+        hub.knobs.bandwidth_bytes_per_s = 0
+    assert elapsed >= 0.8 * len(r.content) / 500_000
+
+
+def test_cli_serves_and_stops(hub_root: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "hub", str(hub_root), "--port", "0"],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("expertmesh hub: serving")
+        url = line.rsplit(" at ", 1)[1].strip()
+        assert httpx2.get(f"{url}/_hub/health").json() == {"status": "ok"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
