@@ -45,8 +45,6 @@ CORE_FILE_PATTERNS = (
 
 # Range requests in flight while pulling a core.
 PULL_CONCURRENCY = 4
-# Adjacent core tensors closer than this are fetched in one range request.
-RANGE_COALESCE_GAP_BYTES = 0
 # Ranges larger than this are split, so progress and resume are fine-grained.
 MAX_RANGE_BYTES = 64 * 1024 * 1024
 # Free space that `pull` leaves on the disk beyond the core itself.

@@ -21,10 +21,10 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 from node.errors import UnsupportedModelError
-from node.safetensors_format import TensorEntry
+from node.safetensors_format import DTYPE_BYTES, TensorEntry
 
 INDEX_FILENAME = "expert_index.json"
 FORMAT_VERSION = 1
@@ -170,8 +170,6 @@ class ExpertIndex:
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    from node.safetensors_format import DTYPE_BYTES
-
     n = DTYPE_BYTES[dtype]
     for d in shape:
         n *= d
@@ -266,11 +264,3 @@ def _check_consistent(experts: dict[tuple[int, int], ExpertLocation]) -> None:
         shapes = {tuple((t.dtype, t.shape) for t in experts[(layer, e)].tensors) for e in ids}
         if len(shapes) != 1:
             raise UnsupportedModelError(f"layer {layer}: experts have different tensors")
-
-
-HeaderFetcher = Callable[[str], tuple[dict[str, TensorEntry], int]]
-
-
-def shard_names(weight_map: dict[str, str]) -> list[str]:
-    """The shards named by an index's weight map, in order."""
-    return sorted(set(weight_map.values()))

@@ -14,7 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import Iterable
 
 # Safetensors refuses headers larger than this; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -128,13 +128,3 @@ def write_file(path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def copy_range(src: BinaryIO, dst: BinaryIO, nbytes: int, chunk_bytes: int = 1 << 20) -> None:
-    """Copy `nbytes` from the current position of `src` to `dst`."""
-    while nbytes:
-        data = src.read(min(chunk_bytes, nbytes))
-        if not data:
-            raise SafetensorsFormatError("source ended early")
-        dst.write(data)
-        nbytes -= len(data)

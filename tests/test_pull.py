@@ -173,3 +173,43 @@ def test_cli_errors_are_one_line(hub: HubServer, tmp_path: Path) -> None:
     assert r.returncode != 0
     assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_index_ranges_fetched_from_the_hub_equal_the_tensors(hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
+    """What a later expert fetch will do: the index's ranges, read from the Hub, are the expert."""
+    import numpy as np
+    from safetensors import safe_open
+
+    result = pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+    index = ExpertIndex.load(result.path / INDEX_FILENAME)
+    reader = hub_client.RangeReader()
+    for key in [(1, 0), (2, 17), (5, 31)]:
+        loc = index.expert(*key)
+        (r,) = loc.ranges  # one range per K3 expert
+        data = reader.read(hub_client.RemoteFile(index.repo_id, index.commit, r.file), r.start, r.end)
+        with safe_open(tiny_repos["kimi_k3"] / r.file, "numpy") as f:
+            expected = b"".join(np.ascontiguousarray(f.get_tensor(t.name)).tobytes() for t in loc.tensors)
+        assert data == expected
+
+
+def test_disk_space_is_checked_first(hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from node import constants
+    from node.errors import InsufficientDiskError
+
+    monkeypatch.setattr(constants, "DISK_HEADROOM_BYTES", 10**18)
+    _reset(hub)
+    with pytest.raises(InsufficientDiskError, match="free"):
+        pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+    for key, entry in hub.stats()["files"].items():
+        if key.endswith(".safetensors"):  # nothing but the headers was read
+            shard = tiny_repos["kimi_k3"] / key.rsplit("/", 1)[1]
+            assert entry["bytes"] == 8 + safetensors_format.header_length(shard.read_bytes()[:8])
+
+
+def test_demo_command(tmp_path: Path) -> None:
+    env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--no-progress"], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "pulled expertmesh/tiny-kimi-k3" in r.stdout and "left on the Hub" in r.stdout
