@@ -78,18 +78,8 @@ class ExpertLocation:
         return coalesce((t.file, t.start, t.end) for t in self.tensors)
 
 
-@dataclass(frozen=True)
-class CoreTensor:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
+# A core tensor is addressed exactly like an expert's tensor: a whole tensor of one shard.
+CoreTensor = TensorSlice
 
 
 @dataclass
