@@ -470,27 +470,29 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttfb", type=float, default=0.0, help="seconds before each response")
     parser.add_argument("--connection-cost", type=float, default=0.0, help="seconds added to each new connection")
     parser.add_argument("--require-token", help="token every request must present (Authorization: Bearer)")
-    parser.add_argument("--fault", action="append", default=[], metavar="KIND:SPEC",
+    parser.add_argument("--fault", action="append", default=[], metavar="KIND:SPEC", type=parse_fault,
                         help=f"inject faults, KIND in {', '.join(FAULT_KINDS)}; SPEC e.g. rate=0.1 or count=3,retry_after=2")  # fmt: skip
 
 
+_FAULT_FIELDS = {"rate": ("rate", float), "count": ("count", int), "retry_after": ("retry_after_s", float),
+                 "path": ("path_glob", str)}  # fmt: skip
+
+
 def parse_fault(text: str) -> Fault:
+    """`KIND:rate=0.1` / `KIND:count=3,retry_after=2,path=*.safetensors` -> a Fault (argparse type)."""
     kind, _, spec = text.partition(":")
     if kind not in FAULT_KINDS:
         raise argparse.ArgumentTypeError(f"unknown fault {kind!r}; choose from {', '.join(FAULT_KINDS)}")
     fault = Fault(kind)
     for item in filter(None, spec.split(",")):
         k, _, v = item.partition("=")
-        if k == "rate":
-            fault.rate = float(v)
-        elif k == "count":
-            fault.count = int(v)
-        elif k == "retry_after":
-            fault.retry_after_s = float(v)
-        elif k == "path":
-            fault.path_glob = v
-        else:
-            raise argparse.ArgumentTypeError(f"unknown fault setting {k!r}")
+        if k not in _FAULT_FIELDS:
+            raise argparse.ArgumentTypeError(f"unknown fault setting {k!r}; use {', '.join(_FAULT_FIELDS)}")
+        name, convert = _FAULT_FIELDS[k]
+        try:
+            setattr(fault, name, convert(v))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad value in fault setting {item!r}") from None
     return fault
 
 
@@ -501,7 +503,7 @@ def knobs_from_args(args: argparse.Namespace) -> HubKnobs:
         ttfb_s=args.ttfb,
         connection_cost_s=args.connection_cost,
         required_token=args.require_token,
-        faults=[parse_fault(f) for f in args.fault],
+        faults=list(args.fault),
     )
 
 

@@ -116,3 +116,16 @@ def test_cli_serves_and_stops(hub_root: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_fault_flags_parse_or_fail_clearly() -> None:
+    import argparse
+
+    from node.hub_server import parse_fault
+
+    f = parse_fault("cut:count=2,path=*.safetensors")
+    assert (f.kind, f.count, f.path_glob) == ("cut", 2, "*.safetensors")
+    assert parse_fault("429:rate=0.5,retry_after=2").retry_after_s == 2.0
+    for bad in ("bogus:rate=1", "cut:speed=3", "cut:count=x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_fault(bad)
