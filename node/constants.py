@@ -1,7 +1,8 @@
 """Every environment variable and default of expertmesh, read in one place.
 
-huggingface_hub reads `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` itself; we only
-re-export what we need so that the rest of the code never touches `os.environ`.
+huggingface_hub reads `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` itself (node/hub_client.py
+asks it, at call time); everything of expertmesh's own is here, so the rest of the code never
+touches `os.environ`.
 """
 
 from __future__ import annotations
@@ -9,21 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from huggingface_hub import constants as hf_constants
-
 
 def expertmesh_home() -> Path:
     """Where pulled cores, expert caches and node state live (`EXPERTMESH_HOME`)."""
     return Path(os.environ.get("EXPERTMESH_HOME", "~/.cache/expertmesh")).expanduser()
-
-
-def hf_endpoint() -> str:
-    """The Hub endpoint huggingface_hub is configured with (`HF_ENDPOINT`)."""
-    return hf_constants.ENDPOINT.rstrip("/")
-
-
-def hf_offline() -> bool:
-    return bool(hf_constants.HF_HUB_OFFLINE)
 
 
 # Files of a model repo that belong to the core besides its tensors.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import logging
 import os
 import shutil
 import time
@@ -31,7 +30,6 @@ from node.errors import DownloadError, InsufficientDiskError, UnsupportedModelEr
 from node.expert_index import INDEX_FILENAME, ExpertIndex, build_index, coalesce
 from node.hub_client import RangeReader, RemoteFile
 
-logger = logging.getLogger(__name__)
 
 UPSTREAM_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

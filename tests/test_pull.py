@@ -156,7 +156,6 @@ def test_unsupported_and_dense_models(hub_root: Path, tiny_repos: dict[str, Path
 
 
 def test_rejected_token(hub_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from huggingface_hub import constants as hf_constants
 
     with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
         server.knobs.required_token = "hf_right"
