@@ -41,3 +41,10 @@ MAX_RANGE_BYTES = 64 * 1024 * 1024
 DISK_HEADROOM_BYTES = 1 * 1024**3
 HTTP_TIMEOUT_S = 30.0
 HTTP_MAX_RETRIES = 8
+
+# Expert range requests in flight per layer (the distinct experts of a layer fetch together).
+EXPERT_FETCH_CONCURRENCY = 8
+# Default budgets: RAM from the memory left after the core, disk from the free space.
+DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
+DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
+MIN_RAM_BUDGET_BYTES = 64 * 1024**2

@@ -32,3 +32,21 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+def parse_budget(text: str, reference_bytes: int) -> int:
+    """A byte budget: a size (`20GB`) or a percentage of `reference_bytes` (`50%`).
+
+    Raises:
+        ValueError: neither.
+    """
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"{text!r} is not a percentage (example: 50%)") from None
+        if not 0 <= pct <= 100:
+            raise ValueError(f"{text!r}: a percentage must be between 0% and 100%")
+        return int(reference_bytes * pct / 100)
+    return parse_size(text)

@@ -1,0 +1,126 @@
+"""The disk tier: one file per expert, published atomically, within a byte budget.
+
+Layout: `$EXPERTMESH_HOME/experts/{ns}--{name}/{commit}/{layer}/{expert}.bin` holding the
+expert's upstream bytes (its ranges concatenated). A file is written under a temporary name and
+renamed into place, so a crash leaves either the whole expert or debris that start-up deletes;
+a file whose size is not the expert's size is never served. Least recently used files go first
+when the budget is reached.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from node import local_models
+from node.expert_index import ExpertIndex, ExpertLocation
+
+logger = logging.getLogger(__name__)
+
+TMP_SUFFIX = ".tmp"
+
+
+def cache_dir(home: Path, repo_id: str, commit: str) -> Path:
+    return home / "experts" / local_models.repo_folder(repo_id) / commit
+
+
+class DiskCache:
+    name = "disk"
+
+    def __init__(self, root: Path, index: ExpertIndex, budget_bytes: int):
+        self.root = root
+        self.index = index
+        self.budget_bytes = budget_bytes
+        self._files: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> size, LRU first
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.evictions = 0
+        self.write_errors = 0
+        self._recover()
+
+    def _path(self, layer: int, expert: int) -> Path:
+        return self.root / str(layer) / f"{expert}.bin"
+
+    def _recover(self) -> None:
+        """Delete debris of interrupted writes and files of the wrong size; list the rest."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        found = []
+        for path in self.root.glob("*/*"):
+            try:
+                if path.name.endswith(TMP_SUFFIX) or not path.name.endswith(".bin"):
+                    path.unlink()
+                    continue
+                key = (int(path.parent.name), int(path.stem))
+                st = path.stat()
+                if key not in self.index.experts or st.st_size != self.index.expert(*key).nbytes:
+                    path.unlink()
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+            except (OSError, ValueError):
+                logger.warning("disk cache: removing unreadable entry %s", path)
+                path.unlink(missing_ok=True)
+        for _, key, size in sorted(found):
+            self._files[key] = size
+            self.nbytes += size
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        return key in self._files
+
+    def fetch(self, loc: ExpertLocation) -> bytes | None:
+        key = (loc.layer, loc.expert)
+        with self._lock:
+            if key not in self._files:
+                return None
+            self._files.move_to_end(key)
+        try:
+            with open(self._path(*key), "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            blob = b""
+        if len(blob) != loc.nbytes:
+            self._forget(key)
+            return None
+        return blob
+
+    def put(self, loc: ExpertLocation, blob: bytes) -> None:
+        key = (loc.layer, loc.expert)
+        size = len(blob)
+        if size > self.budget_bytes:
+            return
+        with self._lock:
+            if key in self._files:
+                return
+            while self._files and self.nbytes + size > self.budget_bytes:
+                old, old_size = self._files.popitem(last=False)
+                self.nbytes -= old_size
+                self.evictions += 1
+                self._path(*old).unlink(missing_ok=True)
+            self._files[key] = size  # reserved now, so a concurrent put does not overshoot
+            self.nbytes += size
+        path = self._path(*key)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self._forget(key)
+            self.write_errors += 1
+            level = logging.WARNING if e.errno in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
+            logger.log(level, "disk cache: could not keep expert %s (%s); continuing without it", key, e.strerror)
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            size = self._files.pop(key, None)
+            if size is not None:
+                self.nbytes -= size
+        self._path(*key).unlink(missing_ok=True)

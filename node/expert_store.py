@@ -1,0 +1,209 @@
+"""The expert store: RAM -> disk -> (peers, later) -> Hub, behind one call per layer.
+
+The engine asks for the distinct experts of one layer at once; the store answers from RAM what it
+can and fetches the rest concurrently, each from the first byte source that has it. Sources are
+an ordered list of `ByteSource`s, so a peers tier slots in between the disk and the Hub without
+the engine noticing. Bytes that came from further away are written to the disk cache, and every
+use is counted by the tier that answered it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+from node.errors import DownloadError
+from node.expert_codec import ExpertCodec, ExpertWeights
+from node.expert_index import ExpertIndex, ExpertLocation
+
+logger = logging.getLogger(__name__)
+
+ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, commit)
+SOURCES = ("ram", "disk", "peer", "hub")
+DEFAULT_FETCH_CONCURRENCY = 8
+
+
+class ByteSource(Protocol):
+    """Somewhere an expert's upstream bytes can come from."""
+
+    name: str  # the `source` it is counted as: disk | peer | hub
+
+    def fetch(self, loc: ExpertLocation) -> bytes | None:
+        """The expert's blob (its byte ranges concatenated), or None if this source lacks it."""
+
+
+class ByteSink(Protocol):
+    def put(self, loc: ExpertLocation, blob: bytes) -> None:
+        """Keep a copy; failing to keep one is not an error for the caller."""
+
+
+@dataclass
+class StoreStats:
+    """Expert uses and upstream bytes by source; thread-safe, cumulative."""
+
+    uses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    fetch_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, source: str, nbytes: int, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.uses[source] += 1
+            self.bytes[source] += nbytes
+            self.fetch_seconds[source] += seconds
+
+    def snapshot(self) -> "StoreStats":
+        with self._lock:
+            return StoreStats(dict(self.uses), dict(self.bytes), dict(self.fetch_seconds))
+
+    def since(self, before: "StoreStats") -> "StoreStats":
+        now = self.snapshot()
+        return StoreStats({k: now.uses[k] - before.uses[k] for k in SOURCES},
+                          {k: now.bytes[k] - before.bytes[k] for k in SOURCES},
+                          {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES})  # fmt: skip
+
+    @property
+    def total_uses(self) -> int:
+        return sum(self.uses.values())
+
+
+class RamCache:
+    """Decoded experts within a byte budget, least recently used out first.
+
+    The experts a layer is using stay alive through the caller's references even when the
+    budget is smaller than one layer, so a tiny budget costs refetches, never wrong answers.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._items: OrderedDict[ExpertKey, ExpertWeights] = OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.evictions = 0
+
+    def get(self, key: ExpertKey) -> ExpertWeights | None:
+        with self._lock:
+            weights = self._items.get(key)
+            if weights is not None:
+                self._items.move_to_end(key)
+            return weights
+
+    def put(self, key: ExpertKey, weights: ExpertWeights) -> None:
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = weights
+            self.nbytes += weights.nbytes
+            while self.nbytes > self.budget_bytes and self._items:
+                _, old = self._items.popitem(last=False)
+                self.nbytes -= old.nbytes
+                self.evictions += 1
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: ExpertKey) -> bool:
+        return key in self._items
+
+
+class HubSource:
+    """Expert bytes by range requests to the upstream shards, strict 206 or an error."""
+
+    name = "hub"
+
+    def __init__(self, index: ExpertIndex, reader=None):
+        from node.hub_client import RangeReader
+
+        self.index = index
+        self.reader = reader or RangeReader()
+
+    def fetch(self, loc: ExpertLocation) -> bytes:
+        from node.hub_client import RemoteFile
+
+        parts = []
+        for r in loc.ranges:
+            data = self.reader.read(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end)
+            if len(data) != r.nbytes:
+                raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {len(data)}")
+            parts.append(data)
+        return b"".join(parts)
+
+
+class ExpertStore:
+    """Experts of one pinned model, from the nearest tier that has them.
+
+    Args:
+        index: where every expert lives upstream.
+        codec: turns blobs into kernel arrays.
+        ram: the RAM tier.
+        sources: byte sources nearest first (disk, peers, Hub); the last must always answer.
+        sinks: where bytes from further away are kept (the disk cache).
+    """
+
+    def __init__(self, index: ExpertIndex, codec: ExpertCodec, ram: RamCache, sources: list[ByteSource],
+                 sinks: Iterable[ByteSink] = (), concurrency: int = DEFAULT_FETCH_CONCURRENCY):  # fmt: skip
+        self.index = index
+        self.codec = codec
+        self.ram = ram
+        self.sources = sources
+        self.sinks = list(sinks)
+        self.stats = StoreStats()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="expert-fetch")
+        self._inflight: dict[ExpertKey, Future] = {}
+        self._lock = threading.Lock()
+
+    def get_layer(self, layer: int, experts: Iterable[int]) -> dict[int, ExpertWeights]:
+        """The given experts of `layer`, fetching the ones not in RAM concurrently."""
+        out: dict[int, ExpertWeights] = {}
+        waiting: dict[int, Future] = {}
+        for e in experts:
+            e = int(e)
+            weights = self.ram.get((layer, e))
+            if weights is not None:
+                out[e] = weights
+                self.stats.record("ram", self.index.expert(layer, e).nbytes)
+            else:
+                waiting[e] = self._fetch_once((layer, e))
+        for e, fut in waiting.items():
+            out[e] = fut.result()
+        return out
+
+    def _fetch_once(self, key: ExpertKey) -> Future:
+        """Single flight: concurrent requests for one expert share one fetch."""
+        with self._lock:
+            fut = self._inflight.get(key)
+            if fut is None:
+                fut = self._pool.submit(self._fetch, key)
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda _f, k=key: self._done(k))
+            return fut
+
+    def _done(self, key: ExpertKey) -> None:
+        with self._lock:
+            self._inflight.pop(key, None)
+
+    def _fetch(self, key: ExpertKey) -> ExpertWeights:
+        loc = self.index.expert(*key)
+        for source in self.sources:
+            t0 = time.perf_counter()
+            blob = source.fetch(loc)
+            if blob is None:
+                continue
+            if len(blob) != loc.nbytes:  # a source must never hand over a partial expert
+                raise DownloadError(f"{source.name} gave {len(blob)} bytes for expert {key}, expected {loc.nbytes}")
+            weights = self.codec.decode(loc, blob)
+            self.stats.record(source.name, loc.nbytes, time.perf_counter() - t0)
+            if source.name != "disk":
+                for sink in self.sinks:
+                    sink.put(loc, blob)
+            self.ram.put(key, weights)
+            return weights
+        raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has it")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,112 @@
+"""A pulled model ready to generate: core in memory, experts behind the store's tiers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from node import constants, local_models
+from node.disk_cache import DiskCache, cache_dir
+from node.expert_codec import ExpertCodec
+from node.expert_index import INDEX_FILENAME, ExpertIndex
+from node.expert_store import ByteSource, ExpertStore, HubSource, RamCache
+from node.sizes import parse_budget
+
+
+@dataclass
+class StoreConfig:
+    """Budgets and fetch settings of the expert store; sizes or percentages as on the CLI."""
+
+    ram_budget: str = constants.DEFAULT_RAM_BUDGET
+    disk_budget: str = constants.DEFAULT_DISK_BUDGET
+    fetch_concurrency: int = constants.EXPERT_FETCH_CONCURRENCY
+
+
+@dataclass
+class StreamedModel:
+    repo_id: str
+    commit: str
+    path: Path
+    model: nn.Module
+    tokenizer: object  # mlx-lm's TokenizerWrapper
+    config: dict
+    index: ExpertIndex
+    store: ExpertStore
+    disk: DiskCache
+    core_bytes: int
+
+    @property
+    def max_context(self) -> int | None:
+        cfg = self.config.get("text_config", self.config)
+        return cfg.get("max_position_embeddings") or self.config.get("max_position_embeddings")
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * 1024**3
+
+
+def resolve_budgets(cfg: StoreConfig, core_bytes: int, cache_root: Path) -> tuple[int, int]:
+    """(RAM bytes, disk bytes): percentages of memory left after the core and of free disk."""
+    ram = max(constants.MIN_RAM_BUDGET_BYTES if cfg.ram_budget == constants.DEFAULT_RAM_BUDGET else 0,
+              parse_budget(cfg.ram_budget, max(0, _physical_memory() - core_bytes)))  # fmt: skip
+    cache_root.mkdir(parents=True, exist_ok=True)
+    disk = parse_budget(cfg.disk_budget, shutil.disk_usage(cache_root).free)
+    return ram, disk
+
+
+def open_model(repo_id: str, revision: str | None = None, home: Path | None = None,
+               store_config: StoreConfig | None = None, hub_reader=None,
+               extra_sources: list[ByteSource] | None = None) -> StreamedModel:  # fmt: skip
+    """Load a pulled model's core and tokenizer and wire its expert store.
+
+    Raises:
+        NotPulledError: the core is not here (the message says which command pulls it).
+        UnsupportedModelError: mlx-lm lacks the architecture or it has no streamable experts.
+    """
+    from mlx_lm.utils import load_tokenizer
+
+    from node.engine import load_core_model
+
+    home = home or constants.expertmesh_home()
+    cfg = store_config or StoreConfig()
+    path = local_models.find_pulled(home, repo_id, revision)
+    marker = local_models.read_marker(path)
+    index = ExpertIndex.load(path / INDEX_FILENAME)
+    model, config, blocks = load_core_model(path)
+
+    dense_dtype = None
+    if not mx.metal.is_available() and _has_dense_experts(index):
+        dense_dtype = mx.float32  # MLX's CPU gather_mm computes in float32 only
+        model.set_dtype(mx.float32)
+    codec = ExpertCodec(config.get("quantization"), {b.layer: b.path for b in blocks},
+                        {b.layer: b.input_dims for b in blocks}, dense_dtype)  # fmt: skip
+    missing = sorted(set(index.moe_layers) - {b.layer for b in blocks})
+    if missing:
+        raise ValueError(f"{repo_id}: the index has experts for layers {missing} that the model does not route")
+
+    root = cache_dir(home, repo_id, index.commit)
+    ram_bytes, disk_bytes = resolve_budgets(cfg, marker.get("core_bytes", index.core_bytes), root)
+    disk = DiskCache(root, index, disk_bytes)
+    sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader)]
+    store = ExpertStore(index, codec, RamCache(ram_bytes), sources, sinks=[disk], concurrency=cfg.fetch_concurrency)
+    for b in blocks:
+        b.bind(store)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return StreamedModel(repo_id, index.commit, path, model, tokenizer, config, index, store, disk,
+                         marker.get("core_bytes", index.core_bytes))  # fmt: skip
+
+
+def _has_dense_experts(index: ExpertIndex) -> bool:
+    loc = next(iter(index.experts.values()))
+    return not any(t.name.endswith((".scales", ".weight_scale", ".weight_packed")) for t in loc.tensors)
