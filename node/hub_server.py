@@ -191,6 +191,7 @@ class HubServer:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go in separate writes: Nagle would stall each response ~40 ms
     hub: HubServer
 
     def log_message(self, format: str, *args) -> None:  # quiet: tests and demos read stdout
