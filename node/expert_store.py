@@ -123,14 +123,18 @@ class HubSource:
         self.reader = reader or RangeReader()
 
     def fetch(self, loc: ExpertLocation) -> bytes:
-        from node.hub_client import RemoteFile
+        from node.hub_client import RemoteFile, endpoint
 
         parts = []
-        for r in loc.ranges:
-            data = self.reader.read(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end)
-            if len(data) != r.nbytes:
-                raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {len(data)}")
-            parts.append(data)
+        try:
+            for r in loc.ranges:
+                data = self.reader.read(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end)
+                if len(data) != r.nbytes:
+                    raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {len(data)}")
+                parts.append(data)
+        except DownloadError as e:
+            raise DownloadError(f"expert {loc.expert} of layer {loc.layer} from the Hub at {endpoint()}: {e}; "
+                                "what was fetched is cached, so running again continues") from None  # fmt: skip
         return b"".join(parts)
 
 
@@ -178,14 +182,18 @@ class ExpertStore:
         with self._lock:
             fut = self._inflight.get(key)
             if fut is None:
-                fut = self._pool.submit(self._fetch, key)
+                fut = self._pool.submit(self._fetch_and_forget, key)
                 self._inflight[key] = fut
-                fut.add_done_callback(lambda _f, k=key: self._done(k))
             return fut
 
-    def _done(self, key: ExpertKey) -> None:
-        with self._lock:
-            self._inflight.pop(key, None)
+    def _fetch_and_forget(self, key: ExpertKey) -> ExpertWeights:
+        # Not a done-callback: one added to a finished future runs at once in the adding thread,
+        # which holds the lock then, and deadlocked. Here the lock also orders the pop after the insert.
+        try:
+            return self._fetch(key)
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
 
     def _fetch(self, key: ExpertKey) -> ExpertWeights:
         loc = self.index.expert(*key)
