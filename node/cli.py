@@ -52,11 +52,74 @@ def _cmd_hub(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_config(args: argparse.Namespace):
+    from node.streamed_model import StoreConfig
+
+    return StoreConfig(ram_budget=args.ram_budget, disk_budget=args.disk_budget)
+
+
+def _sampling(args: argparse.Namespace):
+    from node.generation import SamplingSettings
+
+    return SamplingSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed)
+
+
+def _describe(sm) -> str:
+    from node.sizes import format_size
+
+    return (f"{sm.repo_id} @ {sm.commit[:12]}: core {format_size(sm.core_bytes)} in memory; "
+            f"experts from RAM ({format_size(sm.store.ram.budget_bytes)}), "
+            f"disk cache ({format_size(sm.disk.budget_bytes)} at {sm.disk.root}), then the Hub")  # fmt: skip
+
+
+def _generate_once(sm, prompt: str, args: argparse.Namespace) -> None:
+    from node.generation import GenerationSummary, Generator
+    from node.terminal import StopFlag, ctrl_c_stops, print_summary, stream_text
+
+    tokens = sm.tokenizer.encode(prompt)
+    summary = GenerationSummary()
+    with ctrl_c_stops(StopFlag()) as flag:
+        stream_text(Generator(sm).generate(tokens, _sampling(args), flag, summary), summary)
+    print_summary(summary)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from node.streamed_model import open_model
+
+    sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
+    try:
+        print(_describe(sm), file=sys.stderr)
+        _generate_once(sm, args.prompt, args)
+    finally:
+        sm.close()
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from node.chat import ChatSession
+    from node.generation import Generator
+    from node.streamed_model import open_model
+    from node.terminal import chat_loop
+
+    sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
+    try:
+        print(_describe(sm), file=sys.stderr)
+        print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
+        session = ChatSession(Generator(sm), system_prompt=args.system)
+        settings = _sampling(args)
+        chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary))
+    finally:
+        sm.close()
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """Make (or reuse) the demo model, serve it from a local Hub inside this process, pull it."""
+    """Make (or reuse) the demo model, serve it from a local Hub inside this process, pull it and
+    generate with experts fetched from that Hub on demand."""
     from node import hub_client
     from node.hub_server import HubServer
     from node.pull import pull
+    from node.streamed_model import open_model
     from node.tiny import make_tiny_model
 
     hub_dir = constants.expertmesh_home() / "demo" / "hub"
@@ -64,16 +127,54 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if not (repo_dir / "config.json").is_file():
         print(f"making the demo model {DEMO_REPO} in {repo_dir}")
         make_tiny_model(repo_dir, "kimi_k3", seed=0)
-    with HubServer(hub_dir, host="127.0.0.1", port=0) as hub:
-        print(f"serving it with a local Hub at {hub.url}")
-        with hub_client.using_endpoint(hub.url):
-            result = pull(DEMO_REPO, progress=not args.no_progress)
+    with HubServer(hub_dir, host="127.0.0.1", port=0) as hub, hub_client.using_endpoint(hub.url):
+        print(f"1. serving it with a local Hub at {hub.url}")
+        print("2. pulling the core (never the experts)")
+        result = pull(DEMO_REPO, progress=not args.no_progress)
         _print_pull(result)
-        stats = hub.stats()
-    served = stats.get("bytes_served", 0)
-    print(f"  the Hub served {format_size(served)} in {stats.get('requests', 0)} requests "
-          f"(core {format_size(result.fetched_bytes)}, the rest headers, config and tokenizer)")  # fmt: skip
+        pulled = hub.stats()
+        print(f"   the Hub served {format_size(pulled.get('bytes_served', 0))} in {pulled.get('requests', 0)} "
+              f"requests (core {format_size(result.fetched_bytes)}, the rest headers, config and tokenizer)")  # fmt: skip
+        sm = open_model(DEMO_REPO, store_config=_store_config(args))
+        try:
+            print(f"3. generating: {_describe(sm)}")
+            print(f"   prompt: {args.prompt!r}")
+            sys.stdout.flush()
+            _generate_once(sm, args.prompt, args)
+        finally:
+            sm.close()
+        served = hub.stats().get("bytes_served", 0) - pulled.get("bytes_served", 0)
+    if served:
+        print(f"   the Hub served {format_size(served)} of experts during generation; run `expertmesh demo` "
+              "again and they come from the disk cache")  # fmt: skip
+    else:
+        print("   the Hub served no experts: every one came from this machine's caches")
     return 0
+
+
+def _budget(text: str) -> str:
+    from node.sizes import parse_budget
+
+    try:
+        parse_budget(text, 1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", help="branch, tag or commit sha (default: what was pulled from main)")
+    p.add_argument("--ram-budget", type=_budget, default=constants.DEFAULT_RAM_BUDGET,
+                   help="RAM for experts: a size (8GB) or a %% of the memory the core leaves (default %(default)s)")  # fmt: skip
+    p.add_argument("--disk-budget", type=_budget, default=constants.DEFAULT_DISK_BUDGET,
+                   help="disk for cached experts: a size or a %% of free space (default %(default)s)")
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,14 +207,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_knob_arguments(p)
     p.set_defaults(func=_cmd_hub)
 
+    p = sub.add_parser("run", help="generate text from a prompt on a pulled model")
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("prompt", help="the prompt (raw text, no chat template)")
+    _add_model_arguments(p)
+    _add_sampling_arguments(p)
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("chat", help="chat with a pulled model (its chat template, multi-turn)")
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("--system", help="system prompt")
+    _add_model_arguments(p)
+    _add_sampling_arguments(p, max_tokens=512)
+    p.set_defaults(func=_cmd_chat)
+
     p = sub.add_parser("demo", help="the whole path on a built-in tiny model, no internet needed")
+    p.add_argument("--prompt", default="Once upon a time", help="what to generate from")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_arguments(p)
+    _add_sampling_arguments(p, max_tokens=32)
     p.set_defaults(func=_cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # transformers (under mlx-lm's tokenizer) warns that it does not know our model types; it need not
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     from huggingface_hub.utils import disable_progress_bars
 

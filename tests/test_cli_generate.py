@@ -1,0 +1,145 @@
+"""`expertmesh run`, `chat` and `demo` as a user runs them: real processes against a real local Hub."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from node import hub_client
+from node.hub_server import HubServer
+from node.pull import pull
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+CLI = [sys.executable, "-m", "node.cli"]
+
+
+@pytest.fixture(scope="module")
+def hub(hub_root: Path):
+    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+        yield server
+
+
+@pytest.fixture(scope="module")
+def home(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("home")
+    pull(REPO_ID, home=home, progress=False)
+    return home
+
+
+def _env(home: Path, hub: HubServer | None = None) -> dict[str, str]:
+    env = {**os.environ, "EXPERTMESH_HOME": str(home), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    if hub is not None:
+        env["HF_ENDPOINT"] = hub.url
+    return env
+
+
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def _uses(stderr: str, source: str) -> int:
+    """Expert uses of `source` from the summary line `expert uses by source: ram 3 (..), hub 2 (..)`."""
+    line = next(ln for ln in stderr.splitlines() if "expert uses by source" in ln)
+    for part in line.split(":", 1)[1].split(","):
+        words = part.split()
+        if words and words[0] == source:
+            return int(words[1])
+    return 0
+
+
+def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, home: Path, tiny_repos: dict[str, Path]) -> None:
+    import mlx_lm
+
+    prompt = "The cat sat on"
+    r = _run(["run", REPO_ID, prompt, "--max-tokens", "16"], _env(home, hub))
+    assert r.returncode == 0, r.stderr
+    model, tokenizer = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+    expected = mlx_lm.generate(model, tokenizer, prompt, max_tokens=16)
+    assert r.stdout == expected + "\n"  # stdout holds the generated text and nothing else
+    assert "16 tokens in" in r.stderr and "tokens/s" in r.stderr and "time to first token" in r.stderr
+    assert _uses(r.stderr, "hub") + _uses(r.stderr, "disk") > 0
+
+
+def test_run_with_a_seed_is_reproducible(hub: HubServer, home: Path) -> None:
+    args = ["run", REPO_ID, "Once", "--max-tokens", "24", "--temp", "1.0", "--top-p", "0.95"]
+    a = _run([*args, "--seed", "3"], _env(home, hub))
+    b = _run([*args, "--seed", "3"], _env(home, hub))
+    c = _run([*args, "--seed", "4"], _env(home, hub))
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + c.stderr
+    assert a.stdout == b.stdout
+    assert a.stdout != c.stdout  # 24 tokens sampled from a random tiny model: a collision is implausible
+
+
+def test_run_on_a_model_not_pulled_says_how_to_pull_it(tmp_path: Path) -> None:
+    r = _run(["run", "someone/not-here", "hi"], _env(tmp_path))
+    assert r.returncode != 0
+    assert "expertmesh pull someone/not-here" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_rejects_a_bad_budget(home: Path) -> None:
+    r = _run(["run", REPO_ID, "hi", "--ram-budget", "lots"], _env(home))
+    assert r.returncode == 2 and "--ram-budget" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None:
+    r = subprocess.run([*CLI, "chat", REPO_ID, "--max-tokens", "8"], env=_env(home, hub), input="Hi\nAnd then?\n",
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("tokens in ") == 2  # one summary per reply
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(hub: HubServer, home: Path) -> None:
+    """A real SIGINT in the middle of a real reply: the reply stops, the next turn continues the cache."""
+    from node.chat import ChatSession
+    from node.generation import Generator, SamplingSettings
+    from node.streamed_model import open_model
+    from node.terminal import chat_loop
+
+    sm = open_model(REPO_ID, home=home)
+    try:
+        session = ChatSession(Generator(sm))
+        summaries = []
+
+        def reply(text, stop, summary):
+            summaries.append(summary)
+            for n, tok in enumerate(session.reply(text, SamplingSettings(max_tokens=100), stop, summary)):
+                if n == 2 and len(summaries) == 1:
+                    os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C in the terminal sends
+                yield tok
+
+        lines = ["Tell me a story", "And then?"]
+
+        def read_line(_prompt: str) -> str:
+            if not lines:
+                raise EOFError  # what Ctrl-D at the prompt gives
+            return lines.pop(0)
+
+        turns = chat_loop(reply, read_line=read_line, show_summary=False)
+    finally:
+        sm.close()
+    assert turns == 2
+    assert summaries[0].stop_reason == "interrupted" and summaries[0].generated_tokens == 3
+    assert summaries[1].generated_tokens > 0 and session.rebuilds == 0  # the same cache went on
+    assert len(session.messages) == 4  # both turns kept, the stopped reply as far as it got
+
+
+def _generated(stdout: str) -> str:
+    lines = stdout.splitlines()
+    return lines[next(i for i, ln in enumerate(lines) if "prompt:" in ln) + 1]
+
+
+def test_demo_generates_then_serves_experts_from_its_caches(tmp_path: Path) -> None:
+    first = _run(["demo", "--no-progress", "--max-tokens", "12"], _env(tmp_path))
+    assert first.returncode == 0, first.stderr
+    assert "pulled expertmesh/tiny-kimi-k3" in first.stdout and "12 tokens in" in first.stderr
+    assert _uses(first.stderr, "hub") > 0
+    second = _run(["demo", "--no-progress", "--max-tokens", "12"], _env(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert "already pulled" in second.stdout
+    assert _uses(second.stderr, "hub") == 0 and _uses(second.stderr, "disk") > 0
+    assert _generated(first.stdout) and _generated(first.stdout) == _generated(second.stdout)
