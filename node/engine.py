@@ -8,10 +8,11 @@ quantisation and strict weight loading run unchanged on the core. Anything mlx-l
 a `SwitchGLU` therefore streams, not just the fixtures.
 
 How expert weights reach the kernel: at a MoE layer the block evaluates the routing (one
-synchronisation per layer), asks the store for the layer's distinct experts in one call, and
-runs each expert's rows through `gather_qmm`/`gather_mm` with that expert's own arrays from the
-RAM tier (`w[None]` is a view), so a token copies no resident expert; the only per-token copies
-are the routed activation rows (k rows of the expert width per token) and the outputs.
+synchronisation per layer), asks the store for the layer's distinct experts in one call, gathers
+the activation rows once so each expert's rows are contiguous, and runs them through
+`quantized_matmul` (or a plain matmul for BF16 experts) with that expert's own arrays from the RAM
+tier. A token therefore copies no resident expert; the only per-token copies are the routed
+activation rows (k rows of the model width per token) and the outputs.
 """
 
 from __future__ import annotations
@@ -54,33 +55,27 @@ class StreamingSwitchGLU(nn.Module):
         order = np.argsort(flat, kind="stable")
         experts, starts = np.unique(flat[order], return_index=True)
         weights = store.get_layer(self.layer, experts.tolist())
-        x_rows = x.reshape(-1, x.shape[-1])
-        ends = list(starts[1:]) + [len(order)]
-        outputs = []
-        for e, start, end in zip(experts.tolist(), starts.tolist(), ends):
-            rows = mx.array(order[start:end] // k)
-            outputs.append(_expert_forward(weights[e], self.activation, x_rows[rows][:, None, :]))
+        x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
+        ends = [*starts[1:].tolist(), len(order)]
+        outputs = [_expert_forward(weights[e], self.activation, x_rows[start:end])
+                   for e, start, end in zip(experts.tolist(), starts.tolist(), ends)]  # fmt: skip
         y = mx.concatenate(outputs, axis=0)[mx.array(np.argsort(order))]
         return y.reshape(*indices.shape, y.shape[-1])
 
 
 def _expert_forward(w: ExpertWeights, activation, x: mx.array) -> mx.array:
-    """(n, 1, in) rows through one expert -> (n, out); the same kernels as mlx-lm's SwitchGLU."""
-    idx = mx.zeros((x.shape[0],), dtype=mx.uint32)
-    up = _project(w.up_proj, x, idx)
-    gate = _project(w.gate_proj, x, idx)
-    return _project(w.down_proj, activation(up, gate), idx).squeeze(-2)
+    """(n, in) rows through one expert -> (n, out), with the kernels of mlx-lm's quantized layers."""
+    return _project(w.down_proj, activation(_project(w.up_proj, x), _project(w.gate_proj, x)))
 
 
-def _project(p: ProjectionWeights, x: mx.array, idx: mx.array) -> mx.array:
+def _project(p: ProjectionWeights, x: mx.array) -> mx.array:
     if p.quant is not None:
-        y = mx.gather_qmm(x, p.weight[None], p.scales[None], None if p.biases is None else p.biases[None],
-                          rhs_indices=idx, transpose=True, group_size=p.quant.group_size, bits=p.quant.bits,
-                          mode=p.quant.mode)  # fmt: skip
+        y = mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True, group_size=p.quant.group_size,
+                                bits=p.quant.bits, mode=p.quant.mode)  # fmt: skip
     else:
-        y = mx.gather_mm(x, p.weight[None].swapaxes(-1, -2), rhs_indices=idx)
+        y = x @ p.weight.T
     if p.bias is not None:
-        y = y + p.bias[None]
+        y = y + p.bias
     return y
 
 
