@@ -3,8 +3,10 @@
 Layout: `$EXPERTMESH_HOME/experts/{ns}--{name}/{commit}/{layer}/{expert}.bin` holding the
 expert's upstream bytes (its ranges concatenated). A file is written under a temporary name and
 renamed into place, so a crash leaves either the whole expert or debris that start-up deletes;
-a file whose size is not the expert's size is never served. Least recently used files go first
-when the budget is reached.
+a file whose size is not the expert's size, or that has no recorded sha256, is never served (the
+store checks the digest of every file it reads). Least recently used files go first when the
+budget is reached. Reads are positional reads into a preallocated buffer (`os.preadv`), which
+release the interpreter lock, so the fetch threads read in parallel.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from node import local_models
+from node.expert_digests import DigestBook
 from node.expert_index import ExpertIndex, ExpertLocation
 
 logger = logging.getLogger(__name__)
@@ -31,9 +34,10 @@ def cache_dir(home: Path, repo_id: str, commit: str) -> Path:
 class DiskCache:
     name = "disk"
 
-    def __init__(self, root: Path, index: ExpertIndex, budget_bytes: int):
+    def __init__(self, root: Path, index: ExpertIndex, budget_bytes: int, digests: DigestBook):
         self.root = root
         self.index = index
+        self.digests = digests
         self.budget_bytes = budget_bytes
         self._files: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> size, LRU first
         self._lock = threading.Lock()
@@ -46,7 +50,7 @@ class DiskCache:
         return self.root / str(layer) / f"{expert}.bin"
 
     def _recover(self) -> None:
-        """Delete debris of interrupted writes and files of the wrong size; list the rest."""
+        """Delete debris of interrupted writes, files of the wrong size or without a digest; list the rest."""
         self.root.mkdir(parents=True, exist_ok=True)
         found = []
         for path in self.root.glob("*/*"):
@@ -56,7 +60,8 @@ class DiskCache:
                     continue
                 key = (int(path.parent.name), int(path.stem))
                 st = path.stat()
-                if key not in self.index.experts or st.st_size != self.index.expert(*key).nbytes:
+                if (key not in self.index.experts or st.st_size != self.index.expert(*key).nbytes
+                        or not self.digests.persisted(key)):  # fmt: skip
                     path.unlink()
                     continue
                 found.append((st.st_mtime, key, st.st_size))
@@ -73,26 +78,30 @@ class DiskCache:
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._files
 
-    def fetch(self, loc: ExpertLocation) -> bytes | None:
+    def fetch(self, loc: ExpertLocation) -> bytearray | None:
         key = (loc.layer, loc.expert)
         with self._lock:
             if key not in self._files:
                 return None
             self._files.move_to_end(key)
+        blob = bytearray(loc.nbytes)
         try:
-            with open(self._path(*key), "rb") as f:
-                blob = f.read()
+            got = _pread_into(self._path(*key), blob)
         except FileNotFoundError:
-            blob = b""
-        if len(blob) != loc.nbytes:
+            got = -1
+        if got != loc.nbytes:
             self._forget(key)
             return None
         return blob
 
+    def discard(self, loc: ExpertLocation) -> None:
+        """Delete a copy that failed its check."""
+        self._forget((loc.layer, loc.expert))
+
     def put(self, loc: ExpertLocation, blob: bytes) -> None:
         key = (loc.layer, loc.expert)
         size = len(blob)
-        if size > self.budget_bytes:
+        if size > self.budget_bytes or not self.digests.persisted(key):
             return
         with self._lock:
             if key in self._files:
@@ -124,3 +133,21 @@ class DiskCache:
             if size is not None:
                 self.nbytes -= size
         self._path(*key).unlink(missing_ok=True)
+
+
+def _pread_into(path: Path, buf: bytearray) -> int:
+    """Fill `buf` from the start of `path`; returns the bytes read (less than asked: too short)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = memoryview(buf)
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:
+                break
+            done += n
+        if done == len(buf) and os.pread(fd, 1, done):  # longer than the expert: not ours
+            return -1
+        return done
+    finally:
+        os.close(fd)

@@ -19,6 +19,7 @@ from typing import Iterable, Protocol
 
 from node.errors import DownloadError
 from node.expert_codec import ExpertCodec, ExpertWeights
+from node.expert_digests import DigestBook, sha256
 from node.expert_index import ExpertIndex, ExpertLocation
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,12 @@ class StoreStats:
     uses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     fetch_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))
+    integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_integrity_failure(self, source: str) -> None:
+        with self._lock:
+            self.integrity_failures[source] += 1
 
     def record(self, source: str, nbytes: int, seconds: float = 0.0) -> None:
         with self._lock:
@@ -59,13 +65,14 @@ class StoreStats:
 
     def snapshot(self) -> "StoreStats":
         with self._lock:
-            return StoreStats(dict(self.uses), dict(self.bytes), dict(self.fetch_seconds))
+            return StoreStats(dict(self.uses), dict(self.bytes), dict(self.fetch_seconds), dict(self.integrity_failures))
 
     def since(self, before: "StoreStats") -> "StoreStats":
         now = self.snapshot()
         return StoreStats({k: now.uses[k] - before.uses[k] for k in SOURCES},
                           {k: now.bytes[k] - before.bytes[k] for k in SOURCES},
-                          {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES})  # fmt: skip
+                          {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES},
+                          {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES})  # fmt: skip
 
     @property
     def total_uses(self) -> int:
@@ -147,11 +154,14 @@ class ExpertStore:
         ram: the RAM tier.
         sources: byte sources nearest first (disk, peers, Hub); the last must always answer.
         sinks: where bytes from further away are kept (the disk cache).
+        digests: the sha256 of each expert, checked on every copy not from RAM (None: no checks).
     """
 
     def __init__(self, index: ExpertIndex, codec: ExpertCodec, ram: RamCache, sources: list[ByteSource],
-                 sinks: Iterable[ByteSink] = (), concurrency: int = DEFAULT_FETCH_CONCURRENCY):  # fmt: skip
+                 sinks: Iterable[ByteSink] = (), concurrency: int = DEFAULT_FETCH_CONCURRENCY,
+                 digests: DigestBook | None = None):  # fmt: skip
         self.index = index
+        self.digests = digests
         self.codec = codec
         self.ram = ram
         self.sources = sources
@@ -204,6 +214,8 @@ class ExpertStore:
                 continue
             if len(blob) != loc.nbytes:  # a source must never hand over a partial expert
                 raise DownloadError(f"{source.name} gave {len(blob)} bytes for expert {key}, expected {loc.nbytes}")
+            if not self._verify(key, source, blob):
+                continue
             weights = self.codec.decode(loc, blob)
             self.stats.record(source.name, loc.nbytes, time.perf_counter() - t0)
             if source.name != "disk":
@@ -211,7 +223,29 @@ class ExpertStore:
                     sink.put(loc, blob)
             self.ram.put(key, weights)
             return weights
-        raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has it")
+        raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
+
+    def _verify(self, key: ExpertKey, source: ByteSource, blob) -> bool:
+        """Check a copy against the digest recorded at first fetch, or record it if this is the first.
+
+        Only bytes that passed the Hub's (or a peer's) checks may become the reference; a disk copy
+        without a recorded digest is unverifiable and treated like a bad one.
+        """
+        if self.digests is None:
+            return True
+        digest = sha256(blob)
+        known = self.digests.get(key)
+        if known is None and source.name != "disk":
+            self.digests.record(key, digest)
+            return True
+        if digest == known:
+            return True
+        self.stats.record_integrity_failure(source.name)
+        logger.warning("expert %s from %s failed its sha256 check; discarding that copy", key, source.name)
+        discard = getattr(source, "discard", None)
+        if discard is not None:
+            discard(self.index.expert(*key))
+        return False
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from node import constants, local_models
 from node.disk_cache import DiskCache, cache_dir
 from node.expert_codec import ExpertCodec
+from node.expert_digests import DIGESTS_FILENAME, DigestBook
 from node.expert_index import INDEX_FILENAME, ExpertIndex
 from node.expert_store import ByteSource, ExpertStore, HubSource, RamCache
 from node.sizes import parse_budget
@@ -97,9 +98,11 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
 
     root = cache_dir(home, repo_id, index.commit)
     ram_bytes, disk_bytes = resolve_budgets(cfg, marker.get("core_bytes", index.core_bytes), root)
-    disk = DiskCache(root, index, disk_bytes)
+    digests = DigestBook(root / DIGESTS_FILENAME)
+    disk = DiskCache(root, index, disk_bytes, digests)
     sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader)]
-    store = ExpertStore(index, codec, RamCache(ram_bytes), sources, sinks=[disk], concurrency=cfg.fetch_concurrency)
+    store = ExpertStore(index, codec, RamCache(ram_bytes), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
+                        digests=digests)  # fmt: skip
     for b in blocks:
         b.bind(store)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
