@@ -68,7 +68,7 @@ def main() -> None:
         summary = GenerationSummary()
         cold = [t.id for t in gen.generate(ids, SamplingSettings(max_tokens=args.tokens), summary=summary)]
         hub_bytes = hub.stats().get("bytes_served", 0) - served_before
-        distinct = list(sm.store.ram._items)  # the budget holds them all: nothing was evicted
+        distinct = sm.store.ram.keys()  # the budget holds them all: nothing was evicted
         assert sm.store.ram.evictions == 0
         distinct_bytes = sum(sm.index.expert(layer, e).nbytes for layer, e in distinct)
 

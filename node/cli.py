@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from node import constants
+from node.cache_policies import DEFAULT_POLICY, POLICIES
 from node.errors import ExpertmeshError
 from node.sizes import format_size
 
@@ -55,7 +56,8 @@ def _cmd_hub(args: argparse.Namespace) -> int:
 def _store_config(args: argparse.Namespace):
     from node.streamed_model import StoreConfig
 
-    return StoreConfig(ram_budget=args.ram_budget, disk_budget=args.disk_budget)
+    return StoreConfig(ram_budget=args.ram_budget, disk_budget=args.disk_budget, ram_policy=args.ram_policy,
+                       trace_path=Path(args.trace) if args.trace else None)  # fmt: skip
 
 
 def _sampling(args: argparse.Namespace):
@@ -152,6 +154,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from node.routing_trace import read_trace, replay
+
+    try:
+        trace = read_trace(Path(args.trace))
+    except (OSError, ValueError) as e:
+        raise ExpertmeshError(str(e)) from None
+    slots = []
+    for b in args.budgets.split(","):
+        b = b.strip()
+        slots.append(round(trace.total_experts * float(b[:-1]) / 100) if b.endswith("%") else int(b))
+    accesses = len(trace.accesses())
+    print(f"{trace.repo} @ {trace.commit[:12]}: {trace.passes} passes, {accesses} expert uses, "
+          f"{trace.total_experts} experts in {len(trace.experts_per_layer)} MoE layers")  # fmt: skip
+    table = replay(trace, slots, args.policies.split(",") if args.policies else None)
+    print(f"{'RAM hit rate':<14}" + "".join(f"{n:>8} ({100 * n / trace.total_experts:.0f}%)" for n in slots))
+    for name, rates in table.items():
+        print(f"{name:<14}" + "".join(f"{rates[n]:>14.3f}" for n in slots))
+    return 0
+
+
 def _budget(text: str) -> str:
     from node.sizes import parse_budget
 
@@ -168,6 +191,9 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="RAM for experts: a size (8GB) or a %% of the memory the core leaves (default %(default)s)")  # fmt: skip
     p.add_argument("--disk-budget", type=_budget, default=constants.DEFAULT_DISK_BUDGET,
                    help="disk for cached experts: a size or a %% of free space (default %(default)s)")
+    p.add_argument("--ram-policy", choices=list(POLICIES), default=DEFAULT_POLICY,
+                   help="which experts RAM keeps (default %(default)s, chosen by `expertmesh replay` on traces)")
+    p.add_argument("--trace", metavar="FILE", help="record the routed experts of every layer and pass to FILE")
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -220,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(p)
     _add_sampling_arguments(p, max_tokens=512)
     p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("replay", help="hit rates of each RAM policy and of the offline optimum on a trace")
+    p.add_argument("trace", help="a file written by `run --trace`")
+    p.add_argument("--budgets", default="10%,25%,50%", help="experts RAM holds: counts or %% of all experts")
+    p.add_argument("--policies", help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
+    p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("demo", help="the whole path on a built-in tiny model, no internet needed")
     p.add_argument("--prompt", default="Once upon a time", help="what to generate from")

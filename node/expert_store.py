@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
+from node.cache_policies import DEFAULT_POLICY, make_policy
 from node.errors import DownloadError
 from node.expert_codec import ExpertCodec, ExpertWeights
 from node.expert_digests import DigestBook, sha256
@@ -80,15 +80,19 @@ class StoreStats:
 
 
 class RamCache:
-    """Decoded experts within a byte budget, least recently used out first.
+    """Decoded experts within a byte budget, kept by a replacement policy (node/cache_policies.py).
 
-    The experts a layer is using stay alive through the caller's references even when the
-    budget is smaller than one layer, so a tiny budget costs refetches, never wrong answers.
+    The budget becomes a number of slots of one decoded expert's size (a model's experts share
+    one size). The experts a layer is using stay alive through the caller's references even
+    when the budget is smaller than one layer, so a tiny budget costs refetches, never wrong answers.
     """
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, policy: str = DEFAULT_POLICY):
         self.budget_bytes = budget_bytes
-        self._items: OrderedDict[ExpertKey, ExpertWeights] = OrderedDict()
+        self.policy_name = policy
+        make_policy(policy, 0)  # an unknown name fails here, not at the first expert
+        self._policy = None  # made at the first put, once an expert's size is known
+        self._items: dict[ExpertKey, ExpertWeights] = {}
         self._lock = threading.Lock()
         self.nbytes = 0
         self.evictions = 0
@@ -97,19 +101,27 @@ class RamCache:
         with self._lock:
             weights = self._items.get(key)
             if weights is not None:
-                self._items.move_to_end(key)
+                self._policy.access(key)
             return weights
 
     def put(self, key: ExpertKey, weights: ExpertWeights) -> None:
         with self._lock:
             if key in self._items:
                 return
+            if self._policy is None:
+                self._policy = make_policy(self.policy_name, self.budget_bytes // max(1, weights.nbytes))
+            _, evicted = self._policy.access(key)
             self._items[key] = weights
             self.nbytes += weights.nbytes
-            while self.nbytes > self.budget_bytes and self._items:
-                _, old = self._items.popitem(last=False)
-                self.nbytes -= old.nbytes
-                self.evictions += 1
+            for old in evicted:
+                gone = self._items.pop(old, None)
+                if gone is not None:
+                    self.nbytes -= gone.nbytes
+                    self.evictions += 1
+
+    def keys(self) -> list[ExpertKey]:
+        with self._lock:
+            return list(self._items)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -162,6 +174,7 @@ class ExpertStore:
                  digests: DigestBook | None = None):  # fmt: skip
         self.index = index
         self.digests = digests
+        self.trace = None  # a TraceWriter (node/routing_trace.py) records every call when set
         self.codec = codec
         self.ram = ram
         self.sources = sources
@@ -173,6 +186,9 @@ class ExpertStore:
 
     def get_layer(self, layer: int, experts: Iterable[int]) -> dict[int, ExpertWeights]:
         """The given experts of `layer`, fetching the ones not in RAM concurrently."""
+        experts = [int(e) for e in experts]
+        if self.trace is not None:
+            self.trace.record(layer, experts)
         out: dict[int, ExpertWeights] = {}
         waiting: dict[int, Future] = {}
         for e in experts:
@@ -249,3 +265,5 @@ class ExpertStore:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.trace is not None:
+            self.trace.close()

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from node import constants, local_models
+from node.cache_policies import DEFAULT_POLICY
 from node.disk_cache import DiskCache, cache_dir
 from node.expert_codec import ExpertCodec
 from node.expert_digests import DIGESTS_FILENAME, DigestBook
@@ -26,6 +27,8 @@ class StoreConfig:
     ram_budget: str = constants.DEFAULT_RAM_BUDGET
     disk_budget: str = constants.DEFAULT_DISK_BUDGET
     fetch_concurrency: int = constants.EXPERT_FETCH_CONCURRENCY
+    ram_policy: str = DEFAULT_POLICY  # see node/cache_policies.py and `expertmesh replay`
+    trace_path: Path | None = None  # record every layer's routed experts here (`--trace`)
 
 
 @dataclass
@@ -101,8 +104,12 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     digests = DigestBook(root / DIGESTS_FILENAME)
     disk = DiskCache(root, index, disk_bytes, digests)
     sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader)]
-    store = ExpertStore(index, codec, RamCache(ram_bytes), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
+    store = ExpertStore(index, codec, RamCache(ram_bytes, cfg.ram_policy), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
                         digests=digests)  # fmt: skip
+    if cfg.trace_path is not None:
+        from node.routing_trace import TraceWriter
+
+        store.trace = TraceWriter(cfg.trace_path, index)
     for b in blocks:
         b.bind(store)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

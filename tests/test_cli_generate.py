@@ -143,3 +143,16 @@ def test_demo_generates_then_serves_experts_from_its_caches(tmp_path: Path) -> N
     assert "already pulled" in second.stdout
     assert _uses(second.stderr, "hub") == 0 and _uses(second.stderr, "disk") > 0
     assert _generated(first.stdout) and _generated(first.stdout) == _generated(second.stdout)
+
+
+def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, home: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    r = _run(["run", REPO_ID, "A trace of the routing", "--max-tokens", "10", "--trace", str(trace)], _env(home, hub))
+    assert r.returncode == 0, r.stderr
+    out = _run(["replay", str(trace), "--budgets", "25%,40"], _env(home))
+    assert out.returncode == 0, out.stderr
+    assert "11 passes" in out.stdout  # the prompt but its last token, then 10 single-token passes
+    rows = {ln.split()[0]: [float(x) for x in ln.split()[1:]] for ln in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"lru", "lfu", "arc", "belady"}
+    assert all(0 <= v <= rows["belady"][i] + 1e-9 for name, vals in rows.items() for i, v in enumerate(vals))
+    assert _run(["replay", str(tmp_path / "missing.jsonl")], _env(home)).stderr.startswith("error:")
