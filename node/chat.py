@@ -4,6 +4,12 @@ Each turn feeds only what is new: the chat template renders the whole conversati
 text after what the cache has already seen (the end of the last reply, the new user message,
 the assistant header) is tokenised and fed. If a template re-renders earlier turns differently,
 the cache is rebuilt from the full rendering: slower, never wrong.
+
+The cache holds the reply as the token ids that were sampled, not a re-tokenisation of its
+text (as mlx-lm's own chat does): the model continues from exactly what it produced. A fresh run
+on the rendered transcript can therefore see other tokens where BPE would merge the reply's
+text differently, which is why the tests compare a second turn with mlx-lm continuing its own
+cache over the same tokens.
 """
 
 from __future__ import annotations

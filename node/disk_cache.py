@@ -11,6 +11,7 @@ release the interpreter lock, so the fetch threads read in parallel.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -55,6 +56,9 @@ class DiskCache:
         found = []
         for path in self.root.glob("*/*"):
             try:
+                if path.is_dir():
+                    logger.warning("disk cache: ignoring the stray folder %s", path)
+                    continue
                 if path.name.endswith(TMP_SUFFIX) or not path.name.endswith(".bin"):
                     path.unlink()
                     continue
@@ -67,7 +71,8 @@ class DiskCache:
                 found.append((st.st_mtime, key, st.st_size))
             except (OSError, ValueError):
                 logger.warning("disk cache: removing unreadable entry %s", path)
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         for _, key, size in sorted(found):
             self._files[key] = size
             self.nbytes += size

@@ -129,7 +129,7 @@ def load_core_model(model_dir: Path) -> tuple[nn.Module, dict, list[StreamingSwi
     try:
         model, config = load_model(Path(model_dir), lazy=False, strict=True, get_model_classes=_streaming_classes)
     except ValueError as e:
-        if "not supported" in str(e) or "Model type" in str(e):
+        if "not supported" in str(e) or "Model type" in str(e) or "trust_remote_code" in str(e):
             raise UnsupportedModelError(str(e)) from None
         raise
     blocks = streaming_blocks(model)

@@ -115,8 +115,8 @@ class Generator:
             raise ValueError("nothing to generate from: the prompt has no tokens")
         limit = self.sm.max_context
         if limit is not None and len(self.history) + len(tokens) >= limit:
-            raise ContextLengthError(f"the prompt is {len(self.history) + len(tokens)} tokens; "
-                                     f"this model's context is {limit}")  # fmt: skip
+            raise ContextLengthError(f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
+                                     f"context is {limit}: it leaves no room for an answer; shorten it")  # fmt: skip
         summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
         sampler = make_sampler(settings.temp, settings.top_p)
