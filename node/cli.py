@@ -57,7 +57,7 @@ def _store_config(args: argparse.Namespace):
     from node.streamed_model import StoreConfig
 
     return StoreConfig(ram_budget=args.ram_budget, disk_budget=args.disk_budget, ram_policy=args.ram_policy,
-                       trace_path=Path(args.trace) if args.trace else None)  # fmt: skip
+                       trace_path=Path(args.trace) if args.trace else None, prefetch=not args.no_prefetch)  # fmt: skip
 
 
 def _sampling(args: argparse.Namespace):
@@ -194,6 +194,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram-policy", choices=list(POLICIES), default=DEFAULT_POLICY,
                    help="which experts RAM keeps (default %(default)s, chosen by `expertmesh replay` on traces)")
     p.add_argument("--trace", metavar="FILE", help="record the routed experts of every layer and pass to FILE")
+    p.add_argument("--no-prefetch", action="store_true", help="do not guess and fetch the next layer's experts")
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:

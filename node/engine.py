@@ -41,20 +41,42 @@ class StreamingSwitchGLU(nn.Module):
         self.path = path
         self.activation = original.activation
         self.input_dims = {p: getattr(original, p).input_dims for p in ("gate_proj", "up_proj", "down_proj")}
-        object.__setattr__(self, "_store", None)  # a plain attribute: not a parameter or child module
+        self.output_dims = original.down_proj.output_dims
+        # Plain attributes (object.__setattr__), not parameters or child modules:
+        self._set("_store", None)
+        self._set("_next", None)  # (next MoE layer's block, its parent MoE module), for guesses
+        self._set("_predicting", False)  # while True, a call only records its routing
+        self._set("_predicted", None)
+        self._set("_guess", None)  # the next layer's routing guessed from this layer's input
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
 
     def bind(self, store) -> None:
-        object.__setattr__(self, "_store", store)
+        self._set("_store", store)
+
+    def wants_guesses(self) -> bool:
+        return self._next is not None and self._store is not None and self._store.wants_guesses()
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._predicting:  # a guess of this layer's routing: no experts needed, output unused
+            self._set("_predicted", indices)
+            return mx.zeros((*indices.shape, self.output_dims), dtype=x.dtype)
         store = self._store
         if store is None:
             raise RuntimeError(f"expert block of layer {self.layer} has no expert store bound")
+        guess = self._guess
+        self._set("_guess", None)
+        if guess is not None:
+            mx.eval(indices, guess)  # the guess rides on the same sync as the routing
         k = indices.shape[-1]
         flat = np.array(indices.reshape(-1))  # evaluates the routing: the one sync per layer
         order = np.argsort(flat, kind="stable")
         experts, starts = np.unique(flat[order], return_index=True)
-        weights = store.get_layer(self.layer, experts.tolist())
+        next_guess = None
+        if guess is not None:
+            next_guess = (self._next[0].layer, np.unique(np.array(guess)).tolist())
+        weights = store.get_layer(self.layer, experts.tolist(), guess=next_guess)
         x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
         ends = [*starts[1:].tolist(), len(order)]
         outputs = [_expert_forward(weights[e], self.activation, x_rows[start:end])
@@ -104,6 +126,55 @@ def install_streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
     return sorted(blocks, key=lambda b: b.layer)
 
 
+_GUESSING_CLASSES: dict[type, type] = {}
+
+
+def _guessing_class(moe_class: type) -> type:
+    """`moe_class` whose call first runs the next MoE layer's router on this layer's input.
+
+    Any MoE module that routes and then calls its SwitchGLU works: the next layer's module is
+    called with its block in predicting mode, so only the router's part of that lazy graph is
+    ever evaluated (shared experts and the rest are never computed). The guess is the routing
+    that layer would choose for this hidden state, which is usually close to its real input.
+    """
+    if moe_class not in _GUESSING_CLASSES:
+
+        class Guessing(moe_class):
+            def __call__(self, x, *args, **kwargs):
+                block = self.__dict__.get("_expertmesh_block")
+                if block is not None and not block._predicting and block.wants_guesses():
+                    next_block, next_moe = block._next
+                    next_block._set("_predicting", True)
+                    try:
+                        next_moe(x, *args, **kwargs)
+                    finally:
+                        next_block._set("_predicting", False)
+                    block._set("_guess", next_block._predicted)
+                return super().__call__(x, *args, **kwargs)
+
+        Guessing.__name__ = Guessing.__qualname__ = f"Guessing{moe_class.__name__}"
+        _GUESSING_CLASSES[moe_class] = Guessing
+    return _GUESSING_CLASSES[moe_class]
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module:
+    node: object = root
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def link_next_layer_guesses(model: nn.Module, blocks: list[StreamingSwitchGLU]) -> None:
+    """Let each MoE module guess the next MoE layer's experts (see `_guessing_class`)."""
+    for block, nxt in zip(blocks, blocks[1:]):
+        moe, next_moe = (_module_at(model, b.path.rsplit(".", 1)[0]) for b in (block, nxt))
+        if not isinstance(moe, nn.Module) or not isinstance(next_moe, nn.Module):
+            continue
+        moe.__class__ = _guessing_class(type(moe))
+        object.__setattr__(moe, "_expertmesh_block", block)
+        block._set("_next", (nxt, next_moe))
+
+
 def streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
     return sorted((m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)), key=lambda b: b.layer)
 
@@ -133,6 +204,7 @@ def load_core_model(model_dir: Path) -> tuple[nn.Module, dict, list[StreamingSwi
             raise UnsupportedModelError(str(e)) from None
         raise
     blocks = streaming_blocks(model)
+    link_next_layer_guesses(model, blocks)
     if not blocks:
         raise UnsupportedModelError(
             f"{config.get('model_type')}: mlx-lm builds no SwitchGLU expert blocks for this model, so there is "

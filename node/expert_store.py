@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import itertools
+import queue
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
@@ -26,7 +28,15 @@ logger = logging.getLogger(__name__)
 
 ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, commit)
 SOURCES = ("ram", "disk", "peer", "hub")
+# issued: guesses fetched; used: demanded by the pass they were for; wasted: not demanded, dropped
+PREFETCH_OUTCOMES = ("issued", "used", "wasted")
+DEMAND, PREFETCH = 0, 1  # queue priorities: a guess never goes before a demanded expert
 DEFAULT_FETCH_CONCURRENCY = 8
+# Prefetch pauses for PREFETCH_PAUSE_CALLS layer calls when fewer than PREFETCH_MIN_ACCURACY of
+# the last PREFETCH_WINDOW guesses were used.
+PREFETCH_WINDOW = 64
+PREFETCH_MIN_ACCURACY = 0.25
+PREFETCH_PAUSE_CALLS = 512
 
 
 class ByteSource(Protocol):
@@ -51,7 +61,12 @@ class StoreStats:
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     fetch_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))
     integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_prefetch(self, outcome: str, n: int = 1) -> None:
+        with self._lock:
+            self.prefetch[outcome] += n
 
     def record_integrity_failure(self, source: str) -> None:
         with self._lock:
@@ -65,14 +80,16 @@ class StoreStats:
 
     def snapshot(self) -> "StoreStats":
         with self._lock:
-            return StoreStats(dict(self.uses), dict(self.bytes), dict(self.fetch_seconds), dict(self.integrity_failures))
+            return StoreStats(dict(self.uses), dict(self.bytes), dict(self.fetch_seconds), dict(self.integrity_failures),
+                              dict(self.prefetch))  # fmt: skip
 
     def since(self, before: "StoreStats") -> "StoreStats":
         now = self.snapshot()
         return StoreStats({k: now.uses[k] - before.uses[k] for k in SOURCES},
                           {k: now.bytes[k] - before.bytes[k] for k in SOURCES},
                           {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES},
-                          {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES})  # fmt: skip
+                          {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES},
+                          {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES})  # fmt: skip
 
     @property
     def total_uses(self) -> int:
@@ -157,8 +174,19 @@ class HubSource:
         return b"".join(parts)
 
 
+@dataclass
+class _Fetched:
+    weights: ExpertWeights
+    source: str
+    seconds: float
+
+
 class ExpertStore:
     """Experts of one pinned model, from the nearest tier that has them.
+
+    Demanded experts are fetched by a pool of workers from a priority queue; guesses for the
+    next layer (`prefetch`) wait behind every demand, take at most half the workers, and are
+    staged aside (not in the RAM policy) until the pass they were for demands or drops them.
 
     Args:
         index: where every expert lives upstream.
@@ -171,7 +199,7 @@ class ExpertStore:
 
     def __init__(self, index: ExpertIndex, codec: ExpertCodec, ram: RamCache, sources: list[ByteSource],
                  sinks: Iterable[ByteSink] = (), concurrency: int = DEFAULT_FETCH_CONCURRENCY,
-                 digests: DigestBook | None = None):  # fmt: skip
+                 digests: DigestBook | None = None, prefetch: bool = True):  # fmt: skip
         self.index = index
         self.digests = digests
         self.trace = None  # a TraceWriter (node/routing_trace.py) records every call when set
@@ -180,48 +208,156 @@ class ExpertStore:
         self.sources = sources
         self.sinks = list(sinks)
         self.stats = StoreStats()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="expert-fetch")
+        self.prefetch_enabled = prefetch
+        self._concurrency = max(1, concurrency)
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
         self._inflight: dict[ExpertKey, Future] = {}
+        self._started: set[ExpertKey] = set()
+        self._guessed: set[ExpertKey] = set()  # prefetched, not yet used or wasted
+        self._staged: dict[ExpertKey, _Fetched] = {}  # prefetched and arrived
+        self._queued_demands = 0
+        self._prefetching: set[ExpertKey] = set()  # guesses whose fetch has not finished
+        self._window = [0, 0]  # used, wasted since the last accuracy check
+        self._paused_calls = 0  # prefetch pauses for this many layer calls after poor guesses
         self._lock = threading.Lock()
+        self._workers = [threading.Thread(target=self._work, name=f"expert-fetch-{i}", daemon=True)
+                         for i in range(self._concurrency)]  # fmt: skip
+        for w in self._workers:
+            w.start()
 
-    def get_layer(self, layer: int, experts: Iterable[int]) -> dict[int, ExpertWeights]:
-        """The given experts of `layer`, fetching the ones not in RAM concurrently."""
+    # -- demand -------------------------------------------------------------------------------
+
+    def get_layer(self, layer: int, experts: Iterable[int],
+                  guess: tuple[int, Iterable[int]] | None = None) -> dict[int, ExpertWeights]:  # fmt: skip
+        """The given experts of `layer`, fetching the ones not in RAM concurrently.
+
+        `guess` = (next layer, its likely experts) is prefetched behind this layer's demands.
+        """
         experts = [int(e) for e in experts]
         if self.trace is not None:
             self.trace.record(layer, experts)
+        self._settle_guesses(layer, set(experts))
         out: dict[int, ExpertWeights] = {}
         waiting: dict[int, Future] = {}
         for e in experts:
-            e = int(e)
-            weights = self.ram.get((layer, e))
+            key = (layer, e)
+            weights = self.ram.get(key)
             if weights is not None:
                 out[e] = weights
                 self.stats.record("ram", self.index.expert(layer, e).nbytes)
+                continue
+            with self._lock:
+                staged = self._staged.pop(key, None)
+            if staged is not None:
+                out[e] = self._use(key, staged)
             else:
-                waiting[e] = self._fetch_once((layer, e))
+                waiting[e] = self._submit(key, DEMAND)
+        if guess is not None:
+            self.prefetch(*guess)
         for e, fut in waiting.items():
-            out[e] = fut.result()
+            out[e] = self._use((layer, e), fut.result())
         return out
 
-    def _fetch_once(self, key: ExpertKey) -> Future:
-        """Single flight: concurrent requests for one expert share one fetch."""
+    def _use(self, key: ExpertKey, fetched: _Fetched) -> ExpertWeights:
+        self.stats.record(fetched.source, self.index.expert(*key).nbytes, fetched.seconds)
+        self.ram.put(key, fetched.weights)
+        return fetched.weights
+
+    # -- guesses ------------------------------------------------------------------------------
+
+    def wants_guesses(self) -> bool:
+        """Whether guessing the next layer is worth its (small) compute right now."""
+        return self.prefetch_enabled and self._paused_calls == 0
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> None:
+        """Fetch likely experts of `layer` at low priority, if the link has room and guesses pay."""
+        if not self.prefetch_enabled or self._paused_calls > 0:
+            return
+        budget = max(1, self._concurrency // 2)
+        for e in experts:
+            key = (layer, int(e))
+            if key in self.ram:
+                continue
+            with self._lock:
+                if len(self._prefetching) >= budget or self._queued_demands + len(self._prefetching) >= self._concurrency:
+                    return  # the guesses' share of the workers is taken, or demands need every worker
+                if key in self._inflight or key in self._staged:
+                    continue
+                self._guessed.add(key)
+                self._prefetching.add(key)
+            self.stats.record_prefetch("issued")
+            self._submit(key, PREFETCH)
+
+    def _settle_guesses(self, layer: int, demanded: set[int]) -> None:
+        """This layer's pass is here: guesses for it were used or wasted."""
+        with self._lock:
+            if self._paused_calls:
+                self._paused_calls -= 1
+            mine = [k for k in self._guessed if k[0] == layer]
+            used = [k for k in mine if k[1] in demanded]
+            wasted = [k for k in mine if k[1] not in demanded]
+            for k in mine:
+                self._guessed.discard(k)
+            for k in wasted:
+                self._staged.pop(k, None)
+            self._window[0] += len(used)
+            self._window[1] += len(wasted)
+            if sum(self._window) >= PREFETCH_WINDOW:
+                if self._window[0] < PREFETCH_MIN_ACCURACY * sum(self._window):
+                    self._paused_calls = PREFETCH_PAUSE_CALLS  # poor guesses: stop, then try again
+                self._window = [0, 0]
+        if used:
+            self.stats.record_prefetch("used", len(used))
+        if wasted:
+            self.stats.record_prefetch("wasted", len(wasted))
+
+    # -- the fetch queue ----------------------------------------------------------------------
+
+    def _submit(self, key: ExpertKey, priority: int) -> Future:
+        """Single flight: one future per expert; a demand for a queued guess moves it up."""
         with self._lock:
             fut = self._inflight.get(key)
             if fut is None:
-                fut = self._pool.submit(self._fetch_and_forget, key)
+                fut = Future()
                 self._inflight[key] = fut
+            elif priority == PREFETCH or key in self._started:
+                return fut
+            if priority == DEMAND:
+                self._queued_demands += 1
+            self._queue.put((priority, next(self._seq), key))
             return fut
 
-    def _fetch_and_forget(self, key: ExpertKey) -> ExpertWeights:
-        # Not a done-callback: one added to a finished future runs at once in the adding thread,
-        # which holds the lock then, and deadlocked. Here the lock also orders the pop after the insert.
-        try:
-            return self._fetch(key)
-        finally:
+    def _work(self) -> None:
+        while True:
+            priority, _, key = self._queue.get()
+            if key is None:
+                return
+            with self._lock:
+                if priority == DEMAND:
+                    self._queued_demands -= 1
+                if key in self._started or key not in self._inflight:
+                    continue  # a duplicate entry of a guess that a demand moved up
+                self._started.add(key)
+                fut = self._inflight[key]
+            try:
+                fetched = self._fetch(key)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                fetched, error = None, e
+            else:
+                error = None
             with self._lock:
                 self._inflight.pop(key, None)
+                self._started.discard(key)
+                self._prefetching.discard(key)
+                if key in self._guessed and fetched is not None:
+                    self._staged[key] = fetched  # no demand has come for it yet
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(fetched)
 
-    def _fetch(self, key: ExpertKey) -> ExpertWeights:
+    def _fetch(self, key: ExpertKey) -> _Fetched:
         loc = self.index.expert(*key)
         for source in self.sources:
             t0 = time.perf_counter()
@@ -233,12 +369,10 @@ class ExpertStore:
             if not self._verify(key, source, blob):
                 continue
             weights = self.codec.decode(loc, blob)
-            self.stats.record(source.name, loc.nbytes, time.perf_counter() - t0)
             if source.name != "disk":
                 for sink in self.sinks:
                     sink.put(loc, blob)
-            self.ram.put(key, weights)
-            return weights
+            return _Fetched(weights, source.name, time.perf_counter() - t0)
         raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
 
     def _verify(self, key: ExpertKey, source: ByteSource, blob) -> bool:
@@ -264,6 +398,7 @@ class ExpertStore:
         return False
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._workers:
+            self._queue.put((-1, -1, None))  # before any queued fetch: workers stop at once
         if self.trace is not None:
             self.trace.close()

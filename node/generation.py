@@ -68,6 +68,10 @@ class GenerationSummary:
         parts = [f"{s} {self.experts.uses[s]} ({format_size(self.experts.bytes[s])})" for s in SOURCES
                  if self.experts.uses[s] or s in ("ram", "hub")]  # fmt: skip
         out.append(f"expert uses by source: {', '.join(parts)}; {self.experts.total_uses} in all")
+        pf = self.experts.prefetch
+        if pf["issued"]:
+            out.append(f"prefetched {pf['issued']} guesses of the next layer's experts: {pf['used']} used, "
+                       f"{pf['wasted']} wasted")  # fmt: skip
         return out
 
 

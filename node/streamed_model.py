@@ -29,6 +29,7 @@ class StoreConfig:
     fetch_concurrency: int = constants.EXPERT_FETCH_CONCURRENCY
     ram_policy: str = DEFAULT_POLICY  # see node/cache_policies.py and `expertmesh replay`
     trace_path: Path | None = None  # record every layer's routed experts here (`--trace`)
+    prefetch: bool = True  # guess the next layer's experts and fetch them behind the demands
 
 
 @dataclass
@@ -105,7 +106,7 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     disk = DiskCache(root, index, disk_bytes, digests)
     sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader)]
     store = ExpertStore(index, codec, RamCache(ram_bytes, cfg.ram_policy), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
-                        digests=digests)  # fmt: skip
+                        digests=digests, prefetch=cfg.prefetch)  # fmt: skip
     if cfg.trace_path is not None:
         from node.routing_trace import TraceWriter
 

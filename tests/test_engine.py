@@ -19,7 +19,6 @@ wrong expert for a few tokens by 0.23.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import mlx.core as mx
@@ -170,7 +169,8 @@ def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(arch: str, hu
             tokens, summary = _generate(cold, ids)
             assert tokens == exp, f"cold cache, prompt {p!r}"
             assert summary.stop_reason == "length" and summary.generated_tokens == MAX_TOKENS
-            assert summary.experts.uses["disk"] == 0  # nothing was on disk before this model fetched it
+            # nothing was on disk before this model fetched it, but a wasted guess's bytes wait there
+            assert summary.experts.uses["disk"] <= cold.store.stats.prefetch["wasted"]
             if n == 0:
                 assert summary.experts.uses["hub"] > 0
             full = mx.array(ids + tokens)[None]
@@ -179,7 +179,8 @@ def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(arch: str, hu
             diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
             print(f"{arch} {p!r}: max |logit diff| {diff:.3g} ({want.dtype}, tolerance {LOGIT_TOLERANCE[want.dtype]:.3g})")
             assert diff <= LOGIT_TOLERANCE[want.dtype], f"{arch} {p!r}: logits differ by {diff}"
-        assert cold.store.stats.uses["hub"] == len(cold.disk) > 0  # each Hub fetch was kept on disk
+        stats = cold.store.stats  # each Hub fetch, demanded or guessed, was kept on disk
+        assert 0 < stats.uses["hub"] <= len(cold.disk) <= stats.uses["hub"] + stats.prefetch["issued"]
     finally:
         cold.close()
 
@@ -348,39 +349,29 @@ def test_ctrl_c_inside_a_turn_rebuilds_the_next_one_correctly(models, oracle) ->
 # -- the expert store's single flight --------------------------------------------------------
 
 
-class _WorkerFirstPool:
-    """A real pool whose `submit` lets the fetch run to its end (or until it blocks, up to
-    `grace_s`) before returning: the scheduling of a fast disk read on a busy machine."""
-
-    def __init__(self, grace_s: float = 0.5):
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="worker-first")
-        self.grace_s = grace_s
-
-    def submit(self, fn, *args) -> Future:
-        fut = self._pool.submit(fn, *args)
-        wait([fut], timeout=self.grace_s)
-        return fut
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=cancel_futures)
-
-
-def test_a_fetch_that_finishes_before_submit_returns_does_not_deadlock(hub: HubServer, tmp_path: Path) -> None:
-    """Regression: single flight once added its done-callback under its non-reentrant lock;
-    a fetch already finished ran that callback at once, in the thread holding the lock, and
-    the store hung for ever (seen as intermittent hangs of warm-disk runs)."""
+def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path: Path) -> None:
+    """Single flight under contention: several threads asking for overlapping experts (as
+    concurrent requests on one node do) each get every expert, and the Hub sends each once.
+    Also the regression of a deadlock that once hung warm-disk runs one time in three."""
     pull(_repo_id("kimi_k3"), home=tmp_path, progress=False)
-    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store_config=StoreConfig(ram_budget="50%"))
-    sm.store._pool.shutdown()
-    sm.store._pool = _WorkerFirstPool()
+    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store_config=StoreConfig(ram_budget="50%", prefetch=False))
     try:
         layer = sm.index.moe_layers[0]
-        result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(sm.store.get_layer(layer, [0, 1])), daemon=True)
-        worker.start()
-        worker.join(10)  # a deadlocked daemon thread only holds this throw-away store's lock
-        assert not worker.is_alive(), "get_layer deadlocked on a fetch that finished before submit returned"
-        assert sorted(result) == [0, 1] and sm.store.stats.uses["hub"] == 2
+        served_before = hub.stats()["bytes_served"]
+        wanted = [list(range(i, i + 8)) for i in range(0, 16, 2)]  # 8 overlapping sets, 22 distinct experts
+        results: list[dict] = [{} for _ in wanted]
+        threads = [threading.Thread(target=lambda r=r, w=w: r.update(sm.store.get_layer(layer, w)), daemon=True)
+                   for r, w in zip(results, wanted)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)  # a deadlocked daemon thread only holds this throw-away store
+        assert not any(t.is_alive() for t in threads), "get_layer deadlocked"
+        assert [sorted(r) for r in results] == wanted
+        distinct = {e for w in wanted for e in w}
+        sent = hub.stats()["bytes_served"] - served_before
+        assert sent == sum(sm.index.expert(layer, e).nbytes for e in distinct)  # one fetch each, however many asked
+        assert sm.store.stats.total_uses == sum(len(w) for w in wanted)
         assert not sm.store._inflight  # single flight forgot the finished fetches
     finally:
         sm.close()
