@@ -175,6 +175,18 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from node.bench import print_table, run_bench, write_json
+
+    doc = run_bench(model=args.model, tokens=args.tokens, time_scale=args.time_scale, ram_fraction=args.ram_fraction,
+                    naive_tokens=args.naive_tokens, progress=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    print_table(doc)
+    if args.json:
+        write_json(doc, Path(args.json))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def _budget(text: str) -> str:
     from node.sizes import parse_budget
 
@@ -253,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default="10%,25%,50%", help="experts RAM holds: counts or %% of all experts")
     p.add_argument("--policies", help=f"comma-separated, from {', '.join(POLICIES)} (default: all)")
     p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("bench", help="naive, cold, warm-disk, warm-RAM and mlx-lm side by side on an emulated link")
+    p.add_argument("--model", default="demo", help="demo (the trained demo model) or tiny-ARCH (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=24, help="tokens per prompt (default %(default)s)")
+    p.add_argument("--naive-tokens", type=int, default=8, help="tokens per prompt for the slow naive run")
+    p.add_argument("--time-scale", type=float, default=0.05, help="emulated link time per K3 second (default %(default)s)")
+    p.add_argument("--ram-fraction", type=float, default=0.25, help="RAM budget as a fraction of all experts")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("demo", help="the whole path on a built-in tiny model, no internet needed")
     p.add_argument("--prompt", default="Once upon a time", help="what to generate from")

@@ -147,33 +147,6 @@ class RamCache:
         return key in self._items
 
 
-class HubSource:
-    """Expert bytes by range requests to the upstream shards, strict 206 or an error."""
-
-    name = "hub"
-
-    def __init__(self, index: ExpertIndex, reader=None):
-        from node.hub_client import RangeReader
-
-        self.index = index
-        self.reader = reader or RangeReader()
-
-    def fetch(self, loc: ExpertLocation) -> bytes:
-        from node.hub_client import RemoteFile, endpoint
-
-        parts = []
-        try:
-            for r in loc.ranges:
-                data = self.reader.read(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end)
-                if len(data) != r.nbytes:
-                    raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {len(data)}")
-                parts.append(data)
-        except DownloadError as e:
-            raise DownloadError(f"expert {loc.expert} of layer {loc.layer} from the Hub at {endpoint()}: {e}; "
-                                "what was fetched is cached, so running again continues") from None  # fmt: skip
-        return b"".join(parts)
-
-
 @dataclass
 class _Fetched:
     weights: ExpertWeights
@@ -400,5 +373,8 @@ class ExpertStore:
     def close(self) -> None:
         for _ in self._workers:
             self._queue.put((-1, -1, None))  # before any queued fetch: workers stop at once
+        for source in self.sources:
+            if hasattr(source, "close"):
+                source.close()
         if self.trace is not None:
             self.trace.close()

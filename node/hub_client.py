@@ -151,7 +151,9 @@ class RangeReader:
     """
 
     def __init__(self, max_retries: int = constants.HTTP_MAX_RETRIES, timeout_s: float = constants.HTTP_TIMEOUT_S,
-                 backoff_base_s: float = 0.25, backoff_max_s: float = 8.0):  # fmt: skip
+                 backoff_base_s: float = 0.25, backoff_max_s: float = 8.0,
+                 fresh_connections: bool = False):  # fmt: skip
+        self.fresh_connections = fresh_connections  # a new connection per request: benchmarks' naive client
         self.max_retries = max_retries
         self.timeout_s = timeout_s
         self.backoff_base_s = backoff_base_s
@@ -222,9 +224,18 @@ class RangeReader:
         if is_cdn:  # signed CDN URLs must not receive the Hub token
             headers.pop("authorization", None)
             headers.pop("Authorization", None)
+        session = httpx2.Client() if self.fresh_connections else get_session()
+        try:
+            return self._read_redirected(session, remote, url, headers, is_cdn, start, end)
+        finally:
+            if self.fresh_connections:
+                session.close()
+
+    def _read_redirected(self, session, remote: RemoteFile, url: str, headers: dict, is_cdn: bool,
+                         start: int, end: int) -> tuple[bytes, int | None]:  # fmt: skip
         for _ in range(5):  # redirects
             try:
-                with get_session().stream("GET", url, headers=headers, follow_redirects=False, timeout=self.timeout_s) as r:
+                with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=self.timeout_s) as r:
                     if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
                         url = self._remember_redirect(remote, url, r.headers["location"])
                         is_cdn = True

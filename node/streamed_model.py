@@ -16,7 +16,8 @@ from node.disk_cache import DiskCache, cache_dir
 from node.expert_codec import ExpertCodec
 from node.expert_digests import DIGESTS_FILENAME, DigestBook
 from node.expert_index import INDEX_FILENAME, ExpertIndex
-from node.expert_store import ByteSource, ExpertStore, HubSource, RamCache
+from node.expert_store import ByteSource, ExpertStore, RamCache
+from node.hub_source import DEFAULT_MIN_PIECE_BYTES, HubSource
 from node.sizes import parse_budget
 
 
@@ -30,6 +31,7 @@ class StoreConfig:
     ram_policy: str = DEFAULT_POLICY  # see node/cache_policies.py and `expertmesh replay`
     trace_path: Path | None = None  # record every layer's routed experts here (`--trace`)
     prefetch: bool = True  # guess the next layer's experts and fetch them behind the demands
+    hub_min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES  # experts are split into pieces no smaller
 
 
 @dataclass
@@ -104,7 +106,7 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     ram_bytes, disk_bytes = resolve_budgets(cfg, marker.get("core_bytes", index.core_bytes), root)
     digests = DigestBook(root / DIGESTS_FILENAME)
     disk = DiskCache(root, index, disk_bytes, digests)
-    sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader)]
+    sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader, min_piece_bytes=cfg.hub_min_piece_bytes)]
     store = ExpertStore(index, codec, RamCache(ram_bytes, cfg.ram_policy), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
                         digests=digests, prefetch=cfg.prefetch)  # fmt: skip
     if cfg.trace_path is not None:

@@ -1,0 +1,255 @@
+"""`expertmesh bench`: the same prompts through several configurations in one run, side by side.
+
+The local Hub emulates a home link with Kimi K3's proportions — 100 MB/s for the link, 12.5 MB/s
+per connection, 50 ms to first byte, 100 ms to open a connection, for a 17.5 MB expert — scaled
+so that one of the bench model's experts takes as long to move, relative to the link's delays,
+as a K3 expert does, and then sped up by `time_scale` so the bench ends in minutes. Moving
+experts then dominates compute, as it does for K3.
+
+Configurations:
+    naive      one expert at a time, a new connection per request, no cache (the reference system's way)
+    cold       expertmesh with empty caches
+    warm_disk  expertmesh with the experts on disk and an empty RAM tier
+    warm_ram   expertmesh with every expert already in RAM
+    mlx_lm     `mlx_lm.stream_generate` with the whole model in memory
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from node import hub_client
+from node.expert_store import SOURCES
+from node.generation import GenerationSummary, Generator, SamplingSettings
+from node.hub_server import HubKnobs, HubServer
+from node.hub_source import DEFAULT_MIN_PIECE_BYTES
+from node.sizes import format_size
+
+K3_EXPERT_BYTES = 17.5e6
+K3_LINK = {"bandwidth": 100e6, "per_connection": 12.5e6, "ttfb_s": 0.050, "connection_s": 0.100}
+PROMPTS = (
+    "Return the number of items in the",
+    "Create a new dictionary with keys from",
+    "This module provides functions for",
+)
+
+
+@dataclass
+class LinkSettings:
+    bandwidth: float  # bytes/s of the whole link
+    per_connection: float  # bytes/s of one connection
+    ttfb_s: float
+    connection_s: float
+    time_scale: float
+    expert_bytes: int
+
+    @classmethod
+    def scaled(cls, expert_bytes: int, time_scale: float) -> "LinkSettings":
+        """K3's home link, with bytes scaled to this model's expert and time sped up by `time_scale`."""
+        b = expert_bytes / K3_EXPERT_BYTES
+        return cls(K3_LINK["bandwidth"] * b / time_scale, K3_LINK["per_connection"] * b / time_scale,
+                   K3_LINK["ttfb_s"] * time_scale, K3_LINK["connection_s"] * time_scale, time_scale,
+                   expert_bytes)  # fmt: skip
+
+    def knobs(self) -> HubKnobs:
+        return HubKnobs(bandwidth_bytes_per_s=self.bandwidth, per_connection_bytes_per_s=self.per_connection,
+                        ttfb_s=self.ttfb_s, connection_cost_s=self.connection_s)  # fmt: skip
+
+    def describe(self) -> str:
+        per_expert = self.expert_bytes / self.per_connection
+        return (f"link {format_size(self.bandwidth)}/s, {format_size(self.per_connection)}/s per connection, "
+                f"first byte {self.ttfb_s * 1000:.1f} ms, new connection {self.connection_s * 1000:.1f} ms; "
+                f"a {format_size(self.expert_bytes)} expert takes {per_expert * 1000:.1f} ms on one connection "
+                f"(K3: {K3_EXPERT_BYTES / K3_LINK['per_connection']:.1f} s), time scale {self.time_scale}")  # fmt: skip
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    s_per_token: float  # median over prompts of decode seconds per token
+    ttft_s: float  # median time to first token
+    tokens: int
+    hub_bytes_per_token: float
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    link_utilisation: float | None = None  # hub bytes / link bandwidth / decode wall time
+    ram_hit_rate: float | None = None
+    disk_hit_rate: float | None = None
+    belady_ram_hit_rate: float | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def _bench_repo(model: str, hub_dir: Path) -> str:
+    """Write the bench model into the Hub folder; returns its repo id."""
+    if model == "demo":
+        from node.tiny.demo_model import REPO_ID, make_demo_model
+
+        make_demo_model(hub_dir / REPO_ID)
+        return REPO_ID
+    from node.tiny import make_tiny_model
+
+    arch = model.removeprefix("tiny-")
+    repo_id = f"expertmesh/tiny-{arch}"
+    make_tiny_model(hub_dir / repo_id, arch, seed=0)
+    return repo_id
+
+
+def _run_prompts(sm, prompts: list[list[int]], tokens: int) -> list[GenerationSummary]:
+    out = []
+    for ids in prompts:
+        summary = GenerationSummary()
+        ids_out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary)]
+        summary.ids = ids_out  # type: ignore[attr-defined]
+        out.append(summary)
+    return out
+
+
+def _decode_s_per_token(s: GenerationSummary) -> float:
+    decode = s.seconds - s.time_to_first_token_s
+    return decode / max(1, s.generated_tokens - 1)
+
+
+def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link: LinkSettings,
+            belady: float | None) -> ConfigResult:  # fmt: skip
+    tokens = sum(s.generated_tokens for s in summaries)
+    uses = {k: sum(s.experts.uses[k] for s in summaries) for k in SOURCES}
+    total = sum(uses.values()) or 1
+    decode_wall = sum(s.seconds - s.time_to_first_token_s for s in summaries)
+    return ConfigResult(
+        name=name,
+        s_per_token=statistics.median(_decode_s_per_token(s) for s in summaries),
+        ttft_s=statistics.median(s.time_to_first_token_s for s in summaries),
+        tokens=tokens,
+        hub_bytes_per_token=hub_bytes / max(1, tokens),
+        bytes_by_source={k: sum(s.experts.bytes[k] for s in summaries) for k in SOURCES},
+        link_utilisation=hub_bytes / link.bandwidth / decode_wall if decode_wall > 0 else None,
+        ram_hit_rate=uses["ram"] / total,
+        disk_hit_rate=uses["disk"] / total,
+        belady_ram_hit_rate=belady,
+        outputs=[s.ids for s in summaries],  # type: ignore[attr-defined]
+    )
+
+
+def _belady(trace_path: Path, slots: int) -> float:
+    from node.cache_policies import belady_hit_rate
+    from node.routing_trace import read_trace
+
+    return belady_hit_rate(read_trace(trace_path).accesses(), slots)
+
+
+def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, ram_fraction: float = 0.25,
+              naive_tokens: int = 8, progress=print) -> dict:  # fmt: skip
+    """Run every configuration; returns the JSON document (also printed as a table by the CLI)."""
+    import mlx_lm
+
+    from node.hub_client import RangeReader
+    from node.pull import pull
+    from node.streamed_model import StoreConfig, open_model
+
+    work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-"))
+    try:
+        repo_id = _bench_repo(model, work / "hub")
+        with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
+            pulled = work / "pulled"
+            pull(repo_id, home=pulled, progress=False)
+            probe = open_model(repo_id, home=pulled, store_config=StoreConfig(prefetch=False))
+            index, tokenizer = probe.index, probe.tokenizer
+            probe.close()
+            expert_bytes = max(loc.nbytes for loc in index.experts.values())
+            all_bytes = sum(loc.nbytes for loc in index.experts.values())
+            ram_slots = int(len(index.experts) * ram_fraction)
+            ram_budget = str(ram_slots * expert_bytes + expert_bytes // 2)
+            link = LinkSettings.scaled(expert_bytes, time_scale)
+            min_piece = int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / K3_EXPERT_BYTES)  # K3's pieces, scaled
+            hub.knobs = link.knobs()
+            prompts = [tokenizer.encode(p) for p in PROMPTS]
+            progress(f"{repo_id}: {len(index.experts)} experts of {format_size(expert_bytes)} "
+                     f"({format_size(all_bytes)}); RAM budget {ram_fraction:.0%} of them ({ram_slots} experts)")  # fmt: skip
+            progress(link.describe())
+
+            def home(name: str) -> Path:
+                h = work / name
+                shutil.copytree(pulled, h)
+                return h
+
+            def measured(name: str, sm, n_tokens: int, trace: Path | None) -> ConfigResult:
+                progress(f"  {name} ...")
+                before = hub.stats()["bytes_served"]
+                t0 = time.perf_counter()
+                summaries = _run_prompts(sm, prompts, n_tokens)
+                hub_bytes = hub.stats()["bytes_served"] - before
+                sm.close()
+                belady = _belady(trace, ram_slots) if trace is not None else None
+                r = _result(name, summaries, hub_bytes, link, belady)
+                progress(f"  {name}: {r.s_per_token * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s")
+                return r
+
+            results = []
+            naive_cfg = StoreConfig(ram_budget="0", disk_budget="0", fetch_concurrency=1, prefetch=False)
+            results.append(measured("naive", open_model(repo_id, home=home("naive"), store_config=naive_cfg,
+                                                        hub_reader=RangeReader(fresh_connections=True)),
+                                    naive_tokens, None))  # fmt: skip
+            cached = home("cached")
+            for name in ("cold", "warm_disk"):
+                trace = work / f"{name}.trace"
+                cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece)
+                results.append(measured(name, open_model(repo_id, home=cached, store_config=cfg), tokens, trace))
+            sm = open_model(repo_id, home=cached, store_config=StoreConfig(ram_budget=str(2 * all_bytes)))
+            _run_prompts(sm, prompts, tokens)  # fill RAM
+            results.append(measured("warm_ram", sm, tokens, None))
+
+            ref, ref_tok = mlx_lm.load(str(work / "hub" / repo_id))
+            summaries = []
+            for ids in prompts:
+                from mlx_lm.sample_utils import make_sampler
+
+                t0 = time.perf_counter()
+                out, ttft = [], 0.0
+                for r in mlx_lm.stream_generate(ref, ref_tok, ids, max_tokens=tokens, sampler=make_sampler(0.0)):
+                    if not out:
+                        ttft = time.perf_counter() - t0
+                    if r.finish_reason != "stop":
+                        out.append(r.token)
+                s = GenerationSummary(prompt_tokens=len(ids), generated_tokens=len(out), time_to_first_token_s=ttft,
+                                      seconds=time.perf_counter() - t0)  # fmt: skip
+                s.ids = out  # type: ignore[attr-defined]
+                summaries.append(s)
+            mlx = _result("mlx_lm", summaries, 0, link, None)
+            mlx.link_utilisation = mlx.ram_hit_rate = mlx.disk_hit_rate = None
+            results.append(mlx)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    reference = results[-1].outputs
+    for r in results:
+        n = min(len(o) for o in r.outputs)
+        if [o[:n] for o in r.outputs] != [o[:n] for o in reference]:
+            raise AssertionError(f"bench: {r.name} generated other tokens than mlx-lm: the comparison is void")
+    return {"model": repo_id, "tokens_per_prompt": tokens, "prompts": list(PROMPTS), "ram_fraction": ram_fraction,
+            "link": asdict(link), "configs": [asdict(r) for r in results]}  # fmt: skip
+
+
+def print_table(doc: dict, out=print) -> None:
+    configs = {c["name"]: c for c in doc["configs"]}
+    out(f"{'config':<10} {'ms/token':>9} {'vs mlx_lm':>9} {'TTFT s':>7} {'hub B/token':>11} {'link use':>8} "
+        f"{'RAM hit':>7} {'Belady':>7} {'disk hit':>8}")  # fmt: skip
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    base = configs["mlx_lm"]["s_per_token"]
+    for c in doc["configs"]:
+        out(f"{c['name']:<10} {c['s_per_token'] * 1000:>9.2f} {c['s_per_token'] / base:>8.2f}x {c['ttft_s']:>7.3f} "
+            f"{c['hub_bytes_per_token']:>11.0f} {f(c['link_utilisation'], '.2f'):>8} {f(c['ram_hit_rate'], '.3f'):>7} "
+            f"{f(c['belady_ram_hit_rate'], '.3f'):>7} {f(c['disk_hit_rate'], '.3f'):>8}")  # fmt: skip
+    if "naive" in configs and "cold" in configs:
+        out(f"cold is {configs['naive']['s_per_token'] / configs['cold']['s_per_token']:.1f}x faster than naive; "
+            f"warm_ram is {configs['warm_ram']['s_per_token'] / base:.2f}x mlx_lm")  # fmt: skip
+
+
+def write_json(doc: dict, path: Path) -> None:
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
