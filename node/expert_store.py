@@ -32,6 +32,7 @@ SOURCES = ("ram", "disk", "peer", "hub")
 PREFETCH_OUTCOMES = ("issued", "used", "wasted")
 DEMAND, PREFETCH = 0, 1  # queue priorities: a guess never goes before a demanded expert
 DEFAULT_FETCH_CONCURRENCY = 8
+INTEGRITY_RETRIES = 2  # refetches from a remote source whose bytes failed their sha256 check
 # Prefetch pauses for PREFETCH_PAUSE_CALLS layer calls when fewer than PREFETCH_MIN_ACCURACY of
 # the last PREFETCH_WINDOW guesses were used.
 PREFETCH_WINDOW = 64
@@ -333,13 +334,18 @@ class ExpertStore:
     def _fetch(self, key: ExpertKey) -> _Fetched:
         loc = self.index.expert(*key)
         for source in self.sources:
-            t0 = time.perf_counter()
-            blob = source.fetch(loc)
+            # a source that keeps no copy (the Hub, a peer) may send good bytes on a second try
+            for _ in range(1 if source.name == "disk" else 1 + INTEGRITY_RETRIES):
+                t0 = time.perf_counter()
+                blob = source.fetch(loc)
+                if blob is None:
+                    break
+                if len(blob) != loc.nbytes:  # a source must never hand over a partial expert
+                    raise DownloadError(f"{source.name} gave {len(blob)} bytes for expert {key}, expected {loc.nbytes}")
+                if self._verify(key, source, blob):
+                    break
+                blob = None
             if blob is None:
-                continue
-            if len(blob) != loc.nbytes:  # a source must never hand over a partial expert
-                raise DownloadError(f"{source.name} gave {len(blob)} bytes for expert {key}, expected {loc.nbytes}")
-            if not self._verify(key, source, blob):
                 continue
             weights = self.codec.decode(loc, blob)
             if source.name != "disk":

@@ -35,7 +35,9 @@ from node.sizes import parse_size
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".npz")
 _LFS_MIN_BYTES = 10 * 1024 * 1024
 _CHUNK = 64 * 1024
-FAULT_KINDS = ("429", "503", "500", "cut", "ignore_range", "wrong_bytes")
+# cut: half the body, then the connection closes; stall: half the body, then silence for
+# `stall_s`; wrong_range: a Content-Range one byte off; wrong_bytes: the right headers, flipped bytes
+FAULT_KINDS = ("429", "503", "500", "cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Fault:
     rate: float = 0.0
     count: int = 0
     retry_after_s: float = 1.0
+    stall_s: float = 5.0
     path_glob: str = "*"
 
 
@@ -417,7 +420,8 @@ class _Handler(BaseHTTPRequestHandler):
         size = len(data)
         status, start, end = 200, 0, size
         rng = self.headers.get("Range")
-        fault = self.hub.pick_fault(key, ("cut", "ignore_range", "wrong_bytes")) if self.command == "GET" else None
+        body_faults = ("cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
+        fault = self.hub.pick_fault(key, body_faults) if self.command == "GET" else None
         if rng and not (fault and fault.kind == "ignore_range"):
             m = re.match(r"^bytes=(\d*)-(\d*)$", rng.strip())
             if not m or (not m.group(1) and not m.group(2)):
@@ -430,7 +434,8 @@ class _Handler(BaseHTTPRequestHandler):
             if start >= size or start >= end:
                 return self._send(416, b"", {"Content-Range": f"bytes */{size}"})
             status = 206
-            headers = {**headers, "Content-Range": f"bytes {start}-{end - 1}/{size}"}
+            shift = 1 if fault and fault.kind == "wrong_range" else 0
+            headers = {**headers, "Content-Range": f"bytes {start + shift}-{end - 1 + shift}/{size}"}
         body = data[start:end]
         if fault and fault.kind == "wrong_bytes":
             body = bytes(b ^ 0x5A for b in body)
@@ -442,7 +447,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command == "HEAD":
             return
-        limit = len(body) // 2 if fault and fault.kind == "cut" else len(body)
+        limit = len(body) // 2 if fault and fault.kind in ("cut", "stall") else len(body)
         sent = 0
         knobs = self.hub.knobs
         try:
@@ -461,6 +466,8 @@ class _Handler(BaseHTTPRequestHandler):
                 entry["ranges"][r] = entry["ranges"].get(r, 0) + 1
         if limit < len(body):
             self.wfile.flush()
+            if fault.kind == "stall":
+                time.sleep(fault.stall_s)
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
 
@@ -476,7 +483,7 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _FAULT_FIELDS = {"rate": ("rate", float), "count": ("count", int), "retry_after": ("retry_after_s", float),
-                 "path": ("path_glob", str)}  # fmt: skip
+                 "stall": ("stall_s", float), "path": ("path_glob", str)}  # fmt: skip
 
 
 def parse_fault(text: str) -> Fault:

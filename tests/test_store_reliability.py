@@ -1,0 +1,118 @@
+"""Generation through a misbehaving Hub and a killed process: the output never changes, nothing
+corrupt is kept, and a rerun continues where the killed one stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node import hub_client
+from node.expert_digests import DIGESTS_FILENAME, DigestBook, sha256
+from node.generation import Generator, SamplingSettings
+from node.hub_server import Fault, HubServer
+from node.pull import pull
+from node.streamed_model import StoreConfig, open_model
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+PROMPT = "Faults come in bursts"
+FAST = dict(max_retries=8, backoff_base_s=0.005, backoff_max_s=0.05, timeout_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def hub(hub_root: Path):
+    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+        yield server
+        server.knobs.faults = []
+
+
+def _generate(home: Path, reader=None, tokens: int = 16):
+    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False), hub_reader=reader)
+    try:
+        ids = sm.tokenizer.encode(PROMPT)
+        out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens))]
+        return out, sm.store.stats.snapshot(), sm.disk.root, sm.tokenizer.decode(out)
+    finally:
+        sm.close()
+
+
+def _assert_cache_is_clean(root: Path) -> None:
+    book = DigestBook(root / DIGESTS_FILENAME)
+    files = list(root.glob("*/*.bin"))
+    assert files and not list(root.glob("*/*.tmp"))
+    for path in files:
+        assert sha256(path.read_bytes()) == book.get((int(path.parent.name), int(path.stem))), path
+
+
+@pytest.fixture(scope="module")
+def reference(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("clean")
+    pull(REPO_ID, home=home, progress=False)
+    tokens, _, _, text = _generate(home)
+    return tokens, text
+
+
+def test_every_hub_fault_is_retried_and_the_output_is_unchanged(hub: HubServer, reference, tmp_path: Path) -> None:
+    pull(REPO_ID, home=tmp_path, progress=False)
+    glob = "*.safetensors"
+    hub.knobs.faults = [Fault("429", rate=0.08, retry_after_s=0, path_glob=glob),
+                        Fault("503", rate=0.04, retry_after_s=0, path_glob=glob),
+                        Fault("500", rate=0.04, path_glob=glob), Fault("cut", rate=0.08, path_glob=glob),
+                        Fault("stall", rate=0.03, stall_s=1.5, path_glob=glob),
+                        Fault("ignore_range", rate=0.04, path_glob=glob),
+                        Fault("wrong_range", rate=0.04, path_glob=glob)]  # fmt: skip
+    faults_before = sum(hub.stats()["faults"].values())
+    reader = hub_client.RangeReader(**FAST)
+    try:
+        tokens, stats, root, _ = _generate(tmp_path, reader)
+    finally:
+        hub.knobs.faults = []
+    assert tokens == reference[0]
+    assert sum(hub.stats()["faults"].values()) - faults_before >= 5 and reader.retries >= 5
+    assert stats.uses["hub"] > 0
+    _assert_cache_is_clean(root)
+
+
+def test_wrong_bytes_on_a_refetch_are_caught_and_fetched_again(hub: HubServer, reference, tmp_path: Path) -> None:
+    pull(REPO_ID, home=tmp_path, progress=False)
+    _, first, root, _ = _generate(tmp_path)
+    for path in root.glob("*/*.bin"):  # the digests stay, the copies go: every expert comes again
+        path.unlink()
+    hub.knobs.faults = [Fault("wrong_bytes", count=2, path_glob="*.safetensors")]  # within the store's refetches
+    try:
+        tokens, stats, root, _ = _generate(tmp_path, hub_client.RangeReader(**FAST))
+    finally:
+        hub.knobs.faults = []
+    assert tokens == reference[0]
+    assert stats.integrity_failures["hub"] == 2  # each flipped copy caught by its recorded sha256
+    _assert_cache_is_clean(root)
+
+
+def test_a_run_killed_while_fetching_restarts_cleanly(hub: HubServer, reference, tmp_path: Path) -> None:
+    pull(REPO_ID, home=tmp_path, progress=False)
+    env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
+    cmd = [sys.executable, "-m", "node.cli", "run", REPO_ID, PROMPT, "--max-tokens", "16", "--no-prefetch"]
+    hub.knobs.ttfb_s = 0.03  # slow enough that the kill lands among fetches
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        root = tmp_path / "experts"
+        deadline = time.monotonic() + 120
+        while len(list(root.glob("*/*/*/*.bin"))) < 10 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it could be killed: make the Hub slower"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        hub.knobs.ttfb_s = 0.0
+        proc.stdout.close()
+        proc.stderr.close()
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stdout == reference[1] + "\n"
+    assert "hub" in rerun.stderr and "disk" in rerun.stderr  # it continued from what the killed run kept
+    _assert_cache_is_clean(next(root.glob("*/*")))
