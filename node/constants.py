@@ -48,3 +48,6 @@ EXPERT_FETCH_CONCURRENCY = 8
 DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
 DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
+
+# The built-in demo model (node/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
+DEMO_REPO = "expertmesh/demo-kimi-k3"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -36,6 +37,11 @@ user: hello! assistant: hi, how can I help you today? user: tell me a story.
 
 def build_tokenizer(vocab_size: int) -> Tokenizer:
     """Train the tokenizer; the same `vocab_size` always gives the same vocabulary."""
+    return train_tokenizer(_TRAINING_TEXT.splitlines() * 4, vocab_size)
+
+
+def train_tokenizer(lines: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with our special tokens on `lines` (the same lines, the same vocabulary)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -45,13 +51,17 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_TRAINING_TEXT.splitlines() * 4, trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     return tok
 
 
 def write_tokenizer_files(out: Path, vocab_size: int) -> int:
     """Write tokenizer.json and tokenizer_config.json; return the id of the EOS token."""
-    tok = build_tokenizer(vocab_size)
+    return save_tokenizer(out, build_tokenizer(vocab_size))
+
+
+def save_tokenizer(out: Path, tok: Tokenizer) -> int:
+    """Write `tok` as tokenizer.json plus our tokenizer_config.json (ChatML); return the EOS id."""
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
