@@ -1,0 +1,61 @@
+"""RAM policies on real routing: record a trace on the trained demo model, replay it at several
+budgets through every policy and through Belady's offline optimum, side by side.
+
+Prompts are the starts of the demo model's held-out docstrings (never trained on), each
+continued with seeded sampling, one conversation after another as a household would use it.
+
+    python benchmarks/bench_policies.py [--prompts 24] [--tokens 64] [--budgets 10%,25%,50%]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from node import hub_client
+from node.generation import Generator, SamplingSettings
+from node.hub_server import HubServer
+from node.pull import pull
+from node.routing_trace import read_trace, replay
+from node.streamed_model import StoreConfig, open_model
+from node.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--budgets", default="10%,25%,50%")
+    ap.add_argument("--keep-trace", metavar="FILE", help="also save the recorded trace (for `expertmesh replay`)")
+    args = ap.parse_args()
+
+    docs = [d.strip() for d in (DEMO_DIR / HELDOUT_FILE).read_text().split("<|endoftext|>") if len(d.split()) >= 4]
+    work = Path(tempfile.mkdtemp(prefix="bench-policies-"))
+    make_demo_model(work / "hub" / REPO_ID)
+    trace_path = work / "trace.jsonl"
+    with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
+        pull(REPO_ID, home=work / "home", progress=False)
+        sm = open_model(REPO_ID, home=work / "home", store_config=StoreConfig(trace_path=trace_path, prefetch=False))
+        gen = Generator(sm)
+        for i, doc in enumerate(docs[: args.prompts]):
+            prompt = " ".join(doc.split()[:6])
+            gen.reset()
+            for _ in gen.generate(sm.tokenizer.encode(prompt), SamplingSettings(max_tokens=args.tokens, temp=0.7, seed=i)):
+                pass
+        sm.close()
+    trace = read_trace(trace_path)
+    if args.keep_trace:
+        Path(args.keep_trace).write_text(trace_path.read_text())
+    slots = [round(trace.total_experts * float(b.strip("%")) / 100) for b in args.budgets.split(",")]
+    table = replay(trace, slots)
+    print(f"{REPO_ID}: {min(args.prompts, len(docs))} prompts, {trace.passes} passes, {len(trace.accesses())} expert uses")
+    print(f"{'policy':<8}" + "".join(f"{f'{n} ({100 * n / trace.total_experts:.0f}%)':>14}" for n in slots)
+          + "".join(f"{f'vs Belady@{100 * n / trace.total_experts:.0f}%':>16}" for n in slots))  # fmt: skip
+    for name, rates in table.items():
+        print(f"{name:<8}" + "".join(f"{rates[n]:>14.3f}" for n in slots)
+              + "".join(f"{rates[n] / table['belady'][n]:>16.2f}" for n in slots))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
