@@ -91,6 +91,13 @@ def _bench_repo(model: str, hub_dir: Path) -> str:
 
         make_demo_model(hub_dir / REPO_ID)
         return REPO_ID
+    if model == "wide-kimi_k3":
+        from node.tiny.kimi_k3 import build_wide
+
+        repo_id = "expertmesh/wide-kimi_k3"
+        (hub_dir / repo_id).mkdir(parents=True)
+        build_wide(hub_dir / repo_id, seed=0)
+        return repo_id
     from node.tiny import make_tiny_model
 
     arch = model.removeprefix("tiny-")

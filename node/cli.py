@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("bench", help="naive, cold, warm-disk, warm-RAM and mlx-lm side by side on an emulated link")
-    p.add_argument("--model", default="demo", help="demo (the trained demo model) or tiny-ARCH (default %(default)s)")
+    p.add_argument("--model", default="demo", help="demo (the trained demo model), tiny-ARCH, or wide-kimi_k3 (a wider random K3) (default %(default)s)")
     p.add_argument("--tokens", type=int, default=24, help="tokens per prompt (default %(default)s)")
     p.add_argument("--naive-tokens", type=int, default=8, help="tokens per prompt for the slow naive run")
     p.add_argument("--time-scale", type=float, default=0.05, help="emulated link time per K3 second (default %(default)s)")

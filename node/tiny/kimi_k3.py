@@ -152,13 +152,25 @@ def _expert_tensors(params: dict[str, mx.array], layer: int) -> list[Tensor]:
 
 def build(out: Path, seed: int) -> None:
     """Write the repo files of a tiny Kimi K3 into `out`."""
+    _build(out, config(), seed, "layout of moonshotai/Kimi-K3 (mxfp4 experts).")
+
+
+def build_wide(out: Path, seed: int, hidden_size: int = 768) -> None:
+    """A wider tiny Kimi K3 (same layers, experts and layout) whose compute is no longer
+    dwarfed by per-layer fixed costs: benchmarks compare engines on it."""
     cfg = config()
+    cfg["text_config"].update(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                              moe_intermediate_size=hidden_size, routed_expert_hidden_size=hidden_size // 2)  # fmt: skip
+    _build(out, cfg, seed, f"layout of moonshotai/Kimi-K3 (mxfp4 experts), hidden size {hidden_size}.")
+
+
+def _build(out: Path, cfg: dict, seed: int, note: str) -> None:
     params = {k.removeprefix("language_model."): v for k, v in init_parameters(cfg, seed).items()}
     first_moe = cfg["text_config"]["first_k_dense_replace"]
     write_layered_repo(out, params, NUM_LAYERS, list(range(first_moe, NUM_LAYERS)), _core_tensors, _expert_tensors, seed)
     write_json(out / "config.json", cfg)
     write_generation_config(out, write_tokenizer_files(out, VOCAB_SIZE))
-    write_readme(out, "kimi_k3", seed, "layout of moonshotai/Kimi-K3 (mxfp4 experts).")
+    write_readme(out, "kimi_k3", seed, note)
 
 
 def write_weights(out: Path, params: dict[str, mx.array], cfg: dict) -> None:
