@@ -154,6 +154,45 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from node.node_id import load_or_create_node_id
+    from node.node_server import start_node_server
+    from node.node_service import NodeService
+    from node.rpc_auth import load_or_create_secret
+    from node.streamed_model import open_model
+
+    home = constants.expertmesh_home()
+    secret = args.secret or constants.household_secret()
+    created = False
+    if not secret:
+        secret, created = load_or_create_secret(home / constants.SECRET_FILENAME)
+    sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
+    try:
+        node_id = load_or_create_node_id(home)
+        running = start_node_server(NodeService(sm, node_id), secret, host=args.host, port=args.port)
+        print(f"node {node_id} serving {sm.repo_id} @ {sm.commit[:12]} on {args.host}:{running.port}")
+        print(_describe(sm))
+        if created:
+            print("created a household secret; to join another Mac, run there:")
+            print(f"  EXPERTMESH_SECRET={secret} expertmesh serve {args.repo}")
+        sys.stdout.flush()
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("stopping", file=sys.stderr)
+        running.stop()
+    finally:
+        sm.close()
+    return 0
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from node.routing_trace import read_trace, replay
 
@@ -259,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(p)
     _add_sampling_arguments(p, max_tokens=512)
     p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("serve", help="run a node: the gRPC node service for a pulled model")
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
+    p.add_argument("--port", type=int, default=constants.DEFAULT_NODE_PORT, help="0 picks a free port (default %(default)s)")
+    p.add_argument("--secret", help="the household secret (default EXPERTMESH_SECRET, else the one kept in the home)")
+    _add_model_arguments(p)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("replay", help="hit rates of each RAM policy and of the offline optimum on a trace")
     p.add_argument("trace", help="a file written by `run --trace`")

@@ -51,3 +51,12 @@ MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 
 # The built-in demo model (node/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
 DEMO_REPO = "expertmesh/demo-kimi-k3"
+
+
+def household_secret() -> str | None:
+    """The household secret from `EXPERTMESH_SECRET`, if set (else `serve` keeps one in the home)."""
+    return os.environ.get("EXPERTMESH_SECRET") or None
+
+
+SECRET_FILENAME = "secret"  # in EXPERTMESH_HOME, owner-only
+DEFAULT_NODE_PORT = 7433

@@ -1,0 +1,167 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelKey(_message.Message):
+    __slots__ = ("repo_id", "commit")
+    REPO_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    repo_id: str
+    commit: str
+    def __init__(self, repo_id: _Optional[str] = ..., commit: _Optional[str] = ...) -> None: ...
+
+class ExpertKey(_message.Message):
+    __slots__ = ("model", "layer", "expert")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    model: ModelKey
+    layer: int
+    expert: int
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layer: _Optional[int] = ..., expert: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    RAM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPERTMESH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MLX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: str
+    models: _containers.RepeatedCompositeFieldContainer[ModelKey]
+    ram_budget_bytes: int
+    disk_budget_bytes: int
+    disk_used_bytes: int
+    expertmesh_version: str
+    mlx_version: str
+    protocol_version: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class InventoryRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelKey
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ...) -> None: ...
+
+class LayerBitmap(_message.Message):
+    __slots__ = ("layer", "num_experts", "bits")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    num_experts: int
+    bits: bytes
+    def __init__(self, layer: _Optional[int] = ..., num_experts: _Optional[int] = ..., bits: _Optional[bytes] = ...) -> None: ...
+
+class InventoryResponse(_message.Message):
+    __slots__ = ("model", "layers")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    model: ModelKey
+    layers: _containers.RepeatedCompositeFieldContainer[LayerBitmap]
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerBitmap, _Mapping]]] = ...) -> None: ...
+
+class FetchExpertRequest(_message.Message):
+    __slots__ = ("key", "fetch_on_miss")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ON_MISS_FIELD_NUMBER: _ClassVar[int]
+    key: ExpertKey
+    fetch_on_miss: bool
+    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., fetch_on_miss: _Optional[bool] = ...) -> None: ...
+
+class ExpertChunk(_message.Message):
+    __slots__ = ("size", "sha256", "data")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    sha256: str
+    data: bytes
+    def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    model: ModelKey
+    prompt: str
+    chat: bool
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("id", "text", "seconds", "expert_uses", "hub_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_USES_FIELD_NUMBER: _ClassVar[int]
+    HUB_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    text: str
+    seconds: float
+    expert_uses: int
+    hub_bytes: int
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., seconds: _Optional[float] = ..., expert_uses: _Optional[int] = ..., hub_bytes: _Optional[int] = ...) -> None: ...
+
+class GenerationDone(_message.Message):
+    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes")
+    class ExpertUsesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ExpertBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_TEXT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_USES_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token_s: float
+    seconds: float
+    stop_reason: str
+    trailing_text: str
+    expert_uses: _containers.ScalarMap[str, int]
+    expert_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("token", "done")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    token: TokenEvent
+    done: GenerationDone
+    def __init__(self, token: _Optional[_Union[TokenEvent, _Mapping]] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ...) -> None: ...

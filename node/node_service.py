@@ -1,0 +1,188 @@
+"""The gRPC node service (proto/expertmesh/v1/node.proto) of a full node.
+
+It answers for the one model it serves: what it is (Info), which experts its disk holds
+(GetInventory), an expert's verified upstream bytes (FetchExpert, fetching from the Hub on a
+miss when asked, as an owner does), and generation (Generate). Requests are validated before
+anything is read; a bad key is INVALID_ARGUMENT or NOT_FOUND, never an exception in a log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from node.expert_digests import sha256
+from node.expert_store import SOURCES
+from node.errors import DownloadError, ExpertmeshError
+from node.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
+from node.streamed_model import StreamedModel
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+CHUNK_BYTES = 1024 * 1024  # well under gRPC's 4 MB message limit
+DEFAULT_MAX_TOKENS = 256
+MAX_TOKENS_LIMIT = 32768
+MAX_PROMPT_CHARS = 1_000_000
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("expertmesh")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class NodeService(node_pb2_grpc.NodeServicer):
+    def __init__(self, sm: StreamedModel, node_id: str):
+        self.sm = sm
+        self.node_id = node_id
+        self._generate_lock = threading.Lock()  # one generation at a time: the model has one cache
+        self._fetch_lock = threading.Lock()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _model_key(self) -> node_pb2.ModelKey:
+        return node_pb2.ModelKey(repo_id=self.sm.repo_id, commit=self.sm.commit)
+
+    def _check_model(self, model: node_pb2.ModelKey, context, allow_empty_commit: bool = False) -> None:
+        if model.repo_id != self.sm.repo_id or (model.commit != self.sm.commit
+                                                  and not (allow_empty_commit and not model.commit)):  # fmt: skip
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves {self.sm.repo_id}@{self.sm.commit[:12]} only")
+
+    # -- rpcs ---------------------------------------------------------------------------------
+
+    def Info(self, request, context) -> node_pb2.InfoResponse:
+        import mlx.core as mx
+
+        disk = self.sm.disk
+        return node_pb2.InfoResponse(node_id=self.node_id, role="full", models=[self._model_key()],
+                                     ram_budget_bytes=self.sm.store.ram.budget_bytes,
+                                     disk_budget_bytes=disk.budget_bytes, disk_used_bytes=disk.nbytes,
+                                     expertmesh_version=_version(), mlx_version=mx.__version__,
+                                     protocol_version=PROTOCOL_VERSION)  # fmt: skip
+
+    def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
+        self._check_model(request.model, context)
+        index, disk = self.sm.index, self.sm.disk
+        layers = []
+        for layer in index.moe_layers:
+            n = 1 + max(e for (lay, e) in index.experts if lay == layer)
+            bits = bytearray((n + 7) // 8)
+            for e in range(n):
+                if (layer, e) in disk:
+                    bits[e // 8] |= 1 << (e % 8)
+            layers.append(node_pb2.LayerBitmap(layer=layer, num_experts=n, bits=bytes(bits)))
+        return node_pb2.InventoryResponse(model=self._model_key(), layers=layers)
+
+    def FetchExpert(self, request, context) -> Iterator[node_pb2.ExpertChunk]:
+        key = request.key
+        self._check_model(key.model, context)
+        loc = self.sm.index.experts.get((key.layer, key.expert))
+        if loc is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.sm.repo_id} has no expert {key.expert} in layer {key.layer}")
+        blob = self._held_copy(loc)
+        if blob is None:
+            if not request.fetch_on_miss:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"expert {key.expert} of layer {key.layer} is not held here")
+            blob = self._fetch_upstream(loc, context)
+        digest = sha256(blob)
+        view = memoryview(blob)
+        for start in range(0, len(blob), CHUNK_BYTES):
+            chunk = node_pb2.ExpertChunk(data=bytes(view[start:start + CHUNK_BYTES]))
+            if start == 0:
+                chunk.size, chunk.sha256 = len(blob), digest
+            yield chunk
+
+    def _held_copy(self, loc):
+        """The disk copy, checked against its recorded digest; None if absent or bad."""
+        blob = self.sm.disk.fetch(loc)
+        if blob is None:
+            return None
+        known = self.sm.store.digests.get((loc.layer, loc.expert)) if self.sm.store.digests else None
+        if known is not None and sha256(blob) == known:
+            return blob
+        self.sm.store.stats.record_integrity_failure("disk")
+        self.sm.disk.discard(loc)
+        return None
+
+    def _fetch_upstream(self, loc, context):
+        """As the owner: fetch from the sources after the disk, keep it, and serve it."""
+        key = (loc.layer, loc.expert)
+        with self._fetch_lock:  # single flight for peers asking at once
+            blob = self._held_copy(loc)
+            if blob is not None:
+                return blob
+            for source in self.sm.store.sources:
+                if source.name == "disk":
+                    continue
+                try:
+                    blob = source.fetch(loc)
+                except Exception as e:  # noqa: BLE001 - reported to the caller as UNAVAILABLE
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
+                if blob is None or len(blob) != loc.nbytes:
+                    continue
+                digests = self.sm.store.digests
+                known = digests.get(key) if digests else None
+                if known is not None and sha256(blob) != known:
+                    self.sm.store.stats.record_integrity_failure(source.name)
+                    continue
+                if digests is not None and known is None:
+                    digests.record(key, sha256(blob))
+                self.sm.disk.put(loc, blob)
+                return blob
+        context.abort(grpc.StatusCode.UNAVAILABLE, "no source has a good copy of this expert")
+
+    def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
+        self._check_model(request.model, context, allow_empty_commit=True)
+        if len(request.prompt) > MAX_PROMPT_CHARS or not request.prompt:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt must have 1 to {MAX_PROMPT_CHARS} characters")
+        if request.max_tokens > MAX_TOKENS_LIMIT or request.temperature < 0 or not 0 <= request.top_p <= 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_tokens must be at most {MAX_TOKENS_LIMIT}, temperature ≥ 0 and top_p in [0, 1]")  # fmt: skip
+        tok = self.sm.tokenizer
+        if request.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": request.prompt}], tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(request.prompt)
+        settings = SamplingSettings(max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS, temp=request.temperature,
+                                    top_p=request.top_p if request.top_p > 0 else 1.0,
+                                    seed=request.seed if request.HasField("seed") else None)  # fmt: skip
+        summary = GenerationSummary()
+        with self._generate_lock:
+            stats = self.sm.store.stats
+            last, t_last = stats.snapshot(), time.perf_counter()
+            try:
+                for t in Generator(self.sm).generate(ids, settings, lambda: not context.is_active(), summary):
+                    now, t_now = stats.snapshot(), time.perf_counter()
+                    d = _delta(now, last)
+                    yield node_pb2.GenerateEvent(token=node_pb2.TokenEvent(
+                        id=t.id, text=t.text, seconds=t_now - t_last, expert_uses=d[0], hub_bytes=d[1]))  # fmt: skip
+                    last, t_last = now, t_now
+            except ContextLengthError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except DownloadError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except ExpertmeshError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(
+            prompt_tokens=summary.prompt_tokens, generated_tokens=summary.generated_tokens,
+            time_to_first_token_s=summary.time_to_first_token_s, seconds=summary.seconds,
+            stop_reason=summary.stop_reason, trailing_text=summary.trailing_text,
+            expert_uses={s: summary.experts.uses[s] for s in SOURCES},
+            expert_bytes={s: summary.experts.bytes[s] for s in SOURCES}))  # fmt: skip
+
+
+def _delta(now, before) -> tuple[int, int]:
+    """(expert uses, hub bytes) between two snapshots of the store's stats."""
+    uses = sum(now.uses[s] - before.uses[s] for s in SOURCES)
+    return uses, now.bytes["hub"] - before.bytes["hub"]
