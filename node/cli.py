@@ -66,6 +66,33 @@ def _sampling(args: argparse.Namespace):
     return SamplingSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed)
 
 
+def _secret(args: argparse.Namespace) -> tuple[str, bool]:
+    """The household secret: --secret, EXPERTMESH_SECRET, else the one kept in the home (created if none)."""
+    from node.rpc_auth import load_or_create_secret
+
+    secret = getattr(args, "secret", None) or constants.household_secret()
+    if secret:
+        return secret, False
+    return load_or_create_secret(constants.expertmesh_home() / constants.SECRET_FILENAME)
+
+
+def _open_model(args: argparse.Namespace):
+    """The pulled model of `args.repo`, with the household's `--peer`s as a tier before the Hub."""
+    from node.streamed_model import open_model
+
+    sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
+    if args.peer:
+        from node.node_id import load_or_create_node_id
+        from node.peers import attach_peers
+
+        try:
+            attach_peers(sm, args.peer, _secret(args)[0], load_or_create_node_id(constants.expertmesh_home()))
+        except BaseException:
+            sm.close()
+            raise
+    return sm
+
+
 def _describe(sm) -> str:
     from node.sizes import format_size
 
@@ -86,9 +113,7 @@ def _generate_once(sm, prompt: str, args: argparse.Namespace) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from node.streamed_model import open_model
-
-    sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
+    sm = _open_model(args)
     try:
         print(_describe(sm), file=sys.stderr)
         _generate_once(sm, args.prompt, args)
@@ -100,10 +125,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from node.chat import ChatSession
     from node.generation import Generator
-    from node.streamed_model import open_model
     from node.terminal import chat_loop
 
-    sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
+    sm = _open_model(args)
     try:
         print(_describe(sm), file=sys.stderr)
         print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
@@ -161,15 +185,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from node.node_id import load_or_create_node_id
     from node.node_server import start_node_server
     from node.node_service import NodeService
-    from node.rpc_auth import load_or_create_secret
-    from node.streamed_model import open_model
-
     home = constants.expertmesh_home()
-    secret = args.secret or constants.household_secret()
-    created = False
-    if not secret:
-        secret, created = load_or_create_secret(home / constants.SECRET_FILENAME)
-    sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
+    secret, created = _secret(args)
+    sm = _open_model(args)
     try:
         node_id = load_or_create_node_id(home)
         running = start_node_server(NodeService(sm, node_id), secret, host=args.host, port=args.port)
@@ -246,6 +264,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="which experts RAM keeps (default %(default)s, chosen by `expertmesh replay` on traces)")
     p.add_argument("--trace", metavar="FILE", help="record the routed experts of every layer and pass to FILE")
     p.add_argument("--no-prefetch", action="store_true", help="do not guess and fetch the next layer's experts")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                   help="a node of the household to ask for experts before the Hub (repeatable)")
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:

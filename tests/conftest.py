@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from node import hub_client
+from node.hub_server import HubServer
 from node.tiny import ARCHS, make_tiny_model
 
 
@@ -20,3 +22,12 @@ def tiny_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def hub_root(tiny_repos: dict[str, Path]) -> Path:
     """The folder of repos that `expertmesh hub` serves in tests."""
     return next(iter(tiny_repos.values())).parent.parent
+
+
+@pytest.fixture(scope="module")
+def hub(hub_root: Path):
+    """A local Hub serving the tiny repos on loopback, with huggingface_hub pointed at it; one per
+    test module, so a module's faults and link settings never leak into another's."""
+    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+        yield server
+        server.knobs.faults = []

@@ -10,18 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from node import hub_client
 from node.hub_server import HubServer
 from node.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 CLI = [sys.executable, "-m", "node.cli"]
-
-
-@pytest.fixture(scope="module")
-def hub(hub_root: Path):
-    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from node import hub_client
 from node.chat import ChatSession
 from node.generation import GenerationSummary, Generator, SamplingSettings
 from node.hub_server import HubServer
@@ -52,13 +51,6 @@ def _open(arch: str, home: Path, ram_budget: str = "50%", prefetch: bool = True)
 
 
 # -- fixtures --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def hub(hub_root: Path):
-    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-        server.knobs.faults = []
-        yield server
 
 
 @pytest.fixture(scope="module")

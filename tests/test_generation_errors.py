@@ -34,14 +34,6 @@ FAST_RETRIES = dict(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.05)
 
 
 @pytest.fixture(scope="module")
-def hub(hub_root: Path):
-    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-        server.knobs.faults = []
-        yield server
-        server.knobs.faults = []
-
-
-@pytest.fixture(scope="module")
 def oracle_tokens(tiny_repos: dict[str, Path]):
     """prompt ids -> mlx-lm's greedy tokens on the whole repo (the model is loaded once)."""
     model, tokenizer = mlx_lm.load(str(tiny_repos[ARCH]))

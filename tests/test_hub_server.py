@@ -13,16 +13,9 @@ import pytest
 from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
 from huggingface_hub import errors as hf_errors
 
-from node import hub_client
 from node.hub_server import Fault, HubServer
 
 REPO = "expertmesh/tiny-kimi_k3"
-
-
-@pytest.fixture(scope="module")
-def hub(hub_root: Path):
-    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-        yield server
 
 
 def test_hf_hub_download_small_and_lfs(hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path) -> None:

@@ -18,12 +18,6 @@ from node.pull import pull
 from node.tiny import ARCHS
 
 
-@pytest.fixture(scope="module")
-def hub(hub_root: Path):
-    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-        yield server
-
-
 def _reset(hub: HubServer, faults: list[Fault] | None = None) -> None:
     with hub.stats_.lock:
         hub.stats_.reset()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from node import hub_client
 from node.expert_digests import DIGESTS_FILENAME, DigestBook, sha256
 from node.generation import Generator, SamplingSettings
 from node.hub_server import HubServer
@@ -17,12 +16,6 @@ from node.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "The store keeps every expert"
-
-
-@pytest.fixture(scope="module")
-def hub(hub_root: Path):
-    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-        yield server
 
 
 @pytest.fixture(scope="module")

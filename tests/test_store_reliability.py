@@ -24,13 +24,6 @@ PROMPT = "Faults come in bursts"
 FAST = dict(max_retries=8, backoff_base_s=0.005, backoff_max_s=0.05, timeout_s=0.5)
 
 
-@pytest.fixture(scope="module")
-def hub(hub_root: Path):
-    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-        yield server
-        server.knobs.faults = []
-
-
 def _generate(home: Path, reader=None, tokens: int = 16):
     sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False), hub_reader=reader)
     try:

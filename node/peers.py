@@ -1,0 +1,202 @@
+"""The peers tier: experts from other Macs of the household, between the disk and the Hub.
+
+Each expert has an owner: the live node with the highest weighted rendezvous score for the
+expert's key (weight = the node's disk budget), so ownership spreads in proportion to disk and
+moves little when a node comes or goes. A miss goes to the owner first, who fetches it from the
+Hub if it lacks it (so each expert crosses the internet once per household), keeps it and
+serves it. If this node is the owner, the store goes to the Hub itself. A peer that errs, times
+out or sends bad bytes is skipped for a while and counted by reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from node.expert_index import ExpertIndex, ExpertLocation
+from node.rpc_auth import call_metadata
+
+logger = logging.getLogger(__name__)
+
+FETCH_DEADLINE_S = 30.0  # for one expert from one peer, the owner's Hub fetch included
+SKIP_AFTER_ERROR_S = 30.0
+INFO_DEADLINE_S = 5.0
+
+
+@dataclass
+class Peer:
+    node_id: str
+    address: str  # host:port
+    weight: float  # its disk budget in bytes: a bigger disk owns more experts
+    role: str = "full"
+    skip_until: float = 0.0
+
+    @property
+    def live(self) -> bool:
+        return time.monotonic() >= self.skip_until
+
+
+def rendezvous_score(key: str, node_id: str, weight: float) -> float:
+    """Weighted rendezvous (highest random weight) score: -w / ln(u), u uniform in (0, 1) from a hash."""
+    if weight <= 0:
+        return -math.inf
+    h = int.from_bytes(hashlib.sha256(f"{key}|{node_id}".encode()).digest()[:8], "big")
+    u = (h + 0.5) / 2**64
+    return -weight / math.log(u)
+
+
+def expert_key(index: ExpertIndex, layer: int, expert: int) -> str:
+    return f"{index.repo_id}@{index.commit}/{layer}/{expert}"
+
+
+@dataclass
+class PeerTable:
+    """The peers this node knows: from `--peer` addresses and, later, from zeroconf."""
+
+    self_id: str
+    self_weight: float
+    peers: dict[str, Peer] = field(default_factory=dict)
+    errors: Counter = field(default_factory=Counter)  # reason -> count
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, peer: Peer) -> None:
+        with self._lock:
+            if peer.node_id == self.self_id:
+                return  # our own advertisement
+            self.peers[peer.node_id] = peer
+
+    def remove(self, node_id: str) -> None:
+        with self._lock:
+            self.peers.pop(node_id, None)
+
+    def penalise(self, peer: Peer, reason: str) -> None:
+        with self._lock:
+            self.errors[reason] += 1
+            peer.skip_until = time.monotonic() + SKIP_AFTER_ERROR_S
+        logger.warning("peer %s (%s): %s; skipping it for %.0f s", peer.node_id, peer.address, reason, SKIP_AFTER_ERROR_S)
+
+    def ranked(self, key: str) -> list[Peer | None]:
+        """Live peers by rendezvous score for `key`, best first; None stands for this node."""
+        with self._lock:
+            entries = [(rendezvous_score(key, p.node_id, p.weight), p) for p in self.peers.values() if p.live]
+        entries.append((rendezvous_score(key, self.self_id, self.self_weight), None))
+        return [p for _, p in sorted(entries, key=lambda e: e[0], reverse=True)]
+
+
+def describe_peer(address: str, secret: str) -> Peer:
+    """Ask a node at `address` who it is (for a static `--peer`)."""
+    with grpc.insecure_channel(address) as channel:
+        info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
+                                                    timeout=INFO_DEADLINE_S)  # fmt: skip
+    return Peer(info.node_id, address, float(info.disk_budget_bytes), info.role)
+
+
+class PeerSource:
+    """A `ByteSource` over the household: the owner first, then the other live peers."""
+
+    name = "peer"
+
+    def __init__(self, index: ExpertIndex, table: PeerTable, secret: str, deadline_s: float = FETCH_DEADLINE_S):
+        self.index = index
+        self.table = table
+        self._metadata = call_metadata(secret)
+        self.deadline_s = deadline_s
+        self._channels: dict[str, grpc.Channel] = {}
+        self._last_server: dict[tuple[int, int], Peer] = {}
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc.insecure_channel(address)
+            return node_pb2_grpc.NodeStub(channel)
+
+    def fetch(self, loc: ExpertLocation) -> bytes | None:
+        """The expert from the household, or None: the caller goes to the Hub (this node owns it, or
+        no peer could serve it in time)."""
+        key = expert_key(self.index, loc.layer, loc.expert)
+        ranked = self.table.ranked(key)
+        deadline = time.monotonic() + self.deadline_s
+        for n, peer in enumerate(ranked):
+            if peer is None:
+                if n == 0:
+                    return None  # we own it: we fetch it from the Hub ourselves
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            blob = self._fetch_from(peer, loc, owner=(n == 0), timeout=left)
+            if blob is not None:
+                self._last_server[(loc.layer, loc.expert)] = peer
+                return blob
+        return None
+
+    def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> bytes | None:
+        request = node_pb2.FetchExpertRequest(
+            key=node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id=self.index.repo_id, commit=self.index.commit),
+                                   layer=loc.layer, expert=loc.expert),
+            fetch_on_miss=owner)  # fmt: skip
+        try:
+            parts, size, digest = [], None, None
+            for chunk in self._stub(peer.address).FetchExpert(request, metadata=self._metadata, timeout=timeout):
+                if size is None:
+                    size, digest = chunk.size, chunk.sha256
+                parts.append(chunk.data)
+                if sum(map(len, parts)) > loc.nbytes:
+                    self.table.penalise(peer, "oversized")
+                    return None
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND and not owner:
+                return None  # an honest miss
+            self.table.penalise(peer, e.code().name.lower())
+            return None
+        blob = b"".join(parts)
+        if size != loc.nbytes or len(blob) != loc.nbytes:
+            self.table.penalise(peer, "wrong_size")
+            return None
+        if hashlib.sha256(blob).hexdigest() != digest:
+            self.table.penalise(peer, "bad_digest")
+            return None
+        return blob
+
+    def discard(self, loc: ExpertLocation) -> None:
+        """The store found these bytes disagree with the digest it recorded: the peer lied."""
+        peer = self._last_server.pop((loc.layer, loc.expert), None)
+        if peer is not None:
+            self.table.penalise(peer, "bad_bytes")
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+def attach_peers(sm, addresses: list[str], secret: str, node_id: str) -> PeerSource:
+    """Put a peers tier for `addresses` between the disk and the Hub of a streamed model's store.
+
+    Raises:
+        EndpointUnreachableError: a listed peer does not answer (or refuses the secret).
+    """
+    from node.errors import EndpointUnreachableError
+
+    table = PeerTable(self_id=node_id, self_weight=float(sm.disk.budget_bytes))
+    for address in addresses:
+        try:
+            table.add(describe_peer(address, secret))
+        except grpc.RpcError as e:
+            raise EndpointUnreachableError(f"peer {address} did not answer Info ({e.code().name.lower()}): "
+                                           "is it running, and is the household secret the same?") from None  # fmt: skip
+    source = PeerSource(sm.index, table, secret)
+    hub_at = next(i for i, s in enumerate(sm.store.sources) if s.name == "hub")
+    sm.store.sources.insert(hub_at, source)
+    return source

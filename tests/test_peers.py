@@ -1,0 +1,127 @@
+"""The peers tier between two real nodes on loopback: experts come from the household before the
+Hub, each crosses the Hub once, the output is the single-node output, and a lying peer is caught."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx_lm
+import pytest
+
+from expertmesh.v1 import node_pb2
+from node.generation import Generator, SamplingSettings
+from node.hub_server import HubServer
+from node.node_server import start_node_server
+from node.node_service import NodeService
+from node.peers import Peer, PeerTable, attach_peers, rendezvous_score
+from node.pull import pull
+from node.streamed_model import StoreConfig, open_model
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+SECRET = "peers-test-secret"
+PROMPT = "Ask the household first"
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_repos: dict[str, Path]) -> list[int]:
+    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+    return [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=16) if r.finish_reason != "stop"]
+
+
+def _node(home: Path, servicer_class=NodeService, node_id: str = "owner"):
+    pull(REPO_ID, home=home, progress=False)
+    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False))
+    return sm, start_node_server(servicer_class(sm, node_id), SECRET, host="127.0.0.1", port=0)
+
+
+def _client(home: Path, port: int):
+    """A node with no disk budget: it owns nothing, so every expert it lacks comes from peers."""
+    pull(REPO_ID, home=home, progress=False)
+    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False, disk_budget="0"))
+    source = attach_peers(sm, [f"127.0.0.1:{port}"], SECRET, node_id="client")
+    return sm, source
+
+
+def _generate(sm) -> list[int]:
+    return [t.id for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=16))]
+
+
+def test_experts_come_from_the_owner_and_cross_the_hub_once(hub: HubServer, expected, tmp_path: Path) -> None:
+    owner, running = _node(tmp_path / "owner")
+    client, source = _client(tmp_path / "client", running.port)
+    try:
+        before = hub.stats()["bytes_served"]
+        assert _generate(client) == expected
+        stats = client.store.stats
+        assert stats.uses["peer"] > 0 and stats.uses["hub"] == 0
+        distinct = {(lay, e) for lay, e in client.index.experts if (lay, e) in owner.disk}
+        served = hub.stats()["bytes_served"] - before
+        assert served == sum(owner.index.expert(*k).nbytes for k in distinct)  # the owner fetched each once
+        assert _generate(client) == expected  # again: the owner now serves from its disk
+        assert hub.stats()["bytes_served"] - before == served
+    finally:
+        client.close()
+        running.stop()
+        owner.close()
+
+
+class _LyingNode(NodeService):
+    """Flips the bytes it serves but claims the digest of the real ones."""
+
+    def FetchExpert(self, request, context):
+        for chunk in super().FetchExpert(request, context):
+            yield node_pb2.ExpertChunk(size=chunk.size, sha256=chunk.sha256, data=bytes(b ^ 0xFF for b in chunk.data))
+
+
+def test_a_lying_peer_is_caught_skipped_and_counted(hub: HubServer, expected, tmp_path: Path) -> None:
+    liar, running = _node(tmp_path / "liar", _LyingNode, node_id="liar")
+    client, source = _client(tmp_path / "client", running.port)
+    try:
+        assert _generate(client) == expected  # every bad copy was refused; the Hub filled in
+        assert source.table.errors["bad_digest"] >= 1
+        assert client.store.stats.uses["hub"] > 0
+    finally:
+        client.close()
+        running.stop()
+        liar.close()
+
+
+def test_ownership_follows_disk_budgets_and_moves_little() -> None:
+    table = PeerTable(self_id="a", self_weight=100.0)
+    table.add(Peer("b", "x:1", 100.0))
+    table.add(Peer("c", "x:2", 200.0))
+    keys = [f"repo@sha/{layer}/{e}" for layer in range(4) for e in range(500)]
+    owners = {k: (table.ranked(k)[0].node_id if table.ranked(k)[0] else "a") for k in keys}
+    share_c = sum(o == "c" for o in owners.values()) / len(keys)
+    assert 0.45 < share_c < 0.55  # half the disk, half the experts
+    table.add(Peer("d", "x:3", 100.0))
+    moved = sum((table.ranked(k)[0].node_id if table.ranked(k)[0] else "a") != owners[k] for k in keys)
+    assert moved / len(keys) < 0.3  # only what the newcomer takes (1/5) moves
+    assert rendezvous_score("k", "n", 0.0) == float("-inf")  # no disk, no ownership
+
+
+def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    owner, running = _node(tmp_path / "owner")
+    try:
+        pull(REPO_ID, home=tmp_path / "client", progress=False)
+        env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path / "client"), "EXPERTMESH_SECRET": SECRET,
+               "HF_ENDPOINT": hub.url}  # fmt: skip
+        r = subprocess.run([sys.executable, "-m", "node.cli", "run", REPO_ID, PROMPT, "--max-tokens", "16",
+                            "--disk-budget", "0", "--no-prefetch", "--peer", f"127.0.0.1:{running.port}"],
+                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+        assert r.stdout == mlx_lm.generate(ref, tok, PROMPT, max_tokens=16) + "\n"  # the single-node text
+        line = next(ln for ln in r.stderr.splitlines() if "expert uses by source" in ln)
+        assert " peer " in line and "hub 0 " in line
+        bad = subprocess.run([sys.executable, "-m", "node.cli", "run", REPO_ID, PROMPT, "--peer",
+                              f"127.0.0.1:{running.port}"], env={**env, "EXPERTMESH_SECRET": "wrong"},
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert bad.returncode != 0 and "secret" in bad.stderr and SECRET not in bad.stderr
+    finally:
+        running.stop()
+        owner.close()
