@@ -81,7 +81,7 @@ def _open_model(args: argparse.Namespace):
     from node.streamed_model import open_model
 
     sm = open_model(args.repo, revision=args.revision, store_config=_store_config(args))
-    if args.peer:
+    if args.peer or getattr(args, "discover", False):
         from node.node_id import load_or_create_node_id
         from node.peers import attach_peers
 
@@ -192,6 +192,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         node_id = load_or_create_node_id(home)
         running = start_node_server(NodeService(sm, node_id), secret, host=args.host, port=args.port)
         print(f"node {node_id} serving {sm.repo_id} @ {sm.commit[:12]} on {args.host}:{running.port}")
+        discovery = None
+        if args.discover:
+            from node.discovery import Advertisement, Discovery
+
+            peers = next(s for s in sm.store.sources if s.name == "peer")
+            address = args.interface or (args.host if args.host not in ("0.0.0.0", "") else _lan_address())
+            ad = Advertisement(node_id, args.cluster, "full", running.port, sm.disk.budget_bytes)
+            discovery = Discovery(peers.table, ad, address, [args.interface] if args.interface else None)
+            print(f"advertising in cluster {args.cluster!r} as {address}:{running.port}; peers join as they appear")
         print(_describe(sm))
         if created:
             print("created a household secret; to join another Mac, run there:")
@@ -205,10 +214,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
         print("stopping", file=sys.stderr)
+        if discovery is not None:
+            discovery.close()
         running.stop()
     finally:
         sm.close()
-    return 0
+    # Everything is stopped and every cached file was published atomically. A node that fetched
+    # from peers sometimes dies in a C++ destructor at interpreter exit ("terminate called without
+    # an active exception", grpc or MLX threads); skip those destructors: there is nothing left to save.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _lan_address() -> str:
+    """This machine's address on the default route (no packet is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only selects the interface
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
@@ -324,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
     p.add_argument("--port", type=int, default=constants.DEFAULT_NODE_PORT, help="0 picks a free port (default %(default)s)")
     p.add_argument("--secret", help="the household secret (default EXPERTMESH_SECRET, else the one kept in the home)")
+    p.add_argument("--cluster", default="home", help="zeroconf cluster name: nodes join their own cluster only")
+    p.add_argument("--interface", metavar="IP", help="advertise and browse on this address only")
+    p.add_argument("--no-discovery", dest="discover", action="store_false",
+                   help="no zeroconf: peers only from --peer (where multicast does not work)")
     _add_model_arguments(p)
     p.set_defaults(func=_cmd_serve)
 

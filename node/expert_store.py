@@ -32,6 +32,7 @@ SOURCES = ("ram", "disk", "peer", "hub")
 PREFETCH_OUTCOMES = ("issued", "used", "wasted")
 DEMAND, PREFETCH = 0, 1  # queue priorities: a guess never goes before a demanded expert
 DEFAULT_FETCH_CONCURRENCY = 8
+CLOSE_TIMEOUT_S = 10.0
 INTEGRITY_RETRIES = 2  # refetches from a remote source whose bytes failed their sha256 check
 # Prefetch pauses for PREFETCH_PAUSE_CALLS layer calls when fewer than PREFETCH_MIN_ACCURACY of
 # the last PREFETCH_WINDOW guesses were used.
@@ -379,6 +380,11 @@ class ExpertStore:
     def close(self) -> None:
         for _ in self._workers:
             self._queue.put((-1, -1, None))  # before any queued fetch: workers stop at once
+        # Join them (bounded: one may be mid-fetch): MLX aborts the process at exit if a thread
+        # that decoded experts with it is still running then.
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for w in self._workers:
+            w.join(max(0.0, deadline - time.monotonic()))
         for source in self.sources:
             if hasattr(source, "close"):
                 source.close()

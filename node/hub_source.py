@@ -72,4 +72,4 @@ class HubSource:
                                 "what was fetched is cached, so running again continues") from None  # fmt: skip
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)

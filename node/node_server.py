@@ -22,10 +22,14 @@ class RunningServer:
     server: grpc.Server
     port: int
     health: health.HealthServicer
+    executor: futures.ThreadPoolExecutor
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        # grpc leaves its executor's threads alive; MLX aborts the process at exit if a thread
+        # that ran a generation is still alive then, so join them here.
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 def start_node_server(servicer: node_pb2_grpc.NodeServicer, secret: str, host: str = "127.0.0.1", port: int = 0,
@@ -33,8 +37,8 @@ def start_node_server(servicer: node_pb2_grpc.NodeServicer, secret: str, host: s
     """Start serving; `port` 0 picks a free one (see `RunningServer.port`)."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         interceptors=[SecretInterceptor(secret)], options=options)  # fmt: skip
+    executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
+    server = grpc.server(executor, interceptors=[SecretInterceptor(secret)], options=options)
     node_pb2_grpc.add_NodeServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -45,4 +49,4 @@ def start_node_server(servicer: node_pb2_grpc.NodeServicer, secret: str, host: s
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, health_servicer)
+    return RunningServer(server, bound, health_servicer, executor)

@@ -1,0 +1,119 @@
+"""Zeroconf on loopback: nodes of one cluster find each other by advertisement alone, leave when
+they stop, ignore other clusters, report a duplicate id — and a generation takes experts from a
+node found that way."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import socket
+
+import grpc
+import mlx_lm
+from zeroconf import ServiceInfo, Zeroconf
+
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from node.discovery import Advertisement, Discovery
+from node.hub_server import HubServer
+from node.peers import PeerTable
+from node.pull import pull
+from node.rpc_auth import call_metadata
+
+LOOPBACK = ["127.0.0.1"]
+
+
+def _wait(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _discovery(node_id: str, cluster: str = "test-cluster", port: int = 1000) -> Discovery:
+    table = PeerTable(self_id=node_id, self_weight=1.0)
+    return Discovery(table, Advertisement(node_id, cluster, "full", port, 10**9), "127.0.0.1", LOOPBACK)
+
+
+def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
+    a, b, other = _discovery("node-a"), _discovery("node-b", port=1001), _discovery("node-x", "elsewhere", 1002)
+    try:
+        assert _wait(lambda: "node-b" in a.table.peers and "node-a" in b.table.peers)
+        assert a.table.peers["node-b"].address == "127.0.0.1:1001" and a.table.peers["node-b"].weight == 10**9
+        time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
+        assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
+        b.close()
+        assert _wait(lambda: "node-b" not in a.table.peers)
+    finally:
+        for d in (a, other):
+            d.close()
+
+
+def test_a_duplicate_node_id_is_reported_not_joined() -> None:
+    a = _discovery("same-id")
+    try:  # a second advertiser of the same id under another name, as a copied home folder makes
+        zc = Zeroconf(interfaces=LOOPBACK)
+        info = ServiceInfo("_expertmesh._tcp.local.", "copied-home._expertmesh._tcp.local.", port=2000,
+                           addresses=[socket.inet_aton("127.0.0.1")],
+                           properties=Advertisement("same-id", "test-cluster", "full", 2000, 1).properties(),
+                           server="copied.local.")  # fmt: skip
+        zc.register_service(info)
+        try:
+            assert _wait(lambda: a.duplicates > 0)
+            assert "same-id" not in a.table.peers
+        finally:
+            zc.unregister_service(info)
+            zc.close()
+    finally:
+        a.close()
+
+
+def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
+    env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "expertmesh/tiny-kimi_k3", "--host", "127.0.0.1",
+                             "--port", "0", "--interface", "127.0.0.1", "--cluster", "zc-e2e", "--no-prefetch", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    out = ""
+    while "advertising" not in out and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(proc.stderr.read())
+        out += line
+    return proc, int(re.search(r"on 127\.0\.0\.1:(\d+)", out).group(1))
+
+
+def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
+    for name in ("owner", "client"):
+        pull("expertmesh/tiny-kimi_k3", home=tmp_path / name, progress=False)
+    owner, _ = _serve(tmp_path / "owner", hub)
+    client, port = _serve(tmp_path / "client", hub, "--disk-budget", "0")  # owns nothing: peers first
+    try:
+        time.sleep(2.0)  # let the advertisements cross
+        prompt = "Found by zeroconf"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            events = list(node_pb2_grpc.NodeStub(channel).Generate(
+                node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id="expertmesh/tiny-kimi_k3"), prompt=prompt,
+                                         max_tokens=12), metadata=call_metadata("zc-secret"), timeout=120))  # fmt: skip
+        tokens = [e.token.id for e in events if e.HasField("token")]
+        ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+        assert tokens == [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"]
+        done = events[-1].done
+        assert done.expert_uses["peer"] > 0 and done.expert_uses["hub"] == 0
+    finally:
+        for proc in (client, owner):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (client, owner):
+            try:
+                assert proc.wait(timeout=60) == 0
+            finally:
+                proc.kill()
+                proc.stdout.close()
+                proc.stderr.close()
