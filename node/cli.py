@@ -20,7 +20,8 @@ DEMO_REPO = constants.DEMO_REPO
 def _cmd_pull(args: argparse.Namespace) -> int:
     from node.pull import pull
 
-    result = pull(args.repo, revision=args.revision, progress=not args.no_progress, concurrency=args.concurrency)
+    result = pull(args.repo, revision=args.revision, progress=not args.no_progress, concurrency=args.concurrency,
+                  index_only=args.index_only)  # fmt: skip
     _print_pull(result)
     return 0
 
@@ -185,23 +186,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from node.node_id import load_or_create_node_id
     from node.node_server import start_node_server
     from node.node_service import NodeService
+    from node.peers import PeerTable
+
     home = constants.expertmesh_home()
     secret, created = _secret(args)
-    sm = _open_model(args)
+    node_id = load_or_create_node_id(home)
+    if args.cache_only:
+        from node.served_experts import open_cache_peer
+
+        sm, experts = None, open_cache_peer(args.repo, args.revision, home, args.disk_budget)
+        table = PeerTable(node_id, float(experts.disk.budget_bytes))  # followed for the household view only
+        close = experts.close
+    else:
+        sm, experts = _open_model(args), None
+        table = next(s for s in sm.store.sources if s.name == "peer").table if args.discover or args.peer else None
+        close = sm.close
     try:
-        node_id = load_or_create_node_id(home)
-        running = start_node_server(NodeService(sm, node_id), secret, host=args.host, port=args.port)
-        print(f"node {node_id} serving {sm.repo_id} @ {sm.commit[:12]} on {args.host}:{running.port}")
+        service = NodeService(sm, node_id, experts)
+        ex = service.experts
+        running = start_node_server(service, secret, host=args.host, port=args.port)
+        print(f"{service.role} node {node_id} serving {ex.repo_id} @ {ex.commit[:12]} on {args.host}:{running.port}")
         discovery = None
         if args.discover:
             from node.discovery import Advertisement, Discovery
 
-            peers = next(s for s in sm.store.sources if s.name == "peer")
             address = args.interface or (args.host if args.host not in ("0.0.0.0", "") else _lan_address())
-            ad = Advertisement(node_id, args.cluster, "full", running.port, sm.disk.budget_bytes)
-            discovery = Discovery(peers.table, ad, address, [args.interface] if args.interface else None)
+            ad = Advertisement(node_id, args.cluster, service.role, running.port, ex.disk.budget_bytes)
+            discovery = Discovery(table, ad, address, [args.interface] if args.interface else None)
             print(f"advertising in cluster {args.cluster!r} as {address}:{running.port}; peers join as they appear")
-        print(_describe(sm))
+        print(_describe(sm) if sm is not None else
+              f"cache peer: experts on disk ({format_size(ex.disk.budget_bytes)} at {ex.disk.root}), the Hub on a miss")  # fmt: skip
         if created:
             print("created a household secret; to join another Mac, run there:")
             print(f"  EXPERTMESH_SECRET={secret} expertmesh serve {args.repo}")
@@ -218,7 +232,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             discovery.close()
         running.stop()
     finally:
-        sm.close()
+        close()
     # Everything is stopped and every cached file was published atomically. A node that fetched
     # from peers sometimes dies in a C++ destructor at interpreter exit ("terminate called without
     # an active exception", grpc or MLX threads); skip those destructors: there is nothing left to save.
@@ -316,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="branch, tag or commit sha (default: main)")
     p.add_argument("--concurrency", type=int, default=constants.PULL_CONCURRENCY, help="range requests in flight")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--index-only", action="store_true", help="only the expert index (for `serve --cache-only`)")
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("tiny-model", help="write a tiny MoE repo in an upstream layout (tests, demos)")
@@ -356,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interface", metavar="IP", help="advertise and browse on this address only")
     p.add_argument("--no-discovery", dest="discover", action="store_false",
                    help="no zeroconf: peers only from --peer (where multicast does not work)")
+    p.add_argument("--cache-only", action="store_true",
+                   help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)")
     _add_model_arguments(p)
     p.set_defaults(func=_cmd_serve)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from node.errors import NotPulledError
 
 COMPLETE_MARKER = "pull_complete.json"
+INDEX_MARKER = "index_complete.json"  # `pull --index-only`: the expert index without the core
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -49,6 +50,16 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE_MARKER).is_file()
 
 
+def _local_commit(home: Path, repo_id: str, revision: str) -> Path | None:
+    """The folder `revision` (a sha, or a ref recorded at pull time) points to, if known."""
+    root = model_root(home, repo_id)
+    commit = revision if _SHA_RE.match(revision) else None
+    ref = root / "refs" / revision.replace("/", "--")
+    if commit is None and ref.is_file():
+        commit = ref.read_text().strip()
+    return root / commit if commit else None
+
+
 def find_pulled(home: Path, repo_id: str, revision: str | None = None) -> Path:
     """The folder of a completely pulled revision (default `main`).
 
@@ -56,15 +67,25 @@ def find_pulled(home: Path, repo_id: str, revision: str | None = None) -> Path:
         NotPulledError: with the command that pulls it.
     """
     revision = revision or "main"
-    root = model_root(home, repo_id)
-    commit = revision if _SHA_RE.match(revision) else None
-    ref = root / "refs" / revision.replace("/", "--")
-    if commit is None and ref.is_file():
-        commit = ref.read_text().strip()
-    if commit and is_complete(root / commit):
-        return root / commit
+    folder = _local_commit(home, repo_id, revision)
+    if folder is not None and is_complete(folder):
+        return folder
     hint = f" --revision {revision}" if revision != "main" else ""
     raise NotPulledError(f"{repo_id}@{revision} is not pulled yet: run `expertmesh pull {repo_id}{hint}`")
+
+
+def find_index(home: Path, repo_id: str, revision: str | None = None) -> Path:
+    """The folder of a revision whose expert index is pulled (with or without its core).
+
+    Raises:
+        NotPulledError: with the command that pulls it.
+    """
+    revision = revision or "main"
+    folder = _local_commit(home, repo_id, revision)
+    if folder is not None and ((folder / INDEX_MARKER).is_file() or is_complete(folder)):
+        return folder
+    hint = f" --revision {revision}" if revision != "main" else ""
+    raise NotPulledError(f"{repo_id}@{revision} has no expert index here: run `expertmesh pull --index-only {repo_id}{hint}`")
 
 
 def read_marker(path: Path) -> dict:

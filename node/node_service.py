@@ -20,6 +20,7 @@ from node.expert_digests import sha256
 from node.expert_store import SOURCES
 from node.errors import DownloadError, ExpertmeshError
 from node.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
+from node.served_experts import ServedExperts
 from node.streamed_model import StreamedModel
 
 logger = logging.getLogger(__name__)
@@ -41,37 +42,43 @@ def _version() -> str:
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
-    def __init__(self, sm: StreamedModel, node_id: str):
+    """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
+
+    def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None):
         self.sm = sm
+        self.experts = experts or ServedExperts.of_model(sm)
         self.node_id = node_id
+        self.role = "full" if sm is not None else "cache"
         self._generate_lock = threading.Lock()  # one generation at a time: the model has one cache
-        self._fetch_lock = threading.Lock()
 
     # -- helpers ------------------------------------------------------------------------------
 
     def _model_key(self) -> node_pb2.ModelKey:
-        return node_pb2.ModelKey(repo_id=self.sm.repo_id, commit=self.sm.commit)
+        return node_pb2.ModelKey(repo_id=self.experts.repo_id, commit=self.experts.commit)
 
     def _check_model(self, model: node_pb2.ModelKey, context, allow_empty_commit: bool = False) -> None:
-        if model.repo_id != self.sm.repo_id or (model.commit != self.sm.commit
-                                                  and not (allow_empty_commit and not model.commit)):  # fmt: skip
-            context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves {self.sm.repo_id}@{self.sm.commit[:12]} only")
+        ex = self.experts
+        if model.repo_id != ex.repo_id or (model.commit != ex.commit and not (allow_empty_commit and not model.commit)):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves {ex.repo_id}@{ex.commit[:12]} only")
 
     # -- rpcs ---------------------------------------------------------------------------------
 
     def Info(self, request, context) -> node_pb2.InfoResponse:
-        import mlx.core as mx
+        mlx_version = ""
+        if self.sm is not None:
+            import mlx.core as mx
 
-        disk = self.sm.disk
-        return node_pb2.InfoResponse(node_id=self.node_id, role="full", models=[self._model_key()],
-                                     ram_budget_bytes=self.sm.store.ram.budget_bytes,
+            mlx_version = mx.__version__
+        disk = self.experts.disk
+        return node_pb2.InfoResponse(node_id=self.node_id, role=self.role, models=[self._model_key()],
+                                     ram_budget_bytes=self.experts.ram_budget_bytes,
                                      disk_budget_bytes=disk.budget_bytes, disk_used_bytes=disk.nbytes,
-                                     expertmesh_version=_version(), mlx_version=mx.__version__,
+                                     expertmesh_version=_version(), mlx_version=mlx_version,
                                      protocol_version=PROTOCOL_VERSION)  # fmt: skip
 
     def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
         self._check_model(request.model, context)
-        index, disk = self.sm.index, self.sm.disk
+        index, disk = self.experts.index, self.experts.disk
         layers = []
         for layer in index.moe_layers:
             n = 1 + max(e for (lay, e) in index.experts if lay == layer)
@@ -85,14 +92,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
     def FetchExpert(self, request, context) -> Iterator[node_pb2.ExpertChunk]:
         key = request.key
         self._check_model(key.model, context)
-        loc = self.sm.index.experts.get((key.layer, key.expert))
+        loc = self.experts.index.experts.get((key.layer, key.expert))
         if loc is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.sm.repo_id} has no expert {key.expert} in layer {key.layer}")
-        blob = self._held_copy(loc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.experts.repo_id} has no expert {key.expert} in layer {key.layer}")
+        blob = self.experts.held_copy(loc)
         if blob is None:
             if not request.fetch_on_miss:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"expert {key.expert} of layer {key.layer} is not held here")
-            blob = self._fetch_upstream(loc, context)
+            try:
+                blob = self.experts.fetch_as_owner(loc)
+            except ExpertmeshError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
         digest = sha256(blob)
         view = memoryview(blob)
         for start in range(0, len(blob), CHUNK_BYTES):
@@ -101,46 +111,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 chunk.size, chunk.sha256 = len(blob), digest
             yield chunk
 
-    def _held_copy(self, loc):
-        """The disk copy, checked against its recorded digest; None if absent or bad."""
-        blob = self.sm.disk.fetch(loc)
-        if blob is None:
-            return None
-        known = self.sm.store.digests.get((loc.layer, loc.expert)) if self.sm.store.digests else None
-        if known is not None and sha256(blob) == known:
-            return blob
-        self.sm.store.stats.record_integrity_failure("disk")
-        self.sm.disk.discard(loc)
-        return None
-
-    def _fetch_upstream(self, loc, context):
-        """As the owner: fetch from the sources after the disk, keep it, and serve it."""
-        key = (loc.layer, loc.expert)
-        with self._fetch_lock:  # single flight for peers asking at once
-            blob = self._held_copy(loc)
-            if blob is not None:
-                return blob
-            for source in self.sm.store.sources:
-                if source.name == "disk":
-                    continue
-                try:
-                    blob = source.fetch(loc)
-                except Exception as e:  # noqa: BLE001 - reported to the caller as UNAVAILABLE
-                    context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
-                if blob is None or len(blob) != loc.nbytes:
-                    continue
-                digests = self.sm.store.digests
-                known = digests.get(key) if digests else None
-                if known is not None and sha256(blob) != known:
-                    self.sm.store.stats.record_integrity_failure(source.name)
-                    continue
-                if digests is not None and known is None:
-                    digests.record(key, sha256(blob))
-                self.sm.disk.put(loc, blob)
-                return blob
-        context.abort(grpc.StatusCode.UNAVAILABLE, "no source has a good copy of this expert")
-
     def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
+        if self.sm is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with")
         self._check_model(request.model, context, allow_empty_commit=True)
         if len(request.prompt) > MAX_PROMPT_CHARS or not request.prompt:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt must have 1 to {MAX_PROMPT_CHARS} characters")

@@ -75,8 +75,12 @@ def pull(
     progress: bool = True,
     concurrency: int = constants.PULL_CONCURRENCY,
     reader: RangeReader | None = None,
+    index_only: bool = False,
 ) -> PullResult:
     """Pull the core and expert index of `repo_id` at `revision` (default `main`).
+
+    `index_only` pulls the config, tokenizer and expert index but not the core: all a cache peer
+    (`serve --cache-only`) needs to fetch and serve experts.
 
     Raises:
         ModelNotFoundError, AuthError, EndpointUnreachableError: from the endpoint.
@@ -99,6 +103,14 @@ def pull(
     model_type = check_supported(config, repo_id)
 
     index = _build_index(repo_id, commit, files, reader, concurrency)
+    if index_only:
+        index.save(target / INDEX_FILENAME)
+        result = PullResult(repo_id=repo_id, commit=commit, path=target, model_type=model_type, core_bytes=0,
+                            fetched_bytes=0, expert_count=len(index.experts), expert_bytes=index.expert_bytes,
+                            moe_layers=len(index.moe_layers), seconds=time.monotonic() - t0, retries=reader.retries)  # fmt: skip
+        _write_atomic(target / local_models.INDEX_MARKER, json.dumps({"repo_id": repo_id, "commit": commit}))
+        local_models.record_ref(home, repo_id, revision or "main", commit)
+        return result
     parts = _plan_parts(index)
     parts_dir = target / _PARTS
     have = {p for p in parts if _part_is_valid(p, parts_dir)}

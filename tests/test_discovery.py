@@ -16,10 +16,13 @@ import socket
 
 import grpc
 import mlx_lm
+import pytest
 from zeroconf import ServiceInfo, Zeroconf
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 from node.discovery import Advertisement, Discovery
+from node.expert_index import ExpertIndex
+from node.local_models import find_pulled
 from node.hub_server import HubServer
 from node.peers import PeerTable
 from node.pull import pull
@@ -90,6 +93,19 @@ def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, i
     return proc, int(re.search(r"on 127\.0\.0\.1:(\d+)", out).group(1))
 
 
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every node, then each must exit cleanly (and is killed regardless)."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()
+            proc.stdout.close()
+            proc.stderr.close()
+
+
 def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
     for name in ("owner", "client"):
         pull("expertmesh/tiny-kimi_k3", home=tmp_path / name, progress=False)
@@ -108,12 +124,44 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, tiny
         done = events[-1].done
         assert done.expert_uses["peer"] > 0 and done.expert_uses["hub"] == 0
     finally:
-        for proc in (client, owner):
-            proc.send_signal(signal.SIGTERM)
-        for proc in (client, owner):
-            try:
-                assert proc.wait(timeout=60) == 0
-            finally:
-                proc.kill()
-                proc.stdout.close()
-                proc.stderr.close()
+        _stop([client, owner])
+
+
+def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
+    """The issue's household: cache peers found by zeroconf alone own the experts between them."""
+    repo_id = "expertmesh/tiny-kimi_k3"
+    pull(repo_id, home=tmp_path / "full", progress=False)
+    for name in ("cache-a", "cache-b"):
+        pull(repo_id, home=tmp_path / name, progress=False, index_only=True)
+    peers = [_serve(tmp_path / name, hub, "--cache-only", "--disk-budget", "100MB") for name in ("cache-a", "cache-b")]
+    full, port = _serve(tmp_path / "full", hub, "--disk-budget", "0")
+    procs = [full] + [p for p, _ in peers]
+    try:
+        time.sleep(2.0)
+        before = hub.stats()["bytes_served"]
+        prompt = "A household of three"
+        md = call_metadata("zc-secret")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = node_pb2_grpc.NodeStub(channel)
+            events = list(stub.Generate(node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=repo_id), prompt=prompt,
+                                                                 max_tokens=12), metadata=md, timeout=120))  # fmt: skip
+        tokens = [e.token.id for e in events if e.HasField("token")]
+        ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+        assert tokens == [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"]
+        assert events[-1].done.expert_uses["peer"] > 0 and events[-1].done.expert_uses["hub"] == 0
+        held = 0
+        for _, peer_port in peers:  # what the two owners keep, between them
+            with grpc.insecure_channel(f"127.0.0.1:{peer_port}") as channel:
+                stub = node_pb2_grpc.NodeStub(channel)
+                info = stub.Info(node_pb2.InfoRequest(), metadata=md, timeout=10)
+                assert info.role == "cache" and info.mlx_version == ""
+                inventory = stub.GetInventory(node_pb2.InventoryRequest(model=info.models[0]), metadata=md, timeout=10)
+                held += sum(bin(b).count("1") for layer in inventory.layers for b in layer.bits)
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stub.Generate(node_pb2.GenerateRequest(model=info.models[0], prompt="x"), metadata=md, timeout=10))
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        index = ExpertIndex.load(find_pulled(tmp_path / "full", repo_id) / "expert_index.json")
+        expert_bytes = next(iter(index.experts.values())).nbytes  # one size for all: the tiny K3's experts
+        assert held > 0 and hub.stats()["bytes_served"] - before == held * expert_bytes  # each expert crossed once
+    finally:
+        _stop(procs)

@@ -198,3 +198,26 @@ def test_disk_space_is_checked_first(hub: HubServer, tiny_repos: dict[str, Path]
         if key.endswith(".safetensors"):  # nothing but the headers was read
             shard = tiny_repos["kimi_k3"] / key.rsplit("/", 1)[1]
             assert entry["bytes"] == 8 + safetensors_format.header_length(shard.read_bytes()[:8])
+
+
+def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: HubServer, tmp_path: Path) -> None:
+    from node import local_models
+    from node.errors import NotPulledError
+    from node.served_experts import open_cache_peer
+    from node.streamed_model import open_model
+
+    _reset(hub)
+    result = pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False, index_only=True)
+    assert result.core_bytes == 0 and result.expert_count > 0
+    shards = [k for k in hub.stats()["files"] if k.endswith(".safetensors")]
+    assert shards and all(hub.stats()["files"][k]["bytes"] < 64 * 1024 for k in shards)  # headers, never tensors
+    assert not list(local_models.find_index(tmp_path, "expertmesh/tiny-kimi_k3").glob("*.safetensors"))
+    with pytest.raises(NotPulledError, match="expertmesh pull expertmesh/tiny-kimi_k3"):
+        open_model("expertmesh/tiny-kimi_k3", home=tmp_path)
+    peer = open_cache_peer("expertmesh/tiny-kimi_k3", None, tmp_path, "1MB")
+    try:
+        loc = next(iter(peer.index.experts.values()))
+        assert peer.held_copy(loc) is None and len(peer.fetch_as_owner(loc)) == loc.nbytes
+        assert peer.held_copy(loc) is not None  # kept, and it passes its own digest
+    finally:
+        peer.close()
