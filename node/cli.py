@@ -253,6 +253,46 @@ def _lan_address() -> str:
             return "127.0.0.1"
 
 
+def _cmd_peers(args: argparse.Namespace) -> int:
+    """The household as this machine sees it: every node found (zeroconf and --peer), asked for Info."""
+    import time
+
+    import grpc
+
+    from expertmesh.v1 import node_pb2, node_pb2_grpc
+    from node.discovery import Advertisement, Discovery
+    from node.peers import Peer, PeerTable
+    from node.rpc_auth import call_metadata
+
+    table = PeerTable(self_id="expertmesh-peers-cli", self_weight=0.0)
+    for address in args.peer:
+        table.add(Peer(address, address, 0.0))
+    if args.discover:
+        d = Discovery(table, Advertisement(table.self_id, args.cluster, "cli", 0, 0), None,
+                      [args.interface] if args.interface else None, advertise=False)  # fmt: skip
+        time.sleep(args.wait)
+        d.settle()
+        d.close()
+    secret = constants.household_secret() or ""
+    kept = constants.expertmesh_home() / constants.SECRET_FILENAME
+    if not secret and kept.is_file():
+        secret = kept.read_text().strip()
+    print(f"{'node':<18} {'address':<22} {'role':<6} {'model':<40} {'disk used / budget':>22}")
+    for peer in sorted(table.peers.values(), key=lambda p: p.address):
+        try:
+            with grpc.insecure_channel(peer.address) as channel:
+                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=5)
+        except grpc.RpcError as e:
+            print(f"{peer.node_id:<18} {peer.address:<22} {'?':<6} {'(' + e.code().name.lower() + ')':<40}")
+            continue
+        model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in info.models)
+        disk = f"{format_size(info.disk_used_bytes)} / {format_size(info.disk_budget_bytes)}"
+        print(f"{info.node_id:<18} {peer.address:<22} {info.role:<6} {model:<40} {disk:>22}")
+    if not table.peers:
+        print("no nodes found (is multicast blocked? try --peer HOST:PORT)")
+    return 0
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from node.routing_trace import read_trace, replay
 
@@ -375,6 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)")
     _add_model_arguments(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("peers", help="the nodes of the household: found by zeroconf (and --peer), with their Info")
+    p.add_argument("--cluster", default="home")
+    p.add_argument("--interface", metavar="IP", help="browse on this address only")
+    p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+    p.set_defaults(func=_cmd_peers)
 
     p = sub.add_parser("replay", help="hit rates of each RAM policy and of the offline optimum on a trace")
     p.add_argument("trace", help="a file written by `run --trace`")

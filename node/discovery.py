@@ -50,17 +50,21 @@ class Discovery:
         interfaces: addresses to use (e.g. ["192.168.1.20"]); None: every interface.
     """
 
-    def __init__(self, table: PeerTable, ad: Advertisement, address: str, interfaces: list[str] | None = None):
+    def __init__(self, table: PeerTable, ad: Advertisement, address: str | None, interfaces: list[str] | None = None,
+                 advertise: bool = True):  # fmt: skip
         self.table = table
         self.ad = ad
         self.duplicates = 0
         self._zc = Zeroconf(interfaces=interfaces or ["0.0.0.0"], ip_version=IPVersion.V4Only)  # fmt: skip
-        self._info = ServiceInfo(SERVICE_TYPE, f"{ad.node_id}.{SERVICE_TYPE}", port=ad.port,
-                                 addresses=[socket.inet_aton(address)], properties=ad.properties(),
-                                 server=f"expertmesh-{ad.node_id}.local.")  # fmt: skip
+        self._info = None
+        if advertise:  # `expertmesh peers` only looks
+            self._info = ServiceInfo(SERVICE_TYPE, f"{ad.node_id}.{SERVICE_TYPE}", port=ad.port,
+                                     addresses=[socket.inet_aton(address)], properties=ad.properties(),
+                                     server=f"expertmesh-{ad.node_id}.local.")  # fmt: skip
+            self._zc.register_service(self._info, allow_name_change=False)
         self._names: dict[str, str] = {}  # service name -> node id
         self._lock = threading.Lock()
-        self._zc.register_service(self._info, allow_name_change=False)
+        self._resolving: list[threading.Thread] = []
         self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, _Listener(self))
 
     def _resolve(self, name: str) -> None:
@@ -73,7 +77,7 @@ class Discovery:
             return
         address = f"{info.parsed_addresses()[0]}:{info.port}"
         if node_id == self.ad.node_id:
-            if name != self._info.name:
+            if self._info is not None and name != self._info.name:
                 self.duplicates += 1
                 logger.error("another node (%s) advertises this node's id %s: give one of them a fresh home",
                              address, node_id)  # fmt: skip
@@ -87,6 +91,19 @@ class Discovery:
         self.table.add(Peer(node_id, address, weight, _text(props, "role") or "full"))
         logger.info("peer %s at %s joined (%s)", node_id, address, _text(props, "role"))
 
+    def _resolve_in_background(self, name: str) -> None:
+        t = threading.Thread(target=self._resolve, args=(name,), daemon=True)
+        with self._lock:
+            self._resolving = [r for r in self._resolving if r.is_alive()] + [t]
+        t.start()
+
+    def settle(self) -> None:
+        """Wait for the resolutions under way (bounded by their timeout)."""
+        with self._lock:
+            pending = list(self._resolving)
+        for t in pending:
+            t.join(RESOLVE_TIMEOUT_MS / 1000 + 1)
+
     def _gone(self, name: str) -> None:
         with self._lock:
             node_id = self._names.pop(name, None)
@@ -96,7 +113,8 @@ class Discovery:
 
     def close(self) -> None:
         self._browser.cancel()
-        self._zc.unregister_service(self._info)
+        if self._info is not None:
+            self._zc.unregister_service(self._info)
         self._zc.close()
 
 
@@ -105,10 +123,10 @@ class _Listener(ServiceListener):
         self.d = discovery
 
     def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
-        threading.Thread(target=self.d._resolve, args=(name,), daemon=True).start()  # resolving blocks
+        self.d._resolve_in_background(name)  # resolving blocks: never in zeroconf's own thread
 
     def update_service(self, zc: Zeroconf, type_: str, name: str) -> None:
-        threading.Thread(target=self.d._resolve, args=(name,), daemon=True).start()
+        self.d._resolve_in_background(name)
 
     def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
         self.d._gone(name)

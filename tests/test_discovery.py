@@ -138,7 +138,8 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
     procs = [full] + [p for p, _ in peers]
     try:
         time.sleep(2.0)
-        before = hub.stats()["bytes_served"]
+        with hub.stats_.lock:
+            hub.stats_.reset()  # count only this household's requests
         prompt = "A household of three"
         md = call_metadata("zc-secret")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -162,6 +163,15 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
                 assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         index = ExpertIndex.load(find_pulled(tmp_path / "full", repo_id) / "expert_index.json")
         expert_bytes = next(iter(index.experts.values())).nbytes  # one size for all: the tiny K3's experts
-        assert held > 0 and hub.stats()["bytes_served"] - before == held * expert_bytes  # each expert crossed once
+        env = {**os.environ, "EXPERTMESH_SECRET": "zc-secret", "EXPERTMESH_HOME": str(tmp_path / "cli")}
+        listing = subprocess.run([sys.executable, "-m", "node.cli", "peers", "--interface", "127.0.0.1", "--cluster",
+                                  "zc-e2e", "--wait", "4"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert listing.returncode == 0, listing.stderr
+        roles = sorted(ln.split()[2] for ln in listing.stdout.splitlines()[1:])
+        assert roles == ["cache", "cache", "full"], listing.stdout  # `expertmesh peers` sees the whole household
+        expert_ranges = {(f, a, b): n for f, entry in hub.stats()["files"].items() for a, b, n in entry["ranges"]
+                         if b - a + 1 == expert_bytes}  # fmt: skip
+        assert held > 0 and len(expert_ranges) >= held
+        assert all(n == 1 for n in expert_ranges.values()), expert_ranges  # each expert crossed the Hub once
     finally:
         _stop(procs)
