@@ -202,7 +202,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         table = next(s for s in sm.store.sources if s.name == "peer").table if args.discover or args.peer else None
         close = sm.close
     try:
-        service = NodeService(sm, node_id, experts)
+        service = NodeService(sm, node_id, experts, peers=table)
         ex = service.experts
         running = start_node_server(service, secret, host=args.host, port=args.port)
         print(f"{service.role} node {node_id} serving {ex.repo_id} @ {ex.commit[:12]} on {args.host}:{running.port}")

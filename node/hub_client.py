@@ -154,6 +154,8 @@ class RangeReader:
                  backoff_base_s: float = 0.25, backoff_max_s: float = 8.0,
                  fresh_connections: bool = False):  # fmt: skip
         self.fresh_connections = fresh_connections  # a new connection per request: benchmarks' naive client
+        # Pinned now: a reader belongs to one Hub, even if huggingface_hub is pointed elsewhere later.
+        self.endpoint = endpoint()
         self.max_retries = max_retries
         self.timeout_s = timeout_s
         self.backoff_base_s = backoff_base_s
@@ -201,7 +203,7 @@ class RangeReader:
             cached = self._locations.get(remote)
         if cached and cached[1] > time.time():
             return cached[0], True
-        return hf_hub_url(remote.repo_id, remote.filename, revision=remote.commit, endpoint=endpoint()), False
+        return hf_hub_url(remote.repo_id, remote.filename, revision=remote.commit, endpoint=self.endpoint), False
 
     def _remember_redirect(self, remote: RemoteFile, base_url: str, location: str) -> str:
         url = urllib.parse.urljoin(base_url, location)
@@ -276,12 +278,12 @@ class RangeReader:
             self._forget_redirect(remote)  # an expired or refused signed URL: resolve again
             raise _Retryable(f"CDN refused the signed URL (HTTP {status})", wait_s=0)
         if status in (401, 403):
-            raise AuthError(f"{endpoint()} rejected the token for {remote.repo_id} (HTTP {status}): check HF_TOKEN")
+            raise AuthError(f"{self.endpoint} rejected the token for {remote.repo_id} (HTTP {status}): check HF_TOKEN")
         if status == 404:
             if is_cdn:
                 self._forget_redirect(remote)
                 raise _Retryable("CDN answered 404", wait_s=0)
-            raise DownloadError(f"{remote}: not found at {endpoint()}")
+            raise DownloadError(f"{remote}: not found at {self.endpoint}")
         if status == 416:
             raise DownloadError(f"{remote}: bytes {start}-{end - 1} are past the end of the file")
         if status in _RETRY_STATUS:

@@ -60,15 +60,13 @@ class HubSource:
         return data
 
     def fetch(self, loc: ExpertLocation) -> bytes:
-        from node.hub_client import endpoint
-
         pieces = split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes)
         try:
             if len(pieces) == 1:
                 return self._read(pieces[0])
             return b"".join(f.result() for f in [self._pool.submit(self._read, p) for p in pieces])
         except DownloadError as e:
-            raise DownloadError(f"expert {loc.expert} of layer {loc.layer} from the Hub at {endpoint()}: {e}; "
+            raise DownloadError(f"expert {loc.expert} of layer {loc.layer} from the Hub at {self.reader.endpoint}: {e}; "
                                 "what was fetched is cached, so running again continues") from None  # fmt: skip
 
     def close(self) -> None:

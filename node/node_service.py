@@ -44,8 +44,9 @@ def _version() -> str:
 class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
-    def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None):
+    def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None, peers=None):
         self.sm = sm
+        self.peers = peers  # the PeerTable this node follows, if any
         self.experts = experts or ServedExperts.of_model(sm)
         self.node_id = node_id
         self.role = "full" if sm is not None else "cache"
@@ -74,7 +75,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                      ram_budget_bytes=self.experts.ram_budget_bytes,
                                      disk_budget_bytes=disk.budget_bytes, disk_used_bytes=disk.nbytes,
                                      expertmesh_version=_version(), mlx_version=mlx_version,
-                                     protocol_version=PROTOCOL_VERSION)  # fmt: skip
+                                     protocol_version=PROTOCOL_VERSION,
+                                     live_peers=self.peers.live_count() if self.peers is not None else 0)  # fmt: skip
 
     def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
         self._check_model(request.model, context)

@@ -77,6 +77,10 @@ class PeerTable:
         with self._lock:
             self.peers.pop(node_id, None)
 
+    def live_count(self) -> int:
+        with self._lock:
+            return sum(p.live for p in self.peers.values())
+
     def penalise(self, peer: Peer, reason: str) -> None:
         with self._lock:
             self.errors[reason] += 1

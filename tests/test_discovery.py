@@ -93,6 +93,14 @@ def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, i
     return proc, int(re.search(r"on 127\.0\.0\.1:(\d+)", out).group(1))
 
 
+def _wait_for_peers(port: int, n: int) -> None:
+    """Until the node on `port` knows `n` live peers (advertisements cross in their own time)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = node_pb2_grpc.NodeStub(channel)
+        assert _wait(lambda: stub.Info(node_pb2.InfoRequest(), metadata=call_metadata("zc-secret"),
+                                       timeout=10).live_peers >= n, timeout_s=60), "the nodes did not find each other"  # fmt: skip
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     """SIGTERM every node, then each must exit cleanly (and is killed regardless)."""
     for proc in procs:
@@ -112,7 +120,7 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, tiny
     owner, _ = _serve(tmp_path / "owner", hub)
     client, port = _serve(tmp_path / "client", hub, "--disk-budget", "0")  # owns nothing: peers first
     try:
-        time.sleep(2.0)  # let the advertisements cross
+        _wait_for_peers(port, 1)
         prompt = "Found by zeroconf"
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             events = list(node_pb2_grpc.NodeStub(channel).Generate(
@@ -137,7 +145,7 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
     full, port = _serve(tmp_path / "full", hub, "--disk-budget", "0")
     procs = [full] + [p for p, _ in peers]
     try:
-        time.sleep(2.0)
+        _wait_for_peers(port, 2)
         with hub.stats_.lock:
             hub.stats_.reset()  # count only this household's requests
         prompt = "A household of three"
