@@ -30,6 +30,10 @@ def _print_pull(r) -> None:
     if r.already_complete:
         print(f"{r.repo_id} @ {r.commit[:12]} is already pulled: {r.path}")
         return
+    if r.core_bytes == 0:  # --index-only
+        print(f"pulled the expert index of {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}: "
+              f"{r.expert_count} experts in {r.moe_layers} MoE layers; ready for `serve --cache-only`")  # fmt: skip
+        return
     rate = r.fetched_bytes / r.seconds if r.seconds > 0 else 0.0
     print(f"pulled {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}")
     print(f"  core     {format_size(r.core_bytes)}; fetched {format_size(r.fetched_bytes)} this run "
