@@ -54,6 +54,17 @@ class DigestBook:
     def __len__(self) -> int:
         return len(self._digests)
 
+    def check(self, key: tuple[int, int], blob, may_record: bool) -> bool:
+        """Whether `blob` is a good copy of expert `key`: equal to the recorded digest, or, when
+        none is recorded yet and `may_record` (bytes that passed a remote source's checks), the
+        first copy, whose digest is then recorded. A disk copy without a digest is unverifiable."""
+        digest = sha256(blob)
+        known = self.get(key)
+        if known is None and may_record:
+            self.record(key, digest)
+            return True
+        return digest == known
+
     def persisted(self, key: tuple[int, int]) -> bool:
         """Whether the digest of `key` is on disk: only then may its expert be cached on disk."""
         return key in self._digests and key not in self._unpersisted

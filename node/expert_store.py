@@ -21,7 +21,7 @@ from typing import Iterable, Protocol
 from node.cache_policies import DEFAULT_POLICY, make_policy
 from node.errors import DownloadError
 from node.expert_codec import ExpertCodec, ExpertWeights
-from node.expert_digests import DigestBook, sha256
+from node.expert_digests import DigestBook
 from node.expert_index import ExpertIndex, ExpertLocation
 
 logger = logging.getLogger(__name__)
@@ -361,14 +361,7 @@ class ExpertStore:
         Only bytes that passed the Hub's (or a peer's) checks may become the reference; a disk copy
         without a recorded digest is unverifiable and treated like a bad one.
         """
-        if self.digests is None:
-            return True
-        digest = sha256(blob)
-        known = self.digests.get(key)
-        if known is None and source.name != "disk":
-            self.digests.record(key, digest)
-            return True
-        if digest == known:
+        if self.digests is None or self.digests.check(key, blob, may_record=source.name != "disk"):
             return True
         self.stats.record_integrity_failure(source.name)
         logger.warning("expert %s from %s failed its sha256 check; discarding that copy", key, source.name)

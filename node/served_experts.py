@@ -12,7 +12,7 @@ from pathlib import Path
 
 from node.disk_cache import DiskCache, cache_dir
 from node.errors import DownloadError
-from node.expert_digests import DIGESTS_FILENAME, DigestBook, sha256
+from node.expert_digests import DIGESTS_FILENAME, DigestBook
 from node.expert_index import INDEX_FILENAME, ExpertIndex, ExpertLocation
 from node.expert_store import ByteSource, StoreStats
 
@@ -41,7 +41,7 @@ class ServedExperts:
         blob = self.disk.fetch(loc)
         if blob is None:
             return None
-        if sha256(blob) == self.digests.get((loc.layer, loc.expert)):
+        if self.digests.check((loc.layer, loc.expert), blob, may_record=False):
             return bytes(blob)
         self.stats.record_integrity_failure("disk")
         self.disk.discard(loc)
@@ -64,12 +64,9 @@ class ServedExperts:
                 blob = source.fetch(loc)
                 if blob is None or len(blob) != loc.nbytes:
                     continue
-                known = self.digests.get(key)
-                if known is not None and sha256(blob) != known:
+                if not self.digests.check(key, blob, may_record=True):
                     self.stats.record_integrity_failure(source.name)
                     continue
-                if known is None:
-                    self.digests.record(key, sha256(blob))
                 self.stats.record(source.name, loc.nbytes)
                 self.disk.put(loc, blob)
                 return blob
