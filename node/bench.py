@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from node import hub_client
 from node.expert_store import SOURCES
@@ -77,7 +78,7 @@ class ConfigResult:
     tokens: int
     hub_bytes_per_token: float
     bytes_by_source: dict[str, int] = field(default_factory=dict)
-    link_utilisation: float | None = None  # hub bytes / link bandwidth / decode wall time
+    link_utilisation: float | None = None  # hub bytes during decode / link bandwidth / decode wall time
     ram_hit_rate: float | None = None
     disk_hit_rate: float | None = None
     belady_ram_hit_rate: float | None = None
@@ -106,12 +107,20 @@ def _bench_repo(model: str, hub_dir: Path) -> str:
     return repo_id
 
 
-def _run_prompts(sm, prompts: list[list[int]], tokens: int) -> list[GenerationSummary]:
+def _run_prompts(sm, prompts: list[list[int]], tokens: int,
+                 link_bytes: Callable[[], int] = lambda: 0) -> list[GenerationSummary]:  # fmt: skip
+    """Greedy generation of each prompt; each summary also gets `ids` and `decode_link_bytes`, the
+    bytes the link carried between the first token and the last (prefill's bytes belong to TTFT)."""
     out = []
     for ids in prompts:
         summary = GenerationSummary()
-        ids_out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary)]
+        ids_out, at_first = [], 0
+        for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary):
+            if not ids_out:
+                at_first = link_bytes()
+            ids_out.append(t.id)
         summary.ids = ids_out  # type: ignore[attr-defined]
+        summary.decode_link_bytes = link_bytes() - at_first if ids_out else 0  # type: ignore[attr-defined]
         out.append(summary)
     return out
 
@@ -127,6 +136,7 @@ def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link:
     uses = {k: sum(s.experts.uses[k] for s in summaries) for k in SOURCES}
     total = sum(uses.values()) or 1
     decode_wall = sum(s.seconds - s.time_to_first_token_s for s in summaries)
+    decode_bytes = sum(getattr(s, "decode_link_bytes", 0) for s in summaries)
     return ConfigResult(
         name=name,
         s_per_token=statistics.median(_decode_s_per_token(s) for s in summaries),
@@ -134,7 +144,7 @@ def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link:
         tokens=tokens,
         hub_bytes_per_token=hub_bytes / max(1, tokens),
         bytes_by_source={k: sum(s.experts.bytes[k] for s in summaries) for k in SOURCES},
-        link_utilisation=hub_bytes / link.bandwidth / decode_wall if decode_wall > 0 else None,
+        link_utilisation=decode_bytes / link.bandwidth / decode_wall if decode_wall > 0 else None,
         ram_hit_rate=uses["ram"] / total,
         disk_hit_rate=uses["disk"] / total,
         belady_ram_hit_rate=belady,
@@ -188,7 +198,7 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
                 progress(f"  {name} ...")
                 before = hub.stats()["bytes_served"]
                 t0 = time.perf_counter()
-                summaries = _run_prompts(sm, prompts, n_tokens)
+                summaries = _run_prompts(sm, prompts, n_tokens, lambda: hub.stats()["bytes_served"])
                 hub_bytes = hub.stats()["bytes_served"] - before
                 sm.close()
                 belady = _belady(trace, ram_slots) if trace is not None else None
@@ -197,10 +207,11 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
                 return r
 
             results = []
-            naive_cfg = StoreConfig(ram_budget="0", disk_budget="0", fetch_concurrency=1, prefetch=False)
-            results.append(measured("naive", open_model(repo_id, home=home("naive"), store_config=naive_cfg,
-                                                        hub_reader=RangeReader(fresh_connections=True)),
-                                    naive_tokens, None))  # fmt: skip
+            if naive_tokens > 0:
+                naive_cfg = StoreConfig(ram_budget="0", disk_budget="0", fetch_concurrency=1, prefetch=False)
+                results.append(measured("naive", open_model(repo_id, home=home("naive"), store_config=naive_cfg,
+                                                            hub_reader=RangeReader(fresh_connections=True)),
+                                        naive_tokens, None))  # fmt: skip
             cached = home("cached")
             for name in ("cold", "warm_disk"):
                 trace = work / f"{name}.trace"
