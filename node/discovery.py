@@ -32,10 +32,14 @@ class Advertisement:
     port: int
     disk_budget_bytes: int
     protocol_version: int = 1
+    metrics_port: int = 0  # where /metrics is served (0: not served); read by `expertmesh prometheus-targets`
 
     def properties(self) -> dict[str, str]:
-        return {"node_id": self.node_id, "cluster": self.cluster, "role": self.role,
-                "disk": str(self.disk_budget_bytes), "proto": str(self.protocol_version)}  # fmt: skip
+        props = {"node_id": self.node_id, "cluster": self.cluster, "role": self.role,
+                 "disk": str(self.disk_budget_bytes), "proto": str(self.protocol_version)}  # fmt: skip
+        if self.metrics_port:
+            props["metrics"] = str(self.metrics_port)
+        return props
 
 
 def _text(props: dict, key: str) -> str:

@@ -16,7 +16,7 @@ import itertools
 import queue
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from node.cache_policies import DEFAULT_POLICY, make_policy
 from node.errors import DownloadError
@@ -65,6 +65,8 @@ class StoreStats:
     integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # called as observer(source, nbytes, seconds) after each use (node/metrics.py: the fetch histogram)
+    observer: Callable[[str, int, float], None] | None = field(default=None, repr=False, compare=False)
 
     def record_prefetch(self, outcome: str, n: int = 1) -> None:
         with self._lock:
@@ -79,6 +81,8 @@ class StoreStats:
             self.uses[source] += 1
             self.bytes[source] += nbytes
             self.fetch_seconds[source] += seconds
+        if self.observer is not None:
+            self.observer(source, nbytes, seconds)
 
     def snapshot(self) -> "StoreStats":
         with self._lock:
@@ -217,10 +221,11 @@ class ExpertStore:
         waiting: dict[int, Future] = {}
         for e in experts:
             key = (layer, e)
+            t0 = time.perf_counter()
             weights = self.ram.get(key)
             if weights is not None:
                 out[e] = weights
-                self.stats.record("ram", self.index.expert(layer, e).nbytes)
+                self.stats.record("ram", self.index.expert(layer, e).nbytes, time.perf_counter() - t0)
                 continue
             with self._lock:
                 staged = self._staged.pop(key, None)
