@@ -21,7 +21,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     from node.pull import pull
 
     result = pull(args.repo, revision=args.revision, progress=not args.no_progress, concurrency=args.concurrency,
-                  index_only=args.index_only)  # fmt: skip
+                  index_only=args.index_only, core_bits=args.core_bits)  # fmt: skip
     _print_pull(result)
     return 0
 
@@ -36,7 +36,8 @@ def _print_pull(r) -> None:
         return
     rate = r.fetched_bytes / r.seconds if r.seconds > 0 else 0.0
     print(f"pulled {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}")
-    print(f"  core     {format_size(r.core_bytes)}; fetched {format_size(r.fetched_bytes)} this run "
+    bits = "" if getattr(r, "core_bits", 16) == 16 else f" ({r.core_bits}-bit weights)"
+    print(f"  core     {format_size(r.core_bytes)}{bits}; fetched {format_size(r.fetched_bytes)} this run "
           f"in {r.seconds:.1f} s ({format_size(rate)}/s), {r.retries} retried requests")  # fmt: skip
     print(f"  experts  {r.expert_count} in {r.moe_layers} MoE layers, {format_size(r.expert_bytes)} "
           "left on the Hub: fetched on demand")  # fmt: skip
@@ -69,6 +70,14 @@ def _sampling(args: argparse.Namespace):
     from node.generation import SamplingSettings
 
     return SamplingSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed)
+
+
+def _speculation(args: argparse.Namespace):
+    """--speculate/--draft as a SpeculationConfig (None: off). Raises SpeculationError on a bad pair."""
+    from node.speculative import SpeculationConfig
+
+    mode = getattr(args, "speculate", "off")
+    return None if mode == "off" else SpeculationConfig(mode=mode, draft_repo=getattr(args, "draft", None))
 
 
 def _secret(args: argparse.Namespace) -> tuple[str, bool]:
@@ -113,16 +122,21 @@ def _generate_once(sm, prompt: str, args: argparse.Namespace) -> None:
     tokens = sm.tokenizer.encode(prompt)
     summary = GenerationSummary()
     with ctrl_c_stops(StopFlag()) as flag:
-        stream_text(Generator(sm).generate(tokens, _sampling(args), flag, summary), summary)
+        stream_text(Generator(sm, _speculation(args)).generate(tokens, _sampling(args), flag, summary), summary)
     print_summary(summary)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    _speculation(args)  # a bad --speculate/--draft fails before the model loads
     sm = _open_model(args)
+    metrics = None
     try:
         print(_describe(sm), file=sys.stderr)
+        metrics = _start_metrics(args, sm)
         _generate_once(sm, args.prompt, args)
     finally:
+        if metrics is not None:
+            metrics.stop()
         sm.close()
     return 0
 
@@ -132,11 +146,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from node.generation import Generator
     from node.terminal import chat_loop
 
+    _speculation(args)
     sm = _open_model(args)
     try:
         print(_describe(sm), file=sys.stderr)
         print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
-        session = ChatSession(Generator(sm), system_prompt=args.system)
+        session = ChatSession(Generator(sm, _speculation(args)), system_prompt=args.system)
         settings = _sampling(args)
         chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary))
     finally:
@@ -208,6 +223,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         service = NodeService(sm, node_id, experts, peers=table)
         ex = service.experts
+        metrics = _start_metrics(args, sm, experts, table)  # first: its daemon thread needs no stopping on an error
         running = start_node_server(service, secret, host=args.host, port=args.port)
         print(f"{service.role} node {node_id} serving {ex.repo_id} @ {ex.commit[:12]} on {args.host}:{running.port}")
         discovery = None
@@ -215,7 +231,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from node.discovery import Advertisement, Discovery
 
             address = args.interface or (args.host if args.host not in ("0.0.0.0", "") else _lan_address())
-            ad = Advertisement(node_id, args.cluster, service.role, running.port, ex.disk.budget_bytes)
+            ad = Advertisement(node_id, args.cluster, service.role, running.port, ex.disk.budget_bytes,
+                               metrics_port=metrics.port if metrics is not None else 0)  # fmt: skip
             discovery = Discovery(table, ad, address, [args.interface] if args.interface else None)
             print(f"advertising in cluster {args.cluster!r} as {address}:{running.port}; peers join as they appear")
         print(_describe(sm) if sm is not None else
@@ -235,6 +252,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if discovery is not None:
             discovery.close()
         running.stop()
+        if metrics is not None:
+            metrics.stop()
     finally:
         close()
     # Everything is stopped and every cached file was published atomically. A node that fetched
@@ -243,6 +262,41 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _start_metrics(args: argparse.Namespace, sm, experts=None, peers=None):
+    """Serve `/metrics` if asked (`--metrics-port`; None or `--no-metrics`: not served); prints the address."""
+    if getattr(args, "metrics_port", None) is None:
+        return None
+    from node.metrics import NodeMetrics
+
+    metrics = NodeMetrics.for_model(sm, peers) if sm is not None else NodeMetrics.for_served(experts, peers)
+    host = args.metrics_host or getattr(args, "host", None) or "127.0.0.1"
+    try:
+        server = metrics.serve(host, args.metrics_port)
+    except OSError as e:
+        raise ExpertmeshError(f"cannot serve metrics on {host}:{args.metrics_port}: {e.strerror or e}") from None
+    print(f"metrics on {server.url}", file=sys.stderr)
+    return server
+
+
+def _cmd_prometheus_targets(args: argparse.Namespace) -> int:
+    """Keep a Prometheus file_sd file in step with the metrics ports the cluster's nodes advertise."""
+    import threading
+
+    from node.prometheus_targets import TargetsWatcher
+
+    watcher = TargetsWatcher(Path(args.file), args.cluster, [args.interface] if args.interface else None)
+    print(f"keeping {args.file} in step with the nodes of cluster {args.cluster!r}" +
+          ("" if args.once else "; Ctrl-C stops"), file=sys.stderr)  # fmt: skip
+    try:
+        threading.Event().wait(args.wait) if args.once else threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watcher.close()
+    print(f"{len(watcher.targets())} nodes serve metrics: {args.file}", file=sys.stderr)
+    return 0
 
 
 def _lan_address() -> str:
@@ -354,11 +408,29 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="a node of the household to ask for experts before the Hub (repeatable)")
 
 
+def _add_metrics_arguments(p: argparse.ArgumentParser, default: int | None) -> None:
+    p.add_argument("--metrics-port", type=int, default=default, metavar="N",
+                   help="serve Prometheus /metrics on port N (0 picks a free one and prints it)"
+                        + ("; default 0" if default == 0 else "; default: not served"))  # fmt: skip
+    p.add_argument("--metrics-host", help="address for /metrics (default: the same as --host, else 127.0.0.1)")
+    p.add_argument("--no-metrics", dest="metrics_port", action="store_const", const=None, help="do not serve /metrics")
+
+
 def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     p.add_argument("--seed", type=int, help="random seed: the same seed gives the same text")
+
+
+def _add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    from node.speculative import DEFAULT_MODE, MODES
+
+    p.add_argument("--speculate", choices=MODES, default=DEFAULT_MODE,
+                   help="draft tokens and verify them in one pass: ngram (prompt look-up), draft (--draft "
+                        "model) or off (default %(default)s, chosen by benchmarks/bench_speculative.py)")  # fmt: skip
+    p.add_argument("--draft", metavar="REPO", help="draft model for --speculate draft: a folder or repo id of a "
+                   "small mlx-lm model with the same tokenizer")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=constants.PULL_CONCURRENCY, help="range requests in flight")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--index-only", action="store_true", help="only the expert index (for `serve --cache-only`)")
+    p.add_argument("--core-bits", type=int, choices=[16, 8], metavar="{16,8}",
+                   help="8 stores and runs the core as MLX 8-bit weights (about half the memory; experts keep "
+                        "their precision); default: 16 (BF16) for a new pull, else what is pulled")  # fmt: skip
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("tiny-model", help="write a tiny MoE repo in an upstream layout (tests, demos)")
@@ -397,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the prompt (raw text, no chat template)")
     _add_model_arguments(p)
     _add_sampling_arguments(p)
+    _add_speculation_arguments(p)
+    _add_metrics_arguments(p, default=None)
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("chat", help="chat with a pulled model (its chat template, multi-turn)")
@@ -404,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="system prompt")
     _add_model_arguments(p)
     _add_sampling_arguments(p, max_tokens=512)
+    _add_speculation_arguments(p)
     p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("serve", help="run a node: the gRPC node service for a pulled model")
@@ -417,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no zeroconf: peers only from --peer (where multicast does not work)")
     p.add_argument("--cache-only", action="store_true",
                    help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)")
+    _add_metrics_arguments(p, default=0)
     _add_model_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -428,6 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
     p.set_defaults(func=_cmd_peers)
 
+    p = sub.add_parser("prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds")
+    p.add_argument("file", help="the targets file (e.g. deploy/prometheus/targets/nodes.json), replaced atomically")
+    p.add_argument("--cluster", default="home")
+    p.add_argument("--interface", metavar="IP", help="browse on this address only")
+    p.add_argument("--once", action="store_true", help="listen for --wait seconds, write the file and exit")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen with --once (default %(default)s)")
+    p.set_defaults(func=_cmd_prometheus_targets)
+
     p = sub.add_parser("replay", help="hit rates of each RAM policy and of the offline optimum on a trace")
     p.add_argument("trace", help="a file written by `run --trace`")
     p.add_argument("--budgets", default="10%,25%,50%", help="experts RAM holds: counts or %% of all experts")
@@ -437,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="naive, cold, warm-disk, warm-RAM and mlx-lm side by side on an emulated link")
     p.add_argument("--model", default="demo", help="demo (the trained demo model), tiny-ARCH, or wide-kimi_k3 (a wider random K3) (default %(default)s)")
     p.add_argument("--tokens", type=int, default=24, help="tokens per prompt (default %(default)s)")
-    p.add_argument("--naive-tokens", type=int, default=8, help="tokens per prompt for the slow naive run")
+    p.add_argument("--naive-tokens", type=int, default=8, help="tokens per prompt for the slow naive run (0 skips it)")
     p.add_argument("--time-scale", type=float, default=0.05, help="emulated link time per K3 second (default %(default)s)")
     p.add_argument("--ram-fraction", type=float, default=0.25, help="RAM budget as a fraction of all experts")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")

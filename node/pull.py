@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from node import constants, hub_client, local_models, safetensors_format
 from node.architectures import check_supported
+from node.core_quantization import CoreBitsError, check_core_bits, quantize_core
 from node.errors import DownloadError, InsufficientDiskError, UnsupportedModelError
 from node.expert_index import INDEX_FILENAME, ExpertIndex, build_index, coalesce
 from node.hub_client import RangeReader, RemoteFile
@@ -50,6 +51,7 @@ class PullResult:
     seconds: float
     retries: int
     already_complete: bool = False
+    core_bits: int = 16  # 8: the core was stored as MLX 8-bit weights (node/core_quantization.py)
 
 
 @dataclass(frozen=True)
@@ -76,26 +78,40 @@ def pull(
     concurrency: int = constants.PULL_CONCURRENCY,
     reader: RangeReader | None = None,
     index_only: bool = False,
+    core_bits: int | None = None,
 ) -> PullResult:
     """Pull the core and expert index of `repo_id` at `revision` (default `main`).
 
     `index_only` pulls the config, tokenizer and expert index but not the core: all a cache peer
-    (`serve --cache-only`) needs to fetch and serve experts.
+    (`serve --cache-only`) needs to fetch and serve experts. `core_bits` 8 stores the core as MLX
+    8-bit weights (`--core-bits 8`); None keeps what is pulled (16, the upstream BF16, if new).
 
     Raises:
         ModelNotFoundError, AuthError, EndpointUnreachableError: from the endpoint.
         UnsupportedModelError: an architecture mlx-lm lacks, or a model without routed experts.
         InsufficientDiskError: the core does not fit on the disk.
         DownloadError: a range kept failing after its retries.
+        CoreBitsError: a `core_bits` other than 16 or 8, or 16 for a core already stored in 8 bits.
     """
     t0 = time.monotonic()
     home = home or constants.expertmesh_home()
     reader = reader or RangeReader()
     commit = hub_client.resolve_commit(repo_id, revision)
     target = local_models.model_dir(home, repo_id, commit)
+    if core_bits is not None:
+        check_core_bits(core_bits)
     if local_models.is_complete(target):
         local_models.record_ref(home, repo_id, revision or "main", commit)
-        return _result_from_marker(target, time.monotonic() - t0)
+        result = _result_from_marker(target, time.monotonic() - t0)
+        if core_bits is None or core_bits == result.core_bits:
+            return result
+        if result.core_bits != 16:
+            raise CoreBitsError(f"{repo_id} @ {commit[:12]} is pulled with a {result.core_bits}-bit core; the BF16 core "
+                                f"is no longer here: delete {target} and pull again")  # fmt: skip
+        q = quantize_core(target, core_bits)  # the BF16 core is here: quantise it in place
+        result.core_bits, result.core_bytes, result.already_complete = core_bits, q.core_bytes_after, False
+        _write_marker(target, result)
+        return result
 
     target.mkdir(parents=True, exist_ok=True)
     files = hub_client.list_files(repo_id, commit)
@@ -128,19 +144,23 @@ def pull(
 
     _assemble_core(index, parts, parts_dir, target)
     index.save(target / INDEX_FILENAME)
+    stored_core_bytes = index.core_bytes
+    if core_bits not in (None, 16):
+        stored_core_bytes = quantize_core(target, core_bits).core_bytes_after
     shutil.rmtree(parts_dir, ignore_errors=True)
     result = PullResult(
         repo_id=repo_id,
         commit=commit,
         path=target,
         model_type=model_type,
-        core_bytes=index.core_bytes,
+        core_bytes=stored_core_bytes,
         fetched_bytes=sum(p.nbytes for p in missing),
         expert_count=len(index.experts),
         expert_bytes=index.expert_bytes,
         moe_layers=len(index.moe_layers),
         seconds=time.monotonic() - t0,
         retries=reader.retries,
+        core_bits=core_bits or 16,
     )
     _write_marker(target, result)
     local_models.record_ref(home, repo_id, revision or "main", commit)

@@ -46,6 +46,7 @@ class StreamedModel:
     store: ExpertStore
     disk: DiskCache
     core_bytes: int
+    core_bits: int = 16  # 8: stored and run as MLX 8-bit weights (`pull --core-bits 8`)
 
     @property
     def max_context(self) -> int | None:
@@ -117,7 +118,7 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
         b.bind(store)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return StreamedModel(repo_id, index.commit, path, model, tokenizer, config, index, store, disk,
-                         marker.get("core_bytes", index.core_bytes))  # fmt: skip
+                         marker.get("core_bytes", index.core_bytes), marker.get("core_bits", 16))  # fmt: skip
 
 
 def _has_dense_experts(index: ExpertIndex) -> bool:

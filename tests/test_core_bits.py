@@ -1,0 +1,95 @@
+"""`expertmesh pull --core-bits 8`: which tensors are quantised, that `run` uses them, bad values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from node import local_models
+from node.cli import main
+from node.hub_server import HubServer
+from node.pull import pull
+from node.streamed_model import open_model
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+
+
+def _core_tensors(path: Path) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for f in path.glob("model*.safetensors"):
+        out.update(mx.load(str(f)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def homes(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """A BF16 pull and an 8-bit pull of the tiny K3."""
+    out = {}
+    for bits in (16, 8):
+        out[bits] = tmp_path_factory.mktemp(f"core{bits}")
+        pull(REPO_ID, home=out[bits], progress=False, core_bits=bits)
+    return out
+
+
+def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) -> None:
+    p16 = local_models.find_pulled(homes[16], REPO_ID)
+    p8 = local_models.find_pulled(homes[8], REPO_ID)
+    t8 = _core_tensors(p8)
+    quantised = {k[: -len(".scales")] for k in t8 if k.endswith(".scales")}
+    assert quantised, "no quantised layer in the 8-bit core"
+    for layer in quantised:
+        assert t8[f"{layer}.weight"].dtype == mx.uint32 and f"{layer}.biases" in t8
+        g = t8[f"{layer}.weight"].shape[-1] * 4 // t8[f"{layer}.scales"].shape[-1]  # 8-bit: 4 values per uint32
+        assert g == 64, f"{layer}: groups of {g}"
+        assert not layer.endswith(("mlp.gate", "router", "res_proj")) and "norm" not in layer.split(".")[-1], layer
+    names = {k.rsplit(".", 1)[-1] for k in quantised}
+    assert {"q_proj", "o_proj", "embed_tokens", "lm_head"} & names, names  # the big matrices are quantised
+    kept = [k for k in t8 if k.endswith(("mlp.gate.weight", "norm.weight", "res_proj.weight", ".bias"))
+            or "e_score_correction_bias" in k]  # fmt: skip
+    assert any(k.endswith("mlp.gate.weight") for k in kept) and any(k.endswith("norm.weight") for k in kept)
+    for k in kept:
+        assert mx.issubdtype(t8[k].dtype, mx.floating), f"{k} is {t8[k].dtype}: should stay full precision"
+    assert not any(".experts." in k or "switch_mlp" in k for k in t8), "routed experts must not be in the core"
+    m16 = json.loads((p16 / local_models.COMPLETE_MARKER).read_text())
+    m8 = json.loads((p8 / local_models.COMPLETE_MARKER).read_text())
+    assert (m16["core_bits"], m8["core_bits"]) == (16, 8)
+    assert m8["core_bytes"] < 0.7 * m16["core_bytes"]
+
+
+def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None:
+    sm = open_model(REPO_ID, home=homes[8])
+    try:
+        assert sm.core_bits == 8
+        q = [m for _, m in sm.model.named_modules() if type(m).__name__ == "QuantizedLinear"]
+        assert q and all(m.bits == 8 and m.group_size == 64 and m.mode == "affine" for m in q)
+    finally:
+        sm.close()
+    env = {**os.environ, "EXPERTMESH_HOME": str(homes[8]), "HF_ENDPOINT": hub.url}
+    r = subprocess.run([sys.executable, "-m", "node.cli", "run", REPO_ID, "hello experts", "--max-tokens", "6"],
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "6 tokens in" in r.stderr and r.stdout.strip()
+
+
+def test_pulling_8_bits_over_a_bf16_pull_quantises_in_place(hub: HubServer, tmp_path: Path, capsys, monkeypatch) -> None:
+    pull(REPO_ID, home=tmp_path, progress=False)
+    monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
+    assert main(["pull", REPO_ID, "--core-bits", "8", "--no-progress"]) == 0
+    assert "8-bit weights" in capsys.readouterr().out
+    path = local_models.find_pulled(tmp_path, REPO_ID)
+    assert any(k.endswith(".scales") for k in _core_tensors(path))
+    assert main(["pull", REPO_ID, "--core-bits", "16", "--no-progress"]) != 0  # the BF16 core is gone
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "pull again" in err and "Traceback" not in err
+
+
+def test_a_bad_core_bits_value_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["pull", REPO_ID, "--core-bits", "4"])
+    assert e.value.code == 2 and "--core-bits" in capsys.readouterr().err
