@@ -311,18 +311,14 @@ def _lan_address() -> str:
             return "127.0.0.1"
 
 
-def _cmd_peers(args: argparse.Namespace) -> int:
-    """The household as this machine sees it: every node found (zeroconf and --peer), asked for Info."""
+def _household(args: argparse.Namespace):
+    """A PeerTable of the nodes found by zeroconf (for `--wait` s, unless --no-discovery) and --peer."""
     import time
 
-    import grpc
-
-    from expertmesh.v1 import node_pb2, node_pb2_grpc
     from node.discovery import Advertisement, Discovery
     from node.peers import Peer, PeerTable
-    from node.rpc_auth import call_metadata
 
-    table = PeerTable(self_id="expertmesh-peers-cli", self_weight=0.0)
+    table = PeerTable(self_id="expertmesh-cli", self_weight=0.0)
     for address in args.peer:
         table.add(Peer(address, address, 0.0))
     if args.discover:
@@ -331,10 +327,72 @@ def _cmd_peers(args: argparse.Namespace) -> int:
         time.sleep(args.wait)
         d.settle()
         d.close()
+    return table
+
+
+def _known_secret() -> str:
+    """The household secret for a command that joins no household: the environment, else the home's."""
     secret = constants.household_secret() or ""
     kept = constants.expertmesh_home() / constants.SECRET_FILENAME
     if not secret and kept.is_file():
         secret = kept.read_text().strip()
+    return secret
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    """Every node keeps the experts it owns, most used first, into free disk budget."""
+    import threading
+    from collections import Counter
+
+    from tqdm import tqdm
+
+    from node import local_models
+    from node.expert_index import INDEX_FILENAME, ExpertIndex
+    from node.routing_trace import read_trace
+    from node.warm import describe_nodes, warm, warm_order
+
+    index = ExpertIndex.load(local_models.find_index(constants.expertmesh_home(), args.repo, args.revision) / INDEX_FILENAME)
+    uses: Counter = Counter()
+    for path in args.trace:
+        try:
+            uses.update(read_trace(Path(path)).accesses())
+        except (OSError, ValueError) as e:
+            raise ExpertmeshError(f"cannot read trace {path}: {e}") from None
+    secret = _known_secret()
+    nodes, skipped = describe_nodes(sorted(p.address for p in _household(args).peers.values()), index, secret)
+    for line in skipped:
+        print(f"skipping {line}", file=sys.stderr)
+    if not nodes:
+        raise ExpertmeshError(f"no node serving {index.repo_id}@{index.commit[:12]} was found "
+                              "(is multicast blocked? try --peer HOST:PORT)")  # fmt: skip
+    order = warm_order(index, uses)
+    print(f"warming {len(order)} experts of {index.repo_id}@{index.commit[:12]} on {len(nodes)} nodes, "
+          f"{'most used first (' + str(len(args.trace)) + ' traces)' if args.trace else 'spread across layers'}",
+          file=sys.stderr)  # fmt: skip
+    stop = threading.Event()
+    with tqdm(total=len(order), unit="expert", disable=None, file=sys.stderr) as bar:
+        try:
+            results = warm(index, nodes, secret, order, args.concurrency, lambda done, _: bar.update(1), stop)
+        except KeyboardInterrupt:
+            print("stopped: what was kept stays kept; run warm again to go on", file=sys.stderr)
+            return 130
+    for r in results:
+        state = "budget full" if r.full else (f"left out: {r.unreachable}" if r.unreachable else "done")
+        errors = f", errors {dict(r.errors)}" if r.errors else ""
+        print(f"{r.node_id:<18} {r.address:<22} owns {r.owned:>7}, held {r.held:>7}, kept {r.kept:>7} "
+              f"({format_size(r.kept_bytes)}), left {r.left:>7}: {state}{errors}")  # fmt: skip
+    return 1 if any(r.unreachable for r in results) else 0
+
+
+def _cmd_peers(args: argparse.Namespace) -> int:
+    """The household as this machine sees it: every node found (zeroconf and --peer), asked for Info."""
+    import grpc
+
+    from expertmesh.v1 import node_pb2, node_pb2_grpc
+    from node.rpc_auth import call_metadata
+
+    table = _household(args)
+    secret = _known_secret()
     print(f"{'node':<18} {'address':<22} {'role':<6} {'model':<40} {'disk used / budget':>22}")
     for peer in sorted(table.peers.values(), key=lambda p: p.address):
         try:
@@ -506,6 +564,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
     p.set_defaults(func=_cmd_peers)
+
+    p = sub.add_parser("warm", help="every node keeps the experts it owns, most used first, into free disk budget")
+    p.add_argument("repo", help="a model pulled here (`pull --index-only` is enough)")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--trace", action="append", default=[], metavar="FILE",
+                   help="routing traces (`run --trace`) that rank experts by use (repeatable)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight per node (default %(default)s)")
+    p.add_argument("--cluster", default="home")
+    p.add_argument("--interface", metavar="IP", help="browse on this address only")
+    p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+    p.set_defaults(func=_cmd_warm)
 
     p = sub.add_parser("prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds")
     p.add_argument("file", help="the targets file (e.g. deploy/prometheus/targets/nodes.json), replaced atomically")

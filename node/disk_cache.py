@@ -83,6 +83,11 @@ class DiskCache:
     def __contains__(self, key: tuple[int, int]) -> bool:
         return key in self._files
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` more fit the budget without evicting anything (warming never evicts)."""
+        with self._lock:
+            return self.nbytes + nbytes <= self.budget_bytes
+
     def fetch(self, loc: ExpertLocation) -> bytearray | None:
         key = (loc.layer, loc.expert)
         with self._lock:

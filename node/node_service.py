@@ -97,6 +97,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
         loc = self.experts.index.experts.get((key.layer, key.expert))
         if loc is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.experts.repo_id} has no expert {key.expert} in layer {key.layer}")
+        if request.keep_only:
+            yield self._keep(loc, context)
+            return
         blob = self.experts.held_copy(loc)
         if blob is None:
             if not request.fetch_on_miss:
@@ -112,6 +115,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
             if start == 0:
                 chunk.size, chunk.sha256 = len(blob), digest
             yield chunk
+
+    def _keep(self, loc, context) -> node_pb2.ExpertChunk:
+        """FetchExpert with keep_only: hold the expert (fetching it on a miss), send no bytes."""
+        try:
+            kept = self.experts.keep(loc)
+        except ExpertmeshError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
+        if not kept:
+            disk = self.experts.disk
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the disk budget is full ({disk.nbytes} of {disk.budget_bytes} bytes): warming never evicts")  # fmt: skip
+        return node_pb2.ExpertChunk(size=loc.nbytes, sha256=self.experts.digests.get((loc.layer, loc.expert)) or "")
 
     def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
         if self.sm is None:

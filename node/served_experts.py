@@ -27,7 +27,7 @@ class ServedExperts:
     remote_sources: list[ByteSource]  # nearest first, after the disk: peers, then the Hub
     stats: StoreStats
     ram_budget_bytes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @classmethod
     def of_model(cls, sm) -> "ServedExperts":
@@ -71,6 +71,24 @@ class ServedExperts:
                 self.disk.put(loc, blob)
                 return blob
         raise DownloadError(f"expert {loc.expert} of layer {loc.layer}: no source has a good copy")
+
+    def keep(self, loc: ExpertLocation) -> bool:
+        """Warm-up: hold this expert on disk, fetching it as its owner if missing, but never by
+        evicting another — a warm fills free budget and must not churn what use has cached.
+
+        Returns False when only an eviction (or a full file system) would make room.
+
+        Raises:
+            DownloadError: no source gave a good copy.
+        """
+        key = (loc.layer, loc.expert)
+        with self._lock:  # the room check and the fetch as one step: two warms cannot both take the last slot
+            if key in self.disk:
+                return True
+            if not self.disk.has_room(loc.nbytes):
+                return False
+            self.fetch_as_owner(loc)
+            return key in self.disk
 
     def close(self) -> None:
         for source in self.remote_sources:

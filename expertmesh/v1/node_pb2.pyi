@@ -77,12 +77,14 @@ class InventoryResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerBitmap, _Mapping]]] = ...) -> None: ...
 
 class FetchExpertRequest(_message.Message):
-    __slots__ = ("key", "fetch_on_miss")
+    __slots__ = ("key", "fetch_on_miss", "keep_only")
     KEY_FIELD_NUMBER: _ClassVar[int]
     FETCH_ON_MISS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ONLY_FIELD_NUMBER: _ClassVar[int]
     key: ExpertKey
     fetch_on_miss: bool
-    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., fetch_on_miss: _Optional[bool] = ...) -> None: ...
+    keep_only: bool
+    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., fetch_on_miss: _Optional[bool] = ..., keep_only: _Optional[bool] = ...) -> None: ...
 
 class ExpertChunk(_message.Message):
     __slots__ = ("size", "sha256", "data")

@@ -1,0 +1,99 @@
+"""`expertmesh warm` against real cache peers on loopback: each expert lands on its owner's disk
+once, the Hub serves it once, a second warm costs nothing, a budget is filled most-used first and
+never by evicting, and a wrong secret warms nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from node.cli import main
+from node.hub_server import HubServer
+from node.node_server import start_node_server
+from node.node_service import NodeService
+from node.pull import pull
+from node.served_experts import open_cache_peer
+from node.warm import WarmNode, owners, warm, warm_order
+
+REPO_ID = "expertmesh/tiny-qwen3_moe"
+SECRET = "warm-test-secret"
+
+
+class CachePeer:
+    def __init__(self, home: Path, node_id: str, disk_budget: str):
+        pull(REPO_ID, home=home, progress=False, index_only=True)
+        self.experts = open_cache_peer(REPO_ID, None, home, disk_budget)
+        self.node_id = node_id
+        self.running = start_node_server(NodeService(None, node_id, self.experts), SECRET, host="127.0.0.1", port=0)
+        self.address = f"127.0.0.1:{self.running.port}"
+
+    def as_warm_node(self) -> WarmNode:
+        return WarmNode(self.node_id, self.address, self.experts.disk.budget_bytes)
+
+    def close(self) -> None:
+        self.running.stop()
+        self.experts.close()
+
+
+@pytest.fixture
+def peers(hub: HubServer, tmp_path: Path):
+    made: list[CachePeer] = []
+
+    def make(node_id: str, disk_budget: str = "100MB") -> CachePeer:
+        made.append(CachePeer(tmp_path / node_id, node_id, disk_budget))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_every_expert_lands_on_its_owner_once(hub: HubServer, peers, tmp_path: Path, monkeypatch, capsys) -> None:
+    a, b = peers("node-a"), peers("node-b")
+    index = a.experts.index
+    monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "node-a"))
+    monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
+    before = hub.stats()["bytes_served"]
+    assert main(["warm", REPO_ID, "--no-discovery", "--peer", a.address, "--peer", b.address]) == 0
+    owned = owners(index, [a.as_warm_node(), b.as_warm_node()], index.experts)
+    for peer in (a, b):
+        assert set(peer.experts.disk._files) == set(owned[peer.node_id])  # its own experts, no one else's
+        assert peer.experts.disk.evictions == 0
+    assert owned["node-a"] and owned["node-b"]
+    all_bytes = sum(loc.nbytes for loc in index.experts.values())
+    assert hub.stats()["bytes_served"] - before == all_bytes  # each expert crossed the Hub once
+    out = capsys.readouterr().out
+    assert "node-a" in out and "done" in out
+
+    # a second warm asks only for what is missing: nothing
+    assert main(["warm", REPO_ID, "--no-discovery", "--peer", a.address, "--peer", b.address]) == 0
+    assert hub.stats()["bytes_served"] - before == all_bytes
+    assert "kept       0" in capsys.readouterr().out
+
+
+def test_a_small_budget_is_filled_most_used_first_without_evicting(hub: HubServer, peers) -> None:
+    small = peers("small")
+    index = small.experts.index
+    nbytes = next(iter(index.experts.values())).nbytes
+    small.experts.disk.budget_bytes = 5 * nbytes
+    keys = sorted(index.experts)
+    uses = Counter({k: 100 - i for i, k in enumerate(keys[-7:])})  # the 7 hottest are the last keys
+    order = warm_order(index, uses)
+    assert order[:7] == keys[-7:]
+    [result] = warm(index, [small.as_warm_node()], SECRET, order, concurrency=1)
+    assert result.full and result.kept == 5
+    assert set(small.experts.disk._files) == set(keys[-7:-2])  # the five most used
+    assert small.experts.disk.evictions == 0 and small.experts.disk.nbytes <= small.experts.disk.budget_bytes
+
+
+def test_a_wrong_secret_warms_nothing(hub: HubServer, peers, tmp_path: Path, monkeypatch, capsys) -> None:
+    a = peers("node-a")
+    monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "node-a"))
+    monkeypatch.setenv("EXPERTMESH_SECRET", "not-the-secret")
+    assert main(["warm", REPO_ID, "--no-discovery", "--peer", a.address]) != 0
+    err = capsys.readouterr().err
+    assert "unauthenticated" in err and "no node serving" in err
+    assert "not-the-secret" not in err and SECRET not in err
+    assert len(a.experts.disk) == 0
