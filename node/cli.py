@@ -466,6 +466,15 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="a node of the household to ask for experts before the Hub (repeatable)")
 
 
+def _add_household_arguments(p: argparse.ArgumentParser) -> None:
+    """How a command that joins no household finds its nodes (see `_household`)."""
+    p.add_argument("--cluster", default="home")
+    p.add_argument("--interface", metavar="IP", help="browse on this address only")
+    p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+
+
 def _add_metrics_arguments(p: argparse.ArgumentParser, default: int | None) -> None:
     p.add_argument("--metrics-port", type=int, default=default, metavar="N",
                    help="serve Prometheus /metrics on port N (0 picks a free one and prints it)"
@@ -558,11 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("peers", help="the nodes of the household: found by zeroconf (and --peer), with their Info")
-    p.add_argument("--cluster", default="home")
-    p.add_argument("--interface", metavar="IP", help="browse on this address only")
-    p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
-    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+    _add_household_arguments(p)
     p.set_defaults(func=_cmd_peers)
 
     p = sub.add_parser("warm", help="every node keeps the experts it owns, most used first, into free disk budget")
@@ -571,11 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", action="append", default=[], metavar="FILE",
                    help="routing traces (`run --trace`) that rank experts by use (repeatable)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per node (default %(default)s)")
-    p.add_argument("--cluster", default="home")
-    p.add_argument("--interface", metavar="IP", help="browse on this address only")
-    p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
-    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+    _add_household_arguments(p)
     p.set_defaults(func=_cmd_warm)
 
     p = sub.add_parser("prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds")
