@@ -125,3 +125,50 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, t
     finally:
         running.stop()
         owner.close()
+
+
+def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubServer, expected, tmp_path: Path) -> None:
+    """kill -9 of the peer that serves every expert: the generation goes on from the Hub, same tokens."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    peer_home = tmp_path / "peer"
+    pull(REPO_ID, home=peer_home, progress=False, index_only=True)
+    env = {**os.environ, "EXPERTMESH_HOME": str(peer_home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "--cache-only", REPO_ID, "--host", "127.0.0.1",
+                             "--port", "0", "--no-discovery", "--no-metrics"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        port, deadline = None, time.monotonic() + 120
+        while port is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "the cache peer exited before serving"
+            m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        assert port is not None, "the cache peer did not start in 120 s"
+        pull(REPO_ID, home=tmp_path / "client", progress=False)
+        # no disk and a 1-byte RAM tier: every use is a fetch, so the sources after the kill show
+        client = open_model(REPO_ID, home=tmp_path / "client",
+                            store_config=StoreConfig(prefetch=False, disk_budget="0", ram_budget="1"))  # fmt: skip
+        source = attach_peers(client, [f"127.0.0.1:{port}"], SECRET, node_id="client")
+        try:
+            gen = Generator(client).generate(client.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=16))
+            tokens = [next(gen).id for _ in range(4)]
+            at_kill = client.store.stats.snapshot()
+            assert at_kill.uses["peer"] > 0 and at_kill.uses["hub"] == 0
+            proc.kill()
+            proc.wait(timeout=30)
+            tokens += [t.id for t in gen]
+            assert tokens == expected  # the single-node output
+            after = client.store.stats.since(at_kill)
+            assert after.uses["hub"] > 0 and after.uses["peer"] == 0
+            assert sum(source.table.errors.values()) >= 1  # the dead peer was counted and skipped
+        finally:
+            client.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
