@@ -90,6 +90,13 @@ def _secret(args: argparse.Namespace) -> tuple[str, bool]:
     return load_or_create_secret(constants.expertmesh_home() / constants.SECRET_FILENAME)
 
 
+def _tls_ca(args: argparse.Namespace) -> bytes | None:
+    """The household CA for calls to other nodes: --tls-ca, $EXPERTMESH_TLS_CA, or a serving node's own cert."""
+    from node.rpc_tls import load_ca
+
+    return load_ca(getattr(args, "tls_ca", None) or getattr(args, "tls_cert", None))
+
+
 def _open_model(args: argparse.Namespace):
     """The pulled model of `args.repo`, with the household's `--peer`s as a tier before the Hub."""
     from node.streamed_model import open_model
@@ -100,7 +107,8 @@ def _open_model(args: argparse.Namespace):
         from node.peers import attach_peers
 
         try:
-            attach_peers(sm, args.peer, _secret(args)[0], load_or_create_node_id(constants.expertmesh_home()))
+            attach_peers(sm, args.peer, _secret(args)[0], load_or_create_node_id(constants.expertmesh_home()),
+                         _tls_ca(args))  # fmt: skip
         except BaseException:
             sm.close()
             raise
@@ -224,7 +232,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         service = NodeService(sm, node_id, experts, peers=table)
         ex = service.experts
         metrics = _start_metrics(args, sm, experts, table)  # first: its daemon thread needs no stopping on an error
-        running = start_node_server(service, secret, host=args.host, port=args.port)
+        tls = None
+        if args.tls_cert or args.tls_key:
+            from node.rpc_tls import TlsConfigError, server_credentials
+
+            if not (args.tls_cert and args.tls_key):
+                raise TlsConfigError("TLS needs both --tls-cert and --tls-key")
+            tls = server_credentials(args.tls_cert, args.tls_key)
+        running = start_node_server(service, secret, host=args.host, port=args.port, tls=tls)
         print(f"{service.role} node {node_id} serving {ex.repo_id} @ {ex.commit[:12]} on {args.host}:{running.port}")
         discovery = None
         if args.discover:
@@ -359,7 +374,8 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise ExpertmeshError(f"cannot read trace {path}: {e}") from None
     secret = _known_secret()
-    nodes, skipped = describe_nodes(sorted(p.address for p in _household(args).peers.values()), index, secret)
+    tls_ca = _tls_ca(args)
+    nodes, skipped = describe_nodes(sorted(p.address for p in _household(args).peers.values()), index, secret, tls_ca)
     for line in skipped:
         print(f"skipping {line}", file=sys.stderr)
     if not nodes:
@@ -372,7 +388,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     stop = threading.Event()
     with tqdm(total=len(order), unit="expert", disable=None, file=sys.stderr) as bar:
         try:
-            results = warm(index, nodes, secret, order, args.concurrency, lambda done, _: bar.update(1), stop)
+            results = warm(index, nodes, secret, order, args.concurrency, lambda done, _: bar.update(1), stop, tls_ca)
         except KeyboardInterrupt:
             print("stopped: what was kept stays kept; run warm again to go on", file=sys.stderr)
             return 130
@@ -390,14 +406,16 @@ def _cmd_peers(args: argparse.Namespace) -> int:
 
     from expertmesh.v1 import node_pb2, node_pb2_grpc
     from node.rpc_auth import call_metadata
+    from node.rpc_tls import open_channel
 
     table = _household(args)
     secret = _known_secret()
     print(f"{'node':<18} {'address':<22} {'role':<6} {'model':<40} {'disk used / budget':>22}")
     for peer in sorted(table.peers.values(), key=lambda p: p.address):
         try:
-            with grpc.insecure_channel(peer.address) as channel:
-                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=5)
+            with open_channel(peer.address, _tls_ca(args)) as channel:
+                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
+                                                            timeout=5)  # fmt: skip
         except grpc.RpcError as e:
             print(f"{peer.node_id:<18} {peer.address:<22} {'?':<6} {'(' + e.code().name.lower() + ')':<40}")
             continue
@@ -464,6 +482,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefetch", action="store_true", help="do not guess and fetch the next layer's experts")
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                    help="a node of the household to ask for experts before the Hub (repeatable)")
+    _add_tls_ca_argument(p)
 
 
 def _add_household_arguments(p: argparse.ArgumentParser) -> None:
@@ -473,6 +492,12 @@ def _add_household_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+    _add_tls_ca_argument(p)
+
+
+def _add_tls_ca_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", metavar="PEM", help="the household's TLS certificate: call nodes over TLS "
+                   "(default $EXPERTMESH_TLS_CA; plain TCP if neither)")  # fmt: skip
 
 
 def _add_metrics_arguments(p: argparse.ArgumentParser, default: int | None) -> None:
@@ -562,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no zeroconf: peers only from --peer (where multicast does not work)")
     p.add_argument("--cache-only", action="store_true",
                    help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with the household certificate (see node/rpc_tls.py)")
+    p.add_argument("--tls-key", metavar="PEM", help="the key of --tls-cert")
     _add_metrics_arguments(p, default=0)
     _add_model_arguments(p)
     p.set_defaults(func=_cmd_serve)

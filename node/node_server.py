@@ -33,8 +33,9 @@ class RunningServer:
 
 
 def start_node_server(servicer: node_pb2_grpc.NodeServicer, secret: str, host: str = "127.0.0.1", port: int = 0,
-                      max_workers: int = 16) -> RunningServer:  # fmt: skip
-    """Start serving; `port` 0 picks a free one (see `RunningServer.port`)."""
+                      max_workers: int = 16, tls: grpc.ServerCredentials | None = None) -> RunningServer:  # fmt: skip
+    """Start serving; `port` 0 picks a free one (see `RunningServer.port`); `tls` from
+    node/rpc_tls.py's `server_credentials`, or None for plain TCP."""
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
@@ -43,7 +44,8 @@ def start_node_server(servicer: node_pb2_grpc.NodeServicer, secret: str, host: s
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls) if tls is not None else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()

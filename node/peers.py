@@ -23,6 +23,7 @@ import grpc
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 from node.expert_index import ExpertIndex, ExpertLocation
 from node.rpc_auth import call_metadata
+from node.rpc_tls import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,9 @@ class PeerTable:
         return [p for _, p in sorted(entries, key=lambda e: e[0], reverse=True)]
 
 
-def describe_peer(address: str, secret: str) -> Peer:
+def describe_peer(address: str, secret: str, tls_ca: bytes | None = None) -> Peer:
     """Ask a node at `address` who it is (for a static `--peer`)."""
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls_ca) as channel:
         info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
                                                     timeout=INFO_DEADLINE_S)  # fmt: skip
     return Peer(info.node_id, address, float(info.disk_budget_bytes), info.role)
@@ -108,8 +109,10 @@ class PeerSource:
 
     name = "peer"
 
-    def __init__(self, index: ExpertIndex, table: PeerTable, secret: str, deadline_s: float = FETCH_DEADLINE_S):
+    def __init__(self, index: ExpertIndex, table: PeerTable, secret: str, deadline_s: float = FETCH_DEADLINE_S,
+                 tls_ca: bytes | None = None):  # fmt: skip
         self.index = index
+        self.tls_ca = tls_ca
         self.table = table
         self._metadata = call_metadata(secret)
         self.deadline_s = deadline_s
@@ -121,7 +124,7 @@ class PeerSource:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address)
+                channel = self._channels[address] = open_channel(address, self.tls_ca)
             return node_pb2_grpc.NodeStub(channel)
 
     def fetch(self, loc: ExpertLocation) -> bytes | None:
@@ -185,7 +188,7 @@ class PeerSource:
             self._channels.clear()
 
 
-def attach_peers(sm, addresses: list[str], secret: str, node_id: str) -> PeerSource:
+def attach_peers(sm, addresses: list[str], secret: str, node_id: str, tls_ca: bytes | None = None) -> PeerSource:
     """Put a peers tier for `addresses` between the disk and the Hub of a streamed model's store.
 
     Raises:
@@ -196,11 +199,11 @@ def attach_peers(sm, addresses: list[str], secret: str, node_id: str) -> PeerSou
     table = PeerTable(self_id=node_id, self_weight=float(sm.disk.budget_bytes))
     for address in addresses:
         try:
-            table.add(describe_peer(address, secret))
+            table.add(describe_peer(address, secret, tls_ca))
         except grpc.RpcError as e:
             raise EndpointUnreachableError(f"peer {address} did not answer Info ({e.code().name.lower()}): "
                                            "is it running, and is the household secret the same?") from None  # fmt: skip
-    source = PeerSource(sm.index, table, secret)
+    source = PeerSource(sm.index, table, secret, tls_ca=tls_ca)
     hub_at = next(i for i, s in enumerate(sm.store.sources) if s.name == "hub")
     sm.store.sources.insert(hub_at, source)
     return source

@@ -23,6 +23,7 @@ from expertmesh.v1 import node_pb2, node_pb2_grpc
 from node.expert_index import ExpertIndex
 from node.peers import FETCH_DEADLINE_S, INFO_DEADLINE_S, expert_key, rendezvous_score
 from node.rpc_auth import call_metadata
+from node.rpc_tls import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +67,14 @@ class WarmNode:
     disk_budget_bytes: int
 
 
-def describe_nodes(addresses: Iterable[str], index: ExpertIndex, secret: str) -> tuple[list[WarmNode], list[str]]:
+def describe_nodes(addresses: Iterable[str], index: ExpertIndex, secret: str,
+                   tls_ca: bytes | None = None) -> tuple[list[WarmNode], list[str]]:  # fmt: skip
     """The nodes at `addresses` that serve this exact model (repo and commit), and a line for
     each that does not or did not answer."""
     nodes, skipped = [], []
     for address in addresses:
         try:
-            with grpc.insecure_channel(address) as channel:
+            with open_channel(address, tls_ca) as channel:
                 info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
                                                             timeout=INFO_DEADLINE_S)  # fmt: skip
         except grpc.RpcError as e:
@@ -106,7 +108,7 @@ def _inventory(stub: node_pb2_grpc.NodeStub, model: node_pb2.ModelKey, metadata)
 
 def warm(index: ExpertIndex, nodes: list[WarmNode], secret: str, order: list[ExpertKey] | None = None,
          concurrency: int = DEFAULT_CONCURRENCY, progress: Callable[[int, int], None] | None = None,
-         stop: threading.Event | None = None) -> list[NodeWarm]:  # fmt: skip
+         stop: threading.Event | None = None, tls_ca: bytes | None = None) -> list[NodeWarm]:  # fmt: skip
     """Ask every node to keep the experts it owns, in `order`; returns what each did.
 
     `progress(done, bytes)` is called after each expert (from several threads); `stop` ends the
@@ -153,7 +155,7 @@ def warm(index: ExpertIndex, nodes: list[WarmNode], secret: str, order: list[Exp
     channels, queues = [], []
     for n in nodes:
         node = results[n.node_id]
-        channel = grpc.insecure_channel(n.address)
+        channel = open_channel(n.address, tls_ca)
         channels.append(channel)
         stub = node_pb2_grpc.NodeStub(channel)
         try:
