@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 FETCH_DEADLINE_S = 30.0  # for one expert from one peer, the owner's Hub fetch included
 SKIP_AFTER_ERROR_S = 30.0
 INFO_DEADLINE_S = 5.0
+INVENTORY_TTL_S = 30.0  # how long a peer's inventory is trusted before it is asked again
 
 
 @dataclass
@@ -52,6 +53,11 @@ def rendezvous_score(key: str, node_id: str, weight: float) -> float:
     h = int.from_bytes(hashlib.sha256(f"{key}|{node_id}".encode()).digest()[:8], "big")
     u = (h + 0.5) / 2**64
     return -weight / math.log(u)
+
+
+def inventory_keys(inv: node_pb2.InventoryResponse) -> set[tuple[int, int]]:
+    """The (layer, expert) keys an InventoryResponse's bitmaps mark as held."""
+    return {(lb.layer, e) for lb in inv.layers for e in range(lb.num_experts) if lb.bits[e // 8] >> (e % 8) & 1}
 
 
 def expert_key(index: ExpertIndex, layer: int, expert: int) -> str:
@@ -118,6 +124,7 @@ class PeerSource:
         self.deadline_s = deadline_s
         self._channels: dict[str, grpc.Channel] = {}
         self._last_server: dict[tuple[int, int], Peer] = {}
+        self._inventories: dict[str, tuple[float, set[tuple[int, int]]]] = {}  # node id -> (when, held keys)
         self._lock = threading.Lock()
 
     def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
@@ -127,9 +134,28 @@ class PeerSource:
                 channel = self._channels[address] = open_channel(address, self.tls_ca)
             return node_pb2_grpc.NodeStub(channel)
 
+    def _holds(self, peer: Peer, key: tuple[int, int], timeout: float) -> bool:
+        """Whether `peer`'s inventory (asked at most every INVENTORY_TTL_S) lists `key`; a peer
+        whose inventory cannot be had is assumed to hold it, so it is still asked."""
+        now = time.monotonic()
+        with self._lock:
+            known = self._inventories.get(peer.node_id)
+        if known is None or now - known[0] > INVENTORY_TTL_S:
+            model = node_pb2.ModelKey(repo_id=self.index.repo_id, commit=self.index.commit)
+            try:
+                inv = self._stub(peer.address).GetInventory(node_pb2.InventoryRequest(model=model), metadata=self._metadata,
+                                                            timeout=min(timeout, INFO_DEADLINE_S))  # fmt: skip
+            except grpc.RpcError:
+                return True
+            known = (now, inventory_keys(inv))
+            with self._lock:
+                self._inventories[peer.node_id] = known
+        return key in known[1]
+
     def fetch(self, loc: ExpertLocation) -> bytes | None:
         """The expert from the household, or None: the caller goes to the Hub (this node owns it, or
-        no peer could serve it in time)."""
+        no peer could serve it in time). The owner is asked first (it fetches on a miss); after it,
+        only the peers whose inventories list the expert."""
         key = expert_key(self.index, loc.layer, loc.expert)
         ranked = self.table.ranked(key)
         deadline = time.monotonic() + self.deadline_s
@@ -141,6 +167,8 @@ class PeerSource:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            if n > 0 and not self._holds(peer, (loc.layer, loc.expert), left):
+                continue
             blob = self._fetch_from(peer, loc, owner=(n == 0), timeout=left)
             if blob is not None:
                 self._last_server[(loc.layer, loc.expert)] = peer

@@ -21,7 +21,7 @@ import grpc
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 from node.expert_index import ExpertIndex
-from node.peers import FETCH_DEADLINE_S, INFO_DEADLINE_S, expert_key, rendezvous_score
+from node.peers import FETCH_DEADLINE_S, INFO_DEADLINE_S, expert_key, inventory_keys, rendezvous_score
 from node.rpc_auth import call_metadata
 from node.rpc_tls import open_channel
 
@@ -102,8 +102,8 @@ def owners(index: ExpertIndex, nodes: list[WarmNode], keys: Iterable[ExpertKey])
 
 
 def _inventory(stub: node_pb2_grpc.NodeStub, model: node_pb2.ModelKey, metadata) -> set[ExpertKey]:
-    inv = stub.GetInventory(node_pb2.InventoryRequest(model=model), metadata=metadata, timeout=INFO_DEADLINE_S)
-    return {(lb.layer, e) for lb in inv.layers for e in range(lb.num_experts) if lb.bits[e // 8] >> (e % 8) & 1}
+    return inventory_keys(stub.GetInventory(node_pb2.InventoryRequest(model=model), metadata=metadata,
+                                            timeout=INFO_DEADLINE_S))  # fmt: skip
 
 
 def warm(index: ExpertIndex, nodes: list[WarmNode], secret: str, order: list[ExpertKey] | None = None,

@@ -1,6 +1,7 @@
 """`expertmesh warm` against real cache peers on loopback: each expert lands on its owner's disk
 once, the Hub serves it once, a second warm costs nothing, a budget is filled most-used first and
-never by evicting, and a wrong secret warms nothing."""
+never by evicting, and a wrong secret warms nothing. Also the peers tier's use of inventories:
+after the owner, only nodes that hold an expert are asked for it."""
 
 from __future__ import annotations
 
@@ -97,3 +98,54 @@ def test_a_wrong_secret_warms_nothing(hub: HubServer, peers, tmp_path: Path, mon
     assert "unauthenticated" in err and "no node serving" in err
     assert "not-the-secret" not in err and SECRET not in err
     assert len(a.experts.disk) == 0
+
+
+class _CountingService(NodeService):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fetches = 0
+
+    def FetchExpert(self, request, context):
+        self.fetches += 1
+        yield from super().FetchExpert(request, context)
+
+
+def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: HubServer, tmp_path: Path) -> None:
+    from node.peers import Peer, PeerSource, PeerTable
+
+    made = []
+    try:
+        for name in ("owner", "holder", "empty"):
+            home = tmp_path / name
+            pull(REPO_ID, home=home, progress=False, index_only=True)
+            experts = open_cache_peer(REPO_ID, None, home, "100MB")
+            service = _CountingService(None, name, experts)
+            made.append((name, experts, service, start_node_server(service, SECRET, host="127.0.0.1", port=0)))
+        (_, _, _, owner_server), (_, holder, _, holder_server), (_, _, empty_service, empty_server) = made
+        index = holder.index
+        from node.peers import expert_key, rendezvous_score
+
+        # experts for which, once the owner is gone, the empty node ranks before the holder
+        keys = [k for k in sorted(index.experts)
+                if rendezvous_score(expert_key(index, *k), "empty", 1.0) > rendezvous_score(expert_key(index, *k), "holder", 1.0)][:3]  # fmt: skip
+        for key in keys:
+            assert holder.keep(index.expert(*key))
+        table = PeerTable("client", 0.0)
+        table.add(Peer("owner", f"127.0.0.1:{owner_server.port}", 1e15))  # owns every key
+        table.add(Peer("holder", f"127.0.0.1:{holder_server.port}", 1.0))
+        table.add(Peer("empty", f"127.0.0.1:{empty_server.port}", 1.0))
+        owner_server.stop()  # the owner is gone
+        source = PeerSource(index, table, SECRET)
+        try:
+            hub_before = hub.stats()["bytes_served"]
+            loc = index.expert(*keys[0])
+            assert len(source.fetch(loc) or b"") == loc.nbytes  # the owner fails: the holder serves it
+            assert empty_service.fetches == 0  # it ranked before the holder, but its inventory lists nothing
+            assert hub.stats()["bytes_served"] == hub_before
+            assert table.errors["unavailable"] == 1 and not table.peers["owner"].live  # the dead owner is skipped
+        finally:
+            source.close()
+    finally:
+        for _, experts, _, server in made:
+            server.stop()
+            experts.close()
