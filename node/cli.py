@@ -250,6 +250,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                metrics_port=metrics.port if metrics is not None else 0)  # fmt: skip
             discovery = Discovery(table, ad, address, [args.interface] if args.interface else None)
             print(f"advertising in cluster {args.cluster!r} as {address}:{running.port}; peers join as they appear")
+        api = _start_api(args, ex.repo_id, secret, running.port, table)
         print(_describe(sm) if sm is not None else
               f"cache peer: experts on disk ({format_size(ex.disk.budget_bytes)} at {ex.disk.root}), the Hub on a miss")  # fmt: skip
         if created:
@@ -266,6 +267,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("stopping", file=sys.stderr)
         if discovery is not None:
             discovery.close()
+        if api is not None:
+            api.stop()
         running.stop()
         if metrics is not None:
             metrics.stop()
@@ -277,6 +280,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _start_api(args: argparse.Namespace, repo_id: str, secret: str, grpc_port: int, table):
+    """The embedded coordinator's OpenAI-compatible API (None with --no-http): this node, if it is a
+    full node, and the full nodes the peer table follows."""
+    if args.http_port is None:
+        return None
+    from coordinator.node_pool import NodePool
+    from coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
+
+    local = [] if args.cache_only else [f"{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{grpc_port}"]
+    pool = NodePool.following(local, table) if table is not None else NodePool(local)
+    config = CoordinatorConfig(secret=secret, models=lambda: [repo_id], tls_ca=_tls_ca(args), max_waiting=args.max_waiting)
+    try:
+        api = OpenAIServer(Coordinator(config, pool), args.http_host, args.http_port)
+    except OSError as e:
+        raise ExpertmeshError(f"cannot serve the HTTP API on {args.http_host}:{args.http_port}: {e.strerror or e}") from None
+    print(f"OpenAI-compatible API on {api.url} (model {repo_id!r})")
+    return api
 
 
 def _start_metrics(args: argparse.Namespace, sm, experts=None, peers=None):
@@ -589,6 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with the household certificate (see node/rpc_tls.py)")
     p.add_argument("--tls-key", metavar="PEM", help="the key of --tls-cert")
+    p.add_argument("--http-host", default="127.0.0.1", help="the OpenAI-compatible API's address (default %(default)s)")
+    p.add_argument("--http-port", type=int, default=8000, metavar="N",
+                   help="the OpenAI-compatible API's port (default %(default)s; 0 picks a free one)")
+    p.add_argument("--no-http", dest="http_port", action="store_const", const=None, help="no HTTP API")
+    p.add_argument("--max-waiting", type=int, default=16, metavar="N",
+                   help="requests that may wait for a generation slot before the API answers 429 (default %(default)s)")
     _add_metrics_arguments(p, default=0)
     _add_model_arguments(p)
     p.set_defaults(func=_cmd_serve)

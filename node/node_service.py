@@ -30,6 +30,7 @@ CHUNK_BYTES = 1024 * 1024  # well under gRPC's 4 MB message limit
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 32768
 MAX_PROMPT_CHARS = 1_000_000
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 def _version() -> str:
@@ -132,15 +133,19 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if self.sm is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with")
         self._check_model(request.model, context, allow_empty_commit=True)
-        if len(request.prompt) > MAX_PROMPT_CHARS or not request.prompt:
+        chars = sum(len(m.content) for m in request.messages) if request.messages else len(request.prompt)
+        if chars > MAX_PROMPT_CHARS or not chars:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt must have 1 to {MAX_PROMPT_CHARS} characters")
+        if any(m.role not in CHAT_ROLES for m in request.messages):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message's role must be one of {', '.join(CHAT_ROLES)}")
         if request.max_tokens > MAX_TOKENS_LIMIT or request.temperature < 0 or not 0 <= request.top_p <= 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"max_tokens must be at most {MAX_TOKENS_LIMIT}, temperature ≥ 0 and top_p in [0, 1]")  # fmt: skip
         tok = self.sm.tokenizer
-        if request.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": request.prompt}], tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+        if request.messages or request.chat:
+            messages = ([{"role": m.role, "content": m.content} for m in request.messages] if request.messages
+                        else [{"role": "user", "content": request.prompt}])  # fmt: skip
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(request.prompt)
@@ -150,13 +155,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
         summary = GenerationSummary()
         with self._generate_lock:
             stats = self.sm.store.stats
-            last, t_last = stats.snapshot(), time.perf_counter()
+            last, t_last, first = stats.snapshot(), time.perf_counter(), True
             try:
                 for t in Generator(self.sm).generate(ids, settings, lambda: not context.is_active(), summary):
                     now, t_now = stats.snapshot(), time.perf_counter()
                     d = _delta(now, last)
                     yield node_pb2.GenerateEvent(token=node_pb2.TokenEvent(
-                        id=t.id, text=t.text, seconds=t_now - t_last, expert_uses=d[0], hub_bytes=d[1]))  # fmt: skip
+                        id=t.id, text=t.text, seconds=t_now - t_last, expert_uses=d[0], hub_bytes=d[1],
+                        prompt_tokens=summary.prompt_tokens if first else 0))  # fmt: skip
+                    first = False
                     last, t_last = now, t_now
             except ContextLengthError as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -81,7 +81,7 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
     proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "expertmesh/tiny-kimi_k3", "--host", "127.0.0.1",
-                             "--port", "0", "--interface", "127.0.0.1", "--cluster", "zc-e2e", "--no-prefetch", *extra],
+                             "--port", "0", "--interface", "127.0.0.1", "--cluster", "zc-e2e", "--no-prefetch", "--http-port", "0", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     out = ""

@@ -152,7 +152,8 @@ def test_serve_creates_a_secret_prints_how_to_join_and_stops_on_sigterm(hub_root
         pull(REPO_ID, home=tmp_path, progress=False)
     env = {k: v for k, v in os.environ.items() if k != "EXPERTMESH_SECRET"}
     env["EXPERTMESH_HOME"] = str(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", REPO_ID, "--host", "127.0.0.1", "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", REPO_ID, "--host", "127.0.0.1", "--port", "0",
+                             "--http-port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         lines = []
@@ -168,6 +169,14 @@ def test_serve_creates_a_secret_prints_how_to_join_and_stops_on_sigterm(hub_root
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=30)
         assert info.role == "full"
+        api = re.search(r"OpenAI-compatible API on (\S+)", "".join(lines)).group(1)  # the embedded coordinator
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"{api}/models", timeout=30) as r:
+            assert [m["id"] for m in json.load(r)["data"]] == [REPO_ID]
+        with urllib.request.urlopen(api.removesuffix("/v1") + "/healthz", timeout=30) as r:
+            assert json.load(r)["full_nodes"] == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -139,7 +139,7 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
     pull(REPO_ID, home=peer_home, progress=False, index_only=True)
     env = {**os.environ, "EXPERTMESH_HOME": str(peer_home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
     proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "--cache-only", REPO_ID, "--host", "127.0.0.1",
-                             "--port", "0", "--no-discovery", "--no-metrics"],
+                             "--port", "0", "--no-discovery", "--no-metrics", "--no-http"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
     try:
         port, deadline = None, time.monotonic() + 120

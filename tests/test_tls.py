@@ -98,7 +98,7 @@ def test_cli_tls_errors_are_one_line(tls_node, tmp_path: Path, monkeypatch, caps
     address, _, _, home = tls_node
     monkeypatch.setenv("EXPERTMESH_HOME", str(home))
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
-    assert main(["serve", "--cache-only", REPO_ID, "--port", "0", "--no-discovery", "--no-metrics",
+    assert main(["serve", "--cache-only", REPO_ID, "--port", "0", "--no-discovery", "--no-metrics", "--no-http",
                  "--tls-cert", str(home / "tls" / "cert.pem")]) != 0  # fmt: skip
     assert "both --tls-cert and --tls-key" in capsys.readouterr().err
     (tmp_path / "junk.pem").write_text("not a certificate")

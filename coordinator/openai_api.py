@@ -1,0 +1,422 @@
+"""The household's front door: an OpenAI-compatible HTTP API over the full nodes' Generate.
+
+`/v1/models`, `/v1/completions` and `/v1/chat/completions` (SSE with `stream: true`), and
+`/healthz`. Each request waits for a slot in a bounded FIFO queue (429 beyond it), goes to the
+least busy full node, and moves to another node if the first fails before its first token. Stop
+sequences are applied here, on the streamed text, and the node's generation is cancelled at
+the stop (as it is when the client goes away). Errors use OpenAI's shape, so the official
+clients raise their usual exceptions with our message.
+
+Like mlx_lm.server, this uses the standard library's threading HTTP server: one thread per
+connection is right for a household's handful of clients, and it adds no dependency.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import grpc
+
+from coordinator.node_pool import NodePool
+from coordinator.request_queue import QueueFull, RequestQueue
+from coordinator.stop_sequences import StopScanner
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from node.rpc_auth import call_metadata
+from node.rpc_tls import open_channel
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_TOKENS_LIMIT = 32768  # as the node's own limit
+MAX_STOPS = 4  # as OpenAI's
+GENERATE_DEADLINE_S = 3600.0  # a cold Kimi K3 token can take minutes; a whole answer, up to this
+HEALTH_DEADLINE_S = 3.0
+RETRY_AFTER_S = 5
+
+
+@dataclass
+class Finish:
+    """The last item a generation yields: why it ended, as OpenAI's finish_reason."""
+
+    reason: str  # stop | length
+
+
+class ApiError(Exception):
+    """A request the API refuses, in OpenAI's error shape."""
+
+    def __init__(self, status: HTTPStatus, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CoordinatorConfig:
+    secret: str
+    models: Callable[[], list[str]]  # the repo ids the household serves
+    tls_ca: bytes | None = None
+    max_waiting: int = 16  # requests that may wait for a slot before the API answers 429
+    default_max_tokens: int = 256
+
+
+@dataclass
+class Ask:
+    """A validated completion request."""
+
+    model: str
+    chat: bool
+    prompt: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not lo <= value <= hi:
+        kind = "an integer" if integer else "a number"
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"'{name}' must be {kind} from {lo:g} to {hi:g}", param=name)
+    return value
+
+
+def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int) -> Ask:
+    """Check a request body the way the OpenAI API does, with a message that says what is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'model' is required: one of " + ", ".join(models), param="model")
+    if model not in models:
+        raise ApiError(HTTPStatus.NOT_FOUND, f"the model '{model}' is not served here; models: {', '.join(models) or 'none'}",
+                       param="model", code="model_not_found")  # fmt: skip
+    ask = Ask(model=model, chat=chat)
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' must be a non-empty list", param="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] must have a role (system, user or assistant) "
+                               "and a string content", param="messages")  # fmt: skip
+            ask.messages.append({"role": m["role"], "content": m["content"]})
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "'prompt' must be a non-empty string", param="prompt")
+        ask.prompt = prompt
+    if _number(body, "n", 1, 1, 1, integer=True) != 1:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'n' must be 1", param="n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    ask.max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1, MAX_TOKENS_LIMIT, integer=True)
+    ask.temperature = float(_number(body, "temperature", 1.0, 0, 2))
+    ask.top_p = float(_number(body, "top_p", 1.0, 0, 1))
+    seed = body.get("seed")
+    if seed is not None:
+        ask.seed = _number(body, "seed", None, -(2**63), 2**63 - 1, integer=True)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings", param="stop")
+    ask.stop = stops
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(HTTPStatus.BAD_REQUEST, "'stream' must be true or false", param="stream")
+    ask.stream = stream
+    options = body.get("stream_options") or {}
+    ask.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    return ask
+
+
+def _request(ask: Ask) -> node_pb2.GenerateRequest:
+    req = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=ask.model), max_tokens=ask.max_tokens,
+                                   temperature=ask.temperature, top_p=ask.top_p)  # fmt: skip
+    if ask.chat:
+        req.messages.extend(node_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in ask.messages)
+    else:
+        req.prompt = ask.prompt
+    if ask.seed is not None:
+        req.seed = ask.seed
+    return req
+
+
+_NODE_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST, grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND}
+_TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.FAILED_PRECONDITION)  # fmt: skip
+
+
+class Coordinator:
+    """Routes validated asks to full nodes and yields (text, finish_reason) pieces."""
+
+    def __init__(self, config: CoordinatorConfig, pool: NodePool):
+        self.config = config
+        self.pool = pool
+        self.queue = RequestQueue(lambda: len(pool.addresses()), config.max_waiting)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = open_channel(address, self.config.tls_ca)
+            return node_pb2_grpc.NodeStub(self._channels[address])
+
+    def healthy_nodes(self) -> list[str]:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        up = []
+        for address in self.pool.addresses():
+            with self._lock:
+                channel = self._channels.get(address) or open_channel(address, self.config.tls_ca)
+                self._channels[address] = channel
+            try:
+                r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_DEADLINE_S)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    up.append(address)
+            except grpc.RpcError:
+                pass
+        return up
+
+    def generate(self, ask: Ask, usage: dict):
+        """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive."""
+        metadata = call_metadata(self.config.secret)
+        tried: set[str] = set()
+        with self.queue.slot():
+            while True:
+                candidates = self.pool.ranked(exclude=tried)
+                if not candidates:
+                    raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, "no full node of the household could generate"
+                                   + (f" (tried {len(tried)})" if tried else ""), type_="server_error")  # fmt: skip
+                address = candidates[0]
+                tried.add(address)
+                with self.pool.using(address):
+                    call = self._stub(address).Generate(_request(ask), metadata=metadata, timeout=GENERATE_DEADLINE_S)
+                    scanner = StopScanner(ask.stop)
+                    started = False
+                    try:
+                        for event in call:
+                            if event.HasField("token"):
+                                started = True
+                                usage["completion_tokens"] += 1
+                                usage["prompt_tokens"] = usage["prompt_tokens"] or event.token.prompt_tokens
+                                text = scanner.feed(event.token.text)
+                                if text:
+                                    yield text
+                                if scanner.stopped:
+                                    call.cancel()
+                                    yield Finish("stop")
+                                    return
+                            else:
+                                done = event.done
+                                usage["prompt_tokens"] = done.prompt_tokens
+                                tail = scanner.feed(done.trailing_text) + scanner.finish()
+                                if tail:
+                                    yield tail
+                                yield Finish("stop" if scanner.stopped or done.stop_reason == "eos" else "length")
+                                return
+                        yield Finish("length")
+                        return
+                    except grpc.RpcError as e:
+                        if e.code() == grpc.StatusCode.CANCELLED:
+                            yield Finish("stop")
+                            return
+                        if not started and e.code() in _TRY_ANOTHER:
+                            logger.warning("node %s failed before its first token (%s); trying another",
+                                           address, e.code().name.lower())  # fmt: skip
+                            continue
+                        if not started and e.code() in _NODE_ERRORS:
+                            raise ApiError(_NODE_ERRORS[e.code()], e.details() or "the node refused the request") from None
+                        raise ApiError(HTTPStatus.BAD_GATEWAY, f"the node failed mid-generation: {e.code().name.lower()}",
+                                       type_="server_error") from None  # fmt: skip
+                    finally:
+                        call.cancel()  # no-op when finished; stops the node when the client went away
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "expertmesh"
+    protocol_version = "HTTP/1.1"
+    coordinator: Coordinator  # set on the subclass made per server
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        logger.info("%s %s", self.address_string(), format % args)
+
+    def _json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, e: ApiError) -> None:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == HTTPStatus.TOO_MANY_REQUESTS else None
+        self._json(e.status, e.body(), headers)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        c = self.coordinator
+        if self.path.rstrip("/") == "/v1/models":
+            now = int(time.time())
+            self._json(200, {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "expertmesh"}
+                                                         for m in c.config.models()]})  # fmt: skip
+        elif self.path.rstrip("/") == "/healthz":
+            up = c.healthy_nodes()
+            running, waiting = c.queue.depth()
+            body = {"status": "ok" if up else "no full node", "full_nodes": len(up), "running": running, "waiting": waiting}
+            self._json(200 if up else 503, body)
+        else:
+            self._error(ApiError(HTTPStatus.NOT_FOUND, f"no such path: {self.path}", code="not_found"))
+
+    def _body(self) -> Any:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "bad Content-Length") from None
+        if length > MAX_BODY_BYTES:
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes")
+        try:
+            return json.loads(self.rfile.read(length) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {e}") from None
+
+    def do_POST(self) -> None:  # noqa: N802
+        path = self.path.rstrip("/")
+        if path not in ("/v1/completions", "/v1/chat/completions"):
+            self._error(ApiError(HTTPStatus.NOT_FOUND, f"no such path: {self.path}", code="not_found"))
+            return
+        c = self.coordinator
+        chat = path == "/v1/chat/completions"
+        try:
+            ask = parse_ask(self._body(), chat, c.config.models(), c.config.default_max_tokens)
+        except ApiError as e:
+            self._error(e)
+            return
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        pieces = c.generate(ask, usage)
+        try:
+            if ask.stream:
+                self._stream(ask, rid, pieces, usage)
+            else:
+                self._whole(ask, rid, pieces, usage)
+        except QueueFull as e:
+            self._error(ApiError(HTTPStatus.TOO_MANY_REQUESTS, f"the household is busy ({e}); retry later",
+                                 type_="rate_limit_error", code="queue_full"))  # fmt: skip
+        except ApiError as e:
+            self._error(e)
+        except (BrokenPipeError, ConnectionResetError):
+            pieces.close()  # the client went away: the generator's finally cancels the node's call
+
+    def _choice(self, ask: Ask, text: str | None, finish: str | None, delta: bool) -> dict:
+        if not ask.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        key = "delta" if delta else "message"
+        content = {"content": text} if text is not None else {}
+        if not delta:
+            content = {"role": "assistant", "content": text or ""}
+        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+
+    def _envelope(self, ask: Ask, rid: str, chunk: bool) -> dict:
+        kind = ("chat.completion" if ask.chat else "text_completion") + (".chunk" if chunk and ask.chat else "")
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": ask.model}
+
+    @staticmethod
+    def _usage(usage: dict) -> dict:
+        return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+
+    def _whole(self, ask: Ask, rid: str, pieces, usage: dict) -> None:
+        text, finish = [], "length"
+        for piece in pieces:
+            if isinstance(piece, Finish):
+                finish = piece.reason
+            else:
+                text.append(piece)
+        body = self._envelope(ask, rid, chunk=False)
+        body.update(choices=[self._choice(ask, "".join(text), finish, delta=False)], usage=self._usage(usage))
+        self._json(200, body)
+
+    def _stream(self, ask: Ask, rid: str, pieces, usage: dict) -> None:
+        first = next(pieces)  # errors before the first token are still plain HTTP errors
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+        def send(obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
+
+        def chunk(text: str | None, reason: str | None) -> dict:
+            return {**self._envelope(ask, rid, chunk=True), "choices": [self._choice(ask, text, reason, delta=True)]}
+
+        if ask.chat:
+            send({**self._envelope(ask, rid, chunk=True),
+                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
+        finish = "length"
+        try:
+            for piece in itertools.chain([first], pieces):
+                if isinstance(piece, Finish):
+                    finish = piece.reason
+                else:
+                    send(chunk(piece, None))
+        except ApiError as e:  # after the first token: the stream ends with the error
+            send({"error": e.body()["error"]})
+            send("[DONE]")
+            return
+        send(chunk(None if ask.chat else "", finish))
+        if ask.include_usage:
+            send({**self._envelope(ask, rid, chunk=True), "choices": [], "usage": self._usage(usage)})
+        send("[DONE]")
+
+
+class OpenAIServer:
+    """The API on `host:port` (port 0 picks a free one), served from a background thread."""
+
+    def __init__(self, coordinator: Coordinator, host: str = "127.0.0.1", port: int = 8000):
+        handler = type("Handler", (_Handler,), {"coordinator": coordinator})
+        self.coordinator = coordinator
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.host, self.port = host, self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-api", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.coordinator.close()

@@ -1,0 +1,163 @@
+"""The coordinator's OpenAI-compatible API, driven by the official `openai` client against a real
+node on loopback: streamed chat, completions equal to mlx-lm, stop sequences, finish reasons,
+usage, OpenAI-shaped 4xx errors, a bounded queue answering 429, and failover to another node."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlx_lm
+import openai
+import pytest
+
+from coordinator.node_pool import NodePool
+from coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from node.node_server import start_node_server
+from node.node_service import NodeService
+from node.pull import pull
+from node.rpc_auth import call_metadata
+from node.rpc_tls import open_channel
+from node.streamed_model import StoreConfig, open_model
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+SECRET = "api-test-secret"
+PROMPT = "The household answers"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a cache?"}]
+
+
+@pytest.fixture(scope="module")
+def node(hub, tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("api-node")
+    pull(REPO_ID, home=home, progress=False)
+    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False))
+    running = start_node_server(NodeService(sm, "api-node"), SECRET, host="127.0.0.1", port=0)
+    try:
+        yield f"127.0.0.1:{running.port}"
+    finally:
+        running.stop()
+        sm.close()
+
+
+def _api(addresses: list[str], max_waiting: int = 16) -> OpenAIServer:
+    config = CoordinatorConfig(secret=SECRET, models=lambda: [REPO_ID], max_waiting=max_waiting)
+    return OpenAIServer(Coordinator(config, NodePool(addresses)), "127.0.0.1", 0)
+
+
+@pytest.fixture(scope="module")
+def api(node):
+    server = _api([node])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(api) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def completion_text(tiny_repos: dict[str, Path]) -> str:
+    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+    return mlx_lm.generate(ref, tok, PROMPT, max_tokens=16)
+
+
+def _node_chat_text(address: str, max_tokens: int) -> str:
+    """The node's own Generate for MESSAGES, greedy: what the API must pass through unchanged."""
+    req = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=REPO_ID), max_tokens=max_tokens, temperature=0.0)
+    req.messages.extend(node_pb2.ChatMessage(**m) for m in MESSAGES)
+    with open_channel(address) as channel:
+        events = list(node_pb2_grpc.NodeStub(channel).Generate(req, metadata=call_metadata(SECRET), timeout=120))
+    return "".join(e.token.text for e in events if e.HasField("token")) + events[-1].done.trailing_text
+
+
+def test_a_streamed_chat_completion_through_the_official_client(client: openai.OpenAI, node) -> None:
+    stream = client.chat.completions.create(model=REPO_ID, messages=MESSAGES, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == _node_chat_text(node, 12)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"])
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_a_completion_equals_mlx_lm(client: openai.OpenAI, completion_text: str) -> None:
+    r = client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert r.choices[0].text == completion_text
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16 and r.usage.prompt_tokens > 0
+    models = client.models.list()
+    assert [m.id for m in models.data] == [REPO_ID]
+
+
+def test_a_stop_sequence_cuts_the_text_and_ends_the_generation(client: openai.OpenAI, completion_text: str) -> None:
+    stop = completion_text[6:9]
+    expected = completion_text[: completion_text.find(stop)]
+    r = client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "never-seen"])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 16  # the node stopped generating at the stop sequence
+    streamed = client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop,
+                                         stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_bad_requests_get_4xx_with_a_readable_message(client: openai.OpenAI, api: OpenAIServer) -> None:
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=REPO_ID, messages=[])
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="someone/else", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=REPO_ID, prompt="x", temperature=5)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=REPO_ID, prompt="x", max_tokens=0)
+    base = api.url.removesuffix("/v1")
+    req = urllib.request.Request(f"{base}/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as bad_json:
+        urllib.request.urlopen(req, timeout=30)
+    assert bad_json.value.code == 400
+    assert "not valid JSON" in json.load(bad_json.value)["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as unknown:
+        urllib.request.urlopen(f"{base}/v2/nothing", timeout=30)
+    assert unknown.value.code == 404 and "error" in json.load(unknown.value)
+    with urllib.request.urlopen(f"{base}/healthz", timeout=30) as r:
+        assert json.load(r)["status"] == "ok"
+
+
+def test_a_full_queue_answers_429_with_retry_after(node) -> None:
+    server = _api([node], max_waiting=0)
+    try:
+        with server.coordinator.queue.slot():  # the household's one slot is taken
+            busy = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+            with pytest.raises(openai.RateLimitError, match="busy") as e:
+                busy.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=2)
+            assert e.value.response.headers["retry-after"].isdigit()
+        r = busy.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=2, temperature=0)  # the slot is free again
+        assert r.usage.completion_tokens == 2
+    finally:
+        server.stop()
+
+
+def test_a_dead_node_is_passed_over_before_the_first_token(node, completion_text: str) -> None:
+    server = _api(["127.0.0.1:1", node])  # the first node listed answers nothing
+    try:
+        c = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+        r = c.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0)
+        assert r.choices[0].text == completion_text
+        with urllib.request.urlopen(server.url.removesuffix("/v1") + "/healthz", timeout=30) as h:
+            assert json.load(h)["full_nodes"] == 1
+    finally:
+        server.stop()
+    nobody = _api(["127.0.0.1:1"])
+    try:
+        c = openai.OpenAI(base_url=nobody.url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError, match="no full node"):
+            c.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=2)
+    finally:
+        nobody.stop()
