@@ -422,28 +422,30 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     return 1 if any(r.unreachable for r in results) else 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    """The household's headline numbers: every node's fill and throughput, uses by source."""
+    from coordinator.status import ask_all, status_lines
+
+    nodes = ask_all(sorted(p.address for p in _household(args).peers.values()), _known_secret(), _tls_ca(args))
+    print("\n".join(status_lines(nodes)))
+    return 0 if nodes and all(n.info is not None for n in nodes) else 1
+
+
 def _cmd_peers(args: argparse.Namespace) -> int:
     """The household as this machine sees it: every node found (zeroconf and --peer), asked for Info."""
-    import grpc
-
-    from expertmesh.v1 import node_pb2, node_pb2_grpc
-    from node.rpc_auth import call_metadata
-    from node.rpc_tls import open_channel
+    from coordinator.status import ask_all
 
     table = _household(args)
-    secret = _known_secret()
+    names = {p.address: p.node_id for p in table.peers.values()}
     print(f"{'node':<18} {'address':<22} {'role':<6} {'model':<40} {'disk used / budget':>22}")
-    for peer in sorted(table.peers.values(), key=lambda p: p.address):
-        try:
-            with open_channel(peer.address, _tls_ca(args)) as channel:
-                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
-                                                            timeout=5)  # fmt: skip
-        except grpc.RpcError as e:
-            print(f"{peer.node_id:<18} {peer.address:<22} {'?':<6} {'(' + e.code().name.lower() + ')':<40}")
+    for n in ask_all(sorted(names), _known_secret(), _tls_ca(args)):
+        info = n.info
+        if info is None:
+            print(f"{names[n.address]:<18} {n.address:<22} {'?':<6} {'(' + n.error + ')':<40}")
             continue
         model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in info.models)
         disk = f"{format_size(info.disk_used_bytes)} / {format_size(info.disk_budget_bytes)}"
-        print(f"{info.node_id:<18} {peer.address:<22} {info.role:<6} {model:<40} {disk:>22}")
+        print(f"{info.node_id:<18} {n.address:<22} {info.role:<6} {model:<40} {disk:>22}")
     if not table.peers:
         print("no nodes found (is multicast blocked? try --peer HOST:PORT)")
     return 0
@@ -624,6 +626,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("peers", help="the nodes of the household: found by zeroconf (and --peer), with their Info")
     _add_household_arguments(p)
     p.set_defaults(func=_cmd_peers)
+
+    p = sub.add_parser("status", help="the household's headline numbers: fill, throughput, expert uses by source")
+    _add_household_arguments(p)
+    p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("warm", help="every node keeps the experts it owns, most used first, into free disk budget")
     p.add_argument("repo", help="a model pulled here (`pull --index-only` is enough)")

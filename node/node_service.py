@@ -52,6 +52,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.node_id = node_id
         self.role = "full" if sm is not None else "cache"
         self._generate_lock = threading.Lock()  # one generation at a time: the model has one cache
+        self._generated = [0, 0.0]  # tokens, seconds of every Generate so far (for Info)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -72,12 +73,16 @@ class NodeService(node_pb2_grpc.NodeServicer):
 
             mlx_version = mx.__version__
         disk = self.experts.disk
+        stats = self.experts.stats.snapshot()
         return node_pb2.InfoResponse(node_id=self.node_id, role=self.role, models=[self._model_key()],
                                      ram_budget_bytes=self.experts.ram_budget_bytes,
                                      disk_budget_bytes=disk.budget_bytes, disk_used_bytes=disk.nbytes,
                                      expertmesh_version=_version(), mlx_version=mlx_version,
                                      protocol_version=PROTOCOL_VERSION,
-                                     live_peers=self.peers.live_count() if self.peers is not None else 0)  # fmt: skip
+                                     live_peers=self.peers.live_count() if self.peers is not None else 0,
+                                     expert_uses=stats.uses, expert_bytes=stats.bytes,
+                                     generated_tokens=self._generated[0], generation_seconds=self._generated[1],
+                                     ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0)  # fmt: skip
 
     def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
         self._check_model(request.model, context)
@@ -171,6 +176,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except ExpertmeshError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            finally:
+                self._generated[0] += summary.generated_tokens
+                self._generated[1] += summary.seconds
         yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(
             prompt_tokens=summary.prompt_tokens, generated_tokens=summary.generated_tokens,
             time_to_first_token_s=summary.time_to_first_token_s, seconds=summary.seconds,

@@ -161,3 +161,20 @@ def test_a_dead_node_is_passed_over_before_the_first_token(node, completion_text
             c.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=2)
     finally:
         nobody.stop()
+
+
+def test_status_shows_the_node_and_the_uses_by_source(node, client: openai.OpenAI, monkeypatch, capsys) -> None:
+    from node.cli import main
+
+    client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=4, temperature=0)
+    monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
+    assert main(["status", "--no-discovery", "--peer", node]) == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("api-node"))
+    assert " full " in row and REPO_ID in row
+    with open_channel(node) as channel:
+        info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET), timeout=30)
+    assert info.generated_tokens >= 4 and f" {info.generated_tokens} " in row
+    assert f"of {sum(info.expert_uses.values())};" in out  # the household line sums the nodes' own counts
+    assert main(["status", "--no-discovery", "--peer", node, "--peer", "127.0.0.1:1"]) == 1
+    assert "(unavailable)" in capsys.readouterr().out

@@ -29,6 +29,10 @@ from node.pull import pull
 from node.rpc_auth import call_metadata
 
 LOOPBACK = ["127.0.0.1"]
+# cluster names unique to this test run: two runs on one machine (a CI clone beside a checkout)
+# must not see each other's nodes on the shared loopback multicast
+RUN = f"{os.getpid()}"
+CLUSTER, E2E_CLUSTER = f"test-cluster-{RUN}", f"zc-e2e-{RUN}"
 
 
 def _wait(condition, timeout_s: float = 20.0) -> bool:
@@ -40,13 +44,13 @@ def _wait(condition, timeout_s: float = 20.0) -> bool:
     return True
 
 
-def _discovery(node_id: str, cluster: str = "test-cluster", port: int = 1000) -> Discovery:
+def _discovery(node_id: str, cluster: str = CLUSTER, port: int = 1000) -> Discovery:
     table = PeerTable(self_id=node_id, self_weight=1.0)
     return Discovery(table, Advertisement(node_id, cluster, "full", port, 10**9), "127.0.0.1", LOOPBACK)
 
 
 def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
-    a, b, other = _discovery("node-a"), _discovery("node-b", port=1001), _discovery("node-x", "elsewhere", 1002)
+    a, b, other = _discovery("node-a"), _discovery("node-b", port=1001), _discovery("node-x", f"elsewhere-{RUN}", 1002)
     try:
         assert _wait(lambda: "node-b" in a.table.peers and "node-a" in b.table.peers)
         assert a.table.peers["node-b"].address == "127.0.0.1:1001" and a.table.peers["node-b"].weight == 10**9
@@ -65,7 +69,7 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
         zc = Zeroconf(interfaces=LOOPBACK)
         info = ServiceInfo("_expertmesh._tcp.local.", "copied-home._expertmesh._tcp.local.", port=2000,
                            addresses=[socket.inet_aton("127.0.0.1")],
-                           properties=Advertisement("same-id", "test-cluster", "full", 2000, 1).properties(),
+                           properties=Advertisement("same-id", CLUSTER, "full", 2000, 1).properties(),
                            server="copied.local.")  # fmt: skip
         zc.register_service(info)
         try:
@@ -81,7 +85,7 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
     proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "expertmesh/tiny-kimi_k3", "--host", "127.0.0.1",
-                             "--port", "0", "--interface", "127.0.0.1", "--cluster", "zc-e2e", "--no-prefetch", "--http-port", "0", *extra],
+                             "--port", "0", "--interface", "127.0.0.1", "--cluster", E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     out = ""
@@ -173,7 +177,7 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
         expert_bytes = next(iter(index.experts.values())).nbytes  # one size for all: the tiny K3's experts
         env = {**os.environ, "EXPERTMESH_SECRET": "zc-secret", "EXPERTMESH_HOME": str(tmp_path / "cli")}
         listing = subprocess.run([sys.executable, "-m", "node.cli", "peers", "--interface", "127.0.0.1", "--cluster",
-                                  "zc-e2e", "--wait", "4"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+                                  E2E_CLUSTER, "--wait", "4"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
         assert listing.returncode == 0, listing.stderr
         roles = sorted(ln.split()[2] for ln in listing.stdout.splitlines()[1:])
         assert roles == ["cache", "cache", "full"], listing.stdout  # `expertmesh peers` sees the whole household

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import socket
 import subprocess
@@ -254,16 +255,17 @@ def test_deploy_files_reference_what_exists() -> None:
 
 def test_targets_file_follows_the_advertised_metrics_ports(tmp_path: Path) -> None:
     path = tmp_path / "targets" / "nodes.json"
-    watcher = TargetsWatcher(path, "metrics-cluster", ["127.0.0.1"])
+    cluster = f"metrics-cluster-{os.getpid()}"  # unique: another test run on this machine shares loopback multicast
+    watcher = TargetsWatcher(path, cluster, ["127.0.0.1"])
     try:
         assert json.loads(path.read_text()) == []
-        ad = Advertisement("metrics-a", "metrics-cluster", "cache", 1500, 10**9, metrics_port=9555)
+        ad = Advertisement("metrics-a", cluster, "cache", 1500, 10**9, metrics_port=9555)
         assert "metrics" in ad.properties() and SECRET not in json.dumps(ad.properties())
         node_a = Discovery(PeerTable("metrics-a", 1.0), ad, "127.0.0.1", ["127.0.0.1"])
         try:
             _poll(lambda: json.loads(path.read_text()), "the advertised node in the targets file")
             assert json.loads(path.read_text()) == [
-                {"targets": ["127.0.0.1:9555"], "labels": {"node_id": "metrics-a", "role": "cache", "cluster": "metrics-cluster"}}]
+                {"targets": ["127.0.0.1:9555"], "labels": {"node_id": "metrics-a", "role": "cache", "cluster": cluster}}]
         finally:
             node_a.close()
         _poll(lambda: json.loads(path.read_text()) == [], "the node to leave the targets file")

@@ -24,13 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65xpertmesh/v1/node.proto\x12\rexpertmesh.v1\"+\n\x08ModelKey\x12\x0f\n\x07repo_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\t\"R\n\tExpertKey\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\x83\x02\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\'\n\x06models\x18\x03 \x03(\x0b\x32\x17.expertmesh.v1.ModelKey\x12\x18\n\x10ram_budget_bytes\x18\x04 \x01(\x04\x12\x19\n\x11\x64isk_budget_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12\x65xpertmesh_version\x18\x07 \x01(\t\x12\x13\n\x0bmlx_version\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x12\n\nlive_peers\x18\n \x01(\r\":\n\x10InventoryRequest\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\"?\n\x0bLayerBitmap\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x0c\n\x04\x62its\x18\x03 \x01(\x0c\"g\n\x11InventoryResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\x12*\n\x06layers\x18\x02 \x03(\x0b\x32\x1a.expertmesh.v1.LayerBitmap\"e\n\x12\x46\x65tchExpertRequest\x12%\n\x03key\x18\x01 \x01(\x0b\x32\x18.expertmesh.v1.ExpertKey\x12\x15\n\rfetch_on_miss\x18\x02 \x01(\x08\x12\x11\n\tkeep_only\x18\x03 \x01(\x08\"9\n\x0b\x45xpertChunk\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd9\x01\n\x0fGenerateRequest\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12,\n\x08messages\x18\x08 \x03(\x0b\x32\x1a.expertmesh.v1.ChatMessageB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"v\n\nTokenEvent\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65xpert_uses\x18\x04 \x01(\r\x12\x11\n\thub_bytes\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"\x8e\x03\n\x0eGenerationDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rtrailing_text\x18\x06 \x01(\t\x12\x42\n\x0b\x65xpert_uses\x18\x07 \x03(\x0b\x32-.expertmesh.v1.GenerationDone.ExpertUsesEntry\x12\x44\n\x0c\x65xpert_bytes\x18\x08 \x03(\x0b\x32..expertmesh.v1.GenerationDone.ExpertBytesEntry\x1a\x31\n\x0f\x45xpertUsesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10\x45xpertBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"s\n\rGenerateEvent\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x19.expertmesh.v1.TokenEventH\x00\x12-\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1d.expertmesh.v1.GenerationDoneH\x00\x42\x07\n\x05\x65vent2\xb6\x02\n\x04Node\x12?\n\x04Info\x12\x1a.expertmesh.v1.InfoRequest\x1a\x1b.expertmesh.v1.InfoResponse\x12Q\n\x0cGetInventory\x12\x1f.expertmesh.v1.InventoryRequest\x1a .expertmesh.v1.InventoryResponse\x12N\n\x0b\x46\x65tchExpert\x12!.expertmesh.v1.FetchExpertRequest\x1a\x1a.expertmesh.v1.ExpertChunk0\x01\x12J\n\x08Generate\x12\x1e.expertmesh.v1.GenerateRequest\x1a\x1c.expertmesh.v1.GenerateEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65xpertmesh/v1/node.proto\x12\rexpertmesh.v1\"+\n\x08ModelKey\x12\x0f\n\x07repo_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\t\"R\n\tExpertKey\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x03 \x01(\r\"\r\n\x0bInfoRequest\"\xbe\x04\n\x0cInfoResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\'\n\x06models\x18\x03 \x03(\x0b\x32\x17.expertmesh.v1.ModelKey\x12\x18\n\x10ram_budget_bytes\x18\x04 \x01(\x04\x12\x19\n\x11\x64isk_budget_bytes\x18\x05 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12\x65xpertmesh_version\x18\x07 \x01(\t\x12\x13\n\x0bmlx_version\x18\x08 \x01(\t\x12\x18\n\x10protocol_version\x18\t \x01(\r\x12\x12\n\nlive_peers\x18\n \x01(\r\x12@\n\x0b\x65xpert_uses\x18\x0b \x03(\x0b\x32+.expertmesh.v1.InfoResponse.ExpertUsesEntry\x12\x42\n\x0c\x65xpert_bytes\x18\x0c \x03(\x0b\x32,.expertmesh.v1.InfoResponse.ExpertBytesEntry\x12\x18\n\x10generated_tokens\x18\r \x01(\x04\x12\x1a\n\x12generation_seconds\x18\x0e \x01(\x01\x12\x16\n\x0eram_used_bytes\x18\x0f \x01(\x04\x1a\x31\n\x0f\x45xpertUsesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10\x45xpertBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\":\n\x10InventoryRequest\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\"?\n\x0bLayerBitmap\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x0c\n\x04\x62its\x18\x03 \x01(\x0c\"g\n\x11InventoryResponse\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\x12*\n\x06layers\x18\x02 \x03(\x0b\x32\x1a.expertmesh.v1.LayerBitmap\"e\n\x12\x46\x65tchExpertRequest\x12%\n\x03key\x18\x01 \x01(\x0b\x32\x18.expertmesh.v1.ExpertKey\x12\x15\n\rfetch_on_miss\x18\x02 \x01(\x08\x12\x11\n\tkeep_only\x18\x03 \x01(\x08\"9\n\x0b\x45xpertChunk\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd9\x01\n\x0fGenerateRequest\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.expertmesh.v1.ModelKey\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\r\n\x05top_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12,\n\x08messages\x18\x08 \x03(\x0b\x32\x1a.expertmesh.v1.ChatMessageB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"v\n\nTokenEvent\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x13\n\x0b\x65xpert_uses\x18\x04 \x01(\r\x12\x11\n\thub_bytes\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\"\x8e\x03\n\x0eGenerationDone\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x03 \x01(\x01\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rtrailing_text\x18\x06 \x01(\t\x12\x42\n\x0b\x65xpert_uses\x18\x07 \x03(\x0b\x32-.expertmesh.v1.GenerationDone.ExpertUsesEntry\x12\x44\n\x0c\x65xpert_bytes\x18\x08 \x03(\x0b\x32..expertmesh.v1.GenerationDone.ExpertBytesEntry\x1a\x31\n\x0f\x45xpertUsesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x32\n\x10\x45xpertBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"s\n\rGenerateEvent\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x19.expertmesh.v1.TokenEventH\x00\x12-\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1d.expertmesh.v1.GenerationDoneH\x00\x42\x07\n\x05\x65vent2\xb6\x02\n\x04Node\x12?\n\x04Info\x12\x1a.expertmesh.v1.InfoRequest\x1a\x1b.expertmesh.v1.InfoResponse\x12Q\n\x0cGetInventory\x12\x1f.expertmesh.v1.InventoryRequest\x1a .expertmesh.v1.InventoryResponse\x12N\n\x0b\x46\x65tchExpert\x12!.expertmesh.v1.FetchExpertRequest\x1a\x1a.expertmesh.v1.ExpertChunk0\x01\x12J\n\x08Generate\x12\x1e.expertmesh.v1.GenerateRequest\x1a\x1c.expertmesh.v1.GenerateEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'expertmesh.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_INFORESPONSE_EXPERTUSESENTRY']._loaded_options = None
+  _globals['_INFORESPONSE_EXPERTUSESENTRY']._serialized_options = b'8\001'
+  _globals['_INFORESPONSE_EXPERTBYTESENTRY']._loaded_options = None
+  _globals['_INFORESPONSE_EXPERTBYTESENTRY']._serialized_options = b'8\001'
   _globals['_GENERATIONDONE_EXPERTUSESENTRY']._loaded_options = None
   _globals['_GENERATIONDONE_EXPERTUSESENTRY']._serialized_options = b'8\001'
   _globals['_GENERATIONDONE_EXPERTBYTESENTRY']._loaded_options = None
@@ -42,31 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=172
   _globals['_INFOREQUEST']._serialized_end=185
   _globals['_INFORESPONSE']._serialized_start=188
-  _globals['_INFORESPONSE']._serialized_end=447
-  _globals['_INVENTORYREQUEST']._serialized_start=449
-  _globals['_INVENTORYREQUEST']._serialized_end=507
-  _globals['_LAYERBITMAP']._serialized_start=509
-  _globals['_LAYERBITMAP']._serialized_end=572
-  _globals['_INVENTORYRESPONSE']._serialized_start=574
-  _globals['_INVENTORYRESPONSE']._serialized_end=677
-  _globals['_FETCHEXPERTREQUEST']._serialized_start=679
-  _globals['_FETCHEXPERTREQUEST']._serialized_end=780
-  _globals['_EXPERTCHUNK']._serialized_start=782
-  _globals['_EXPERTCHUNK']._serialized_end=839
-  _globals['_GENERATEREQUEST']._serialized_start=842
-  _globals['_GENERATEREQUEST']._serialized_end=1059
-  _globals['_CHATMESSAGE']._serialized_start=1061
-  _globals['_CHATMESSAGE']._serialized_end=1105
-  _globals['_TOKENEVENT']._serialized_start=1107
-  _globals['_TOKENEVENT']._serialized_end=1225
-  _globals['_GENERATIONDONE']._serialized_start=1228
-  _globals['_GENERATIONDONE']._serialized_end=1626
-  _globals['_GENERATIONDONE_EXPERTUSESENTRY']._serialized_start=1525
-  _globals['_GENERATIONDONE_EXPERTUSESENTRY']._serialized_end=1574
-  _globals['_GENERATIONDONE_EXPERTBYTESENTRY']._serialized_start=1576
-  _globals['_GENERATIONDONE_EXPERTBYTESENTRY']._serialized_end=1626
-  _globals['_GENERATEEVENT']._serialized_start=1628
-  _globals['_GENERATEEVENT']._serialized_end=1743
-  _globals['_NODE']._serialized_start=1746
-  _globals['_NODE']._serialized_end=2056
+  _globals['_INFORESPONSE']._serialized_end=762
+  _globals['_INFORESPONSE_EXPERTUSESENTRY']._serialized_start=661
+  _globals['_INFORESPONSE_EXPERTUSESENTRY']._serialized_end=710
+  _globals['_INFORESPONSE_EXPERTBYTESENTRY']._serialized_start=712
+  _globals['_INFORESPONSE_EXPERTBYTESENTRY']._serialized_end=762
+  _globals['_INVENTORYREQUEST']._serialized_start=764
+  _globals['_INVENTORYREQUEST']._serialized_end=822
+  _globals['_LAYERBITMAP']._serialized_start=824
+  _globals['_LAYERBITMAP']._serialized_end=887
+  _globals['_INVENTORYRESPONSE']._serialized_start=889
+  _globals['_INVENTORYRESPONSE']._serialized_end=992
+  _globals['_FETCHEXPERTREQUEST']._serialized_start=994
+  _globals['_FETCHEXPERTREQUEST']._serialized_end=1095
+  _globals['_EXPERTCHUNK']._serialized_start=1097
+  _globals['_EXPERTCHUNK']._serialized_end=1154
+  _globals['_GENERATEREQUEST']._serialized_start=1157
+  _globals['_GENERATEREQUEST']._serialized_end=1374
+  _globals['_CHATMESSAGE']._serialized_start=1376
+  _globals['_CHATMESSAGE']._serialized_end=1420
+  _globals['_TOKENEVENT']._serialized_start=1422
+  _globals['_TOKENEVENT']._serialized_end=1540
+  _globals['_GENERATIONDONE']._serialized_start=1543
+  _globals['_GENERATIONDONE']._serialized_end=1941
+  _globals['_GENERATIONDONE_EXPERTUSESENTRY']._serialized_start=661
+  _globals['_GENERATIONDONE_EXPERTUSESENTRY']._serialized_end=710
+  _globals['_GENERATIONDONE_EXPERTBYTESENTRY']._serialized_start=712
+  _globals['_GENERATIONDONE_EXPERTBYTESENTRY']._serialized_end=762
+  _globals['_GENERATEEVENT']._serialized_start=1943
+  _globals['_GENERATEEVENT']._serialized_end=2058
+  _globals['_NODE']._serialized_start=2061
+  _globals['_NODE']._serialized_end=2371
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,72 @@
+"""`expertmesh status`: the household's headline numbers in a terminal, for people without Grafana.
+
+Every node found is asked for Info; the table shows each node's role, model, cache fill and
+throughput, and the household's expert uses by source — the share served from RAM and disk is
+the household's hit rate, the Hub's share what still crosses the internet.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from node.expert_store import SOURCES
+from node.peers import INFO_DEADLINE_S
+from node.rpc_auth import call_metadata
+from node.rpc_tls import open_channel
+from node.sizes import format_size
+
+
+@dataclass
+class NodeStatus:
+    address: str
+    info: node_pb2.InfoResponse | None = None
+    error: str = ""  # why Info failed, if it did
+
+
+def ask_all(addresses: Iterable[str], secret: str, tls_ca: bytes | None = None) -> list[NodeStatus]:
+    out = []
+    for address in addresses:
+        try:
+            with open_channel(address, tls_ca) as channel:
+                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
+                                                            timeout=INFO_DEADLINE_S)  # fmt: skip
+            out.append(NodeStatus(address, info))
+        except grpc.RpcError as e:
+            out.append(NodeStatus(address, error=e.code().name.lower()))
+    return out
+
+
+def _fill(used: int, budget: int) -> str:
+    return f"{format_size(used)} / {format_size(budget)}" if budget else "-"
+
+
+def status_lines(nodes: list[NodeStatus]) -> list[str]:
+    lines = [f"{'node':<18} {'address':<22} {'role':<6} {'model':<34} {'RAM used / budget':>20} "
+             f"{'disk used / budget':>22} {'peers':>5} {'tokens':>7} {'tokens/s':>8}"]  # fmt: skip
+    uses: Counter = Counter()
+    nbytes: Counter = Counter()
+    for n in nodes:
+        i = n.info
+        if i is None:
+            lines.append(f"{'?':<18} {n.address:<22} {'?':<6} ({n.error})")
+            continue
+        model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in i.models)
+        rate = f"{i.generated_tokens / i.generation_seconds:.2f}" if i.generation_seconds > 0 else "-"
+        lines.append(f"{i.node_id:<18} {n.address:<22} {i.role:<6} {model:<34} {_fill(i.ram_used_bytes, i.ram_budget_bytes):>20} "
+                     f"{_fill(i.disk_used_bytes, i.disk_budget_bytes):>22} {i.live_peers:>5} {i.generated_tokens:>7} {rate:>8}")  # fmt: skip
+        uses.update(dict(i.expert_uses))
+        nbytes.update(dict(i.expert_bytes))
+    total = sum(uses.values())
+    if total:
+        shares = ", ".join(f"{s} {100 * uses[s] / total:.1f}%" for s in SOURCES)
+        lines.append(f"expert uses by source: {shares} of {total}; {format_size(nbytes['hub'])} came from the Hub")
+    elif nodes:
+        lines.append("no expert has been used yet")
+    else:
+        lines.append("no nodes found (is multicast blocked? try --peer HOST:PORT)")
+    return lines
