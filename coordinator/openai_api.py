@@ -1,7 +1,7 @@
 """The household's front door: an OpenAI-compatible HTTP API over the full nodes' Generate.
 
-`/v1/models`, `/v1/completions` and `/v1/chat/completions` (SSE with `stream: true`), and
-`/healthz`. Each request waits for a slot in a bounded FIFO queue (429 beyond it), goes to the
+`/v1/models`, `/v1/completions` and `/v1/chat/completions` (SSE with `stream: true`),
+`/healthz`, and `/metrics` (coordinator/api_metrics.py). Each request waits for a slot in a bounded FIFO queue (429 beyond it), goes to the
 least busy full node, and moves to another node if the first fails before its first token. Stop
 sequences are applied here, on the streamed text, and the node's generation is cancelled at
 the stop (as it is when the client goes away). Errors use OpenAI's shape, so the official
@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import grpc
 
+from coordinator.api_metrics import ApiMetrics
 from coordinator.node_pool import NodePool
 from coordinator.request_queue import QueueFull, RequestQueue
 from coordinator.stop_sequences import StopScanner
@@ -173,6 +174,7 @@ class Coordinator:
         self.config = config
         self.pool = pool
         self.queue = RequestQueue(lambda: len(pool.addresses()), config.max_waiting)
+        self.metrics = ApiMetrics(self.queue.depth)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -264,6 +266,10 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     coordinator: Coordinator  # set on the subclass made per server
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.coordinator.metrics.record(self.path, code)
+        super().send_response(code, message)
+
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         logger.info("%s %s", self.address_string(), format % args)
 
@@ -287,6 +293,15 @@ class _Handler(BaseHTTPRequestHandler):
             now = int(time.time())
             self._json(200, {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "expertmesh"}
                                                          for m in c.config.models()]})  # fmt: skip
+        elif self.path.rstrip("/") == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            data = generate_latest(c.metrics.registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path.rstrip("/") == "/healthz":
             up = c.healthy_nodes()
             running, waiting = c.queue.depth()

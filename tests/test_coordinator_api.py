@@ -178,3 +178,18 @@ def test_status_shows_the_node_and_the_uses_by_source(node, client: openai.OpenA
     assert f"of {sum(info.expert_uses.values())};" in out  # the household line sums the nodes' own counts
     assert main(["status", "--no-discovery", "--peer", node, "--peer", "127.0.0.1:1"]) == 1
     assert "(unavailable)" in capsys.readouterr().out
+
+
+def test_the_coordinators_metrics_count_responses_by_status(api: OpenAIServer, client: openai.OpenAI) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=REPO_ID, prompt="")
+    with urllib.request.urlopen(api.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    counts = {(s.labels["endpoint"], s.labels["code"]): s.value for s in families["expertmesh_api_responses"].samples
+              if s.name.endswith("_total")}  # fmt: skip
+    assert counts[("/v1/completions", "200")] >= 1 and counts[("/v1/completions", "400")] >= 1
+    assert not any("prompt" in k for key in counts for k in key)  # endpoints and codes only
+    states = {s.labels["state"]: s.value for s in families["expertmesh_api_generations"].samples}
+    assert states == {"running": 0.0, "waiting": 0.0}
