@@ -178,22 +178,23 @@ class Coordinator:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
-    def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
+    def _channel(self, address: str) -> grpc.Channel:
+        """One channel per node, kept open: a request then costs no connection set-up."""
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = open_channel(address, self.config.tls_ca)
-            return node_pb2_grpc.NodeStub(self._channels[address])
+            return self._channels[address]
+
+    def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
+        return node_pb2_grpc.NodeStub(self._channel(address))
 
     def healthy_nodes(self) -> list[str]:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         up = []
         for address in self.pool.addresses():
-            with self._lock:
-                channel = self._channels.get(address) or open_channel(address, self.config.tls_ca)
-                self._channels[address] = channel
             try:
-                r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_DEADLINE_S)
+                r = health_pb2_grpc.HealthStub(self._channel(address)).Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_DEADLINE_S)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
                     up.append(address)
             except grpc.RpcError:
