@@ -107,8 +107,12 @@ def _open_model(args: argparse.Namespace):
         from node.peers import attach_peers
 
         try:
-            attach_peers(sm, args.peer, _secret(args)[0], load_or_create_node_id(constants.expertmesh_home()),
-                         _tls_ca(args))  # fmt: skip
+            source = attach_peers(sm, args.peer, _secret(args)[0], load_or_create_node_id(constants.expertmesh_home()),
+                                  _tls_ca(args))  # fmt: skip
+            if args.remote_compute != "off":
+                from node.remote_experts import attach_remote_experts
+
+                attach_remote_experts(sm, source)
         except BaseException:
             sm.close()
             raise
@@ -247,7 +251,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
             address = args.interface or (args.host if args.host not in ("0.0.0.0", "") else _lan_address())
             ad = Advertisement(node_id, args.cluster, service.role, running.port, ex.disk.budget_bytes,
-                               metrics_port=metrics.port if metrics is not None else 0)  # fmt: skip
+                               metrics_port=metrics.port if metrics is not None else 0,
+                               compute=service.computer is not None)  # fmt: skip
             discovery = Discovery(table, ad, address, [args.interface] if args.interface else None)
             print(f"advertising in cluster {args.cluster!r} as {address}:{running.port}; peers join as they appear")
         api = _start_api(args, ex.repo_id, secret, running.port, table)
@@ -506,6 +511,9 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefetch", action="store_true", help="do not guess and fetch the next layer's experts")
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                    help="a node of the household to ask for experts before the Hub (repeatable)")
+    p.add_argument("--remote-compute", choices=("auto", "off"), default="auto",
+                   help="auto (default): run experts on the peers that hold them when the measured costs say it is "
+                        "faster than fetching them (move activations, not experts); off: always fetch the experts")  # fmt: skip
     _add_tls_ca_argument(p)
 
 

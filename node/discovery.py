@@ -33,12 +33,15 @@ class Advertisement:
     disk_budget_bytes: int
     protocol_version: int = 1
     metrics_port: int = 0  # where /metrics is served (0: not served); read by `expertmesh prometheus-targets`
+    compute: bool = False  # answers ComputeExperts (a full node with MLX)
 
     def properties(self) -> dict[str, str]:
         props = {"node_id": self.node_id, "cluster": self.cluster, "role": self.role,
                  "disk": str(self.disk_budget_bytes), "proto": str(self.protocol_version)}  # fmt: skip
         if self.metrics_port:
             props["metrics"] = str(self.metrics_port)
+        if self.compute:
+            props["compute"] = "1"
         return props
 
 
@@ -92,7 +95,7 @@ class Discovery:
             weight = 0.0
         with self._lock:
             self._names[name] = node_id
-        self.table.add(Peer(node_id, address, weight, _text(props, "role") or "full"))
+        self.table.add(Peer(node_id, address, weight, _text(props, "role") or "full", compute=_text(props, "compute") == "1"))
         logger.info("peer %s at %s joined (%s)", node_id, address, _text(props, "role"))
 
     def _resolve_in_background(self, name: str) -> None:

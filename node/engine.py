@@ -48,12 +48,24 @@ class StreamingSwitchGLU(nn.Module):
         self._set("_predicting", False)  # while True, a call only records its routing
         self._set("_predicted", None)
         self._set("_guess", None)  # the next layer's routing guessed from this layer's input
+        self._set("_remote", None)  # a RemoteExperts (node/remote_experts.py) when peers can compute
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
 
     def bind(self, store) -> None:
         self._set("_store", store)
+
+    def bind_remote(self, remote) -> None:
+        self._set("_remote", remote)
+
+    @property
+    def store(self):
+        return self._store
+
+    @property
+    def input_width(self) -> int:
+        return self.input_dims["gate_proj"]
 
     def wants_guesses(self) -> bool:
         return self._next is not None and self._store is not None and self._store.wants_guesses()
@@ -76,13 +88,21 @@ class StreamingSwitchGLU(nn.Module):
         next_guess = None
         if guess is not None:
             next_guess = (self._next[0].layer, np.unique(np.array(guess)).tolist())
-        weights = store.get_layer(self.layer, experts.tolist(), guess=next_guess)
         x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
         ends = [*starts[1:].tolist(), len(order)]
-        outputs = [_expert_forward(weights[e], self.activation, x_rows[start:end])
-                   for e, start, end in zip(experts.tolist(), starts.tolist(), ends)]  # fmt: skip
-        y = mx.concatenate(outputs, axis=0)[mx.array(np.argsort(order))]
+        experts = experts.tolist()
+        rows = {e: x_rows[start:end] for e, start, end in zip(experts, starts.tolist(), ends)}
+        if self._remote is not None:  # some experts may run on the peers that hold them
+            out = self._remote.run(self, experts, rows, next_guess)
+        else:
+            out = self.compute(store.get_layer(self.layer, experts, guess=next_guess), rows)
+        y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
         return y.reshape(*indices.shape, y.shape[-1])
+
+    def compute(self, weights: dict[int, ExpertWeights], rows: dict[int, mx.array]) -> dict[int, mx.array]:
+        """Each expert's rows through it (lazy): the same kernels whether the rows are this node's
+        own or arrived from a peer (ComputeExperts)."""
+        return {e: _expert_forward(weights[e], self.activation, rows[e]) for e in rows}
 
 
 def _expert_forward(w: ExpertWeights, activation, x: mx.array) -> mx.array:

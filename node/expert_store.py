@@ -27,9 +27,15 @@ from node.expert_index import ExpertIndex, ExpertLocation
 logger = logging.getLogger(__name__)
 
 ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, commit)
-SOURCES = ("ram", "disk", "peer", "hub")
+# remote: computed by the peer that holds it (activations moved, not the expert); its bytes are
+# the activation bytes sent and received
+SOURCES = ("ram", "disk", "peer", "hub", "remote")
 # issued: guesses fetched; used: demanded by the pass they were for; wasted: not demanded, dropped
 PREFETCH_OUTCOMES = ("issued", "used", "wasted")
+# remote execution (node/remote_experts.py): calls made, activation bytes each way, and experts a
+# peer was asked for that were fetched and computed here instead, by why
+REMOTE_COUNTS = ("calls", "sent_bytes", "received_bytes", "fallback_error", "fallback_deadline",
+                 "fallback_bad_output", "fallback_missing")  # fmt: skip
 DEMAND, PREFETCH = 0, 1  # queue priorities: a guess never goes before a demanded expert
 DEFAULT_FETCH_CONCURRENCY = 8
 CLOSE_TIMEOUT_S = 10.0
@@ -64,6 +70,7 @@ class StoreStats:
     fetch_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))
     integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
+    remote: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMOTE_COUNTS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # called as observer(source, nbytes, seconds) after each use (node/metrics.py: the fetch histogram)
     observer: Callable[[str, int, float], None] | None = field(default=None, repr=False, compare=False)
@@ -71,6 +78,11 @@ class StoreStats:
     def record_prefetch(self, outcome: str, n: int = 1) -> None:
         with self._lock:
             self.prefetch[outcome] += n
+
+    def record_remote(self, **counts: int) -> None:
+        with self._lock:
+            for k, n in counts.items():
+                self.remote[k] += n
 
     def record_integrity_failure(self, source: str) -> None:
         with self._lock:
@@ -87,7 +99,7 @@ class StoreStats:
     def snapshot(self) -> "StoreStats":
         with self._lock:
             return StoreStats(dict(self.uses), dict(self.bytes), dict(self.fetch_seconds), dict(self.integrity_failures),
-                              dict(self.prefetch))  # fmt: skip
+                              dict(self.prefetch), dict(self.remote))  # fmt: skip
 
     def since(self, before: "StoreStats") -> "StoreStats":
         now = self.snapshot()
@@ -95,7 +107,8 @@ class StoreStats:
                           {k: now.bytes[k] - before.bytes[k] for k in SOURCES},
                           {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES},
                           {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES},
-                          {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES})  # fmt: skip
+                          {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES},
+                          {k: now.remote[k] - before.remote[k] for k in REMOTE_COUNTS})  # fmt: skip
 
     @property
     def total_uses(self) -> int:
@@ -208,13 +221,15 @@ class ExpertStore:
     # -- demand -------------------------------------------------------------------------------
 
     def get_layer(self, layer: int, experts: Iterable[int],
-                  guess: tuple[int, Iterable[int]] | None = None) -> dict[int, ExpertWeights]:  # fmt: skip
+                  guess: tuple[int, Iterable[int]] | None = None, record: bool = True) -> dict[int, ExpertWeights]:  # fmt: skip
         """The given experts of `layer`, fetching the ones not in RAM concurrently.
 
         `guess` = (next layer, its likely experts) is prefetched behind this layer's demands.
+        `record`: trace this call as the layer's routing (False when the caller traced the whole
+        routing itself and asks for a part of it, as remote execution does).
         """
         experts = [int(e) for e in experts]
-        if self.trace is not None:
+        if self.trace is not None and record:
             self.trace.record(layer, experts)
         self._settle_guesses(layer, set(experts))
         out: dict[int, ExpertWeights] = {}

@@ -79,6 +79,12 @@ class GenerationSummary:
         if pf["issued"]:
             out.append(f"prefetched {pf['issued']} guesses of the next layer's experts: {pf['used']} used, "
                        f"{pf['wasted']} wasted")  # fmt: skip
+        rc = self.experts.remote
+        if rc["calls"] or any(rc[k] for k in rc if k.startswith("fallback_")):
+            fell = ", ".join(f"{k[9:].replace('_', ' ')} {rc[k]}" for k in rc if k.startswith("fallback_") and rc[k])
+            out.append(f"remote execution: {self.experts.uses['remote']} experts computed on peers in {rc['calls']} calls, "
+                       f"activations {format_size(rc['sent_bytes'])} sent, {format_size(rc['received_bytes'])} received; "
+                       f"fetched here instead: {fell or 'none'}")  # fmt: skip
         if self.speculation is not None:
             out.append(self.speculation.line())
         return out

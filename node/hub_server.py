@@ -30,6 +30,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 from node.errors import ExpertmeshError
+from node.link_emulation import TokenBucket
 from node.sizes import parse_size
 
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".npz")
@@ -71,24 +72,6 @@ class HubKnobs:
                 setattr(self, k, v)
             else:
                 raise ValueError(f"unknown knob {k!r}")
-
-
-class _TokenBucket:
-    """Bytes per second shared by whoever takes from it; sleeping happens outside the lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next_free = time.monotonic()
-
-    def take(self, nbytes: int, rate: float) -> None:
-        if rate <= 0:
-            return
-        with self._lock:
-            now = time.monotonic()
-            start = max(now, self._next_free)
-            self._next_free = start + nbytes / rate
-            wait = self._next_free - now
-        time.sleep(max(0.0, wait))
 
 
 @dataclass
@@ -149,7 +132,7 @@ class HubServer:
         self.repos = _scan(self.root)
         self.knobs = knobs or HubKnobs()
         self.stats_ = _Stats()
-        self.link = _TokenBucket()
+        self.link = TokenBucket()
         self.rng = random.Random(self.knobs.seed)
         self.fault_lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"hub": self})
@@ -202,7 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.bucket = _TokenBucket()
+        self.bucket = TokenBucket()
         with self.hub.stats_.lock:
             self.hub.stats_.connections += 1
         if self.hub.knobs.connection_cost_s:

@@ -8,7 +8,7 @@ observed as it happens: the latency histograms (`token_seconds`, `time_to_first_
 the store's `StoreStats.observer` and the generator's `token_observer` (Generator.observer).
 
 Every node has its own `CollectorRegistry`, so several nodes in one process (tests) never collide.
-Labels are fixed, small sets (source, tier, outcome, role, reason): never an expert id, a prompt or
+Labels are fixed, small sets (source, tier, outcome, role, reason, direction): never an expert id, a prompt or
 the household secret.
 """
 
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from node.expert_store import PREFETCH_OUTCOMES, SOURCES
+from node.expert_store import PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class _StateCollector(Collector):
         src = self.src
         stats = src.stats.snapshot() if src.stats is not None else None
         uses = CounterMetricFamily(PREFIX + "expert_requests", "Expert uses by the tier that answered them "
-                                   "(ram|disk|peer|hub); a prefetched guess counts when it is used.", labels=["source"])  # fmt: skip
+                                   "(ram|disk|peer|hub; remote: computed by the peer that holds it); a prefetched guess counts when it is used.", labels=["source"])  # fmt: skip
         nbytes = CounterMetricFamily(PREFIX + "expert_bytes", "Upstream bytes of the experts used, by the tier that "
                                      "answered (source=hub: bytes that crossed the internet).", labels=["source"])  # fmt: skip
         bad = CounterMetricFamily(PREFIX + "integrity_failures", "Expert copies whose sha256 did not match the one "
@@ -103,6 +103,20 @@ class _StateCollector(Collector):
         for o in PREFETCH_OUTCOMES:
             prefetch.add_metric([o], stats.prefetch[o] if stats else 0)
         yield prefetch
+
+        remote = stats.remote if stats else dict.fromkeys(REMOTE_COUNTS, 0)
+        yield CounterMetricFamily(PREFIX + "remote_calls", "ComputeExperts calls to peers (remote expert execution: "
+                                  "one per peer per layer of a pass).", value=remote["calls"])  # fmt: skip
+        moved = CounterMetricFamily(PREFIX + "activation_bytes", "Activation bytes moved for remote expert execution, "
+                                    "by direction (sent: expert inputs; received: their outputs).", labels=["direction"])  # fmt: skip
+        moved.add_metric(["sent"], remote["sent_bytes"])
+        moved.add_metric(["received"], remote["received_bytes"])
+        fallbacks = CounterMetricFamily(PREFIX + "remote_fallbacks", "Experts placed on a peer but fetched and computed "
+                                        "here instead, by reason (error, deadline, bad_output, missing).",
+                                        labels=["reason"])  # fmt: skip
+        for reason in ("error", "deadline", "bad_output", "missing"):
+            fallbacks.add_metric([reason], remote[f"fallback_{reason}"])
+        yield from (moved, fallbacks)
 
         cache_bytes = GaugeMetricFamily(PREFIX + "cache_bytes", "Bytes held by each cache tier (RAM: decoded experts; "
                                         "disk: upstream bytes).", labels=["tier"])  # fmt: skip

@@ -2,8 +2,9 @@
 
 It answers for the one model it serves: what it is (Info), which experts its disk holds
 (GetInventory), an expert's verified upstream bytes (FetchExpert, fetching from the Hub on a
-miss when asked, as an owner does), and generation (Generate). Requests are validated before
-anything is read; a bad key is INVALID_ARGUMENT or NOT_FOUND, never an exception in a log.
+miss when asked, as an owner does), experts run on a peer's activations (ComputeExperts, see
+node/expert_compute.py) and generation (Generate). Requests are validated before anything is
+read; a bad key is INVALID_ARGUMENT or NOT_FOUND, never an exception in a log.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from collections.abc import Iterator
 import grpc
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
+from node.expert_compute import ComputeRequestError, ExpertComputer
 from node.expert_digests import sha256
 from node.expert_store import SOURCES
 from node.errors import DownloadError, ExpertmeshError
+from node.link_emulation import LanEmulation
 from node.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
 from node.served_experts import ServedExperts
 from node.streamed_model import StreamedModel
@@ -45,8 +48,12 @@ def _version() -> str:
 class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
-    def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None, peers=None):
+    def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None, peers=None,
+                 lan: LanEmulation | None = None):  # fmt: skip
+        """`lan` slows FetchExpert and ComputeExperts to an emulated household link (benchmarks)."""
         self.sm = sm
+        self.lan = lan
+        self.computer = ExpertComputer(sm) if sm is not None else None
         self.peers = peers  # the PeerTable this node follows, if any
         self.experts = experts or ServedExperts.of_model(sm)
         self.node_id = node_id
@@ -67,6 +74,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
     # -- rpcs ---------------------------------------------------------------------------------
 
     def Info(self, request, context) -> node_pb2.InfoResponse:
+        if self.lan is not None:
+            self.lan.round_trip()  # Info is how peers measure the round trip
         mlx_version = ""
         if self.sm is not None:
             import mlx.core as mx
@@ -82,7 +91,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                                      live_peers=self.peers.live_count() if self.peers is not None else 0,
                                      expert_uses=stats.uses, expert_bytes=stats.bytes,
                                      generated_tokens=self._generated[0], generation_seconds=self._generated[1],
-                                     ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0)  # fmt: skip
+                                     ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0,
+                                     compute=self.computer is not None)  # fmt: skip
 
     def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
         self._check_model(request.model, context)
@@ -116,8 +126,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
         digest = sha256(blob)
         view = memoryview(blob)
+        if self.lan is not None:
+            self.lan.round_trip()
         for start in range(0, len(blob), CHUNK_BYTES):
             chunk = node_pb2.ExpertChunk(data=bytes(view[start:start + CHUNK_BYTES]))
+            if self.lan is not None:
+                self.lan.send(len(chunk.data))
             if start == 0:
                 chunk.size, chunk.sha256 = len(blob), digest
             yield chunk
@@ -133,6 +147,25 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the disk budget is full ({disk.nbytes} of {disk.budget_bytes} bytes): warming never evicts")  # fmt: skip
         return node_pb2.ExpertChunk(size=loc.nbytes, sha256=self.experts.digests.get((loc.layer, loc.expert)) or "")
+
+    def ComputeExperts(self, request, context) -> node_pb2.ComputeExpertsResponse:
+        if self.computer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it serves expert bytes only")
+        self._check_model(request.model, context)
+        lan = self.lan
+        if lan is not None:
+            lan.round_trip()
+            lan.receive(sum(len(e.rows.data) for e in request.experts), activations=True)
+        try:
+            result = self.computer.compute(request)
+        except ComputeRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DownloadError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching an expert to compute failed: {e}")
+        if lan is not None:
+            lan.send(sum(len(e.rows.data) for e in result.outputs), activations=True)
+        return node_pb2.ComputeExpertsResponse(experts=result.outputs, missing=result.missing,
+                                               compute_seconds=result.seconds, queued=result.queued)  # fmt: skip
 
     def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
         if self.sm is None:

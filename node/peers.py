@@ -40,6 +40,7 @@ class Peer:
     weight: float  # its disk budget in bytes: a bigger disk owns more experts
     role: str = "full"
     skip_until: float = 0.0
+    compute: bool = False  # answers ComputeExperts: runs experts it holds on activations we send
 
     @property
     def live(self) -> bool:
@@ -107,7 +108,7 @@ def describe_peer(address: str, secret: str, tls_ca: bytes | None = None) -> Pee
     with open_channel(address, tls_ca) as channel:
         info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
                                                     timeout=INFO_DEADLINE_S)  # fmt: skip
-    return Peer(info.node_id, address, float(info.disk_budget_bytes), info.role)
+    return Peer(info.node_id, address, float(info.disk_budget_bytes), info.role, compute=info.compute)
 
 
 class PeerSource:
@@ -127,6 +128,13 @@ class PeerSource:
         self._inventories: dict[str, tuple[float, set[tuple[int, int]]]] = {}  # node id -> (when, held keys)
         self._lock = threading.Lock()
 
+    def stub(self, address: str) -> node_pb2_grpc.NodeStub:
+        return self._stub(address)
+
+    @property
+    def metadata(self):
+        return self._metadata
+
     def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
         with self._lock:
             channel = self._channels.get(address)
@@ -134,9 +142,9 @@ class PeerSource:
                 channel = self._channels[address] = open_channel(address, self.tls_ca)
             return node_pb2_grpc.NodeStub(channel)
 
-    def _holds(self, peer: Peer, key: tuple[int, int], timeout: float) -> bool:
-        """Whether `peer`'s inventory (asked at most every INVENTORY_TTL_S) lists `key`; a peer
-        whose inventory cannot be had is assumed to hold it, so it is still asked."""
+    def inventory(self, peer: Peer, timeout: float = INFO_DEADLINE_S) -> set[tuple[int, int]] | None:
+        """The keys `peer` holds, as its inventory said at most INVENTORY_TTL_S ago (asked again
+        when older); None when it cannot be had."""
         now = time.monotonic()
         with self._lock:
             known = self._inventories.get(peer.node_id)
@@ -146,11 +154,30 @@ class PeerSource:
                 inv = self._stub(peer.address).GetInventory(node_pb2.InventoryRequest(model=model), metadata=self._metadata,
                                                             timeout=min(timeout, INFO_DEADLINE_S))  # fmt: skip
             except grpc.RpcError:
-                return True
+                return None
             known = (now, inventory_keys(inv))
             with self._lock:
                 self._inventories[peer.node_id] = known
-        return key in known[1]
+        return known[1]
+
+    def known_inventory(self, peer: Peer) -> set[tuple[int, int]]:
+        """What `peer` was last known to hold, without asking (empty if never asked)."""
+        with self._lock:
+            known = self._inventories.get(peer.node_id)
+        return known[1] if known is not None else set()
+
+    def note_holding(self, peer: Peer, key: tuple[int, int], held: bool) -> None:
+        """Correct the cached inventory from what a call showed (an expert computed or missing)."""
+        with self._lock:
+            known = self._inventories.get(peer.node_id)
+            if known is not None:
+                (known[1].add if held else known[1].discard)(key)
+
+    def _holds(self, peer: Peer, key: tuple[int, int], timeout: float) -> bool:
+        """Whether `peer`'s inventory lists `key`; a peer whose inventory cannot be had is assumed
+        to hold it, so it is still asked."""
+        held = self.inventory(peer, timeout)
+        return held is None or key in held
 
     def fetch(self, loc: ExpertLocation) -> bytes | None:
         """The expert from the household, or None: the caller goes to the Hub (this node owns it, or

@@ -50,9 +50,13 @@ def load_ca(path: str | Path | None = None) -> bytes | None:
     return _read_pem(path, "CA certificate") if path else None
 
 
+# A ComputeExperts answer of a long prefill can pass gRPC's 4 MB default; node servers accept 8 MB.
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 * 1024 * 1024)]
+
+
 def open_channel(address: str, ca: bytes | None = None) -> grpc.Channel:
     """A channel to a node: TLS checked against `ca` for the household name, or plain TCP."""
     if ca is None:
-        return grpc.insecure_channel(address)
+        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca),
-                               options=[("grpc.ssl_target_name_override", TLS_NAME)])  # fmt: skip
+                               options=[*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME)])  # fmt: skip

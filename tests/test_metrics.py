@@ -186,7 +186,7 @@ def test_metrics_carry_no_expert_ids_prompts_or_secrets(node, generation) -> Non
     _, _, served = node
     text = _scrape(served.url)
     assert SECRET not in text and "hello world" not in text
-    allowed = {"source", "tier", "outcome", "role", "reason", "le"}
+    allowed = {"source", "tier", "outcome", "role", "reason", "direction", "le"}
     for fam in text_string_to_metric_families(text):
         if fam.name.startswith("expertmesh_"):
             for sample in fam.samples:

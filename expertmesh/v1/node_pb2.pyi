@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes")
+    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes", "compute")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class InfoResponse(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RAM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     models: _containers.RepeatedCompositeFieldContainer[ModelKey]
@@ -74,7 +75,8 @@ class InfoResponse(_message.Message):
     generated_tokens: int
     generation_seconds: float
     ram_used_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ...) -> None: ...
+    compute: bool
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ..., compute: _Optional[bool] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("model",)
@@ -205,3 +207,45 @@ class GenerateEvent(_message.Message):
     token: TokenEvent
     done: GenerationDone
     def __init__(self, token: _Optional[_Union[TokenEvent, _Mapping]] = ..., done: _Optional[_Union[GenerationDone, _Mapping]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("shape", "dtype", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ExpertRows(_message.Message):
+    __slots__ = ("expert", "rows")
+    EXPERT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    expert: int
+    rows: Tensor
+    def __init__(self, expert: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ComputeExpertsRequest(_message.Message):
+    __slots__ = ("model", "layer", "experts", "fetch_on_miss")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ON_MISS_FIELD_NUMBER: _ClassVar[int]
+    model: ModelKey
+    layer: int
+    experts: _containers.RepeatedCompositeFieldContainer[ExpertRows]
+    fetch_on_miss: bool
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layer: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., fetch_on_miss: _Optional[bool] = ...) -> None: ...
+
+class ComputeExpertsResponse(_message.Message):
+    __slots__ = ("experts", "missing", "compute_seconds", "queued")
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    experts: _containers.RepeatedCompositeFieldContainer[ExpertRows]
+    missing: _containers.RepeatedScalarFieldContainer[int]
+    compute_seconds: float
+    queued: int
+    def __init__(self, experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., missing: _Optional[_Iterable[int]] = ..., compute_seconds: _Optional[float] = ..., queued: _Optional[int] = ...) -> None: ...

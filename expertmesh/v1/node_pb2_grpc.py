@@ -54,6 +54,11 @@ class NodeStub:
                 request_serializer=expertmesh_dot_v1_dot_node__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_v1_dot_node__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.ComputeExperts = channel.unary_unary(
+                '/expertmesh.v1.Node/ComputeExperts',
+                request_serializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -91,6 +96,17 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ComputeExperts(self, request, context):
+        """Run experts this node holds on activations sent by another node: "move activations, not
+        experts". One call per peer per layer carries every expert that peer computes for every token
+        of the pass. The answer has each expert's output rows, or lists the expert as missing (not
+        held here and not fetched). FAILED_PRECONDITION on a node without a core (a cache peer);
+        INVALID_ARGUMENT for a bad layer, expert, shape, dtype or size.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +129,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=expertmesh_dot_v1_dot_node__pb2.GenerateRequest.FromString,
                     response_serializer=expertmesh_dot_v1_dot_node__pb2.GenerateEvent.SerializeToString,
+            ),
+            'ComputeExperts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeExperts,
+                    request_deserializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +244,33 @@ class Node:
             '/expertmesh.v1.Node/Generate',
             expertmesh_dot_v1_dot_node__pb2.GenerateRequest.SerializeToString,
             expertmesh_dot_v1_dot_node__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeExperts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Node/ComputeExperts',
+            expertmesh_dot_v1_dot_node__pb2.ComputeExpertsRequest.SerializeToString,
+            expertmesh_dot_v1_dot_node__pb2.ComputeExpertsResponse.FromString,
             options,
             channel_credentials,
             insecure,

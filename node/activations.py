@@ -1,0 +1,77 @@
+"""Activation rows on the wire (the `Tensor` message): raw bytes, shape and dtype, checked on arrival.
+
+Remote expert execution sends an expert's input rows to the node that holds the expert and gets
+its output rows back. Both directions are a few KB per token, so they travel as raw C-order bytes
+with no compression; bfloat16, which numpy lacks, travels as its 16-bit patterns. Anything that
+arrives is checked against what the receiver expects before MLX sees it: a peer that sends the
+wrong shape, dtype or length is caught here, not as a broadcasting error deep in a layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from expertmesh.v1 import node_pb2
+
+DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {  # wire name -> (MLX dtype, numpy carrier)
+    "float32": (mx.float32, np.dtype("<f4")),
+    "float16": (mx.float16, np.dtype("<f2")),
+    "bfloat16": (mx.bfloat16, np.dtype("<u2")),
+}
+_WIRE_NAMES = {mlx: name for name, (mlx, _) in DTYPES.items()}
+
+
+class BadTensor(ValueError):
+    """A Tensor message that does not hold what it should."""
+
+
+def wire_dtype(dtype: mx.Dtype) -> str:
+    try:
+        return _WIRE_NAMES[dtype]
+    except KeyError:
+        raise BadTensor(f"activations of dtype {dtype} cannot be sent (only {', '.join(DTYPES)})") from None
+
+
+def to_numpy(rows: mx.array) -> np.ndarray:
+    """The rows' bytes as a numpy array (evaluates them); bfloat16 as uint16 bit patterns."""
+    name = wire_dtype(rows.dtype)
+    if name == "bfloat16":
+        rows = rows.view(mx.uint16)
+    return np.ascontiguousarray(np.array(rows, copy=False), dtype=DTYPES[name][1])
+
+
+def encode(rows: mx.array | np.ndarray, dtype: str | None = None) -> node_pb2.Tensor:
+    """A Tensor message of `rows` (an MLX array, or numpy bytes already converted by `to_numpy`
+    with their wire `dtype`)."""
+    if isinstance(rows, mx.array):
+        dtype, rows = wire_dtype(rows.dtype), to_numpy(rows)
+    return node_pb2.Tensor(shape=list(rows.shape), dtype=dtype, data=rows.tobytes())
+
+
+def decode(t: node_pb2.Tensor, width: int, dtype: str | None = None, rows: int | None = None) -> mx.array:
+    """The (n, width) MLX array a Tensor message holds.
+
+    Raises:
+        BadTensor: not two-dimensional, another width or row count than expected, an unknown or
+            unexpected dtype, or a byte length that does not match the shape.
+    """
+    if t.dtype not in DTYPES:
+        raise BadTensor(f"unknown dtype {t.dtype!r} (expected one of {', '.join(DTYPES)})")
+    if dtype is not None and t.dtype != dtype:
+        raise BadTensor(f"dtype {t.dtype}, expected {dtype}")
+    shape = tuple(t.shape)
+    if len(shape) != 2 or shape[1] != width or shape[0] == 0 or (rows is not None and shape[0] != rows):
+        want = f"({rows if rows is not None else 'n'}, {width})"
+        raise BadTensor(f"shape {shape}, expected {want}")
+    mlx_dtype, carrier = DTYPES[t.dtype]
+    if len(t.data) != math.prod(shape) * carrier.itemsize:
+        raise BadTensor(f"{len(t.data)} bytes for shape {shape} of {t.dtype}")
+    arr = mx.array(np.frombuffer(t.data, dtype=carrier).reshape(shape))
+    return arr.view(mlx_dtype) if t.dtype == "bfloat16" else arr
+
+
+def nbytes(t: node_pb2.Tensor) -> int:
+    return len(t.data)
