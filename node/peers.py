@@ -127,6 +127,9 @@ class PeerSource:
         self._last_server: dict[tuple[int, int], Peer] = {}
         self._inventories: dict[str, tuple[float, set[tuple[int, int]]]] = {}  # node id -> (when, held keys)
         self._lock = threading.Lock()
+        # called as transfer_observer(peer, nbytes, seconds) after each expert that came from a
+        # peer: how remote execution measures each peer's bandwidth
+        self.transfer_observer = None
 
     def stub(self, address: str) -> node_pb2_grpc.NodeStub:
         return self._stub(address)
@@ -207,6 +210,7 @@ class PeerSource:
             key=node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id=self.index.repo_id, commit=self.index.commit),
                                    layer=loc.layer, expert=loc.expert),
             fetch_on_miss=owner)  # fmt: skip
+        t0 = time.perf_counter()
         try:
             parts, size, digest = [], None, None
             for chunk in self._stub(peer.address).FetchExpert(request, metadata=self._metadata, timeout=timeout):
@@ -228,6 +232,8 @@ class PeerSource:
         if hashlib.sha256(blob).hexdigest() != digest:
             self.table.penalise(peer, "bad_digest")
             return None
+        if self.transfer_observer is not None:
+            self.transfer_observer(peer, len(blob), time.perf_counter() - t0)
         return blob
 
     def discard(self, loc: ExpertLocation) -> None:

@@ -57,14 +57,17 @@ class RemoteConfig:
     deadline_floor_s: float = 1.0  # a call's deadline is at least this ...
     deadline_factor: float = 4.0  # ... and at least this many times its estimated duration
     max_call_bytes: int = 3 * 1024 * 1024  # a peer's rows are split into calls no larger (gRPC's limits)
+    lan_bandwidth: float = DEFAULT_LAN_BANDWIDTH  # what a peer's link is assumed to carry until measured
 
 
 @dataclass
 class LinkEstimate:
-    """What this node has measured of one peer: round trip, bandwidth, queue, service time."""
+    """What this node has measured of one peer: round trip, bandwidth, call overhead, service time."""
 
-    rtt_s: float = DEFAULT_LAN_RTT_S
-    bandwidth: float = DEFAULT_LAN_BANDWIDTH
+    rtt_s: float = DEFAULT_LAN_RTT_S  # an Info ping
+    measured_bandwidth: float | None = None  # bytes/s of its expert transfers (FetchExpert)
+    prior_bandwidth: float = DEFAULT_LAN_BANDWIDTH
+    call_s: float | None = None  # a ComputeExperts call's time outside the peer: round trip + activations
     service_s: float | None = None  # the peer's own seconds per expert (read + compute)
     queued: int = 0  # ComputeExperts calls running at the peer when the last one arrived
     last_call_s: float = 0.0
@@ -73,21 +76,35 @@ class LinkEstimate:
     def observe_ping(self, seconds: float) -> None:
         self.rtt_s = seconds if self.pinged_at < 0 else (1 - EWMA) * self.rtt_s + EWMA * seconds
         self.pinged_at = time.monotonic()
+        if self.call_s is not None:  # a peer once slow (a cold start, a busy spell) gets tried again
+            self.call_s = (self.call_s + self.rtt_s) / 2
 
-    def observe_call(self, wall_s: float, server_s: float, nbytes: int, n_experts: int, queued: int) -> None:
+    @property
+    def bandwidth(self) -> float:
+        return self.measured_bandwidth if self.measured_bandwidth is not None else self.prior_bandwidth
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        transfer = seconds - self.rtt_s
+        if nbytes > 0 and transfer > 0:
+            self.measured_bandwidth = _ewma(self.measured_bandwidth, nbytes / transfer)
+
+    def observe_call(self, wall_s: float, server_s: float, n_experts: int, queued: int) -> None:
         per_expert = server_s / max(1, n_experts)
-        self.service_s = per_expert if self.service_s is None else (1 - EWMA) * self.service_s + EWMA * per_expert
-        transfer = wall_s - server_s - self.rtt_s
-        if nbytes > 0 and transfer > nbytes / (8 * self.bandwidth):  # too short to say anything: keep the prior
-            self.bandwidth = (1 - EWMA) * self.bandwidth + EWMA * (nbytes / transfer)
+        self.service_s = _ewma(self.service_s, per_expert)
+        self.call_s = _ewma(self.call_s, max(0.0, wall_s - server_s))
         self.queued, self.last_call_s = queued, wall_s
 
-    def start_s(self) -> float:
-        """Seconds before a call sent now starts producing: the round trip and the peer's queue."""
-        return self.rtt_s + self.queued * self.last_call_s
+    def call_start_s(self, activation_bytes: int) -> float:
+        """Seconds a call spends outside the peer, plus the wait for the calls queued there."""
+        net = self.call_s if self.call_s is not None else self.rtt_s + activation_bytes / self.bandwidth
+        return net + self.queued * self.last_call_s
 
-    def per_expert_s(self, nbytes: int, service_prior_s: float) -> float:
-        return nbytes / self.bandwidth + (self.service_s if self.service_s is not None else service_prior_s)
+    def transfer_s(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
 
 
 @dataclass
@@ -99,6 +116,7 @@ class _Call:
     started: float
     rows: dict[int, int]  # expert -> row count expected back
     dtype: str
+    finished: list[float] = field(default_factory=list)  # when the answer arrived (set by the future)
 
 
 @dataclass
@@ -119,13 +137,14 @@ class RemoteExperts:
         self.disk = disk
         self.config = config or RemoteConfig()
         self.links: dict[str, LinkEstimate] = {}
+        peers.transfer_observer = lambda peer, nbytes, seconds: self._link(peer).observe_transfer(nbytes, seconds)
 
     # -- cost model ---------------------------------------------------------------------------
 
     def _link(self, peer: Peer) -> LinkEstimate:
         link = self.links.get(peer.node_id)
         if link is None:
-            link = self.links[peer.node_id] = LinkEstimate()
+            link = self.links[peer.node_id] = LinkEstimate(prior_bandwidth=self.config.lan_bandwidth)
         if time.monotonic() - link.pinged_at > PING_EVERY_S:
             t0 = time.perf_counter()
             try:
@@ -151,9 +170,13 @@ class RemoteExperts:
             return [p for p in self.peers.table.peers.values() if p.compute and p.live]
 
     def plan(self, layer: int, experts: list[int], row_bytes: dict[int, int]) -> Placement:
-        """Assign each expert not in local RAM to here or a compute peer, whichever finishes first.
+        """Assign each expert not in local RAM to wherever it would be done first.
 
-        `row_bytes[e]`: activation bytes of expert e's rows, each way.
+        List scheduling over the resources a pass keeps busy: this node's disk (reads side by
+        side on the store's workers), the Hub link (likewise), and each peer — its link carries
+        the experts fetched from it, and its compute runs the experts sent to it after the call's
+        fixed cost (round trip, activations, its queue). Each expert, slowest first, goes where
+        its end time is earliest; a tie stays here. `row_bytes[e]`: bytes of expert e's rows.
         """
         placement = Placement()
         computers = self._compute_peers()
@@ -162,37 +185,46 @@ class RemoteExperts:
         index = self.store.index
         held = {p.node_id: self.peers.inventory(p) or set() for p in computers}
         by_id = {p.node_id: p for p in computers}
+        links = {p.node_id: self._link(p) for p in computers}
         lanes = max(1, getattr(self.store, "_concurrency", 1))  # local fetches run side by side
-        busy = {"here": 0.0, **{p.node_id: self._link(p).start_s() for p in computers}}
+        busy: dict[str, float] = {"here": 0.0, "hub": 0.0}
+        called: set[str] = set()
         todo = []
         for e in experts:
             key = (layer, e)
             if key in self.store.ram:
                 continue
-            nbytes = index.expert(layer, e).nbytes
-            holders = [p.node_id for p in computers if key in held[p.node_id]]
+            loc = index.expert(layer, e)
+            holders = [p for p in computers if key in held[p.node_id]]
             owner = self.peers.table.ranked(expert_key(index, layer, e))[0]
             if key in self.disk:
-                local_s = self._fetch_latency_s("disk", nbytes)
+                fetch = ("here", self._fetch_latency_s("disk", loc.nbytes) / lanes)
+            elif holders or owner is not None:
+                source = holders[0] if holders else owner
+                link = links.get(source.node_id) or self._link(source)
+                fetch = (source.node_id, link.transfer_s(loc.nbytes))
             else:
-                local_s = self._fetch_latency_s("peer" if holders or owner is not None else "hub", nbytes)
-            owner_fetch = owner is not None and owner.compute and owner.live and owner.node_id not in holders
-            if owner_fetch:
-                holders.append(owner.node_id)
-            todo.append((local_s, e, nbytes, holders, owner_fetch))
-        disk_s = self._fetch_latency_s("disk", index.expert(layer, experts[0]).nbytes) if experts else 0.0
-        for local_s, e, nbytes, holders, owner_fetch in sorted(todo, reverse=True):
-            best, best_end = "here", busy["here"] + local_s / lanes
-            for node_id in holders:
-                cost = self.links[node_id].per_expert_s(2 * row_bytes[e], disk_s)
-                if owner_fetch and node_id == holders[-1]:
-                    cost += self._fetch_latency_s("hub", nbytes)
-                if busy[node_id] + cost < best_end:
-                    best, best_end = node_id, busy[node_id] + cost
+                fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes) / lanes)
+            options = [(p.node_id, False) for p in holders]
+            if owner is not None and owner.compute and owner.live and owner not in holders:
+                options.append((owner.node_id, True))  # the owner fetches it from the Hub, keeps it, computes it
+            todo.append((fetch[1], e, loc.nbytes, fetch, options))
+        disk_prior = self._fetch_latency_s("disk", index.expert(layer, experts[0]).nbytes) if experts else 0.0
+        for cost, e, nbytes, (where, _), options in sorted(todo, key=lambda t: -t[0]):
+            best, best_end, remote = where, busy.get(where, 0.0) + cost, None
+            for node_id, fetches in options:
+                link = links[node_id]
+                start = busy.get(node_id, 0.0) + (0.0 if node_id in called else link.call_start_s(2 * row_bytes[e]))
+                end = start + (link.service_s if link.service_s is not None else disk_prior)
+                if fetches:
+                    end += self._fetch_latency_s("hub", nbytes)
+                if end < best_end:
+                    best, best_end, remote = node_id, end, (node_id, fetches)
             busy[best] = best_end
-            if best != "here":
+            if remote is not None:
+                called.add(best)
                 placement.remote[e] = by_id[best]
-                if owner_fetch and best == holders[-1]:
+                if remote[1]:
                     placement.owner_fetch.add(e)
         placement.estimate_s = busy
         return placement
@@ -247,10 +279,13 @@ class RemoteExperts:
                     request = node_pb2.ComputeExpertsRequest(model=model, layer=block.layer, experts=batch,
                                                              fetch_on_miss=any(x.expert in placement.owner_fetch for x in batch))  # fmt: skip
                     timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate)
+                    sent_at = time.perf_counter()
                     fut = self.peers.stub(peer.address).ComputeExperts.future(request, metadata=self.peers.metadata,
                                                                                timeout=timeout)  # fmt: skip
-                    calls.append(_Call(peer, request, fut, size, time.perf_counter(),
-                                       {x.expert: x.rows.shape[0] for x in batch}, t.dtype))  # fmt: skip
+                    call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch},
+                                 t.dtype)  # fmt: skip
+                    fut.add_done_callback(lambda _, done=call.finished: done.append(time.perf_counter()))
+                    calls.append(call)
                     batch, size = [], 0
         return calls
 
@@ -269,7 +304,7 @@ class RemoteExperts:
                 stats.record_remote(**{f"fallback_{reason}": len(asked)})
                 failed.extend(asked)
                 continue
-            wall = time.perf_counter() - call.started
+            wall = (call.finished[0] if call.finished else time.perf_counter()) - call.started
             try:
                 got = self._check(block, call, response)
             except activations.BadTensor as e:
@@ -280,7 +315,7 @@ class RemoteExperts:
                 continue
             received = sum(len(x.rows.data) for x in response.experts)
             link = self.links.get(call.peer.node_id) or self._link(call.peer)
-            link.observe_call(wall, response.compute_seconds, call.sent_bytes + received, len(got), response.queued)
+            link.observe_call(wall, response.compute_seconds, len(got) + len(response.missing), response.queued)
             stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received,
                                 fallback_missing=len(response.missing))  # fmt: skip
             for e, arr in got.items():
