@@ -202,7 +202,9 @@ class RemoteExperts:
             elif holders or owner is not None:
                 source = holders[0] if holders else owner
                 link = links.get(source.node_id) or self._link(source)
-                fetch = (source.node_id, link.transfer_s(loc.nbytes))
+                # an owner that lacks the expert fetches it from the Hub before sending it
+                hub_first = self._fetch_latency_s("hub", loc.nbytes) if not holders else 0.0
+                fetch = (source.node_id, hub_first + link.transfer_s(loc.nbytes))
             else:
                 fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes) / lanes)
             options = [(p.node_id, False) for p in holders]

@@ -44,16 +44,19 @@ def _wait(condition, timeout_s: float = 20.0) -> bool:
     return True
 
 
-def _discovery(node_id: str, cluster: str = CLUSTER, port: int = 1000) -> Discovery:
+def _discovery(node_id: str, cluster: str = CLUSTER, port: int = 1000, compute: bool = True) -> Discovery:
     table = PeerTable(self_id=node_id, self_weight=1.0)
-    return Discovery(table, Advertisement(node_id, cluster, "full", port, 10**9), "127.0.0.1", LOOPBACK)
+    return Discovery(table, Advertisement(node_id, cluster, "full", port, 10**9, compute=compute), "127.0.0.1", LOOPBACK)
 
 
 def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
-    a, b, other = _discovery("node-a"), _discovery("node-b", port=1001), _discovery("node-x", f"elsewhere-{RUN}", 1002)
+    a, b = _discovery("node-a"), _discovery("node-b", port=1001, compute=False)
+    other = _discovery("node-x", f"elsewhere-{RUN}", 1002)
     try:
         assert _wait(lambda: "node-b" in a.table.peers and "node-a" in b.table.peers)
         assert a.table.peers["node-b"].address == "127.0.0.1:1001" and a.table.peers["node-b"].weight == 10**9
+        # whether a node computes experts for others travels in the advertisement
+        assert b.table.peers["node-a"].compute and not a.table.peers["node-b"].compute
         time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
         assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
         b.close()
@@ -162,12 +165,13 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
         ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
         assert tokens == [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"]
         assert events[-1].done.expert_uses["peer"] > 0 and events[-1].done.expert_uses["hub"] == 0
+        assert events[-1].done.expert_uses["remote"] == 0  # cache peers only serve bytes
         held = 0
         for _, peer_port in peers:  # what the two owners keep, between them
             with grpc.insecure_channel(f"127.0.0.1:{peer_port}") as channel:
                 stub = node_pb2_grpc.NodeStub(channel)
                 info = stub.Info(node_pb2.InfoRequest(), metadata=md, timeout=10)
-                assert info.role == "cache" and info.mlx_version == ""
+                assert info.role == "cache" and info.mlx_version == "" and not info.compute
                 inventory = stub.GetInventory(node_pb2.InventoryRequest(model=info.models[0]), metadata=md, timeout=10)
                 held += sum(bin(b).count("1") for layer in inventory.layers for b in layer.bits)
                 with pytest.raises(grpc.RpcError) as e:

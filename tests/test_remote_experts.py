@@ -26,7 +26,7 @@ from node.node_server import start_node_server
 from node.node_service import NodeService
 from node.peers import attach_peers
 from node.pull import pull
-from node.remote_experts import RemoteConfig, attach_remote_experts
+from node.remote_experts import LinkEstimate, RemoteConfig, RemoteExperts, attach_remote_experts
 from node.rpc_auth import call_metadata
 from node.streamed_model import StoreConfig, open_model
 from node.tiny import ARCHS
@@ -219,3 +219,28 @@ def test_compute_requests_are_checked(pairs) -> None:
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         info = stub.Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET), timeout=10)
         assert info.compute and info.role == "full"
+
+
+def test_placement_follows_the_measured_costs(pairs) -> None:
+    """K3 on gigabit: an expert takes 148 ms to cross, the peer computes one in 5 ms. An expert on
+    the local disk is read here; one held by the peer runs there; a peer slower than the link gets
+    nothing."""
+    pair = pairs("kimi_k3")
+    layer = streaming_blocks(pair.me.model)[0].layer
+    experts = sorted(e for (lay, e) in pair.peer.index.experts if lay == layer and (lay, e) in pair.peer.disk)[:4]
+    assert len(experts) == 4
+    nbytes = pair.me.index.expert(layer, experts[0]).nbytes
+    observer = pair.source.transfer_observer
+    try:
+        remote = RemoteExperts(pair.me.store, pair.source, disk={(layer, experts[0])})
+        peer = next(iter(pair.source.table.peers.values()))
+        remote.links[peer.node_id] = link = LinkEstimate(rtt_s=1e-3, measured_bandwidth=nbytes / 0.148, call_s=1.2e-3,
+                                                         service_s=5e-3, pinged_at=time.monotonic())  # fmt: skip
+        rows = dict.fromkeys(experts, 256)
+        plan = remote.plan(layer, experts, rows)
+        assert experts[0] not in plan.remote
+        assert all(plan.remote.get(e) is peer for e in experts[1:])
+        link.service_s = 1.0
+        assert not remote.plan(layer, experts, rows).remote
+    finally:
+        pair.source.transfer_observer = observer
