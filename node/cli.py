@@ -233,7 +233,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         table = next(s for s in sm.store.sources if s.name == "peer").table if args.discover or args.peer else None
         close = sm.close
     try:
-        service = NodeService(sm, node_id, experts, peers=table)
+        service = NodeService(sm, node_id, experts, peers=table, speculation=_speculation(args) if sm is not None else None)
         ex = service.experts
         metrics = _start_metrics(args, sm, experts, table)  # first: its daemon thread needs no stopping on an error
         tls = None
@@ -629,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a generation slot before the API answers 429 (default %(default)s)")
     _add_metrics_arguments(p, default=0)
     _add_model_arguments(p)
+    _add_speculation_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("peers", help="the nodes of the household: found by zeroconf (and --peer), with their Info")

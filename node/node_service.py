@@ -24,6 +24,7 @@ from node.errors import DownloadError, ExpertmeshError
 from node.link_emulation import LanEmulation
 from node.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
 from node.served_experts import ServedExperts
+from node.speculative import SpeculationConfig, SpeculationError, make_draft_source
 from node.streamed_model import StreamedModel
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,19 @@ class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
     def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None, peers=None,
-                 lan: LanEmulation | None = None):  # fmt: skip
-        """`lan` slows FetchExpert and ComputeExperts to an emulated household link (benchmarks)."""
+                 lan: LanEmulation | None = None, speculation: SpeculationConfig | None = None):  # fmt: skip
+        """`lan` slows FetchExpert and ComputeExperts to an emulated household link (benchmarks).
+        `speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
+        cache cannot roll back generates without it (logged once, here)."""
         self.sm = sm
+        self.speculation, self._draft = None, None
+        if sm is not None and speculation is not None and speculation.mode != "off":
+            try:
+                draft = make_draft_source(speculation, sm.tokenizer)  # one draft model for every request
+                Generator(sm, speculation, draft_source=draft)  # checks the model's cache can roll back
+                self.speculation, self._draft = speculation, draft
+            except SpeculationError as e:
+                logger.warning("generating without speculation: %s", e)
         self.lan = lan
         self.computer = ExpertComputer(sm) if sm is not None else None
         self.peers = peers  # the PeerTable this node follows, if any
@@ -195,7 +206,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             stats = self.sm.store.stats
             last, t_last, first = stats.snapshot(), time.perf_counter(), True
             try:
-                for t in Generator(self.sm).generate(ids, settings, lambda: not context.is_active(), summary):
+                generator = Generator(self.sm, self.speculation, draft_source=self._draft)
+                for t in generator.generate(ids, settings, lambda: not context.is_active(), summary):
                     now, t_now = stats.snapshot(), time.perf_counter()
                     d = _delta(now, last)
                     yield node_pb2.GenerateEvent(token=node_pb2.TokenEvent(
@@ -212,12 +224,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
             finally:
                 self._generated[0] += summary.generated_tokens
                 self._generated[1] += summary.seconds
+        spec = summary.speculation
         yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(
             prompt_tokens=summary.prompt_tokens, generated_tokens=summary.generated_tokens,
             time_to_first_token_s=summary.time_to_first_token_s, seconds=summary.seconds,
             stop_reason=summary.stop_reason, trailing_text=summary.trailing_text,
             expert_uses={s: summary.experts.uses[s] for s in SOURCES},
-            expert_bytes={s: summary.experts.bytes[s] for s in SOURCES}))  # fmt: skip
+            expert_bytes={s: summary.experts.bytes[s] for s in SOURCES},
+            forward_passes=spec.passes if spec else 0, drafted_tokens=spec.drafted if spec else 0,
+            accepted_tokens=spec.accepted if spec else 0))  # fmt: skip
 
 
 def _delta(now, before) -> tuple[int, int]:

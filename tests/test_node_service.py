@@ -133,6 +133,32 @@ def test_generate_streams_mlx_lm_tokens_with_a_summary(node, tiny_repos: dict[st
         assert per_token < sum(done.expert_uses.values())
 
 
+def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(node, tiny_repos: dict[str, Path]) -> None:
+    """`serve --speculate ngram` runs Generate through the speculative decoder (the random tiny
+    model seldom repeats itself, so drafts are few: tests/test_speculative.py and
+    benchmarks/bench_speculative.py show the savings on the trained demo model)."""
+    import mlx_lm
+
+    from node.speculative import SpeculationConfig
+
+    sm = node[0]
+    running = start_node_server(NodeService(sm, node_id="n2", speculation=SpeculationConfig(mode="ngram")), SECRET,
+                                host="127.0.0.1", port=0)  # fmt: skip
+    prompt = "one two three four one two three four one two three four one two"
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            request = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=sm.repo_id), prompt=prompt, max_tokens=24)
+            events = list(node_pb2_grpc.NodeStub(channel).Generate(request, metadata=call_metadata(SECRET), timeout=120))
+    finally:
+        running.stop()
+    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+    expected = [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=24) if r.finish_reason != "stop"]
+    assert [e.token.id for e in events if e.HasField("token")] == expected
+    done = events[-1].done
+    assert 0 < done.forward_passes <= done.generated_tokens  # counted by the speculative decoder
+    assert done.accepted_tokens <= done.drafted_tokens
+
+
 def test_the_committed_generated_code_is_up_to_date(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, env={**os.environ})  # fmt: skip

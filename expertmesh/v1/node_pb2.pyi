@@ -167,7 +167,7 @@ class TokenEvent(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., seconds: _Optional[float] = ..., expert_uses: _Optional[int] = ..., hub_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes")
+    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,9 @@ class GenerationDone(_message.Message):
     TRAILING_TEXT_FIELD_NUMBER: _ClassVar[int]
     EXPERT_USES_FIELD_NUMBER: _ClassVar[int]
     EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     time_to_first_token_s: float
@@ -198,7 +201,10 @@ class GenerationDone(_message.Message):
     trailing_text: str
     expert_uses: _containers.ScalarMap[str, int]
     expert_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    forward_passes: int
+    drafted_tokens: int
+    accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., forward_passes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token", "done")
