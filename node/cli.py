@@ -63,7 +63,8 @@ def _store_config(args: argparse.Namespace):
     from node.streamed_model import StoreConfig
 
     return StoreConfig(ram_budget=args.ram_budget, disk_budget=args.disk_budget, ram_policy=args.ram_policy,
-                       trace_path=Path(args.trace) if args.trace else None, prefetch=not args.no_prefetch)  # fmt: skip
+                       trace_path=Path(args.trace) if args.trace else None, prefetch=not args.no_prefetch,
+                       fill=not args.no_fill)  # fmt: skip
 
 
 def _sampling(args: argparse.Namespace):
@@ -509,6 +510,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="which experts RAM keeps (default %(default)s, chosen by `expertmesh replay` on traces)")
     p.add_argument("--trace", metavar="FILE", help="record the routed experts of every layer and pass to FILE")
     p.add_argument("--no-prefetch", action="store_true", help="do not guess and fetch the next layer's experts")
+    p.add_argument("--no-fill", action="store_true", help="do not use the idle link while generating to fetch "
+                   "experts not yet held onto free disk budget (it never evicts)")  # fmt: skip
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                    help="a node of the household to ask for experts before the Hub (repeatable)")
     p.add_argument("--remote-compute", choices=("auto", "off"), default="auto",

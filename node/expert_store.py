@@ -31,7 +31,8 @@ ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, 
 # the activation bytes sent and received
 SOURCES = ("ram", "disk", "peer", "hub", "remote")
 # issued: guesses fetched; used: demanded by the pass they were for; wasted: not demanded, dropped
-PREFETCH_OUTCOMES = ("issued", "used", "wasted")
+# filled: fetched onto the disk on an idle link (not a guess: see ExpertStore's fill)
+PREFETCH_OUTCOMES = ("issued", "used", "wasted", "filled")
 # remote execution (node/remote_experts.py): calls made, activation bytes each way, and experts a
 # peer was asked for that were fetched and computed here instead, by why
 REMOTE_COUNTS = ("calls", "sent_bytes", "received_bytes", "fallback_error", "fallback_deadline",
@@ -45,6 +46,10 @@ INTEGRITY_RETRIES = 2  # refetches from a remote source whose bytes failed their
 PREFETCH_WINDOW = 64
 PREFETCH_MIN_ACCURACY = 0.25
 PREFETCH_PAUSE_CALLS = 512
+# Idle-link fill: while generation is going on (a layer call within FILL_ACTIVE_S) and no demand is
+# queued or running, FILL_WORKERS threads fetch experts not yet held onto free disk budget.
+FILL_WORKERS = 2
+FILL_ACTIVE_S = 2.0
 
 
 class ByteSource(Protocol):
@@ -187,11 +192,15 @@ class ExpertStore:
         sources: byte sources nearest first (disk, peers, Hub); the last must always answer.
         sinks: where bytes from further away are kept (the disk cache).
         digests: the sha256 of each expert, checked on every copy not from RAM (None: no checks).
+        fill_order: experts to fetch onto the disk while the link is idle during generation, in
+            this order, into free budget only (never evicting); None: no fill. `fill_filter(key)`
+            (set by the peers tier: only experts this node owns) may narrow it.
     """
 
     def __init__(self, index: ExpertIndex, codec: ExpertCodec, ram: RamCache, sources: list[ByteSource],
                  sinks: Iterable[ByteSink] = (), concurrency: int = DEFAULT_FETCH_CONCURRENCY,
-                 digests: DigestBook | None = None, prefetch: bool = True):  # fmt: skip
+                 digests: DigestBook | None = None, prefetch: bool = True,
+                 fill_order: list[ExpertKey] | None = None):  # fmt: skip
         self.index = index
         self.digests = digests
         self.trace = None  # a TraceWriter (node/routing_trace.py) records every call when set
@@ -212,9 +221,20 @@ class ExpertStore:
         self._prefetching: set[ExpertKey] = set()  # guesses whose fetch has not finished
         self._window = [0, 0]  # used, wasted since the last accuracy check
         self._paused_calls = 0  # prefetch pauses for this many layer calls after poor guesses
+        self._running_demands = 0
         self._lock = threading.Lock()
         self._workers = [threading.Thread(target=self._work, name=f"expert-fetch-{i}", daemon=True)
                          for i in range(self._concurrency)]  # fmt: skip
+        self._fill_order = list(fill_order or [])
+        self._fill_next = 0
+        self._fill_reserved = 0  # bytes of fills in flight, counted against the disk's free room
+        self.fill_filter: Callable[[ExpertKey], bool] | None = None
+        self._last_call = -1e9
+        self._fill_wake = threading.Event()
+        self._closing = False
+        if self._fill_order and self.sinks:
+            self._workers += [threading.Thread(target=self._fill_loop, name=f"expert-fill-{i}", daemon=True)
+                              for i in range(FILL_WORKERS)]  # fmt: skip
         for w in self._workers:
             w.start()
 
@@ -229,6 +249,9 @@ class ExpertStore:
         routing itself and asks for a part of it, as remote execution does).
         """
         experts = [int(e) for e in experts]
+        self._last_call = time.monotonic()
+        if self._fill_order:
+            self._fill_wake.set()
         if self.trace is not None and record:
             self.trace.record(layer, experts)
         self._settle_guesses(layer, set(experts))
@@ -335,6 +358,7 @@ class ExpertStore:
                     continue  # a duplicate entry of a guess that a demand moved up
                 self._started.add(key)
                 fut = self._inflight[key]
+                self._running_demands += priority == DEMAND
             try:
                 fetched = self._fetch(key)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
@@ -342,6 +366,7 @@ class ExpertStore:
             else:
                 error = None
             with self._lock:
+                self._running_demands -= priority == DEMAND
                 self._inflight.pop(key, None)
                 self._started.discard(key)
                 self._prefetching.discard(key)
@@ -350,6 +375,67 @@ class ExpertStore:
             if error is not None:
                 fut.set_exception(error)
             else:
+                fut.set_result(fetched)
+
+    # -- idle-link fill -----------------------------------------------------------------------
+
+    def _next_fill(self) -> ExpertKey | None:
+        """The next expert to fill, or None when there is nothing left or no room (under the lock)."""
+        while self._fill_next < len(self._fill_order):
+            key = self._fill_order[self._fill_next]
+            self._fill_next += 1
+            if key in self._inflight or key in self.ram or any(key in sink for sink in self.sinks):
+                continue
+            if self.fill_filter is not None and not self.fill_filter(key):
+                continue
+            nbytes = self.index.expert(*key).nbytes
+            if not all(getattr(sink, "has_room", lambda n: True)(nbytes + self._fill_reserved) for sink in self.sinks):
+                self._fill_next = len(self._fill_order)  # the disk budget is full: fill never evicts
+                return None
+            return key
+        return None
+
+    def _fill_loop(self) -> None:
+        """Fetch experts onto the disk while a generation runs and no demand wants the link.
+
+        A fill is not a guess and never enters RAM: it turns a future Hub miss into a disk hit.
+        It is registered as in flight, so a demand for the same expert waits for it instead of
+        fetching it twice; a demand that arrives while fills run gets every fetch worker.
+        """
+        while not self._closing:
+            self._fill_wake.wait(0.5)
+            if self._closing:
+                return
+            if time.monotonic() - self._last_call > FILL_ACTIVE_S:
+                self._fill_wake.clear()  # generation stopped: sleep until the next layer call
+                continue
+            with self._lock:
+                if self._queued_demands or self._running_demands or self._prefetching:
+                    key = None
+                else:
+                    key = self._next_fill()
+                    if key is None and self._fill_next >= len(self._fill_order):
+                        return  # everything is held, or the budget is full
+                    if key is not None:  # its room is held until it is on disk: two fills never take one slot
+                        fut = self._inflight[key] = Future()
+                        self._started.add(key)
+                        self._fill_reserved += self.index.expert(*key).nbytes
+            if key is None:
+                time.sleep(0.002)  # the link is busy with demands: look again shortly
+                continue
+            try:
+                fetched, error = self._fetch(key), None
+            except BaseException as e:  # noqa: BLE001 - handed to a demand that joined, if any
+                fetched, error = None, e
+                logger.debug("filling expert %s failed: %s", key, e)
+            with self._lock:
+                self._inflight.pop(key, None)
+                self._started.discard(key)
+                self._fill_reserved -= self.index.expert(*key).nbytes
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                self.stats.record_prefetch("filled")
                 fut.set_result(fetched)
 
     def _fetch(self, key: ExpertKey) -> _Fetched:
@@ -391,6 +477,8 @@ class ExpertStore:
         return False
 
     def close(self) -> None:
+        self._closing = True
+        self._fill_wake.set()
         for _ in self._workers:
             self._queue.put((-1, -1, None))  # before any queued fetch: workers stop at once
         # Join them (bounded: one may be mid-fetch): MLX aborts the process at exit if a thread

@@ -267,4 +267,6 @@ def attach_peers(sm, addresses: list[str], secret: str, node_id: str, tls_ca: by
     source = PeerSource(sm.index, table, secret, tls_ca=tls_ca)
     hub_at = next(i for i, s in enumerate(sm.store.sources) if s.name == "hub")
     sm.store.sources.insert(hub_at, source)
+    # idle-link fill keeps to the experts this node owns: the household holds each expert once
+    sm.store.fill_filter = lambda key: table.ranked(expert_key(sm.index, *key))[0] is None
     return source

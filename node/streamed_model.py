@@ -31,6 +31,7 @@ class StoreConfig:
     ram_policy: str = DEFAULT_POLICY  # see node/cache_policies.py and `expertmesh replay`
     trace_path: Path | None = None  # record every layer's routed experts here (`--trace`)
     prefetch: bool = True  # guess the next layer's experts and fetch them behind the demands
+    fill: bool = True  # while generating, fetch experts not yet held onto free disk budget when the link is idle
     hub_min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES  # experts are split into pieces no smaller
 
 
@@ -109,7 +110,7 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     disk = DiskCache(root, index, disk_bytes, digests)
     sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader, min_piece_bytes=cfg.hub_min_piece_bytes)]
     store = ExpertStore(index, codec, RamCache(ram_bytes, cfg.ram_policy), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
-                        digests=digests, prefetch=cfg.prefetch)  # fmt: skip
+                        digests=digests, prefetch=cfg.prefetch, fill_order=_fill_order(index) if cfg.fill else None)  # fmt: skip
     if cfg.trace_path is not None:
         from node.routing_trace import TraceWriter
 
@@ -124,3 +125,11 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
 def _has_dense_experts(index: ExpertIndex) -> bool:
     loc = next(iter(index.experts.values()))
     return not any(t.name.endswith((".scales", ".weight_scale", ".weight_packed")) for t in loc.tensors)
+
+
+def _fill_order(index: ExpertIndex) -> list[tuple[int, int]]:
+    """Idle-link fill goes expert 0 of every layer, then expert 1, ... (`expertmesh warm`'s order
+    without traces), so a partial fill helps every layer alike."""
+    from node.warm import warm_order
+
+    return warm_order(index)

@@ -47,7 +47,7 @@ def _repo_id(arch: str) -> str:
 
 
 def _open(arch: str, home: Path, ram_budget: str = "50%", prefetch: bool = True) -> StreamedModel:
-    return open_model(_repo_id(arch), home=home, store_config=StoreConfig(ram_budget=ram_budget, prefetch=prefetch))
+    return open_model(_repo_id(arch), home=home, store_config=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False))
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path:
     concurrent requests on one node do) each get every expert, and the Hub sends each once.
     Also the regression of a deadlock that once hung warm-disk runs one time in three."""
     pull(_repo_id("kimi_k3"), home=tmp_path, progress=False)
-    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store_config=StoreConfig(ram_budget="50%", prefetch=False))
+    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store_config=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
     try:
         layer = sm.index.moe_layers[0]
         served_before = hub.stats()["bytes_served"]

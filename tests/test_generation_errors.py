@@ -52,7 +52,7 @@ def oracle_tokens(tiny_repos: dict[str, Path]):
 
 
 def _open(home: Path, **kwargs) -> StreamedModel:
-    return open_model(REPO_ID, home=home, store_config=StoreConfig(ram_budget="50%"), **kwargs)
+    return open_model(REPO_ID, home=home, store_config=StoreConfig(ram_budget="50%", fill=False), **kwargs)
 
 
 def _generate(sm: StreamedModel, ids: list[int], settings: SamplingSettings = GREEDY) -> tuple[list[int], GenerationSummary]:

@@ -26,8 +26,8 @@ def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _generate(home: Path, **budgets):
-    # no guesses: every count below is then exact (a wasted guess would add a fetch)
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(**budgets, prefetch=False))
+    # no guesses and no idle-link fill: every count below is then exact (either would add fetches)
+    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(**budgets, prefetch=False, fill=False))
     try:
         ids = sm.tokenizer.encode(PROMPT)
         tokens = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=16))]

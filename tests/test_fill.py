@@ -1,0 +1,71 @@
+"""Idle-link fill: while a generation runs and no demand wants the link, experts not yet held are
+fetched onto free disk budget — each from the Hub once, never by evicting, never changing the output."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlx_lm
+
+from node.generation import Generator, SamplingSettings
+from node.hub_server import HubServer
+from node.pull import pull
+from node.streamed_model import StoreConfig, open_model
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+PROMPT = "Fill the disk while the link is idle"
+TOKENS = 24
+SPARE = 5  # free disk slots left for the fill in the budget test
+
+
+def _generate(sm) -> list[int]:
+    return [t.id for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=TOKENS))]
+
+
+def _wait(condition, timeout_s: float = 20.0) -> bool:
+    """Fills may go on for a moment after the last token (FILL_ACTIVE_S); bounded wait."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
+    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+    expected = [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"]
+    pull(REPO_ID, home=tmp_path, progress=False)
+    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True))
+    try:
+        before = hub.stats()["bytes_served"]
+        assert _generate(sm) == expected
+        n = len(sm.index.experts)
+        assert _wait(lambda: len(sm.disk) == n), f"the fill left {n - len(sm.disk)} of {n} experts unfetched"
+        stats = sm.store.stats.snapshot()
+        assert stats.uses["hub"] < n and stats.prefetch["filled"] >= n - stats.uses["hub"]  # fills did the rest
+        all_bytes = sum(loc.nbytes for loc in sm.index.experts.values())
+        assert hub.stats()["bytes_served"] - before == all_bytes  # every expert crossed the Hub exactly once
+    finally:
+        sm.close()
+
+
+def test_fill_takes_free_budget_only(hub: HubServer, tmp_path: Path) -> None:
+    pull(REPO_ID, home=tmp_path, progress=False)
+    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=False))
+    _generate(sm)
+    used, expert_bytes = len(sm.disk), max(loc.nbytes for loc in sm.index.experts.values())
+    sm.close()
+    budget = (used + SPARE) * expert_bytes
+    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True, disk_budget=str(budget)))
+    try:
+        before = hub.stats()["bytes_served"]
+        _generate(sm)  # every demand is a disk hit now; the link is idle for the fill
+        assert _wait(lambda: sm.store.stats.prefetch["filled"] >= SPARE)
+        time.sleep(0.5)  # a fill past the budget would show here
+        assert sm.store.stats.prefetch["filled"] == SPARE and len(sm.disk) == used + SPARE
+        assert sm.disk.nbytes <= budget and sm.disk.evictions == 0  # filled into free room, evicted nothing
+        assert hub.stats()["bytes_served"] - before <= SPARE * expert_bytes
+    finally:
+        sm.close()
