@@ -31,8 +31,9 @@ ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, 
 # the activation bytes sent and received
 SOURCES = ("ram", "disk", "peer", "hub", "remote")
 # issued: guesses fetched; used: demanded by the pass they were for; wasted: not demanded, dropped
+# ready: used guesses that had arrived before their demand (no wait: as good as a RAM hit);
 # filled: fetched onto the disk on an idle link (not a guess: see ExpertStore's fill)
-PREFETCH_OUTCOMES = ("issued", "used", "wasted", "filled")
+PREFETCH_OUTCOMES = ("issued", "used", "wasted", "ready", "filled")
 # remote execution (node/remote_experts.py): calls made, activation bytes each way, and experts a
 # peer was asked for that were fetched and computed here instead, by why
 REMOTE_COUNTS = ("calls", "sent_bytes", "received_bytes", "fallback_error", "fallback_deadline",
@@ -268,6 +269,7 @@ class ExpertStore:
             with self._lock:
                 staged = self._staged.pop(key, None)
             if staged is not None:
+                self.stats.record_prefetch("ready")
                 out[e] = self._use(key, staged)
             else:
                 waiting[e] = self._submit(key, DEMAND)

@@ -40,6 +40,7 @@ def test_every_guess_is_used_or_wasted_and_the_output_is_unchanged(home: Path) -
         if prefetch:
             assert pf["issued"] > 0 and pf["used"] > 0
             assert pf["issued"] == pf["used"] + pf["wasted"]
+            assert 0 < pf["ready"] <= pf["used"]  # some guesses arrived before their demand
         else:
             assert pf["issued"] == 0
     assert outputs[True] == outputs[False]
