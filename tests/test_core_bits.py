@@ -13,6 +13,7 @@ import pytest
 
 from node import local_models
 from node.cli import main
+from node.core_quantization import group_size_for
 from node.hub_server import HubServer
 from node.pull import pull
 from node.streamed_model import open_model
@@ -43,15 +44,22 @@ def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) ->
     t8 = _core_tensors(p8)
     quantised = {k[: -len(".scales")] for k in t8 if k.endswith(".scales")}
     assert quantised, "no quantised layer in the 8-bit core"
+    groups = {}
     for layer in quantised:
         assert t8[f"{layer}.weight"].dtype == mx.uint32 and f"{layer}.biases" in t8
-        g = t8[f"{layer}.weight"].shape[-1] * 4 // t8[f"{layer}.scales"].shape[-1]  # 8-bit: 4 values per uint32
-        assert g == 64, f"{layer}: groups of {g}"
+        width = t8[f"{layer}.weight"].shape[-1] * 4  # 8-bit: 4 values per uint32
+        g = groups[layer] = width // t8[f"{layer}.scales"].shape[-1]
+        assert g == group_size_for(width), f"{layer}: groups of {g} for an input width of {width}"
         assert not layer.endswith(("mlp.gate", "router", "res_proj")) and "norm" not in layer.split(".")[-1], layer
     names = {k.rsplit(".", 1)[-1] for k in quantised}
-    assert {"q_proj", "o_proj", "embed_tokens", "lm_head"} & names, names  # the big matrices are quantised
-    kept = [k for k in t8 if k.endswith(("mlp.gate.weight", "norm.weight", "res_proj.weight", ".bias"))
+    assert {"q_proj", "o_proj", "embed_tokens", "lm_head"} <= names, names  # the big matrices are quantised
+    # the widest group that fits: 128 for the 128-wide down_proj, 32 for the 32-wide latent up-projection
+    assert {g for k, g in groups.items() if k.endswith("shared_experts.down_proj")} == {128}
+    assert {g for k, g in groups.items() if k.endswith(("routed_expert_up_proj", "unembed_out"))} == {32}
+    assert {"routed_expert_up_proj", "unembed_out"} <= names, names
+    kept = [k for k in t8 if k.endswith(("mlp.gate.weight", "norm.weight", "res_proj.weight", ".bias", "embed_q.weight"))
             or "e_score_correction_bias" in k]  # fmt: skip
+    assert any(k.endswith("embed_q.weight") for k in kept)  # 16 wide: no group size divides it
     assert any(k.endswith("mlp.gate.weight") for k in kept) and any(k.endswith("norm.weight") for k in kept)
     for k in kept:
         assert mx.issubdtype(t8[k].dtype, mx.floating), f"{k} is {t8[k].dtype}: should stay full precision"
@@ -66,8 +74,11 @@ def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None
     sm = open_model(REPO_ID, home=homes[8])
     try:
         assert sm.core_bits == 8
-        q = [m for _, m in sm.model.named_modules() if type(m).__name__ == "QuantizedLinear"]
-        assert q and all(m.bits == 8 and m.group_size == 64 and m.mode == "affine" for m in q)
+        q = [m for _, m in sm.model.named_modules() if type(m).__name__ in ("QuantizedLinear", "QuantizedMultiLinear")]
+        assert {type(m).__name__ for m in q} == {"QuantizedLinear", "QuantizedMultiLinear"}
+        assert all(m.bits == 8 and m.mode == "affine" for m in q)
+        assert all(m.group_size == group_size_for(m.weight.shape[-1] * 32 // m.bits) for m in q)
+        assert {m.group_size for m in q} == {32, 64, 128}
     finally:
         sm.close()
     env = {**os.environ, "EXPERTMESH_HOME": str(homes[8]), "HF_ENDPOINT": hub.url}
