@@ -48,8 +48,9 @@ PREFETCH_WINDOW = 64
 PREFETCH_MIN_ACCURACY = 0.25
 PREFETCH_PAUSE_CALLS = 512
 # Idle-link fill: while generation is going on (a layer call within FILL_ACTIVE_S) and no demand is
-# queued or running, FILL_WORKERS threads fetch experts not yet held onto free disk budget.
-FILL_WORKERS = 2
+# queued or running, as many fill threads as fetch workers fetch experts not yet held onto free disk
+# budget. Measured on the demo model's first cold prompt (benchmarks/bench_fill.py):
+# 2 fill threads 86-91 ms/token, 4: 78, as many as the workers (8): 57; without fill 76.
 FILL_ACTIVE_S = 2.0
 
 
@@ -235,7 +236,7 @@ class ExpertStore:
         self._closing = False
         if self._fill_order and self.sinks:
             self._workers += [threading.Thread(target=self._fill_loop, name=f"expert-fill-{i}", daemon=True)
-                              for i in range(FILL_WORKERS)]  # fmt: skip
+                              for i in range(self._concurrency)]  # fmt: skip
         for w in self._workers:
             w.start()
 

@@ -89,6 +89,11 @@ class PeerTable:
         with self._lock:
             return sum(p.live for p in self.peers.values())
 
+    def compute_peers(self) -> list[Peer]:
+        """Live peers that answer ComputeExperts."""
+        with self._lock:
+            return [p for p in self.peers.values() if p.compute and p.live]
+
     def penalise(self, peer: Peer, reason: str) -> None:
         with self._lock:
             self.errors[reason] += 1

@@ -166,8 +166,7 @@ class RemoteExperts:
         return DEFAULT_HUB_LATENCY_S + nbytes / DEFAULT_HUB_BANDWIDTH
 
     def _compute_peers(self) -> list[Peer]:
-        with self.peers.table._lock:
-            return [p for p in self.peers.table.peers.values() if p.compute and p.live]
+        return self.peers.table.compute_peers()
 
     def plan(self, layer: int, experts: list[int], row_bytes: dict[int, int]) -> Placement:
         """Assign each expert not in local RAM to wherever it would be done first.
