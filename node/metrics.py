@@ -142,8 +142,10 @@ class _StateCollector(Collector):
             errors.update(dict(src.peers.errors))
         for role, n in live.items():
             peers.add_metric([role], n)
-        peer_errors = CounterMetricFamily(PREFIX + "peer_errors", "Failed expert fetches from peers, by reason "
-                                          "(a gRPC status name, or wrong_size, bad_digest, bad_bytes, oversized).",
+        peer_errors = CounterMetricFamily(PREFIX + "peer_errors", "Peers skipped after a failure, by reason (a gRPC "
+                                          "status name, or wrong_size, bad_digest, bad_bytes, oversized for fetches; "
+                                          "compute_* and bad_output for remote execution; not_serving and health_* "
+                                          "for health checks).",
                                           labels=["reason"])  # fmt: skip
         for reason, n in errors.items():
             peer_errors.add_metric([reason], n)

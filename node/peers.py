@@ -31,6 +31,8 @@ FETCH_DEADLINE_S = 30.0  # for one expert from one peer, the owner's Hub fetch i
 SKIP_AFTER_ERROR_S = 30.0
 INFO_DEADLINE_S = 5.0
 INVENTORY_TTL_S = 30.0  # how long a peer's inventory is trusted before it is asked again
+HEALTH_EVERY_S = 10.0  # every peer's gRPC health is checked this often
+HEALTH_DEADLINE_S = 2.0
 
 
 @dataclass
@@ -94,6 +96,11 @@ class PeerTable:
         with self._lock:
             return [p for p in self.peers.values() if p.compute and p.live]
 
+    def restore(self, peer: Peer) -> None:
+        """A skipped peer answered its health check: use it again now, not when its skip ends."""
+        with self._lock:
+            peer.skip_until = 0.0
+
     def penalise(self, peer: Peer, reason: str) -> None:
         with self._lock:
             self.errors[reason] += 1
@@ -135,6 +142,8 @@ class PeerSource:
         # called as transfer_observer(peer, nbytes, seconds) after each expert that came from a
         # peer: how remote execution measures each peer's bandwidth
         self.transfer_observer = None
+        self._stop = threading.Event()
+        self._prober: threading.Thread | None = None
 
     def stub(self, address: str) -> node_pb2_grpc.NodeStub:
         return self._stub(address)
@@ -241,6 +250,44 @@ class PeerSource:
             self.transfer_observer(peer, len(blob), time.perf_counter() - t0)
         return blob
 
+    def check_health(self) -> None:
+        """Ask every known peer's standard health service once: one that is not SERVING (or does
+        not answer in HEALTH_DEADLINE_S) is skipped, and a skipped one that is SERVING again is
+        used again at once. Generation never waits for this: it runs on its own thread."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with self.table._lock:
+            peers = list(self.table.peers.values())
+        for peer in peers:
+            with self._lock:
+                channel = self._channels.get(peer.address)
+                if channel is None:
+                    channel = self._channels[peer.address] = open_channel(peer.address, self.tls_ca)
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                   timeout=HEALTH_DEADLINE_S).status  # fmt: skip
+            except grpc.RpcError as e:
+                if peer.live:
+                    self.table.penalise(peer, f"health_{e.code().name.lower()}")
+                continue
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                if peer.live:
+                    self.table.penalise(peer, "not_serving")
+            elif not peer.live:
+                self.table.restore(peer)
+
+    def start_health_checks(self, every_s: float = HEALTH_EVERY_S) -> None:
+        """Check every peer's health every `every_s` seconds until `close`."""
+        def loop() -> None:
+            while not self._stop.wait(every_s):
+                try:
+                    self.check_health()
+                except Exception:  # noqa: BLE001 - a prober must never die of one bad round
+                    logger.exception("peer health check failed")
+
+        self._prober = threading.Thread(target=loop, name="peer-health", daemon=True)
+        self._prober.start()
+
     def discard(self, loc: ExpertLocation) -> None:
         """The store found these bytes disagree with the digest it recorded: the peer lied."""
         peer = self._last_server.pop((loc.layer, loc.expert), None)
@@ -248,6 +295,9 @@ class PeerSource:
             self.table.penalise(peer, "bad_bytes")
 
     def close(self) -> None:
+        self._stop.set()
+        if self._prober is not None:
+            self._prober.join(HEALTH_DEADLINE_S + 1)
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
@@ -270,6 +320,7 @@ def attach_peers(sm, addresses: list[str], secret: str, node_id: str, tls_ca: by
             raise EndpointUnreachableError(f"peer {address} did not answer Info ({e.code().name.lower()}): "
                                            "is it running, and is the household secret the same?") from None  # fmt: skip
     source = PeerSource(sm.index, table, secret, tls_ca=tls_ca)
+    source.start_health_checks()
     hub_at = next(i for i, s in enumerate(sm.store.sources) if s.name == "hub")
     sm.store.sources.insert(hub_at, source)
     # idle-link fill keeps to the experts this node owns: the household holds each expert once

@@ -172,3 +172,28 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+def test_peers_follow_grpc_health(hub: HubServer, tmp_path: Path) -> None:
+    """A peer whose health service says NOT_SERVING (or that stops answering) is skipped; one that
+    is SERVING again is used at once, not after its skip runs out."""
+    from grpc_health.v1 import health_pb2
+
+    owner, running = _node(tmp_path / "owner")
+    client, source = _client(tmp_path / "client", running.port)
+    try:
+        peer = next(iter(source.table.peers.values()))
+        source.check_health()
+        assert peer.live
+        running.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        source.check_health()
+        assert not peer.live and source.table.errors["not_serving"] == 1
+        running.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        source.check_health()
+        assert peer.live
+        running.stop(0)
+        source.check_health()
+        assert not peer.live and source.table.errors["health_unavailable"] == 1
+    finally:
+        client.close()
+        owner.close()
