@@ -23,6 +23,7 @@ from node.errors import DownloadError
 from node.expert_codec import ExpertCodec, ExpertWeights
 from node.expert_digests import DigestBook
 from node.expert_index import ExpertIndex, ExpertLocation
+from node.fetch_priority import DEMAND, FILL, PREFETCH, fetching_as
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ PREFETCH_OUTCOMES = ("issued", "used", "wasted", "ready", "filled")
 # peer was asked for that were fetched and computed here instead, by why
 REMOTE_COUNTS = ("calls", "sent_bytes", "received_bytes", "fallback_error", "fallback_deadline",
                  "fallback_bad_output", "fallback_missing")  # fmt: skip
-DEMAND, PREFETCH = 0, 1  # queue priorities: a guess never goes before a demanded expert
+# queue priorities (node/fetch_priority.py): a guess never goes before a demand, a fill after both
 DEFAULT_FETCH_CONCURRENCY = 8
 CLOSE_TIMEOUT_S = 10.0
 INTEGRITY_RETRIES = 2  # refetches from a remote source whose bytes failed their sha256 check
@@ -363,7 +364,8 @@ class ExpertStore:
                 fut = self._inflight[key]
                 self._running_demands += priority == DEMAND
             try:
-                fetched = self._fetch(key)
+                with fetching_as(priority):
+                    fetched = self._fetch(key)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 fetched, error = None, e
             else:
@@ -427,7 +429,8 @@ class ExpertStore:
                 time.sleep(0.002)  # the link is busy with demands: look again shortly
                 continue
             try:
-                fetched, error = self._fetch(key), None
+                with fetching_as(FILL):
+                    fetched, error = self._fetch(key), None
             except BaseException as e:  # noqa: BLE001 - handed to a demand that joined, if any
                 fetched, error = None, e
                 logger.debug("filling expert %s failed: %s", key, e)

@@ -4,15 +4,16 @@ An expert is split into a few pieces fetched on separate connections of one shar
 link gives each connection a fraction of its bandwidth (12.5 of 100 MB/s is typical), so a
 layer needing fewer experts than there are connections would otherwise leave most of the link
 idle; pieces keep every connection busy. Pieces are not made smaller than `min_piece_bytes`,
-since each request pays the time to first byte.
+since each request pays the time to first byte. Queued pieces are taken demands first, then
+guesses, then idle-link fills (node/fetch_priority.py).
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from node.errors import DownloadError
+from node.fetch_priority import PriorityPool
 from node.expert_index import ByteRange, ExpertIndex, ExpertLocation
 
 DEFAULT_CONNECTIONS = 8
@@ -48,7 +49,8 @@ class HubSource:
         self.reader = reader or RangeReader()
         self.pieces_per_expert = pieces_per_expert
         self.min_piece_bytes = min_piece_bytes
-        self._pool = ThreadPoolExecutor(max_workers=max(1, connections), thread_name_prefix="hub-range")
+        self._pool = PriorityPool(connections, "hub-range")  # demands' pieces before guesses' and fills'
+
         self._lock = threading.Lock()
 
     def _read(self, r: ByteRange) -> bytes:
@@ -70,4 +72,4 @@ class HubSource:
                                 "what was fetched is cached, so running again continues") from None  # fmt: skip
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown()

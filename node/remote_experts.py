@@ -206,6 +206,9 @@ class RemoteExperts:
                 fetch = (source.node_id, hub_first + link.transfer_s(loc.nbytes))
             else:
                 fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes) / lanes)
+            if row_bytes[e] > self.config.max_call_bytes:  # rows too big for one call (a huge prefill): run here
+                todo.append((fetch[1], e, loc.nbytes, fetch, []))
+                continue
             options = [(p.node_id, False) for p in holders]
             if owner is not None and owner.compute and owner.live and owner not in holders:
                 options.append((owner.node_id, True))  # the owner fetches it from the Hub, keeps it, computes it

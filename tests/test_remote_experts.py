@@ -240,6 +240,8 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
         plan = remote.plan(layer, experts, rows)
         assert experts[0] not in plan.remote
         assert all(plan.remote.get(e) is peer for e in experts[1:])
+        # rows past one call's size limit (a huge prefill) are not sent anywhere
+        assert not remote.plan(layer, experts, dict.fromkeys(experts, remote.config.max_call_bytes + 1)).remote
         link.service_s = 1.0
         assert not remote.plan(layer, experts, rows).remote
     finally:

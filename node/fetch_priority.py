@@ -1,0 +1,67 @@
+"""Which kind of fetch the calling thread is doing, so a shared connection pool serves demands first.
+
+The store's threads say what they fetch — a demanded expert, a guess, an idle-link fill — and the
+Hub tier's pool of connections takes queued pieces in that order. Without it the pool is first in,
+first out, and a demand that arrives after a burst of fills waits behind every fill piece queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import contextmanager
+
+DEMAND, PREFETCH, FILL = 0, 1, 2
+_local = threading.local()
+
+
+def current() -> int:
+    return getattr(_local, "priority", DEMAND)
+
+
+@contextmanager
+def fetching_as(priority: int):
+    """Fetches made by this thread inside the block are queued with `priority`."""
+    before = current()
+    _local.priority = priority
+    try:
+        yield
+    finally:
+        _local.priority = before
+
+
+class PriorityPool:
+    """A fixed set of threads running submitted calls, lowest priority number first, FIFO within one."""
+
+    def __init__(self, workers: int, name: str):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, workers))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable, *args, priority: int | None = None) -> Future:
+        fut: Future = Future()
+        self._queue.put((current() if priority is None else priority, next(self._seq), fn, args, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            _, _, fn, args, fut = self._queue.get()
+            if fn is None:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put((-1, -1, None, (), None))
+        for t in self._threads:
+            t.join(5.0)
