@@ -246,3 +246,24 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
         assert not remote.plan(layer, experts, rows).remote
     finally:
         pair.source.transfer_observer = observer
+
+
+def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Path, monkeypatch) -> None:
+    """The CLI's wiring: `--peer` attaches remote execution (a compute peer was described as one);
+    `--remote-compute off` leaves every expert to be fetched."""
+    from node.cli import _open_model, build_parser
+
+    pair = pairs("kimi_k3")
+    monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
+    monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
+    pull(pair.me.repo_id, home=tmp_path, progress=False)
+    for flag, bound in (("auto", True), ("off", False)):
+        args = build_parser().parse_args(["run", pair.me.repo_id, "hello", "--peer", f"127.0.0.1:{pair.running.port}",
+                                          "--remote-compute", flag])  # fmt: skip
+        sm = _open_model(args)
+        try:
+            peer = next(s for s in sm.store.sources if s.name == "peer").table.peers
+            assert all(p.compute for p in peer.values())  # Info said so
+            assert all((b._remote is not None) == bound for b in streaming_blocks(sm.model)), flag
+        finally:
+            sm.close()
