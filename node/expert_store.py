@@ -440,9 +440,14 @@ class ExpertStore:
                 self._fill_reserved -= self.index.expert(*key).nbytes
             if error is not None:
                 fut.set_exception(error)
-            else:
-                self.stats.record_prefetch("filled")
-                fut.set_result(fetched)
+                continue
+            fut.set_result(fetched)
+            if fetched.source != "disk" and not all(key in sink for sink in self.sinks):
+                with self._lock:  # the disk did not keep it (a full file system): more fills would be wasted
+                    self._fill_next = len(self._fill_order)
+                logger.warning("the disk cache did not keep a filled expert; idle-link fill stops")
+                return
+            self.stats.record_prefetch("filled")
 
     def _fetch(self, key: ExpertKey) -> _Fetched:
         loc = self.index.expert(*key)

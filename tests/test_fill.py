@@ -69,3 +69,32 @@ def test_fill_takes_free_budget_only(hub: HubServer, tmp_path: Path) -> None:
         assert hub.stats()["bytes_served"] - before <= SPARE * expert_bytes
     finally:
         sm.close()
+
+
+def test_fill_stops_when_the_file_system_is_full(hub: HubServer, tiny_repos, tmp_path: Path, monkeypatch) -> None:
+    """Writes failing with ENOSPC: the generation still gives mlx-lm's tokens, and the fill stops
+    at once instead of downloading the model for nothing."""
+    import errno
+
+    from node import disk_cache
+
+    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
+    expected = [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"]
+    pull(REPO_ID, home=tmp_path, progress=False)
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_cache.os, "replace", full)
+    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True))
+    try:
+        before = hub.stats()["bytes_served"]
+        assert _generate(sm) == expected
+        time.sleep(0.5)  # fills still running would fetch more here
+        stats = sm.store.stats.snapshot()
+        assert len(sm.disk) == 0 and stats.prefetch["filled"] == 0
+        expert_bytes = max(loc.nbytes for loc in sm.index.experts.values())
+        wasted = hub.stats()["bytes_served"] - before - stats.bytes["hub"]
+        assert wasted <= sm.store._concurrency * expert_bytes  # at most the fills that were in flight
+    finally:
+        sm.close()
