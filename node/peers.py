@@ -253,7 +253,8 @@ class PeerSource:
     def check_health(self) -> None:
         """Ask every known peer's standard health service once: one that is not SERVING (or does
         not answer in HEALTH_DEADLINE_S) is skipped, and a skipped one that is SERVING again is
-        used again at once. Generation never waits for this: it runs on its own thread."""
+        used again at once; a compute peer's inventory is refreshed here when stale, so remote
+        execution's placement reads it without a call. Generation never waits for this."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         with self.table._lock:
@@ -273,8 +274,11 @@ class PeerSource:
             if status != health_pb2.HealthCheckResponse.SERVING:
                 if peer.live:
                     self.table.penalise(peer, "not_serving")
-            elif not peer.live:
+                continue
+            if not peer.live:
                 self.table.restore(peer)
+            if peer.compute:
+                self.inventory(peer)  # asked again when stale, here rather than in a generation's layer
 
     def start_health_checks(self, every_s: float = HEALTH_EVERY_S) -> None:
         """Check every peer's health every `every_s` seconds until `close`."""

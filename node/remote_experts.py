@@ -89,6 +89,7 @@ class LinkEstimate:
             self.measured_bandwidth = _ewma(self.measured_bandwidth, nbytes / transfer)
 
     def observe_call(self, wall_s: float, server_s: float, n_experts: int, queued: int) -> None:
+        server_s = min(max(0.0, server_s), wall_s)  # the peer's own figure: never trusted beyond what we saw
         per_expert = server_s / max(1, n_experts)
         self.service_s = _ewma(self.service_s, per_expert)
         self.call_s = _ewma(self.call_s, max(0.0, wall_s - server_s))
@@ -154,9 +155,8 @@ class RemoteExperts:
                 link.pinged_at = time.monotonic()  # the call itself will find out
         return link
 
-    def _fetch_latency_s(self, source: str, nbytes: int) -> float:
-        """Seconds one fetch from `source` takes here: measured by the store, else a prior."""
-        stats = self.store.stats.snapshot()
+    def _fetch_latency_s(self, source: str, nbytes: int, stats) -> float:
+        """Seconds one fetch from `source` takes here: measured by the store (`stats`), else a prior."""
         if stats.uses[source] >= 4 and stats.bytes[source] > 0:
             return stats.fetch_seconds[source] / stats.uses[source]
         if source == "disk":
@@ -182,11 +182,13 @@ class RemoteExperts:
         if not computers or not self.config.enabled:
             return placement
         index = self.store.index
-        held = {p.node_id: self.peers.inventory(p) or set() for p in computers}
+        # what each peer holds: as last known (the health checks keep it fresh), asked now only the first time
+        held = {p.node_id: self.peers.known_inventory(p) or self.peers.inventory(p) or set() for p in computers}
         by_id = {p.node_id: p for p in computers}
         links = {p.node_id: self._link(p) for p in computers}
         lanes = max(1, getattr(self.store, "_concurrency", 1))  # local fetches run side by side
         busy: dict[str, float] = {"here": 0.0, "hub": 0.0}
+        stats = self.store.stats.snapshot()
         called: set[str] = set()
         todo = []
         for e in experts:
@@ -197,15 +199,15 @@ class RemoteExperts:
             holders = [p for p in computers if key in held[p.node_id]]
             owner = self.peers.table.ranked(expert_key(index, layer, e))[0]
             if key in self.disk:
-                fetch = ("here", self._fetch_latency_s("disk", loc.nbytes) / lanes)
+                fetch = ("here", self._fetch_latency_s("disk", loc.nbytes, stats) / lanes)
             elif holders or owner is not None:
                 source = holders[0] if holders else owner
                 link = links.get(source.node_id) or self._link(source)
                 # an owner that lacks the expert fetches it from the Hub before sending it
-                hub_first = self._fetch_latency_s("hub", loc.nbytes) if not holders else 0.0
+                hub_first = self._fetch_latency_s("hub", loc.nbytes, stats) if not holders else 0.0
                 fetch = (source.node_id, hub_first + link.transfer_s(loc.nbytes))
             else:
-                fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes) / lanes)
+                fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes, stats) / lanes)
             if row_bytes[e] > self.config.max_call_bytes:  # rows too big for one call (a huge prefill): run here
                 todo.append((fetch[1], e, loc.nbytes, fetch, []))
                 continue
@@ -213,7 +215,7 @@ class RemoteExperts:
             if owner is not None and owner.compute and owner.live and owner not in holders:
                 options.append((owner.node_id, True))  # the owner fetches it from the Hub, keeps it, computes it
             todo.append((fetch[1], e, loc.nbytes, fetch, options))
-        disk_prior = self._fetch_latency_s("disk", index.expert(layer, experts[0]).nbytes) if experts else 0.0
+        disk_prior = self._fetch_latency_s("disk", index.expert(layer, experts[0]).nbytes, stats) if experts else 0.0
         for cost, e, nbytes, (where, _), options in sorted(todo, key=lambda t: -t[0]):
             best, best_end, remote = where, busy.get(where, 0.0) + cost, None
             for node_id, fetches in options:
@@ -221,7 +223,7 @@ class RemoteExperts:
                 start = busy.get(node_id, 0.0) + (0.0 if node_id in called else link.call_start_s(2 * row_bytes[e]))
                 end = start + (link.service_s if link.service_s is not None else disk_prior)
                 if fetches:
-                    end += self._fetch_latency_s("hub", nbytes)
+                    end += self._fetch_latency_s("hub", nbytes, stats)
                 if end < best_end:
                     best, best_end, remote = node_id, end, (node_id, fetches)
             busy[best] = best_end
