@@ -51,9 +51,10 @@ class LinkSettings:
     expert_bytes: int
 
     @classmethod
-    def scaled(cls, expert_bytes: int, time_scale: float) -> "LinkSettings":
-        """K3's home link, with bytes scaled to this model's expert and time sped up by `time_scale`."""
-        b = expert_bytes / K3_EXPERT_BYTES
+    def scaled(cls, expert_bytes: int, time_scale: float, stands_for: float = K3_EXPERT_BYTES) -> "LinkSettings":
+        """K3's home link, with bytes scaled so that this model's expert crosses it as an expert of
+        `stands_for` bytes (K3's by default) would, and time sped up by `time_scale`."""
+        b = expert_bytes / stands_for
         return cls(K3_LINK["bandwidth"] * b / time_scale, K3_LINK["per_connection"] * b / time_scale,
                    K3_LINK["ttfb_s"] * time_scale, K3_LINK["connection_s"] * time_scale, time_scale,
                    expert_bytes)  # fmt: skip

@@ -188,6 +188,13 @@ def coalesce(spans: Iterable[tuple[str, int, int]], gap_bytes: int = 0) -> list[
     return out
 
 
+def run_ranges(locs: list[ExpertLocation]) -> list[ByteRange] | None:
+    """The ranges of several experts merged, if they merge into no more ranges than one expert has
+    (its tensors are laid out expert after expert); None otherwise, when a run would save nothing."""
+    merged = coalesce((r.file, r.start, r.end) for loc in locs for r in loc.ranges)
+    return merged if len(merged) <= len(locs[0].ranges) else None
+
+
 def classify(name: str) -> tuple[str, int, int | None] | None:
     """`("expert", layer, expert)`, `("stacked", layer, None)`, or None for a core tensor."""
     if m := _PER_EXPERT_RE.match(name):

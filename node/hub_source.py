@@ -6,6 +6,11 @@ layer needing fewer experts than there are connections would otherwise leave mos
 idle; pieces keep every connection busy. Pieces are not made smaller than `min_piece_bytes`,
 since each request pays the time to first byte. Queued pieces are taken demands first, then
 guesses, then idle-link fills (node/fetch_priority.py).
+
+Idle-link fill asks for runs of experts that lie back to back in a shard as one request
+(`fetch_run`): each request pays its time to first byte once, which is what a small expert's
+transfer is mostly made of. A run stops growing at `run_bytes`, the size of a request that
+already fills every piece, so K3's 17.5 MB experts are never run together.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import threading
 
 from node.errors import DownloadError
 from node.fetch_priority import PriorityPool
-from node.expert_index import ByteRange, ExpertIndex, ExpertLocation
+from node.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 
 DEFAULT_CONNECTIONS = 8
 DEFAULT_PIECES_PER_EXPERT = 4
@@ -71,5 +76,41 @@ class HubSource:
             raise DownloadError(f"expert {loc.expert} of layer {loc.layer} from the Hub at {self.reader.endpoint}: {e}; "
                                 "what was fetched is cached, so running again continues") from None  # fmt: skip
 
+    @property
+    def run_bytes(self) -> int:
+        """The largest run worth one request: beyond it, pieces on separate connections pay more."""
+        return self.pieces_per_expert * self.min_piece_bytes
+
+    def fetch_run(self, locs: list[ExpertLocation]) -> list[bytes]:
+        """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges."""
+        merged = run_ranges(locs)
+        if merged is None:
+            raise ValueError("fetch_run needs experts whose byte ranges lie back to back")
+        pieces = split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes)
+        try:
+            if len(pieces) == 1:
+                parts = [self._read(pieces[0])]
+            else:
+                parts = [f.result() for f in [self._pool.submit(self._read, p) for p in pieces]]
+        except DownloadError as e:
+            first, last = locs[0], locs[-1]
+            raise DownloadError(f"experts {first.expert}-{last.expert} of layer {first.layer} from the Hub at "
+                                f"{self.reader.endpoint}: {e}") from None  # fmt: skip
+        data = {}  # merged range -> its bytes (split_ranges keeps a range's pieces in order)
+        for m in merged:
+            chunk = []
+            while parts and sum(len(c) for c in chunk) < m.nbytes:
+                chunk.append(parts.pop(0))
+            data[m] = b"".join(chunk)
+        out = []
+        for loc in locs:
+            blob = []
+            for r in loc.ranges:
+                m = next(m for m in merged if m.file == r.file and m.start <= r.start and r.end <= m.end)
+                blob.append(data[m][r.start - m.start : r.end - m.start])
+            out.append(b"".join(blob))
+        return out
+
     def close(self) -> None:
         self._pool.shutdown()
+

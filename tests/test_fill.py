@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx_lm
 
+from node.expert_index import run_ranges
 from node.generation import Generator, SamplingSettings
 from node.hub_server import HubServer
 from node.pull import pull
@@ -39,7 +40,7 @@ def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, t
     pull(REPO_ID, home=tmp_path, progress=False)
     sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True))
     try:
-        before = hub.stats()["bytes_served"]
+        before, requests = hub.stats()["bytes_served"], hub.stats()["requests"]
         assert _generate(sm) == expected
         n = len(sm.index.experts)
         assert _wait(lambda: len(sm.disk) == n), f"the fill left {n - len(sm.disk)} of {n} experts unfetched"
@@ -47,6 +48,26 @@ def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, t
         assert stats.uses["hub"] < n and stats.prefetch["filled"] >= n - stats.uses["hub"]  # fills did the rest
         all_bytes = sum(loc.nbytes for loc in sm.index.experts.values())
         assert hub.stats()["bytes_served"] - before == all_bytes  # every expert crossed the Hub exactly once
+        ranges = len(next(iter(sm.index.experts.values())).ranges)
+        assert hub.stats()["requests"] - requests < n * ranges  # fills of adjacent experts went as runs
+    finally:
+        sm.close()
+
+
+def test_a_run_of_adjacent_experts_is_one_request_per_range(hub: HubServer, tmp_path: Path) -> None:
+    pull(REPO_ID, home=tmp_path, progress=False)
+    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=False))
+    try:
+        source = next(s for s in sm.store.sources if s.name == "hub")
+        layer = min(k[0] for k in sm.index.experts)
+        run = [sm.index.expert(layer, e) for e in range(4)]
+        assert run_ranges([run[0], run[2]]) is None  # not back to back: no run
+        merged = run_ranges(run)
+        assert merged is not None and len(merged) == len(run[0].ranges)
+        one_by_one = [source.fetch(loc) for loc in run]
+        requests = hub.stats()["requests"]
+        assert source.fetch_run(run) == one_by_one
+        assert hub.stats()["requests"] - requests == len(merged)
     finally:
         sm.close()
 
