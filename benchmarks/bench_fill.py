@@ -31,9 +31,9 @@ from node.streamed_model import StoreConfig, open_model
 CONFIGS = {"off": (False, 1), "one": (True, 1), "runs": (True, expert_store.FILL_RUN_MAX)}  # fill, run
 
 
-def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tuple[float, float]]]:
+def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tuple[float, float, float, float]]]:
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-fill-"))
-    results: dict[str, list[tuple[float, float]]] = {}
+    results: dict[str, list[tuple[float, float, float, float]]] = {}
     run_max = expert_store.FILL_RUN_MAX
     try:
         repo = _bench_repo("demo", work / "hub")
@@ -51,12 +51,13 @@ def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tupl
                 cfg = StoreConfig(ram_budget=str(int(len(index.experts) * 0.25) * expert_bytes + expert_bytes // 2),
                                   fill=fill, hub_min_piece_bytes=int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for))  # fmt: skip
                 sm = open_model(repo, home=home, store_config=cfg)
-                summaries = _run_prompts(sm, [tok.encode(p) for p in PROMPTS], tokens, lambda: hub.stats()["bytes_served"])
+                summaries = _run_prompts(sm, [tok.encode(p) for p in PROMPTS], tokens, hub.bytes_served)
                 rows = []
                 for s in summaries:
-                    decode = s.seconds - s.time_to_first_token_s
-                    rows.append((1000 * decode / max(1, s.generated_tokens - 1),
-                                 s.decode_link_bytes / link.bandwidth / decode if decode > 0 else 0.0))  # type: ignore[attr-defined]  # fmt: skip
+                    decode, fetching = s.seconds - s.time_to_first_token_s, s.decode_fetch_s  # type: ignore[attr-defined]
+                    moved = s.decode_link_bytes / link.bandwidth  # type: ignore[attr-defined]
+                    rows.append((1000 * decode / max(1, s.generated_tokens - 1), moved / decode if decode > 0 else 0.0,
+                                 moved / fetching if fetching > 0 else 0.0, s.seconds))  # fmt: skip
                 results[name] = rows
                 print(f"fill {name}: {sm.store.stats.prefetch['filled']} experts filled, "
                       f"{len(sm.disk)} of {len(index.experts)} on disk at the end")  # fmt: skip
@@ -75,10 +76,14 @@ def main() -> None:
                     help="the expert size the link is scaled to (default K3's)")
     args = ap.parse_args()
     results = run(args.tokens, args.stands_for_mb * 1e6)
-    print(f"{'prompt':<7}" + "".join(f" {name + ' ms/tok':>13} {name + ' link':>9}" for name in results))
+    print("ms/tok: decode; link: the link's use over decode / while anything was left to fetch; s: the whole prompt")
+    print(f"{'prompt':<7}" + "".join(f" {name + ' ms/tok':>13} {name + ' link':>14} {name + ' s':>7}" for name in results))
     for i, rows in enumerate(zip(*results.values())):
-        print(f"{i:<7}" + "".join(f" {ms:>13.1f} {link:>9.2f}" for ms, link in rows))
+        print(f"{i:<7}" + "".join(f" {ms:>13.1f} {link:>6.2f} / {busy:>5.2f} {wall:>7.2f}" for ms, link, busy, wall in rows))
     first = {name: rows[0][0] for name, rows in results.items()}
+    whole = {name: rows[0][3] for name, rows in results.items()}
+    print(f"first prompt, prefill and decode: {whole['off']:.2f} s without fill, {whole['one']:.2f} s one by one "
+          f"({whole['off'] / whole['one']:.2f}x), {whole['runs']:.2f} s in runs ({whole['off'] / whole['runs']:.2f}x)")
     print(f"first prompt: fill one by one decodes {first['off'] / first['one']:.2f}x faster than no fill, "
           f"fill in runs {first['off'] / first['runs']:.2f}x (and {first['one'] / first['runs']:.2f}x one by one)")
 

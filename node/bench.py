@@ -80,6 +80,9 @@ class ConfigResult:
     hub_bytes_per_token: float
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     link_utilisation: float | None = None  # hub bytes during decode / link bandwidth / decode wall time
+    # the same over the decode time while something was still fetched from the Hub (until the
+    # last token after which no more Hub bytes came)
+    link_utilisation_while_fetching: float | None = None
     ram_hit_rate: float | None = None
     # uses answered without waiting: RAM hits plus guesses that had arrived before their demand
     # (a prefetching store can pass Belady's optimum for a cache that only keeps what it was asked)
@@ -116,18 +119,21 @@ def _bench_repo(model: str, hub_dir: Path) -> str:
 
 def _run_prompts(sm, prompts: list[list[int]], tokens: int,
                  link_bytes: Callable[[], int] = lambda: 0) -> list[GenerationSummary]:  # fmt: skip
-    """Greedy generation of each prompt; each summary also gets `ids` and `decode_link_bytes`, the
-    bytes the link carried between the first token and the last (prefill's bytes belong to TTFT)."""
+    """Greedy generation of each prompt; each summary also gets `ids`, `decode_link_bytes`, the
+    bytes the link carried between the first token and the last (prefill's bytes belong to TTFT),
+    and `decode_fetch_s`, the decode time until the token after which the link carried nothing more
+    (a model fully fetched mid-prompt leaves the link idle for the rest: nothing is left to fetch)."""
     out = []
     for ids in prompts:
         summary = GenerationSummary()
-        ids_out, at_first = [], 0
+        ids_out, samples = [], []  # (time, link bytes) after each token
         for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary):
-            if not ids_out:
-                at_first = link_bytes()
             ids_out.append(t.id)
+            samples.append((time.perf_counter(), link_bytes()))
         summary.ids = ids_out  # type: ignore[attr-defined]
-        summary.decode_link_bytes = link_bytes() - at_first if ids_out else 0  # type: ignore[attr-defined]
+        summary.decode_link_bytes = samples[-1][1] - samples[0][1] if samples else 0  # type: ignore[attr-defined]
+        last = next((t for t, b in samples if samples and b == samples[-1][1]), 0.0)
+        summary.decode_fetch_s = last - samples[0][0] if summary.decode_link_bytes else 0.0  # type: ignore[attr-defined]
         out.append(summary)
     return out
 
@@ -144,6 +150,7 @@ def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link:
     total = sum(uses.values()) or 1
     decode_wall = sum(s.seconds - s.time_to_first_token_s for s in summaries)
     decode_bytes = sum(getattr(s, "decode_link_bytes", 0) for s in summaries)
+    fetching = sum(getattr(s, "decode_fetch_s", 0.0) for s in summaries)
     return ConfigResult(
         name=name,
         s_per_token=statistics.median(_decode_s_per_token(s) for s in summaries),
@@ -152,6 +159,7 @@ def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link:
         hub_bytes_per_token=hub_bytes / max(1, tokens),
         bytes_by_source={k: sum(s.experts.bytes[k] for s in summaries) for k in SOURCES},
         link_utilisation=decode_bytes / link.bandwidth / decode_wall if decode_wall > 0 else None,
+        link_utilisation_while_fetching=decode_bytes / link.bandwidth / fetching if fetching > 0 else None,
         ram_hit_rate=uses["ram"] / total,
         ready_hit_rate=(uses["ram"] + sum(s.experts.prefetch["ready"] for s in summaries)) / total,
         disk_hit_rate=uses["disk"] / total,
@@ -206,7 +214,7 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
                 progress(f"  {name} ...")
                 before = hub.stats()["bytes_served"]
                 t0 = time.perf_counter()
-                summaries = _run_prompts(sm, prompts, n_tokens, lambda: hub.stats()["bytes_served"])
+                summaries = _run_prompts(sm, prompts, n_tokens, hub.bytes_served)
                 hub_bytes = hub.stats()["bytes_served"] - before
                 sm.close()
                 belady = _belady(trace, ram_slots) if trace is not None else None
@@ -281,6 +289,10 @@ def print_table(doc: dict, out=print) -> None:
             out(f"{name}: RAM hits {c['ram_hit_rate'] / c['belady_ram_hit_rate']:.2f}x Belady's; uses answered "
                 f"without waiting {c['ready_hit_rate'] / c['belady_staged_hit_rate']:.2f}x Belady's with the same "
                 f"memory (budget + staged guesses)")  # fmt: skip
+    for c in doc["configs"]:
+        if c.get("link_utilisation_while_fetching"):
+            out(f"{c['name']}: link use {c['link_utilisation']:.2f} over decode, {c['link_utilisation_while_fetching']:.2f} "
+                "while anything was left to fetch")  # fmt: skip
     if "naive" in configs and "cold" in configs:
         out(f"cold is {configs['naive']['s_per_token'] / configs['cold']['s_per_token']:.1f}x faster than naive; "
             f"warm_ram is {configs['warm_ram']['s_per_token'] / base:.2f}x mlx_lm")  # fmt: skip

@@ -160,6 +160,10 @@ class HubServer:
     def stats(self) -> dict:
         return self.stats_.as_json()
 
+    def bytes_served(self) -> int:
+        """Bytes sent so far; cheap enough to ask after every token (`stats` copies every range)."""
+        return self.stats_.bytes_served
+
     def pick_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
         with self.fault_lock:
             for f in self.knobs.faults:
