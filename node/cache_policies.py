@@ -13,7 +13,7 @@ by replaying recorded traces (`expertmesh replay`), not by taste.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 Key = Hashable
@@ -193,6 +193,20 @@ def hit_rate(policy_name: str, accesses: Iterable[Key], slots: int) -> float:
         hits += policy.access(key)[0]
         total += 1
     return hits / total if total else 0.0
+
+
+def frequency_oracle_hit_rate(accesses: Sequence[Key], slots: int) -> float:
+    """The best a frequency-only policy could do: keep, from its first use on, each of the `slots`
+    experts the whole trace uses most (known in advance), and nothing else. An online frequency
+    policy near it has no more to gain from counting; the rest of the gap to Belady needs knowing
+    what comes next (prefetch). First uses miss, as in any cache, so it stays below Belady."""
+    top = {k for k, _ in Counter(accesses).most_common(max(0, slots))}
+    seen: set[Key] = set()
+    hits = 0
+    for k in accesses:
+        hits += k in top and k in seen
+        seen.add(k)
+    return hits / len(accesses) if accesses else 0.0
 
 
 def belady_hit_rate(accesses: Sequence[Key], slots: int) -> float:

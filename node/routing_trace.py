@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.cache_policies import POLICIES, belady_hit_rate, hit_rate
+from node.cache_policies import POLICIES, belady_hit_rate, frequency_oracle_hit_rate, hit_rate
 from node.expert_index import ExpertIndex
 
 logger = logging.getLogger(__name__)
@@ -87,10 +87,12 @@ def read_trace(path: Path) -> Trace:
 
 
 def replay(trace: Trace, slots: list[int], policies: list[str] | None = None) -> dict[str, dict[int, float]]:
-    """Hit rate of each policy, and of `belady`, at each budget in slots (experts held)."""
+    """Hit rate of each policy, of `freq_oracle` (the trace's most used experts held all along: the
+    ceiling of counting) and of `belady`, at each budget in slots (experts held)."""
     accesses = trace.accesses()
     out: dict[str, dict[int, float]] = {}
     for name in policies or list(POLICIES):
         out[name] = {n: hit_rate(name, accesses, n) for n in slots}
+    out["freq_oracle"] = {n: frequency_oracle_hit_rate(accesses, n) for n in slots}
     out["belady"] = {n: belady_hit_rate(accesses, n) for n in slots}
     return out

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from node.cache_policies import POLICIES, belady_hit_rate, hit_rate, make_policy
+from node.cache_policies import POLICIES, belady_hit_rate, frequency_oracle_hit_rate, hit_rate, make_policy
 from node.expert_store import RamCache
 
 
@@ -47,6 +47,14 @@ def test_frequency_survives_a_scan_that_flushes_lru() -> None:
     assert hit_rate("lfu", accesses, 10) >= 0.95 * best
     assert hit_rate("arc", accesses, 10) >= 0.95 * best
     assert hit_rate("lru", accesses, 10) < 0.75 * best  # each scan flushed the hot set
+
+
+def test_the_frequency_oracle_holds_the_most_used_and_stays_below_belady() -> None:
+    accesses = [1, 2, 1, 3, 1, 2, 4, 5]  # 1 used 3 times, 2 twice
+    assert frequency_oracle_hit_rate(accesses, 2) == 3 / 8  # {1, 2} kept from their first use
+    for slots in (4, 16, 64):
+        skewed = _skewed(4000, seed=slots)
+        assert frequency_oracle_hit_rate(skewed, slots) <= belady_hit_rate(skewed, slots) + 1e-12
 
 
 def test_zero_slots_hold_nothing() -> None:

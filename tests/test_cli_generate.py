@@ -147,6 +147,6 @@ def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, home: Pat
     assert out.returncode == 0, out.stderr
     assert "11 passes" in out.stdout  # the prompt but its last token, then 10 single-token passes
     rows = {ln.split()[0]: [float(x) for x in ln.split()[1:]] for ln in out.stdout.splitlines()[2:]}
-    assert set(rows) == {"lru", "lfu", "arc", "belady"}
+    assert set(rows) == {"lru", "lfu", "arc", "freq_oracle", "belady"}
     assert all(0 <= v <= rows["belady"][i] + 1e-9 for name, vals in rows.items() for i, v in enumerate(vals))
     assert _run(["replay", str(tmp_path / "missing.jsonl")], _env(home)).stderr.startswith("error:")
