@@ -15,6 +15,7 @@ from node.errors import ExpertmeshError
 from node.sizes import format_size
 
 DEMO_REPO = constants.DEMO_REPO
+DEMO_DRAFT_REPO = constants.DEMO_DRAFT_REPO
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -179,13 +180,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from node.hub_server import HubServer
     from node.pull import pull
     from node.streamed_model import open_model
-    from node.tiny.demo_model import make_demo_model
+    from node.tiny.demo_model import make_demo_model, make_draft_model
 
     hub_dir = constants.expertmesh_home() / "demo" / "hub"
     repo_dir = hub_dir / DEMO_REPO
     if not (repo_dir / "config.json").is_file():
         print(f"making the demo model {DEMO_REPO} (a tiny Kimi K3 trained on Python's docstrings) in {repo_dir}")
         make_demo_model(repo_dir)
+    draft_dir = hub_dir / DEMO_DRAFT_REPO  # its draft model, for --speculate draft here and with `run`
+    if not (draft_dir / "config.json").is_file():
+        make_draft_model(draft_dir)
+    if args.draft is None:
+        args.draft = str(draft_dir)  # the folder: no second download from the Hub it serves
     with HubServer(hub_dir, host="127.0.0.1", port=0) as hub, hub_client.using_endpoint(hub.url):
         print(f"1. serving it with a local Hub at {hub.url}")
         print("2. pulling the core (never the experts)")
@@ -680,7 +686,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_arguments(p)
     _add_sampling_arguments(p, max_tokens=48)
-    p.set_defaults(func=_cmd_demo, temp=0.5, seed=0)  # a tiny model loops when greedy; seeded, it stays repeatable
+    _add_speculation_arguments(p)  # --speculate draft uses the demo's draft model unless --draft says otherwise
+    p.set_defaults(func=_cmd_demo, temp=0.5, seed=0, speculate="off")  # a tiny model loops when greedy; seeded, it stays repeatable
     return parser
 
 

@@ -51,6 +51,8 @@ MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 
 # The built-in demo model (node/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
 DEMO_REPO = "expertmesh/demo-kimi-k3"
+# Its draft model for `--speculate draft` (node/tiny/draft/), published next to it.
+DEMO_DRAFT_REPO = "expertmesh/demo-kimi-k3-draft"
 
 
 def household_secret() -> str | None:

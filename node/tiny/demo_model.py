@@ -6,7 +6,8 @@ English docstrings of Python's standard library, so it writes text and, with no 
 routes with the skew of a real model: some experts are hot, many are cold. Its weights, tokenizer
 and provenance are committed in `node/tiny/demo/`; `make_demo_model` turns them into a Hub repo
 with the same tensor names, mxfp4 routed experts and shards as the fixture, byte for byte the
-same every time.
+same every time. Its draft model for speculative decoding (a tiny dense Llama distilled from it,
+`draft/`) is published next to it by `make_draft_model`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ HELDOUT_FILE = "heldout.txt"  # validation docstrings, never trained on, separat
 VOCAB_SIZE = 1024
 SEQ_LEN = 128  # the training sequence length
 REPO_ID = constants.DEMO_REPO
+# The demo's draft model for `--speculate draft`: a tiny dense mlx-lm Llama distilled from it
+# (scripts/train_draft_model.py; see draft/PROVENANCE.md), committed as the folder mlx-lm loads.
+DRAFT_DIR = Path(__file__).with_name("draft")
+DRAFT_REPO_ID = constants.DEMO_DRAFT_REPO
 
 
 def config() -> dict:
@@ -77,12 +82,20 @@ def make_demo_model(out: Path) -> Path:
     Built in a sibling folder and moved into place, so an interrupted run never leaves a
     half-written model that looks complete.
     """
-    out = Path(out)
+    return _publish(Path(out), lambda staging: write_repo(staging, load_params()))
+
+
+def make_draft_model(out: Path) -> Path:
+    """Write the demo's draft model's repo (the committed `draft/` folder) into `out`, as `make_demo_model`."""
+    return _publish(Path(out), lambda staging: shutil.copytree(DRAFT_DIR, staging, dirs_exist_ok=True))
+
+
+def _publish(out: Path, write) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    write_repo(staging, load_params())
+    write(staging)
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
     return out
