@@ -16,8 +16,9 @@ from typing import TextIO
 from node.generation import GenerationSummary, Token
 
 
-def stream_text(tokens: Iterator[Token], summary: GenerationSummary, out: TextIO = sys.stdout) -> str:
+def stream_text(tokens: Iterator[Token], summary: GenerationSummary, out: TextIO | None = None) -> str:
     """Print each token's text as soon as it is made; returns the whole text."""
+    out = out or sys.stdout  # looked up now, like print_summary's stderr
     parts = []
     try:
         for tok in tokens:
@@ -34,7 +35,8 @@ def stream_text(tokens: Iterator[Token], summary: GenerationSummary, out: TextIO
     return "".join(parts)
 
 
-def print_summary(summary: GenerationSummary, out: TextIO = sys.stderr) -> None:
+def print_summary(summary: GenerationSummary, out: TextIO | None = None) -> None:
+    out = out or sys.stderr  # looked up now: a redirected stderr (a test's, a wrapper's) gets the summary
     for line in summary.lines():
         print(f"  {line}", file=out)
     out.flush()
