@@ -30,7 +30,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 from node.errors import ExpertmeshError
-from node.link_emulation import TokenBucket
+from node.link_emulation import TokenBucket, take_together
 from node.sizes import parse_size
 
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".npz")
@@ -440,8 +440,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             while sent < limit:
                 chunk = body[sent : min(limit, sent + _CHUNK)]
-                self.hub.link.take(len(chunk), knobs.bandwidth_bytes_per_s)
-                self.bucket.take(len(chunk), knobs.per_connection_bytes_per_s)
+                take_together(len(chunk), (self.hub.link, knobs.bandwidth_bytes_per_s),
+                              (self.bucket, knobs.per_connection_bytes_per_s))  # fmt: skip
                 self.wfile.write(chunk)
                 sent += len(chunk)
         finally:

@@ -27,6 +27,31 @@ class TokenBucket:
         time.sleep(max(0.0, wait))
 
 
+def take_together(nbytes: int, *limits: tuple[TokenBucket, float]) -> None:
+    """Send `nbytes` under several limits at once, e.g. the shared link's and one connection's.
+
+    The bytes start when every bucket is free and last as long as the slowest rate makes them;
+    each bucket is busy for its own rate's share. Taking the buckets one after another instead
+    would charge a connection the link's time on top of its own, so 8 connections of an eighth
+    of the link each could never fill it (measured: 0.79 of the link at most).
+    """
+    limits = tuple((b, r) for b, r in limits if r > 0)
+    if not limits:
+        return
+    for bucket, _ in limits:  # always in the caller's order (the link's, then a connection's)
+        bucket._lock.acquire()
+    try:
+        now = time.monotonic()
+        start = max(now, *(bucket._next_free for bucket, _ in limits))
+        for bucket, rate in limits:
+            bucket._next_free = start + nbytes / rate
+        wait = start + max(nbytes / rate for _, rate in limits) - now
+    finally:
+        for bucket, _ in reversed(limits):
+            bucket._lock.release()
+    time.sleep(max(0.0, wait))
+
+
 @dataclass
 class LanEmulation:
     """A node's LAN port: `bandwidth` bytes/s each way, `rtt_s` per call.

@@ -14,6 +14,7 @@ from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
 from huggingface_hub import errors as hf_errors
 
 from node.hub_server import Fault, HubServer
+from node.link_emulation import TokenBucket, take_together
 
 REPO = "expertmesh/tiny-kimi_k3"
 
@@ -93,6 +94,18 @@ def test_bandwidth_is_a_lower_bound(hub: HubServer) -> None:
     finally:
         hub.knobs.bandwidth_bytes_per_s = 0
     assert elapsed >= 0.8 * len(r.content) / 500_000
+
+
+def test_a_connection_pays_its_own_rate_not_the_link_on_top() -> None:
+    """Eight connections of an eighth of the link each fill it: a chunk holds the link for its
+    share only (bookkeeping, no clock: both buckets start from the same instant)."""
+    link, conn = TokenBucket(), TokenBucket()
+    take_together(8, (link, 8e6), (conn, 1e6))  # 8 bytes: 1 µs of the link, 8 µs of the connection
+    assert conn._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6)
+    other = TokenBucket()
+    take_together(8, (link, 8e6), (other, 1e6))  # a second connection starts when the link is free
+    assert other._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6)
+    assert other._next_free < conn._next_free + 8 / 8e6 + 1e-3  # not after the first connection's end
 
 
 def test_cli_serves_and_stops(hub_root: Path) -> None:
