@@ -98,13 +98,15 @@ def test_bandwidth_is_a_lower_bound(hub: HubServer) -> None:
 
 def test_a_connection_pays_its_own_rate_not_the_link_on_top() -> None:
     """Eight connections of an eighth of the link each fill it: a chunk holds the link for its
-    share only (bookkeeping, no clock: both buckets start from the same instant)."""
+    share only (bookkeeping, no clock: both buckets start from the same instant). The instants
+    are monotonic-clock readings, so a difference of microseconds is exact only to about 1e-11 s:
+    the tolerance is absolute, far below the 1 µs that serial buckets would add."""
     link, conn = TokenBucket(), TokenBucket()
     take_together(8, (link, 8e6), (conn, 1e6))  # 8 bytes: 1 µs of the link, 8 µs of the connection
-    assert conn._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6)
+    assert conn._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6, abs=1e-9)
     other = TokenBucket()
     take_together(8, (link, 8e6), (other, 1e6))  # a second connection starts when the link is free
-    assert other._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6)
+    assert other._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6, abs=1e-9)
     assert other._next_free < conn._next_free + 8 / 8e6 + 1e-3  # not after the first connection's end
 
 
