@@ -5,8 +5,12 @@ expert's upstream bytes (its ranges concatenated). A file is written under a tem
 renamed into place, so a crash leaves either the whole expert or debris that start-up deletes;
 a file whose size is not the expert's size, or that has no recorded sha256, is never served (the
 store checks the digest of every file it reads). Least recently used files go first when the
-budget is reached. Reads are positional reads into a preallocated buffer (`os.preadv`), which
-release the interpreter lock, so the fetch threads read in parallel.
+budget is reached. An expert's bytes are counted against the budget from the moment its write is
+reserved, and its file is renamed into place under the same lock that evicts: a write whose
+reservation was evicted meanwhile drops its temporary file instead of publishing an expert the
+accounting no longer holds, so the published files never exceed the budget. Reads are positional
+reads into a preallocated buffer (`os.preadv`), which release the interpreter lock, so the fetch
+threads read in parallel.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class DiskCache:
         self.digests = digests
         self.budget_bytes = budget_bytes
         self._files: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> size, LRU first
+        self._writing: set[tuple[int, int]] = set()  # reserved in _files, file not yet in place
         self._lock = threading.Lock()
         self.nbytes = 0
         self.evictions = 0
@@ -81,7 +86,7 @@ class DiskCache:
         return len(self._files)
 
     def __contains__(self, key: tuple[int, int]) -> bool:
-        return key in self._files
+        return key in self._files and key not in self._writing
 
     def has_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget without evicting anything (warming never evicts)."""
@@ -91,7 +96,7 @@ class DiskCache:
     def fetch(self, loc: ExpertLocation) -> bytearray | None:
         key = (loc.layer, loc.expert)
         with self._lock:
-            if key not in self._files:
+            if key not in self._files or key in self._writing:
                 return None
             self._files.move_to_end(key)
         blob = bytearray(loc.nbytes)
@@ -120,8 +125,10 @@ class DiskCache:
                 old, old_size = self._files.popitem(last=False)
                 self.nbytes -= old_size
                 self.evictions += 1
+                self._writing.discard(old)  # its writer sees the reservation gone and drops its file
                 self._path(*old).unlink(missing_ok=True)
             self._files[key] = size  # reserved now, so a concurrent put does not overshoot
+            self._writing.add(key)
             self.nbytes += size
         path = self._path(*key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
@@ -129,7 +136,12 @@ class DiskCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(blob)
-            os.replace(tmp, path)
+            with self._lock:  # a rename is cheap; under the lock it cannot race an eviction
+                if key in self._writing:
+                    os.replace(tmp, path)
+                    self._writing.discard(key)
+                    return
+            tmp.unlink(missing_ok=True)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             self._forget(key)
@@ -142,7 +154,8 @@ class DiskCache:
             size = self._files.pop(key, None)
             if size is not None:
                 self.nbytes -= size
-        self._path(*key).unlink(missing_ok=True)
+            self._writing.discard(key)
+            self._path(*key).unlink(missing_ok=True)
 
 
 def _pread_into(path: Path, buf: bytearray) -> int:

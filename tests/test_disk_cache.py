@@ -1,0 +1,70 @@
+"""The disk tier's budget holds for the files on disk, not only for its own accounting, when
+writes and evictions overlap (the fetch threads write concurrently)."""
+
+from __future__ import annotations
+
+import builtins
+from pathlib import Path
+
+import pytest
+
+from node import disk_cache
+from node.disk_cache import TMP_SUFFIX, DiskCache
+from node.expert_digests import DigestBook, sha256
+from node.expert_index import ExpertIndex, ExpertLocation, TensorSlice
+
+SIZE = 64
+
+
+def _cache(root: Path, count: int, budget_experts: int) -> tuple[DiskCache, dict, dict]:
+    locs = {(1, e): ExpertLocation(1, e, [TensorSlice(f"e{e}", "U8", (SIZE,), "f.safetensors",
+                                                      e * SIZE, (e + 1) * SIZE)])
+            for e in range(count)}  # fmt: skip
+    index = ExpertIndex("test/disk", "0" * 40, {"f.safetensors": SIZE * count}, {}, locs)
+    digests = DigestBook(root / "digests.tsv")
+    blobs = {key: bytes([key[1]]) * SIZE for key in locs}
+    for key, blob in blobs.items():
+        digests.record(key, sha256(blob))
+    return DiskCache(root / "cache", index, budget_experts * SIZE, digests), locs, blobs
+
+
+def _files(cache: DiskCache) -> list[Path]:
+    return sorted(cache.root.glob("*/*.bin"))
+
+
+def test_a_write_evicted_while_in_flight_is_not_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, locs, blobs = _cache(tmp_path, count=6, budget_experts=2)
+    real_open = builtins.open
+    raced = []
+
+    def open_then_race(path, *args, **kwargs):
+        # while expert 0's bytes are being written, two other writes evict its reservation
+        if not raced and str(path).endswith(TMP_SUFFIX) and Path(path).name.startswith("0.bin"):
+            raced.append(path)
+            cache.put(locs[(1, 1)], blobs[(1, 1)])
+            cache.put(locs[(1, 2)], blobs[(1, 2)])
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_cache, "open", open_then_race, raising=False)
+    cache.put(locs[(1, 0)], blobs[(1, 0)])
+    assert raced, "the race was not staged"
+    assert [p.name for p in _files(cache)] == ["1.bin", "2.bin"]  # not 0.bin: its reservation was evicted
+    assert cache.nbytes == 2 * SIZE and (1, 0) not in cache and cache.fetch(locs[(1, 0)]) is None
+    assert not list(cache.root.glob(f"*/*{TMP_SUFFIX}"))
+    assert bytes(cache.fetch(locs[(1, 2)])) == blobs[(1, 2)]
+
+
+def test_an_expert_being_written_is_not_served_or_advertised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, locs, blobs = _cache(tmp_path, count=3, budget_experts=3)
+    real_open = builtins.open
+    seen = []
+
+    def open_and_look(path, *args, **kwargs):
+        if str(path).endswith(TMP_SUFFIX):
+            seen.append(((1, 0) in cache, cache.fetch(locs[(1, 0)])))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(disk_cache, "open", open_and_look, raising=False)
+    cache.put(locs[(1, 0)], blobs[(1, 0)])
+    assert seen == [(False, None)]
+    assert (1, 0) in cache and bytes(cache.fetch(locs[(1, 0)])) == blobs[(1, 0)]  # and kept once written
