@@ -29,7 +29,7 @@ from node import hub_client
 from node.expert_store import SOURCES
 from node.generation import GenerationSummary, Generator, SamplingSettings
 from node.hub_server import HubKnobs, HubServer
-from node.hub_source import DEFAULT_MIN_PIECE_BYTES
+from node.hub_source import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES
 from node.sizes import format_size
 
 K3_EXPERT_BYTES = 17.5e6
@@ -176,7 +176,7 @@ def _belady(trace_path: Path, slots: int) -> float:
 
 
 def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, ram_fraction: float = 0.25,
-              naive_tokens: int = 8, progress=print) -> dict:  # fmt: skip
+              naive_tokens: int = 8, hub_connections: int = DEFAULT_CONNECTIONS, progress=print) -> dict:  # fmt: skip
     """Run every configuration; returns the JSON document (also printed as a table by the CLI)."""
     import mlx_lm
 
@@ -233,7 +233,8 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
             cached = home("cached")
             for name in ("cold", "warm_disk"):
                 trace = work / f"{name}.trace"
-                cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece)
+                cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece,
+                                  hub_connections=hub_connections)  # fmt: skip
                 results.append(measured(name, open_model(repo_id, home=cached, store_config=cfg), tokens, trace))
             sm = open_model(repo_id, home=cached, store_config=StoreConfig(ram_budget=str(2 * all_bytes)))
             _run_prompts(sm, prompts, tokens)  # fill RAM
@@ -266,6 +267,7 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
         if [o[:n] for o in r.outputs] != [o[:n] for o in reference]:
             raise AssertionError(f"bench: {r.name} generated other tokens than mlx-lm: the comparison is void")
     return {"model": repo_id, "tokens_per_prompt": tokens, "prompts": list(PROMPTS), "ram_fraction": ram_fraction,
+            "hub_connections": hub_connections,
             "link": asdict(link), "configs": [asdict(r) for r in results]}  # fmt: skip
 
 

@@ -65,7 +65,7 @@ def _store_config(args: argparse.Namespace):
 
     return StoreConfig(ram_budget=args.ram_budget, disk_budget=args.disk_budget, ram_policy=args.ram_policy,
                        trace_path=Path(args.trace) if args.trace else None, prefetch=not args.no_prefetch,
-                       fill=not args.no_fill)  # fmt: skip
+                       fill=not args.no_fill, hub_connections=args.hub_connections)  # fmt: skip
 
 
 def _sampling(args: argparse.Namespace):
@@ -488,7 +488,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from node.bench import print_table, run_bench, write_json
 
     doc = run_bench(model=args.model, tokens=args.tokens, time_scale=args.time_scale, ram_fraction=args.ram_fraction,
-                    naive_tokens=args.naive_tokens, progress=lambda m: print(m, file=sys.stderr))  # fmt: skip
+                    naive_tokens=args.naive_tokens, hub_connections=args.hub_connections, progress=lambda m: print(m, file=sys.stderr))  # fmt: skip
     print_table(doc)
     if args.json:
         write_json(doc, Path(args.json))
@@ -506,6 +506,16 @@ def _budget(text: str) -> str:
     return text
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return n
+
+
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="branch, tag or commit sha (default: what was pulled from main)")
     p.add_argument("--ram-budget", type=_budget, default=constants.DEFAULT_RAM_BUDGET,
@@ -518,6 +528,8 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefetch", action="store_true", help="do not guess and fetch the next layer's experts")
     p.add_argument("--no-fill", action="store_true", help="do not use the idle link while generating to fetch "
                    "experts not yet held onto free disk budget (it never evicts)")  # fmt: skip
+    p.add_argument("--hub-connections", type=_positive_int, default=constants.HUB_CONNECTIONS, metavar="N",
+                   help="range requests in flight to the Hub at once (default %(default)s)")
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                    help="a node of the household to ask for experts before the Hub (repeatable)")
     p.add_argument("--remote-compute", choices=("auto", "off"), default="auto",
@@ -678,6 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--naive-tokens", type=int, default=8, help="tokens per prompt for the slow naive run (0 skips it)")
     p.add_argument("--time-scale", type=float, default=0.05, help="emulated link time per K3 second (default %(default)s)")
     p.add_argument("--ram-fraction", type=float, default=0.25, help="RAM budget as a fraction of all experts")
+    p.add_argument("--hub-connections", type=_positive_int, default=constants.HUB_CONNECTIONS, metavar="N",
+                   help="range requests in flight to the Hub in cold and warm_disk (default %(default)s)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_cmd_bench)
 

@@ -42,6 +42,8 @@ DISK_HEADROOM_BYTES = 1 * 1024**3
 HTTP_TIMEOUT_S = 30.0
 HTTP_MAX_RETRIES = 8
 
+# Range requests in flight to the Hub at once while generating (node/hub_source.py says why 12).
+HUB_CONNECTIONS = 12
 # Expert range requests in flight per layer (the distinct experts of a layer fetch together).
 EXPERT_FETCH_CONCURRENCY = 8
 # Default budgets: RAM from the memory left after the core, disk from the free space.

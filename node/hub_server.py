@@ -103,9 +103,11 @@ def _scan(root: Path) -> dict[str, _Repo]:
 class _Stats:
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.in_flight = 0  # requests being answered now (not reset: they are still running)
         self.reset()
 
     def reset(self) -> None:
+        self.peak_in_flight = self.in_flight  # the most requests answered at once: what a client's pool allows
         self.requests = 0
         self.bytes_served = 0
         self.connections = 0
@@ -121,7 +123,7 @@ class _Stats:
                          "ranges": [[a, b, n] for (a, b), n in sorted(v["ranges"].items())]}
                      for k, v in self.files.items()}  # fmt: skip
             return {"requests": self.requests, "bytes_served": self.bytes_served, "connections": self.connections,
-                    "faults": dict(self.faults), "files": files}  # fmt: skip
+                    "peak_in_flight": self.peak_in_flight, "faults": dict(self.faults), "files": files}  # fmt: skip
 
 
 class HubServer:
@@ -275,6 +277,17 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, json.dumps(asdict(self.hub.knobs)).encode())
         if path == "/_hub/health":
             return self._send(200, b'{"status":"ok"}')
+        stats = self.hub.stats_
+        with stats.lock:
+            stats.in_flight += 1
+            stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+        try:
+            self._answer(url, path)
+        finally:
+            with stats.lock:
+                stats.in_flight -= 1
+
+    def _answer(self, url, path: str) -> None:
         if self.hub.knobs.ttfb_s:
             time.sleep(self.hub.knobs.ttfb_s)
         if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)$", path):

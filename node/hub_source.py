@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import threading
 
+from node import constants
 from node.errors import DownloadError
 from node.fetch_priority import PriorityPool
 from node.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 
-DEFAULT_CONNECTIONS = 8
+# Half again as many connections as the link has per-connection shares (K3's home link: 100 MB/s,
+# 12.5 per connection), because each request idles its connection for the first byte: cold, 8
+# kept 0.79 of the link busy while anything was left to fetch, 12 kept 0.92-0.99, 16 0.89-0.93
+# and 24 0.78-0.84 (benchmarks/bench_connections.py).
+DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
 DEFAULT_PIECES_PER_EXPERT = 4
 DEFAULT_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
 

@@ -1,0 +1,53 @@
+"""`--hub-connections N`: at most N range requests to the Hub at once while generating, and more
+when N allows — a user sets it to spare a shared link or a rate-limited mirror."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node.cli import _store_config, build_parser
+from node.generation import Generator, SamplingSettings
+from node.hub_server import HubServer
+from node.pull import pull
+from node.streamed_model import open_model
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+
+
+@pytest.fixture(scope="module")
+def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("hub-connections")
+    pull(REPO_ID, home=home, progress=False)
+    return home
+
+
+def _peak_while_generating(hub: HubServer, home: Path, connections: int) -> int:
+    args = build_parser().parse_args(["run", REPO_ID, "x", "--no-prefetch", "--no-fill",
+                                      "--hub-connections", str(connections)])  # fmt: skip
+    cfg = _store_config(args)
+    cfg.hub_min_piece_bytes = 1  # every expert in the pool's full number of pieces
+    cfg.disk_budget = "0"  # every expert comes from the Hub
+    sm = open_model(REPO_ID, home=home, store_config=cfg)
+    hub.knobs.ttfb_s = 0.02  # requests overlap for certain
+    hub.stats_.reset()
+    try:
+        tokens = list(Generator(sm).generate(sm.tokenizer.encode("Count the"), SamplingSettings(max_tokens=3)))
+    finally:
+        hub.knobs.ttfb_s = 0.0
+        sm.close()
+    assert len(tokens) == 3
+    assert hub.stats()["requests"] > connections  # there was more to ask for than the pool allows at once
+    return hub.stats()["peak_in_flight"]
+
+
+def test_no_more_requests_in_flight_than_connections(hub: HubServer, pulled: Path) -> None:
+    assert _peak_while_generating(hub, pulled, 2) <= 2
+    assert _peak_while_generating(hub, pulled, 6) > 2  # and the limit is what held it down
+
+
+def test_a_connection_count_below_one_is_refused(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", REPO_ID, "x", "--hub-connections", "0"])
+    assert "at least 1" in capsys.readouterr().err
