@@ -103,11 +103,11 @@ def _scan(root: Path) -> dict[str, _Repo]:
 class _Stats:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.in_flight = 0  # requests being answered now (not reset: they are still running)
+        self.waiting = 0  # requests waiting for their first byte now (not reset: they still wait)
         self.reset()
 
     def reset(self) -> None:
-        self.peak_in_flight = self.in_flight  # the most requests answered at once: what a client's pool allows
+        self.peak_waiting = self.waiting  # the most requests awaiting their first byte at once: a client's concurrency
         self.requests = 0
         self.bytes_served = 0
         self.connections = 0
@@ -123,7 +123,7 @@ class _Stats:
                          "ranges": [[a, b, n] for (a, b), n in sorted(v["ranges"].items())]}
                      for k, v in self.files.items()}  # fmt: skip
             return {"requests": self.requests, "bytes_served": self.bytes_served, "connections": self.connections,
-                    "peak_in_flight": self.peak_in_flight, "faults": dict(self.faults), "files": files}  # fmt: skip
+                    "peak_waiting": self.peak_waiting, "faults": dict(self.faults), "files": files}  # fmt: skip
 
 
 class HubServer:
@@ -277,19 +277,28 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, json.dumps(asdict(self.hub.knobs)).encode())
         if path == "/_hub/health":
             return self._send(200, b'{"status":"ok"}')
+        self._await_first_byte()
+        self._answer(url, path)
+
+    def _await_first_byte(self) -> None:
+        """The emulated time to first byte, counting the requests that wait in it at once.
+
+        Counted before any byte is sent, so a client cannot have finished a request and started
+        its next one while the first is still counted: the peak is exactly the client's concurrency
+        (counting until the last byte would overlap a request's tail with the next one's head).
+        """
         stats = self.hub.stats_
         with stats.lock:
-            stats.in_flight += 1
-            stats.peak_in_flight = max(stats.peak_in_flight, stats.in_flight)
+            stats.waiting += 1
+            stats.peak_waiting = max(stats.peak_waiting, stats.waiting)
         try:
-            self._answer(url, path)
+            if self.hub.knobs.ttfb_s:
+                time.sleep(self.hub.knobs.ttfb_s)
         finally:
             with stats.lock:
-                stats.in_flight -= 1
+                stats.waiting -= 1
 
     def _answer(self, url, path: str) -> None:
-        if self.hub.knobs.ttfb_s:
-            time.sleep(self.hub.knobs.ttfb_s)
         if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)$", path):
             return self._tree(m.group(1), m.group(2), m.group(3), None)
         if m := re.match(r"^/api/models/([^/]+/[^/]+?)(?:/revision/(.+))?/?$", path):

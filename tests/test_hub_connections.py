@@ -39,7 +39,7 @@ def _peak_while_generating(hub: HubServer, home: Path, connections: int) -> int:
         sm.close()
     assert len(tokens) == 3
     assert hub.stats()["requests"] > connections  # there was more to ask for than the pool allows at once
-    return hub.stats()["peak_in_flight"]
+    return hub.stats()["peak_waiting"]
 
 
 def test_no_more_requests_in_flight_than_connections(hub: HubServer, pulled: Path) -> None:
