@@ -147,7 +147,9 @@ class RangeReader:
 
     The Hub answers a resolve URL with a redirect to a signed CDN URL; we remember each
     file's location until it expires or the CDN refuses it, so a shard costs one redirect,
-    not one per range.
+    not one per range. Concurrent first reads of a shard wait for the first one's redirect
+    instead of each asking (a cold layer starts a dozen at once, and each redirect is a round
+    trip and a call against the Hub's rate limit).
     """
 
     def __init__(self, max_retries: int = constants.HTTP_MAX_RETRIES, timeout_s: float = constants.HTTP_TIMEOUT_S,
@@ -161,6 +163,7 @@ class RangeReader:
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self._locations: dict[RemoteFile, tuple[str, float]] = {}
+        self._resolving: dict[RemoteFile, threading.Event] = {}  # set once the first reader's redirect is known
         self._lock = threading.Lock()
         self.retries = 0  # how many attempts failed and were retried, for the summary
 
@@ -199,11 +202,23 @@ class RangeReader:
 
     def _location(self, remote: RemoteFile) -> tuple[str, bool]:
         """The URL to ask, and whether it is a remembered CDN location."""
-        with self._lock:
-            cached = self._locations.get(remote)
-        if cached and cached[1] > time.time():
-            return cached[0], True
+        for _ in range(2):
+            with self._lock:
+                cached = self._locations.get(remote)
+                if cached and cached[1] > time.time():
+                    return cached[0], True
+                first = self._resolving.get(remote)
+                if first is None:  # this read resolves it; `_resolved` lets the others go
+                    self._resolving[remote] = threading.Event()
+                    break
+            first.wait(self.timeout_s)  # then the remembered location, or ask ourselves if it failed
         return hf_hub_url(remote.repo_id, remote.filename, revision=remote.commit, endpoint=self.endpoint), False
+
+    def _resolved(self, remote: RemoteFile) -> None:
+        with self._lock:
+            first = self._resolving.pop(remote, None)
+        if first is not None:
+            first.set()
 
     def _remember_redirect(self, remote: RemoteFile, base_url: str, location: str) -> str:
         url = urllib.parse.urljoin(base_url, location)
@@ -214,6 +229,7 @@ class RangeReader:
             expires = time.time() + _DEFAULT_REDIRECT_TTL_S
         with self._lock:
             self._locations[remote] = (url, expires)
+        self._resolved(remote)
         return url
 
     def _forget_redirect(self, remote: RemoteFile) -> None:
@@ -230,6 +246,8 @@ class RangeReader:
         try:
             return self._read_redirected(session, remote, url, headers, is_cdn, start, end)
         finally:
+            if not is_cdn:
+                self._resolved(remote)  # no redirect came (a small file, an error): the others ask themselves
             if self.fresh_connections:
                 session.close()
 

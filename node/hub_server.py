@@ -109,6 +109,7 @@ class _Stats:
     def reset(self) -> None:
         self.peak_waiting = self.waiting  # the most requests awaiting their first byte at once: a client's concurrency
         self.requests = 0
+        self.redirects = 0  # 302s to the CDN: a client that remembers them pays one per shard
         self.bytes_served = 0
         self.connections = 0
         self.faults: dict[str, int] = {}
@@ -123,7 +124,7 @@ class _Stats:
                          "ranges": [[a, b, n] for (a, b), n in sorted(v["ranges"].items())]}
                      for k, v in self.files.items()}  # fmt: skip
             return {"requests": self.requests, "bytes_served": self.bytes_served, "connections": self.connections,
-                    "peak_waiting": self.peak_waiting, "faults": dict(self.faults), "files": files}  # fmt: skip
+                    "redirects": self.redirects, "peak_waiting": self.peak_waiting, "faults": dict(self.faults), "files": files}  # fmt: skip
 
 
 class HubServer:
@@ -397,6 +398,8 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {**common, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
                        "X-Linked-Size": str(f.stat().st_size),
                        "Location": f"{self.hub.url}/_cdn/{token}?expires={expires}"}  # fmt: skip
+            with self.hub.stats_.lock:
+                self.hub.stats_.redirects += 1
             return self._send(302, b"", headers)
         data = f.read_bytes()
         etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()

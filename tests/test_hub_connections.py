@@ -3,12 +3,15 @@ when N allows — a user sets it to spare a shared link or a rate-limited mirror
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from node import hub_client
 from node.cli import _store_config, build_parser
 from node.generation import Generator, SamplingSettings
+from node.hub_client import RangeReader
 from node.hub_server import HubServer
 from node.pull import pull
 from node.streamed_model import open_model
@@ -51,3 +54,17 @@ def test_a_connection_count_below_one_is_refused(capsys: pytest.CaptureFixture) 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", REPO_ID, "x", "--hub-connections", "0"])
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_a_cold_shard_costs_one_redirect_however_many_reads_start_at_once(hub: HubServer, pulled: Path) -> None:
+    reader = RangeReader()  # remembers nothing yet
+    shard = hub_client.RemoteFile(REPO_ID, hub.repos[REPO_ID].commit, "model-00001-of-00003.safetensors")
+    hub.knobs.ttfb_s = 0.05  # every read is out before the first redirect comes back
+    hub.stats_.reset()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            parts = list(pool.map(lambda i: reader.read(shard, 1000 * i, 1000 * (i + 1)), range(8)))
+    finally:
+        hub.knobs.ttfb_s = 0.0
+    assert b"".join(parts) == reader.read(shard, 0, 8000)
+    assert hub.stats()["redirects"] == 1
