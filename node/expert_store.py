@@ -58,6 +58,13 @@ FILL_ACTIVE_S = 2.0
 FILL_RUN_MAX = 8
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Demanded experts lying back to back in a shard: one queue entry, one set of Hub requests."""
+
+    keys: tuple[ExpertKey, ...]
+
+
 class ByteSource(Protocol):
     """Somewhere an expert's upstream bytes can come from."""
 
@@ -206,7 +213,7 @@ class ExpertStore:
     def __init__(self, index: ExpertIndex, codec: ExpertCodec, ram: RamCache, sources: list[ByteSource],
                  sinks: Iterable[ByteSink] = (), concurrency: int = DEFAULT_FETCH_CONCURRENCY,
                  digests: DigestBook | None = None, prefetch: bool = True,
-                 fill_order: list[ExpertKey] | None = None):  # fmt: skip
+                 fill_order: list[ExpertKey] | None = None, coalesce: bool = True):  # fmt: skip
         self.index = index
         self.digests = digests
         self.trace = None  # a TraceWriter (node/routing_trace.py) records every call when set
@@ -216,6 +223,7 @@ class ExpertStore:
         self.sinks = list(sinks)
         self.stats = StoreStats()
         self.prefetch_enabled = prefetch
+        self.coalesce = coalesce  # demanded experts back to back in a shard fetched as one run
         self._concurrency = max(1, concurrency)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -263,7 +271,7 @@ class ExpertStore:
             self.trace.record(layer, experts)
         self._settle_guesses(layer, set(experts))
         out: dict[int, ExpertWeights] = {}
-        waiting: dict[int, Future] = {}
+        missing: list[int] = []
         for e in experts:
             key = (layer, e)
             t0 = time.perf_counter()
@@ -278,7 +286,8 @@ class ExpertStore:
                 self.stats.record_prefetch("ready")
                 out[e] = self._use(key, staged)
             else:
-                waiting[e] = self._submit(key, DEMAND)
+                missing.append(e)
+        waiting = self._submit_demands(layer, missing)
         if guess is not None:
             self.prefetch(*guess)
         for e, fut in waiting.items():
@@ -340,6 +349,37 @@ class ExpertStore:
 
     # -- the fetch queue ----------------------------------------------------------------------
 
+    def _submit_demands(self, layer: int, experts: list[int]) -> dict[int, Future]:
+        """Demands of one layer: runs of experts that lie back to back in a shard, are held
+        nowhere nearer than the Hub and are not yet in flight go as one queue entry (each request
+        pays its time to first byte once); the rest one by one."""
+        source = self._run_source() if self.coalesce and len(experts) > 1 else None
+        runs: list[list[ExpertKey]] = []
+        waiting: dict[int, Future] = {}
+        if source is not None:
+            with self._lock:
+                for e in sorted(experts):
+                    key = (layer, e)
+                    if key in self._inflight or any(key in sink for sink in self.sinks):
+                        continue
+                    if runs and runs[-1][-1] == (layer, e - 1):
+                        locs = [self.index.expert(*k) for k in (*runs[-1], key)]
+                        if sum(loc.nbytes for loc in locs) <= source.run_bytes and run_ranges(locs) is not None:
+                            runs[-1].append(key)
+                            continue
+                    runs.append([key])
+                runs = [run for run in runs if len(run) > 1]
+                for run in runs:  # started at once: a later demand or guess for one of them joins its future
+                    for key in run:
+                        waiting[key[1]] = self._inflight[key] = Future()
+                        self._started.add(key)
+                    self._queued_demands += 1
+                    self._queue.put((DEMAND, next(self._seq), _Run(tuple(run))))
+        for e in experts:
+            if e not in waiting:
+                waiting[e] = self._submit((layer, e), DEMAND)
+        return waiting
+
     def _submit(self, key: ExpertKey, priority: int) -> Future:
         """Single flight: one future per expert; a demand for a queued guess moves it up."""
         with self._lock:
@@ -359,6 +399,9 @@ class ExpertStore:
             priority, _, key = self._queue.get()
             if key is None:
                 return
+            if isinstance(key, _Run):
+                self._work_run(key.keys)
+                continue
             with self._lock:
                 if priority == DEMAND:
                     self._queued_demands -= 1
@@ -385,6 +428,27 @@ class ExpertStore:
                 fut.set_exception(error)
             else:
                 fut.set_result(fetched)
+
+    def _work_run(self, keys: tuple[ExpertKey, ...]) -> None:
+        with self._lock:
+            self._queued_demands -= 1
+            self._running_demands += 1
+            futs = [self._inflight[key] for key in keys]
+        try:
+            with fetching_as(DEMAND):
+                results = self._fetch_run(list(keys))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            results = [e] * len(keys)
+        with self._lock:
+            self._running_demands -= 1
+            for key in keys:
+                self._inflight.pop(key, None)
+                self._started.discard(key)
+        for fut, result in zip(futs, results):
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
 
     # -- idle-link fill -----------------------------------------------------------------------
 
@@ -495,7 +559,7 @@ class ExpertStore:
             try:
                 blobs = source.fetch_run([self.index.expert(*k) for k in keys])
             except Exception as e:  # noqa: BLE001 - each expert is tried again on its own below
-                logger.debug("filling experts %s as one run failed: %s", keys, e)
+                logger.debug("experts %s as one run failed: %s", keys, e)
         seconds = (time.perf_counter() - t0) / len(keys)
         for key, blob in zip(keys, blobs):
             loc = self.index.expert(*key)

@@ -34,6 +34,7 @@ class StoreConfig:
     fill: bool = True  # while generating, fetch experts not yet held onto free disk budget when the link is idle
     hub_min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES  # experts are split into pieces no smaller
     hub_connections: int = DEFAULT_CONNECTIONS  # range requests in flight to the Hub at once
+    coalesce: bool = True  # demanded experts back to back in a shard fetched as one run of requests
 
 
 @dataclass
@@ -112,7 +113,8 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader, connections=cfg.hub_connections,
                                                                                    min_piece_bytes=cfg.hub_min_piece_bytes)]
     store = ExpertStore(index, codec, RamCache(ram_bytes, cfg.ram_policy), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
-                        digests=digests, prefetch=cfg.prefetch, fill_order=_fill_order(index) if cfg.fill else None)  # fmt: skip
+                        digests=digests, prefetch=cfg.prefetch, fill_order=_fill_order(index) if cfg.fill else None,
+                        coalesce=cfg.coalesce)  # fmt: skip
     if cfg.trace_path is not None:
         from node.routing_trace import TraceWriter
 

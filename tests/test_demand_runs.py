@@ -1,0 +1,96 @@
+"""Demanded experts that lie back to back in a shard are fetched as one run of range requests:
+fewer requests (each pays its time to first byte once), the same bytes, each expert once."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from node.expert_index import run_ranges
+from node.hub_server import HubServer
+from node.pull import pull
+from node.streamed_model import StoreConfig, open_model
+
+REPO_ID = "expertmesh/tiny-kimi_k3"
+RUN, LONE = [0, 1, 2], 5
+
+
+@pytest.fixture(scope="module")
+def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("demand-runs")
+    pull(REPO_ID, home=home, progress=False)
+    return home
+
+
+def _open(home: Path, coalesce: bool):
+    # no disk copies, no guesses, no fills: every expert below comes from the Hub on demand
+    return open_model(REPO_ID, home=home, store_config=StoreConfig(disk_budget="0", prefetch=False, fill=False,
+                                                                   coalesce=coalesce))  # fmt: skip
+
+
+def _demand(hub: HubServer, sm, layer: int) -> tuple[dict, int, int]:
+    """The experts, and the range requests and bytes the Hub served for them."""
+    hub.stats_.reset()
+    weights = sm.store.get_layer(layer, [*RUN, LONE])
+    stats = hub.stats()
+    ranges = sum(n for name, f in stats["files"].items() if name.endswith(".safetensors") for _, _, n in f["ranges"])
+    return weights, ranges, stats["bytes_served"]
+
+
+def _flat(weights) -> list[mx.array]:
+    """Every array of an expert's projections, in field order."""
+    out = []
+    for f in dataclasses.fields(weights):
+        value = getattr(weights, f.name)
+        if isinstance(value, mx.array):
+            out.append(value)
+        elif dataclasses.is_dataclass(value):
+            out += _flat(value)
+    return out
+
+
+def test_adjacent_demands_go_as_one_run_with_the_same_bytes(hub: HubServer, pulled: Path) -> None:
+    plain, runs = _open(pulled, coalesce=False), _open(pulled, coalesce=True)
+    try:
+        layer = min(k[0] for k in plain.index.experts)
+        locs = {e: plain.index.expert(layer, e) for e in [*RUN, LONE]}
+        merged = run_ranges([locs[e] for e in RUN])
+        assert merged is not None
+        expected, plain_requests, plain_bytes = _demand(hub, plain, layer)
+        got, run_requests, run_bytes = _demand(hub, runs, layer)
+        assert plain_bytes == run_bytes == sum(loc.nbytes for loc in locs.values())  # each expert once
+        assert plain_requests == sum(len(loc.ranges) for loc in locs.values())
+        assert run_requests == len(merged) + len(locs[LONE].ranges)  # the three adjacent ones as one run
+        assert sorted(got) == sorted(expected)
+        for e in expected:
+            assert all(mx.array_equal(a, b) for a, b in zip(_flat(got[e]), _flat(expected[e]), strict=True))
+        assert runs.store.stats.snapshot().uses["hub"] == len(locs)
+    finally:
+        plain.close()
+        runs.close()
+
+
+def test_a_demand_for_an_expert_of_a_running_run_waits_for_it(hub: HubServer, pulled: Path) -> None:
+    sm = _open(pulled, coalesce=True)
+    hub.knobs.ttfb_s = 0.2  # the run is still on its way when the second demand comes
+    try:
+        layer = max(k[0] for k in sm.index.experts)
+        before = hub.stats()["bytes_served"]
+        first = threading.Thread(target=sm.store.get_layer, args=(layer, RUN))
+        first.start()
+        deadline = time.monotonic() + 10
+        while hub.stats_.waiting == 0 and time.monotonic() < deadline:  # the run's requests are out
+            time.sleep(0.005)
+        second = sm.store.get_layer(layer, [RUN[1]])
+        first.join(timeout=30)
+        assert not first.is_alive() and RUN[1] in second
+        assert sm.store.stats.snapshot().uses["hub"] == len(RUN) + 1  # the second demand used the run's copy
+        assert hub.stats()["bytes_served"] - before == sum(sm.index.expert(layer, e).nbytes for e in RUN)
+    finally:
+        hub.knobs.ttfb_s = 0.0
+        sm.close()
