@@ -78,6 +78,7 @@ class ConfigResult:
     ttft_s: float  # median time to first token
     tokens: int
     hub_bytes_per_token: float
+    hub_requests: int = 0  # every request the Hub answered during the configuration (ranges, redirects)
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     link_utilisation: float | None = None  # hub bytes during decode / link bandwidth / decode wall time
     # the same over the decode time while something was still fetched from the Hub (until the
@@ -176,8 +177,13 @@ def _belady(trace_path: Path, slots: int) -> float:
 
 
 def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, ram_fraction: float = 0.25,
-              naive_tokens: int = 8, hub_connections: int = DEFAULT_CONNECTIONS, progress=print) -> dict:  # fmt: skip
-    """Run every configuration; returns the JSON document (also printed as a table by the CLI)."""
+              naive_tokens: int = 8, hub_connections: int = DEFAULT_CONNECTIONS, coalesce: bool = True,
+              stands_for: float = K3_EXPERT_BYTES, progress=print) -> dict:  # fmt: skip
+    """Run every configuration; returns the JSON document (also printed as a table by the CLI).
+
+    `stands_for`: the expert size the link is scaled to (K3's by default; a smaller one makes the
+    time to first byte weigh more against an expert's transfer, as for a smaller model's experts).
+    """
     import mlx_lm
 
     from node.hub_client import RangeReader
@@ -197,8 +203,8 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
             all_bytes = sum(loc.nbytes for loc in index.experts.values())
             ram_slots = int(len(index.experts) * ram_fraction)
             ram_budget = str(ram_slots * expert_bytes + expert_bytes // 2)
-            link = LinkSettings.scaled(expert_bytes, time_scale)
-            min_piece = int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / K3_EXPERT_BYTES)  # K3's pieces, scaled
+            link = LinkSettings.scaled(expert_bytes, time_scale, stands_for)
+            min_piece = int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for)  # K3's pieces, scaled
             hub.knobs = link.knobs()
             prompts = [tokenizer.encode(p) for p in PROMPTS]
             progress(f"{repo_id}: {len(index.experts)} experts of {format_size(expert_bytes)} "
@@ -212,13 +218,14 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
 
             def measured(name: str, sm, n_tokens: int, trace: Path | None) -> ConfigResult:
                 progress(f"  {name} ...")
-                before = hub.stats()["bytes_served"]
+                before = hub.stats()
                 t0 = time.perf_counter()
                 summaries = _run_prompts(sm, prompts, n_tokens, hub.bytes_served)
-                hub_bytes = hub.stats()["bytes_served"] - before
                 sm.close()
+                after = hub.stats()
                 belady = _belady(trace, ram_slots) if trace is not None else None
-                r = _result(name, summaries, hub_bytes, link, belady)
+                r = _result(name, summaries, after["bytes_served"] - before["bytes_served"], link, belady)
+                r.hub_requests = after["requests"] - before["requests"]
                 if trace is not None:
                     r.belady_staged_hit_rate = _belady(trace, ram_slots + max(1, sm.store._concurrency // 2))
                 progress(f"  {name}: {r.s_per_token * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s")
@@ -234,7 +241,7 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
             for name in ("cold", "warm_disk"):
                 trace = work / f"{name}.trace"
                 cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece,
-                                  hub_connections=hub_connections)  # fmt: skip
+                                  hub_connections=hub_connections, coalesce=coalesce)  # fmt: skip
                 results.append(measured(name, open_model(repo_id, home=cached, store_config=cfg), tokens, trace))
             sm = open_model(repo_id, home=cached, store_config=StoreConfig(ram_budget=str(2 * all_bytes)))
             _run_prompts(sm, prompts, tokens)  # fill RAM
@@ -267,7 +274,7 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
         if [o[:n] for o in r.outputs] != [o[:n] for o in reference]:
             raise AssertionError(f"bench: {r.name} generated other tokens than mlx-lm: the comparison is void")
     return {"model": repo_id, "tokens_per_prompt": tokens, "prompts": list(PROMPTS), "ram_fraction": ram_fraction,
-            "hub_connections": hub_connections,
+            "hub_connections": hub_connections, "coalesce": coalesce,
             "link": asdict(link), "configs": [asdict(r) for r in results]}  # fmt: skip
 
 

@@ -350,27 +350,35 @@ class ExpertStore:
     # -- the fetch queue ----------------------------------------------------------------------
 
     def _submit_demands(self, layer: int, experts: list[int]) -> dict[int, Future]:
-        """Demands of one layer: runs of experts that lie back to back in a shard, are held
-        nowhere nearer than the Hub and are not yet in flight go as one queue entry (each request
-        pays its time to first byte once); the rest one by one."""
-        source = self._run_source() if self.coalesce and len(experts) > 1 else None
-        runs: list[list[ExpertKey]] = []
+        """Demands of one layer: where there are more of them than Hub connections, experts that lie
+        back to back in a shard, are held nowhere nearer than the Hub and are not in flight go as
+        runs, one queue entry and one request each; the rest one by one.
+
+        Runs trade parallelism for fewer requests: a connection carries a run at its own share of
+        the link, so while connections are free, one request per expert is faster. A run therefore
+        holds at most as many experts as it takes to bring the layer's requests down to the number
+        of connections, and stays within one piece (`min_piece_bytes`): an expert of a piece or more
+        is split across connections already (K3's 17.5 MB experts never go as runs).
+        """
+        source = self._run_source() if self.coalesce else None
         waiting: dict[int, Future] = {}
-        if source is not None:
+        if source is not None and len(experts) > source.connections:
+            runs: list[list[ExpertKey]] = []
             with self._lock:
-                for e in sorted(experts):
-                    key = (layer, e)
-                    if key in self._inflight or any(key in sink for sink in self.sinks):
-                        continue
-                    if runs and runs[-1][-1] == (layer, e - 1):
+                wanted = [(layer, e) for e in sorted(experts)
+                          if (layer, e) not in self._inflight and not any((layer, e) in sink for sink in self.sinks)]  # fmt: skip
+                longest = -(-len(wanted) // source.connections)
+                for key in wanted:
+                    if runs and runs[-1][-1] == (layer, key[1] - 1) and len(runs[-1]) < longest:
                         locs = [self.index.expert(*k) for k in (*runs[-1], key)]
-                        if sum(loc.nbytes for loc in locs) <= source.run_bytes and run_ranges(locs) is not None:
+                        if sum(loc.nbytes for loc in locs) <= source.min_piece_bytes and run_ranges(locs) is not None:
                             runs[-1].append(key)
                             continue
                     runs.append([key])
-                runs = [run for run in runs if len(run) > 1]
-                for run in runs:  # started at once: a later demand or guess for one of them joins its future
-                    for key in run:
+                for run in runs:
+                    if len(run) < 2:
+                        continue
+                    for key in run:  # started at once: a later demand or guess for one of them joins its future
                         waiting[key[1]] = self._inflight[key] = Future()
                         self._started.add(key)
                     self._queued_demands += 1

@@ -57,6 +57,7 @@ class HubSource:
 
         self.index = index
         self.reader = reader or RangeReader()
+        self.connections = connections
         self.pieces_per_expert = pieces_per_expert
         self.min_piece_bytes = min_piece_bytes
         self._pool = PriorityPool(connections, "hub-range")  # demands' pieces before guesses' and fills'

@@ -1,5 +1,6 @@
-"""Demanded experts that lie back to back in a shard are fetched as one run of range requests:
-fewer requests (each pays its time to first byte once), the same bytes, each expert once."""
+"""Demanded experts that lie back to back in a shard are fetched as one run of range requests when
+a layer wants more experts than there are Hub connections: fewer requests (each pays its time to
+first byte once, and counts against the Hub's rate limit), the same bytes, each expert once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from node.expert_index import run_ranges
-from node.hub_server import HubServer
+from node.hub_server import Fault, HubServer
 from node.pull import pull
 from node.streamed_model import StoreConfig, open_model
 
@@ -27,10 +28,10 @@ def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home
 
 
-def _open(home: Path, coalesce: bool):
+def _open(home: Path, coalesce: bool, connections: int = 1):
     # no disk copies, no guesses, no fills: every expert below comes from the Hub on demand
     return open_model(REPO_ID, home=home, store_config=StoreConfig(disk_budget="0", prefetch=False, fill=False,
-                                                                   coalesce=coalesce))  # fmt: skip
+                                                                   coalesce=coalesce, hub_connections=connections))  # fmt: skip
 
 
 def _demand(hub: HubServer, sm, layer: int) -> tuple[dict, int, int]:
@@ -55,7 +56,7 @@ def _flat(weights) -> list[mx.array]:
 
 
 def test_adjacent_demands_go_as_one_run_with_the_same_bytes(hub: HubServer, pulled: Path) -> None:
-    plain, runs = _open(pulled, coalesce=False), _open(pulled, coalesce=True)
+    plain, runs, free = _open(pulled, coalesce=False), _open(pulled, coalesce=True), _open(pulled, True, 12)
     try:
         layer = min(k[0] for k in plain.index.experts)
         locs = {e: plain.index.expert(layer, e) for e in [*RUN, LONE]}
@@ -70,9 +71,12 @@ def test_adjacent_demands_go_as_one_run_with_the_same_bytes(hub: HubServer, pull
         for e in expected:
             assert all(mx.array_equal(a, b) for a, b in zip(_flat(got[e]), _flat(expected[e]), strict=True))
         assert runs.store.stats.snapshot().uses["hub"] == len(locs)
+        # with a connection free for every expert, one request each is faster: no runs
+        assert _demand(hub, free, layer)[1] == plain_requests
     finally:
         plain.close()
         runs.close()
+        free.close()
 
 
 def test_a_demand_for_an_expert_of_a_running_run_waits_for_it(hub: HubServer, pulled: Path) -> None:
@@ -94,3 +98,24 @@ def test_a_demand_for_an_expert_of_a_running_run_waits_for_it(hub: HubServer, pu
     finally:
         hub.knobs.ttfb_s = 0.0
         sm.close()
+
+
+def test_a_run_with_bad_bytes_is_fetched_again_expert_by_expert(hub: HubServer, pulled: Path) -> None:
+    clean = _open(pulled, coalesce=True)
+    try:
+        layer = sorted({k[0] for k in clean.index.experts})[1]  # one the other tests do not use
+        expected = clean.store.get_layer(layer, RUN)  # records every expert's sha256
+    finally:
+        clean.close()
+    sm = _open(pulled, coalesce=True)
+    hub.knobs.faults = [Fault("wrong_bytes", count=1, path_glob="*.safetensors")]  # the run's one response
+    try:
+        got = sm.store.get_layer(layer, RUN)
+        stats = sm.store.stats.snapshot()
+    finally:
+        hub.knobs.faults = []
+        sm.close()
+    assert stats.integrity_failures["hub"] == len(RUN)  # every expert of the spoilt run caught
+    for e in RUN:
+        assert all(mx.array_equal(a, b) for a, b in zip(_flat(got[e]), _flat(expected[e]), strict=True))
+

@@ -25,7 +25,8 @@ FAST = dict(max_retries=8, backoff_base_s=0.005, backoff_max_s=0.05, timeout_s=0
 
 
 def _generate(home: Path, reader=None, tokens: int = 16):
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False), hub_reader=reader)
+    # one response per expert (no demand runs), so each fault below spoils exactly one expert
+    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False, coalesce=False), hub_reader=reader)
     try:
         ids = sm.tokenizer.encode(PROMPT)
         out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens))]
