@@ -35,21 +35,28 @@ def take_together(nbytes: int, *limits: tuple[TokenBucket, float]) -> None:
     would charge a connection the link's time on top of its own, so 8 connections of an eighth
     of the link each could never fill it (measured: 0.79 of the link at most).
     """
+    time.sleep(reserve_together(nbytes, time.monotonic(), *limits))
+
+
+def reserve_together(nbytes: int, now: float, *limits: tuple[TokenBucket, float]) -> float:
+    """The bookkeeping of `take_together` at the instant `now`: returns how long to wait.
+
+    Apart from the sleep so that the arithmetic can be checked at chosen instants, free of
+    how the scheduler happened to delay the caller.
+    """
     limits = tuple((b, r) for b, r in limits if r > 0)
     if not limits:
-        return
+        return 0.0
     for bucket, _ in limits:  # always in the caller's order (the link's, then a connection's)
         bucket._lock.acquire()
     try:
-        now = time.monotonic()
         start = max(now, *(bucket._next_free for bucket, _ in limits))
         for bucket, rate in limits:
             bucket._next_free = start + nbytes / rate
-        wait = start + max(nbytes / rate for _, rate in limits) - now
+        return max(0.0, start + max(nbytes / rate for _, rate in limits) - now)
     finally:
         for bucket, _ in reversed(limits):
             bucket._lock.release()
-    time.sleep(max(0.0, wait))
 
 
 @dataclass

@@ -14,7 +14,7 @@ from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
 from huggingface_hub import errors as hf_errors
 
 from node.hub_server import Fault, HubServer
-from node.link_emulation import TokenBucket, take_together
+from node.link_emulation import TokenBucket, reserve_together
 
 REPO = "expertmesh/tiny-kimi_k3"
 
@@ -98,16 +98,17 @@ def test_bandwidth_is_a_lower_bound(hub: HubServer) -> None:
 
 def test_a_connection_pays_its_own_rate_not_the_link_on_top() -> None:
     """Eight connections of an eighth of the link each fill it: a chunk holds the link for its
-    share only (bookkeeping, no clock: both buckets start from the same instant). The instants
-    are monotonic-clock readings, so a difference of microseconds is exact only to about 1e-11 s:
-    the tolerance is absolute, far below the 1 µs that serial buckets would add."""
-    link, conn = TokenBucket(), TokenBucket()
-    take_together(8, (link, 8e6), (conn, 1e6))  # 8 bytes: 1 µs of the link, 8 µs of the connection
-    assert conn._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6, abs=1e-9)
-    other = TokenBucket()
-    take_together(8, (link, 8e6), (other, 1e6))  # a second connection starts when the link is free
-    assert other._next_free - link._next_free == pytest.approx(8 / 1e6 - 8 / 8e6, abs=1e-9)
-    assert other._next_free < conn._next_free + 8 / 8e6 + 1e-3  # not after the first connection's end
+    share only. Checked at chosen instants (all calls at t = 0), so no scheduling delay enters."""
+    link, conn, other = TokenBucket(), TokenBucket(), TokenBucket()
+    for bucket in (link, conn, other):
+        bucket._next_free = 0.0
+    wait = reserve_together(8, 0.0, (link, 8e6), (conn, 1e6))  # 1 µs of the link, 8 µs of the connection
+    assert wait == pytest.approx(8e-6)
+    assert (link._next_free, conn._next_free) == (pytest.approx(1e-6), pytest.approx(8e-6))
+    wait = reserve_together(8, 0.0, (link, 8e6), (other, 1e6))  # a second connection starts when the link is free
+    assert other._next_free == pytest.approx(1e-6 + 8e-6)  # not after the first connection's end
+    assert link._next_free == pytest.approx(2e-6)
+    assert wait == pytest.approx(9e-6)
 
 
 def test_cli_serves_and_stops(hub_root: Path) -> None:
