@@ -27,21 +27,13 @@ from node.hub_server import HubServer
 from node.peers import PeerTable
 from node.pull import pull
 from node.rpc_auth import call_metadata
+from waiting import wait_until
 
 LOOPBACK = ["127.0.0.1"]
 # cluster names unique to this test run: two runs on one machine (a CI clone beside a checkout)
 # must not see each other's nodes on the shared loopback multicast
 RUN = f"{os.getpid()}"
 CLUSTER, E2E_CLUSTER = f"test-cluster-{RUN}", f"zc-e2e-{RUN}"
-
-
-def _wait(condition, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def _discovery(node_id: str, cluster: str = CLUSTER, port: int = 1000, compute: bool = True) -> Discovery:
@@ -53,14 +45,14 @@ def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
     a, b = _discovery("node-a"), _discovery("node-b", port=1001, compute=False)
     other = _discovery("node-x", f"elsewhere-{RUN}", 1002)
     try:
-        assert _wait(lambda: "node-b" in a.table.peers and "node-a" in b.table.peers)
+        assert wait_until(lambda: "node-b" in a.table.peers and "node-a" in b.table.peers)
         assert a.table.peers["node-b"].address == "127.0.0.1:1001" and a.table.peers["node-b"].weight == 10**9
         # whether a node computes experts for others travels in the advertisement
         assert b.table.peers["node-a"].compute and not a.table.peers["node-b"].compute
         time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
         assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
         b.close()
-        assert _wait(lambda: "node-b" not in a.table.peers)
+        assert wait_until(lambda: "node-b" not in a.table.peers)
     finally:
         for d in (a, other):
             d.close()
@@ -76,7 +68,7 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
                            server="copied.local.")  # fmt: skip
         zc.register_service(info)
         try:
-            assert _wait(lambda: a.duplicates > 0)
+            assert wait_until(lambda: a.duplicates > 0)
             assert "same-id" not in a.table.peers
         finally:
             zc.unregister_service(info)
@@ -104,7 +96,7 @@ def _wait_for_peers(port: int, n: int) -> None:
     """Until the node on `port` knows `n` live peers (advertisements cross in their own time)."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = node_pb2_grpc.NodeStub(channel)
-        assert _wait(lambda: stub.Info(node_pb2.InfoRequest(), metadata=call_metadata("zc-secret"),
+        assert wait_until(lambda: stub.Info(node_pb2.InfoRequest(), metadata=call_metadata("zc-secret"),
                                        timeout=10).live_peers >= n, timeout_s=60), "the nodes did not find each other"  # fmt: skip
 
 

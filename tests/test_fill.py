@@ -13,6 +13,7 @@ from node.generation import Generator, SamplingSettings
 from node.hub_server import HubServer
 from node.pull import pull
 from node.streamed_model import StoreConfig, open_model
+from waiting import wait_until
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "Fill the disk while the link is idle"
@@ -24,16 +25,6 @@ def _generate(sm) -> list[int]:
     return [t.id for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=TOKENS))]
 
 
-def _wait(condition, timeout_s: float = 20.0) -> bool:
-    """Fills may go on for a moment after the last token (FILL_ACTIVE_S); bounded wait."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
     ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
     expected = [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"]
@@ -43,7 +34,7 @@ def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, t
         before, requests = hub.stats()["bytes_served"], hub.stats()["requests"]
         assert _generate(sm) == expected
         n = len(sm.index.experts)
-        assert _wait(lambda: len(sm.disk) == n), f"the fill left {n - len(sm.disk)} of {n} experts unfetched"
+        assert wait_until(lambda: len(sm.disk) == n), f"the fill left {n - len(sm.disk)} of {n} experts unfetched"
         stats = sm.store.stats.snapshot()
         assert stats.uses["hub"] < n and stats.prefetch["filled"] >= n - stats.uses["hub"]  # fills did the rest
         all_bytes = sum(loc.nbytes for loc in sm.index.experts.values())
@@ -83,7 +74,7 @@ def test_fill_takes_free_budget_only(hub: HubServer, tmp_path: Path) -> None:
     try:
         before = hub.stats()["bytes_served"]
         _generate(sm)  # every demand is a disk hit now; the link is idle for the fill
-        assert _wait(lambda: sm.store.stats.prefetch["filled"] >= SPARE)
+        assert wait_until(lambda: sm.store.stats.prefetch["filled"] >= SPARE)
         time.sleep(0.5)  # a fill past the budget would show here
         assert sm.store.stats.prefetch["filled"] == SPARE and len(sm.disk) == used + SPARE
         assert sm.disk.nbytes <= budget and sm.disk.evictions == 0  # filled into free room, evicted nothing
