@@ -35,14 +35,15 @@ def take_together(nbytes: int, *limits: tuple[TokenBucket, float]) -> None:
     would charge a connection the link's time on top of its own, so 8 connections of an eighth
     of the link each could never fill it (measured: 0.79 of the link at most).
     """
-    time.sleep(reserve_together(nbytes, time.monotonic(), *limits))
+    time.sleep(reserve_together(nbytes, None, *limits))
 
 
-def reserve_together(nbytes: int, now: float, *limits: tuple[TokenBucket, float]) -> float:
+def reserve_together(nbytes: int, now: float | None, *limits: tuple[TokenBucket, float]) -> float:
     """The bookkeeping of `take_together` at the instant `now`: returns how long to wait.
 
     Apart from the sleep so that the arithmetic can be checked at chosen instants, free of
-    how the scheduler happened to delay the caller.
+    how the scheduler happened to delay the caller. `now=None` reads the clock once the locks
+    are held, so time spent waiting for a busy bucket's lock is not slept again.
     """
     limits = tuple((b, r) for b, r in limits if r > 0)
     if not limits:
@@ -50,6 +51,8 @@ def reserve_together(nbytes: int, now: float, *limits: tuple[TokenBucket, float]
     for bucket, _ in limits:  # always in the caller's order (the link's, then a connection's)
         bucket._lock.acquire()
     try:
+        if now is None:
+            now = time.monotonic()
         start = max(now, *(bucket._next_free for bucket, _ in limits))
         for bucket, rate in limits:
             bucket._next_free = start + nbytes / rate
