@@ -1,11 +1,10 @@
 """How many range requests to keep in flight to the Hub, side by side in one run (issue 4).
 
-`expertmesh bench`'s cold configuration (the demo model, empty caches, the emulated home link
-with K3's proportions: 100 MB/s, 12.5 MB/s per connection, 50 ms to first byte, scaled) with
-`--hub-connections` at each count, in interleaved rounds so that a noisy moment hits every count.
-Prints the medians of decode ms/token, TTFT, and the link's use over decode and while anything
-was left to fetch (the demo's experts are all fetched within the first prompt, after which the
-link has nothing to carry), and each count's ratios to the default.
+`expertmesh bench`'s cold configuration (the demo model, a new node with empty caches for each
+prompt, the emulated home link with K3's proportions: 100 MB/s, 12.5 MB/s per connection, 50 ms
+to first byte, scaled) with `--hub-connections` at each count, in interleaved rounds so that a
+noisy moment hits every count. Prints the medians of decode ms/token, TTFT, and the link's use
+over decode and while anything was left to fetch, and each count's ratios to the default.
 
 With exactly as many connections as the link has per-connection shares (8), every first byte
 leaves a share idle, so the link cannot fill; too many make the requests contend in the client.

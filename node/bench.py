@@ -8,7 +8,7 @@ experts then dominates compute, as it does for K3.
 
 Configurations:
     naive      one expert at a time, a new connection per request, no cache (the reference system's way)
-    cold       expertmesh with empty caches
+    cold       expertmesh with empty caches: a new node for every prompt
     warm_disk  expertmesh with the experts on disk and an empty RAM tier
     warm_ram   expertmesh with every expert already in RAM
     mlx_lm     `mlx_lm.stream_generate` with the whole model in memory
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from node import hub_client
+from node import constants, hub_client
 from node.expert_store import SOURCES
 from node.generation import GenerationSummary, Generator, SamplingSettings
 from node.hub_server import HubKnobs, HubServer
@@ -169,14 +169,20 @@ def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link:
     )
 
 
-def _belady(trace_path: Path, slots: int) -> float:
+def _belady(trace_paths: list[Path], slots: int) -> float:
+    """Belady's hit rate over traces of separate nodes (each starts empty), weighted by uses."""
     from node.cache_policies import belady_hit_rate
     from node.routing_trace import read_trace
 
-    return belady_hit_rate(read_trace(trace_path).accesses(), slots)
+    hits = uses = 0.0
+    for path in trace_paths:
+        accesses = read_trace(path).accesses()
+        hits += belady_hit_rate(accesses, slots) * len(accesses)
+        uses += len(accesses)
+    return hits / uses if uses else 0.0
 
 
-def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, ram_fraction: float = 0.25,
+def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constants.BENCH_TIME_SCALE, ram_fraction: float = 0.25,
               naive_tokens: int = 8, hub_connections: int = DEFAULT_CONNECTIONS, coalesce: bool = True,
               stands_for: float = K3_EXPERT_BYTES, progress=print) -> dict:  # fmt: skip
     """Run every configuration; returns the JSON document (also printed as a table by the CLI).
@@ -216,36 +222,57 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
                 shutil.copytree(pulled, h)
                 return h
 
-            def measured(name: str, sm, n_tokens: int, trace: Path | None) -> ConfigResult:
+            def measured(name: str, open_node: Callable, n_tokens: int, traced: bool,
+                         fresh_per_prompt: bool = False, n_prompts: int = len(prompts)) -> ConfigResult:  # fmt: skip
+                """`open_node(i, trace)` opens the node for prompt i. `fresh_per_prompt`: a node per
+                prompt, each closed after it; else the first node answers every prompt."""
                 progress(f"  {name} ...")
                 before = hub.stats()
                 t0 = time.perf_counter()
-                summaries = _run_prompts(sm, prompts, n_tokens, hub.bytes_served)
+                summaries, traces, sm = [], [], None
+                for i, ids in enumerate(prompts[:n_prompts]):
+                    if sm is None or fresh_per_prompt:
+                        if sm is not None:
+                            sm.close()
+                        trace = work / f"{name}-{i}.trace" if traced else None
+                        traces += [trace] if trace else []
+                        sm = open_node(i, trace)
+                    summaries += _run_prompts(sm, [ids], n_tokens, hub.bytes_served)
                 sm.close()
                 after = hub.stats()
-                belady = _belady(trace, ram_slots) if trace is not None else None
+                belady = _belady(traces, ram_slots) if traces else None
                 r = _result(name, summaries, after["bytes_served"] - before["bytes_served"], link, belady)
                 r.hub_requests = after["requests"] - before["requests"]
-                if trace is not None:
-                    r.belady_staged_hit_rate = _belady(trace, ram_slots + max(1, sm.store._concurrency // 2))
+                if traces:
+                    r.belady_staged_hit_rate = _belady(traces, ram_slots + max(1, sm.store._concurrency // 2))
                 progress(f"  {name}: {r.s_per_token * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s")
                 return r
+
+            def expertmesh_node(home_dir: Path, trace: Path | None = None):
+                cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece,
+                                  hub_connections=hub_connections, coalesce=coalesce)  # fmt: skip
+                return open_model(repo_id, home=home_dir, store_config=cfg)
 
             results = []
             if naive_tokens > 0:
                 naive_cfg = StoreConfig(ram_budget="0", disk_budget="0", fetch_concurrency=1, prefetch=False)
-                results.append(measured("naive", open_model(repo_id, home=home("naive"), store_config=naive_cfg,
-                                                            hub_reader=RangeReader(fresh_connections=True)),
-                                        naive_tokens, None))  # fmt: skip
+                naive_home = home("naive")
+                results.append(measured("naive", lambda i, _: open_model(repo_id, home=naive_home, store_config=naive_cfg,
+                                                                         hub_reader=RangeReader(fresh_connections=True)),
+                                        naive_tokens, traced=False, n_prompts=1))  # one prompt: it is slow
+            # cold: a new node for every prompt, so every measured token is decoded with caches that
+            # started empty, as every token of a K3 reply is (no reply warms 1.56 TB of experts)
+            results.append(measured("cold", lambda i, trace: expertmesh_node(home(f"cold-{i}"), trace),
+                                    tokens, traced=True, fresh_per_prompt=True))  # fmt: skip
+            # warm_disk: the disk of a node that has answered these prompts once before (not timed)
             cached = home("cached")
-            for name in ("cold", "warm_disk"):
-                trace = work / f"{name}.trace"
-                cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece,
-                                  hub_connections=hub_connections, coalesce=coalesce)  # fmt: skip
-                results.append(measured(name, open_model(repo_id, home=cached, store_config=cfg), tokens, trace))
-            sm = open_model(repo_id, home=cached, store_config=StoreConfig(ram_budget=str(2 * all_bytes)))
+            session = expertmesh_node(cached)
+            _run_prompts(session, prompts, tokens)
+            session.close()
+            results.append(measured("warm_disk", lambda i, trace: expertmesh_node(cached, trace), tokens, traced=True))
+            sm = open_model(repo_id, home=home("warm_ram"), store_config=StoreConfig(ram_budget=str(2 * all_bytes)))
             _run_prompts(sm, prompts, tokens)  # fill RAM
-            results.append(measured("warm_ram", sm, tokens, None))
+            results.append(measured("warm_ram", lambda i, _: sm, tokens, traced=False))
 
             ref, ref_tok = mlx_lm.load(str(work / "hub" / repo_id))
             summaries = []
@@ -270,8 +297,7 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = 0.05, r
         shutil.rmtree(work, ignore_errors=True)
     reference = results[-1].outputs
     for r in results:
-        n = min(len(o) for o in r.outputs)
-        if [o[:n] for o in r.outputs] != [o[:n] for o in reference]:
+        if any(o[: min(len(o), len(ref))] != ref[: min(len(o), len(ref))] for o, ref in zip(r.outputs, reference)):
             raise AssertionError(f"bench: {r.name} generated other tokens than mlx-lm: the comparison is void")
     return {"model": repo_id, "tokens_per_prompt": tokens, "prompts": list(PROMPTS), "ram_fraction": ram_fraction,
             "hub_connections": hub_connections, "coalesce": coalesce,

@@ -687,8 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="naive, cold, warm-disk, warm-RAM and mlx-lm side by side on an emulated link")
     p.add_argument("--model", default="demo", help="demo (the trained demo model), tiny-ARCH, or wide-kimi_k3 (a wider random K3) (default %(default)s)")
     p.add_argument("--tokens", type=int, default=24, help="tokens per prompt (default %(default)s)")
-    p.add_argument("--naive-tokens", type=int, default=8, help="tokens per prompt for the slow naive run (0 skips it)")
-    p.add_argument("--time-scale", type=float, default=0.05, help="emulated link time per K3 second (default %(default)s)")
+    p.add_argument("--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)")
+    p.add_argument("--time-scale", type=float, default=constants.BENCH_TIME_SCALE,
+                   help="emulated link seconds per K3 second (default %(default)s)")
     p.add_argument("--ram-fraction", type=float, default=0.25, help="RAM budget as a fraction of all experts")
     p.add_argument("--hub-connections", type=_positive_int, default=constants.HUB_CONNECTIONS, metavar="N",
                    help="range requests in flight to the Hub in cold and warm_disk (default %(default)s)")

@@ -51,6 +51,12 @@ DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
 DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 
+# `expertmesh bench`: emulated link seconds per K3 second. The emulated Hub runs on this machine,
+# beside the node: at 0.05 its ~450 requests per real second (20x K3's rate) cost more CPU on 2
+# cores than the link's own delays and kept the link only 0.54-0.84 busy in cold decode; from 0.2
+# on it is 0.89-1.00 (benchmarks/bench_time_scale.py).
+BENCH_TIME_SCALE = 0.2
+
 # The built-in demo model (node/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
 DEMO_REPO = "expertmesh/demo-kimi-k3"
 # Its draft model for `--speculate draft` (node/tiny/draft/), published next to it.
