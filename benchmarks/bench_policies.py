@@ -4,6 +4,12 @@ budgets through every policy and through Belady's offline optimum, side by side.
 Prompts are the starts of the demo model's held-out docstrings (never trained on), each
 continued with seeded sampling, one conversation after another as a household would use it.
 
+Rows `ahead_H` measure how much foresight the gap to Belady takes: LFU's counts, except that an
+expert the rest of this pass or the next H passes use is never evicted for one they do not (among
+those, the one used last goes). A real policy can at best guess the rest of the current pass
+(the routers of later layers applied early), which is `ahead_0`; the next tokens are not sampled
+yet. If `ahead_0` stays far below Belady, no online policy will close the gap.
+
     python benchmarks/bench_policies.py [--prompts 24] [--tokens 64] [--budgets 10%,25%,50%]
 """
 
@@ -17,9 +23,35 @@ from node import hub_client
 from node.generation import Generator, SamplingSettings
 from node.hub_server import HubServer
 from node.pull import pull
-from node.routing_trace import read_trace, replay
+from node.routing_trace import Trace, read_trace, replay
 from node.streamed_model import StoreConfig, open_model
 from node.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
+
+
+def foresight_hit_rate(trace: Trace, slots: int, passes_ahead: int, ageing_period: int | None = None) -> float:
+    """LFU (halved every `ageing_period` uses, as the RAM tier's) that knows which experts the rest
+    of the current pass and the next `passes_ahead` passes use. O(uses x slots): for bench traces."""
+    accesses = [((layer, e), p) for p, layer, experts in trace.calls for e in experts]
+    n = len(accesses)
+    next_use, seen = [n] * n, {}
+    for i in range(n - 1, -1, -1):
+        next_use[i] = seen.get(accesses[i][0], n)
+        seen[accesses[i][0]] = i
+    last_index = {p: i for i, (_, p) in enumerate(accesses)}
+    ageing_period = ageing_period or max(1024, 64 * slots)
+    counts: dict = {}
+    held: dict = {}  # key -> index of its next use
+    hits = 0
+    for i, (key, p) in enumerate(accesses):
+        if (i + 1) % ageing_period == 0:
+            counts = {k: c // 2 for k, c in counts.items()}
+        counts[key] = counts.get(key, 0) + 1
+        hits += key in held
+        held[key] = next_use[i]
+        if len(held) > slots:
+            horizon = last_index.get(p + passes_ahead, n)
+            held.pop(min(held, key=lambda k: (1, -held[k]) if held[k] <= horizon else (0, counts.get(k, 0))))
+    return hits / n if n else 0.0
 
 
 def main() -> None:
@@ -49,6 +81,8 @@ def main() -> None:
         Path(args.keep_trace).write_text(trace_path.read_text())
     slots = [round(trace.total_experts * float(b.strip("%")) / 100) for b in args.budgets.split(",")]
     table = replay(trace, slots)
+    for h in (0, 1, 2, 4):
+        table[f"ahead_{h}"] = {n: foresight_hit_rate(trace, n, h) for n in slots}
     print(f"{REPO_ID}: {min(args.prompts, len(docs))} prompts, {trace.passes} passes, {len(trace.accesses())} expert uses")
     print(f"{'policy':<8}" + "".join(f"{f'{n} ({100 * n / trace.total_experts:.0f}%)':>14}" for n in slots)
           + "".join(f"{f'vs Belady@{100 * n / trace.total_experts:.0f}%':>16}" for n in slots))  # fmt: skip

@@ -23,9 +23,9 @@ from node.fetch_priority import PriorityPool
 from node.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 
 # Half again as many connections as the link has per-connection shares (K3's home link: 100 MB/s,
-# 12.5 per connection), because each request idles its connection for the first byte: cold, 8
-# kept 0.79 of the link busy while anything was left to fetch, 12 kept 0.92-0.99, 16 0.89-0.93
-# and 24 0.78-0.84 (benchmarks/bench_connections.py).
+# 12.5 per connection), because each request idles its connection for the first byte: cold, the
+# link was busy over decode 0.79 of the time with 8, 0.91 with 12, 0.88 with 16 and 0.82 with 24
+# (benchmarks/bench_connections.py, medians of 2 rounds; decode 1.19x / 1.00x / 1.02x / 1.03x).
 DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
 DEFAULT_PIECES_PER_EXPERT = 4
 DEFAULT_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
