@@ -29,7 +29,7 @@ from node import constants, hub_client
 from node.expert_store import SOURCES
 from node.generation import GenerationSummary, Generator, SamplingSettings
 from node.hub_server import HubKnobs, HubServer
-from node.hub_source import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES
+from node.hub_source import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT
 from node.sizes import format_size
 
 K3_EXPERT_BYTES = 17.5e6
@@ -184,6 +184,7 @@ def _belady(trace_paths: list[Path], slots: int) -> float:
 
 def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constants.BENCH_TIME_SCALE, ram_fraction: float = 0.25,
               naive_tokens: int = 8, hub_connections: int = DEFAULT_CONNECTIONS, coalesce: bool = True,
+              pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
               stands_for: float = K3_EXPERT_BYTES, progress=print) -> dict:  # fmt: skip
     """Run every configuration; returns the JSON document (also printed as a table by the CLI).
 
@@ -250,7 +251,8 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
 
             def expertmesh_node(home_dir: Path, trace: Path | None = None):
                 cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece,
-                                  hub_connections=hub_connections, coalesce=coalesce)  # fmt: skip
+                                  hub_connections=hub_connections, hub_pieces_per_expert=pieces_per_expert,
+                                  coalesce=coalesce)  # fmt: skip
                 return open_model(repo_id, home=home_dir, store_config=cfg)
 
             results = []
@@ -300,7 +302,7 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
         if any(o[: min(len(o), len(ref))] != ref[: min(len(o), len(ref))] for o, ref in zip(r.outputs, reference)):
             raise AssertionError(f"bench: {r.name} generated other tokens than mlx-lm: the comparison is void")
     return {"model": repo_id, "tokens_per_prompt": tokens, "prompts": list(PROMPTS), "ram_fraction": ram_fraction,
-            "hub_connections": hub_connections, "coalesce": coalesce,
+            "hub_connections": hub_connections, "pieces_per_expert": pieces_per_expert, "coalesce": coalesce,
             "link": asdict(link), "configs": [asdict(r) for r in results]}  # fmt: skip
 
 

@@ -27,6 +27,9 @@ from node.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 # link was busy over decode 0.79 of the time with 8, 0.91 with 12, 0.88 with 16 and 0.82 with 24
 # (benchmarks/bench_connections.py, medians of 2 rounds; decode 1.19x / 1.00x / 1.02x / 1.03x).
 DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
+# Cold, 12 connections (benchmarks/bench_connections.py --counts 12 --pieces 2,4,8, medians of 3):
+# 2 pieces kept the link 0.74 busy (TTFT 1.17x, decode 1.07x of 4 pieces), 4 0.92, 8 0.94 for
+# twice the requests and TTFT 0.96x, decode 1.01x: not worth doubling the calls on the Hub.
 DEFAULT_PIECES_PER_EXPERT = 4
 DEFAULT_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
 

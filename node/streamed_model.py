@@ -17,7 +17,7 @@ from node.expert_codec import ExpertCodec
 from node.expert_digests import DIGESTS_FILENAME, DigestBook
 from node.expert_index import INDEX_FILENAME, ExpertIndex
 from node.expert_store import ByteSource, ExpertStore, RamCache
-from node.hub_source import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, HubSource
+from node.hub_source import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT, HubSource
 from node.sizes import parse_budget
 
 
@@ -34,6 +34,7 @@ class StoreConfig:
     fill: bool = True  # while generating, fetch experts not yet held onto free disk budget when the link is idle
     hub_min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES  # experts are split into pieces no smaller
     hub_connections: int = DEFAULT_CONNECTIONS  # range requests in flight to the Hub at once
+    hub_pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT  # separate requests an expert is split into, at most
     coalesce: bool = True  # demanded experts back to back in a shard fetched as one run of requests
 
 
@@ -111,6 +112,7 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     digests = DigestBook(root / DIGESTS_FILENAME)
     disk = DiskCache(root, index, disk_bytes, digests)
     sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader, connections=cfg.hub_connections,
+                                                                                   pieces_per_expert=cfg.hub_pieces_per_expert,
                                                                                    min_piece_bytes=cfg.hub_min_piece_bytes)]
     store = ExpertStore(index, codec, RamCache(ram_bytes, cfg.ram_policy), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
                         digests=digests, prefetch=cfg.prefetch, fill_order=_fill_order(index) if cfg.fill else None,
