@@ -10,7 +10,7 @@ over decode and while anything was left to fetch, and each setting's ratios to t
 With exactly as many connections as the link has per-connection shares (8), every first byte
 leaves a share idle, so the link cannot fill; too many make the requests contend in the client.
 
-    python benchmarks/bench_connections.py [--counts 4,8,12,16,24] [--pieces 4] [--rounds 3]
+    python benchmarks/bench_connections.py [--counts 4,8,12,16,24] [--pieces 4] [--rounds 3] [--model demo]
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from node.hub_source import DEFAULT_PIECES_PER_EXPERT
 Setting = tuple[int, int]  # (connections, pieces per expert)
 
 
-def run(settings: list[Setting], rounds: int, tokens: int) -> dict[Setting, dict[str, float]]:
+def run(settings: list[Setting], rounds: int, tokens: int, model: str = "demo") -> dict[Setting, dict[str, float]]:
     samples: dict[Setting, list[dict]] = {s: [] for s in settings}
     for r in range(rounds):
         for n, pieces in settings:
-            doc = run_bench(tokens=tokens, naive_tokens=0, hub_connections=n, pieces_per_expert=pieces,
+            doc = run_bench(model=model, tokens=tokens, naive_tokens=0, hub_connections=n, pieces_per_expert=pieces,
                             progress=lambda _: None)  # fmt: skip
             cold = next(c for c in doc["configs"] if c["name"] == "cold")
             samples[n, pieces].append(cold)
@@ -47,13 +47,14 @@ def main() -> None:
     ap.add_argument("--pieces", default=str(DEFAULT_PIECES_PER_EXPERT), help="pieces per expert to compare")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24, help="tokens per prompt")
+    ap.add_argument("--model", default="demo", help="as `expertmesh bench --model` (default %(default)s)")
     args = ap.parse_args()
     base = (constants.HUB_CONNECTIONS, DEFAULT_PIECES_PER_EXPERT)
     counts = {int(c) for c in args.counts.split(",")} | {base[0]}
     pieces = {int(p) for p in args.pieces.split(",")} | {base[1]}
-    medians = run(sorted((n, p) for n in counts for p in pieces), args.rounds, args.tokens)
+    medians = run(sorted((n, p) for n in counts for p in pieces), args.rounds, args.tokens, args.model)
     b = medians[base]
-    print(f"\nmedians of {args.rounds} rounds (cold, demo model); ratios are to the defaults: {base[0]} connections, "
+    print(f"\nmedians of {args.rounds} rounds (cold, {args.model} model); ratios are to the defaults: {base[0]} connections, "
           f"{base[1]} pieces")  # fmt: skip
     print(f"{'connections':>11} {'pieces':>6} {'ms/token':>9} {'TTFT ms':>8} {'link use':>8} {'while fetching':>14} "
           f"{'decode vs default':>17} {'TTFT vs default':>15}")  # fmt: skip
