@@ -52,9 +52,9 @@ DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 
 # `expertmesh bench`: emulated link seconds per K3 second. The emulated Hub runs on this machine,
-# beside the node: at 0.05 its ~450 requests per real second (20x K3's rate) cost more CPU on 2
-# cores than the link's own delays and kept the link only 0.54-0.84 busy in cold decode; from 0.2
-# on it is 0.89-1.00 (benchmarks/bench_time_scale.py).
+# beside the node: at 0.05 its ~350 requests per real second cost more CPU on 2 cores than the
+# link's own delays, and kept the link only 0.65 busy in cold decode; 0.1 kept it 0.89, 0.2 0.91,
+# 0.5 0.93, and from 0.1 on decode takes the same K3 seconds per token (benchmarks/bench_time_scale.py).
 BENCH_TIME_SCALE = 0.2
 
 # The built-in demo model (node/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
