@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from node import constants
-from node.bench import run_bench
-from node.hub_source import DEFAULT_PIECES_PER_EXPERT
+from expertmesh.node import constants
+from expertmesh.node.devtools.bench import run_bench
+from expertmesh.node.store.tiers.hub import DEFAULT_PIECES_PER_EXPERT
 
 Setting = tuple[int, int]  # (connections, pieces per expert)
 

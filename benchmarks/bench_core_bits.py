@@ -23,12 +23,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from node import hub_client
-from node.core_quantization import core_parameter_bytes
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
-from node.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model, windows
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.engine.core_quantization import core_parameter_bytes
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model, windows
 
 
 MARGIN = 0.05  # a "clear" position: BF16's top token leads the second by this much probability

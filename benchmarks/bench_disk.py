@@ -20,10 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from node.disk_cache import DiskCache
-from node.expert_digests import DigestBook, sha256
-from node.expert_index import ExpertIndex, ExpertLocation, TensorSlice
-from node.sizes import format_size, parse_size
+from expertmesh.node.store.tiers.disk import DiskCache
+from expertmesh.node.store.integrity import DigestBook, sha256
+from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, TensorSlice
+from expertmesh.node.sizes import format_size, parse_size
 
 
 def _drop_caches() -> bool:

@@ -21,12 +21,12 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
-from node import hub_client
-from node.generation import GenerationSummary, Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
-from node.tiny import make_tiny_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.devtools.tiny import make_tiny_model
 
 PROMPT = "In the beginning the household had one laptop and a model far too large for it, so"
 

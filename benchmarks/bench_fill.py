@@ -20,12 +20,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from node import expert_store, hub_client
-from node.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings, _bench_repo, _run_prompts
-from node.hub_server import HubKnobs, HubServer
-from node.hub_source import DEFAULT_MIN_PIECE_BYTES
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.store import store as expert_store
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings, _bench_repo, _run_prompts
+from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
+from expertmesh.node.store.tiers.hub import DEFAULT_MIN_PIECE_BYTES
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 
 CONFIGS = {"off": (False, 1), "one": (True, 1), "runs": (True, expert_store.FILL_RUN_MAX)}  # fill, run

@@ -19,13 +19,13 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from node import hub_client
-from node.generation import Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.routing_trace import Trace, read_trace, replay
-from node.streamed_model import StoreConfig, open_model
-from node.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.observability.routing_trace import Trace, read_trace, replay
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
 
 
 def foresight_hit_rate(trace: Trace, slots: int, passes_ahead: int, ageing_period: int | None = None) -> float:

@@ -3,7 +3,7 @@
 A household on one machine: a full node N and two compute peers P1, P2 that together hold every
 expert of the trained demo model (each the experts it owns, as `expertmesh warm` spreads them),
 all in this process with real gRPC on loopback. Links are emulated with K3's proportions scaled
-to the demo model (see node/link_emulation.py and node/bench.py): gigabit Ethernet between the
+to the demo model (see node/devtools/link_emulation.py and node/devtools/bench.py): gigabit Ethernet between the
 nodes (118 MB/s, 1 ms round trip; an activation row charged so that its ratio to an expert is
 K3's), a 12.5 MB/s Hub link, both sped up by `--time-scale`.
 
@@ -28,21 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from node import hub_client
-from node.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings
-from node.engine import streaming_blocks
-from node.generation import GenerationSummary, Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.link_emulation import k3_lan
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.peers import attach_peers
-from node.pull import pull
-from node.remote_experts import RemoteConfig, attach_remote_experts
-from node.sizes import format_size
-from node.streamed_model import StoreConfig, open_model
-from node.tiny.demo_model import REPO_ID, make_demo_model
-from node.warm import describe_nodes, warm, warm_order
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings
+from expertmesh.node.engine.blocks import streaming_blocks
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.store.tiers.peers import attach_peers
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.household.remote_experts import RemoteConfig, attach_remote_experts
+from expertmesh.node.sizes import format_size
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
+from expertmesh.node.household.warm import describe_nodes, warm, warm_order
 
 SECRET = "bench-remote"
 K3_HUB = 12.5e6

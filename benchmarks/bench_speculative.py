@@ -15,7 +15,7 @@ prose) it measures, greedy, every expert already in RAM:
 Every prompt generates `--tokens` tokens (end-of-text is ignored unless `--stop-at-eos`): a
 tiny greedy model then falls into loops, which flatters n-grams on prose too; the first tokens,
 before any loop, are in `--stop-at-eos`'s run. `draft` drafts with the demo's draft model
-(node/tiny/draft/: a 2-layer dense Llama distilled from the demo, about a fifth of its cost per
+(node/devtools/tiny/draft/: a 2-layer dense Llama distilled from the demo, about a fifth of its cost per
 token); `self` drafts with the demo model itself, loaded by mlx-lm: the upper bound of a draft
 model's acceptance, at a draft cost no real draft model has. Targets (issue 7): passes/token
 <= 0.6 on repetitive prompts, >= 1.5x faster under (b).
@@ -33,13 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from node import hub_client
-from node.generation import GenerationSummary, Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.speculative import SpeculationConfig
-from node.streamed_model import StoreConfig, open_model
-from node.tiny.demo_model import DRAFT_DIR, REPO_ID, make_demo_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.speculative import SpeculationConfig
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.devtools.tiny.demo_model import DRAFT_DIR, REPO_ID, make_demo_model
 
 PROMPTS = {
     "code": ["x = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "os.path.join(a, b)\nos.path.join(a, c)\nos.path.join(a,"],
@@ -79,7 +79,7 @@ def _one(sm, spec: SpeculationConfig | None, ids: list[int], tokens: int, pass_c
 
 
 def run(tokens: int, pass_cost_ms: float, modes: list[str], ignore_eos: bool = True) -> dict:
-    from node.speculative import ModelDraft
+    from expertmesh.node.engine.speculative import ModelDraft
 
     work = Path(tempfile.mkdtemp(prefix="expertmesh-spec-"))
     rows = []

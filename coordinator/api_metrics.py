@@ -1,5 +1,5 @@
 """The coordinator's own metrics on its `/metrics`: API responses by endpoint and status, and
-the generation queue. Nodes export the expert and token metrics (node/metrics.py); these say how
+the generation queue. Nodes export the expert and token metrics (node/observability/metrics.py); these say how
 the front door is doing — how often people are turned away (429) or failed (5xx)."""
 
 from __future__ import annotations

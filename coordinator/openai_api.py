@@ -26,13 +26,13 @@ from typing import Any, Callable
 
 import grpc
 
-from coordinator.api_metrics import ApiMetrics
-from coordinator.node_pool import NodePool
-from coordinator.request_queue import QueueFull, RequestQueue
-from coordinator.stop_sequences import StopScanner
+from expertmesh.coordinator.api_metrics import ApiMetrics
+from expertmesh.coordinator.node_pool import NodePool
+from expertmesh.coordinator.request_queue import QueueFull, RequestQueue
+from expertmesh.coordinator.stop_sequences import StopScanner
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node.rpc_auth import call_metadata
-from node.rpc_tls import open_channel
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.tls import open_channel
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import grpc
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node.expert_store import SOURCES
-from node.peers import INFO_DEADLINE_S
-from node.rpc_auth import call_metadata
-from node.rpc_tls import open_channel
-from node.sizes import format_size
+from expertmesh.node.store.store import SOURCES
+from expertmesh.node.store.tiers.peers import INFO_DEADLINE_S
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.tls import open_channel
+from expertmesh.node.sizes import format_size
 
 
 @dataclass

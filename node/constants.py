@@ -1,6 +1,6 @@
 """Every environment variable and default of expertmesh, read in one place.
 
-huggingface_hub reads `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` itself (node/hub_client.py
+huggingface_hub reads `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` itself (node/hub/client.py
 asks it, at call time); everything of expertmesh's own is here, so the rest of the code never
 touches `os.environ`.
 """
@@ -42,7 +42,7 @@ DISK_HEADROOM_BYTES = 1 * 1024**3
 HTTP_TIMEOUT_S = 30.0
 HTTP_MAX_RETRIES = 8
 
-# Range requests in flight to the Hub at once while generating (node/hub_source.py says why 12).
+# Range requests in flight to the Hub at once while generating (node/store/tiers/hub.py says why 12).
 HUB_CONNECTIONS = 12
 # Expert range requests in flight per layer (the distinct experts of a layer fetch together).
 EXPERT_FETCH_CONCURRENCY = 8
@@ -57,9 +57,9 @@ MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 # 0.5 0.93, and from 0.1 on decode takes the same K3 seconds per token (benchmarks/bench_time_scale.py).
 BENCH_TIME_SCALE = 0.2
 
-# The built-in demo model (node/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
+# The built-in demo model (node/devtools/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
 DEMO_REPO = "expertmesh/demo-kimi-k3"
-# Its draft model for `--speculate draft` (node/tiny/draft/), published next to it.
+# Its draft model for `--speculate draft` (node/devtools/tiny/draft/), published next to it.
 DEMO_DRAFT_REPO = "expertmesh/demo-kimi-k3-draft"
 
 

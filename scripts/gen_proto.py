@@ -1,4 +1,4 @@
-"""Generate the Python code of proto/ into the `expertmesh` package (committed, checked by a test).
+"""Generate the Python code of proto/ beside each .proto (committed, installed as `expertmesh.v1`, checked by a test).
 
     python scripts/gen_proto.py [--out DIR]
 """
@@ -24,16 +24,15 @@ def generate(out: Path) -> list[Path]:
         raise SystemExit("protoc failed")
     written = []
     for package in sorted({Path(p).parent for p in protos}):
-        for depth in range(1, len(package.parts) + 1):  # every folder on the way is a Python package
-            init = out.joinpath(*package.parts[:depth]) / "__init__.py"
-            if not init.exists():
-                init.write_text("")
+        init = out / package / "__init__.py"  # the package itself (pyproject maps it to `expertmesh.v1`)
+        if not init.exists():
+            init.write_text("")
         written += sorted((out / package).glob("*.py*"))
     return written
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT)
+    ap.add_argument("--out", type=Path, default=PROTO_DIR)
     for path in generate(ap.parse_args().out):
         print(path.relative_to(ROOT) if ROOT in path.parents else path, file=sys.stderr)

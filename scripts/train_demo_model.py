@@ -1,6 +1,6 @@
 """Train the demo model: a tiny Kimi K3 (mlx-lm's own architecture) on Python stdlib docstrings.
 
-Run once; it writes what `node/tiny/demo_model.py` needs into node/tiny/demo/:
+Run once; it writes what `node/devtools/tiny/demo_model.py` needs into node/devtools/tiny/demo/:
 
     weights.safetensors    trained parameters, mlx-lm names (bf16; A_log, dt_bias, bias in f32)
     tokenizer.json         byte-level BPE trained on the same text (tokenizer_config.json: ChatML)
@@ -40,8 +40,8 @@ from mlx_lm.utils import _get_classes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.tiny import demo_model  # noqa: E402
-from node.tiny.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+from expertmesh.node.devtools.tiny import demo_model  # noqa: E402
+from expertmesh.node.devtools.tiny.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
 
 STDLIB = Path("/usr/lib/python3.11")
 # Not PSF-licensed, per /usr/share/doc/python3.11/copyright ("Files with other licenses"), or not

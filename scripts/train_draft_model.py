@@ -6,7 +6,7 @@ token. Nothing else has the demo's 1024-token vocabulary, so this trains one: ml
 demo model predicts. The loss is KL(demo || draft) of the next-token distributions on the demo's
 own training windows (the same docstrings, tokenizer and windows, by the demo script's functions);
 agreeing with the demo, not with the text, is what gets a draft accepted. Run once; it writes the
-folder `node/tiny/demo_model.py` publishes as the draft repo into node/tiny/draft/:
+folder `node/devtools/tiny/demo_model.py` publishes as the draft repo into node/devtools/tiny/draft/:
 
     config.json, model.safetensors    mlx-lm's llama, bf16, tied embeddings
     tokenizer.json, tokenizer_config.json   the demo's, byte for byte
@@ -48,8 +48,8 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train_demo_model as demo_data  # noqa: E402  (this folder is on sys.path: the script's own)
-from node.tiny import demo_model  # noqa: E402
-from node.tiny.common import write_json  # noqa: E402
+from expertmesh.node.devtools.tiny import demo_model  # noqa: E402
+from expertmesh.node.devtools.tiny.common import write_json  # noqa: E402
 
 
 def draft_config(hidden: int, layers: int, intermediate: int, heads: int) -> dict:
@@ -276,7 +276,7 @@ Trained by `{cmd}` (run from the project root), once, on
 
 The demo model's training data, extracted by the demo's own functions (`scripts/train_demo_model.py`,
 imported): docstrings of the Python 3.11 standard library, **PSF License Version 2**; see
-`node/tiny/demo/PROVENANCE.md` for sources, exclusions and PSF's notice, retained as the licence asks:
+`node/devtools/tiny/demo/PROVENANCE.md` for sources, exclusions and PSF's notice, retained as the licence asks:
 "Copyright (c) 2001, 2002, 2003, 2004, 2005, 2006, 2007, 2008, 2009, 2010, 2011, 2012, 2013, 2014,
 2015, 2016, 2017, 2018, 2019, 2020, 2021, 2022, 2023 Python Software Foundation; All Rights Reserved".
 sha256 of the extracted text: `{corpus_sha}` (checked equal to the demo's). The same

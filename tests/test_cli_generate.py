@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from node.hub_server import HubServer
-from node.pull import pull
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
-CLI = [sys.executable, "-m", "node.cli"]
+CLI = [sys.executable, "-m", "expertmesh"]
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +88,10 @@ def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(hub: HubServer, home: Path) -> None:
     """A real SIGINT in the middle of a real reply: the reply stops, the next turn continues the cache."""
-    from node.chat import ChatSession
-    from node.generation import Generator, SamplingSettings
-    from node.streamed_model import open_model
-    from node.terminal import chat_loop
+    from expertmesh.node.engine.chat import ChatSession
+    from expertmesh.node.engine.generation import Generator, SamplingSettings
+    from expertmesh.node.engine.streamed_model import open_model
+    from expertmesh.cli.terminal import chat_loop
 
     sm = open_model(REPO_ID, home=home)
     try:

@@ -13,15 +13,15 @@ import mlx_lm
 import openai
 import pytest
 
-from coordinator.node_pool import NodePool
-from coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
+from expertmesh.coordinator.node_pool import NodePool
+from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.pull import pull
-from node.rpc_auth import call_metadata
-from node.rpc_tls import open_channel
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.tls import open_channel
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "api-test-secret"
@@ -164,7 +164,7 @@ def test_a_dead_node_is_passed_over_before_the_first_token(node, completion_text
 
 
 def test_status_shows_the_node_and_the_uses_by_source(node, client: openai.OpenAI, monkeypatch, capsys) -> None:
-    from node.cli import main
+    from expertmesh.cli import main
 
     client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=4, temperature=0)
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)

@@ -11,12 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from node import local_models
-from node.cli import main
-from node.core_quantization import group_size_for
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import open_model
+from expertmesh.node.hub import local_models
+from expertmesh.cli import main
+from expertmesh.node.engine.core_quantization import group_size_for
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
@@ -82,7 +82,7 @@ def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None
     finally:
         sm.close()
     env = {**os.environ, "EXPERTMESH_HOME": str(homes[8]), "HF_ENDPOINT": hub.url}
-    r = subprocess.run([sys.executable, "-m", "node.cli", "run", REPO_ID, "hello experts", "--max-tokens", "6"],
+    r = subprocess.run([sys.executable, "-m", "expertmesh", "run", REPO_ID, "hello experts", "--max-tokens", "6"],
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "6 tokens in" in r.stderr and r.stdout.strip()

@@ -12,10 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from node.expert_index import run_ranges
-from node.hub_server import Fault, HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub.expert_index import run_ranges
+from expertmesh.node.devtools.local_hub import Fault, HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 RUN, LONE = [0, 1, 2], 5

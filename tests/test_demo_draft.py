@@ -15,14 +15,14 @@ import huggingface_hub.constants as hf_constants
 import mlx.core as mx
 import pytest
 
-from node import hub_client
-from node.cli import main
-from node.generation import GenerationSummary, Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.speculative import ModelDraft, SpeculationConfig
-from node.streamed_model import StoreConfig, open_model
-from node.tiny.demo_model import DRAFT_DIR, DRAFT_REPO_ID, REPO_ID, make_demo_model, make_draft_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.cli import main
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.speculative import ModelDraft, SpeculationConfig
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.devtools.tiny.demo_model import DRAFT_DIR, DRAFT_REPO_ID, REPO_ID, make_demo_model, make_draft_model
 
 PROMPTS = ("This module provides functions for", "- alpha\n- beta\n- gamma\n- alpha\n- beta\n-")
 TOKENS = 32

@@ -20,13 +20,13 @@ import pytest
 from zeroconf import ServiceInfo, Zeroconf
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node.discovery import Advertisement, Discovery
-from node.expert_index import ExpertIndex
-from node.local_models import find_pulled
-from node.hub_server import HubServer
-from node.peers import PeerTable
-from node.pull import pull
-from node.rpc_auth import call_metadata
+from expertmesh.node.household.discovery import Advertisement, Discovery
+from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.hub.local_models import find_pulled
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.store.tiers.peers import PeerTable
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.rpc.auth import call_metadata
 from waiting import wait_until
 
 LOOPBACK = ["127.0.0.1"]
@@ -79,7 +79,7 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
 
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "expertmesh/tiny-kimi_k3", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "serve", "expertmesh/tiny-kimi_k3", "--host", "127.0.0.1",
                              "--port", "0", "--interface", "127.0.0.1", "--cluster", E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
@@ -172,7 +172,7 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
         index = ExpertIndex.load(find_pulled(tmp_path / "full", repo_id) / "expert_index.json")
         expert_bytes = next(iter(index.experts.values())).nbytes  # one size for all: the tiny K3's experts
         env = {**os.environ, "EXPERTMESH_SECRET": "zc-secret", "EXPERTMESH_HOME": str(tmp_path / "cli")}
-        listing = subprocess.run([sys.executable, "-m", "node.cli", "peers", "--interface", "127.0.0.1", "--cluster",
+        listing = subprocess.run([sys.executable, "-m", "expertmesh", "peers", "--interface", "127.0.0.1", "--cluster",
                                   E2E_CLUSTER, "--wait", "4"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
         assert listing.returncode == 0, listing.stderr
         roles = sorted(ln.split()[2] for ln in listing.stdout.splitlines()[1:])

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from node import disk_cache
-from node.disk_cache import TMP_SUFFIX, DiskCache
-from node.expert_digests import DigestBook, sha256
-from node.expert_index import ExpertIndex, ExpertLocation, TensorSlice
+from expertmesh.node.store.tiers import disk as disk_cache
+from expertmesh.node.store.tiers.disk import TMP_SUFFIX, DiskCache
+from expertmesh.node.store.integrity import DigestBook, sha256
+from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, TensorSlice
 
 SIZE = 64
 

@@ -27,12 +27,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from node.chat import ChatSession
-from node.generation import GenerationSummary, Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, StreamedModel, open_model
-from node.tiny import ARCHS
+from expertmesh.node.engine.chat import ChatSession
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
+from expertmesh.node.devtools.tiny import ARCHS
 
 LOGIT_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2**-5}  # measured: 0.0 everywhere (see above)
 PROMPTS = ("hello experts", "The quick brown fox", "for layer in range")

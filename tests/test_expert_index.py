@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from node import safetensors_format
-from node.errors import UnsupportedModelError
-from node.expert_index import ExpertIndex, build_index
+from expertmesh.node.hub import safetensors_format
+from expertmesh.node.errors import UnsupportedModelError
+from expertmesh.node.hub.expert_index import ExpertIndex, build_index
 
 
 def _local_index(repo: Path) -> ExpertIndex:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import mlx_lm
 
-from node.expert_index import run_ranges
-from node.generation import Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub.expert_index import run_ranges
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from waiting import wait_until
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -88,7 +88,7 @@ def test_fill_stops_when_the_file_system_is_full(hub: HubServer, tiny_repos, tmp
     at once instead of downloading the model for nothing."""
     import errno
 
-    from node import disk_cache
+    from expertmesh.node.store.tiers import disk as disk_cache
 
     ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
     expected = [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"]

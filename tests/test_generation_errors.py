@@ -15,14 +15,14 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from node import hub_client
-from node.disk_cache import TMP_SUFFIX
-from node.engine import load_core_model
-from node.errors import DownloadError, ExpertmeshError, NotPulledError, UnsupportedModelError
-from node.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
-from node.hub_server import Fault, HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, StreamedModel, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.store.tiers.disk import TMP_SUFFIX
+from expertmesh.node.engine.blocks import load_core_model
+from expertmesh.node.errors import DownloadError, ExpertmeshError, NotPulledError, UnsupportedModelError
+from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import Fault, HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
 
 ARCH = "kimi_k3"
 REPO_ID = f"expertmesh/tiny-{ARCH}"

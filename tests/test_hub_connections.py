@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from node import hub_client
-from node.cli import _store_config, build_parser
-from node.generation import Generator, SamplingSettings
-from node.hub_client import RangeReader
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.cli import _store_config, build_parser
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.hub.client import RangeReader
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 

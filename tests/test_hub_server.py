@@ -13,8 +13,8 @@ import pytest
 from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
 from huggingface_hub import errors as hf_errors
 
-from node.hub_server import Fault, HubServer
-from node.link_emulation import TokenBucket, reserve_together
+from expertmesh.node.devtools.local_hub import Fault, HubServer
+from expertmesh.node.devtools.link_emulation import TokenBucket, reserve_together
 
 REPO = "expertmesh/tiny-kimi_k3"
 
@@ -112,7 +112,7 @@ def test_a_connection_pays_its_own_rate_not_the_link_on_top() -> None:
 
 
 def test_cli_serves_and_stops(hub_root: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "hub", str(hub_root), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "hub", str(hub_root), "--port", "0"],
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         line = proc.stdout.readline()
@@ -129,7 +129,7 @@ def test_cli_serves_and_stops(hub_root: Path) -> None:
 def test_fault_flags_parse_or_fail_clearly() -> None:
     import argparse
 
-    from node.hub_server import parse_fault
+    from expertmesh.node.devtools.local_hub import parse_fault
 
     f = parse_fault("cut:count=2,path=*.safetensors")
     assert (f.kind, f.count, f.path_glob) == ("cut", 2, "*.safetensors")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from node.bench import K3_EXPERT_BYTES, K3_LINK, LinkSettings
-from node.expert_index import ByteRange
-from node.hub_source import split_ranges
+from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, K3_LINK, LinkSettings
+from expertmesh.node.hub.expert_index import ByteRange
+from expertmesh.node.store.tiers.hub import split_ranges
 
 
 @pytest.mark.parametrize("pieces,min_piece", [(1, 1), (4, 1), (4, 5000), (7, 100), (64, 1)])

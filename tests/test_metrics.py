@@ -23,16 +23,16 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node.discovery import Advertisement, Discovery
-from node.expert_store import SOURCES
-from node.metrics import NodeMetrics
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.peers import PeerTable
-from node.prometheus_targets import TargetsWatcher
-from node.pull import pull
-from node.rpc_auth import call_metadata
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.household.discovery import Advertisement, Discovery
+from expertmesh.node.store.store import SOURCES
+from expertmesh.node.observability.metrics import NodeMetrics
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.store.tiers.peers import PeerTable
+from expertmesh.node.observability.prometheus_targets import TargetsWatcher
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "metrics-test-household-secret"
@@ -278,14 +278,14 @@ class _RepeatDraft:
     """Drafts the last token k times: cheap, deterministic, sometimes right."""
 
     def propose(self, context: list[int], k: int, temp: float, top_p: float):
-        from node.speculative import Draft
+        from expertmesh.node.engine.speculative import Draft
 
         return Draft([context[-1]] * k)
 
 
 def test_speculative_counters_equal_the_generations_own(node, generation) -> None:
-    from node.generation import GenerationSummary, Generator, SamplingSettings
-    from node.speculative import SpeculationConfig
+    from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+    from expertmesh.node.engine.speculative import SpeculationConfig
 
     sm, _, served = node
     before = _samples(_scrape(served.url))

@@ -15,13 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node import hub_client
-from node.hub_server import HubServer
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.pull import pull
-from node.rpc_auth import call_metadata
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "test-household-secret"
@@ -139,7 +139,7 @@ def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(n
     benchmarks/bench_speculative.py show the savings on the trained demo model)."""
     import mlx_lm
 
-    from node.speculative import SpeculationConfig
+    from expertmesh.node.engine.speculative import SpeculationConfig
 
     sm = node[0]
     running = start_node_server(NodeService(sm, node_id="n2", speculation=SpeculationConfig(mode="ngram")), SECRET,
@@ -164,7 +164,7 @@ def test_the_committed_generated_code_is_up_to_date(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=120, env={**os.environ})  # fmt: skip
     assert r.returncode == 0, r.stderr
     for generated in sorted((tmp_path / "expertmesh" / "v1").glob("*.py*")):
-        committed = ROOT / "expertmesh" / "v1" / generated.name
+        committed = ROOT / "proto" / "expertmesh" / "v1" / generated.name
         assert committed.exists() and filecmp.cmp(generated, committed, shallow=False), (
             f"{committed.relative_to(ROOT)} is stale: run `python scripts/gen_proto.py`")
 
@@ -178,7 +178,7 @@ def test_serve_creates_a_secret_prints_how_to_join_and_stops_on_sigterm(hub_root
         pull(REPO_ID, home=tmp_path, progress=False)
     env = {k: v for k, v in os.environ.items() if k != "EXPERTMESH_SECRET"}
     env["EXPERTMESH_HOME"] = str(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", REPO_ID, "--host", "127.0.0.1", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "serve", REPO_ID, "--host", "127.0.0.1", "--port", "0",
                              "--http-port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:

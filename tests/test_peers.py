@@ -9,13 +9,13 @@ import mlx_lm
 import pytest
 
 from expertmesh.v1 import node_pb2
-from node.generation import Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.peers import Peer, PeerTable, attach_peers, rendezvous_score
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.store.tiers.peers import Peer, PeerTable, attach_peers, rendezvous_score
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "peers-test-secret"
@@ -110,7 +110,7 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, t
         pull(REPO_ID, home=tmp_path / "client", progress=False)
         env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path / "client"), "EXPERTMESH_SECRET": SECRET,
                "HF_ENDPOINT": hub.url}  # fmt: skip
-        r = subprocess.run([sys.executable, "-m", "node.cli", "run", REPO_ID, PROMPT, "--max-tokens", "16",
+        r = subprocess.run([sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--max-tokens", "16",
                             "--disk-budget", "0", "--no-prefetch", "--peer", f"127.0.0.1:{running.port}"],
                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
         assert r.returncode == 0, r.stderr
@@ -118,7 +118,7 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, t
         assert r.stdout == mlx_lm.generate(ref, tok, PROMPT, max_tokens=16) + "\n"  # the single-node text
         line = next(ln for ln in r.stderr.splitlines() if "expert uses by source" in ln)
         assert " peer " in line and "hub 0 " in line
-        bad = subprocess.run([sys.executable, "-m", "node.cli", "run", REPO_ID, PROMPT, "--peer",
+        bad = subprocess.run([sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--peer",
                               f"127.0.0.1:{running.port}"], env={**env, "EXPERTMESH_SECRET": "wrong"},
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert bad.returncode != 0 and "secret" in bad.stderr and SECRET not in bad.stderr
@@ -138,7 +138,7 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
     peer_home = tmp_path / "peer"
     pull(REPO_ID, home=peer_home, progress=False, index_only=True)
     env = {**os.environ, "EXPERTMESH_HOME": str(peer_home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "--cache-only", REPO_ID, "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "serve", "--cache-only", REPO_ID, "--host", "127.0.0.1",
                              "--port", "0", "--no-discovery", "--no-metrics", "--no-http"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
     try:

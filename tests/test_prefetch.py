@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from node import hub_client
-from node.expert_store import PREFETCH_MIN_ACCURACY, PREFETCH_WINDOW
-from node.generation import Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.store.store import PREFETCH_MIN_ACCURACY, PREFETCH_WINDOW
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from node import hub_client, safetensors_format
-from node.errors import AuthError, EndpointUnreachableError, ModelNotFoundError, UnsupportedModelError
-from node.expert_index import INDEX_FILENAME, ExpertIndex
-from node.hub_server import Fault, HubServer
-from node.pull import pull
-from node.tiny import ARCHS
+from expertmesh.node.hub import client as hub_client, safetensors_format
+from expertmesh.node.errors import AuthError, EndpointUnreachableError, ModelNotFoundError, UnsupportedModelError
+from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.devtools.local_hub import Fault, HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.devtools.tiny import ARCHS
 
 
 def _reset(hub: HubServer, faults: list[Fault] | None = None) -> None:
@@ -81,15 +81,15 @@ def test_ignored_range_is_retried_never_used(hub: HubServer, tiny_repos: dict[st
 def test_killed_pull_resumes_and_fetches_less(hub: HubServer, hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """kill -9 part-way through a slow pull, then pull again: same bytes, fewer fetched."""
-    from node import constants
+    from expertmesh.node import constants
 
     monkeypatch.setattr(constants, "MAX_RANGE_BYTES", 32 * 1024)  # as in the killed process
     repo_id = "expertmesh/tiny-kimi_k3"
     _reset(hub)
     hub.knobs.bandwidth_bytes_per_s = 400_000  # ≈ 2 s for the core, so the kill lands mid-way
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
-    code = ("import sys; from node import constants; constants.MAX_RANGE_BYTES = 32 * 1024; "
-            "from node.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    code = ("import sys; from expertmesh.node import constants; constants.MAX_RANGE_BYTES = 32 * 1024; "
+            "from expertmesh.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", code, "pull", repo_id, "--no-progress", "--concurrency", "2"], env=env)
     try:
         deadline = time.monotonic() + 30
@@ -161,7 +161,7 @@ def test_rejected_token(hub_root: Path, tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_cli_errors_are_one_line(hub: HubServer, tmp_path: Path) -> None:
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
-    r = subprocess.run([sys.executable, "-m", "node.cli", "pull", "expertmesh/nope", "--no-progress"],
+    r = subprocess.run([sys.executable, "-m", "expertmesh", "pull", "expertmesh/nope", "--no-progress"],
                        env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode != 0
     assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
@@ -187,8 +187,8 @@ def test_index_ranges_fetched_from_the_hub_equal_the_tensors(hub: HubServer, tin
 
 def test_disk_space_is_checked_first(hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path,
                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from node import constants
-    from node.errors import InsufficientDiskError
+    from expertmesh.node import constants
+    from expertmesh.node.errors import InsufficientDiskError
 
     monkeypatch.setattr(constants, "DISK_HEADROOM_BYTES", 10**18)
     # a Hub of its own: a response of an earlier test still finishing would count in a shared one
@@ -202,10 +202,10 @@ def test_disk_space_is_checked_first(hub_root: Path, tiny_repos: dict[str, Path]
 
 
 def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: HubServer, tmp_path: Path) -> None:
-    from node import local_models
-    from node.errors import NotPulledError
-    from node.served_experts import open_cache_peer
-    from node.streamed_model import open_model
+    from expertmesh.node.hub import local_models
+    from expertmesh.node.errors import NotPulledError
+    from expertmesh.node.store.served import open_cache_peer
+    from expertmesh.node.engine.streamed_model import open_model
 
     _reset(hub)
     result = pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False, index_only=True)

@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node import activations
-from node.engine import streaming_blocks
-from node.generation import Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.link_emulation import k3_lan
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.peers import attach_peers
-from node.pull import pull
-from node.remote_experts import LinkEstimate, RemoteConfig, RemoteExperts, attach_remote_experts
-from node.rpc_auth import call_metadata
-from node.streamed_model import StoreConfig, open_model
-from node.tiny import ARCHS
+from expertmesh.node.rpc import activations
+from expertmesh.node.engine.blocks import streaming_blocks
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.store.tiers.peers import attach_peers
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.household.remote_experts import LinkEstimate, RemoteConfig, RemoteExperts, attach_remote_experts
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.devtools.tiny import ARCHS
 
 SECRET = "remote-test-secret"
 PROMPT = "Move activations, not experts"
@@ -251,7 +251,7 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
 def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Path, monkeypatch) -> None:
     """The CLI's wiring: `--peer` attaches remote execution (a compute peer was described as one);
     `--remote-compute off` leaves every expert to be fetched."""
-    from node.cli import _open_model, build_parser
+    from expertmesh.cli import _open_model, build_parser
 
     pair = pairs("kimi_k3")
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))

@@ -18,13 +18,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from node.cli import main
-from node.generation import GenerationSummary, Generator, SamplingSettings
-from node.pull import pull
-from node.speculative import (DraftController, Draft, ModelDraft, NgramDraft, SpeculationConfig, SpeculationError,
+from expertmesh.cli import main
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.speculative import (DraftController, Draft, ModelDraft, NgramDraft, SpeculationConfig, SpeculationError,
                               SpeculationStats)  # fmt: skip
-from node.streamed_model import StoreConfig, StreamedModel, open_model
-from node.tiny import ARCHS
+from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
+from expertmesh.node.devtools.tiny import ARCHS
 
 PROMPT = "for i in range for i in range"
 TOKENS = 24
@@ -148,7 +148,7 @@ def test_sampled_output_reproduces_with_a_seed(models) -> None:
 def test_acceptance_rule_keeps_the_target_distribution() -> None:
     """Deterministic drafts: accept with p(x), else draw from p without x; the token's frequency
     must follow p (a 3-token vocabulary, 4000 draws; 5-sigma bounds, so it cannot flake)."""
-    from node.speculative import accept_drafts
+    from expertmesh.node.engine.speculative import accept_drafts
 
     p = mx.array([0.5, 0.3, 0.2])
     logprobs = mx.log(mx.stack([p, p]))
@@ -166,7 +166,7 @@ def test_acceptance_rule_keeps_the_target_distribution() -> None:
 
 def test_acceptance_rule_with_draft_model_probabilities_keeps_the_target_distribution() -> None:
     """Drafts drawn from q != p, accepted with min(1, p/q), else the residual: the output is p."""
-    from node.speculative import accept_drafts
+    from expertmesh.node.engine.speculative import accept_drafts
 
     p, q = mx.array([0.5, 0.3, 0.2]), mx.array([0.1, 0.6, 0.3])
     logprobs = mx.log(mx.stack([p, p]))
@@ -246,7 +246,7 @@ def test_bad_speculation_flags_are_one_line_errors(capsys, tmp_path: Path, monke
 
 
 def test_drafted_and_accepted_reach_the_prometheus_counter(models) -> None:
-    from node.metrics import NodeMetrics
+    from expertmesh.node.observability.metrics import NodeMetrics
 
     sm = models("deepseek_v3")
     ids = sm.tokenizer.encode(PROMPT)

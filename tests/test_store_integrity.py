@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from node.expert_digests import DIGESTS_FILENAME, DigestBook, sha256
-from node.generation import Generator, SamplingSettings
-from node.hub_server import HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "The store keeps every expert"

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from node import hub_client
-from node.expert_digests import DIGESTS_FILENAME, DigestBook, sha256
-from node.generation import Generator, SamplingSettings
-from node.hub_server import Fault, HubServer
-from node.pull import pull
-from node.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import Fault, HubServer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "Faults come in bursts"
@@ -90,7 +90,7 @@ def test_wrong_bytes_on_a_refetch_are_caught_and_fetched_again(hub: HubServer, r
 def test_a_run_killed_while_fetching_restarts_cleanly(hub: HubServer, reference, tmp_path: Path) -> None:
     pull(REPO_ID, home=tmp_path, progress=False)
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
-    cmd = [sys.executable, "-m", "node.cli", "run", REPO_ID, PROMPT, "--max-tokens", "16", "--no-prefetch"]
+    cmd = [sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--max-tokens", "16", "--no-prefetch"]
     hub.knobs.ttfb_s = 0.03  # slow enough that the kill lands among fetches
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

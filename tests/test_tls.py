@@ -14,22 +14,22 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from expertmesh.v1 import node_pb2, node_pb2_grpc
-from node.cli import main
-from node.hub_server import HubServer
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.peers import PeerSource, PeerTable, describe_peer
-from node.pull import pull
-from node.rpc_auth import call_metadata
-from node.rpc_tls import TLS_NAME, open_channel, server_credentials
-from node.served_experts import open_cache_peer
+from expertmesh.cli import main
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.store.tiers.peers import PeerSource, PeerTable, describe_peer
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.tls import TLS_NAME, open_channel, server_credentials
+from expertmesh.node.store.served import open_cache_peer
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "tls-test-secret"
 
 
 def _household_cert(folder: Path, name: str = TLS_NAME) -> tuple[Path, Path]:
-    """A self-signed certificate as the module docstring of node/rpc_tls.py tells users to make."""
+    """A self-signed certificate as the module docstring of node/rpc/tls.py tells users to make."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from node.cli import main
-from node.hub_server import HubServer
-from node.node_server import start_node_server
-from node.node_service import NodeService
-from node.pull import pull
-from node.served_experts import open_cache_peer
-from node.warm import WarmNode, owners, warm, warm_order
+from expertmesh.cli import main
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.store.served import open_cache_peer
+from expertmesh.node.household.warm import WarmNode, owners, warm, warm_order
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "warm-test-secret"
@@ -111,7 +111,7 @@ class _CountingService(NodeService):
 
 
 def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: HubServer, tmp_path: Path) -> None:
-    from node.peers import Peer, PeerSource, PeerTable
+    from expertmesh.node.store.tiers.peers import Peer, PeerSource, PeerTable
 
     made = []
     try:
@@ -123,7 +123,7 @@ def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: H
             made.append((name, experts, service, start_node_server(service, SECRET, host="127.0.0.1", port=0)))
         (_, _, _, owner_server), (_, holder, _, holder_server), (_, _, empty_service, empty_server) = made
         index = holder.index
-        from node.peers import expert_key, rendezvous_score
+        from expertmesh.node.store.tiers.peers import expert_key, rendezvous_score
 
         # experts for which, once the owner is gone, the empty node ranks before the holder
         keys = [k for k in sorted(index.experts)

@@ -1,0 +1,94 @@
+"""Generated text on a terminal: tokens printed as they come, a summary after, and the chat loop.
+
+Text goes to stdout and the summary to stderr, so `expertmesh run ... > out.txt` keeps only the
+generated text. Ctrl-C during a reply stops that reply between two tokens (the cache stays
+consistent, the conversation goes on); Ctrl-C or Ctrl-D at the prompt ends the chat.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+from expertmesh.node.engine.generation import GenerationSummary, Token
+
+
+def stream_text(tokens: Iterator[Token], summary: GenerationSummary, out: TextIO | None = None) -> str:
+    """Print each token's text as soon as it is made; returns the whole text."""
+    out = out or sys.stdout  # looked up now, like print_summary's stderr
+    parts = []
+    try:
+        for tok in tokens:
+            if tok.text:
+                out.write(tok.text)
+                out.flush()
+                parts.append(tok.text)
+        if summary.trailing_text:
+            out.write(summary.trailing_text)
+            parts.append(summary.trailing_text)
+    finally:
+        out.write("\n")  # also before an error message, which then starts its own line
+        out.flush()
+    return "".join(parts)
+
+
+def print_summary(summary: GenerationSummary, out: TextIO | None = None) -> None:
+    out = out or sys.stderr  # looked up now: a redirected stderr (a test's, a wrapper's) gets the summary
+    for line in summary.lines():
+        print(f"  {line}", file=out)
+    out.flush()
+
+
+class StopFlag:
+    """Set by Ctrl-C while a reply streams; generation polls it between tokens."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self) -> bool:
+        return self.set
+
+
+@contextmanager
+def ctrl_c_stops(flag: StopFlag) -> Iterator[StopFlag]:
+    """While inside, the first Ctrl-C sets `flag` instead of raising; a second one raises."""
+
+    def handler(signum, frame):
+        if flag.set:
+            raise KeyboardInterrupt
+        flag.set = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def chat_loop(reply: Callable[[str, Callable[[], bool], GenerationSummary], Iterator[Token]],
+              read_line: Callable[[str], str] = input, show_summary: bool = True) -> int:  # fmt: skip
+    """Read a message, stream the reply, repeat until end of input; returns the turns taken."""
+    turns = 0
+    while True:
+        try:
+            text = read_line("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return turns
+        text = text.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return turns
+        flag = StopFlag()
+        summary = GenerationSummary()
+        with ctrl_c_stops(flag):
+            stream_text(reply(text, flag, summary), summary)
+        if flag.set:
+            print("  (stopped; the conversation goes on)", file=sys.stderr)
+        if show_summary:
+            print_summary(summary)
+        turns += 1

@@ -1,0 +1,341 @@
+"""`expertmesh bench`: the same prompts through several configurations in one run, side by side.
+
+The local Hub emulates a home link with Kimi K3's proportions — 100 MB/s for the link, 12.5 MB/s
+per connection, 50 ms to first byte, 100 ms to open a connection, for a 17.5 MB expert — scaled
+so that one of the bench model's experts takes as long to move, relative to the link's delays,
+as a K3 expert does, and then sped up by `time_scale` so the bench ends in minutes. Moving
+experts then dominates compute, as it does for K3.
+
+Configurations:
+    naive      one expert at a time, a new connection per request, no cache (the reference system's way);
+               the first prompt only, as it is slow
+    cold       expertmesh with empty caches: a new node for every prompt
+    warm_disk  expertmesh with the experts on disk and an empty RAM tier
+    warm_ram   expertmesh with every expert already in RAM
+    mlx_lm     `mlx_lm.stream_generate` with the whole model in memory
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from expertmesh.node import constants
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.store.store import SOURCES
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
+from expertmesh.node.store.tiers.hub import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT
+from expertmesh.node.sizes import format_size
+
+K3_EXPERT_BYTES = 17.5e6
+K3_LINK = {"bandwidth": 100e6, "per_connection": 12.5e6, "ttfb_s": 0.050, "connection_s": 0.100}
+PROMPTS = (
+    "Return the number of items in the",
+    "Create a new dictionary with keys from",
+    "This module provides functions for",
+)
+
+
+@dataclass
+class LinkSettings:
+    bandwidth: float  # bytes/s of the whole link
+    per_connection: float  # bytes/s of one connection
+    ttfb_s: float
+    connection_s: float
+    time_scale: float
+    expert_bytes: int
+
+    @classmethod
+    def scaled(cls, expert_bytes: int, time_scale: float, stands_for: float = K3_EXPERT_BYTES) -> "LinkSettings":
+        """K3's home link, with bytes scaled so that this model's expert crosses it as an expert of
+        `stands_for` bytes (K3's by default) would, and time sped up by `time_scale`."""
+        b = expert_bytes / stands_for
+        return cls(K3_LINK["bandwidth"] * b / time_scale, K3_LINK["per_connection"] * b / time_scale,
+                   K3_LINK["ttfb_s"] * time_scale, K3_LINK["connection_s"] * time_scale, time_scale,
+                   expert_bytes)  # fmt: skip
+
+    def knobs(self) -> HubKnobs:
+        return HubKnobs(bandwidth_bytes_per_s=self.bandwidth, per_connection_bytes_per_s=self.per_connection,
+                        ttfb_s=self.ttfb_s, connection_cost_s=self.connection_s)  # fmt: skip
+
+    def describe(self) -> str:
+        per_expert = self.expert_bytes / self.per_connection
+        return (f"link {format_size(self.bandwidth)}/s, {format_size(self.per_connection)}/s per connection, "
+                f"first byte {self.ttfb_s * 1000:.1f} ms, new connection {self.connection_s * 1000:.1f} ms; "
+                f"a {format_size(self.expert_bytes)} expert takes {per_expert * 1000:.1f} ms on one connection "
+                f"(K3: {K3_EXPERT_BYTES / K3_LINK['per_connection']:.1f} s), time scale {self.time_scale}")  # fmt: skip
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    s_per_token: float  # median over prompts of decode seconds per token
+    ttft_s: float  # median time to first token
+    tokens: int
+    hub_bytes_per_token: float
+    hub_requests: int = 0  # every request the Hub answered during the configuration (ranges, redirects)
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    link_utilisation: float | None = None  # hub bytes during decode / link bandwidth / decode wall time
+    # the same over the decode time while something was still fetched from the Hub (until the
+    # last token after which no more Hub bytes came)
+    link_utilisation_while_fetching: float | None = None
+    ram_hit_rate: float | None = None
+    # uses answered without waiting: RAM hits plus guesses that had arrived before their demand
+    # (a prefetching store can pass Belady's optimum for a cache that only keeps what it was asked)
+    ready_hit_rate: float | None = None
+    disk_hit_rate: float | None = None
+    belady_ram_hit_rate: float | None = None
+    # Belady's optimum with the staging room of arrived guesses added to the budget (what "ready"
+    # uses in memory at most: the RAM budget plus half the fetch workers' experts)
+    belady_staged_hit_rate: float | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def _bench_repo(model: str, hub_dir: Path) -> str:
+    """Write the bench model into the Hub folder; returns its repo id."""
+    if model == "demo":
+        from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
+
+        make_demo_model(hub_dir / REPO_ID)
+        return REPO_ID
+    if model == "wide-kimi_k3":
+        from expertmesh.node.devtools.tiny.kimi_k3 import build_wide
+
+        repo_id = "expertmesh/wide-kimi_k3"
+        (hub_dir / repo_id).mkdir(parents=True)
+        build_wide(hub_dir / repo_id, seed=0)
+        return repo_id
+    from expertmesh.node.devtools.tiny import make_tiny_model
+
+    arch = model.removeprefix("tiny-")
+    repo_id = f"expertmesh/tiny-{arch}"
+    make_tiny_model(hub_dir / repo_id, arch, seed=0)
+    return repo_id
+
+
+def _run_prompts(sm, prompts: list[list[int]], tokens: int,
+                 link_bytes: Callable[[], int] = lambda: 0) -> list[GenerationSummary]:  # fmt: skip
+    """Greedy generation of each prompt; each summary also gets `ids`, `decode_link_bytes`, the
+    bytes the link carried between the first token and the last (prefill's bytes belong to TTFT),
+    and `decode_fetch_s`, the decode time until the token after which the link carried nothing more
+    (a model fully fetched mid-prompt leaves the link idle for the rest: nothing is left to fetch)."""
+    out = []
+    for ids in prompts:
+        summary = GenerationSummary()
+        ids_out, samples = [], []  # (time, link bytes) after each token
+        for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary):
+            ids_out.append(t.id)
+            samples.append((time.perf_counter(), link_bytes()))
+        summary.ids = ids_out  # type: ignore[attr-defined]
+        summary.decode_link_bytes = samples[-1][1] - samples[0][1] if samples else 0  # type: ignore[attr-defined]
+        last = next((t for t, b in samples if samples and b == samples[-1][1]), 0.0)
+        summary.decode_fetch_s = last - samples[0][0] if summary.decode_link_bytes else 0.0  # type: ignore[attr-defined]
+        out.append(summary)
+    return out
+
+
+def _decode_s_per_token(s: GenerationSummary) -> float:
+    decode = s.seconds - s.time_to_first_token_s
+    return decode / max(1, s.generated_tokens - 1)
+
+
+def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link: LinkSettings,
+            belady: float | None) -> ConfigResult:  # fmt: skip
+    tokens = sum(s.generated_tokens for s in summaries)
+    uses = {k: sum(s.experts.uses[k] for s in summaries) for k in SOURCES}
+    total = sum(uses.values()) or 1
+    decode_wall = sum(s.seconds - s.time_to_first_token_s for s in summaries)
+    decode_bytes = sum(getattr(s, "decode_link_bytes", 0) for s in summaries)
+    fetching = sum(getattr(s, "decode_fetch_s", 0.0) for s in summaries)
+    return ConfigResult(
+        name=name,
+        s_per_token=statistics.median(_decode_s_per_token(s) for s in summaries),
+        ttft_s=statistics.median(s.time_to_first_token_s for s in summaries),
+        tokens=tokens,
+        hub_bytes_per_token=hub_bytes / max(1, tokens),
+        bytes_by_source={k: sum(s.experts.bytes[k] for s in summaries) for k in SOURCES},
+        link_utilisation=decode_bytes / link.bandwidth / decode_wall if decode_wall > 0 else None,
+        link_utilisation_while_fetching=decode_bytes / link.bandwidth / fetching if fetching > 0 else None,
+        ram_hit_rate=uses["ram"] / total,
+        ready_hit_rate=(uses["ram"] + sum(s.experts.prefetch["ready"] for s in summaries)) / total,
+        disk_hit_rate=uses["disk"] / total,
+        belady_ram_hit_rate=belady,
+        outputs=[s.ids for s in summaries],  # type: ignore[attr-defined]
+    )
+
+
+def _belady(trace_paths: list[Path], slots: int) -> float:
+    """Belady's hit rate over traces of separate nodes (each starts empty), weighted by uses."""
+    from expertmesh.node.store.policies import belady_hit_rate
+    from expertmesh.node.observability.routing_trace import read_trace
+
+    hits = uses = 0.0
+    for path in trace_paths:
+        accesses = read_trace(path).accesses()
+        hits += belady_hit_rate(accesses, slots) * len(accesses)
+        uses += len(accesses)
+    return hits / uses if uses else 0.0
+
+
+def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constants.BENCH_TIME_SCALE, ram_fraction: float = 0.25,
+              naive_tokens: int = 8, hub_connections: int = DEFAULT_CONNECTIONS, coalesce: bool = True,
+              pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
+              stands_for: float = K3_EXPERT_BYTES, progress=print) -> dict:  # fmt: skip
+    """Run every configuration; returns the JSON document (also printed as a table by the CLI).
+
+    `stands_for`: the expert size the link is scaled to (K3's by default; a smaller one makes the
+    time to first byte weigh more against an expert's transfer, as for a smaller model's experts).
+    """
+    import mlx_lm
+
+    from expertmesh.node.hub.client import RangeReader
+    from expertmesh.node.hub.pull import pull
+    from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+
+    work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-"))
+    try:
+        repo_id = _bench_repo(model, work / "hub")
+        with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
+            pulled = work / "pulled"
+            pull(repo_id, home=pulled, progress=False)
+            probe = open_model(repo_id, home=pulled, store_config=StoreConfig(prefetch=False))
+            index, tokenizer = probe.index, probe.tokenizer
+            probe.close()
+            expert_bytes = max(loc.nbytes for loc in index.experts.values())
+            all_bytes = sum(loc.nbytes for loc in index.experts.values())
+            ram_slots = int(len(index.experts) * ram_fraction)
+            ram_budget = str(ram_slots * expert_bytes + expert_bytes // 2)
+            link = LinkSettings.scaled(expert_bytes, time_scale, stands_for)
+            min_piece = int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for)  # K3's pieces, scaled
+            hub.knobs = link.knobs()
+            prompts = [tokenizer.encode(p) for p in PROMPTS]
+            progress(f"{repo_id}: {len(index.experts)} experts of {format_size(expert_bytes)} "
+                     f"({format_size(all_bytes)}); RAM budget {ram_fraction:.0%} of them ({ram_slots} experts)")  # fmt: skip
+            progress(link.describe())
+
+            def home(name: str) -> Path:
+                h = work / name
+                shutil.copytree(pulled, h)
+                return h
+
+            def measured(name: str, open_node: Callable, n_tokens: int, traced: bool,
+                         fresh_per_prompt: bool = False, n_prompts: int = len(prompts)) -> ConfigResult:  # fmt: skip
+                """`open_node(i, trace)` opens the node for prompt i. `fresh_per_prompt`: a node per
+                prompt, each closed after it; else the first node answers every prompt."""
+                progress(f"  {name} ...")
+                before = hub.stats()
+                t0 = time.perf_counter()
+                summaries, traces, sm = [], [], None
+                for i, ids in enumerate(prompts[:n_prompts]):
+                    if sm is None or fresh_per_prompt:
+                        if sm is not None:
+                            sm.close()
+                        trace = work / f"{name}-{i}.trace" if traced else None
+                        traces += [trace] if trace else []
+                        sm = open_node(i, trace)
+                    summaries += _run_prompts(sm, [ids], n_tokens, hub.bytes_served)
+                sm.close()
+                after = hub.stats()
+                belady = _belady(traces, ram_slots) if traces else None
+                r = _result(name, summaries, after["bytes_served"] - before["bytes_served"], link, belady)
+                r.hub_requests = after["requests"] - before["requests"]
+                if traces:
+                    r.belady_staged_hit_rate = _belady(traces, ram_slots + max(1, sm.store._concurrency // 2))
+                progress(f"  {name}: {r.s_per_token * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s")
+                return r
+
+            def expertmesh_node(home_dir: Path, trace: Path | None = None):
+                cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece,
+                                  hub_connections=hub_connections, hub_pieces_per_expert=pieces_per_expert,
+                                  coalesce=coalesce)  # fmt: skip
+                return open_model(repo_id, home=home_dir, store_config=cfg)
+
+            results = []
+            if naive_tokens > 0:
+                naive_cfg = StoreConfig(ram_budget="0", disk_budget="0", fetch_concurrency=1, prefetch=False)
+                naive_home = home("naive")
+                results.append(measured("naive", lambda i, _: open_model(repo_id, home=naive_home, store_config=naive_cfg,
+                                                                         hub_reader=RangeReader(fresh_connections=True)),
+                                        naive_tokens, traced=False, n_prompts=1))  # one prompt: it is slow
+            # cold: a new node for every prompt, so every measured token is decoded with caches that
+            # started empty, as every token of a K3 reply is (no reply warms 1.56 TB of experts)
+            results.append(measured("cold", lambda i, trace: expertmesh_node(home(f"cold-{i}"), trace),
+                                    tokens, traced=True, fresh_per_prompt=True))  # fmt: skip
+            # warm_disk: the disk of a node that has answered these prompts once before (not timed)
+            cached = home("cached")
+            session = expertmesh_node(cached)
+            _run_prompts(session, prompts, tokens)
+            session.close()
+            results.append(measured("warm_disk", lambda i, trace: expertmesh_node(cached, trace), tokens, traced=True))
+            sm = open_model(repo_id, home=home("warm_ram"), store_config=StoreConfig(ram_budget=str(2 * all_bytes)))
+            _run_prompts(sm, prompts, tokens)  # fill RAM
+            results.append(measured("warm_ram", lambda i, _: sm, tokens, traced=False))
+
+            ref, ref_tok = mlx_lm.load(str(work / "hub" / repo_id))
+            summaries = []
+            for ids in prompts:
+                from mlx_lm.sample_utils import make_sampler
+
+                t0 = time.perf_counter()
+                out, ttft = [], 0.0
+                for r in mlx_lm.stream_generate(ref, ref_tok, ids, max_tokens=tokens, sampler=make_sampler(0.0)):
+                    if not out:
+                        ttft = time.perf_counter() - t0
+                    if r.finish_reason != "stop":
+                        out.append(r.token)
+                s = GenerationSummary(prompt_tokens=len(ids), generated_tokens=len(out), time_to_first_token_s=ttft,
+                                      seconds=time.perf_counter() - t0)  # fmt: skip
+                s.ids = out  # type: ignore[attr-defined]
+                summaries.append(s)
+            mlx = _result("mlx_lm", summaries, 0, link, None)
+            mlx.link_utilisation = mlx.ram_hit_rate = mlx.ready_hit_rate = mlx.disk_hit_rate = None
+            results.append(mlx)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    reference = results[-1].outputs
+    for r in results:
+        if any(o[: len(ref)] != ref[: len(o)] for o, ref in zip(r.outputs, reference)):  # the shorter a prefix
+            raise AssertionError(f"bench: {r.name} generated other tokens than mlx-lm: the comparison is void")
+    return {"model": repo_id, "tokens_per_prompt": tokens, "prompts": list(PROMPTS), "ram_fraction": ram_fraction,
+            "hub_connections": hub_connections, "pieces_per_expert": pieces_per_expert, "coalesce": coalesce,
+            "link": asdict(link), "configs": [asdict(r) for r in results]}  # fmt: skip
+
+
+def print_table(doc: dict, out=print) -> None:
+    configs = {c["name"]: c for c in doc["configs"]}
+    out(f"{'config':<10} {'ms/token':>9} {'vs mlx_lm':>9} {'TTFT s':>7} {'hub B/token':>11} {'link use':>8} "
+        f"{'RAM hit':>7} {'Belady':>7} {'ready':>7} {'disk hit':>8}")  # fmt: skip
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    base = configs["mlx_lm"]["s_per_token"]
+    for c in doc["configs"]:
+        out(f"{c['name']:<10} {c['s_per_token'] * 1000:>9.2f} {c['s_per_token'] / base:>8.2f}x {c['ttft_s']:>7.3f} "
+            f"{c['hub_bytes_per_token']:>11.0f} {f(c['link_utilisation'], '.2f'):>8} {f(c['ram_hit_rate'], '.3f'):>7} "
+            f"{f(c['belady_ram_hit_rate'], '.3f'):>7} {f(c.get('ready_hit_rate'), '.3f'):>7} "
+            f"{f(c['disk_hit_rate'], '.3f'):>8}")  # fmt: skip
+    for name in ("cold", "warm_disk"):
+        c = configs.get(name)
+        if c and c.get("ready_hit_rate") is not None and c.get("belady_staged_hit_rate"):
+            out(f"{name}: RAM hits {c['ram_hit_rate'] / c['belady_ram_hit_rate']:.2f}x Belady's; uses answered "
+                f"without waiting {c['ready_hit_rate'] / c['belady_staged_hit_rate']:.2f}x Belady's with the same "
+                f"memory (budget + staged guesses)")  # fmt: skip
+    for c in doc["configs"]:
+        if c.get("link_utilisation_while_fetching"):
+            out(f"{c['name']}: link use {c['link_utilisation']:.2f} over decode, {c['link_utilisation_while_fetching']:.2f} "
+                "while anything was left to fetch")  # fmt: skip
+    if "naive" in configs and "cold" in configs:
+        out(f"cold is {configs['naive']['s_per_token'] / configs['cold']['s_per_token']:.1f}x faster than naive; "
+            f"warm_ram is {configs['warm_ram']['s_per_token'] / base:.2f}x mlx_lm")  # fmt: skip
+
+
+def write_json(doc: dict, path: Path) -> None:
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")

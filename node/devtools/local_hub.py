@@ -1,0 +1,540 @@
+"""`expertmesh hub DIR`: a folder of model repos served over the Hugging Face Hub's HTTP protocol.
+
+For demos, air-gapped households and every test: the real `huggingface_hub` client talks to
+it through `HF_ENDPOINT`. It answers what that client uses — `/api/models/{repo}[/revision/{rev}]`,
+`HEAD`/`GET /{repo}/resolve/{rev}/{path}` with `Range` (206 + `Content-Range`, 416), the
+commit and linked-size/etag headers, and the 302 to a signed CDN-like URL for large files —
+and it can behave like a CDN over a home link (bandwidth, time to first byte, faults), with
+knobs settable at run time (`POST /_hub/knobs`) and counters of what it served (`GET /_hub/stats`).
+
+`DIR/{namespace}/{name}/` is a repo; its commit sha is a hash of its files' names and bytes
+(or the 40 hex digits in `.hub_commit`); `main` and that sha are its revisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import fnmatch
+import hashlib
+import json
+import random
+import re
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlparse
+
+from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.devtools.link_emulation import TokenBucket, take_together
+from expertmesh.node.sizes import parse_size
+
+_LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".npz")
+_LFS_MIN_BYTES = 10 * 1024 * 1024
+_CHUNK = 64 * 1024
+# cut: half the body, then the connection closes; stall: half the body, then silence for
+# `stall_s`; wrong_range: a Content-Range one byte off; wrong_bytes: the right headers, flipped bytes
+FAULT_KINDS = ("429", "503", "500", "cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
+
+
+@dataclass
+class Fault:
+    """Misbehaviour injected into matching requests: the next `count` of them, or each with `rate`."""
+
+    kind: str
+    rate: float = 0.0
+    count: int = 0
+    retry_after_s: float = 1.0
+    stall_s: float = 5.0
+    path_glob: str = "*"
+
+
+@dataclass
+class HubKnobs:
+    bandwidth_bytes_per_s: float = 0.0  # the whole link, shared by all connections; 0 = unlimited
+    per_connection_bytes_per_s: float = 0.0
+    ttfb_s: float = 0.0
+    connection_cost_s: float = 0.0  # paid once by each new TCP connection
+    cdn_url_ttl_s: float = 3600.0
+    required_token: str | None = None
+    seed: int = 0
+    faults: list[Fault] = field(default_factory=list)
+
+    def update(self, doc: dict) -> None:
+        for k, v in doc.items():
+            if k == "faults":
+                self.faults = [Fault(**f) for f in v]
+            elif k in self.__dataclass_fields__:
+                setattr(self, k, v)
+            else:
+                raise ValueError(f"unknown knob {k!r}")
+
+
+@dataclass
+class _Repo:
+    repo_id: str
+    path: Path
+    commit: str
+    files: dict[str, Path]
+
+
+def _scan(root: Path) -> dict[str, _Repo]:
+    repos = {}
+    for ns in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for rp in sorted(p for p in ns.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            files = {str(f.relative_to(rp)): f for f in sorted(rp.rglob("*"))
+                     if f.is_file() and not any(part.startswith(".") for part in f.relative_to(rp).parts)}  # fmt: skip
+            commit_file = rp / ".hub_commit"
+            if commit_file.is_file():
+                commit = commit_file.read_text().strip()
+            else:
+                h = hashlib.sha1()
+                for name, f in files.items():
+                    h.update(name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+                commit = h.hexdigest()
+            repos[f"{ns.name}/{rp.name}"] = _Repo(f"{ns.name}/{rp.name}", rp, commit, files)
+    return repos
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting = 0  # requests waiting for their first byte now (not reset: they still wait)
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak_waiting = self.waiting  # the most requests awaiting their first byte at once: a client's concurrency
+        self.requests = 0
+        self.redirects = 0  # 302s to the CDN: a client that remembers them pays one per shard
+        self.bytes_served = 0
+        self.connections = 0
+        self.faults: dict[str, int] = {}
+        self.files: dict[str, dict] = {}
+
+    def file(self, key: str) -> dict:
+        return self.files.setdefault(key, {"requests": 0, "bytes": 0, "ranges": {}})
+
+    def as_json(self) -> dict:
+        with self.lock:
+            files = {k: {"requests": v["requests"], "bytes": v["bytes"],
+                         "ranges": [[a, b, n] for (a, b), n in sorted(v["ranges"].items())]}
+                     for k, v in self.files.items()}  # fmt: skip
+            return {"requests": self.requests, "bytes_served": self.bytes_served, "connections": self.connections,
+                    "redirects": self.redirects, "peak_waiting": self.peak_waiting, "faults": dict(self.faults), "files": files}  # fmt: skip
+
+
+class HubServer:
+    """The local Hub, serving in background threads; use as a context manager."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, knobs: HubKnobs | None = None):
+        self.root = Path(root)
+        self.repos = _scan(self.root)
+        self.knobs = knobs or HubKnobs()
+        self.stats_ = _Stats()
+        self.link = TokenBucket()
+        self.rng = random.Random(self.knobs.seed)
+        self.fault_lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"hub": self})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.host, self.port = self.httpd.server_address[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "HubServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="expertmesh-hub", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> "HubServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stats(self) -> dict:
+        return self.stats_.as_json()
+
+    def bytes_served(self) -> int:
+        """Bytes sent so far; cheap enough to ask after every token (`stats` copies every range)."""
+        return self.stats_.bytes_served
+
+    def pick_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
+        with self.fault_lock:
+            for f in self.knobs.faults:
+                if f.kind not in kinds or not fnmatch.fnmatch(path, f.path_glob):
+                    continue
+                if f.count > 0:
+                    f.count -= 1
+                elif not (f.rate > 0 and self.rng.random() < f.rate):
+                    continue
+                with self.stats_.lock:
+                    self.stats_.faults[f.kind] = self.stats_.faults.get(f.kind, 0) + 1
+                return f
+        return None
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go in separate writes: Nagle would stall each response ~40 ms
+    hub: HubServer
+
+    def log_message(self, format: str, *args) -> None:  # quiet: tests and demos read stdout
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.bucket = TokenBucket()
+        with self.hub.stats_.lock:
+            self.hub.stats_.connections += 1
+        if self.hub.knobs.connection_cost_s:
+            time.sleep(self.hub.knobs.connection_cost_s)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _error(self, status: int, code: str | None, message: str) -> None:
+        headers = {"X-Error-Message": message}
+        if code:
+            headers["X-Error-Code"] = code
+        self._send(status, json.dumps({"error": message}).encode(), headers)
+
+    def _authorized(self, repo: _Repo | None) -> bool:
+        wanted = self.hub.knobs.required_token
+        private = repo.path / ".hub_private" if repo else None
+        if private is not None and private.is_file():
+            wanted = private.read_text().strip()
+        if not wanted:
+            return True
+        auth = self.headers.get("Authorization", "")
+        if auth == f"Bearer {wanted}":
+            return True
+        if auth:
+            self._error(401, None, "Invalid credentials in Authorization header")
+        else:
+            self._error(401, "RepoNotFound", "Repository not found")
+        return False
+
+    def _count(self, key: str | None) -> None:
+        with self.hub.stats_.lock:
+            self.hub.stats_.requests += 1
+            if key:
+                self.hub.stats_.file(key)["requests"] += 1
+
+    def _revision(self, repo: _Repo, rev: str) -> bool:
+        if rev in ("main", repo.commit) or (len(rev) >= 7 and repo.commit.startswith(rev)):
+            return True
+        self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        return False
+
+    # -- routes ------------------------------------------------------------------------------
+
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_POST(self) -> None:
+        url = urlparse(self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if url.path == "/_hub/knobs":
+            try:
+                self.hub.knobs.update(json.loads(body or b"{}"))
+            except (ValueError, TypeError) as e:
+                return self._error(400, None, str(e))
+            return self._send(200, json.dumps(asdict(self.hub.knobs)).encode())
+        if m := re.match(r"^/api/models/([^/]+/[^/]+)/paths-info/([^/]+)$", unquote(url.path)):
+            ctype = self.headers.get("Content-Type", "")
+            form = json.loads(body) if "json" in ctype else {k: v for k, v in parse_qs(body.decode()).items()}
+            paths = form.get("paths", [])
+            return self._tree(m.group(1), m.group(2), "", [paths] if isinstance(paths, str) else paths)
+        if url.path == "/_hub/stats/reset":
+            with self.hub.stats_.lock:
+                self.hub.stats_.reset()
+            return self._send(200, b"{}")
+        self._error(404, None, "not found")
+
+    def do_GET(self) -> None:
+        url = urlparse(self.path)
+        path = unquote(url.path)
+        if path == "/_hub/stats":
+            return self._send(200, json.dumps(self.hub.stats()).encode())
+        if path == "/_hub/knobs":
+            return self._send(200, json.dumps(asdict(self.hub.knobs)).encode())
+        if path == "/_hub/health":
+            return self._send(200, b'{"status":"ok"}')
+        self._await_first_byte()
+        self._answer(url, path)
+
+    def _await_first_byte(self) -> None:
+        """The emulated time to first byte, counting the requests that wait in it at once.
+
+        Counted before any byte is sent, so a client cannot have finished a request and started
+        its next one while the first is still counted: the peak is exactly the client's concurrency
+        (counting until the last byte would overlap a request's tail with the next one's head).
+        """
+        stats = self.hub.stats_
+        with stats.lock:
+            stats.waiting += 1
+            stats.peak_waiting = max(stats.peak_waiting, stats.waiting)
+        try:
+            if self.hub.knobs.ttfb_s:
+                time.sleep(self.hub.knobs.ttfb_s)
+        finally:
+            with stats.lock:
+                stats.waiting -= 1
+
+    def _answer(self, url, path: str) -> None:
+        if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)$", path):
+            return self._tree(m.group(1), m.group(2), m.group(3), None)
+        if m := re.match(r"^/api/models/([^/]+/[^/]+?)(?:/revision/(.+))?/?$", path):
+            return self._model_info(m.group(1), m.group(2) or "main", parse_qs(url.query))
+        if m := re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path):
+            return self._resolve(m.group(1), m.group(2), m.group(3))
+        if m := re.match(r"^/_cdn/([A-Za-z0-9_=-]+)$", path):
+            return self._cdn(m.group(1), parse_qs(url.query))
+        self._count(None)
+        self._error(404, None, "not found")
+
+    def _model_info(self, repo_id: str, rev: str, query: dict) -> None:
+        self._count(None)
+        repo = self.hub.repos.get(repo_id)
+        if fault := self.hub.pick_fault(f"{repo_id}/", ("429", "503", "500")):
+            return self._fault_status(fault)
+        if repo is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        if not self._authorized(repo) or not self._revision(repo, rev):
+            return
+        siblings = []
+        for name, f in repo.files.items():
+            sib = {"rfilename": name, "size": f.stat().st_size}
+            if self._is_lfs(name, f):
+                sib["lfs"] = {"sha256": self._sha256(f), "size": f.stat().st_size, "pointerSize": 134}
+            siblings.append(sib)
+        doc = {"_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False,
+               "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
+               "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings}  # fmt: skip
+        self._send(200, json.dumps(doc).encode())
+
+    def _tree(self, repo_id: str, rev: str, folder: str, paths: list[str] | None) -> None:
+        """Tree listing (GET, one folder level) or paths-info (POST, the named paths)."""
+        self._count(None)
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        if not self._authorized(repo) or not self._revision(repo, rev):
+            return
+        folder = folder.strip("/")
+        entries, dirs = [], set()
+        for name, f in repo.files.items():
+            if paths is not None:
+                if name in paths:
+                    entries.append(self._file_entry(name, f))
+                continue
+            rel = name[len(folder) + 1 :] if folder else name
+            if folder and not name.startswith(folder + "/"):
+                continue
+            if "/" in rel:
+                dirs.add((f"{folder}/" if folder else "") + rel.split("/", 1)[0])
+            else:
+                entries.append(self._file_entry(name, f))
+        entries += [{"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0}
+                    for d in sorted(dirs)]  # fmt: skip
+        self._send(200, json.dumps(entries).encode())
+
+    def _file_entry(self, name: str, f: Path) -> dict:
+        size = f.stat().st_size
+        entry = {"type": "file", "path": name, "size": size, "oid": hashlib.sha1(f.read_bytes()).hexdigest()}
+        if self._is_lfs(name, f):
+            entry["lfs"] = {"oid": self._sha256(f), "size": size, "pointerSize": 134}
+        return entry
+
+    @staticmethod
+    def _is_lfs(name: str, f: Path) -> bool:
+        return name.endswith(_LFS_SUFFIXES) or f.stat().st_size >= _LFS_MIN_BYTES
+
+    @staticmethod
+    def _sha256(f: Path) -> str:
+        return hashlib.sha256(f.read_bytes()).hexdigest()
+
+    def _fault_status(self, fault: Fault) -> None:
+        code = int(fault.kind)
+        headers = {"Retry-After": str(int(fault.retry_after_s))} if code in (429, 503) else {}
+        self._send(code, json.dumps({"error": f"injected {code}"}).encode(), headers)
+
+    def _resolve(self, repo_id: str, rev: str, name: str) -> None:
+        key = f"{repo_id}/{name}"
+        self._count(key)
+        if fault := self.hub.pick_fault(key, ("429", "503", "500")):
+            return self._fault_status(fault)
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error(404, "RepoNotFound", "Repository not found")
+        if not self._authorized(repo) or not self._revision(repo, rev):
+            return
+        f = repo.files.get(name)
+        if f is None:
+            return self._error(404, "EntryNotFound", f"{name} does not exist on {rev}")
+        common = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
+        if self._is_lfs(name, f):
+            sha = self._sha256(f)
+            token = base64.urlsafe_b64encode(json.dumps([repo_id, repo.commit, name]).encode()).decode()
+            expires = int(time.time() + self.hub.knobs.cdn_url_ttl_s)
+            headers = {**common, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
+                       "X-Linked-Size": str(f.stat().st_size),
+                       "Location": f"{self.hub.url}/_cdn/{token}?expires={expires}"}  # fmt: skip
+            with self.hub.stats_.lock:
+                self.hub.stats_.redirects += 1
+            return self._send(302, b"", headers)
+        data = f.read_bytes()
+        etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        self._serve_bytes(key, data, {**common, "ETag": f'"{etag}"'})
+
+    def _cdn(self, token: str, query: dict) -> None:
+        try:
+            repo_id, commit, name = json.loads(base64.urlsafe_b64decode(token))
+            expires = float(query.get("expires", ["0"])[0])
+        except (ValueError, TypeError):
+            self._count(None)
+            return self._error(403, None, "bad signature")
+        key = f"{repo_id}/{name}"
+        self._count(key)
+        if time.time() > expires:
+            return self._error(403, None, "Request has expired")
+        if fault := self.hub.pick_fault(key, ("429", "503", "500")):
+            return self._fault_status(fault)
+        repo = self.hub.repos.get(repo_id)
+        if repo is None or repo.commit != commit or name not in repo.files:
+            return self._error(404, None, "not found")
+        data = repo.files[name].read_bytes()
+        sha = f'"{self._sha256(repo.files[name])}"'
+        # The CDN shares our host, so huggingface_hub treats its URL as a relative redirect
+        # and expects the Hub's headers on it too.
+        self._serve_bytes(key, data, {"ETag": sha, "X-Linked-Etag": sha, "X-Linked-Size": str(len(data)),
+                                      "X-Repo-Commit": commit, "Accept-Ranges": "bytes"})  # fmt: skip
+
+    def _serve_bytes(self, key: str, data: bytes, headers: dict) -> None:
+        size = len(data)
+        status, start, end = 200, 0, size
+        rng = self.headers.get("Range")
+        body_faults = ("cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
+        fault = self.hub.pick_fault(key, body_faults) if self.command == "GET" else None
+        if rng and not (fault and fault.kind == "ignore_range"):
+            m = re.match(r"^bytes=(\d*)-(\d*)$", rng.strip())
+            if not m or (not m.group(1) and not m.group(2)):
+                return self._send(416, b"", {"Content-Range": f"bytes */{size}"})  # multi-range: unsupported
+            if m.group(1):
+                start = int(m.group(1))
+                end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+            else:
+                start, end = max(0, size - int(m.group(2))), size
+            if start >= size or start >= end:
+                return self._send(416, b"", {"Content-Range": f"bytes */{size}"})
+            status = 206
+            shift = 1 if fault and fault.kind == "wrong_range" else 0
+            headers = {**headers, "Content-Range": f"bytes {start + shift}-{end - 1 + shift}/{size}"}
+        body = data[start:end]
+        if fault and fault.kind == "wrong_bytes":
+            body = bytes(b ^ 0x5A for b in body)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        limit = len(body) // 2 if fault and fault.kind in ("cut", "stall") else len(body)
+        sent = 0
+        knobs = self.hub.knobs
+        try:
+            while sent < limit:
+                chunk = body[sent : min(limit, sent + _CHUNK)]
+                take_together(len(chunk), (self.hub.link, knobs.bandwidth_bytes_per_s),
+                              (self.bucket, knobs.per_connection_bytes_per_s))  # fmt: skip
+                self.wfile.write(chunk)
+                sent += len(chunk)
+        finally:
+            with self.hub.stats_.lock:
+                self.hub.stats_.bytes_served += sent
+                entry = self.hub.stats_.file(key)
+                entry["bytes"] += sent
+                r = (start, start + sent - 1)
+                entry["ranges"][r] = entry["ranges"].get(r, 0) + 1
+        if limit < len(body):
+            self.wfile.flush()
+            if fault.kind == "stall":
+                time.sleep(fault.stall_s)
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+
+
+def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bandwidth", type=parse_size, default=0, help="total link bytes/s, e.g. 100MB (0: unlimited)")
+    parser.add_argument("--per-connection-bandwidth", type=parse_size, default=0, help="bytes/s of one connection")
+    parser.add_argument("--ttfb", type=float, default=0.0, help="seconds before each response")
+    parser.add_argument("--connection-cost", type=float, default=0.0, help="seconds added to each new connection")
+    parser.add_argument("--require-token", help="token every request must present (Authorization: Bearer)")
+    parser.add_argument("--fault", action="append", default=[], metavar="KIND:SPEC", type=parse_fault,
+                        help=f"inject faults, KIND in {', '.join(FAULT_KINDS)}; SPEC e.g. rate=0.1 or count=3,retry_after=2")  # fmt: skip
+
+
+_FAULT_FIELDS = {"rate": ("rate", float), "count": ("count", int), "retry_after": ("retry_after_s", float),
+                 "stall": ("stall_s", float), "path": ("path_glob", str)}  # fmt: skip
+
+
+def parse_fault(text: str) -> Fault:
+    """`KIND:rate=0.1` / `KIND:count=3,retry_after=2,path=*.safetensors` -> a Fault (argparse type)."""
+    kind, _, spec = text.partition(":")
+    if kind not in FAULT_KINDS:
+        raise argparse.ArgumentTypeError(f"unknown fault {kind!r}; choose from {', '.join(FAULT_KINDS)}")
+    fault = Fault(kind)
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        if k not in _FAULT_FIELDS:
+            raise argparse.ArgumentTypeError(f"unknown fault setting {k!r}; use {', '.join(_FAULT_FIELDS)}")
+        name, convert = _FAULT_FIELDS[k]
+        try:
+            setattr(fault, name, convert(v))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad value in fault setting {item!r}") from None
+    return fault
+
+
+def knobs_from_args(args: argparse.Namespace) -> HubKnobs:
+    return HubKnobs(
+        bandwidth_bytes_per_s=args.bandwidth,
+        per_connection_bytes_per_s=args.per_connection_bandwidth,
+        ttfb_s=args.ttfb,
+        connection_cost_s=args.connection_cost,
+        required_token=args.require_token,
+        faults=list(args.fault),
+    )
+
+
+def serve_forever_cli(root: Path, host: str, port: int, knobs: HubKnobs) -> None:
+    """Serve until SIGINT or SIGTERM, announcing the address on one line."""
+    if not root.is_dir():
+        raise ExpertmeshError(f"{root} is not a folder of repos")
+    hub = HubServer(root, host, port, knobs)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with hub:
+        print(f"expertmesh hub: serving {len(hub.repos)} repos from {root} at {hub.url}", flush=True)
+        stop.wait()

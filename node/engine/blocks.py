@@ -1,0 +1,233 @@
+"""mlx-lm's own model for the architecture, with every expert block streaming from the store.
+
+The model is built by `mlx_lm.utils.load_model` from the local core, with one change: right
+after the architecture's constructor runs, each `SwitchGLU` is swapped for a `StreamingSwitchGLU`
+that keeps its call signature. The swapped-out blocks' expert weights were never evaluated (MLX
+arrays are lazy), so no routed expert is ever materialised from the repo, and mlx-lm's sanitize,
+quantisation and strict weight loading run unchanged on the core. Anything mlx-lm implements with
+a `SwitchGLU` therefore streams, not just the fixtures.
+
+How expert weights reach the kernel: at a MoE layer the block evaluates the routing (one
+synchronisation per layer), asks the store for the layer's distinct experts in one call, gathers
+the activation rows once so each expert's rows are contiguous, and runs them through
+`quantized_matmul` (or a plain matmul for BF16 experts) with that expert's own arrays from the RAM
+tier. A token therefore copies no resident expert; the only per-token copies are the routed
+activation rows (k rows of the model width per token) and the outputs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.utils import _get_classes, load_model
+
+from expertmesh.node.errors import UnsupportedModelError
+from expertmesh.node.store.codec import ExpertWeights, ProjectionWeights
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class StreamingSwitchGLU(nn.Module):
+    """A `SwitchGLU` whose experts come from an expert store, one layer's set per call."""
+
+    def __init__(self, layer: int, path: str, original: SwitchGLU):
+        super().__init__()
+        self.layer = layer
+        self.path = path
+        self.activation = original.activation
+        self.input_dims = {p: getattr(original, p).input_dims for p in ("gate_proj", "up_proj", "down_proj")}
+        self.output_dims = original.down_proj.output_dims
+        # Plain attributes (object.__setattr__), not parameters or child modules:
+        self._set("_store", None)
+        self._set("_next", None)  # (next MoE layer's block, its parent MoE module), for guesses
+        self._set("_predicting", False)  # while True, a call only records its routing
+        self._set("_predicted", None)
+        self._set("_guess", None)  # the next layer's routing guessed from this layer's input
+        self._set("_remote", None)  # a RemoteExperts (node/household/remote_experts.py) when peers can compute
+
+    def _set(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+
+    def bind(self, store) -> None:
+        self._set("_store", store)
+
+    def bind_remote(self, remote) -> None:
+        self._set("_remote", remote)
+
+    @property
+    def store(self):
+        return self._store
+
+    @property
+    def input_width(self) -> int:
+        return self.input_dims["gate_proj"]
+
+    def wants_guesses(self) -> bool:
+        return self._next is not None and self._store is not None and self._store.wants_guesses()
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self._predicting:  # a guess of this layer's routing: no experts needed, output unused
+            self._set("_predicted", indices)
+            return mx.zeros((*indices.shape, self.output_dims), dtype=x.dtype)
+        store = self._store
+        if store is None:
+            raise RuntimeError(f"expert block of layer {self.layer} has no expert store bound")
+        guess = self._guess
+        self._set("_guess", None)
+        if guess is not None:
+            mx.eval(indices, guess)  # the guess rides on the same sync as the routing
+        k = indices.shape[-1]
+        flat = np.array(indices.reshape(-1))  # evaluates the routing: the one sync per layer
+        order = np.argsort(flat, kind="stable")
+        experts, starts = np.unique(flat[order], return_index=True)
+        next_guess = None
+        if guess is not None:
+            next_guess = (self._next[0].layer, np.unique(np.array(guess)).tolist())
+        x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
+        ends = [*starts[1:].tolist(), len(order)]
+        experts = experts.tolist()
+        rows = {e: x_rows[start:end] for e, start, end in zip(experts, starts.tolist(), ends)}
+        if self._remote is not None:  # some experts may run on the peers that hold them
+            out = self._remote.run(self, experts, rows, next_guess)
+        else:
+            out = self.compute(store.get_layer(self.layer, experts, guess=next_guess), rows)
+        y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
+        return y.reshape(*indices.shape, y.shape[-1])
+
+    def compute(self, weights: dict[int, ExpertWeights], rows: dict[int, mx.array]) -> dict[int, mx.array]:
+        """Each expert's rows through it (lazy): the same kernels whether the rows are this node's
+        own or arrived from a peer (ComputeExperts)."""
+        return {e: _expert_forward(weights[e], self.activation, rows[e]) for e in rows}
+
+
+def _expert_forward(w: ExpertWeights, activation, x: mx.array) -> mx.array:
+    """(n, in) rows through one expert -> (n, out), with the kernels of mlx-lm's quantized layers."""
+    return _project(w.down_proj, activation(_project(w.up_proj, x), _project(w.gate_proj, x)))
+
+
+def _project(p: ProjectionWeights, x: mx.array) -> mx.array:
+    if p.quant is not None:
+        y = mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True, group_size=p.quant.group_size,
+                                bits=p.quant.bits, mode=p.quant.mode)  # fmt: skip
+    else:
+        y = x @ p.weight.T
+    if p.bias is not None:
+        y = y + p.bias
+    return y
+
+
+def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent: object = root
+    parts = path.split(".")
+    for part in parts[:-1]:
+        parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+    if isinstance(parent, list):
+        parent[int(parts[-1])] = module
+    else:
+        setattr(parent, parts[-1], module)
+
+
+def install_streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
+    """Swap every SwitchGLU of `model` for a streaming block; returns them in layer order."""
+    blocks = []
+    for path, module in list(model.named_modules()):
+        if isinstance(module, SwitchGLU):
+            m = _LAYER_RE.search(path + ".")
+            if m is None:
+                raise UnsupportedModelError(f"expert block {path} is not inside a numbered layer")
+            block = StreamingSwitchGLU(int(m.group(1)), path, module)
+            _set_module(model, path, block)
+            blocks.append(block)
+    return sorted(blocks, key=lambda b: b.layer)
+
+
+_GUESSING_CLASSES: dict[type, type] = {}
+
+
+def _guessing_class(moe_class: type) -> type:
+    """`moe_class` whose call first runs the next MoE layer's router on this layer's input.
+
+    Any MoE module that routes and then calls its SwitchGLU works: the next layer's module is
+    called with its block in predicting mode, so only the router's part of that lazy graph is
+    ever evaluated (shared experts and the rest are never computed). The guess is the routing
+    that layer would choose for this hidden state, which is usually close to its real input.
+    """
+    if moe_class not in _GUESSING_CLASSES:
+
+        class Guessing(moe_class):
+            def __call__(self, x, *args, **kwargs):
+                block = self.__dict__.get("_expertmesh_block")
+                if block is not None and not block._predicting and block.wants_guesses():
+                    next_block, next_moe = block._next
+                    next_block._set("_predicting", True)
+                    try:
+                        next_moe(x, *args, **kwargs)
+                    finally:
+                        next_block._set("_predicting", False)
+                    block._set("_guess", next_block._predicted)
+                return super().__call__(x, *args, **kwargs)
+
+        Guessing.__name__ = Guessing.__qualname__ = f"Guessing{moe_class.__name__}"
+        _GUESSING_CLASSES[moe_class] = Guessing
+    return _GUESSING_CLASSES[moe_class]
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module:
+    node: object = root
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def link_next_layer_guesses(model: nn.Module, blocks: list[StreamingSwitchGLU]) -> None:
+    """Let each MoE module guess the next MoE layer's experts (see `_guessing_class`)."""
+    for block, nxt in zip(blocks, blocks[1:]):
+        moe, next_moe = (_module_at(model, b.path.rsplit(".", 1)[0]) for b in (block, nxt))
+        if not isinstance(moe, nn.Module) or not isinstance(next_moe, nn.Module):
+            continue
+        moe.__class__ = _guessing_class(type(moe))
+        object.__setattr__(moe, "_expertmesh_block", block)
+        block._set("_next", (nxt, next_moe))
+
+
+def streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
+    return sorted((m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)), key=lambda b: b.layer)
+
+
+def _streaming_classes(config: dict):
+    model_class, args_class = _get_classes(config=config)
+
+    class StreamingModel(model_class):
+        def __init__(self, args):
+            super().__init__(args)
+            install_streaming_blocks(self)
+
+    StreamingModel.__name__ = f"Streaming{model_class.__name__}"
+    return StreamingModel, args_class
+
+
+def load_core_model(model_dir: Path) -> tuple[nn.Module, dict, list[StreamingSwitchGLU]]:
+    """mlx-lm's model of a pulled repo with the core in memory and streaming expert blocks.
+
+    Raises:
+        UnsupportedModelError: mlx-lm has no such architecture, or it has no SwitchGLU experts.
+    """
+    try:
+        model, config = load_model(Path(model_dir), lazy=False, strict=True, get_model_classes=_streaming_classes)
+    except ValueError as e:
+        if "not supported" in str(e) or "Model type" in str(e) or "trust_remote_code" in str(e):
+            raise UnsupportedModelError(str(e)) from None
+        raise
+    blocks = streaming_blocks(model)
+    link_next_layer_guesses(model, blocks)
+    if not blocks:
+        raise UnsupportedModelError(
+            f"{config.get('model_type')}: mlx-lm builds no SwitchGLU expert blocks for this model, so there is "
+            "nothing to stream (is it a Mixture-of-Experts model?)"
+        )
+    return model, config, blocks

@@ -1,0 +1,309 @@
+"""Token generation on a streamed model: the same steps as mlx-lm's `generate_step`, one token
+at a time, so the KV cache and recurrent state always hold exactly the tokens we fed.
+
+mlx-lm pipelines the next step with `async_eval`; we cannot gain from that (every MoE layer
+synchronises to learn its routing), and stepping plainly lets Ctrl-C stop between tokens with
+the cache consistent, which multi-turn chat relies on.
+
+With speculation (`Generator(sm, SpeculationConfig(...))`, node/engine/speculative.py) a pass carries
+drafts as well; the cache is rolled back to exactly the accepted tokens before the next one, so
+between passes and at the end it holds what the plain path's would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.store.store import SOURCES, StoreStats
+from expertmesh.node.engine.speculative import (CacheRollback, Draft, DraftController, SpeculationConfig, SpeculationStats,
+                              accept_drafts, check_rollback_supported, make_draft_source)
+from expertmesh.node.engine.streamed_model import StreamedModel
+
+PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the same numerics
+
+
+class ContextLengthError(ExpertmeshError):
+    pass
+
+
+@dataclass
+class SamplingSettings:
+    max_tokens: int = 256
+    temp: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Token:
+    id: int
+    text: str  # the text this token completes (may be empty mid-character)
+    logprobs: mx.array
+
+
+@dataclass
+class GenerationSummary:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    time_to_first_token_s: float = 0.0
+    seconds: float = 0.0
+    stop_reason: str = "length"  # length | eos | interrupted | context
+    trailing_text: str = ""  # text the detokenizer held back until the end (a split character)
+    experts: StoreStats = field(default_factory=StoreStats)
+    speculation: SpeculationStats | None = None  # None: generated without speculation
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode_s = self.seconds - self.time_to_first_token_s
+        if self.generated_tokens > 1 and decode_s > 0:
+            return (self.generated_tokens - 1) / decode_s
+        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        from expertmesh.node.sizes import format_size
+
+        out = [f"{self.generated_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_s:.2f} tokens/s, "
+               f"time to first token {self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens), "
+               f"stopped by {self.stop_reason}"]  # fmt: skip
+        parts = [f"{s} {self.experts.uses[s]} ({format_size(self.experts.bytes[s])})" for s in SOURCES
+                 if self.experts.uses[s] or s in ("ram", "hub")]  # fmt: skip
+        out.append(f"expert uses by source: {', '.join(parts)}; {self.experts.total_uses} in all")
+        pf = self.experts.prefetch
+        if pf["issued"]:
+            out.append(f"prefetched {pf['issued']} guesses of the next layer's experts: {pf['used']} used, "
+                       f"{pf['wasted']} wasted")  # fmt: skip
+        rc = self.experts.remote
+        if rc["calls"] or any(rc[k] for k in rc if k.startswith("fallback_")):
+            fell = ", ".join(f"{k[9:].replace('_', ' ')} {rc[k]}" for k in rc if k.startswith("fallback_") and rc[k])
+            out.append(f"remote execution: {self.experts.uses['remote']} experts computed on peers in {rc['calls']} calls, "
+                       f"activations {format_size(rc['sent_bytes'])} sent, {format_size(rc['received_bytes'])} received; "
+                       f"fetched here instead: {fell or 'none'}")  # fmt: skip
+        if self.speculation is not None:
+            out.append(self.speculation.line())
+        return out
+
+
+class Generator:
+    """Generates on one streamed model, keeping its cache between calls (a conversation).
+
+    With `speculation` (node/engine/speculative.py) decoding drafts tokens and verifies them in one
+    pass; the draft source and its adaptive controller live as long as the Generator, so a chat
+    keeps what it learnt about acceptance. `speculation_stats` sums every call's counters.
+    """
+
+    def __init__(self, sm: StreamedModel, speculation: SpeculationConfig | None = None, draft_source=None):
+        """`draft_source` (anything with `propose(context, k, temp, top_p) -> Draft`) replaces the
+        one `speculation.mode` names: benchmarks and tests script drafts with it.
+
+        Raises:
+            SpeculationError: the draft model cannot be used, or this model's cache cannot roll back.
+        """
+        self.sm = sm
+        self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
+        self.speculation_stats = SpeculationStats()
+        self._source = self._controller = None
+        if self.speculation is not None:
+            check_rollback_supported(make_prompt_cache(sm.model))
+            self._source = draft_source or make_draft_source(self.speculation, sm.tokenizer)
+            self._controller = DraftController(self.speculation)
+        # per-token observer (node/observability/metrics.py attaches one to the model): prompt(n), first_token(s), token(s)
+        self.observer = getattr(sm, "token_observer", None)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = make_prompt_cache(self.sm.model)
+        self.history: list[int] = []  # exactly the tokens the cache has seen
+
+    def _forward(self, tokens: list[int]) -> mx.array:
+        logits = self.sm.model(mx.array(tokens)[None], cache=self.cache)
+        self.history.extend(tokens)
+        return logits
+
+    def _prefill(self, tokens: list[int]) -> mx.array:
+        """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone."""
+        while len(tokens) > 1:
+            chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1):]
+            self._forward(chunk)
+            mx.eval([c.state for c in self.cache])
+        return self._logprobs(self._forward(tokens))
+
+    @staticmethod
+    def _logprobs(logits: mx.array) -> mx.array:
+        logits = logits[:, -1, :]
+        return logits - mx.logsumexp(logits, keepdims=True)
+
+    def _speculative(self, tokens: list[int], settings: SamplingSettings, should_stop: Callable[[], bool],
+                     summary: GenerationSummary, sampler, eos: set[int], detok, t0: float) -> Iterator[Token]:  # fmt: skip
+        """Decoding with drafts: each pass feeds `todo` (what must enter the cache, ending with the
+        current token) plus k drafts, and yields the accepted drafts and one token more.
+
+        Invariant between passes: the cache holds exactly `self.history` and `todo` follows it.
+        With every cache trimmable `todo` is just the current token; after a rejection on a
+        recurrent model it also carries the accepted tokens (see CacheRollback). When generation
+        ends the cache holds what the plain path's would: all but the last token yielded, or
+        after an EOS all of them.
+        """
+        stats = summary.speculation = SpeculationStats()
+        source, ctl = self._source, self._controller
+        rollback = CacheRollback(self.cache)
+        limit = self.sm.max_context
+        spec_hook = getattr(self.observer, "speculative", None)  # for metrics: hook(drafted, accepted)
+        t_prev = t0
+        todo: list[int] = []  # the pass in flight fed `todo` and `draft.tokens`
+        draft = Draft([])
+        out: list[int] = []  # tokens of the pass in flight yielded so far
+        settled = True  # whether the cache has been fixed up after the pass in flight
+        eos_stop = False
+
+        def settle() -> list[int]:
+            """Keep in the cache what the pass in flight must leave; returns the new `todo`."""
+            fed = len(todo) + len(draft.tokens)
+            keep = len(todo) + len(out) - (0 if eos_stop else 1)
+            start = len(self.history) - fed
+            pass_tokens = self.history[start:]
+            kept = rollback.keep(fed, keep) if fed else 0
+            del self.history[start + kept:]
+            return pass_tokens[kept:keep] + ([] if eos_stop or not out else [out[-1]])
+
+        try:
+            rows = self._prefill(list(tokens))
+            while True:
+                k = len(draft.tokens)
+                if k:
+                    j, nxt = accept_drafts(rows, draft, settings.temp, settings.top_p)
+                    stats.drafted += k
+                    stats.accepted += j
+                    stats.verify_passes += 1
+                    ctl.update(k, j, stats.generated, stats)
+                    if spec_hook is not None:
+                        spec_hook(k, j)
+                else:
+                    y = sampler(rows[:1])  # exactly the plain path's step
+                    mx.eval(y)
+                    j, nxt = 0, int(y.item())
+                out, settled, stop = [], False, None
+                for i, tok in enumerate([*draft.tokens[:j], nxt]):
+                    t_now = time.perf_counter()
+                    if summary.generated_tokens == 0:
+                        summary.time_to_first_token_s = t_now - t0
+                        if self.observer is not None:
+                            self.observer.first_token(t_now - t0)
+                    if tok in eos:
+                        stop = "eos"
+                        break
+                    out.append(tok)
+                    stats.generated += 1
+                    summary.generated_tokens += 1
+                    if self.observer is not None:
+                        self.observer.token(t_now - t_prev)
+                    t_prev = t_now
+                    detok.add_token(tok)
+                    yield Token(tok, detok.last_segment, rows[i])
+                    if summary.generated_tokens == settings.max_tokens:
+                        stop = "length"
+                        break
+                    if should_stop():
+                        stop = "interrupted"
+                        break
+                eos_stop = stop == "eos"
+                todo, draft, settled = settle(), Draft([]), True
+                if stop is not None:
+                    summary.stop_reason = stop
+                    break
+                if limit is not None and len(self.history) + len(todo) >= limit:
+                    summary.stop_reason = "context"
+                    break
+                room = settings.max_tokens - summary.generated_tokens - 1
+                if limit is not None:
+                    room = min(room, limit - 1 - len(self.history) - len(todo))
+                k = min(ctl.draft_length(stats.generated), max(0, room))
+                if k:
+                    draft = source.propose(self.history + todo, k, settings.temp, settings.top_p)
+                if draft.tokens:
+                    rollback.snapshot()
+                logits = self._forward(todo + draft.tokens)[0, len(todo) - 1:]
+                stats.passes += 1
+                rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        finally:
+            if not settled and out:  # the caller stopped consuming in the middle of a pass
+                todo = settle()
+            flush = todo if eos_stop else todo[:-1]
+            if flush:
+                self._forward(flush)
+                mx.eval([c.state for c in self.cache])
+                stats.passes += 1
+            self.speculation_stats.add(stats)
+
+    def generate(self, tokens: list[int], settings: SamplingSettings,
+                 should_stop: Callable[[], bool] = lambda: False,
+                 summary: GenerationSummary | None = None) -> Iterator[Token]:  # fmt: skip
+        """Feed `tokens` after what the cache holds and yield new tokens as they are made.
+
+        The last token yielded is not fed back (there is nothing to predict after it); the next
+        call's tokens follow it. `summary`, if given, is filled in as generation goes.
+
+        Raises:
+            ContextLengthError: the conversation would not fit the model's context.
+        """
+        if not tokens:
+            raise ValueError("nothing to generate from: the prompt has no tokens")
+        limit = self.sm.max_context
+        if limit is not None and len(self.history) + len(tokens) >= limit:
+            raise ContextLengthError(f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
+                                     f"context is {limit}: it leaves no room for an answer; shorten it")  # fmt: skip
+        summary = summary if summary is not None else GenerationSummary()
+        summary.prompt_tokens = len(tokens)
+        sampler = make_sampler(settings.temp, settings.top_p)
+        if settings.seed is not None:
+            mx.random.seed(settings.seed)
+        eos = set(self.sm.tokenizer.eos_token_ids)
+        detok = self.sm.tokenizer.detokenizer
+        detok.reset()
+        before = self.sm.store.stats.snapshot()
+        t0 = t_prev = time.perf_counter()
+        if self.observer is not None:
+            self.observer.prompt(len(tokens))
+        try:
+            if self.speculation is not None:
+                yield from self._speculative(tokens, settings, should_stop, summary, sampler, eos, detok, t0)
+            else:
+                logprobs = self._prefill(list(tokens))
+                for n in range(settings.max_tokens):
+                    y = sampler(logprobs)
+                    mx.eval(y, logprobs)
+                    token = int(y.item())
+                    t_now = time.perf_counter()
+                    if n == 0:
+                        summary.time_to_first_token_s = t_now - t0
+                        if self.observer is not None:
+                            self.observer.first_token(t_now - t0)
+                    if token in eos:
+                        summary.stop_reason = "eos"
+                        break
+                    summary.generated_tokens += 1
+                    if self.observer is not None:
+                        self.observer.token(t_now - t_prev)
+                    t_prev = t_now
+                    detok.add_token(token)
+                    yield Token(token, detok.last_segment, logprobs.squeeze(0))
+                    if n + 1 == settings.max_tokens:
+                        break
+                    if should_stop():
+                        summary.stop_reason = "interrupted"
+                        break
+                    if limit is not None and len(self.history) + 1 >= limit:
+                        summary.stop_reason = "context"
+                        break
+                    logprobs = self._logprobs(self._forward([token]))
+            detok.finalize()
+            summary.trailing_text = detok.last_segment
+        finally:
+            summary.seconds = time.perf_counter() - t0
+            summary.experts = self.sm.store.stats.since(before)

@@ -1,0 +1,366 @@
+"""Move activations, not experts: run a layer's experts on the household Macs that hold them.
+
+At each MoE layer the engine hands the layer's distinct experts and their token rows to
+`RemoteExperts.run`, which places every expert, per pass, by estimated completion time:
+
+    in local RAM                          compute here (free)
+    on local disk                         read and compute here, unless a peer would be done sooner
+    held by a compute peer                send it the rows: one round trip per peer per layer, a few
+                                          KB each way, plus that peer's own read and compute
+    held by nobody                        its owner fetches it from the Hub, keeps it and computes it
+                                          when the owner is a compute peer; else fetched here
+
+The estimates come from measurements, not fixed rules: each peer's round-trip time and bandwidth
+(an `Info` ping and the ComputeExperts calls themselves), its reported queue and its service time
+per expert, and this node's own fetch latencies by source from the store's statistics. Experts are
+assigned greedily, each to whichever of "here" or a holding peer would finish it first given what
+is already assigned there (list scheduling); a pass then takes about as long as its slowest peer.
+
+The calls of a layer go out together, and the local experts are fetched and computed while they
+are in flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
+dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
+computed here: the token is never lost. Everything is counted in the store's statistics (source
+`remote`, activation bytes, fallbacks by reason), so summaries and metrics show the decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import mlx.core as mx
+
+from expertmesh.v1 import node_pb2
+from expertmesh.node.rpc import activations
+from expertmesh.node.store.store import ExpertStore
+from expertmesh.node.store.tiers.peers import Peer, PeerSource, expert_key
+
+logger = logging.getLogger(__name__)
+
+# Priors until something is measured: gigabit Ethernet, an SSD, a home link.
+DEFAULT_LAN_RTT_S = 1e-3
+DEFAULT_LAN_BANDWIDTH = 118e6
+DEFAULT_DISK_BANDWIDTH = 2e9
+DEFAULT_HUB_BANDWIDTH = 12.5e6
+DEFAULT_HUB_LATENCY_S = 0.05
+EWMA = 0.2  # weight of a new measurement
+PING_EVERY_S = 30.0  # round-trip time is re-measured this often per peer
+
+
+@dataclass
+class RemoteConfig:
+    """How remote execution behaves; the placement itself is decided by measured costs."""
+
+    enabled: bool = True
+    deadline_floor_s: float = 1.0  # a call's deadline is at least this ...
+    deadline_factor: float = 4.0  # ... and at least this many times its estimated duration
+    max_call_bytes: int = 3 * 1024 * 1024  # a peer's rows are split into calls no larger (gRPC's limits)
+    lan_bandwidth: float = DEFAULT_LAN_BANDWIDTH  # what a peer's link is assumed to carry until measured
+
+
+@dataclass
+class LinkEstimate:
+    """What this node has measured of one peer: round trip, bandwidth, call overhead, service time."""
+
+    rtt_s: float = DEFAULT_LAN_RTT_S  # an Info ping
+    measured_bandwidth: float | None = None  # bytes/s of its expert transfers (FetchExpert)
+    prior_bandwidth: float = DEFAULT_LAN_BANDWIDTH
+    call_s: float | None = None  # a ComputeExperts call's time outside the peer: round trip + activations
+    service_s: float | None = None  # the peer's own seconds per expert (read + compute)
+    queued: int = 0  # ComputeExperts calls running at the peer when the last one arrived
+    last_call_s: float = 0.0
+    pinged_at: float = -1e9
+
+    def observe_ping(self, seconds: float) -> None:
+        self.rtt_s = seconds if self.pinged_at < 0 else (1 - EWMA) * self.rtt_s + EWMA * seconds
+        self.pinged_at = time.monotonic()
+        if self.call_s is not None:  # a peer once slow (a cold start, a busy spell) gets tried again
+            self.call_s = (self.call_s + self.rtt_s) / 2
+
+    @property
+    def bandwidth(self) -> float:
+        return self.measured_bandwidth if self.measured_bandwidth is not None else self.prior_bandwidth
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        transfer = seconds - self.rtt_s
+        if nbytes > 0 and transfer > 0:
+            self.measured_bandwidth = _ewma(self.measured_bandwidth, nbytes / transfer)
+
+    def observe_call(self, wall_s: float, server_s: float, n_experts: int, queued: int) -> None:
+        server_s = min(max(0.0, server_s), wall_s)  # the peer's own figure: never trusted beyond what we saw
+        per_expert = server_s / max(1, n_experts)
+        self.service_s = _ewma(self.service_s, per_expert)
+        self.call_s = _ewma(self.call_s, max(0.0, wall_s - server_s))
+        self.queued, self.last_call_s = queued, wall_s
+
+    def call_start_s(self, activation_bytes: int) -> float:
+        """Seconds a call spends outside the peer, plus the wait for the calls queued there."""
+        net = self.call_s if self.call_s is not None else self.rtt_s + activation_bytes / self.bandwidth
+        return net + self.queued * self.last_call_s
+
+    def transfer_s(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+@dataclass
+class _Call:
+    peer: Peer
+    request: node_pb2.ComputeExpertsRequest
+    future: grpc.Future
+    sent_bytes: int
+    started: float
+    rows: dict[int, int]  # expert -> row count expected back
+    dtype: str
+    finished: list[float] = field(default_factory=list)  # when the answer arrived (set by the future)
+
+
+@dataclass
+class Placement:
+    """Where each of a layer's experts runs: `remote` maps expert -> peer; the rest run here."""
+
+    remote: dict[int, Peer] = field(default_factory=dict)
+    owner_fetch: set[int] = field(default_factory=set)  # remote experts the owner fetches first
+    estimate_s: dict[str, float] = field(default_factory=dict)  # node id (or "here") -> estimated busy time
+
+
+class RemoteExperts:
+    """Places and runs each layer's experts on this node and the household's compute peers."""
+
+    def __init__(self, store: ExpertStore, peers: PeerSource, disk, config: RemoteConfig | None = None):
+        self.store = store
+        self.peers = peers
+        self.disk = disk
+        self.config = config or RemoteConfig()
+        self.links: dict[str, LinkEstimate] = {}
+        peers.transfer_observer = lambda peer, nbytes, seconds: self._link(peer).observe_transfer(nbytes, seconds)
+
+    # -- cost model ---------------------------------------------------------------------------
+
+    def _link(self, peer: Peer) -> LinkEstimate:
+        link = self.links.get(peer.node_id)
+        if link is None:
+            link = self.links[peer.node_id] = LinkEstimate(prior_bandwidth=self.config.lan_bandwidth)
+        if time.monotonic() - link.pinged_at > PING_EVERY_S:
+            t0 = time.perf_counter()
+            try:
+                self.peers.stub(peer.address).Info(node_pb2.InfoRequest(), metadata=self.peers.metadata, timeout=2.0)
+                link.observe_ping(time.perf_counter() - t0)
+            except grpc.RpcError:
+                link.pinged_at = time.monotonic()  # the call itself will find out
+        return link
+
+    def _fetch_latency_s(self, source: str, nbytes: int, stats) -> float:
+        """Seconds one fetch from `source` takes here: measured by the store (`stats`), else a prior."""
+        if stats.uses[source] >= 4 and stats.bytes[source] > 0:
+            return stats.fetch_seconds[source] / stats.uses[source]
+        if source == "disk":
+            return nbytes / DEFAULT_DISK_BANDWIDTH
+        if source == "peer":
+            return DEFAULT_LAN_RTT_S + nbytes / DEFAULT_LAN_BANDWIDTH
+        return DEFAULT_HUB_LATENCY_S + nbytes / DEFAULT_HUB_BANDWIDTH
+
+    def _compute_peers(self) -> list[Peer]:
+        return self.peers.table.compute_peers()
+
+    def plan(self, layer: int, experts: list[int], row_bytes: dict[int, int]) -> Placement:
+        """Assign each expert not in local RAM to wherever it would be done first.
+
+        List scheduling over the resources a pass keeps busy: this node's disk (reads side by
+        side on the store's workers), the Hub link (likewise), and each peer — its link carries
+        the experts fetched from it, and its compute runs the experts sent to it after the call's
+        fixed cost (round trip, activations, its queue). Each expert, slowest first, goes where
+        its end time is earliest; a tie stays here. `row_bytes[e]`: bytes of expert e's rows.
+        """
+        placement = Placement()
+        computers = self._compute_peers()
+        if not computers or not self.config.enabled:
+            return placement
+        index = self.store.index
+        # what each peer holds: as last known (the health checks keep it fresh), asked now only the first time
+        held = {p.node_id: self.peers.known_inventory(p) or self.peers.inventory(p) or set() for p in computers}
+        by_id = {p.node_id: p for p in computers}
+        links = {p.node_id: self._link(p) for p in computers}
+        lanes = max(1, getattr(self.store, "_concurrency", 1))  # local fetches run side by side
+        busy: dict[str, float] = {"here": 0.0, "hub": 0.0}
+        stats = self.store.stats.snapshot()
+        called: set[str] = set()
+        todo = []
+        for e in experts:
+            key = (layer, e)
+            if key in self.store.ram:
+                continue
+            loc = index.expert(layer, e)
+            holders = [p for p in computers if key in held[p.node_id]]
+            owner = self.peers.table.ranked(expert_key(index, layer, e))[0]
+            if key in self.disk:
+                fetch = ("here", self._fetch_latency_s("disk", loc.nbytes, stats) / lanes)
+            elif holders or owner is not None:
+                source = holders[0] if holders else owner
+                link = links.get(source.node_id) or self._link(source)
+                # an owner that lacks the expert fetches it from the Hub before sending it
+                hub_first = self._fetch_latency_s("hub", loc.nbytes, stats) if not holders else 0.0
+                fetch = (source.node_id, hub_first + link.transfer_s(loc.nbytes))
+            else:
+                fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes, stats) / lanes)
+            if row_bytes[e] > self.config.max_call_bytes:  # rows too big for one call (a huge prefill): run here
+                todo.append((fetch[1], e, loc.nbytes, fetch, []))
+                continue
+            options = [(p.node_id, False) for p in holders]
+            if owner is not None and owner.compute and owner.live and owner not in holders:
+                options.append((owner.node_id, True))  # the owner fetches it from the Hub, keeps it, computes it
+            todo.append((fetch[1], e, loc.nbytes, fetch, options))
+        disk_prior = self._fetch_latency_s("disk", index.expert(layer, experts[0]).nbytes, stats) if experts else 0.0
+        for cost, e, nbytes, (where, _), options in sorted(todo, key=lambda t: -t[0]):
+            best, best_end, remote = where, busy.get(where, 0.0) + cost, None
+            for node_id, fetches in options:
+                link = links[node_id]
+                start = busy.get(node_id, 0.0) + (0.0 if node_id in called else link.call_start_s(2 * row_bytes[e]))
+                end = start + (link.service_s if link.service_s is not None else disk_prior)
+                if fetches:
+                    end += self._fetch_latency_s("hub", nbytes, stats)
+                if end < best_end:
+                    best, best_end, remote = node_id, end, (node_id, fetches)
+            busy[best] = best_end
+            if remote is not None:
+                called.add(best)
+                placement.remote[e] = by_id[best]
+                if remote[1]:
+                    placement.owner_fetch.add(e)
+        placement.estimate_s = busy
+        return placement
+
+    def prefers_local(self, layer: int, expert: int) -> bool:
+        """Whether a guessed expert is worth prefetching here (no compute peer is known to hold it)."""
+        key = (layer, expert)
+        if key in self.disk:
+            return True
+        return not any(key in self.peers.known_inventory(p) for p in self._compute_peers())
+
+    # -- one layer ----------------------------------------------------------------------------
+
+    def run(self, block, experts: list[int], rows: dict[int, mx.array],
+            guess: tuple[int, list[int]] | None) -> dict[int, mx.array]:  # fmt: skip
+        """Every expert's output rows for `block`'s layer, computed here or on peers."""
+        layer, store = block.layer, self.store
+        if store.trace is not None:
+            store.trace.record(layer, experts)
+        if guess is not None:
+            guess = (guess[0], [e for e in guess[1] if self.prefers_local(guess[0], e)])
+        itemsize = next(iter(rows.values())).itemsize if rows else 4
+        placement = self.plan(layer, experts, {e: r.shape[0] * r.shape[1] * itemsize for e, r in rows.items()})
+        calls = self._send(block, placement, rows) if placement.remote else []
+        local = [e for e in experts if e not in placement.remote]
+        out = block.compute(store.get_layer(layer, local, guess=guess, record=False), {e: rows[e] for e in local})
+        if calls:
+            mx.async_eval(list(out.values()))  # compute here while the peers compute there
+            failed = self._collect(block, calls, out)
+            if failed:
+                out.update(block.compute(store.get_layer(layer, failed, record=False), {e: rows[e] for e in failed}))
+        return out
+
+    def _send(self, block, placement: Placement, rows: dict[int, mx.array]) -> list[_Call]:
+        by_peer: dict[str, list[int]] = {}
+        peers = {}
+        for e, p in placement.remote.items():
+            by_peer.setdefault(p.node_id, []).append(e)
+            peers[p.node_id] = p
+        model = node_pb2.ModelKey(repo_id=self.store.index.repo_id, commit=self.store.index.commit)
+        calls = []
+        for node_id, experts in by_peer.items():
+            peer = peers[node_id]
+            estimate = placement.estimate_s.get(node_id, 0.0)
+            batch: list[node_pb2.ExpertRows] = []
+            size = 0
+            for i, e in enumerate(sorted(experts)):
+                t = activations.encode(rows[e])
+                batch.append(node_pb2.ExpertRows(expert=e, rows=t))
+                size += len(t.data)
+                if size >= self.config.max_call_bytes or i == len(experts) - 1:
+                    request = node_pb2.ComputeExpertsRequest(model=model, layer=block.layer, experts=batch,
+                                                             fetch_on_miss=any(x.expert in placement.owner_fetch for x in batch))  # fmt: skip
+                    timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate)
+                    sent_at = time.perf_counter()
+                    fut = self.peers.stub(peer.address).ComputeExperts.future(request, metadata=self.peers.metadata,
+                                                                               timeout=timeout)  # fmt: skip
+                    call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch},
+                                 t.dtype)  # fmt: skip
+                    fut.add_done_callback(lambda _, done=call.finished: done.append(time.perf_counter()))
+                    calls.append(call)
+                    batch, size = [], 0
+        return calls
+
+    def _collect(self, block, calls: list[_Call], out: dict[int, mx.array]) -> list[int]:
+        """Put each call's outputs into `out`; returns the experts to fetch and compute here instead."""
+        failed: list[int] = []
+        stats = self.store.stats
+        for call in calls:
+            asked = list(call.rows)
+            try:
+                response = call.future.result()
+            except grpc.RpcError as e:
+                deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                reason = "deadline" if deadline else "error"
+                self.peers.table.penalise(call.peer, "compute_deadline" if deadline else f"compute_{e.code().name.lower()}")
+                stats.record_remote(**{f"fallback_{reason}": len(asked)})
+                failed.extend(asked)
+                continue
+            wall = (call.finished[0] if call.finished else time.perf_counter()) - call.started
+            try:
+                got = self._check(block, call, response)
+            except activations.BadTensor as e:
+                logger.warning("peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, e)
+                self.peers.table.penalise(call.peer, "bad_output")
+                stats.record_remote(fallback_bad_output=len(asked))
+                failed.extend(asked)
+                continue
+            received = sum(len(x.rows.data) for x in response.experts)
+            link = self.links.get(call.peer.node_id) or self._link(call.peer)
+            link.observe_call(wall, response.compute_seconds, len(got) + len(response.missing), response.queued)
+            stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received,
+                                fallback_missing=len(response.missing))  # fmt: skip
+            for e, arr in got.items():
+                out[e] = arr
+                self.peers.note_holding(call.peer, (block.layer, e), True)
+                moved = 2 * arr.nbytes
+                stats.record("remote", moved, wall)
+            for e in response.missing:
+                self.peers.note_holding(call.peer, (block.layer, e), False)
+            failed.extend(response.missing)
+        return failed
+
+    def _check(self, block, call: _Call, response: node_pb2.ComputeExpertsResponse) -> dict[int, mx.array]:
+        """The response's rows, if it answers exactly what was asked with rows of the right shape.
+
+        Raises:
+            BadTensor: an expert not asked, twice, or neither answered nor missing; rows of another
+                shape or dtype than asked; values that are not finite.
+        """
+        got: dict[int, mx.array] = {}
+        for item in response.experts:
+            if item.expert not in call.rows or item.expert in got:
+                raise activations.BadTensor(f"expert {item.expert} was not asked for, or came twice")
+            got[item.expert] = activations.decode(item.rows, block.output_dims, dtype=call.dtype,
+                                                  rows=call.rows[item.expert])  # fmt: skip
+        missing = set(response.missing)
+        if set(got) | missing != set(call.rows) or set(got) & missing:
+            raise activations.BadTensor("the answer does not account for every expert asked exactly once")
+        if got and not bool(mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in got.values()]))):
+            raise activations.BadTensor("rows with NaN or infinite values")
+        return got
+
+
+def attach_remote_experts(sm, peers: PeerSource, config: RemoteConfig | None = None) -> RemoteExperts:
+    """Let every expert block of a streamed model run experts on the household's compute peers."""
+    from expertmesh.node.engine.blocks import streaming_blocks
+
+    remote = RemoteExperts(sm.store, peers, sm.disk, config)
+    for block in streaming_blocks(sm.model):
+        block.bind_remote(remote)
+    return remote
+

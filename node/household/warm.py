@@ -1,0 +1,183 @@
+"""`expertmesh warm`: an idle household fills its disks with the experts each node owns.
+
+Every expert has one owner (node/store/tiers/peers.py: weighted rendezvous over disk budgets). Warming asks
+each owner to keep its experts — FetchExpert with `keep_only`, so the owner fetches a missing
+expert from the Hub once and no bytes cross the LAN — most used first, into free disk budget
+only: a warm never evicts what use has cached, and a node whose budget is full stops being asked.
+What an owner already holds (its inventory) is skipped, so a second warm costs no Hub traffic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import grpc
+
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.store.tiers.peers import FETCH_DEADLINE_S, INFO_DEADLINE_S, expert_key, inventory_keys, rendezvous_score
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.tls import open_channel
+
+logger = logging.getLogger(__name__)
+
+ExpertKey = tuple[int, int]
+DEFAULT_CONCURRENCY = 4  # keep requests in flight per node: the owner's Hub link, not the LAN, is the limit
+GIVE_UP_AFTER_ERRORS = 5  # consecutive failures before a node is left out of this warm
+
+
+def warm_order(index: ExpertIndex, uses: Counter | None = None) -> list[ExpertKey]:
+    """Every expert, most used first (`uses`, e.g. from routing traces), the rest spread across
+    layers (expert 0 of every layer, then expert 1, ...) so a partial warm helps every layer."""
+    uses = uses or Counter()
+    return sorted(index.experts, key=lambda k: (-uses.get(k, 0), k[1], k[0]))
+
+
+@dataclass
+class NodeWarm:
+    """One node's part of a warm."""
+
+    node_id: str
+    address: str
+    disk_budget_bytes: int
+    owned: int = 0  # experts this node owns
+    held: int = 0  # already on its disk before this warm
+    kept: int = 0  # fetched and kept by this warm
+    kept_bytes: int = 0
+    full: bool = False  # its budget ran out: the rest of what it owns was not asked for
+    unreachable: str = ""  # why it was left out, if it was
+    errors: Counter = field(default_factory=Counter)  # grpc status name -> count
+    failures_in_a_row: int = field(default=0, repr=False)
+
+    @property
+    def left(self) -> int:
+        return self.owned - self.held - self.kept
+
+
+@dataclass
+class WarmNode:
+    node_id: str
+    address: str
+    disk_budget_bytes: int
+
+
+def describe_nodes(addresses: Iterable[str], index: ExpertIndex, secret: str,
+                   tls_ca: bytes | None = None) -> tuple[list[WarmNode], list[str]]:  # fmt: skip
+    """The nodes at `addresses` that serve this exact model (repo and commit), and a line for
+    each that does not or did not answer."""
+    nodes, skipped = [], []
+    for address in addresses:
+        try:
+            with open_channel(address, tls_ca) as channel:
+                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
+                                                            timeout=INFO_DEADLINE_S)  # fmt: skip
+        except grpc.RpcError as e:
+            skipped.append(f"{address}: {e.code().name.lower()}")
+            continue
+        if not any(m.repo_id == index.repo_id and m.commit == index.commit for m in info.models):
+            served = ", ".join(f"{m.repo_id}@{m.commit[:12]}" for m in info.models) or "nothing"
+            skipped.append(f"{address} ({info.node_id}): serves {served}, not {index.repo_id}@{index.commit[:12]}")
+            continue
+        if info.disk_budget_bytes == 0:
+            skipped.append(f"{address} ({info.node_id}): no disk budget, owns nothing")
+            continue
+        nodes.append(WarmNode(info.node_id, address, info.disk_budget_bytes))
+    return nodes, skipped
+
+
+def owners(index: ExpertIndex, nodes: list[WarmNode], keys: Iterable[ExpertKey]) -> dict[str, list[ExpertKey]]:
+    """node id -> the keys it owns, in the order given (the same rendezvous as the peers tier)."""
+    out: dict[str, list[ExpertKey]] = {n.node_id: [] for n in nodes}
+    for key in keys:
+        k = expert_key(index, *key)
+        best = max(nodes, key=lambda n: rendezvous_score(k, n.node_id, n.disk_budget_bytes))
+        out[best.node_id].append(key)
+    return out
+
+
+def _inventory(stub: node_pb2_grpc.NodeStub, model: node_pb2.ModelKey, metadata) -> set[ExpertKey]:
+    return inventory_keys(stub.GetInventory(node_pb2.InventoryRequest(model=model), metadata=metadata,
+                                            timeout=INFO_DEADLINE_S))  # fmt: skip
+
+
+def warm(index: ExpertIndex, nodes: list[WarmNode], secret: str, order: list[ExpertKey] | None = None,
+         concurrency: int = DEFAULT_CONCURRENCY, progress: Callable[[int, int], None] | None = None,
+         stop: threading.Event | None = None, tls_ca: bytes | None = None) -> list[NodeWarm]:  # fmt: skip
+    """Ask every node to keep the experts it owns, in `order`; returns what each did.
+
+    `progress(done, bytes)` is called after each expert (from several threads); `stop` ends the
+    warm early (Ctrl-C): requests in flight finish, nothing else is sent.
+    """
+    order = order if order is not None else warm_order(index)
+    stop = stop or threading.Event()
+    model = node_pb2.ModelKey(repo_id=index.repo_id, commit=index.commit)
+    metadata = call_metadata(secret)
+    owned = owners(index, nodes, order)
+    results = {n.node_id: NodeWarm(n.node_id, n.address, n.disk_budget_bytes, owned=len(owned[n.node_id])) for n in nodes}
+    lock = threading.Lock()
+    counts = [0, 0]
+
+    def one(node: NodeWarm, stub: node_pb2_grpc.NodeStub, key: ExpertKey) -> None:
+        if stop.is_set() or node.full or node.unreachable:
+            return
+        request = node_pb2.FetchExpertRequest(key=node_pb2.ExpertKey(model=model, layer=key[0], expert=key[1]),
+                                              fetch_on_miss=True, keep_only=True)  # fmt: skip
+        try:
+            for _ in stub.FetchExpert(request, metadata=metadata, timeout=FETCH_DEADLINE_S):
+                pass
+        except grpc.RpcError as e:
+            with lock:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    node.full = True
+                    return
+                node.errors[e.code().name.lower()] += 1
+                node.failures_in_a_row += 1
+                if node.failures_in_a_row >= GIVE_UP_AFTER_ERRORS and not node.unreachable:
+                    node.unreachable = f"{node.failures_in_a_row} failures in a row, the last {e.code().name.lower()}: {e.details()}"
+            return
+        nbytes = index.expert(*key).nbytes
+        with lock:
+            node.failures_in_a_row = 0
+            node.kept += 1
+            node.kept_bytes += nbytes
+            counts[0] += 1
+            counts[1] += nbytes
+            done = tuple(counts)
+        if progress is not None:
+            progress(*done)
+
+    channels, queues = [], []
+    for n in nodes:
+        node = results[n.node_id]
+        channel = open_channel(n.address, tls_ca)
+        channels.append(channel)
+        stub = node_pb2_grpc.NodeStub(channel)
+        try:
+            held = _inventory(stub, model, metadata)
+        except grpc.RpcError as e:
+            node.unreachable = f"inventory: {e.code().name.lower()}"
+            continue
+        todo = [k for k in owned[n.node_id] if k not in held]
+        node.held = node.owned - len(todo)
+        queues.append([(node, stub, key) for key in todo])
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency) * max(1, len(nodes)), thread_name_prefix="warm")
+    try:
+        # round-robin across nodes, so every node has requests in flight from the start
+        futures = [pool.submit(one, *item) for batch in itertools.zip_longest(*queues) for item in batch if item]
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=0.5)  # a short wait, so Ctrl-C reaches this thread
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for channel in channels:
+            channel.close()
+    return [results[n.node_id] for n in nodes]

@@ -1,0 +1,356 @@
+"""Talking to a Hugging Face endpoint: resolve revisions, download small files, read byte ranges.
+
+Everything goes through huggingface_hub: its configured endpoint (`HF_ENDPOINT`), its token
+(`HF_TOKEN` or the stored login), its offline switch and its pooled keep-alive HTTP session.
+What huggingface_hub does not do for us is the strict range read: a Hub or CDN answer must be
+a 206 with exactly the `Content-Range` and length we asked for; anything else is retried or
+fails loudly, and a 200 carrying a whole shard is closed before its body is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import logging
+import random
+import re
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx2
+from huggingface_hub import HfApi, hf_hub_download, hf_hub_url
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import errors as hf_errors
+from huggingface_hub.utils import build_hf_headers, get_session
+
+from expertmesh.node import constants
+from expertmesh.node.hub import safetensors_format
+from expertmesh.node.errors import AuthError, DownloadError, EndpointUnreachableError, ModelNotFoundError
+from expertmesh.node.hub.safetensors_format import TensorEntry
+
+logger = logging.getLogger(__name__)
+
+_CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# A CDN location without an `expires` query is trusted for this long.
+_DEFAULT_REDIRECT_TTL_S = 300.0
+
+
+class _Retryable(Exception):
+    """A failure worth another attempt; `wait_s` is the server's Retry-After, if any."""
+
+    def __init__(self, reason: str, wait_s: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.wait_s = wait_s
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of a pinned revision."""
+
+    repo_id: str
+    commit: str
+    filename: str
+
+    def __str__(self) -> str:
+        return f"{self.repo_id}@{self.commit[:8]}/{self.filename}"
+
+
+def endpoint() -> str:
+    """The endpoint huggingface_hub is configured with (read at call time, not import time)."""
+    return hf_constants.ENDPOINT.rstrip("/")
+
+
+def _check_online() -> None:
+    if hf_constants.HF_HUB_OFFLINE:
+        raise EndpointUnreachableError("HF_HUB_OFFLINE is set: expertmesh cannot reach the Hub")
+
+
+def translate_hub_error(e: Exception, repo_id: str, revision: str | None = None) -> Exception:
+    """Turn huggingface_hub and transport errors into one-line user errors (never with tokens)."""
+    where = endpoint()
+    if isinstance(e, hf_errors.RevisionNotFoundError):
+        return ModelNotFoundError(f"{repo_id}: revision {revision!r} not found at {where}")
+    if isinstance(e, hf_errors.GatedRepoError):
+        return AuthError(f"{repo_id} is gated at {where}: request access and set HF_TOKEN")
+    if isinstance(e, hf_errors.RepositoryNotFoundError):
+        status = getattr(e.response, "status_code", None) if getattr(e, "response", None) is not None else None
+        if status == 401:
+            return AuthError(f"{where} rejected the token for {repo_id} (HTTP 401): check HF_TOKEN")
+        return ModelNotFoundError(f"{repo_id}: no such model repository at {where} (or your token cannot see it)")
+    if isinstance(e, (hf_errors.EntryNotFoundError, hf_errors.RemoteEntryNotFoundError)):
+        return ModelNotFoundError(f"{repo_id}: file not found in revision {revision!r} at {where}")
+    if isinstance(e, hf_errors.OfflineModeIsEnabled):
+        return EndpointUnreachableError("HF_HUB_OFFLINE is set: expertmesh cannot reach the Hub")
+    if isinstance(e, hf_errors.HfHubHTTPError):
+        status = e.response.status_code if e.response is not None else None
+        if status in (401, 403):
+            return AuthError(f"{where} rejected the token for {repo_id} (HTTP {status}): check HF_TOKEN")
+        return DownloadError(f"{where} answered HTTP {status} for {repo_id}")
+    if isinstance(e, (httpx2.TransportError, OSError)):
+        return EndpointUnreachableError(f"cannot reach {where}: {type(e).__name__}")
+    return e
+
+
+def _api_call(fn, repo_id: str, revision: str | None, max_retries: int = constants.HTTP_MAX_RETRIES):
+    """Call huggingface_hub, retrying rate limits, 5xx and dropped connections with backoff."""
+    _check_online()
+    for attempt in range(max_retries + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - translated below
+            response = getattr(e, "response", None)
+            status = getattr(response, "status_code", None)
+            transient = status in _RETRY_STATUS or isinstance(e, httpx2.TransportError)
+            if not transient or attempt == max_retries:
+                raise translate_hub_error(e, repo_id, revision) from None
+            wait = _retry_after(response.headers.get("retry-after")) if response is not None else None
+            time.sleep(wait if wait is not None else random.uniform(0, min(8.0, 0.25 * 2**attempt)))
+    raise AssertionError("unreachable")
+
+
+def resolve_commit(repo_id: str, revision: str | None = None) -> str:
+    """Pin `revision` (branch, tag or sha; default `main`) to its commit sha.
+
+    Raises:
+        ModelNotFoundError, AuthError, EndpointUnreachableError: as the endpoint answers.
+    """
+    info = _api_call(lambda: HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision), repo_id, revision)
+    if not info.sha:
+        raise DownloadError(f"{endpoint()} did not report a commit sha for {repo_id}@{revision or 'main'}")
+    return info.sha
+
+
+def list_files(repo_id: str, commit: str) -> list[str]:
+    """The file names of a pinned revision."""
+    info = _api_call(lambda: HfApi(endpoint=endpoint()).model_info(repo_id, revision=commit), repo_id, commit)
+    return [s.rfilename for s in info.siblings or []]
+
+
+def download_file(remote: RemoteFile, local_dir: Path) -> Path:
+    """Download one (small) file of the pinned revision into `local_dir`."""
+    path = _api_call(
+        lambda: hf_hub_download(remote.repo_id, remote.filename, revision=remote.commit, local_dir=local_dir,
+                                endpoint=endpoint()),  # fmt: skip
+        remote.repo_id,
+        remote.commit,
+    )
+    return Path(path)
+
+
+class RangeReader:
+    """Strict, retried byte-range reads of pinned files over huggingface_hub's session.
+
+    The Hub answers a resolve URL with a redirect to a signed CDN URL; we remember each
+    file's location until it expires or the CDN refuses it, so a shard costs one redirect,
+    not one per range. Concurrent first reads of a shard wait for the first one's redirect
+    instead of each asking (a cold layer starts a dozen at once, and each redirect is a round
+    trip and a call against the Hub's rate limit).
+    """
+
+    def __init__(self, max_retries: int = constants.HTTP_MAX_RETRIES, timeout_s: float = constants.HTTP_TIMEOUT_S,
+                 backoff_base_s: float = 0.25, backoff_max_s: float = 8.0,
+                 fresh_connections: bool = False):  # fmt: skip
+        self.fresh_connections = fresh_connections  # a new connection per request: benchmarks' naive client
+        # Pinned now: a reader belongs to one Hub, even if huggingface_hub is pointed elsewhere later.
+        self.endpoint = endpoint()
+        self.max_retries = max_retries
+        self.timeout_s = timeout_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._locations: dict[RemoteFile, tuple[str, float]] = {}
+        self._resolving: dict[RemoteFile, threading.Event] = {}  # set once the first reader's redirect is known
+        self._lock = threading.Lock()
+        self.retries = 0  # how many attempts failed and were retried, for the summary
+
+    def read(self, remote: RemoteFile, start: int, end: int) -> bytes:
+        """Bytes `[start, end)` of `remote`, exactly; clipped at the end of the file.
+
+        Raises:
+            DownloadError: still failing after the retries, or a permanent refusal.
+            AuthError: the endpoint rejects our token.
+        """
+        return self.read_with_size(remote, start, end)[0]
+
+    def read_with_size(self, remote: RemoteFile, start: int, end: int) -> tuple[bytes, int | None]:
+        """`read`, plus the file's total size from the `Content-Range` (None if the server hides it)."""
+        if end <= start:
+            raise ValueError(f"empty range {start}-{end}")
+        return self._retrying(lambda: self._read_once(remote, start, end), f"{remote}: bytes {start}-{end - 1}")
+
+    def _retrying(self, attempt_fn, what: str):
+        _check_online()
+        for attempt in range(self.max_retries + 1):
+            try:
+                return attempt_fn()
+            except _Retryable as e:
+                if attempt == self.max_retries:
+                    raise DownloadError(f"{what} failed {attempt + 1} times, last: {e.reason}") from None
+                self.retries += 1
+                wait = e.wait_s if e.wait_s is not None else self._backoff(attempt)
+                logger.info("retrying %s in %.2fs: %s", what, wait, e.reason)
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential backoff with full jitter, so many clients do not retry in lockstep."""
+        return random.uniform(0, min(self.backoff_max_s, self.backoff_base_s * 2**attempt))
+
+    def _location(self, remote: RemoteFile) -> tuple[str, bool]:
+        """The URL to ask, and whether it is a remembered CDN location."""
+        for _ in range(2):
+            with self._lock:
+                cached = self._locations.get(remote)
+                if cached and cached[1] > time.time():
+                    return cached[0], True
+                first = self._resolving.get(remote)
+                if first is None:  # this read resolves it; `_resolved` lets the others go
+                    self._resolving[remote] = threading.Event()
+                    break
+            first.wait(self.timeout_s)  # then the remembered location, or ask ourselves if it failed
+        return hf_hub_url(remote.repo_id, remote.filename, revision=remote.commit, endpoint=self.endpoint), False
+
+    def _resolved(self, remote: RemoteFile) -> None:
+        with self._lock:
+            first = self._resolving.pop(remote, None)
+        if first is not None:
+            first.set()
+
+    def _remember_redirect(self, remote: RemoteFile, base_url: str, location: str) -> str:
+        url = urllib.parse.urljoin(base_url, location)
+        query = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)
+        try:
+            expires = float(query.get("expires", query.get("Expires", [""]))[0]) - 30
+        except ValueError:
+            expires = time.time() + _DEFAULT_REDIRECT_TTL_S
+        with self._lock:
+            self._locations[remote] = (url, expires)
+        self._resolved(remote)
+        return url
+
+    def _forget_redirect(self, remote: RemoteFile) -> None:
+        with self._lock:
+            self._locations.pop(remote, None)
+
+    def _read_once(self, remote: RemoteFile, start: int, end: int) -> tuple[bytes, int | None]:
+        url, is_cdn = self._location(remote)
+        headers = build_hf_headers(headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+        if is_cdn:  # signed CDN URLs must not receive the Hub token
+            headers.pop("authorization", None)
+            headers.pop("Authorization", None)
+        session = httpx2.Client() if self.fresh_connections else get_session()
+        try:
+            return self._read_redirected(session, remote, url, headers, is_cdn, start, end)
+        finally:
+            if not is_cdn:
+                self._resolved(remote)  # no redirect came (a small file, an error): the others ask themselves
+            if self.fresh_connections:
+                session.close()
+
+    def _read_redirected(self, session, remote: RemoteFile, url: str, headers: dict, is_cdn: bool,
+                         start: int, end: int) -> tuple[bytes, int | None]:  # fmt: skip
+        for _ in range(5):  # redirects
+            try:
+                with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=self.timeout_s) as r:
+                    if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
+                        url = self._remember_redirect(remote, url, r.headers["location"])
+                        is_cdn = True
+                        headers.pop("authorization", None)
+                        headers.pop("Authorization", None)
+                        continue
+                    return self._check_body(r, remote, start, end, is_cdn)
+            except httpx2.TransportError as e:
+                raise _Retryable(f"{type(e).__name__}") from None
+        raise _Retryable("too many redirects")
+
+    def _check_body(self, r: httpx2.Response, remote: RemoteFile, start: int, end: int,
+                    is_cdn: bool) -> tuple[bytes, int | None]:  # fmt: skip
+        status = r.status_code
+        if status == 206:
+            m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))
+            if not m:
+                raise _Retryable("206 without a valid Content-Range")
+            got_start, got_end, total = int(m.group(1)), int(m.group(2)) + 1, m.group(3)
+            expected_end = end if total == "*" else min(end, int(total))
+            if got_start != start or got_end != expected_end:
+                raise _Retryable(f"asked for bytes {start}-{end - 1}, got {got_start}-{got_end - 1}")
+            length = r.headers.get("content-length")
+            if length is not None and int(length) != got_end - got_start:
+                raise _Retryable("Content-Length disagrees with Content-Range")
+            body = bytearray()
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) > got_end - got_start:
+                    raise _Retryable("more bytes than the range")
+            if len(body) != got_end - got_start:
+                raise _Retryable(f"connection ended after {len(body)} of {got_end - got_start} bytes")
+            return bytes(body), None if total == "*" else int(total)
+        if status == 200:
+            # The server ignored Range: never read (let alone store) a whole shard.
+            raise _Retryable("the server ignored the Range header (200 instead of 206)")
+        if status in (401, 403) and is_cdn:
+            self._forget_redirect(remote)  # an expired or refused signed URL: resolve again
+            raise _Retryable(f"CDN refused the signed URL (HTTP {status})", wait_s=0)
+        if status in (401, 403):
+            raise AuthError(f"{self.endpoint} rejected the token for {remote.repo_id} (HTTP {status}): check HF_TOKEN")
+        if status == 404:
+            if is_cdn:
+                self._forget_redirect(remote)
+                raise _Retryable("CDN answered 404", wait_s=0)
+            raise DownloadError(f"{remote}: not found at {self.endpoint}")
+        if status == 416:
+            raise DownloadError(f"{remote}: bytes {start}-{end - 1} are past the end of the file")
+        if status in _RETRY_STATUS:
+            raise _Retryable(f"HTTP {status}", wait_s=_retry_after(r.headers.get("retry-after")))
+        raise DownloadError(f"{remote}: unexpected HTTP {status}")
+
+
+def _retry_after(value: str | None, cap_s: float = 120.0) -> float | None:
+    """Seconds to wait from a `Retry-After` header (delay-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), cap_s)
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, min(when - time.time(), cap_s))
+
+
+def read_safetensors_header(reader: RangeReader, remote: RemoteFile) -> tuple[dict[str, TensorEntry], int]:
+    """A remote shard's tensors (absolute offsets) and size.
+
+    Two exact range reads: the 8-byte length, then the header. huggingface_hub's
+    `parse_safetensors_file_metadata` reads a 100 kB probe instead, which saves a round trip
+    but also downloads the first tensors' bytes — experts, in an expert-bearing shard.
+    """
+    prefix, size = reader.read_with_size(remote, 0, 8)
+    if size is None:
+        raise DownloadError(f"{remote}: the server did not report the file size")
+    try:
+        n = safetensors_format.header_length(prefix)
+        if 8 + n > size:
+            raise safetensors_format.SafetensorsFormatError("header longer than the file")
+        tensors, _ = safetensors_format.parse_header(reader.read(remote, 8, 8 + n), size)
+    except safetensors_format.SafetensorsFormatError as e:
+        raise DownloadError(f"{remote} is not a valid safetensors file: {e}") from None
+    return tensors, size
+
+
+@contextlib.contextmanager
+def using_endpoint(url: str) -> Iterator[None]:
+    """Point huggingface_hub at `url` for the duration (it reads `HF_ENDPOINT` at import only)."""
+    previous = hf_constants.ENDPOINT, hf_constants.HUGGINGFACE_CO_URL_TEMPLATE
+    hf_constants.ENDPOINT = url.rstrip("/")
+    hf_constants.HUGGINGFACE_CO_URL_TEMPLATE = hf_constants.ENDPOINT + "/{repo_id}/resolve/{revision}/{filename}"
+    try:
+        yield
+    finally:
+        hf_constants.ENDPOINT, hf_constants.HUGGINGFACE_CO_URL_TEMPLATE = previous

@@ -1,0 +1,265 @@
+"""A node's Prometheus metrics (DESIGN §8), declared here next to their help text.
+
+Counts that the store, the caches and the peer table already keep are read from them at scrape
+time by one custom collector, so `/metrics` shows exactly the numbers a generation's summary is
+made of and no code path can forget to count. Only what needs one observation per event is
+observed as it happens: the latency histograms (`token_seconds`, `time_to_first_token_seconds`,
+`expert_fetch_seconds{source}`) and the token and speculation counters, through two small hooks —
+the store's `StoreStats.observer` and the generator's `token_observer` (Generator.observer).
+
+Every node has its own `CollectorRegistry`, so several nodes in one process (tests) never collide.
+Labels are fixed, small sets (source, tier, outcome, role, reason, direction): never an expert id, a prompt or
+the household secret.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from expertmesh.node.store.store import PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "expertmesh_"
+# A token takes milliseconds on a warm Mac and minutes on a cold one (25.8 GB of K3 experts at 100 MB/s).
+TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# The first token also pays the prefill: from a tenth of a second to half an hour.
+TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# An expert use: microseconds from RAM, milliseconds from SSD or the LAN, seconds from the Hub.
+FETCH_BUCKETS_S = (1e-6, 5e-6, 2.5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                   2.5, 5, 10, 30, 60)  # fmt: skip
+ROLES = ("full", "cache")
+TIERS = ("ram", "disk")
+# Reasons always exported (as 0 until they happen), so an "errors by reason" panel has data on a
+# healthy household; others (gRPC status names) appear when they first happen.
+PEER_ERROR_REASONS = ("unavailable", "deadline_exceeded", "unauthenticated", "wrong_size", "bad_digest", "bad_bytes",
+                      "oversized")  # fmt: skip
+HUB_ERROR_REASONS = ("retried",)
+SPECULATIVE_OUTCOMES = ("drafted", "accepted")
+
+
+@dataclass
+class MetricsSources:
+    """What a node's numbers are read from; any part may be missing (a cache peer has no RAM tier).
+
+    Args:
+        stats: the store's `StoreStats` (uses, bytes, integrity failures, prefetch outcomes).
+        ram: the `RamCache`; disk: the `DiskCache`; peers: the `PeerTable` the node follows.
+        hub_readers: the Hub `RangeReader`s (their `retries`, and `errors` by reason if they keep one).
+    """
+
+    stats: object | None = None
+    ram: object | None = None
+    disk: object | None = None
+    peers: object | None = None
+    hub_readers: list = field(default_factory=list)
+
+    @classmethod
+    def of_model(cls, sm, peers=None) -> "MetricsSources":
+        store = sm.store
+        return cls(store.stats, store.ram, sm.disk, peers, _hub_readers(store.sources))
+
+    @classmethod
+    def of_served(cls, experts, peers=None) -> "MetricsSources":
+        """A cache peer's: its disk and the stats of the experts it fetched as an owner."""
+        return cls(experts.stats, None, experts.disk, peers, _hub_readers(experts.remote_sources))
+
+
+def _hub_readers(sources: Iterable) -> list:
+    return [s.reader for s in sources if getattr(s, "name", "") == "hub" and hasattr(s, "reader")]
+
+
+class _StateCollector(Collector):
+    """Reads the tiers' own counters at scrape time."""
+
+    def __init__(self, src: MetricsSources):
+        self.src = src
+
+    def collect(self) -> Iterator:
+        src = self.src
+        stats = src.stats.snapshot() if src.stats is not None else None
+        uses = CounterMetricFamily(PREFIX + "expert_requests", "Expert uses by the tier that answered them "
+                                   "(ram|disk|peer|hub; remote: computed by the peer that holds it); a prefetched guess counts when it is used.", labels=["source"])  # fmt: skip
+        nbytes = CounterMetricFamily(PREFIX + "expert_bytes", "Upstream bytes of the experts used, by the tier that "
+                                     "answered (source=hub: bytes that crossed the internet).", labels=["source"])  # fmt: skip
+        bad = CounterMetricFamily(PREFIX + "integrity_failures", "Expert copies whose sha256 did not match the one "
+                                  "recorded at first fetch, by where the copy came from; each was discarded.",
+                                  labels=["source"])  # fmt: skip
+        for s in SOURCES:
+            uses.add_metric([s], stats.uses[s] if stats else 0)
+            nbytes.add_metric([s], stats.bytes[s] if stats else 0)
+            bad.add_metric([s], stats.integrity_failures[s] if stats else 0)
+        yield from (uses, nbytes, bad)
+
+        prefetch = CounterMetricFamily(PREFIX + "prefetch", "Guesses of the next layer's experts: issued (fetched), "
+                                       "used (demanded by the pass they were for), wasted (not demanded).",
+                                       labels=["outcome"])  # fmt: skip
+        for o in PREFETCH_OUTCOMES:
+            prefetch.add_metric([o], stats.prefetch[o] if stats else 0)
+        yield prefetch
+
+        remote = stats.remote if stats else dict.fromkeys(REMOTE_COUNTS, 0)
+        yield CounterMetricFamily(PREFIX + "remote_calls", "ComputeExperts calls to peers (remote expert execution: "
+                                  "one per peer per layer of a pass).", value=remote["calls"])  # fmt: skip
+        moved = CounterMetricFamily(PREFIX + "activation_bytes", "Activation bytes moved for remote expert execution, "
+                                    "by direction (sent: expert inputs; received: their outputs).", labels=["direction"])  # fmt: skip
+        moved.add_metric(["sent"], remote["sent_bytes"])
+        moved.add_metric(["received"], remote["received_bytes"])
+        fallbacks = CounterMetricFamily(PREFIX + "remote_fallbacks", "Experts placed on a peer but fetched and computed "
+                                        "here instead, by reason (error, deadline, bad_output, missing).",
+                                        labels=["reason"])  # fmt: skip
+        for reason in ("error", "deadline", "bad_output", "missing"):
+            fallbacks.add_metric([reason], remote[f"fallback_{reason}"])
+        yield from (moved, fallbacks)
+
+        cache_bytes = GaugeMetricFamily(PREFIX + "cache_bytes", "Bytes held by each cache tier (RAM: decoded experts; "
+                                        "disk: upstream bytes).", labels=["tier"])  # fmt: skip
+        cache_experts = GaugeMetricFamily(PREFIX + "cache_experts", "Experts held by each cache tier.", labels=["tier"])
+        budget = GaugeMetricFamily(PREFIX + "cache_budget_bytes", "Each cache tier's byte budget.", labels=["tier"])
+        evictions = CounterMetricFamily(PREFIX + "cache_evictions", "Experts dropped by each cache tier to stay "
+                                        "within its budget.", labels=["tier"])  # fmt: skip
+        for tier, cache in (("ram", src.ram), ("disk", src.disk)):
+            cache_bytes.add_metric([tier], getattr(cache, "nbytes", 0))
+            cache_experts.add_metric([tier], len(cache) if cache is not None else 0)
+            budget.add_metric([tier], getattr(cache, "budget_bytes", 0))
+            evictions.add_metric([tier], getattr(cache, "evictions", 0))
+        yield from (cache_bytes, cache_experts, budget, evictions)
+
+        peers = GaugeMetricFamily(PREFIX + "peers", "Live peers this node knows (not skipped after an error), by role.",
+                                  labels=["role"])  # fmt: skip
+        live = dict.fromkeys(ROLES, 0)
+        errors = dict.fromkeys(PEER_ERROR_REASONS, 0)
+        if src.peers is not None:
+            for p in list(src.peers.peers.values()):
+                if p.live:
+                    live[p.role] = live.get(p.role, 0) + 1
+            errors.update(dict(src.peers.errors))
+        for role, n in live.items():
+            peers.add_metric([role], n)
+        peer_errors = CounterMetricFamily(PREFIX + "peer_errors", "Peers skipped after a failure, by reason (a gRPC "
+                                          "status name, or wrong_size, bad_digest, bad_bytes, oversized for fetches; "
+                                          "compute_* and bad_output for remote execution; not_serving and health_* "
+                                          "for health checks).",
+                                          labels=["reason"])  # fmt: skip
+        for reason, n in errors.items():
+            peer_errors.add_metric([reason], n)
+        yield from (peers, peer_errors)
+
+        hub = dict.fromkeys(HUB_ERROR_REASONS, 0)
+        for reader in src.hub_readers:
+            hub["retried"] += getattr(reader, "retries", 0)
+            for reason, n in dict(getattr(reader, "errors", None) or {}).items():
+                hub[reason] = hub.get(reason, 0) + n
+        hub_errors = CounterMetricFamily(PREFIX + "hub_errors", "Hub range requests that failed, by reason "
+                                         "(retried: failed attempts that were retried with backoff).",
+                                         labels=["reason"])  # fmt: skip
+        for reason, n in hub.items():
+            hub_errors.add_metric([reason], n)
+        yield hub_errors
+
+
+class NodeMetrics:
+    """One node's registry: the state collector, the token counters and the latency histograms.
+
+    Attach it to a loaded model (`attach_model`) so generation and expert uses are observed; then
+    `serve` it on `/metrics`.
+    """
+
+    def __init__(self, src: MetricsSources):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StateCollector(src))
+        self.tokens = Counter(PREFIX + "tokens_generated", "Tokens generated (sampled and returned; an end-of-sequence "
+                              "token is not counted).", registry=self.registry)  # fmt: skip
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens fed to the model.", registry=self.registry)
+        self.generations = Counter(PREFIX + "generations", "Generations started.", registry=self.registry)
+        self.token_seconds = Histogram(PREFIX + "token_seconds", "Time per generated token: since the previous token, "
+                                       "or for the first one since the request (prefill included).",
+                                       buckets=TOKEN_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from a request to its first token.",
+                              buckets=TTFT_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self.fetch_seconds = Histogram(PREFIX + "expert_fetch_seconds", "Time to get one used expert from the tier "
+                                       "that answered (RAM: a lookup; disk, peer, hub: read, verify and decode).",
+                                       labelnames=["source"], buckets=FETCH_BUCKETS_S, registry=self.registry)  # fmt: skip
+        # every source has a series from the start; children kept, as a use is observed per expert
+        self._fetch_by_source = {s: self.fetch_seconds.labels(s) for s in SOURCES}
+        # Speculation's counters live in each Generator (a chat's), so the node sums them as they happen.
+        self.speculative_tokens = Counter(PREFIX + "speculative_tokens", "Speculative decoding: tokens drafted, and "
+                                          "drafted tokens the big model accepted (0 while speculation is off).",
+                                          labelnames=["outcome"], registry=self.registry)  # fmt: skip
+        for o in SPECULATIVE_OUTCOMES:
+            self.speculative_tokens.labels(o)
+
+    @classmethod
+    def for_model(cls, sm, peers=None) -> "NodeMetrics":
+        """Metrics of a full node (or `run`): reads `sm`'s tiers and observes its generations."""
+        metrics = cls(MetricsSources.of_model(sm, peers))
+        metrics.attach_model(sm)
+        return metrics
+
+    @classmethod
+    def for_served(cls, experts, peers=None) -> "NodeMetrics":
+        """Metrics of a cache peer."""
+        metrics = cls(MetricsSources.of_served(experts, peers))
+        experts.stats.observer = metrics.observe_fetch
+        return metrics
+
+    def attach_model(self, sm) -> None:
+        sm.store.stats.observer = self.observe_fetch
+        sm.token_observer = self  # node/engine/generation.py: Generator reads it
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def observe_fetch(self, source: str, nbytes: int, seconds: float) -> None:
+        child = self._fetch_by_source.get(source)
+        (child if child is not None else self.fetch_seconds.labels(source)).observe(seconds)
+
+    def prompt(self, tokens: int) -> None:
+        self.generations.inc()
+        self.prompt_tokens.inc(tokens)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def token(self, seconds: float) -> None:
+        self.tokens.inc()
+        self.token_seconds.observe(seconds)
+
+    def speculative(self, drafted: int, accepted: int) -> None:
+        """One verify pass: `drafted` tokens checked, `accepted` of them kept."""
+        self.speculative_tokens.labels("drafted").inc(drafted)
+        self.speculative_tokens.labels("accepted").inc(accepted)
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> "MetricsServer":
+        """Serve `/metrics` with prometheus_client's own HTTP server; `port` 0 picks a free one.
+
+        Raises:
+            OSError: the address cannot be listened on.
+        """
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsServer(server, thread, host, server.server_port)
+
+
+@dataclass
+class MetricsServer:
+    server: object
+    thread: object
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)

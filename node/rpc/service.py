@@ -1,0 +1,241 @@
+"""The gRPC node service (proto/expertmesh/v1/node.proto) of a full node.
+
+It answers for the one model it serves: what it is (Info), which experts its disk holds
+(GetInventory), an expert's verified upstream bytes (FetchExpert, fetching from the Hub on a
+miss when asked, as an owner does), experts run on a peer's activations (ComputeExperts, see
+node/engine/expert_compute.py) and generation (Generate). Requests are validated before anything is
+read; a bad key is INVALID_ARGUMENT or NOT_FOUND, never an exception in a log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
+from expertmesh.node.store.integrity import sha256
+from expertmesh.node.store.store import SOURCES
+from expertmesh.node.errors import DownloadError, ExpertmeshError
+from expertmesh.node.devtools.link_emulation import LanEmulation
+from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.store.served import ServedExperts
+from expertmesh.node.engine.speculative import SpeculationConfig, SpeculationError, make_draft_source
+from expertmesh.node.engine.streamed_model import StreamedModel
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+CHUNK_BYTES = 1024 * 1024  # well under gRPC's 4 MB message limit
+DEFAULT_MAX_TOKENS = 256
+MAX_TOKENS_LIMIT = 32768
+MAX_PROMPT_CHARS = 1_000_000
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("expertmesh")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class NodeService(node_pb2_grpc.NodeServicer):
+    """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
+
+    def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None, peers=None,
+                 lan: LanEmulation | None = None, speculation: SpeculationConfig | None = None):  # fmt: skip
+        """`lan` slows FetchExpert and ComputeExperts to an emulated household link (benchmarks).
+        `speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
+        cache cannot roll back generates without it (logged once, here)."""
+        self.sm = sm
+        self.speculation, self._draft = None, None
+        if sm is not None and speculation is not None and speculation.mode != "off":
+            try:
+                draft = make_draft_source(speculation, sm.tokenizer)  # one draft model for every request
+                Generator(sm, speculation, draft_source=draft)  # checks the model's cache can roll back
+                self.speculation, self._draft = speculation, draft
+            except SpeculationError as e:
+                logger.warning("generating without speculation: %s", e)
+        self.lan = lan
+        self.computer = ExpertComputer(sm) if sm is not None else None
+        self.peers = peers  # the PeerTable this node follows, if any
+        self.experts = experts or ServedExperts.of_model(sm)
+        self.node_id = node_id
+        self.role = "full" if sm is not None else "cache"
+        self._generate_lock = threading.Lock()  # one generation at a time: the model has one cache
+        self._generated = [0, 0.0]  # tokens, seconds of every Generate so far (for Info)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _model_key(self) -> node_pb2.ModelKey:
+        return node_pb2.ModelKey(repo_id=self.experts.repo_id, commit=self.experts.commit)
+
+    def _check_model(self, model: node_pb2.ModelKey, context, allow_empty_commit: bool = False) -> None:
+        ex = self.experts
+        if model.repo_id != ex.repo_id or (model.commit != ex.commit and not (allow_empty_commit and not model.commit)):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves {ex.repo_id}@{ex.commit[:12]} only")
+
+    # -- rpcs ---------------------------------------------------------------------------------
+
+    def Info(self, request, context) -> node_pb2.InfoResponse:
+        if self.lan is not None:
+            self.lan.round_trip()  # Info is how peers measure the round trip
+        mlx_version = ""
+        if self.sm is not None:
+            import mlx.core as mx
+
+            mlx_version = mx.__version__
+        disk = self.experts.disk
+        stats = self.experts.stats.snapshot()
+        return node_pb2.InfoResponse(node_id=self.node_id, role=self.role, models=[self._model_key()],
+                                     ram_budget_bytes=self.experts.ram_budget_bytes,
+                                     disk_budget_bytes=disk.budget_bytes, disk_used_bytes=disk.nbytes,
+                                     expertmesh_version=_version(), mlx_version=mlx_version,
+                                     protocol_version=PROTOCOL_VERSION,
+                                     live_peers=self.peers.live_count() if self.peers is not None else 0,
+                                     expert_uses=stats.uses, expert_bytes=stats.bytes,
+                                     generated_tokens=self._generated[0], generation_seconds=self._generated[1],
+                                     ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0,
+                                     compute=self.computer is not None)  # fmt: skip
+
+    def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
+        self._check_model(request.model, context)
+        index, disk = self.experts.index, self.experts.disk
+        layers = []
+        for layer in index.moe_layers:
+            n = 1 + max(e for (lay, e) in index.experts if lay == layer)
+            bits = bytearray((n + 7) // 8)
+            for e in range(n):
+                if (layer, e) in disk:
+                    bits[e // 8] |= 1 << (e % 8)
+            layers.append(node_pb2.LayerBitmap(layer=layer, num_experts=n, bits=bytes(bits)))
+        return node_pb2.InventoryResponse(model=self._model_key(), layers=layers)
+
+    def FetchExpert(self, request, context) -> Iterator[node_pb2.ExpertChunk]:
+        key = request.key
+        self._check_model(key.model, context)
+        loc = self.experts.index.experts.get((key.layer, key.expert))
+        if loc is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.experts.repo_id} has no expert {key.expert} in layer {key.layer}")
+        if request.keep_only:
+            yield self._keep(loc, context)
+            return
+        blob = self.experts.held_copy(loc)
+        if blob is None:
+            if not request.fetch_on_miss:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"expert {key.expert} of layer {key.layer} is not held here")
+            try:
+                blob = self.experts.fetch_as_owner(loc)
+            except ExpertmeshError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
+        digest = sha256(blob)
+        view = memoryview(blob)
+        if self.lan is not None:
+            self.lan.round_trip()
+        for start in range(0, len(blob), CHUNK_BYTES):
+            chunk = node_pb2.ExpertChunk(data=bytes(view[start:start + CHUNK_BYTES]))
+            if self.lan is not None:
+                self.lan.send(len(chunk.data))
+            if start == 0:
+                chunk.size, chunk.sha256 = len(blob), digest
+            yield chunk
+
+    def _keep(self, loc, context) -> node_pb2.ExpertChunk:
+        """FetchExpert with keep_only: hold the expert (fetching it on a miss), send no bytes."""
+        try:
+            kept = self.experts.keep(loc)
+        except ExpertmeshError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
+        if not kept:
+            disk = self.experts.disk
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the disk budget is full ({disk.nbytes} of {disk.budget_bytes} bytes): warming never evicts")  # fmt: skip
+        return node_pb2.ExpertChunk(size=loc.nbytes, sha256=self.experts.digests.get((loc.layer, loc.expert)) or "")
+
+    def ComputeExperts(self, request, context) -> node_pb2.ComputeExpertsResponse:
+        if self.computer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it serves expert bytes only")
+        self._check_model(request.model, context)
+        lan = self.lan
+        if lan is not None:
+            lan.round_trip()
+            lan.receive(sum(len(e.rows.data) for e in request.experts), activations=True)
+        try:
+            result = self.computer.compute(request)
+        except ComputeRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DownloadError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching an expert to compute failed: {e}")
+        if lan is not None:
+            lan.send(sum(len(e.rows.data) for e in result.outputs), activations=True)
+        return node_pb2.ComputeExpertsResponse(experts=result.outputs, missing=result.missing,
+                                               compute_seconds=result.seconds, queued=result.queued)  # fmt: skip
+
+    def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
+        if self.sm is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with")
+        self._check_model(request.model, context, allow_empty_commit=True)
+        chars = sum(len(m.content) for m in request.messages) if request.messages else len(request.prompt)
+        if chars > MAX_PROMPT_CHARS or not chars:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt must have 1 to {MAX_PROMPT_CHARS} characters")
+        if any(m.role not in CHAT_ROLES for m in request.messages):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message's role must be one of {', '.join(CHAT_ROLES)}")
+        if request.max_tokens > MAX_TOKENS_LIMIT or request.temperature < 0 or not 0 <= request.top_p <= 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_tokens must be at most {MAX_TOKENS_LIMIT}, temperature ≥ 0 and top_p in [0, 1]")  # fmt: skip
+        tok = self.sm.tokenizer
+        if request.messages or request.chat:
+            messages = ([{"role": m.role, "content": m.content} for m in request.messages] if request.messages
+                        else [{"role": "user", "content": request.prompt}])  # fmt: skip
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(request.prompt)
+        settings = SamplingSettings(max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS, temp=request.temperature,
+                                    top_p=request.top_p if request.top_p > 0 else 1.0,
+                                    seed=request.seed if request.HasField("seed") else None)  # fmt: skip
+        summary = GenerationSummary()
+        with self._generate_lock:
+            stats = self.sm.store.stats
+            last, t_last, first = stats.snapshot(), time.perf_counter(), True
+            try:
+                generator = Generator(self.sm, self.speculation, draft_source=self._draft)
+                for t in generator.generate(ids, settings, lambda: not context.is_active(), summary):
+                    now, t_now = stats.snapshot(), time.perf_counter()
+                    d = _delta(now, last)
+                    yield node_pb2.GenerateEvent(token=node_pb2.TokenEvent(
+                        id=t.id, text=t.text, seconds=t_now - t_last, expert_uses=d[0], hub_bytes=d[1],
+                        prompt_tokens=summary.prompt_tokens if first else 0))  # fmt: skip
+                    first = False
+                    last, t_last = now, t_now
+            except ContextLengthError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except DownloadError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            except ExpertmeshError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            finally:
+                self._generated[0] += summary.generated_tokens
+                self._generated[1] += summary.seconds
+        spec = summary.speculation
+        yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(
+            prompt_tokens=summary.prompt_tokens, generated_tokens=summary.generated_tokens,
+            time_to_first_token_s=summary.time_to_first_token_s, seconds=summary.seconds,
+            stop_reason=summary.stop_reason, trailing_text=summary.trailing_text,
+            expert_uses={s: summary.experts.uses[s] for s in SOURCES},
+            expert_bytes={s: summary.experts.bytes[s] for s in SOURCES},
+            forward_passes=spec.passes if spec else 0, drafted_tokens=spec.drafted if spec else 0,
+            accepted_tokens=spec.accepted if spec else 0))  # fmt: skip
+
+
+def _delta(now, before) -> tuple[int, int]:
+    """(expert uses, hub bytes) between two snapshots of the store's stats."""
+    uses = sum(now.uses[s] - before.uses[s] for s in SOURCES)
+    return uses, now.bytes["hub"] - before.bytes["hub"]

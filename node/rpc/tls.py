@@ -1,0 +1,62 @@
+"""Optional TLS for the household's gRPC: one certificate for the household, like its secret.
+
+Macs reach each other by LAN address, which a home certificate cannot name reliably, so every
+node presents a certificate for the one name `expertmesh` and every client checks that name
+against the household's CA (usually that same self-signed certificate). Make one with
+
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3650 \\
+        -subj /CN=expertmesh -addext subjectAltName=DNS:expertmesh -keyout key.pem -out cert.pem
+
+and give every node `--tls-cert cert.pem --tls-key key.pem` (clients: `--tls-ca cert.pem` or
+EXPERTMESH_TLS_CA). The household secret is still checked on every call: TLS hides it and the
+experts from the LAN, the secret decides who may ask.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+
+from expertmesh.node.errors import ExpertmeshError
+
+TLS_NAME = "expertmesh"  # the name household certificates carry (CN and subjectAltName)
+TLS_CA_ENV = "EXPERTMESH_TLS_CA"
+
+
+class TlsConfigError(ExpertmeshError):
+    pass
+
+
+def _read_pem(path: str | Path, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise TlsConfigError(f"cannot read the TLS {what} {path}: {e.strerror or e}") from None
+    if b"-----BEGIN" not in data:
+        raise TlsConfigError(f"the TLS {what} {path} is not a PEM file")
+    return data
+
+
+def server_credentials(cert: str | Path, key: str | Path) -> grpc.ServerCredentials:
+    """Credentials for a node's server from its PEM certificate and key."""
+    return grpc.ssl_server_credentials([(_read_pem(key, "key"), _read_pem(cert, "certificate"))])
+
+
+def load_ca(path: str | Path | None = None) -> bytes | None:
+    """The household CA for outgoing calls: `path`, else $EXPERTMESH_TLS_CA, else None (plain TCP)."""
+    path = path or os.environ.get(TLS_CA_ENV)
+    return _read_pem(path, "CA certificate") if path else None
+
+
+# A ComputeExperts answer of a long prefill can pass gRPC's 4 MB default; node servers accept 8 MB.
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 8 * 1024 * 1024)]
+
+
+def open_channel(address: str, ca: bytes | None = None) -> grpc.Channel:
+    """A channel to a node: TLS checked against `ca` for the household name, or plain TCP."""
+    if ca is None:
+        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca),
+                               options=[*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME)])  # fmt: skip

@@ -1,0 +1,117 @@
+"""The experts a node serves to its peers: its disk copies, checked, and — as an owner — the Hub.
+
+Full nodes and cache peers both have one; a cache peer has nothing else (no core, no MLX), which
+is why this does not depend on a loaded model.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
+from expertmesh.node.errors import DownloadError
+from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
+from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex, ExpertLocation
+from expertmesh.node.store.store import ByteSource, StoreStats
+
+
+@dataclass
+class ServedExperts:
+    repo_id: str
+    commit: str
+    index: ExpertIndex
+    disk: DiskCache
+    digests: DigestBook
+    remote_sources: list[ByteSource]  # nearest first, after the disk: peers, then the Hub
+    stats: StoreStats
+    ram_budget_bytes: int = 0
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    @classmethod
+    def of_model(cls, sm) -> "ServedExperts":
+        """A full node's: the same disk, digests and stats as its generation uses."""
+        store = sm.store
+        return cls(sm.repo_id, sm.commit, sm.index, sm.disk, store.digests, [s for s in store.sources if s.name != "disk"],
+                   store.stats, store.ram.budget_bytes)  # fmt: skip
+
+    def held_copy(self, loc: ExpertLocation) -> bytes | None:
+        """The disk copy if it matches its recorded digest (a bad one is deleted and counted)."""
+        blob = self.disk.fetch(loc)
+        if blob is None:
+            return None
+        if self.digests.check((loc.layer, loc.expert), blob, may_record=False):
+            return bytes(blob)
+        self.stats.record_integrity_failure("disk")
+        self.disk.discard(loc)
+        return None
+
+    def fetch_as_owner(self, loc: ExpertLocation) -> bytes:
+        """Fetch a missing expert from the sources after the disk, keep it and return it.
+
+        One at a time, so peers asking for the same expert at once cost one Hub fetch.
+
+        Raises:
+            DownloadError: no source gave a good copy.
+        """
+        key = (loc.layer, loc.expert)
+        with self._lock:
+            blob = self.held_copy(loc)
+            if blob is not None:
+                return blob
+            for source in self.remote_sources:
+                blob = source.fetch(loc)
+                if blob is None or len(blob) != loc.nbytes:
+                    continue
+                if not self.digests.check(key, blob, may_record=True):
+                    self.stats.record_integrity_failure(source.name)
+                    continue
+                self.stats.record(source.name, loc.nbytes)
+                self.disk.put(loc, blob)
+                return blob
+        raise DownloadError(f"expert {loc.expert} of layer {loc.layer}: no source has a good copy")
+
+    def keep(self, loc: ExpertLocation) -> bool:
+        """Warm-up: hold this expert on disk, fetching it as its owner if missing, but never by
+        evicting another — a warm fills free budget and must not churn what use has cached.
+
+        Returns False when only an eviction (or a full file system) would make room.
+
+        Raises:
+            DownloadError: no source gave a good copy.
+        """
+        key = (loc.layer, loc.expert)
+        with self._lock:  # the room check and the fetch as one step: two warms cannot both take the last slot
+            if key in self.disk:
+                return True
+            if not self.disk.has_room(loc.nbytes):
+                return False
+            self.fetch_as_owner(loc)
+            return key in self.disk
+
+    def close(self) -> None:
+        for source in self.remote_sources:
+            if hasattr(source, "close"):
+                source.close()
+
+
+def open_cache_peer(repo_id: str, revision: str | None, home: Path, disk_budget: str, hub_reader=None) -> ServedExperts:
+    """A cache peer's experts: the pulled index, a disk cache within `disk_budget`, the Hub behind it.
+
+    Raises:
+        NotPulledError: no index here (the message says `expertmesh pull --index-only REPO`).
+    """
+    import shutil
+
+    from expertmesh.node.hub import local_models
+    from expertmesh.node.store.tiers.hub import HubSource
+    from expertmesh.node.sizes import parse_budget
+
+    path = local_models.find_index(home, repo_id, revision)
+    index = ExpertIndex.load(path / INDEX_FILENAME)
+    root = cache_dir(home, repo_id, index.commit)
+    root.mkdir(parents=True, exist_ok=True)
+    digests = DigestBook(root / DIGESTS_FILENAME)
+    disk = DiskCache(root, index, parse_budget(disk_budget, shutil.disk_usage(root).free), digests)
+    return ServedExperts(repo_id, index.commit, index, disk, digests, [HubSource(index, hub_reader)], StoreStats())

@@ -1,0 +1,125 @@
+"""The Hub tier: an expert's bytes by range requests to the upstream shards, strict 206 or an error.
+
+An expert is split into a few pieces fetched on separate connections of one shared pool. A home
+link gives each connection a fraction of its bandwidth (12.5 of 100 MB/s is typical), so a
+layer needing fewer experts than there are connections would otherwise leave most of the link
+idle; pieces keep every connection busy. Pieces are not made smaller than `min_piece_bytes`,
+since each request pays the time to first byte. Queued pieces are taken demands first, then
+guesses, then idle-link fills (node/store/priority.py).
+
+Idle-link fill asks for runs of experts that lie back to back in a shard as one request
+(`fetch_run`): each request pays its time to first byte once, which is what a small expert's
+transfer is mostly made of. A run stops growing at `run_bytes`, the size of a request that
+already fills every piece, so K3's 17.5 MB experts are never run together.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from expertmesh.node import constants
+from expertmesh.node.errors import DownloadError
+from expertmesh.node.store.priority import PriorityPool
+from expertmesh.node.hub.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
+
+# Half again as many connections as the link has per-connection shares (K3's home link: 100 MB/s,
+# 12.5 per connection), because each request idles its connection for the first byte: cold, the
+# link was busy over decode 0.79 of the time with 8, 0.91 with 12, 0.88 with 16 and 0.82 with 24
+# (benchmarks/bench_connections.py, medians of 2 rounds; decode 1.19x / 1.00x / 1.02x / 1.03x).
+DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
+# Cold, 12 connections (benchmarks/bench_connections.py --counts 12 --pieces 2,4,8, medians of 3):
+# 2 pieces kept the link 0.74 busy (TTFT 1.17x, decode 1.07x of 4 pieces), 4 0.92, 8 0.94 for
+# twice the requests and TTFT 0.96x, decode 1.01x: not worth doubling the calls on the Hub.
+DEFAULT_PIECES_PER_EXPERT = 4
+DEFAULT_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
+
+
+def split_ranges(ranges: list[ByteRange], pieces: int, min_piece_bytes: int) -> list[ByteRange]:
+    """`ranges` cut into about `pieces` parts of at least `min_piece_bytes` (a range is never merged)."""
+    total = sum(r.nbytes for r in ranges)
+    size = max(min_piece_bytes, -(-total // max(1, pieces)))
+    out = []
+    for r in ranges:
+        start = r.start
+        while start < r.end:
+            end = min(r.end, start + size)
+            if r.end - end < size // 4:  # no sliver at the end
+                end = r.end
+            out.append(ByteRange(r.file, start, end))
+            start = end
+    return out
+
+
+class HubSource:
+    name = "hub"
+
+    def __init__(self, index: ExpertIndex, reader=None, connections: int = DEFAULT_CONNECTIONS,
+                 pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
+                 min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES):  # fmt: skip
+        from expertmesh.node.hub.client import RangeReader
+
+        self.index = index
+        self.reader = reader or RangeReader()
+        self.connections = connections
+        self.pieces_per_expert = pieces_per_expert
+        self.min_piece_bytes = min_piece_bytes
+        self._pool = PriorityPool(connections, "hub-range")  # demands' pieces before guesses' and fills'
+
+        self._lock = threading.Lock()
+
+    def _read(self, r: ByteRange) -> bytes:
+        from expertmesh.node.hub.client import RemoteFile
+
+        data = self.reader.read(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end)
+        if len(data) != r.nbytes:
+            raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {len(data)}")
+        return data
+
+    def fetch(self, loc: ExpertLocation) -> bytes:
+        pieces = split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes)
+        try:
+            if len(pieces) == 1:
+                return self._read(pieces[0])
+            return b"".join(f.result() for f in [self._pool.submit(self._read, p) for p in pieces])
+        except DownloadError as e:
+            raise DownloadError(f"expert {loc.expert} of layer {loc.layer} from the Hub at {self.reader.endpoint}: {e}; "
+                                "what was fetched is cached, so running again continues") from None  # fmt: skip
+
+    @property
+    def run_bytes(self) -> int:
+        """The largest run worth one request: beyond it, pieces on separate connections pay more."""
+        return self.pieces_per_expert * self.min_piece_bytes
+
+    def fetch_run(self, locs: list[ExpertLocation]) -> list[bytes]:
+        """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges."""
+        merged = run_ranges(locs)
+        if merged is None:
+            raise ValueError("fetch_run needs experts whose byte ranges lie back to back")
+        pieces = split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes)
+        try:
+            if len(pieces) == 1:
+                parts = [self._read(pieces[0])]
+            else:
+                parts = [f.result() for f in [self._pool.submit(self._read, p) for p in pieces]]
+        except DownloadError as e:
+            first, last = locs[0], locs[-1]
+            raise DownloadError(f"experts {first.expert}-{last.expert} of layer {first.layer} from the Hub at "
+                                f"{self.reader.endpoint}: {e}") from None  # fmt: skip
+        data = {}  # merged range -> its bytes (split_ranges keeps a range's pieces in order)
+        for m in merged:
+            chunk = []
+            while parts and sum(len(c) for c in chunk) < m.nbytes:
+                chunk.append(parts.pop(0))
+            data[m] = b"".join(chunk)
+        out = []
+        for loc in locs:
+            blob = []
+            for r in loc.ranges:
+                m = next(m for m in merged if m.file == r.file and m.start <= r.start and r.end <= m.end)
+                blob.append(data[m][r.start - m.start : r.end - m.start])
+            out.append(b"".join(blob))
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
