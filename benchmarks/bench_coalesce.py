@@ -28,12 +28,16 @@ def run(rounds: int, tokens: int, stands_for: float) -> dict[str, dict[str, floa
     samples: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(rounds):
         for mode, coalesce in MODES.items():
-            doc = run_bench(tokens=tokens, naive_tokens=0, coalesce=coalesce, stands_for=stands_for,
-                            progress=lambda _: None)  # fmt: skip
+            doc = run_bench(
+                tokens=tokens, naive_tokens=0, coalesce=coalesce, stands_for=stands_for, progress=lambda _: None
+            )
             cold = next(c for c in doc["configs"] if c["name"] == "cold")
             samples[mode].append(cold)
-            print(f"round {r + 1}/{rounds}, {mode}: TTFT {cold['ttft_s'] * 1000:.1f} ms, "
-                  f"{cold['s_per_token'] * 1000:.1f} ms/token, {cold['hub_requests']} Hub requests", flush=True)
+            print(
+                f"round {r + 1}/{rounds}, {mode}: TTFT {cold['ttft_s'] * 1000:.1f} ms, "
+                f"{cold['s_per_token'] * 1000:.1f} ms/token, {cold['hub_requests']} Hub requests",
+                flush=True,
+            )
     keys = ("ttft_s", "s_per_token", "hub_requests", "link_utilisation_while_fetching")
     return {m: {k: statistics.median(c[k] or 0.0 for c in cs) for k in keys} for m, cs in samples.items()}
 
@@ -49,10 +53,14 @@ def main() -> None:
     print(f"\nmedians of {args.rounds} rounds (cold, demo model, link scaled to {args.stands_for_mb} MB experts)")
     print(f"{'demands':>11} {'TTFT ms':>8} {'ms/token':>9} {'Hub requests':>12} {'link while fetching':>19}")
     for mode, v in m.items():
-        print(f"{mode:>11} {v['ttft_s'] * 1000:>8.1f} {v['s_per_token'] * 1000:>9.1f} {v['hub_requests']:>12.0f} "
-              f"{v['link_utilisation_while_fetching']:>19.2f}")  # fmt: skip
-    print(f"runs vs one by one: TTFT {a['ttft_s'] / b['ttft_s']:.2f}x faster, decode {a['s_per_token'] / b['s_per_token']:.2f}x, "
-          f"{b['hub_requests'] / a['hub_requests']:.2f}x the Hub requests")  # fmt: skip
+        print(
+            f"{mode:>11} {v['ttft_s'] * 1000:>8.1f} {v['s_per_token'] * 1000:>9.1f} {v['hub_requests']:>12.0f} "
+            f"{v['link_utilisation_while_fetching']:>19.2f}"
+        )
+    print(
+        f"runs vs one by one: TTFT {a['ttft_s'] / b['ttft_s']:.2f}x faster, decode {a['s_per_token'] / b['s_per_token']:.2f}x, "
+        f"{b['hub_requests'] / a['hub_requests']:.2f}x the Hub requests"
+    )
 
 
 if __name__ == "__main__":

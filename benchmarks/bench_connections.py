@@ -29,14 +29,22 @@ def run(settings: list[Setting], rounds: int, tokens: int, model: str = "demo") 
     samples: dict[Setting, list[dict]] = {s: [] for s in settings}
     for r in range(rounds):
         for n, pieces in settings:
-            doc = run_bench(model=model, tokens=tokens, naive_tokens=0, hub_connections=n, pieces_per_expert=pieces,
-                            progress=lambda _: None)  # fmt: skip
+            doc = run_bench(
+                model=model,
+                tokens=tokens,
+                naive_tokens=0,
+                hub_connections=n,
+                pieces_per_expert=pieces,
+                progress=lambda _: None,
+            )
             cold = next(c for c in doc["configs"] if c["name"] == "cold")
             samples[n, pieces].append(cold)
-            print(f"round {r + 1}/{rounds}, {n:>2} connections, {pieces} pieces: {cold['s_per_token'] * 1000:.1f} ms/token, "
-                  f"TTFT {cold['ttft_s'] * 1000:.0f} ms, link use "
-                  f"{cold['link_utilisation']:.2f}, {cold['link_utilisation_while_fetching'] or 0:.2f} while fetching",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r + 1}/{rounds}, {n:>2} connections, {pieces} pieces: {cold['s_per_token'] * 1000:.1f} ms/token, "
+                f"TTFT {cold['ttft_s'] * 1000:.0f} ms, link use "
+                f"{cold['link_utilisation']:.2f}, {cold['link_utilisation_while_fetching'] or 0:.2f} while fetching",
+                flush=True,
+            )
     keys = ("s_per_token", "ttft_s", "link_utilisation", "link_utilisation_while_fetching")
     return {s: {k: statistics.median(c[k] or 0.0 for c in cs) for k in keys} for s, cs in samples.items()}
 
@@ -54,14 +62,20 @@ def main() -> None:
     pieces = {int(p) for p in args.pieces.split(",")} | {base[1]}
     medians = run(sorted((n, p) for n in counts for p in pieces), args.rounds, args.tokens, args.model)
     b = medians[base]
-    print(f"\nmedians of {args.rounds} rounds (cold, {args.model} model); ratios are to the defaults: {base[0]} connections, "
-          f"{base[1]} pieces")  # fmt: skip
-    print(f"{'connections':>11} {'pieces':>6} {'ms/token':>9} {'TTFT ms':>8} {'link use':>8} {'while fetching':>14} "
-          f"{'decode vs default':>17} {'TTFT vs default':>15}")  # fmt: skip
+    print(
+        f"\nmedians of {args.rounds} rounds (cold, {args.model} model); ratios are to the defaults: {base[0]} connections, "
+        f"{base[1]} pieces"
+    )
+    print(
+        f"{'connections':>11} {'pieces':>6} {'ms/token':>9} {'TTFT ms':>8} {'link use':>8} {'while fetching':>14} "
+        f"{'decode vs default':>17} {'TTFT vs default':>15}"
+    )
     for (n, p), m in sorted(medians.items()):
-        print(f"{n:>11} {p:>6} {m['s_per_token'] * 1000:>9.1f} {m['ttft_s'] * 1000:>8.1f} {m['link_utilisation']:>8.2f} "
-              f"{m['link_utilisation_while_fetching']:>14.2f} {m['s_per_token'] / b['s_per_token']:>16.2f}x "
-              f"{m['ttft_s'] / b['ttft_s']:>14.2f}x")  # fmt: skip
+        print(
+            f"{n:>11} {p:>6} {m['s_per_token'] * 1000:>9.1f} {m['ttft_s'] * 1000:>8.1f} {m['link_utilisation']:>8.2f} "
+            f"{m['link_utilisation_while_fetching']:>14.2f} {m['s_per_token'] / b['s_per_token']:>16.2f}x "
+            f"{m['ttft_s'] / b['ttft_s']:>14.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -23,13 +23,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.engine.core_quantization import core_parameter_bytes
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model, windows
-
+from expertmesh.node.engine.core_quantization import core_parameter_bytes
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
 
 MARGIN = 0.05  # a "clear" position: BF16's top token leads the second by this much probability
 
@@ -46,7 +45,10 @@ def run(n_windows: int) -> dict:
             models = {}
             for bits in (16, 8):
                 r = pull(REPO_ID, home=work / f"h{bits}", progress=False, core_bits=bits)
-                models[bits] = (open_model(REPO_ID, home=work / f"h{bits}", store_config=StoreConfig(ram_budget="100%")), r)
+                models[bits] = (
+                    open_model(REPO_ID, home=work / f"h{bits}", store_config=StoreConfig(ram_budget="100%")),
+                    r,
+                )
             f32 = open_model(REPO_ID, home=work / "h16", store_config=StoreConfig(ram_budget="100%"))
             f32.model.set_dtype(mx.float32)  # the noise floor: the same BF16 weights computed in float32
             tok = models[16][0].tokenizer
@@ -73,9 +75,12 @@ def run(n_windows: int) -> dict:
                 positions += x.shape[1]
             doc = {"model": REPO_ID, "positions": positions}
             for bits, (sm, r) in models.items():
-                doc[f"core{bits}"] = {"resident_core_bytes": core_parameter_bytes(sm.model),
-                                      "stored_core_bytes": _stored_bytes(sm.path), "marker_core_bytes": r.core_bytes,
-                                      "mean_loss": loss[bits] / positions}  # fmt: skip
+                doc[f"core{bits}"] = {
+                    "resident_core_bytes": core_parameter_bytes(sm.model),
+                    "stored_core_bytes": _stored_bytes(sm.path),
+                    "marker_core_bytes": r.core_bytes,
+                    "mean_loss": loss[bits] / positions,
+                }
                 sm.close()
             doc["resident_ratio"] = doc["core8"]["resident_core_bytes"] / doc["core16"]["resident_core_bytes"]
             doc["stored_ratio"] = doc["core8"]["stored_core_bytes"] / doc["core16"]["stored_core_bytes"]
@@ -96,11 +101,17 @@ def print_table(d: dict) -> None:
     print(f"{'core':<6} {'resident B':>11} {'stored B':>10} {'mean loss':>9}")
     for name, c in (("bf16", c16), ("8-bit", c8)):
         print(f"{name:<6} {c['resident_core_bytes']:>11} {c['stored_core_bytes']:>10} {c['mean_loss']:>9.4f}")
-    print(f"8-bit / bf16: resident {d['resident_ratio']:.3f}x, stored {d['stored_ratio']:.3f}x (target <= 0.55x); "
-          f"top-1 agreement {d['top1_agreement']:.2%} (target >= 98%); mean KL {d['mean_kl_nats']:.5f} nats")
-    print(f"where BF16's top token leads the second by >= {MARGIN} in probability ({d['clear_positions']} "
-          f"positions): top-1 agreement {d['top1_agreement_clear']:.2%}")
-    print(f"noise floor: the BF16 core computed in float32 agrees with itself in bf16 on {d['top1_bf16_vs_float32']:.2%}")
+    print(
+        f"8-bit / bf16: resident {d['resident_ratio']:.3f}x, stored {d['stored_ratio']:.3f}x (target <= 0.55x); "
+        f"top-1 agreement {d['top1_agreement']:.2%} (target >= 98%); mean KL {d['mean_kl_nats']:.5f} nats"
+    )
+    print(
+        f"where BF16's top token leads the second by >= {MARGIN} in probability ({d['clear_positions']} "
+        f"positions): top-1 agreement {d['top1_agreement_clear']:.2%}"
+    )
+    print(
+        f"noise floor: the BF16 core computed in float32 agrees with itself in bf16 on {d['top1_bf16_vs_float32']:.2%}"
+    )
 
 
 def main() -> None:

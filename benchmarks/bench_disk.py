@@ -20,10 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from expertmesh.node.store.tiers.disk import DiskCache
-from expertmesh.node.store.integrity import DigestBook, sha256
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, TensorSlice
 from expertmesh.node.sizes import format_size, parse_size
+from expertmesh.node.store.integrity import DigestBook, sha256
+from expertmesh.node.store.tiers.disk import DiskCache
 
 
 def _drop_caches() -> bool:
@@ -43,9 +43,12 @@ def main() -> None:
     args = ap.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench-disk-", dir=os.environ.get("TMPDIR", "/tmp")))
-    locs = {(1, e): ExpertLocation(1, e, [TensorSlice(f"e{e}", "U8", (args.size,), "f.safetensors",
-                                                      e * args.size, (e + 1) * args.size)])
-            for e in range(args.count)}  # fmt: skip
+    locs = {
+        (1, e): ExpertLocation(
+            1, e, [TensorSlice(f"e{e}", "U8", (args.size,), "f.safetensors", e * args.size, (e + 1) * args.size)]
+        )
+        for e in range(args.count)
+    }
     index = ExpertIndex("bench/disk", "0" * 40, {"f.safetensors": args.size * args.count}, {}, locs)
     digests = DigestBook(root / "digests.tsv")
     disk = DiskCache(root / "cache", index, budget_bytes=args.size * args.count * 2, digests=digests)
@@ -80,8 +83,10 @@ def main() -> None:
     for name, fn in (("cat", cat), ("preadv", lambda: pread(False)), ("preadv+sha256", lambda: pread(True))):
         results[name] = min(timed(fn) for _ in range(3))  # best of 3: the least disturbed pass
     cold = results["cat"][1]
-    print(f"{args.count} files of {format_size(args.size)} ({format_size(total)}), {args.threads} threads, "
-          f"page cache {'dropped before each pass (cold)' if cold else 'warm (drop_caches not writable)'}")  # fmt: skip
+    print(
+        f"{args.count} files of {format_size(args.size)} ({format_size(total)}), {args.threads} threads, "
+        f"page cache {'dropped before each pass (cold)' if cold else 'warm (drop_caches not writable)'}"
+    )
     base = total / results["cat"][0]
     for name, (secs, _) in results.items():
         rate = total / secs

@@ -21,12 +21,12 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.devtools.tiny import make_tiny_model
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
 
 PROMPT = "In the beginning the household had one laptop and a model far too large for it, so"
 
@@ -90,10 +90,14 @@ def main() -> None:
     n = len(cold)
     a, b = statistics.median(ours) / n, statistics.median(theirs) / n
     print(f"{args.arch}, prompt {len(ids)} tokens, {n} generated, median of {args.repeats} runs")
-    print(f"  warm RAM  expertmesh {a * 1000:8.2f} ms/token   mlx-lm (whole model) {b * 1000:8.2f} ms/token"
-          f"   ratio {a / b:.2f}x")  # fmt: skip
-    print(f"  cold      Hub bytes {hub_bytes} for {len(distinct)} distinct experts of {distinct_bytes} bytes"
-          f"   ratio {hub_bytes / distinct_bytes:.3f}x   ({hub_bytes / n:.0f} Hub bytes/token)")  # fmt: skip
+    print(
+        f"  warm RAM  expertmesh {a * 1000:8.2f} ms/token   mlx-lm (whole model) {b * 1000:8.2f} ms/token"
+        f"   ratio {a / b:.2f}x"
+    )
+    print(
+        f"  cold      Hub bytes {hub_bytes} for {len(distinct)} distinct experts of {distinct_bytes} bytes"
+        f"   ratio {hub_bytes / distinct_bytes:.3f}x   ({hub_bytes / n:.0f} Hub bytes/token)"
+    )
     print(f"  cold run  {summary.lines()[0]}")
 
 

@@ -20,14 +20,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from expertmesh.node.store import store as expert_store
-from expertmesh.node.hub import client as hub_client
 from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings, _bench_repo, _run_prompts
 from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
-from expertmesh.node.store.tiers.hub import DEFAULT_MIN_PIECE_BYTES
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.store import store as expert_store
+from expertmesh.node.store.tiers.hub import DEFAULT_MIN_PIECE_BYTES
 
 CONFIGS = {"off": (False, 1), "one": (True, 1), "runs": (True, expert_store.FILL_RUN_MAX)}  # fill, run
 
@@ -49,19 +48,30 @@ def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tupl
                 expert_bytes = max(loc.nbytes for loc in index.experts.values())
                 link = LinkSettings.scaled(expert_bytes, 0.05, stands_for)
                 hub.knobs = link.knobs()
-                cfg = StoreConfig(ram_budget=str(int(len(index.experts) * 0.25) * expert_bytes + expert_bytes // 2),
-                                  fill=fill, hub_min_piece_bytes=int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for))  # fmt: skip
+                cfg = StoreConfig(
+                    ram_budget=str(int(len(index.experts) * 0.25) * expert_bytes + expert_bytes // 2),
+                    fill=fill,
+                    hub_min_piece_bytes=int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for),
+                )
                 sm = open_model(repo, home=home, store_config=cfg)
                 summaries = _run_prompts(sm, [tok.encode(p) for p in PROMPTS], tokens, hub.bytes_served)
                 rows = []
                 for s in summaries:
                     decode, fetching = s.seconds - s.time_to_first_token_s, s.decode_fetch_s  # type: ignore[attr-defined]
                     moved = s.decode_link_bytes / link.bandwidth  # type: ignore[attr-defined]
-                    rows.append((1000 * decode / max(1, s.generated_tokens - 1), moved / decode if decode > 0 else 0.0,
-                                 moved / fetching if fetching > 0 else 0.0, s.seconds))  # fmt: skip
+                    rows.append(
+                        (
+                            1000 * decode / max(1, s.generated_tokens - 1),
+                            moved / decode if decode > 0 else 0.0,
+                            moved / fetching if fetching > 0 else 0.0,
+                            s.seconds,
+                        )
+                    )
                 results[name] = rows
-                print(f"fill {name}: {sm.store.stats.prefetch['filled']} experts filled, "
-                      f"{len(sm.disk)} of {len(index.experts)} on disk at the end")  # fmt: skip
+                print(
+                    f"fill {name}: {sm.store.stats.prefetch['filled']} experts filled, "
+                    f"{len(sm.disk)} of {len(index.experts)} on disk at the end"
+                )
                 sm.close()
                 hub.knobs = HubKnobs()
     finally:
@@ -73,20 +83,33 @@ def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tupl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--stands-for-mb", type=float, default=K3_EXPERT_BYTES / 1e6,
-                    help="the expert size the link is scaled to (default K3's)")
+    ap.add_argument(
+        "--stands-for-mb",
+        type=float,
+        default=K3_EXPERT_BYTES / 1e6,
+        help="the expert size the link is scaled to (default K3's)",
+    )
     args = ap.parse_args()
     results = run(args.tokens, args.stands_for_mb * 1e6)
     print("ms/tok: decode; link: the link's use over decode / while anything was left to fetch; s: the whole prompt")
-    print(f"{'prompt':<7}" + "".join(f" {name + ' ms/tok':>13} {name + ' link':>14} {name + ' s':>7}" for name in results))
+    print(
+        f"{'prompt':<7}" + "".join(f" {name + ' ms/tok':>13} {name + ' link':>14} {name + ' s':>7}" for name in results)
+    )
     for i, rows in enumerate(zip(*results.values())):
-        print(f"{i:<7}" + "".join(f" {ms:>13.1f} {link:>6.2f} / {busy:>5.2f} {wall:>7.2f}" for ms, link, busy, wall in rows))
+        print(
+            f"{i:<7}"
+            + "".join(f" {ms:>13.1f} {link:>6.2f} / {busy:>5.2f} {wall:>7.2f}" for ms, link, busy, wall in rows)
+        )
     first = {name: rows[0][0] for name, rows in results.items()}
     whole = {name: rows[0][3] for name, rows in results.items()}
-    print(f"first prompt, prefill and decode: {whole['off']:.2f} s without fill, {whole['one']:.2f} s one by one "
-          f"({whole['off'] / whole['one']:.2f}x), {whole['runs']:.2f} s in runs ({whole['off'] / whole['runs']:.2f}x)")
-    print(f"first prompt: fill one by one decodes {first['off'] / first['one']:.2f}x faster than no fill, "
-          f"fill in runs {first['off'] / first['runs']:.2f}x (and {first['one'] / first['runs']:.2f}x one by one)")
+    print(
+        f"first prompt, prefill and decode: {whole['off']:.2f} s without fill, {whole['one']:.2f} s one by one "
+        f"({whole['off'] / whole['one']:.2f}x), {whole['runs']:.2f} s in runs ({whole['off'] / whole['runs']:.2f}x)"
+    )
+    print(
+        f"first prompt: fill one by one decodes {first['off'] / first['one']:.2f}x faster than no fill, "
+        f"fill in runs {first['off'] / first['runs']:.2f}x (and {first['one'] / first['runs']:.2f}x one by one)"
+    )
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.observability.routing_trace import Trace, read_trace, replay
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
 
 
 def foresight_hit_rate(trace: Trace, slots: int, passes_ahead: int, ageing_period: int | None = None) -> float:
@@ -73,7 +73,9 @@ def main() -> None:
         for i, doc in enumerate(docs[: args.prompts]):
             prompt = " ".join(doc.split()[:6])
             gen.reset()
-            for _ in gen.generate(sm.tokenizer.encode(prompt), SamplingSettings(max_tokens=args.tokens, temp=0.7, seed=i)):
+            for _ in gen.generate(
+                sm.tokenizer.encode(prompt), SamplingSettings(max_tokens=args.tokens, temp=0.7, seed=i)
+            ):
                 pass
         sm.close()
     trace = read_trace(trace_path)
@@ -83,12 +85,20 @@ def main() -> None:
     table = replay(trace, slots)
     for h in (0, 1, 2, 4):
         table[f"ahead_{h}"] = {n: foresight_hit_rate(trace, n, h) for n in slots}
-    print(f"{REPO_ID}: {min(args.prompts, len(docs))} prompts, {trace.passes} passes, {len(trace.accesses())} expert uses")
-    print(f"{'policy':<8}" + "".join(f"{f'{n} ({100 * n / trace.total_experts:.0f}%)':>14}" for n in slots)
-          + "".join(f"{f'vs Belady@{100 * n / trace.total_experts:.0f}%':>16}" for n in slots))  # fmt: skip
+    print(
+        f"{REPO_ID}: {min(args.prompts, len(docs))} prompts, {trace.passes} passes, {len(trace.accesses())} expert uses"
+    )
+    print(
+        f"{'policy':<8}"
+        + "".join(f"{f'{n} ({100 * n / trace.total_experts:.0f}%)':>14}" for n in slots)
+        + "".join(f"{f'vs Belady@{100 * n / trace.total_experts:.0f}%':>16}" for n in slots)
+    )
     for name, rates in table.items():
-        print(f"{name:<8}" + "".join(f"{rates[n]:>14.3f}" for n in slots)
-              + "".join(f"{rates[n] / table['belady'][n]:>16.2f}" for n in slots))  # fmt: skip
+        print(
+            f"{name:<8}"
+            + "".join(f"{rates[n]:>14.3f}" for n in slots)
+            + "".join(f"{rates[n] / table['belady'][n]:>16.2f}" for n in slots)
+        )
 
 
 if __name__ == "__main__":

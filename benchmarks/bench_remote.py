@@ -28,21 +28,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from expertmesh.node.hub import client as hub_client
 from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings
+from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
 from expertmesh.node.engine.blocks import streaming_blocks
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.household.remote_experts import RemoteConfig, attach_remote_experts
+from expertmesh.node.household.warm import describe_nodes, warm, warm_order
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.store.tiers.peers import attach_peers
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.household.remote_experts import RemoteConfig, attach_remote_experts
 from expertmesh.node.sizes import format_size
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
-from expertmesh.node.household.warm import describe_nodes, warm, warm_order
+from expertmesh.node.store.tiers.peers import attach_peers
 
 SECRET = "bench-remote"
 K3_HUB = 12.5e6
@@ -64,14 +64,22 @@ def _row(name: str, summaries: list[GenerationSummary], lan_scale: float) -> dic
     act = sum(s.experts.remote["sent_bytes"] + s.experts.remote["received_bytes"] for s in summaries)
     fetched = sum(s.experts.bytes["peer"] for s in summaries)
     decode = [(s.seconds - s.time_to_first_token_s) / max(1, s.generated_tokens - 1) for s in summaries]
-    return {"name": name, "s_per_token": statistics.median(decode), "tokens": tokens,
-            "ttft_s": statistics.median(s.time_to_first_token_s for s in summaries),
-            "lan_bytes_per_token": (act + fetched) / max(1, tokens),
-            "k3_lan_bytes_per_token": (act * lan_scale + fetched) / max(1, tokens),
-            "hub_bytes_per_token": sum(s.experts.bytes["hub"] for s in summaries) / max(1, tokens),
-            "uses": uses, "fallbacks": {k: sum(s.experts.remote[k] for s in summaries)
-                                        for k in summaries[0].experts.remote if k.startswith("fallback_")},
-            "outputs": [s.ids for s in summaries]}  # type: ignore[attr-defined]  # fmt: skip
+    return {
+        "name": name,
+        "s_per_token": statistics.median(decode),
+        "tokens": tokens,
+        "ttft_s": statistics.median(s.time_to_first_token_s for s in summaries),
+        "lan_bytes_per_token": (act + fetched) / max(1, tokens),
+        "k3_lan_bytes_per_token": (act * lan_scale + fetched) / max(1, tokens),
+        "hub_bytes_per_token": sum(s.experts.bytes["hub"] for s in summaries) / max(1, tokens),
+        "uses": uses,
+        "fallbacks": {
+            k: sum(s.experts.remote[k] for s in summaries)
+            for k in summaries[0].experts.remote
+            if k.startswith("fallback_")
+        },
+        "outputs": [s.ids for s in summaries],
+    }  # type: ignore[attr-defined]
 
 
 def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> dict:
@@ -94,11 +102,15 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
             lan = k3_lan(expert_bytes, row_bytes, time_scale)
             hub_link = LinkSettings.scaled(expert_bytes, time_scale)
             hub_link.bandwidth = hub_link.per_connection = K3_HUB * expert_bytes / K3_EXPERT_BYTES / time_scale
-            progress(f"{REPO_ID}: {len(index.experts)} experts of {format_size(expert_bytes)}, activation rows of "
-                     f"{row_bytes} B; RAM budget {ram_fraction:.0%} of the experts")  # fmt: skip
-            progress(f"LAN {format_size(lan.bandwidth)}/s, round trip {lan.rtt_s * 1000:.2f} ms, activations charged "
-                     f"x{lan.activation_scale:.3f} (K3's row/expert ratio); Hub {format_size(hub_link.bandwidth)}/s, "
-                     f"first byte {hub_link.ttfb_s * 1000:.1f} ms; time scale {time_scale}")  # fmt: skip
+            progress(
+                f"{REPO_ID}: {len(index.experts)} experts of {format_size(expert_bytes)}, activation rows of "
+                f"{row_bytes} B; RAM budget {ram_fraction:.0%} of the experts"
+            )
+            progress(
+                f"LAN {format_size(lan.bandwidth)}/s, round trip {lan.rtt_s * 1000:.2f} ms, activations charged "
+                f"x{lan.activation_scale:.3f} (K3's row/expert ratio); Hub {format_size(hub_link.bandwidth)}/s, "
+                f"first byte {hub_link.ttfb_s * 1000:.1f} ms; time scale {time_scale}"
+            )
 
             peers = []
             for name in ("p1", "p2"):
@@ -109,12 +121,17 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
             t0 = time.perf_counter()
             nodes, _ = describe_nodes(peers, index, SECRET)
             kept = warm(index, nodes, SECRET)
-            progress(f"warm: {sum(k.kept for k in kept)} experts spread over the two peers in "
-                     f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+            progress(
+                f"warm: {sum(k.kept for k in kept)} experts spread over the two peers in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
 
             third = warm_order(index)[: len(index.experts) // 3]
-            alone = open_model(REPO_ID, home=homes["alone"], store_config=StoreConfig(prefetch=False,
-                                                                                      disk_budget=str(len(third) * expert_bytes)))
+            alone = open_model(
+                REPO_ID,
+                home=homes["alone"],
+                store_config=StoreConfig(prefetch=False, disk_budget=str(len(third) * expert_bytes)),
+            )
             for layer in index.moe_layers:
                 alone.store.get_layer(layer, [e for lay, e in third if lay == layer])
             alone.close()
@@ -123,19 +140,25 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
             prompts = [tokenizer.encode(p) for p in PROMPTS]
             results = []
             for name in ("remote", "fetch", "alone"):
-                cfg = StoreConfig(ram_budget=ram, disk_budget="0" if name != "alone" else str(len(third) * expert_bytes))
+                cfg = StoreConfig(
+                    ram_budget=ram, disk_budget="0" if name != "alone" else str(len(third) * expert_bytes)
+                )
                 sm = open_model(REPO_ID, home=homes[name], store_config=cfg)
                 if name != "alone":
                     source = attach_peers(sm, peers, SECRET, node_id=f"n-{name}")
                     if name == "remote":
-                        attach_remote_experts(sm, source, RemoteConfig(lan_bandwidth=lan.bandwidth))  # the LAN as "gigabit"
+                        attach_remote_experts(
+                            sm, source, RemoteConfig(lan_bandwidth=lan.bandwidth)
+                        )  # the LAN as "gigabit"
                 progress(f"  {name} ...")
                 _generate(sm, [tokenizer.encode(WARM_UP)], 4)  # connections made, kernels compiled, estimates measured
                 t0 = time.perf_counter()
                 summaries = _generate(sm, prompts, tokens)
                 sm.close()
                 results.append(_row(name, summaries, lan.activation_scale))
-                progress(f"  {name}: {results[-1]['s_per_token'] * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s")
+                progress(
+                    f"  {name}: {results[-1]['s_per_token'] * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s"
+                )
     finally:
         for close in closers:
             close()
@@ -144,9 +167,14 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
     for r in results:
         if r["outputs"] != ref:
             raise AssertionError(f"{r['name']} generated other tokens than the node alone: the comparison is void")
-    return {"model": REPO_ID, "tokens_per_prompt": tokens, "time_scale": time_scale, "ram_fraction": ram_fraction,
-            "lan": {"bandwidth": lan.bandwidth, "rtt_s": lan.rtt_s, "activation_scale": lan.activation_scale},
-            "configs": results}  # fmt: skip
+    return {
+        "model": REPO_ID,
+        "tokens_per_prompt": tokens,
+        "time_scale": time_scale,
+        "ram_fraction": ram_fraction,
+        "lan": {"bandwidth": lan.bandwidth, "rtt_s": lan.rtt_s, "activation_scale": lan.activation_scale},
+        "configs": results,
+    }
 
 
 def print_table(doc: dict) -> None:
@@ -154,14 +182,20 @@ def print_table(doc: dict) -> None:
     print(f"{'config':<8} {'ms/token':>9} {'LAN B/token':>12} {'K3-equiv LAN B/token':>21} {'hub B/token':>12}  uses")
     for r in doc["configs"]:
         uses = ", ".join(f"{k} {v}" for k, v in r["uses"].items() if v)
-        print(f"{r['name']:<8} {r['s_per_token'] * 1000:>9.2f} {r['lan_bytes_per_token']:>12.0f} "
-              f"{r['k3_lan_bytes_per_token']:>21.0f} {r['hub_bytes_per_token']:>12.0f}  {uses}")  # fmt: skip
+        print(
+            f"{r['name']:<8} {r['s_per_token'] * 1000:>9.2f} {r['lan_bytes_per_token']:>12.0f} "
+            f"{r['k3_lan_bytes_per_token']:>21.0f} {r['hub_bytes_per_token']:>12.0f}  {uses}"
+        )
     remote, fetch, alone = c["remote"], c["fetch"], c["alone"]
-    print(f"remote is {fetch['s_per_token'] / remote['s_per_token']:.1f}x faster than fetch (target >= 5x) and "
-          f"{alone['s_per_token'] / remote['s_per_token']:.2f}x faster than alone (target > 1x)")  # fmt: skip
-    print(f"LAN bytes per token: {fetch['lan_bytes_per_token'] / max(1.0, remote['lan_bytes_per_token']):.0f}x fewer "
-          f"raw, {fetch['k3_lan_bytes_per_token'] / max(1.0, remote['k3_lan_bytes_per_token']):.0f}x fewer as K3 "
-          "would see them (target >= 100x)")  # fmt: skip
+    print(
+        f"remote is {fetch['s_per_token'] / remote['s_per_token']:.1f}x faster than fetch (target >= 5x) and "
+        f"{alone['s_per_token'] / remote['s_per_token']:.2f}x faster than alone (target > 1x)"
+    )
+    print(
+        f"LAN bytes per token: {fetch['lan_bytes_per_token'] / max(1.0, remote['lan_bytes_per_token']):.0f}x fewer "
+        f"raw, {fetch['k3_lan_bytes_per_token'] / max(1.0, remote['k3_lan_bytes_per_token']):.0f}x fewer as K3 "
+        "would see them (target >= 100x)"
+    )
     if any(remote["fallbacks"].values()):
         print(f"remote fell back to fetching: {remote['fallbacks']}")
 

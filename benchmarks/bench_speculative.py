@@ -33,17 +33,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.devtools.tiny.demo_model import DRAFT_DIR, REPO_ID, make_demo_model
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.speculative import SpeculationConfig
 from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.devtools.tiny.demo_model import DRAFT_DIR, REPO_ID, make_demo_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
 
 PROMPTS = {
-    "code": ["x = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "os.path.join(a, b)\nos.path.join(a, c)\nos.path.join(a,"],
-    "list": ["1. Return the name.\n2. Return the value.\n3. Return the", "- alpha\n- beta\n- gamma\n- alpha\n- beta\n-"],
+    "code": [
+        "x = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,",
+        "os.path.join(a, b)\nos.path.join(a, c)\nos.path.join(a,",
+    ],
+    "list": [
+        "1. Return the name.\n2. Return the value.\n3. Return the",
+        "- alpha\n- beta\n- gamma\n- alpha\n- beta\n-",
+    ],
     "prose": ["This module provides functions for", "Create a new dictionary with keys from"],
 }
 
@@ -72,10 +78,14 @@ def _one(sm, spec: SpeculationConfig | None, ids: list[int], tokens: int, pass_c
     t_end = time.perf_counter()
     decode = sm.store.stats.since(at_first)
     n = len(out)
-    return {"ids": out, "tokens": n, "passes_per_token": (gen.passes - passes_first) / max(1, n - 1),
-            "s_per_token": (t_end - t_first) / max(1, n - 1),
-            "expert_bytes_per_token": sum(decode.bytes.values()) / max(1, n - 1),
-            "acceptance": summary.speculation.acceptance if summary.speculation else None}  # fmt: skip
+    return {
+        "ids": out,
+        "tokens": n,
+        "passes_per_token": (gen.passes - passes_first) / max(1, n - 1),
+        "s_per_token": (t_end - t_first) / max(1, n - 1),
+        "expert_bytes_per_token": sum(decode.bytes.values()) / max(1, n - 1),
+        "acceptance": summary.speculation.acceptance if summary.speculation else None,
+    }
 
 
 def run(tokens: int, pass_cost_ms: float, modes: list[str], ignore_eos: bool = True) -> dict:
@@ -98,41 +108,67 @@ def run(tokens: int, pass_cost_ms: float, modes: list[str], ignore_eos: bool = T
                 plain = {}
                 drafts = {"draft": DRAFT_DIR, "self": repo_dir}  # the draft model; the demo as its own
                 for mode in ["off", *modes]:
-                    spec = None if mode == "off" else SpeculationConfig(mode="ngram" if mode == "ngram" else "draft",
-                                                                        draft_repo=str(drafts[mode]) if mode in drafts else None)  # fmt: skip
+                    spec = (
+                        None
+                        if mode == "off"
+                        else SpeculationConfig(
+                            mode="ngram" if mode == "ngram" else "draft",
+                            draft_repo=str(drafts[mode]) if mode in drafts else None,
+                        )
+                    )
                     source = ModelDraft.load(str(drafts[mode]), sm.tokenizer) if mode in drafts else None
                     for kind, ps in prompts.items():
                         for scenario, cost in (("warm", 0.0), ("pass_cost", pass_cost_ms / 1000)):
                             rs = [_one(sm, spec, ids, tokens, cost, source) for ids in ps]
                             if mode == "off":
                                 plain[(kind, scenario)] = [r["ids"] for r in rs]
-                            rows.append({"mode": mode, "kind": kind, "scenario": scenario,
-                                         "passes_per_token": statistics.mean(r["passes_per_token"] for r in rs),
-                                         "s_per_token": statistics.mean(r["s_per_token"] for r in rs),
-                                         "expert_bytes_per_token": statistics.mean(r["expert_bytes_per_token"] for r in rs),
-                                         "acceptance": None if mode == "off" else statistics.mean(r["acceptance"] for r in rs),
-                                         "same_output": [r["ids"] for r in rs] == plain[(kind, scenario)]})  # fmt: skip
+                            rows.append(
+                                {
+                                    "mode": mode,
+                                    "kind": kind,
+                                    "scenario": scenario,
+                                    "passes_per_token": statistics.mean(r["passes_per_token"] for r in rs),
+                                    "s_per_token": statistics.mean(r["s_per_token"] for r in rs),
+                                    "expert_bytes_per_token": statistics.mean(r["expert_bytes_per_token"] for r in rs),
+                                    "acceptance": None
+                                    if mode == "off"
+                                    else statistics.mean(r["acceptance"] for r in rs),
+                                    "same_output": [r["ids"] for r in rs] == plain[(kind, scenario)],
+                                }
+                            )
             finally:
                 sm.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"model": REPO_ID, "tokens": tokens, "pass_cost_ms": pass_cost_ms, "ignore_eos": ignore_eos,
-            "prompts": PROMPTS, "rows": rows}
+    return {
+        "model": REPO_ID,
+        "tokens": tokens,
+        "pass_cost_ms": pass_cost_ms,
+        "ignore_eos": ignore_eos,
+        "prompts": PROMPTS,
+        "rows": rows,
+    }
 
 
 def print_table(doc: dict) -> None:
     base = {(r["kind"], r["scenario"]): r for r in doc["rows"] if r["mode"] == "off"}
-    print(f"{doc['model']}, {doc['tokens']} tokens per prompt, greedy, warm RAM; pass_cost = +{doc['pass_cost_ms']} ms "
-          "per forward pass")  # fmt: skip
-    print(f"{'mode':<6} {'prompts':<6} {'scenario':<9} {'passes/tok':>10} {'ms/tok':>8} {'speed-up':>8} "
-          f"{'expert B/tok':>12} {'vs off':>6} {'accept':>6} {'same':>5}")  # fmt: skip
+    print(
+        f"{doc['model']}, {doc['tokens']} tokens per prompt, greedy, warm RAM; pass_cost = +{doc['pass_cost_ms']} ms "
+        "per forward pass"
+    )
+    print(
+        f"{'mode':<6} {'prompts':<6} {'scenario':<9} {'passes/tok':>10} {'ms/tok':>8} {'speed-up':>8} "
+        f"{'expert B/tok':>12} {'vs off':>6} {'accept':>6} {'same':>5}"
+    )
     for r in doc["rows"]:
         b = base[(r["kind"], r["scenario"])]
         acc = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
-        print(f"{r['mode']:<6} {r['kind']:<6} {r['scenario']:<9} {r['passes_per_token']:>10.2f} "
-              f"{r['s_per_token'] * 1000:>8.1f} {b['s_per_token'] / r['s_per_token']:>7.2f}x "
-              f"{r['expert_bytes_per_token']:>12.0f} {r['expert_bytes_per_token'] / max(1, b['expert_bytes_per_token']):>5.2f}x "
-              f"{acc:>6} {'yes' if r['same_output'] else 'NO':>5}")  # fmt: skip
+        print(
+            f"{r['mode']:<6} {r['kind']:<6} {r['scenario']:<9} {r['passes_per_token']:>10.2f} "
+            f"{r['s_per_token'] * 1000:>8.1f} {b['s_per_token'] / r['s_per_token']:>7.2f}x "
+            f"{r['expert_bytes_per_token']:>12.0f} {r['expert_bytes_per_token'] / max(1, b['expert_bytes_per_token']):>5.2f}x "
+            f"{acc:>6} {'yes' if r['same_output'] else 'NO':>5}"
+        )
     if any(r["mode"] == "self" for r in doc["rows"]):
         print("self: the demo model as its own draft, the upper bound of a draft model's acceptance (not a real draft)")
 
@@ -141,10 +177,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--pass-cost-ms", type=float, default=20.0, help="emulated fixed cost per forward pass (b)")
-    ap.add_argument("--modes", default="ngram,draft,self",
-                    help="compared with off: ngram, draft (the demo's draft model), self (the demo as its own draft)")
-    ap.add_argument("--stop-at-eos", action="store_true",
-                    help="stop at the end-of-text token (the greedy demo then answers in ~5-20 tokens)")
+    ap.add_argument(
+        "--modes",
+        default="ngram,draft,self",
+        help="compared with off: ngram, draft (the demo's draft model), self (the demo as its own draft)",
+    )
+    ap.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="stop at the end-of-text token (the greedy demo then answers in ~5-20 tokens)",
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     doc = run(args.tokens, args.pass_cost_ms, [m for m in args.modes.split(",") if m], not args.stop_at_eos)

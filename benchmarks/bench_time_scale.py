@@ -27,9 +27,14 @@ def run(scale: float, tokens: int) -> dict[str, float]:
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     cold = next(c for c in doc["configs"] if c["name"] == "cold")
     cold_wall = len(doc["prompts"]) * cold["ttft_s"] + cold["tokens"] * cold["s_per_token"]  # about
-    return {"link": cold["link_utilisation"], "fetching": cold["link_utilisation_while_fetching"] or 0.0,
-            "requests_per_s": cold["hub_requests"] / cold_wall, "cpu_per_s": cpu / wall,
-            "k3_s_per_token": cold["s_per_token"] / scale, "ms_per_token": cold["s_per_token"] * 1000}  # fmt: skip
+    return {
+        "link": cold["link_utilisation"],
+        "fetching": cold["link_utilisation_while_fetching"] or 0.0,
+        "requests_per_s": cold["hub_requests"] / cold_wall,
+        "cpu_per_s": cpu / wall,
+        "k3_s_per_token": cold["s_per_token"] / scale,
+        "ms_per_token": cold["s_per_token"] * 1000,
+    }
 
 
 def main() -> None:
@@ -45,11 +50,15 @@ def main() -> None:
         print(f"time scale {s}: link use {r['link']:.2f} over decode, {r['fetching']:.2f} while fetching", flush=True)
     base = rows[constants.BENCH_TIME_SCALE]
     print(f"\ncold configuration, demo model; ratios are to the default time scale {constants.BENCH_TIME_SCALE}")
-    print(f"{'scale':>6} {'link use':>8} {'while fetching':>14} {'Hub req/s':>9} {'CPU/s':>6} {'ms/token':>9} "
-          f"{'K3 s/token':>10} {'vs default':>10}")  # fmt: skip
+    print(
+        f"{'scale':>6} {'link use':>8} {'while fetching':>14} {'Hub req/s':>9} {'CPU/s':>6} {'ms/token':>9} "
+        f"{'K3 s/token':>10} {'vs default':>10}"
+    )
     for s, r in rows.items():
-        print(f"{s:>6} {r['link']:>8.2f} {r['fetching']:>14.2f} {r['requests_per_s']:>9.0f} {r['cpu_per_s']:>6.2f} "
-              f"{r['ms_per_token']:>9.1f} {r['k3_s_per_token']:>10.2f} {r['k3_s_per_token'] / base['k3_s_per_token']:>9.2f}x")  # fmt: skip
+        print(
+            f"{s:>6} {r['link']:>8.2f} {r['fetching']:>14.2f} {r['requests_per_s']:>9.0f} {r['cpu_per_s']:>6.2f} "
+            f"{r['ms_per_token']:>9.1f} {r['k3_s_per_token']:>10.2f} {r['k3_s_per_token'] / base['k3_s_per_token']:>9.2f}x"
+        )
 
 
 if __name__ == "__main__":

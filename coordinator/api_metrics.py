@@ -29,14 +29,17 @@ class ApiMetrics(Collector):
             self._responses[(endpoint if endpoint in ENDPOINTS else "other", str(status))] += 1
 
     def collect(self) -> Iterator:
-        responses = CounterMetricFamily("expertmesh_api_responses", "HTTP API responses by endpoint and status code.",
-                                        labels=["endpoint", "code"])  # fmt: skip
+        responses = CounterMetricFamily(
+            "expertmesh_api_responses", "HTTP API responses by endpoint and status code.", labels=["endpoint", "code"]
+        )
         with self._lock:
             for (endpoint, code), n in sorted(self._responses.items()):
                 responses.add_metric([endpoint, code], n)
         yield responses
         running, waiting = self._queue_depth()
-        queue = GaugeMetricFamily("expertmesh_api_generations", "Generations running and waiting for a slot.", labels=["state"])
+        queue = GaugeMetricFamily(
+            "expertmesh_api_generations", "Generations running and waiting for a slot.", labels=["state"]
+        )
         queue.add_metric(["running"], running)
         queue.add_metric(["waiting"], waiting)
         yield queue

@@ -22,7 +22,7 @@ class NodePool:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def following(cls, static: list[str], table) -> "NodePool":
+    def following(cls, static: list[str], table) -> NodePool:
         """`static` plus the live full nodes of a PeerTable."""
         return cls(static, lambda: [p.address for p in list(table.peers.values()) if p.role == "full" and p.live])
 

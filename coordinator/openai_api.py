@@ -19,10 +19,11 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -30,9 +31,9 @@ from expertmesh.coordinator.api_metrics import ApiMetrics
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.request_queue import QueueFull, RequestQueue
 from expertmesh.coordinator.stop_sequences import StopScanner
-from expertmesh.v1 import node_pb2, node_pb2_grpc
 from expertmesh.node.rpc.auth import call_metadata
 from expertmesh.node.rpc.tls import open_channel
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,14 @@ class Finish:
 class ApiError(Exception):
     """A request the API refuses, in OpenAI's error shape."""
 
-    def __init__(self, status: HTTPStatus, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: HTTPStatus,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -108,17 +115,28 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int)
     if not isinstance(model, str) or not model:
         raise ApiError(HTTPStatus.BAD_REQUEST, "'model' is required: one of " + ", ".join(models), param="model")
     if model not in models:
-        raise ApiError(HTTPStatus.NOT_FOUND, f"the model '{model}' is not served here; models: {', '.join(models) or 'none'}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise ApiError(
+            HTTPStatus.NOT_FOUND,
+            f"the model '{model}' is not served here; models: {', '.join(models) or 'none'}",
+            param="model",
+            code="model_not_found",
+        )
     ask = Ask(model=model, chat=chat)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") or not isinstance(m.get("content"), str):
-                raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] must have a role (system, user or assistant) "
-                               "and a string content", param="messages")  # fmt: skip
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in ("system", "user", "assistant")
+                or not isinstance(m.get("content"), str)
+            ):
+                raise ApiError(
+                    HTTPStatus.BAD_REQUEST,
+                    f"messages[{i}] must have a role (system, user or assistant) and a string content",
+                    param="messages",
+                )
             ask.messages.append({"role": m["role"], "content": m["content"]})
     else:
         prompt = body.get("prompt")
@@ -130,7 +148,9 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int)
     if _number(body, "n", 1, 1, 1, integer=True) != 1:
         raise ApiError(HTTPStatus.BAD_REQUEST, "'n' must be 1", param="n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    ask.max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1, MAX_TOKENS_LIMIT, integer=True)
+    ask.max_tokens = _number(
+        {"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1, MAX_TOKENS_LIMIT, integer=True
+    )
     ask.temperature = float(_number(body, "temperature", 1.0, 0, 2))
     ask.top_p = float(_number(body, "top_p", 1.0, 0, 1))
     seed = body.get("seed")
@@ -139,7 +159,11 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings", param="stop")
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST,
+            f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings",
+            param="stop",
+        )
     ask.stop = stops
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -151,8 +175,12 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int)
 
 
 def _request(ask: Ask) -> node_pb2.GenerateRequest:
-    req = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=ask.model), max_tokens=ask.max_tokens,
-                                   temperature=ask.temperature, top_p=ask.top_p)  # fmt: skip
+    req = node_pb2.GenerateRequest(
+        model=node_pb2.ModelKey(repo_id=ask.model),
+        max_tokens=ask.max_tokens,
+        temperature=ask.temperature,
+        top_p=ask.top_p,
+    )
     if ask.chat:
         req.messages.extend(node_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in ask.messages)
     else:
@@ -162,9 +190,16 @@ def _request(ask: Ask) -> node_pb2.GenerateRequest:
     return req
 
 
-_NODE_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST, grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND}
-_TRY_ANOTHER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                grpc.StatusCode.FAILED_PRECONDITION)  # fmt: skip
+_NODE_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
+    grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+}
+_TRY_ANOTHER = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
 
 
 class Coordinator:
@@ -194,7 +229,9 @@ class Coordinator:
         up = []
         for address in self.pool.addresses():
             try:
-                r = health_pb2_grpc.HealthStub(self._channel(address)).Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_DEADLINE_S)
+                r = health_pb2_grpc.HealthStub(self._channel(address)).Check(
+                    health_pb2.HealthCheckRequest(), timeout=HEALTH_DEADLINE_S
+                )
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
                     up.append(address)
             except grpc.RpcError:
@@ -209,8 +246,11 @@ class Coordinator:
             while True:
                 candidates = self.pool.ranked(exclude=tried)
                 if not candidates:
-                    raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, "no full node of the household could generate"
-                                   + (f" (tried {len(tried)})" if tried else ""), type_="server_error")  # fmt: skip
+                    raise ApiError(
+                        HTTPStatus.SERVICE_UNAVAILABLE,
+                        "no full node of the household could generate" + (f" (tried {len(tried)})" if tried else ""),
+                        type_="server_error",
+                    )
                 address = candidates[0]
                 tried.add(address)
                 with self.pool.using(address):
@@ -245,13 +285,21 @@ class Coordinator:
                             yield Finish("stop")
                             return
                         if not started and e.code() in _TRY_ANOTHER:
-                            logger.warning("node %s failed before its first token (%s); trying another",
-                                           address, e.code().name.lower())  # fmt: skip
+                            logger.warning(
+                                "node %s failed before its first token (%s); trying another",
+                                address,
+                                e.code().name.lower(),
+                            )
                             continue
                         if not started and e.code() in _NODE_ERRORS:
-                            raise ApiError(_NODE_ERRORS[e.code()], e.details() or "the node refused the request") from None
-                        raise ApiError(HTTPStatus.BAD_GATEWAY, f"the node failed mid-generation: {e.code().name.lower()}",
-                                       type_="server_error") from None  # fmt: skip
+                            raise ApiError(
+                                _NODE_ERRORS[e.code()], e.details() or "the node refused the request"
+                            ) from None
+                        raise ApiError(
+                            HTTPStatus.BAD_GATEWAY,
+                            f"the node failed mid-generation: {e.code().name.lower()}",
+                            type_="server_error",
+                        ) from None
                     finally:
                         call.cancel()  # no-op when finished; stops the node when the client went away
 
@@ -271,7 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.coordinator.metrics.record(self.path, code)
         super().send_response(code, message)
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args) -> None:  # the base class's name for it
         logger.info("%s %s", self.address_string(), format % args)
 
     def _json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
@@ -288,12 +336,20 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == HTTPStatus.TOO_MANY_REQUESTS else None
         self._json(e.status, e.body(), headers)
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:  # http.server's name
         c = self.coordinator
         if self.path.rstrip("/") == "/v1/models":
             now = int(time.time())
-            self._json(200, {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "expertmesh"}
-                                                         for m in c.config.models()]})  # fmt: skip
+            self._json(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": m, "object": "model", "created": now, "owned_by": "expertmesh"}
+                        for m in c.config.models()
+                    ],
+                },
+            )
         elif self.path.rstrip("/") == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -306,7 +362,12 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path.rstrip("/") == "/healthz":
             up = c.healthy_nodes()
             running, waiting = c.queue.depth()
-            body = {"status": "ok" if up else "no full node", "full_nodes": len(up), "running": running, "waiting": waiting}
+            body = {
+                "status": "ok" if up else "no full node",
+                "full_nodes": len(up),
+                "running": running,
+                "waiting": waiting,
+            }
             self._json(200 if up else 503, body)
         else:
             self._error(ApiError(HTTPStatus.NOT_FOUND, f"no such path: {self.path}", code="not_found"))
@@ -323,7 +384,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(HTTPStatus.BAD_REQUEST, f"the body is not valid JSON: {e}") from None
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         path = self.path.rstrip("/")
         if path not in ("/v1/completions", "/v1/chat/completions"):
             self._error(ApiError(HTTPStatus.NOT_FOUND, f"no such path: {self.path}", code="not_found"))
@@ -344,8 +405,14 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 self._whole(ask, rid, pieces, usage)
         except QueueFull as e:
-            self._error(ApiError(HTTPStatus.TOO_MANY_REQUESTS, f"the household is busy ({e}); retry later",
-                                 type_="rate_limit_error", code="queue_full"))  # fmt: skip
+            self._error(
+                ApiError(
+                    HTTPStatus.TOO_MANY_REQUESTS,
+                    f"the household is busy ({e}); retry later",
+                    type_="rate_limit_error",
+                    code="queue_full",
+                )
+            )
         except ApiError as e:
             self._error(e)
         except (BrokenPipeError, ConnectionResetError):
@@ -397,8 +464,12 @@ class _Handler(BaseHTTPRequestHandler):
             return {**self._envelope(ask, rid, chunk=True), "choices": [self._choice(ask, text, reason, delta=True)]}
 
         if ask.chat:
-            send({**self._envelope(ask, rid, chunk=True),
-                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})  # fmt: skip
+            send(
+                {
+                    **self._envelope(ask, rid, chunk=True),
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+            )
         finish = "length"
         try:
             for piece in itertools.chain([first], pieces):

@@ -39,8 +39,9 @@ class RequestQueue:
                 ticket = next(self._tickets)
                 self._waiting.append(ticket)
                 try:
-                    ok = self._cond.wait_for(lambda: self._waiting[0] == ticket and self._running < max(1, self._slots()),
-                                             timeout_s)  # fmt: skip
+                    ok = self._cond.wait_for(
+                        lambda: self._waiting[0] == ticket and self._running < max(1, self._slots()), timeout_s
+                    )
                 finally:
                     self._waiting.remove(ticket)
                     self._cond.notify_all()

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
-from expertmesh.node.store.store import SOURCES
-from expertmesh.node.store.tiers.peers import INFO_DEADLINE_S
 from expertmesh.node.rpc.auth import call_metadata
 from expertmesh.node.rpc.tls import open_channel
 from expertmesh.node.sizes import format_size
+from expertmesh.node.store.store import SOURCES
+from expertmesh.node.store.tiers.peers import INFO_DEADLINE_S
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 
 @dataclass
@@ -33,8 +33,9 @@ def ask_all(addresses: Iterable[str], secret: str, tls_ca: bytes | None = None) 
     for address in addresses:
         try:
             with open_channel(address, tls_ca) as channel:
-                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
-                                                            timeout=INFO_DEADLINE_S)  # fmt: skip
+                info = node_pb2_grpc.NodeStub(channel).Info(
+                    node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=INFO_DEADLINE_S
+                )
             out.append(NodeStatus(address, info))
         except grpc.RpcError as e:
             out.append(NodeStatus(address, error=e.code().name.lower()))
@@ -46,8 +47,10 @@ def _fill(used: int, budget: int) -> str:
 
 
 def status_lines(nodes: list[NodeStatus]) -> list[str]:
-    lines = [f"{'node':<18} {'address':<22} {'role':<6} {'model':<34} {'RAM used / budget':>20} "
-             f"{'disk used / budget':>22} {'peers':>5} {'tokens':>7} {'tokens/s':>8}"]  # fmt: skip
+    lines = [
+        f"{'node':<18} {'address':<22} {'role':<6} {'model':<34} {'RAM used / budget':>20} "
+        f"{'disk used / budget':>22} {'peers':>5} {'tokens':>7} {'tokens/s':>8}"
+    ]
     uses: Counter = Counter()
     nbytes: Counter = Counter()
     for n in nodes:
@@ -57,8 +60,10 @@ def status_lines(nodes: list[NodeStatus]) -> list[str]:
             continue
         model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in i.models)
         rate = f"{i.generated_tokens / i.generation_seconds:.2f}" if i.generation_seconds > 0 else "-"
-        lines.append(f"{i.node_id:<18} {n.address:<22} {i.role:<6} {model:<34} {_fill(i.ram_used_bytes, i.ram_budget_bytes):>20} "
-                     f"{_fill(i.disk_used_bytes, i.disk_budget_bytes):>22} {i.live_peers:>5} {i.generated_tokens:>7} {rate:>8}")  # fmt: skip
+        lines.append(
+            f"{i.node_id:<18} {n.address:<22} {i.role:<6} {model:<34} {_fill(i.ram_used_bytes, i.ram_budget_bytes):>20} "
+            f"{_fill(i.disk_used_bytes, i.disk_budget_bytes):>22} {i.live_peers:>5} {i.generated_tokens:>7} {rate:>8}"
+        )
         uses.update(dict(i.expert_uses))
         nbytes.update(dict(i.expert_bytes))
     total = sum(uses.values())

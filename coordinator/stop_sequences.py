@@ -27,7 +27,7 @@ class StopScanner:
                     if s.startswith(self._text[-n:]):
                         end = min(end, len(self._text) - n)
                         break
-        out = self._text[self._sent:max(self._sent, end)]
+        out = self._text[self._sent : max(self._sent, end)]
         self._sent = max(self._sent, end)
         return out
 
@@ -35,6 +35,6 @@ class StopScanner:
         """What was held back, once generation ended without a stop."""
         if self.stopped:
             return ""
-        out = self._text[self._sent:]
+        out = self._text[self._sent :]
         self._sent = len(self._text)
         return out

@@ -1,6 +1,6 @@
 """Generate the Python code of proto/ beside each .proto (committed, installed as `expertmesh.v1`, checked by a test).
 
-    python scripts/gen_proto.py [--out DIR]
+python scripts/gen_proto.py [--out DIR]
 """
 
 from __future__ import annotations

@@ -38,10 +38,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from expertmesh.node.devtools.tiny import demo_model  # noqa: E402
-from expertmesh.node.devtools.tiny.tokenizer import save_tokenizer, train_tokenizer  # noqa: E402
+from expertmesh.node.devtools.tiny import demo_model
+from expertmesh.node.devtools.tiny.tokenizer import save_tokenizer, train_tokenizer
 
 STDLIB = Path("/usr/lib/python3.11")
 # Not PSF-licensed, per /usr/share/doc/python3.11/copyright ("Files with other licenses"), or not
@@ -80,7 +78,9 @@ def docstrings(path: Path) -> list[str]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return []
-    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = [
+        n for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     nodes.sort(key=lambda n: getattr(n, "lineno", 0))
     docs = []
     for n in nodes:
@@ -162,14 +162,20 @@ def main(argv: list[str] | None = None) -> int:
 
     files = source_files()
     train_docs, val_docs = corpus(files)
-    print(f"{len(files)} files: {len(train_docs)} train docstrings ({sum(map(len, train_docs))} chars), "
-          f"{len(val_docs)} validation ({sum(map(len, val_docs))} chars)", flush=True)  # fmt: skip
+    print(
+        f"{len(files)} files: {len(train_docs)} train docstrings ({sum(map(len, train_docs))} chars), "
+        f"{len(val_docs)} validation ({sum(map(len, val_docs))} chars)",
+        flush=True,
+    )
     tok = train_tokenizer(train_docs, demo_model.VOCAB_SIZE)
     assert tok.get_vocab_size() == demo_model.VOCAB_SIZE, tok.get_vocab_size()
     save_tokenizer(args.out, tok)
     train_ids, val_ids = encode(tok, train_docs), encode(tok, val_docs)
-    print(f"tokens: {len(train_ids)} train, {len(val_ids)} validation "
-          f"({sum(map(len, train_docs)) / len(train_ids):.2f} chars/token)", flush=True)  # fmt: skip
+    print(
+        f"tokens: {len(train_ids)} train, {len(val_ids)} validation "
+        f"({sum(map(len, train_docs)) / len(train_ids):.2f} chars/token)",
+        flush=True,
+    )
 
     # heldout.txt: whole validation docstrings from the start of the validation stream
     held, n = [], 0
@@ -189,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
 
     windows = demo_model.windows(train_ids, seq)
     rng = np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(windows.shape[0]) for _ in range(
-        math.ceil(args.steps * args.batch / windows.shape[0]))])  # fmt: skip
+    order = np.concatenate(
+        [rng.permutation(windows.shape[0]) for _ in range(math.ceil(args.steps * args.batch / windows.shape[0]))]
+    )
     epochs = args.steps * args.batch / windows.shape[0]
 
     cfg = demo_model.config()
@@ -201,13 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     decay_steps = max(1, args.steps - args.warmup)
     schedule = optim.join_schedules(
-        [optim.linear_schedule(args.lr / args.warmup, args.lr, args.warmup),
-         optim.cosine_decay(args.lr, decay_steps, args.lr * 0.1)], [args.warmup])  # fmt: skip
+        [
+            optim.linear_schedule(args.lr / args.warmup, args.lr, args.warmup),
+            optim.cosine_decay(args.lr, decay_steps, args.lr * 0.1),
+        ],
+        [args.warmup],
+    )
     optimizer = optim.MultiOptimizer(
-        [optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=args.weight_decay),
-         optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=0.0)],
+        [
+            optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=args.weight_decay),
+            optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=0.0),
+        ],
         [lambda path, w: w.ndim >= 2],  # decay matrices, not norms, biases or A_log
-    )  # fmt: skip
+    )
 
     def loss_fn(m: nn.Module, x: mx.array, y: mx.array) -> mx.array:
         return nn.losses.cross_entropy(m(x), y, reduction="mean")
@@ -220,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         model.train()
         return loss
 
-    print(f"{n_params} parameters; {args.steps} steps of {args.batch}x{seq} tokens "
-          f"= {epochs:.2f} epochs of {windows.shape[0]} windows", flush=True)  # fmt: skip
+    print(
+        f"{n_params} parameters; {args.steps} steps of {args.batch}x{seq} tokens "
+        f"= {epochs:.2f} epochs of {windows.shape[0]} windows",
+        flush=True,
+    )
     history, t_train, recent = [], time.time(), []
     for step in range(1, args.steps + 1):
         batch = windows[mx.array(order[(step - 1) * args.batch : step * args.batch])]
@@ -232,25 +248,34 @@ def main(argv: list[str] | None = None) -> int:
         recent.append(loss.item())
         if step % args.log_every == 0 or step == args.steps:
             el = time.time() - t_train
-            print(f"step {step:4d}/{args.steps}  loss {np.mean(recent):.3f}  lr {schedule(step).item():.2e}  "
-                  f"{el:.0f}s ({el / step:.2f}s/step)", flush=True)  # fmt: skip
+            print(
+                f"step {step:4d}/{args.steps}  loss {np.mean(recent):.3f}  lr {schedule(step).item():.2e}  "
+                f"{el:.0f}s ({el / step:.2f}s/step)",
+                flush=True,
+            )
             history.append((step, float(np.mean(recent))))
             recent = []
         if step % args.val_every == 0 and step != args.steps:
             print(f"           val loss {evaluate(val):.3f}", flush=True)
     train_time = time.time() - t_train
     model.eval()
-    final_train = demo_model.mean_loss(model, windows[mx.array(order[: 48])])  # 48 windows it trained on
+    final_train = demo_model.mean_loss(model, windows[mx.array(order[:48])])  # 48 windows it trained on
     final_val = demo_model.mean_loss(model, val)
-    print(f"trained in {train_time:.0f}s: train loss {final_train:.3f}, val loss {final_val:.3f} "
-          f"(uniform {math.log(demo_model.VOCAB_SIZE):.3f})", flush=True)  # fmt: skip
+    print(
+        f"trained in {train_time:.0f}s: train loss {final_train:.3f}, val loss {final_val:.3f} "
+        f"(uniform {math.log(demo_model.VOCAB_SIZE):.3f})",
+        flush=True,
+    )
     save_weights(args.out / demo_model.WEIGHTS_FILE, model)
 
     check = check_repo(args.out, val, heldout)
     wall = time.time() - t0
     shares = check["top_quarter_share"]
-    print(f"repo ({check['repo_bytes']} bytes, mxfp4 experts): val loss {check['val_loss_repo']:.3f}, "
-          f"held-out loss {check['heldout_loss_repo']:.3f}", flush=True)  # fmt: skip
+    print(
+        f"repo ({check['repo_bytes']} bytes, mxfp4 experts): val loss {check['val_loss_repo']:.3f}, "
+        f"held-out loss {check['heldout_loss_repo']:.3f}",
+        flush=True,
+    )
     print("top-25% experts' share of uses per MoE layer: " + ", ".join(f"{i}: {s:.3f}" for i, s in shares.items()))
     print(f"sample 'The ': {check['sample']!r}\nsample 'Return the': {check['sample2']!r}\nwall time {wall:.0f}s")
 
@@ -293,10 +318,10 @@ Documents are separated by `<|endoftext|>` in training.
 ## Model and training
 
 mlx-lm's `kimi_k3` ({n_params} parameters), config `node.tiny.demo_model.config()`: the fixture's
-(`node.tiny.kimi_k3.config()`) with vocab_size {demo_model.VOCAB_SIZE}: hidden {text_cfg['hidden_size']},
-{text_cfg['num_hidden_layers']} layers (KDA and MLA, layer 0 dense), {text_cfg['num_experts']} routed experts
-per MoE layer, top-{text_cfg['num_experts_per_token']}, {text_cfg['num_shared_experts']} shared experts, latent
-MoE {text_cfg['routed_expert_hidden_size']}. mlx-lm's own initialisers with `mx.random.seed({args.seed})`.
+(`node.tiny.kimi_k3.config()`) with vocab_size {demo_model.VOCAB_SIZE}: hidden {text_cfg["hidden_size"]},
+{text_cfg["num_hidden_layers"]} layers (KDA and MLA, layer 0 dense), {text_cfg["num_experts"]} routed experts
+per MoE layer, top-{text_cfg["num_experts_per_token"]}, {text_cfg["num_shared_experts"]} shared experts, latent
+MoE {text_cfg["routed_expert_hidden_size"]}. mlx-lm's own initialisers with `mx.random.seed({args.seed})`.
 Float32, experts as mlx-lm's SwitchGLU, no load-balancing loss.
 {args.steps} steps of {args.batch} x {seq} tokens ({epochs:.2f} epochs of {windows.shape[0]} non-overlapping
 windows, shuffled with `numpy.random.default_rng({args.seed})`, one permutation per epoch). AdamW
@@ -310,19 +335,19 @@ warmup of {args.warmup} steps then cosine decay to {args.lr * 0.1:g}; gradient n
 | uniform (log {demo_model.VOCAB_SIZE}) | {math.log(demo_model.VOCAB_SIZE):.3f} |
 | train, final (48 training windows, float32) | {final_train:.3f} |
 | validation, final (float32) | {final_val:.3f} |
-| validation, Hub repo (mxfp4 experts, bf16 core) | {check['val_loss_repo']:.3f} |
-| heldout.txt, Hub repo | {check['heldout_loss_repo']:.3f} |
+| validation, Hub repo (mxfp4 experts, bf16 core) | {check["val_loss_repo"]:.3f} |
+| heldout.txt, Hub repo | {check["heldout_loss_repo"]:.3f} |
 
-Training loss (mean over each {args.log_every} steps): {", ".join(f"{s}: {l:.2f}" for s, l in history)}.
+Training loss (mean over each {args.log_every} steps): {", ".join(f"{s}: {loss:.2f}" for s, loss in history)}.
 
-Routing skew of the Hub repo over the {check['routed_tokens']} tokens of `heldout.txt`: the share of
+Routing skew of the Hub repo over the {check["routed_tokens"]} tokens of `heldout.txt`: the share of
 expert uses that go to the most-used 25% of experts (uniform: 0.25), per MoE layer:
 {", ".join(f"layer {i}: {s:.3f}" for i, s in shares.items())}; mean {mean_share:.3f}.
 
 Greedy samples from the Hub repo (`mlx_lm.generate(model, tok, prompt, max_tokens=40)`):
 
-- `The ` → {json.dumps(check['sample'])}
-- `Return the` → {json.dumps(check['sample2'])}
+- `The ` → {json.dumps(check["sample"])}
+- `Return the` → {json.dumps(check["sample2"])}
 """
     (args.out / "PROVENANCE.md").write_text(provenance)
     print(f"wrote {args.out}")

@@ -40,16 +40,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+import train_demo_model as demo_data  # a script's own folder is on sys.path
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import train_demo_model as demo_data  # noqa: E402  (this folder is on sys.path: the script's own)
-from expertmesh.node.devtools.tiny import demo_model  # noqa: E402
-from expertmesh.node.devtools.tiny.common import write_json  # noqa: E402
+from expertmesh.node.devtools.tiny import demo_model
+from expertmesh.node.devtools.tiny.common import write_json
 
 
 def draft_config(hidden: int, layers: int, intermediate: int, heads: int) -> dict:
@@ -127,8 +125,13 @@ def compare(draft: nn.Module, teacher: nn.Module, batch: mx.array, chunk: int = 
         ce_draft += nn.losses.cross_entropy(logits, y, reduction="sum").item()
         ce_teacher += -mx.take_along_axis(lp, y[..., None], axis=-1).sum().item()
         count += n
-    return {"kl": kl / count, "agreement": agree / count, "ce_draft": ce_draft / count,
-            "ce_teacher": ce_teacher / count, "positions": count}  # fmt: skip
+    return {
+        "kl": kl / count,
+        "agreement": agree / count,
+        "ce_draft": ce_draft / count,
+        "ce_teacher": ce_teacher / count,
+        "positions": count,
+    }
 
 
 def ms_per_token(model: nn.Module, tokens: int = 64) -> float:
@@ -173,23 +176,31 @@ def main(argv: list[str] | None = None) -> int:
     # the demo's data, by its own functions; its committed tokenizer, not a retrained one
     files = demo_data.source_files()
     train_docs, val_docs = demo_data.corpus(files)
-    corpus_sha = hashlib.sha256((demo_data.EOT.join(train_docs) + "\0" + demo_data.EOT.join(val_docs)).encode()).hexdigest()
+    corpus_sha = hashlib.sha256(
+        (demo_data.EOT.join(train_docs) + "\0" + demo_data.EOT.join(val_docs)).encode()
+    ).hexdigest()
     if corpus_sha not in (demo_model.DEMO_DIR / "PROVENANCE.md").read_text():
-        raise SystemExit(f"the extracted docstrings (sha256 {corpus_sha}) are not the demo model's: "
-                         f"another Python in {demo_data.STDLIB}?")  # fmt: skip
+        raise SystemExit(
+            f"the extracted docstrings (sha256 {corpus_sha}) are not the demo model's: "
+            f"another Python in {demo_data.STDLIB}?"
+        )
     tok = Tokenizer.from_file(str(demo_model.DEMO_DIR / "tokenizer.json"))
     train_ids, val_ids = demo_data.encode(tok, train_docs), demo_data.encode(tok, val_docs)
     windows = demo_model.windows(train_ids, seq)
     held_docs = (demo_model.DEMO_DIR / demo_model.HELDOUT_FILE).read_text(encoding="utf-8").split(demo_data.EOT)[:-1]
     held_ids = demo_data.encode(tok, held_docs)
     heldout = demo_model.windows(held_ids, seq)
-    val = demo_model.windows(val_ids[len(held_ids):], seq)[:48]  # the demo's validation windows
-    print(f"{len(files)} files (sha256 of the text {corpus_sha[:12]}, the demo's): {windows.shape[0]} training "
-          f"windows, {val.shape[0]} validation, {heldout.shape[0]} held out", flush=True)  # fmt: skip
+    val = demo_model.windows(val_ids[len(held_ids) :], seq)[:48]  # the demo's validation windows
+    print(
+        f"{len(files)} files (sha256 of the text {corpus_sha[:12]}, the demo's): {windows.shape[0]} training "
+        f"windows, {val.shape[0]} validation, {heldout.shape[0]} held out",
+        flush=True,
+    )
 
     rng = np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(windows.shape[0]) for _ in range(
-        math.ceil(args.steps * args.batch / windows.shape[0]))])  # fmt: skip
+    order = np.concatenate(
+        [rng.permutation(windows.shape[0]) for _ in range(math.ceil(args.steps * args.batch / windows.shape[0]))]
+    )
     epochs = args.steps * args.batch / windows.shape[0]
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,21 +215,29 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     decay_steps = max(1, args.steps - args.warmup)
     schedule = optim.join_schedules(
-        [optim.linear_schedule(args.lr / args.warmup, args.lr, args.warmup),
-         optim.cosine_decay(args.lr, decay_steps, args.lr * 0.1)], [args.warmup])  # fmt: skip
+        [
+            optim.linear_schedule(args.lr / args.warmup, args.lr, args.warmup),
+            optim.cosine_decay(args.lr, decay_steps, args.lr * 0.1),
+        ],
+        [args.warmup],
+    )
     optimizer = optim.MultiOptimizer(
-        [optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=args.weight_decay),
-         optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=0.0)],
+        [
+            optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=args.weight_decay),
+            optim.AdamW(schedule, betas=[0.9, 0.95], weight_decay=0.0),
+        ],
         [lambda path, w: w.ndim >= 2],  # decay matrices, not norms
-    )  # fmt: skip
+    )
 
     def loss_fn(m: nn.Module, x: mx.array, teacher_logprobs: mx.array) -> mx.array:
         return kl_divergence(m(x), teacher_logprobs)
 
     loss_and_grad = nn.value_and_grad(model, loss_fn)
 
-    print(f"draft: llama, {n_params} parameters; {args.steps} steps of {args.batch}x{seq} tokens "
-          f"= {epochs:.2f} epochs", flush=True)  # fmt: skip
+    print(
+        f"draft: llama, {n_params} parameters; {args.steps} steps of {args.batch}x{seq} tokens = {epochs:.2f} epochs",
+        flush=True,
+    )
     history, t_train, recent = [], time.time(), []
     for step in range(1, args.steps + 1):
         idx = order[(step - 1) * args.batch : step * args.batch]
@@ -230,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         recent.append(loss.item())
         if step % args.log_every == 0 or step == args.steps:
             el = time.time() - t_train
-            print(f"step {step:4d}/{args.steps}  KL {np.mean(recent):.3f}  lr {schedule(step).item():.2e}  "
-                  f"{el:.0f}s ({el / step:.2f}s/step, teacher {cache.seconds:.0f}s)", flush=True)  # fmt: skip
+            print(
+                f"step {step:4d}/{args.steps}  KL {np.mean(recent):.3f}  lr {schedule(step).item():.2e}  "
+                f"{el:.0f}s ({el / step:.2f}s/step, teacher {cache.seconds:.0f}s)",
+                flush=True,
+            )
             history.append((step, float(np.mean(recent))))
             recent = []
         if step % args.val_every == 0 and step != args.steps:
@@ -256,15 +278,23 @@ def main(argv: list[str] | None = None) -> int:
     speed = {"draft": ms_per_token(draft), "demo": ms_per_token(demo_bf16)}
     weight_bytes = (args.out / "model.safetensors").stat().st_size
     wall = time.time() - t0
-    print(f"trained in {train_time:.0f}s (teacher {cache.seconds:.0f}s); held-out KL {held['kl']:.3f}, "
-          f"top-1 agreement {held['agreement']:.1%}; {weight_bytes} bytes; "
-          f"{speed['draft']:.1f} ms/token vs the demo's {speed['demo']:.1f}; wall time {wall:.0f}s", flush=True)  # fmt: skip
+    print(
+        f"trained in {train_time:.0f}s (teacher {cache.seconds:.0f}s); held-out KL {held['kl']:.3f}, "
+        f"top-1 agreement {held['agreement']:.1%}; {weight_bytes} bytes; "
+        f"{speed['draft']:.1f} ms/token vs the demo's {speed['demo']:.1f}; wall time {wall:.0f}s",
+        flush=True,
+    )
 
     cmd = "python scripts/train_draft_model.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-    rows = [("48 training windows", final_train), ("validation (48 windows)", final_val),
-            (f"heldout.txt ({heldout.shape[0]} windows)", held)]  # fmt: skip
-    table = "\n".join(f"| {name} | {r['kl']:.3f} | {r['agreement']:.1%} | {r['ce_draft']:.3f} | {r['ce_teacher']:.3f} |"
-                      for name, r in rows)  # fmt: skip
+    rows = [
+        ("48 training windows", final_train),
+        ("validation (48 windows)", final_val),
+        (f"heldout.txt ({heldout.shape[0]} windows)", held),
+    ]
+    table = "\n".join(
+        f"| {name} | {r['kl']:.3f} | {r['agreement']:.1%} | {r['ce_draft']:.3f} | {r['ce_teacher']:.3f} |"
+        for name, r in rows
+    )
     provenance = f"""# Provenance of the demo's draft model
 
 Trained by `{cmd}` (run from the project root), once, on
@@ -290,8 +320,8 @@ The demo's, byte for byte (`tokenizer.json`, `tokenizer_config.json`):
 
 ## Model and training
 
-mlx-lm's `llama` ({n_params} parameters, {weight_bytes} bytes of bf16 weights): hidden {cfg['hidden_size']},
-{cfg['num_hidden_layers']} layers, {cfg['num_attention_heads']} heads, MLP {cfg['intermediate_size']}, vocabulary {cfg['vocab_size']},
+mlx-lm's `llama` ({n_params} parameters, {weight_bytes} bytes of bf16 weights): hidden {cfg["hidden_size"]},
+{cfg["num_hidden_layers"]} layers, {cfg["num_attention_heads"]} heads, MLP {cfg["intermediate_size"]}, vocabulary {cfg["vocab_size"]},
 tied embeddings. mlx-lm's own initialisers with `mx.random.seed({args.seed})`; trained in float32, saved in bf16.
 Teacher: the demo's Hub repo (`make_demo_model`) loaded by `mlx_lm.load`, in float32.
 Loss: KL(teacher || draft) of the next-token distributions, every position, temperature 1; the
@@ -312,10 +342,10 @@ are the same token (what a greedy draft needs to be accepted).
 {table}
 
 Uniform loss: {math.log(demo_model.VOCAB_SIZE):.3f} nats/token. Distillation loss (KL, mean over each
-{args.log_every} steps): {", ".join(f"{s}: {l:.2f}" for s, l in history)}.
+{args.log_every} steps): {", ".join(f"{s}: {loss:.2f}" for s, loss in history)}.
 
 Cost per drafted token (one-token passes with a cache, as `ModelDraft` drafts; mlx-lm loads, bf16,
-this machine): draft {speed['draft']:.1f} ms, the demo model {speed['demo']:.1f} ms.
+this machine): draft {speed["draft"]:.1f} ms, the demo model {speed["demo"]:.1f} ms.
 """
     (args.out / "PROVENANCE.md").write_text(provenance)
     print(f"wrote {args.out}")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.hub import client as hub_client
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny import ARCHS, make_tiny_model
+from expertmesh.node.hub import client as hub_client
 
 
 @pytest.fixture(scope="session")

@@ -80,18 +80,24 @@ def test_run_rejects_a_bad_budget(home: Path) -> None:
 
 
 def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None:
-    r = subprocess.run([*CLI, "chat", REPO_ID, "--max-tokens", "8"], env=_env(home, hub), input="Hi\nAnd then?\n",
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [*CLI, "chat", REPO_ID, "--max-tokens", "8"],
+        env=_env(home, hub),
+        input="Hi\nAnd then?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("tokens in ") == 2  # one summary per reply
 
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(hub: HubServer, home: Path) -> None:
     """A real SIGINT in the middle of a real reply: the reply stops, the next turn continues the cache."""
+    from expertmesh.cli.terminal import chat_loop
     from expertmesh.node.engine.chat import ChatSession
     from expertmesh.node.engine.generation import Generator, SamplingSettings
     from expertmesh.node.engine.streamed_model import open_model
-    from expertmesh.cli.terminal import chat_loop
 
     sm = open_model(REPO_ID, home=home)
     try:

@@ -15,13 +15,13 @@ import pytest
 
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
-from expertmesh.v1 import node_pb2, node_pb2_grpc
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
 from expertmesh.node.rpc.tls import open_channel
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "api-test-secret"
@@ -77,8 +77,14 @@ def _node_chat_text(address: str, max_tokens: int) -> str:
 
 
 def test_a_streamed_chat_completion_through_the_official_client(client: openai.OpenAI, node) -> None:
-    stream = client.chat.completions.create(model=REPO_ID, messages=MESSAGES, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=REPO_ID,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == _node_chat_text(node, 12)
@@ -103,8 +109,9 @@ def test_a_stop_sequence_cuts_the_text_and_ends_the_generation(client: openai.Op
     r = client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "never-seen"])
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 16  # the node stopped generating at the stop sequence
-    streamed = client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop,
-                                         stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
@@ -118,7 +125,9 @@ def test_bad_requests_get_4xx_with_a_readable_message(client: openai.OpenAI, api
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=REPO_ID, prompt="x", max_tokens=0)
     base = api.url.removesuffix("/v1")
-    req = urllib.request.Request(f"{base}/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as bad_json:
         urllib.request.urlopen(req, timeout=30)
     assert bad_json.value.code == 400
@@ -187,8 +196,11 @@ def test_the_coordinators_metrics_count_responses_by_status(api: OpenAIServer, c
         client.completions.create(model=REPO_ID, prompt="")
     with urllib.request.urlopen(api.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
-    counts = {(s.labels["endpoint"], s.labels["code"]): s.value for s in families["expertmesh_api_responses"].samples
-              if s.name.endswith("_total")}  # fmt: skip
+    counts = {
+        (s.labels["endpoint"], s.labels["code"]): s.value
+        for s in families["expertmesh_api_responses"].samples
+        if s.name.endswith("_total")
+    }
     assert counts[("/v1/completions", "200")] >= 1 and counts[("/v1/completions", "400")] >= 1
     assert not any("prompt" in k for key in counts for k in key)  # endpoints and codes only
     states = {s.labels["state"]: s.value for s in families["expertmesh_api_generations"].samples}

@@ -11,12 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from expertmesh.node.hub import local_models
 from expertmesh.cli import main
-from expertmesh.node.engine.core_quantization import group_size_for
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.core_quantization import group_size_for
 from expertmesh.node.engine.streamed_model import open_model
+from expertmesh.node.hub import local_models
+from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
@@ -57,8 +57,12 @@ def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) ->
     assert {g for k, g in groups.items() if k.endswith("shared_experts.down_proj")} == {128}
     assert {g for k, g in groups.items() if k.endswith(("routed_expert_up_proj", "unembed_out"))} == {32}
     assert {"routed_expert_up_proj", "unembed_out"} <= names, names
-    kept = [k for k in t8 if k.endswith(("mlp.gate.weight", "norm.weight", "res_proj.weight", ".bias", "embed_q.weight"))
-            or "e_score_correction_bias" in k]  # fmt: skip
+    kept = [
+        k
+        for k in t8
+        if k.endswith(("mlp.gate.weight", "norm.weight", "res_proj.weight", ".bias", "embed_q.weight"))
+        or "e_score_correction_bias" in k
+    ]
     assert any(k.endswith("embed_q.weight") for k in kept)  # 16 wide: no group size divides it
     assert any(k.endswith("mlp.gate.weight") for k in kept) and any(k.endswith("norm.weight") for k in kept)
     for k in kept:
@@ -82,13 +86,20 @@ def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None
     finally:
         sm.close()
     env = {**os.environ, "EXPERTMESH_HOME": str(homes[8]), "HF_ENDPOINT": hub.url}
-    r = subprocess.run([sys.executable, "-m", "expertmesh", "run", REPO_ID, "hello experts", "--max-tokens", "6"],
-                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "expertmesh", "run", REPO_ID, "hello experts", "--max-tokens", "6"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "6 tokens in" in r.stderr and r.stdout.strip()
 
 
-def test_pulling_8_bits_over_a_bf16_pull_quantises_in_place(hub: HubServer, tmp_path: Path, capsys, monkeypatch) -> None:
+def test_pulling_8_bits_over_a_bf16_pull_quantises_in_place(
+    hub: HubServer, tmp_path: Path, capsys, monkeypatch
+) -> None:
     pull(REPO_ID, home=tmp_path, progress=False)
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
     assert main(["pull", REPO_ID, "--core-bits", "8", "--no-progress"]) == 0

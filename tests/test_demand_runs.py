@@ -12,10 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from expertmesh.node.hub.expert_index import run_ranges
 from expertmesh.node.devtools.local_hub import Fault, HubServer
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub.expert_index import run_ranges
+from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 RUN, LONE = [0, 1, 2], 5
@@ -30,8 +30,13 @@ def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _open(home: Path, coalesce: bool, connections: int = 1):
     # no disk copies, no guesses, no fills: every expert below comes from the Hub on demand
-    return open_model(REPO_ID, home=home, store_config=StoreConfig(disk_budget="0", prefetch=False, fill=False,
-                                                                   coalesce=coalesce, hub_connections=connections))  # fmt: skip
+    return open_model(
+        REPO_ID,
+        home=home,
+        store_config=StoreConfig(
+            disk_budget="0", prefetch=False, fill=False, coalesce=coalesce, hub_connections=connections
+        ),
+    )
 
 
 def _demand(hub: HubServer, sm, layer: int) -> tuple[dict, int, int]:
@@ -118,4 +123,3 @@ def test_a_run_with_bad_bytes_is_fetched_again_expert_by_expert(hub: HubServer, 
     assert stats.integrity_failures["hub"] == len(RUN)  # every expert of the spoilt run caught
     for e in RUN:
         assert all(mx.array_equal(a, b) for a, b in zip(_flat(got[e]), _flat(expected[e]), strict=True))
-

@@ -15,14 +15,20 @@ import huggingface_hub.constants as hf_constants
 import mlx.core as mx
 import pytest
 
-from expertmesh.node.hub import client as hub_client
 from expertmesh.cli import main
-from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.devtools.tiny.demo_model import (
+    DRAFT_DIR,
+    DRAFT_REPO_ID,
+    REPO_ID,
+    make_demo_model,
+    make_draft_model,
+)
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.speculative import ModelDraft, SpeculationConfig
 from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.devtools.tiny.demo_model import DRAFT_DIR, DRAFT_REPO_ID, REPO_ID, make_demo_model, make_draft_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
 
 PROMPTS = ("This module provides functions for", "- alpha\n- beta\n- gamma\n- alpha\n- beta\n-")
 TOKENS = 32
@@ -58,7 +64,9 @@ def test_committed_draft_loads_as_a_draft_of_the_demo(demo, tmp_path: Path) -> N
     assert draft.vocab_size == 1024 and draft.trimmable  # a dense Llama: its KV cache trims exactly
     assert (DRAFT_DIR / "model.safetensors").stat().st_size < 1024**2
     published = make_draft_model(tmp_path / "draft")
-    assert {p.name: p.read_bytes() for p in published.iterdir()} == {p.name: p.read_bytes() for p in DRAFT_DIR.iterdir()}
+    assert {p.name: p.read_bytes() for p in published.iterdir()} == {
+        p.name: p.read_bytes() for p in DRAFT_DIR.iterdir()
+    }
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -7,27 +7,26 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import socket
-
 import grpc
 import mlx_lm
 import pytest
+from waiting import wait_until
 from zeroconf import ServiceInfo, Zeroconf
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.household.discovery import Advertisement, Discovery
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.hub.local_models import find_pulled
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.store.tiers.peers import PeerTable
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.auth import call_metadata
-from waiting import wait_until
+from expertmesh.node.store.tiers.peers import PeerTable
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 LOOPBACK = ["127.0.0.1"]
 # cluster names unique to this test run: two runs on one machine (a CI clone beside a checkout)
@@ -38,7 +37,9 @@ CLUSTER, E2E_CLUSTER = f"test-cluster-{RUN}", f"zc-e2e-{RUN}"
 
 def _discovery(node_id: str, cluster: str = CLUSTER, port: int = 1000, compute: bool = True) -> Discovery:
     table = PeerTable(self_id=node_id, self_weight=1.0)
-    return Discovery(table, Advertisement(node_id, cluster, "full", port, 10**9, compute=compute), "127.0.0.1", LOOPBACK)
+    return Discovery(
+        table, Advertisement(node_id, cluster, "full", port, 10**9, compute=compute), "127.0.0.1", LOOPBACK
+    )
 
 
 def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
@@ -62,10 +63,14 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
     a = _discovery("same-id")
     try:  # a second advertiser of the same id under another name, as a copied home folder makes
         zc = Zeroconf(interfaces=LOOPBACK)
-        info = ServiceInfo("_expertmesh._tcp.local.", "copied-home._expertmesh._tcp.local.", port=2000,
-                           addresses=[socket.inet_aton("127.0.0.1")],
-                           properties=Advertisement("same-id", CLUSTER, "full", 2000, 1).properties(),
-                           server="copied.local.")  # fmt: skip
+        info = ServiceInfo(
+            "_expertmesh._tcp.local.",
+            "copied-home._expertmesh._tcp.local.",
+            port=2000,
+            addresses=[socket.inet_aton("127.0.0.1")],
+            properties=Advertisement("same-id", CLUSTER, "full", 2000, 1).properties(),
+            server="copied.local.",
+        )
         zc.register_service(info)
         try:
             assert wait_until(lambda: a.duplicates > 0)
@@ -79,9 +84,31 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
 
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
-    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "serve", "expertmesh/tiny-kimi_k3", "--host", "127.0.0.1",
-                             "--port", "0", "--interface", "127.0.0.1", "--cluster", E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "expertmesh",
+            "serve",
+            "expertmesh/tiny-kimi_k3",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--interface",
+            "127.0.0.1",
+            "--cluster",
+            E2E_CLUSTER,
+            "--no-prefetch",
+            "--http-port",
+            "0",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     out = ""
     while "advertising" not in out and time.monotonic() < deadline:
@@ -96,8 +123,10 @@ def _wait_for_peers(port: int, n: int) -> None:
     """Until the node on `port` knows `n` live peers (advertisements cross in their own time)."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = node_pb2_grpc.NodeStub(channel)
-        assert wait_until(lambda: stub.Info(node_pb2.InfoRequest(), metadata=call_metadata("zc-secret"),
-                                       timeout=10).live_peers >= n, timeout_s=60), "the nodes did not find each other"  # fmt: skip
+        assert wait_until(
+            lambda: stub.Info(node_pb2.InfoRequest(), metadata=call_metadata("zc-secret"), timeout=10).live_peers >= n,
+            timeout_s=60,
+        ), "the nodes did not find each other"
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -122,12 +151,20 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, tiny
         _wait_for_peers(port, 1)
         prompt = "Found by zeroconf"
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            events = list(node_pb2_grpc.NodeStub(channel).Generate(
-                node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id="expertmesh/tiny-kimi_k3"), prompt=prompt,
-                                         max_tokens=12), metadata=call_metadata("zc-secret"), timeout=120))  # fmt: skip
+            events = list(
+                node_pb2_grpc.NodeStub(channel).Generate(
+                    node_pb2.GenerateRequest(
+                        model=node_pb2.ModelKey(repo_id="expertmesh/tiny-kimi_k3"), prompt=prompt, max_tokens=12
+                    ),
+                    metadata=call_metadata("zc-secret"),
+                    timeout=120,
+                )
+            )
         tokens = [e.token.id for e in events if e.HasField("token")]
         ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-        assert tokens == [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"]
+        assert tokens == [
+            r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"
+        ]
         done = events[-1].done
         assert done.expert_uses["peer"] > 0 and done.expert_uses["hub"] == 0
     finally:
@@ -151,11 +188,18 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
         md = call_metadata("zc-secret")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = node_pb2_grpc.NodeStub(channel)
-            events = list(stub.Generate(node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=repo_id), prompt=prompt,
-                                                                 max_tokens=12), metadata=md, timeout=120))  # fmt: skip
+            events = list(
+                stub.Generate(
+                    node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=repo_id), prompt=prompt, max_tokens=12),
+                    metadata=md,
+                    timeout=120,
+                )
+            )
         tokens = [e.token.id for e in events if e.HasField("token")]
         ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-        assert tokens == [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"]
+        assert tokens == [
+            r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"
+        ]
         assert events[-1].done.expert_uses["peer"] > 0 and events[-1].done.expert_uses["hub"] == 0
         assert events[-1].done.expert_uses["remote"] == 0  # cache peers only serve bytes
         held = 0
@@ -167,18 +211,42 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
                 inventory = stub.GetInventory(node_pb2.InventoryRequest(model=info.models[0]), metadata=md, timeout=10)
                 held += sum(bin(b).count("1") for layer in inventory.layers for b in layer.bits)
                 with pytest.raises(grpc.RpcError) as e:
-                    list(stub.Generate(node_pb2.GenerateRequest(model=info.models[0], prompt="x"), metadata=md, timeout=10))
+                    list(
+                        stub.Generate(
+                            node_pb2.GenerateRequest(model=info.models[0], prompt="x"), metadata=md, timeout=10
+                        )
+                    )
                 assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         index = ExpertIndex.load(find_pulled(tmp_path / "full", repo_id) / "expert_index.json")
         expert_bytes = next(iter(index.experts.values())).nbytes  # one size for all: the tiny K3's experts
         env = {**os.environ, "EXPERTMESH_SECRET": "zc-secret", "EXPERTMESH_HOME": str(tmp_path / "cli")}
-        listing = subprocess.run([sys.executable, "-m", "expertmesh", "peers", "--interface", "127.0.0.1", "--cluster",
-                                  E2E_CLUSTER, "--wait", "4"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        listing = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "expertmesh",
+                "peers",
+                "--interface",
+                "127.0.0.1",
+                "--cluster",
+                E2E_CLUSTER,
+                "--wait",
+                "4",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert listing.returncode == 0, listing.stderr
         roles = sorted(ln.split()[2] for ln in listing.stdout.splitlines()[1:])
         assert roles == ["cache", "cache", "full"], listing.stdout  # `expertmesh peers` sees the whole household
-        expert_ranges = {(f, a, b): n for f, entry in hub.stats()["files"].items() for a, b, n in entry["ranges"]
-                         if b - a + 1 == expert_bytes}  # fmt: skip
+        expert_ranges = {
+            (f, a, b): n
+            for f, entry in hub.stats()["files"].items()
+            for a, b, n in entry["ranges"]
+            if b - a + 1 == expert_bytes
+        }
         assert held > 0 and len(expert_ranges) >= held
         assert all(n == 1 for n in expert_ranges.values()), expert_ranges  # each expert crossed the Hub once
     finally:

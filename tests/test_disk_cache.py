@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, TensorSlice
+from expertmesh.node.store.integrity import DigestBook, sha256
 from expertmesh.node.store.tiers import disk as disk_cache
 from expertmesh.node.store.tiers.disk import TMP_SUFFIX, DiskCache
-from expertmesh.node.store.integrity import DigestBook, sha256
-from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, TensorSlice
 
 SIZE = 64
 
 
 def _cache(root: Path, count: int, budget_experts: int) -> tuple[DiskCache, dict, dict]:
-    locs = {(1, e): ExpertLocation(1, e, [TensorSlice(f"e{e}", "U8", (SIZE,), "f.safetensors",
-                                                      e * SIZE, (e + 1) * SIZE)])
-            for e in range(count)}  # fmt: skip
+    locs = {
+        (1, e): ExpertLocation(1, e, [TensorSlice(f"e{e}", "U8", (SIZE,), "f.safetensors", e * SIZE, (e + 1) * SIZE)])
+        for e in range(count)
+    }
     index = ExpertIndex("test/disk", "0" * 40, {"f.safetensors": SIZE * count}, {}, locs)
     digests = DigestBook(root / "digests.tsv")
     blobs = {key: bytes([key[1]]) * SIZE for key in locs}

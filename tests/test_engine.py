@@ -27,12 +27,12 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.chat import ChatSession
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
-from expertmesh.node.devtools.tiny import ARCHS
+from expertmesh.node.hub.pull import pull
 
 LOGIT_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2**-5}  # measured: 0.0 everywhere (see above)
 PROMPTS = ("hello experts", "The quick brown fox", "for layer in range")
@@ -42,12 +42,15 @@ CHAT = SamplingSettings(max_tokens=12, temp=0.0, top_p=1.0, seed=None)
 CHAT_ARCHS = ["kimi_k3", "deepseek_v3"]  # KDA recurrent state + MLA; attention (MLA) only
 TURN1, TURN2 = "hello! tell me a story.", "what is a mixture of experts?"
 
+
 def _repo_id(arch: str) -> str:
     return f"expertmesh/tiny-{arch}"
 
 
 def _open(arch: str, home: Path, ram_budget: str = "50%", prefetch: bool = True) -> StreamedModel:
-    return open_model(_repo_id(arch), home=home, store_config=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False))
+    return open_model(
+        _repo_id(arch), home=home, store_config=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False)
+    )
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -94,16 +97,23 @@ def models(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
 def _mlx_lm_tokens(model, tokenizer, ids: list[int], max_tokens: int, sampler=None, prompt_cache=None) -> list[int]:
     """Token ids mlx-lm generates (its last response carries the EOS token, which is no output)."""
     out = []
-    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                    sampler=sampler or make_sampler(0.0), prompt_cache=prompt_cache):  # fmt: skip
+    for r in mlx_lm.stream_generate(
+        model,
+        tokenizer,
+        mx.array(ids),
+        max_tokens=max_tokens,
+        sampler=sampler or make_sampler(0.0),
+        prompt_cache=prompt_cache,
+    ):
         if r.finish_reason == "stop":
             break
         out.append(r.token)
     return out
 
 
-def _generate(sm: StreamedModel, ids: list[int], settings: SamplingSettings = GREEDY,
-              should_stop=lambda: False) -> tuple[list[int], GenerationSummary]:  # fmt: skip
+def _generate(
+    sm: StreamedModel, ids: list[int], settings: SamplingSettings = GREEDY, should_stop=lambda: False
+) -> tuple[list[int], GenerationSummary]:
     summary = GenerationSummary()
     tokens = [t.id for t in Generator(sm).generate(ids, settings, should_stop, summary)]
     return tokens, summary
@@ -116,8 +126,9 @@ def _kv_length(cache: list) -> int:
     return max(lengths)
 
 
-def _mlx_lm_second_turn(model, tokenizer, prompt1: list[int], cached1: list[int], fed2: list[int],
-                        max_tokens: int) -> list[int]:  # fmt: skip
+def _mlx_lm_second_turn(
+    model, tokenizer, prompt1: list[int], cached1: list[int], fed2: list[int], max_tokens: int
+) -> list[int]:
     """Turn 2 as mlx-lm makes it when it continues its own prompt cache over the same tokens.
 
     Turn 1 asks mlx-lm for exactly the reply tokens our cache holds; its pipelined step also
@@ -144,8 +155,9 @@ def _cached(reply: list[int], summary: GenerationSummary) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(arch: str, hub: HubServer, oracle,
-                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(
+    arch: str, hub: HubServer, oracle, tmp_path: Path
+) -> None:
     ref, ref_tok = oracle(arch)
     prompts = [ref_tok.encode(p) for p in PROMPTS]
     expected = [_mlx_lm_tokens(ref, ref_tok, ids, MAX_TOKENS) for ids in prompts]
@@ -169,7 +181,9 @@ def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(arch: str, hu
             got, want = cold.model(full)[0, -1], ref(full)[0, -1]
             assert got.dtype == want.dtype
             diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-            print(f"{arch} {p!r}: max |logit diff| {diff:.3g} ({want.dtype}, tolerance {LOGIT_TOLERANCE[want.dtype]:.3g})")
+            print(
+                f"{arch} {p!r}: max |logit diff| {diff:.3g} ({want.dtype}, tolerance {LOGIT_TOLERANCE[want.dtype]:.3g})"
+            )
             assert diff <= LOGIT_TOLERANCE[want.dtype], f"{arch} {p!r}: logits differ by {diff}"
         stats = cold.store.stats  # each Hub fetch, demanded or guessed, was kept on disk
         assert 0 < stats.uses["hub"] <= len(cold.disk) <= stats.uses["hub"] + stats.prefetch["issued"]
@@ -222,8 +236,16 @@ def two_turns(models, oracle):
             after1 = list(session.messages)
             history1 = list(session.generator.history)
             reply2 = [t.id for t in session.reply(TURN2, CHAT, summary=s2)]
-            done[arch] = dict(session=session, reply1=reply1, reply2=reply2, s1=s1, s2=s2, after1=after1,
-                              history1=history1, history2=list(session.generator.history))  # fmt: skip
+            done[arch] = dict(
+                session=session,
+                reply1=reply1,
+                reply2=reply2,
+                s1=s1,
+                s2=s2,
+                after1=after1,
+                history1=history1,
+                history2=list(session.generator.history),
+            )
         return done[arch]
 
     return get
@@ -250,7 +272,7 @@ def test_second_chat_turn_continues_the_cache(arch: str, two_turns, oracle) -> N
     seen = rendered1 + tok.decode(cached1)
     rendered2 = _render(tok, [*t["after1"], {"role": "user", "content": TURN2}])
     assert rendered2.startswith(seen)
-    fed2 = tok.encode(rendered2[len(seen):], add_special_tokens=False)
+    fed2 = tok.encode(rendered2[len(seen) :], add_special_tokens=False)
     assert t["history2"] == prompt1 + cached1 + fed2 + cached2
 
     # Turn 2 equals mlx-lm continuing its own prompt cache over exactly those tokens.
@@ -306,7 +328,7 @@ def test_stopping_after_three_tokens_then_the_next_turn_continues(models, oracle
     seen = rendered1 + tok.decode(cached1)
     rendered2 = _render(tok, [*after1, {"role": "user", "content": TURN2}])
     assert rendered2.startswith(seen)
-    fed2 = tok.encode(rendered2[len(seen):], add_special_tokens=False)
+    fed2 = tok.encode(rendered2[len(seen) :], add_special_tokens=False)
     assert session.generator.history[: len(prompt1) + len(cached1) + len(fed2)] == prompt1 + cached1 + fed2
     assert reply2 == _mlx_lm_second_turn(ref, tok, prompt1, cached1, fed2, CHAT.max_tokens)
 
@@ -346,14 +368,18 @@ def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path:
     concurrent requests on one node do) each get every expert, and the Hub sends each once.
     Also the regression of a deadlock that once hung warm-disk runs one time in three."""
     pull(_repo_id("kimi_k3"), home=tmp_path, progress=False)
-    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store_config=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
+    sm = open_model(
+        _repo_id("kimi_k3"), home=tmp_path, store_config=StoreConfig(ram_budget="50%", prefetch=False, fill=False)
+    )
     try:
         layer = sm.index.moe_layers[0]
         served_before = hub.stats()["bytes_served"]
         wanted = [list(range(i, i + 8)) for i in range(0, 16, 2)]  # 8 overlapping sets, 22 distinct experts
         results: list[dict] = [{} for _ in wanted]
-        threads = [threading.Thread(target=lambda r=r, w=w: r.update(sm.store.get_layer(layer, w)), daemon=True)
-                   for r, w in zip(results, wanted)]  # fmt: skip
+        threads = [
+            threading.Thread(target=lambda r=r, w=w: r.update(sm.store.get_layer(layer, w)), daemon=True)
+            for r, w in zip(results, wanted)
+        ]
         for t in threads:
             t.start()
         for t in threads:

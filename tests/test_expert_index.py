@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from expertmesh.node.hub import safetensors_format
 from expertmesh.node.errors import UnsupportedModelError
+from expertmesh.node.hub import safetensors_format
 from expertmesh.node.hub.expert_index import ExpertIndex, build_index
 
 

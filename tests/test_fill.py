@@ -7,13 +7,13 @@ import time
 from pathlib import Path
 
 import mlx_lm
-
-from expertmesh.node.hub.expert_index import run_ranges
-from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from waiting import wait_until
+
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub.expert_index import run_ranges
+from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "Fill the disk while the link is idle"
@@ -27,7 +27,9 @@ def _generate(sm) -> list[int]:
 
 def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
     ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    expected = [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"]
+    expected = [
+        r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"
+    ]
     pull(REPO_ID, home=tmp_path, progress=False)
     sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True))
     try:
@@ -70,7 +72,9 @@ def test_fill_takes_free_budget_only(hub: HubServer, tmp_path: Path) -> None:
     used, expert_bytes = len(sm.disk), max(loc.nbytes for loc in sm.index.experts.values())
     sm.close()
     budget = (used + SPARE) * expert_bytes
-    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True, disk_budget=str(budget)))
+    sm = open_model(
+        REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True, disk_budget=str(budget))
+    )
     try:
         before = hub.stats()["bytes_served"]
         _generate(sm)  # every demand is a disk hit now; the link is idle for the fill
@@ -91,7 +95,9 @@ def test_fill_stops_when_the_file_system_is_full(hub: HubServer, tiny_repos, tmp
     from expertmesh.node.store.tiers import disk as disk_cache
 
     ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    expected = [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"]
+    expected = [
+        r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"
+    ]
     pull(REPO_ID, home=tmp_path, progress=False)
 
     def full(*_args, **_kwargs):

@@ -15,14 +15,14 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.store.tiers.disk import TMP_SUFFIX
-from expertmesh.node.engine.blocks import load_core_model
-from expertmesh.node.errors import DownloadError, ExpertmeshError, NotPulledError, UnsupportedModelError
-from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import Fault, HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.blocks import load_core_model
+from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
+from expertmesh.node.errors import DownloadError, ExpertmeshError, NotPulledError, UnsupportedModelError
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.store.tiers.disk import TMP_SUFFIX
 
 ARCH = "kimi_k3"
 REPO_ID = f"expertmesh/tiny-{ARCH}"
@@ -40,8 +40,9 @@ def oracle_tokens(tiny_repos: dict[str, Path]):
 
     def run(ids: list[int], max_tokens: int = GREEDY.max_tokens) -> list[int]:
         out = []
-        for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                        sampler=make_sampler(0.0)):  # fmt: skip
+        for r in mlx_lm.stream_generate(
+            model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=make_sampler(0.0)
+        ):
             if r.finish_reason == "stop":  # the EOS token, not output
                 break
             out.append(r.token)
@@ -55,7 +56,9 @@ def _open(home: Path, **kwargs) -> StreamedModel:
     return open_model(REPO_ID, home=home, store_config=StoreConfig(ram_budget="50%", fill=False), **kwargs)
 
 
-def _generate(sm: StreamedModel, ids: list[int], settings: SamplingSettings = GREEDY) -> tuple[list[int], GenerationSummary]:
+def _generate(
+    sm: StreamedModel, ids: list[int], settings: SamplingSettings = GREEDY
+) -> tuple[list[int], GenerationSummary]:
     summary = GenerationSummary()
     return [t.id for t in Generator(sm).generate(ids, settings, summary=summary)], summary
 
@@ -119,8 +122,9 @@ def test_hub_failing_mid_generation_then_recovering(hub: HubServer, oracle_token
         sm.close()
 
 
-def test_prompt_longer_than_the_context(hub: HubServer, oracle_tokens, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_prompt_longer_than_the_context(
+    hub: HubServer, oracle_tokens, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pull(REPO_ID, home=tmp_path, progress=False)
     sm = _open(tmp_path)
     try:
@@ -134,7 +138,9 @@ def test_prompt_longer_than_the_context(hub: HubServer, oracle_tokens, tmp_path:
         with pytest.raises(ContextLengthError) as e:
             next(gen.generate(long_ids, GREEDY))
         assert isinstance(e.value, ExpertmeshError)
-        assert re.search(rf"\b{len(long_ids)}\b", str(e.value)) and re.search(rf"\b{limit}\b", str(e.value)), str(e.value)
+        assert re.search(rf"\b{len(long_ids)}\b", str(e.value)) and re.search(rf"\b{limit}\b", str(e.value)), str(
+            e.value
+        )
         assert gen.history == []  # nothing was fed
         with pytest.raises(ContextLengthError):  # a prompt filling the context leaves no room to answer
             next(gen.generate(long_ids[:limit], GREEDY))
@@ -196,8 +202,16 @@ def _dense_mlx_lm_model(folder: Path) -> Path:
     from mlx_lm.models import llama
     from mlx_lm.utils import save_config, save_model
 
-    config = {"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1, "intermediate_size": 32,
-              "num_attention_heads": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 32}  # fmt: skip
+    config = {
+        "model_type": "llama",
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "intermediate_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 32,
+    }
     folder.mkdir(parents=True)
     save_model(folder, llama.Model(llama.ModelArgs.from_dict(config)))
     save_config(config, folder / "config.json")

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.hub import client as hub_client
 from expertmesh.cli import _store_config, build_parser
-from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.hub.client import RangeReader
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.client import RangeReader
+from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
@@ -27,8 +27,9 @@ def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _peak_while_generating(hub: HubServer, home: Path, connections: int) -> int:
-    args = build_parser().parse_args(["run", REPO_ID, "x", "--no-prefetch", "--no-fill",
-                                      "--hub-connections", str(connections)])  # fmt: skip
+    args = build_parser().parse_args(
+        ["run", REPO_ID, "x", "--no-prefetch", "--no-fill", "--hub-connections", str(connections)]
+    )
     cfg = _store_config(args)
     cfg.hub_min_piece_bytes = 1  # every expert in the pool's full number of pieces
     cfg.disk_budget = "0"  # every expert comes from the Hub

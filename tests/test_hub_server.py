@@ -13,8 +13,8 @@ import pytest
 from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
 from huggingface_hub import errors as hf_errors
 
-from expertmesh.node.devtools.local_hub import Fault, HubServer
 from expertmesh.node.devtools.link_emulation import TokenBucket, reserve_together
+from expertmesh.node.devtools.local_hub import Fault, HubServer
 
 REPO = "expertmesh/tiny-kimi_k3"
 
@@ -112,8 +112,9 @@ def test_a_connection_pays_its_own_rate_not_the_link_on_top() -> None:
 
 
 def test_cli_serves_and_stops(hub_root: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "hub", str(hub_root), "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "expertmesh", "hub", str(hub_root), "--port", "0"], stdout=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("expertmesh hub: serving")

@@ -22,17 +22,17 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.household.discovery import Advertisement, Discovery
-from expertmesh.node.store.store import SOURCES
+from expertmesh.node.hub.pull import pull
 from expertmesh.node.observability.metrics import NodeMetrics
+from expertmesh.node.observability.prometheus_targets import TargetsWatcher
+from expertmesh.node.rpc.auth import call_metadata
 from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.store.store import SOURCES
 from expertmesh.node.store.tiers.peers import PeerTable
-from expertmesh.node.observability.prometheus_targets import TargetsWatcher
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "metrics-test-household-secret"
@@ -46,8 +46,11 @@ WAIT_S = 60.0  # every poll below gives up after this long
 def _tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.fail(f"`{name}` is not on PATH: install Debian's package (`apt-get install -y prometheus`, "
-                    "as .ci/run does); the metrics tests need a real Prometheus", pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"`{name}` is not on PATH: install Debian's package (`apt-get install -y prometheus`, "
+            "as .ci/run does); the metrics tests need a real Prometheus",
+            pytrace=False,
+        )
     return path
 
 
@@ -69,8 +72,11 @@ def _scrape(url: str) -> str:
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value of one scrape."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def _poll(fn, what: str):
@@ -111,16 +117,31 @@ def prometheus(node):
     _, _, served = node
     with tempfile.TemporaryDirectory(prefix="prometheus-") as tmp:
         config = Path(tmp) / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "expertmesh", "static_configs": [{"targets": [f"127.0.0.1:{served.port}"]}]}],
-        }))  # fmt: skip
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [
+                        {"job_name": "expertmesh", "static_configs": [{"targets": [f"127.0.0.1:{served.port}"]}]}
+                    ],
+                }
+            )
+        )
         port = _free_port()
         log = open(Path(tmp) / "prometheus.log", "wb")
-        proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp}/data",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
+
             def ready() -> bool:
                 if proc.poll() is not None:
                     pytest.fail(f"prometheus exited: {(Path(tmp) / 'prometheus.log').read_text()[-2000:]}")
@@ -154,9 +175,15 @@ def generation(node, prometheus):
     # a sample before the generation, so rates over the window see it happen
     _poll(lambda: _query(prometheus, "expertmesh_tokens_generated_total"), "the first scrape of the node")
     before = _samples(_scrape(served.url))
-    events = list(stub.Generate(node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=REPO_ID), prompt="hello world",
-                                                         max_tokens=MAX_TOKENS),
-                                metadata=call_metadata(SECRET), timeout=300))  # fmt: skip
+    events = list(
+        stub.Generate(
+            node_pb2.GenerateRequest(
+                model=node_pb2.ModelKey(repo_id=REPO_ID), prompt="hello world", max_tokens=MAX_TOKENS
+            ),
+            metadata=call_metadata(SECRET),
+            timeout=300,
+        )
+    )
     done = events[-1].done
     after = _samples(_scrape(served.url))
     return before, after, done
@@ -208,33 +235,54 @@ def _dashboard_exprs() -> list[tuple[str, str]]:
 def test_every_dashboard_expression_returns_data_from_a_real_prometheus(prometheus, generation) -> None:
     _, after, done = generation
     total = after[("expertmesh_tokens_generated_total", ())]
-    _poll(lambda: any(float(r["value"][1]) == total for r in _query(prometheus, "expertmesh_tokens_generated_total")),
-          "Prometheus to scrape the state after the generation")  # fmt: skip
+    _poll(
+        lambda: any(float(r["value"][1]) == total for r in _query(prometheus, "expertmesh_tokens_generated_total")),
+        "Prometheus to scrape the state after the generation",
+    )
     exprs = _dashboard_exprs()
     titles = {t for t, _ in exprs}
-    for wanted in ("Tokens per second", "Token latency", "Time to first token", "Expert uses by source",
-                   "Expert bytes by source", "Hit ratio by tier", "Hub bandwidth", "Prefetch accuracy",
-                   "Speculative acceptance", "Peers up", "Errors by reason"):  # fmt: skip
+    for wanted in (
+        "Tokens per second",
+        "Token latency",
+        "Time to first token",
+        "Expert uses by source",
+        "Expert bytes by source",
+        "Hit ratio by tier",
+        "Hub bandwidth",
+        "Prefetch accuracy",
+        "Speculative acceptance",
+        "Peers up",
+        "Errors by reason",
+    ):
         assert wanted in titles
     for title, expr in exprs:
         # what Grafana substitutes: the window covers this young Prometheus' whole history
         promql = expr.replace("$__rate_interval", "5m").replace("$instance", ".*")
 
-        def finite() -> list:
+        def finite(promql: str = promql) -> list:
             return [r for r in _query(prometheus, promql) if math.isfinite(float(r["value"][1]))]
 
         result = _poll(finite, f"data for {title!r}: {promql}")
-        if title in ("Tokens per second", "Token latency", "Time to first token", "Expert uses by source", "Hub bandwidth"):
+        if title in (
+            "Tokens per second",
+            "Token latency",
+            "Time to first token",
+            "Expert uses by source",
+            "Hub bandwidth",
+        ):
             assert any(float(r["value"][1]) > 0 for r in result), (title, promql, result)
 
 
 def test_promtool_accepts_the_config_and_a_scrape(node, generation) -> None:
     promtool = _tool("promtool")
     _, _, served = node
-    checked = subprocess.run([promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True, timeout=60)
+    checked = subprocess.run(
+        [promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True, timeout=60
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    checked = subprocess.run([promtool, "check", "metrics"], input=_scrape(served.url), capture_output=True, text=True,
-                             timeout=60)  # fmt: skip
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=_scrape(served.url), capture_output=True, text=True, timeout=60
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
@@ -265,7 +313,8 @@ def test_targets_file_follows_the_advertised_metrics_ports(tmp_path: Path) -> No
         try:
             _poll(lambda: json.loads(path.read_text()), "the advertised node in the targets file")
             assert json.loads(path.read_text()) == [
-                {"targets": ["127.0.0.1:9555"], "labels": {"node_id": "metrics-a", "role": "cache", "cluster": cluster}}]
+                {"targets": ["127.0.0.1:9555"], "labels": {"node_id": "metrics-a", "role": "cache", "cluster": cluster}}
+            ]
         finally:
             node_a.close()
         _poll(lambda: json.loads(path.read_text()) == [], "the node to leave the targets file")
@@ -294,6 +343,10 @@ def test_speculative_counters_equal_the_generations_own(node, generation) -> Non
     list(gen.generate(sm.tokenizer.encode("one two one two"), SamplingSettings(max_tokens=8), summary=summary))
     after = _samples(_scrape(served.url))
     assert summary.speculation.drafted > 0
-    assert _delta(before, after, "expertmesh_speculative_tokens_total", outcome="drafted") == summary.speculation.drafted
-    assert _delta(before, after, "expertmesh_speculative_tokens_total", outcome="accepted") == summary.speculation.accepted
+    assert (
+        _delta(before, after, "expertmesh_speculative_tokens_total", outcome="drafted") == summary.speculation.drafted
+    )
+    assert (
+        _delta(before, after, "expertmesh_speculative_tokens_total", outcome="accepted") == summary.speculation.accepted
+    )
     assert _delta(before, after, "expertmesh_tokens_generated_total") == summary.generated_tokens

@@ -14,14 +14,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
-from expertmesh.node.hub import client as hub_client
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "test-household-secret"
@@ -82,8 +82,11 @@ def test_fetch_expert_is_exact_and_verified_and_fills_the_inventory(node, tiny_r
     with pytest.raises(grpc.RpcError) as e:  # not held, and not asked to fetch it
         list(stub.FetchExpert(node_pb2.FetchExpertRequest(key=_key(sm, layer, 7)), metadata=md, timeout=10))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    chunks = list(stub.FetchExpert(node_pb2.FetchExpertRequest(key=_key(sm, layer, 7), fetch_on_miss=True),
-                                   metadata=md, timeout=30))  # fmt: skip
+    chunks = list(
+        stub.FetchExpert(
+            node_pb2.FetchExpertRequest(key=_key(sm, layer, 7), fetch_on_miss=True), metadata=md, timeout=30
+        )
+    )
     data = b"".join(c.data for c in chunks)
     assert chunks[0].size == len(data) == loc.nbytes
     assert chunks[0].sha256 == hashlib.sha256(data).hexdigest()
@@ -97,18 +100,27 @@ def test_fetch_expert_is_exact_and_verified_and_fills_the_inventory(node, tiny_r
 def test_bad_requests_get_clear_statuses(node) -> None:
     sm, stub, _ = node
     md = call_metadata(SECRET)
-    cases = [(_key(sm, 999, 0), grpc.StatusCode.INVALID_ARGUMENT),
-             (node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id="other/model", commit=sm.commit), layer=1),
-              grpc.StatusCode.NOT_FOUND),
-             (node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id=sm.repo_id, commit="0" * 40), layer=1),
-              grpc.StatusCode.NOT_FOUND)]  # fmt: skip
+    cases = [
+        (_key(sm, 999, 0), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id="other/model", commit=sm.commit), layer=1),
+            grpc.StatusCode.NOT_FOUND,
+        ),
+        (
+            node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id=sm.repo_id, commit="0" * 40), layer=1),
+            grpc.StatusCode.NOT_FOUND,
+        ),
+    ]
     for key, code in cases:
         with pytest.raises(grpc.RpcError) as e:
             list(stub.FetchExpert(node_pb2.FetchExpertRequest(key=key, fetch_on_miss=True), metadata=md, timeout=10))
         assert e.value.code() == code, key
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(node_pb2.GenerateRequest(model=_key(sm, 0, 0).model, prompt="hi", top_p=2.0),
-                           metadata=md, timeout=10))  # fmt: skip
+        list(
+            stub.Generate(
+                node_pb2.GenerateRequest(model=_key(sm, 0, 0).model, prompt="hi", top_p=2.0), metadata=md, timeout=10
+            )
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -133,7 +145,9 @@ def test_generate_streams_mlx_lm_tokens_with_a_summary(node, tiny_repos: dict[st
         assert per_token < sum(done.expert_uses.values())
 
 
-def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(node, tiny_repos: dict[str, Path]) -> None:
+def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(
+    node, tiny_repos: dict[str, Path]
+) -> None:
     """`serve --speculate ngram` runs Generate through the speculative decoder (the random tiny
     model seldom repeats itself, so drafts are few: tests/test_speculative.py and
     benchmarks/bench_speculative.py show the savings on the trained demo model)."""
@@ -142,13 +156,18 @@ def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(n
     from expertmesh.node.engine.speculative import SpeculationConfig
 
     sm = node[0]
-    running = start_node_server(NodeService(sm, node_id="n2", speculation=SpeculationConfig(mode="ngram")), SECRET,
-                                host="127.0.0.1", port=0)  # fmt: skip
+    running = start_node_server(
+        NodeService(sm, node_id="n2", speculation=SpeculationConfig(mode="ngram")), SECRET, host="127.0.0.1", port=0
+    )
     prompt = "one two three four one two three four one two three four one two"
     try:
         with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-            request = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=sm.repo_id), prompt=prompt, max_tokens=24)
-            events = list(node_pb2_grpc.NodeStub(channel).Generate(request, metadata=call_metadata(SECRET), timeout=120))
+            request = node_pb2.GenerateRequest(
+                model=node_pb2.ModelKey(repo_id=sm.repo_id), prompt=prompt, max_tokens=24
+            )
+            events = list(
+                node_pb2_grpc.NodeStub(channel).Generate(request, metadata=call_metadata(SECRET), timeout=120)
+            )
     finally:
         running.stop()
     ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
@@ -160,13 +179,19 @@ def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(n
 
 
 def test_the_committed_generated_code_is_up_to_date(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120, env={**os.environ})  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert r.returncode == 0, r.stderr
     for generated in sorted((tmp_path / "expertmesh" / "v1").glob("*.py*")):
         committed = ROOT / "proto" / "expertmesh" / "v1" / generated.name
         assert committed.exists() and filecmp.cmp(generated, committed, shallow=False), (
-            f"{committed.relative_to(ROOT)} is stale: run `python scripts/gen_proto.py`")
+            f"{committed.relative_to(ROOT)} is stale: run `python scripts/gen_proto.py`"
+        )
 
 
 def test_serve_creates_a_secret_prints_how_to_join_and_stops_on_sigterm(hub_root: Path, tmp_path: Path) -> None:
@@ -178,9 +203,25 @@ def test_serve_creates_a_secret_prints_how_to_join_and_stops_on_sigterm(hub_root
         pull(REPO_ID, home=tmp_path, progress=False)
     env = {k: v for k, v in os.environ.items() if k != "EXPERTMESH_SECRET"}
     env["EXPERTMESH_HOME"] = str(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "serve", REPO_ID, "--host", "127.0.0.1", "--port", "0",
-                             "--http-port", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "expertmesh",
+            "serve",
+            REPO_ID,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         deadline = time.monotonic() + 120
@@ -193,7 +234,9 @@ def test_serve_creates_a_secret_prints_how_to_join_and_stops_on_sigterm(hub_root
         assert (tmp_path / "secret").stat().st_mode & 0o077 == 0  # owner-only
         assert f"EXPERTMESH_SECRET={secret} expertmesh serve {REPO_ID}" in "".join(lines)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=30)
+            info = node_pb2_grpc.NodeStub(channel).Info(
+                node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=30
+            )
         assert info.role == "full"
         api = re.search(r"OpenAI-compatible API on (\S+)", "".join(lines)).group(1)  # the embedded coordinator
         import json

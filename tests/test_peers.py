@@ -8,14 +8,14 @@ from pathlib import Path
 import mlx_lm
 import pytest
 
-from expertmesh.v1 import node_pb2
-from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
 from expertmesh.node.store.tiers.peers import Peer, PeerTable, attach_peers, rendezvous_score
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.v1 import node_pb2
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "peers-test-secret"
@@ -108,19 +108,45 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, t
     owner, running = _node(tmp_path / "owner")
     try:
         pull(REPO_ID, home=tmp_path / "client", progress=False)
-        env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path / "client"), "EXPERTMESH_SECRET": SECRET,
-               "HF_ENDPOINT": hub.url}  # fmt: skip
-        r = subprocess.run([sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--max-tokens", "16",
-                            "--disk-budget", "0", "--no-prefetch", "--peer", f"127.0.0.1:{running.port}"],
-                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        env = {
+            **os.environ,
+            "EXPERTMESH_HOME": str(tmp_path / "client"),
+            "EXPERTMESH_SECRET": SECRET,
+            "HF_ENDPOINT": hub.url,
+        }
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "expertmesh",
+                "run",
+                REPO_ID,
+                PROMPT,
+                "--max-tokens",
+                "16",
+                "--disk-budget",
+                "0",
+                "--no-prefetch",
+                "--peer",
+                f"127.0.0.1:{running.port}",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
         assert r.stdout == mlx_lm.generate(ref, tok, PROMPT, max_tokens=16) + "\n"  # the single-node text
         line = next(ln for ln in r.stderr.splitlines() if "expert uses by source" in ln)
         assert " peer " in line and "hub 0 " in line
-        bad = subprocess.run([sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--peer",
-                              f"127.0.0.1:{running.port}"], env={**env, "EXPERTMESH_SECRET": "wrong"},
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        bad = subprocess.run(
+            [sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--peer", f"127.0.0.1:{running.port}"],
+            env={**env, "EXPERTMESH_SECRET": "wrong"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert bad.returncode != 0 and "secret" in bad.stderr and SECRET not in bad.stderr
     finally:
         running.stop()
@@ -138,9 +164,27 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
     peer_home = tmp_path / "peer"
     pull(REPO_ID, home=peer_home, progress=False, index_only=True)
     env = {**os.environ, "EXPERTMESH_HOME": str(peer_home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
-    proc = subprocess.Popen([sys.executable, "-m", "expertmesh", "serve", "--cache-only", REPO_ID, "--host", "127.0.0.1",
-                             "--port", "0", "--no-discovery", "--no-metrics", "--no-http"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "expertmesh",
+            "serve",
+            "--cache-only",
+            REPO_ID,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-discovery",
+            "--no-metrics",
+            "--no-http",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         port, deadline = None, time.monotonic() + 120
         while port is None and time.monotonic() < deadline:
@@ -151,8 +195,9 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
         assert port is not None, "the cache peer did not start in 120 s"
         pull(REPO_ID, home=tmp_path / "client", progress=False)
         # no disk and a 1-byte RAM tier: every use is a fetch, so the sources after the kill show
-        client = open_model(REPO_ID, home=tmp_path / "client",
-                            store_config=StoreConfig(prefetch=False, disk_budget="0", ram_budget="1"))  # fmt: skip
+        client = open_model(
+            REPO_ID, home=tmp_path / "client", store_config=StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")
+        )
         source = attach_peers(client, [f"127.0.0.1:{port}"], SECRET, node_id="client")
         try:
             gen = Generator(client).generate(client.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=16))

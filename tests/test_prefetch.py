@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.store.store import PREFETCH_MIN_ACCURACY, PREFETCH_WINDOW
-from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.store.store import PREFETCH_MIN_ACCURACY, PREFETCH_WINDOW
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
@@ -51,7 +51,7 @@ def test_poor_guesses_pause_prefetching(home: Path) -> None:
     try:
         store, layer = sm.store, sm.index.moe_layers[1]
         assert store.wants_guesses()
-        for n in range(4 * PREFETCH_WINDOW):  # always guess experts 0-3, always demand 4-5
+        for _ in range(4 * PREFETCH_WINDOW):  # always guess experts 0-3, always demand 4-5
             if not store.wants_guesses():
                 break
             store.prefetch(layer, [0, 1, 2, 3])

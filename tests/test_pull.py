@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.hub import client as hub_client, safetensors_format
-from expertmesh.node.errors import AuthError, EndpointUnreachableError, ModelNotFoundError, UnsupportedModelError
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.devtools.local_hub import Fault, HubServer
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.devtools.tiny import ARCHS
+from expertmesh.node.errors import AuthError, EndpointUnreachableError, ModelNotFoundError, UnsupportedModelError
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub import safetensors_format
+from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.hub.pull import pull
 
 
 def _reset(hub: HubServer, faults: list[Fault] | None = None) -> None:
@@ -41,11 +42,20 @@ def _expert_bytes_served(hub: HubServer, repo: Path, repo_id: str) -> int:
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_pull_with_faults_fetches_only_the_core(arch: str, hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
+def test_pull_with_faults_fetches_only_the_core(
+    arch: str, hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path
+) -> None:
     repo = tiny_repos[arch]
     repo_id = f"expertmesh/{repo.name}"
-    _reset(hub, [Fault("429", count=2, retry_after_s=0), Fault("503", count=1, retry_after_s=0),
-                 Fault("500", count=1), Fault("cut", count=3, path_glob="*.safetensors")])  # fmt: skip
+    _reset(
+        hub,
+        [
+            Fault("429", count=2, retry_after_s=0),
+            Fault("503", count=1, retry_after_s=0),
+            Fault("500", count=1),
+            Fault("cut", count=3, path_glob="*.safetensors"),
+        ],
+    )
     result = pull(repo_id, home=tmp_path, progress=False)
     stats = hub.stats()
     assert sum(stats["faults"].values()) >= 5  # the faults really happened
@@ -71,15 +81,17 @@ def test_ignored_range_is_retried_never_used(hub: HubServer, tiny_repos: dict[st
     """A 200 carrying the whole shard is refused; the retry gets exactly the range."""
     _reset(hub, [Fault("ignore_range", count=2)])
     reader = hub_client.RangeReader(backoff_base_s=0.01)
-    remote = hub_client.RemoteFile("expertmesh/tiny-qwen3_moe", hub.repos["expertmesh/tiny-qwen3_moe"].commit,
-                                   "model-00001-of-00002.safetensors")  # fmt: skip
+    remote = hub_client.RemoteFile(
+        "expertmesh/tiny-qwen3_moe", hub.repos["expertmesh/tiny-qwen3_moe"].commit, "model-00001-of-00002.safetensors"
+    )
     data = reader.read(remote, 100, 300)
     assert data == (tiny_repos["qwen3_moe"] / remote.filename).read_bytes()[100:300]
     assert reader.retries == 2 and hub.stats()["faults"] == {"ignore_range": 2}
 
 
-def test_killed_pull_resumes_and_fetches_less(hub: HubServer, hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_killed_pull_resumes_and_fetches_less(
+    hub: HubServer, hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kill -9 part-way through a slow pull, then pull again: same bytes, fewer fetched."""
     from expertmesh.node import constants
 
@@ -88,9 +100,13 @@ def test_killed_pull_resumes_and_fetches_less(hub: HubServer, hub_root: Path, ti
     _reset(hub)
     hub.knobs.bandwidth_bytes_per_s = 400_000  # ≈ 2 s for the core, so the kill lands mid-way
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
-    code = ("import sys; from expertmesh.node import constants; constants.MAX_RANGE_BYTES = 32 * 1024; "
-            "from expertmesh.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", code, "pull", repo_id, "--no-progress", "--concurrency", "2"], env=env)
+    code = (
+        "import sys; from expertmesh.node import constants; constants.MAX_RANGE_BYTES = 32 * 1024; "
+        "from expertmesh.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "pull", repo_id, "--no-progress", "--concurrency", "2"], env=env
+    )
     try:
         deadline = time.monotonic() + 30
         parts = tmp_path / "models" / "expertmesh--tiny-kimi_k3"
@@ -141,7 +157,9 @@ def test_unsupported_and_dense_models(hub_root: Path, tiny_repos: dict[str, Path
     dense = root / "other" / "dense"
     dense.mkdir(parents=True)
     (dense / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    safetensors_format.write_file(dense / "model.safetensors", [("model.layers.0.mlp.up_proj.weight", "F32", (2,), b"\0" * 8)])
+    safetensors_format.write_file(
+        dense / "model.safetensors", [("model.layers.0.mlp.up_proj.weight", "F32", (2,), b"\0" * 8)]
+    )
     with HubServer(root) as server, hub_client.using_endpoint(server.url):
         with pytest.raises(UnsupportedModelError, match="not implemented by mlx-lm"):
             pull("other/unknown-arch", home=tmp_path / "home", progress=False)
@@ -161,14 +179,21 @@ def test_rejected_token(hub_root: Path, tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_cli_errors_are_one_line(hub: HubServer, tmp_path: Path) -> None:
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
-    r = subprocess.run([sys.executable, "-m", "expertmesh", "pull", "expertmesh/nope", "--no-progress"],
-                       env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "expertmesh", "pull", "expertmesh/nope", "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode != 0
     assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_index_ranges_fetched_from_the_hub_equal_the_tensors(hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
+def test_index_ranges_fetched_from_the_hub_equal_the_tensors(
+    hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path
+) -> None:
     """What a later expert fetch will do: the index's ranges, read from the Hub, are the expert."""
     import numpy as np
     from safetensors import safe_open
@@ -185,8 +210,9 @@ def test_index_ranges_fetched_from_the_hub_equal_the_tensors(hub: HubServer, tin
         assert data == expected
 
 
-def test_disk_space_is_checked_first(hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_disk_space_is_checked_first(
+    hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from expertmesh.node import constants
     from expertmesh.node.errors import InsufficientDiskError
 
@@ -202,10 +228,10 @@ def test_disk_space_is_checked_first(hub_root: Path, tiny_repos: dict[str, Path]
 
 
 def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: HubServer, tmp_path: Path) -> None:
-    from expertmesh.node.hub import local_models
-    from expertmesh.node.errors import NotPulledError
-    from expertmesh.node.store.served import open_cache_peer
     from expertmesh.node.engine.streamed_model import open_model
+    from expertmesh.node.errors import NotPulledError
+    from expertmesh.node.hub import local_models
+    from expertmesh.node.store.served import open_cache_peer
 
     _reset(hub)
     result = pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False, index_only=True)

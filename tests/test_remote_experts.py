@@ -16,20 +16,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
-from expertmesh.node.rpc import activations
+from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.blocks import streaming_blocks
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.household.remote_experts import LinkEstimate, RemoteConfig, RemoteExperts, attach_remote_experts
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.rpc import activations
+from expertmesh.node.rpc.auth import call_metadata
 from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
 from expertmesh.node.store.tiers.peers import attach_peers
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.household.remote_experts import LinkEstimate, RemoteConfig, RemoteExperts, attach_remote_experts
-from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.devtools.tiny import ARCHS
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SECRET = "remote-test-secret"
 PROMPT = "Move activations, not experts"
@@ -61,8 +61,13 @@ class _ComputeNode(NodeService):
         t = first.rows
         if self.mode == "short":  # one row too few
             width = t.shape[1]
-            first.rows.CopyFrom(node_pb2.Tensor(shape=[t.shape[0] - 1, width] if t.shape[0] > 1 else [1, width - 1],
-                                                dtype=t.dtype, data=t.data[: -len(t.data) // t.shape[0]]))  # fmt: skip
+            first.rows.CopyFrom(
+                node_pb2.Tensor(
+                    shape=[t.shape[0] - 1, width] if t.shape[0] > 1 else [1, width - 1],
+                    dtype=t.dtype,
+                    data=t.data[: -len(t.data) // t.shape[0]],
+                )
+            )
         elif self.mode == "nan":
             first.rows.CopyFrom(activations.encode(mx.full((t.shape[0], t.shape[1]), float("nan"))))
         elif self.mode == "extra":
@@ -84,8 +89,9 @@ class Pair:
         self.service = _ComputeNode(self.peer, f"peer-{arch}", lan=k3_lan(loc.nbytes, row_bytes, TIME_SCALE))
         self.running = start_node_server(self.service, SECRET, port=0)
         pull(repo, home=root / "me", progress=False)
-        self.me = open_model(repo, home=root / "me",
-                             store_config=StoreConfig(prefetch=False, disk_budget="0", ram_budget="0"))  # fmt: skip
+        self.me = open_model(
+            repo, home=root / "me", store_config=StoreConfig(prefetch=False, disk_budget="0", ram_budget="0")
+        )
         self.source = attach_peers(self.me, [f"127.0.0.1:{self.running.port}"], SECRET, node_id=f"me-{arch}")
         self.remote = attach_remote_experts(self.me, self.source, RemoteConfig(deadline_floor_s=0.5))
 
@@ -135,8 +141,10 @@ def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
     rng = np.random.default_rng(0)
     rows = {e: mx.array(rng.standard_normal((n, block.input_width)).astype(np.float32)) for n, e in enumerate(held, 1)}
     request = node_pb2.ComputeExpertsRequest(
-        model=node_pb2.ModelKey(repo_id=pair.me.repo_id, commit=pair.me.commit), layer=layer,
-        experts=[node_pb2.ExpertRows(expert=e, rows=activations.encode(r)) for e, r in rows.items()])  # fmt: skip
+        model=node_pb2.ModelKey(repo_id=pair.me.repo_id, commit=pair.me.commit),
+        layer=layer,
+        experts=[node_pb2.ExpertRows(expert=e, rows=activations.encode(r)) for e, r in rows.items()],
+    )
     with grpc.insecure_channel(f"127.0.0.1:{pair.running.port}") as channel:
         response = node_pb2_grpc.NodeStub(channel).ComputeExperts(request, metadata=call_metadata(SECRET), timeout=10)
     assert [x.expert for x in response.experts] == held and not response.missing
@@ -191,29 +199,49 @@ def test_compute_requests_are_checked(pairs) -> None:
     model = node_pb2.ModelKey(repo_id=pair.me.repo_id, commit=pair.me.commit)
     good = activations.encode(mx.zeros((2, block.input_width)))
     bad_requests = {
-        "no such layer": node_pb2.ComputeExpertsRequest(model=model, layer=10_000,
-                                                        experts=[node_pb2.ExpertRows(expert=0, rows=good)]),
-        "wrong width": node_pb2.ComputeExpertsRequest(model=model, layer=block.layer, experts=[node_pb2.ExpertRows(
-            expert=0, rows=activations.encode(mx.zeros((2, block.input_width + 1))))]),
-        "short data": node_pb2.ComputeExpertsRequest(model=model, layer=block.layer, experts=[node_pb2.ExpertRows(
-            expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype=good.dtype, data=good.data[:-1]))]),
-        "an expert twice": node_pb2.ComputeExpertsRequest(model=model, layer=block.layer,
-                                                          experts=[node_pb2.ExpertRows(expert=0, rows=good)] * 2),
-        "unknown dtype": node_pb2.ComputeExpertsRequest(model=model, layer=block.layer, experts=[node_pb2.ExpertRows(
-            expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype="int8", data=good.data))]),
-    }  # fmt: skip
+        "no such layer": node_pb2.ComputeExpertsRequest(
+            model=model, layer=10_000, experts=[node_pb2.ExpertRows(expert=0, rows=good)]
+        ),
+        "wrong width": node_pb2.ComputeExpertsRequest(
+            model=model,
+            layer=block.layer,
+            experts=[node_pb2.ExpertRows(expert=0, rows=activations.encode(mx.zeros((2, block.input_width + 1))))],
+        ),
+        "short data": node_pb2.ComputeExpertsRequest(
+            model=model,
+            layer=block.layer,
+            experts=[
+                node_pb2.ExpertRows(
+                    expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype=good.dtype, data=good.data[:-1])
+                )
+            ],
+        ),
+        "an expert twice": node_pb2.ComputeExpertsRequest(
+            model=model, layer=block.layer, experts=[node_pb2.ExpertRows(expert=0, rows=good)] * 2
+        ),
+        "unknown dtype": node_pb2.ComputeExpertsRequest(
+            model=model,
+            layer=block.layer,
+            experts=[
+                node_pb2.ExpertRows(expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype="int8", data=good.data))
+            ],
+        ),
+    }
     with grpc.insecure_channel(f"127.0.0.1:{pair.running.port}") as channel:
         stub = node_pb2_grpc.NodeStub(channel)
         for what, request in bad_requests.items():
             with pytest.raises(grpc.RpcError) as e:
                 stub.ComputeExperts(request, metadata=call_metadata(SECRET), timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
-        ok = node_pb2.ComputeExpertsRequest(model=model, layer=block.layer, experts=[node_pb2.ExpertRows(expert=0, rows=good)])
+        ok = node_pb2.ComputeExpertsRequest(
+            model=model, layer=block.layer, experts=[node_pb2.ExpertRows(expert=0, rows=good)]
+        )
         with pytest.raises(grpc.RpcError) as e:
             stub.ComputeExperts(ok, timeout=10)  # no secret
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        other = node_pb2.ComputeExpertsRequest(model=node_pb2.ModelKey(repo_id=model.repo_id, commit="0" * 40),
-                                               layer=block.layer, experts=ok.experts)  # fmt: skip
+        other = node_pb2.ComputeExpertsRequest(
+            model=node_pb2.ModelKey(repo_id=model.repo_id, commit="0" * 40), layer=block.layer, experts=ok.experts
+        )
         with pytest.raises(grpc.RpcError) as e:
             stub.ComputeExperts(other, metadata=call_metadata(SECRET), timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -234,8 +262,9 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
     try:
         remote = RemoteExperts(pair.me.store, pair.source, disk={(layer, experts[0])})
         peer = next(iter(pair.source.table.peers.values()))
-        remote.links[peer.node_id] = link = LinkEstimate(rtt_s=1e-3, measured_bandwidth=nbytes / 0.148, call_s=1.2e-3,
-                                                         service_s=5e-3, pinged_at=time.monotonic())  # fmt: skip
+        remote.links[peer.node_id] = link = LinkEstimate(
+            rtt_s=1e-3, measured_bandwidth=nbytes / 0.148, call_s=1.2e-3, service_s=5e-3, pinged_at=time.monotonic()
+        )
         rows = dict.fromkeys(experts, 256)
         plan = remote.plan(layer, experts, rows)
         assert experts[0] not in plan.remote
@@ -258,8 +287,9 @@ def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Pa
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
     pull(pair.me.repo_id, home=tmp_path, progress=False)
     for flag, bound in (("auto", True), ("off", False)):
-        args = build_parser().parse_args(["run", pair.me.repo_id, "hello", "--peer", f"127.0.0.1:{pair.running.port}",
-                                          "--remote-compute", flag])  # fmt: skip
+        args = build_parser().parse_args(
+            ["run", pair.me.repo_id, "hello", "--peer", f"127.0.0.1:{pair.running.port}", "--remote-compute", flag]
+        )
         sm = _open_model(args)
         try:
             peer = next(s for s in sm.store.sources if s.name == "peer").table.peers

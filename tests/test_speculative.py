@@ -19,12 +19,19 @@ import mlx.core as mx
 import pytest
 
 from expertmesh.cli import main
-from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.engine.speculative import (DraftController, Draft, ModelDraft, NgramDraft, SpeculationConfig, SpeculationError,
-                              SpeculationStats)  # fmt: skip
-from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
 from expertmesh.node.devtools.tiny import ARCHS
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.speculative import (
+    Draft,
+    DraftController,
+    ModelDraft,
+    NgramDraft,
+    SpeculationConfig,
+    SpeculationError,
+    SpeculationStats,
+)
+from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
+from expertmesh.node.hub.pull import pull
 
 PROMPT = "for i in range for i in range"
 TOKENS = 24
@@ -40,7 +47,7 @@ class _Scripted:
 
     def propose(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
         done = len(context) - self.prompt_len  # generated tokens in the context
-        true = self.truth[done:done + k]
+        true = self.truth[done : done + k]
         good = self.calls % (k + 1)
         self.calls += 1
         drafts = true[:good] + [(t + 1) % self.vocab for t in true[good:]]
@@ -57,7 +64,7 @@ class _Echo:
 class _AlwaysWrong(_Scripted):
     def propose(self, context, k, temp=0.0, top_p=1.0) -> Draft:
         done = len(context) - self.prompt_len
-        return Draft([(t + 1) % self.vocab for t in self.truth[done:done + k]])
+        return Draft([(t + 1) % self.vocab for t in self.truth[done : done + k]])
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +142,11 @@ def test_sampled_output_reproduces_with_a_seed(models) -> None:
     ids = sm.tokenizer.encode(PROMPT)
 
     def sampled(seed: int) -> tuple[list[int], SpeculationStats]:
-        tokens, _, summary = _run(Generator(sm, SPEC, draft_source=_Echo()), ids, SamplingSettings(max_tokens=TOKENS, temp=0.8, top_p=0.9,
-                                                                             seed=seed))  # fmt: skip
+        tokens, _, summary = _run(
+            Generator(sm, SPEC, draft_source=_Echo()),
+            ids,
+            SamplingSettings(max_tokens=TOKENS, temp=0.8, top_p=0.9, seed=seed),
+        )
         return tokens, summary.speculation
 
     (a, sa), (b, _), (c, _) = sampled(7), sampled(7), sampled(8)
@@ -187,8 +197,9 @@ def test_speculation_switches_itself_off_when_drafts_are_always_wrong(models) ->
     ids = sm.tokenizer.encode(PROMPT)
     plain, _, _ = _run(Generator(sm), ids, SamplingSettings(max_tokens=48))
     cfg = SpeculationConfig(mode="ngram", warmup_rounds=2, cooldown_tokens=8)
-    got, _, summary = _run(Generator(sm, cfg, draft_source=_AlwaysWrong(len(ids), plain, _vocab(sm))), ids,
-                           SamplingSettings(max_tokens=48))  # fmt: skip
+    got, _, summary = _run(
+        Generator(sm, cfg, draft_source=_AlwaysWrong(len(ids), plain, _vocab(sm))), ids, SamplingSettings(max_tokens=48)
+    )
     s = summary.speculation
     assert got == plain
     assert s.accepted == 0 and s.switched_off >= 2, s  # off, probed again after its rest, off again

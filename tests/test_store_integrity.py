@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
-from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "The store keeps every expert"

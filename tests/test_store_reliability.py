@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
-from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import Fault, HubServer
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
+from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "Faults come in bursts"
@@ -54,12 +54,15 @@ def reference(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
 def test_every_hub_fault_is_retried_and_the_output_is_unchanged(hub: HubServer, reference, tmp_path: Path) -> None:
     pull(REPO_ID, home=tmp_path, progress=False)
     glob = "*.safetensors"
-    hub.knobs.faults = [Fault("429", rate=0.08, retry_after_s=0, path_glob=glob),
-                        Fault("503", rate=0.04, retry_after_s=0, path_glob=glob),
-                        Fault("500", rate=0.04, path_glob=glob), Fault("cut", rate=0.08, path_glob=glob),
-                        Fault("stall", rate=0.03, stall_s=1.5, path_glob=glob),
-                        Fault("ignore_range", rate=0.04, path_glob=glob),
-                        Fault("wrong_range", rate=0.04, path_glob=glob)]  # fmt: skip
+    hub.knobs.faults = [
+        Fault("429", rate=0.08, retry_after_s=0, path_glob=glob),
+        Fault("503", rate=0.04, retry_after_s=0, path_glob=glob),
+        Fault("500", rate=0.04, path_glob=glob),
+        Fault("cut", rate=0.08, path_glob=glob),
+        Fault("stall", rate=0.03, stall_s=1.5, path_glob=glob),
+        Fault("ignore_range", rate=0.04, path_glob=glob),
+        Fault("wrong_range", rate=0.04, path_glob=glob),
+    ]
     faults_before = sum(hub.stats()["faults"].values())
     reader = hub_client.RangeReader(**FAST)
     try:

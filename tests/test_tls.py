@@ -13,16 +13,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
 from expertmesh.cli import main
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.store.tiers.peers import PeerSource, PeerTable, describe_peer
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.server import start_node_server
+from expertmesh.node.rpc.service import NodeService
 from expertmesh.node.rpc.tls import TLS_NAME, open_channel, server_credentials
 from expertmesh.node.store.served import open_cache_peer
+from expertmesh.node.store.tiers.peers import PeerSource, PeerTable, describe_peer
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "tls-test-secret"
@@ -32,18 +32,25 @@ def _household_cert(folder: Path, name: str = TLS_NAME) -> tuple[Path, Path]:
     """A self-signed certificate as the module docstring of node/rpc/tls.py tells users to make."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))  # fmt: skip
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     folder.mkdir(parents=True, exist_ok=True)
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -53,8 +60,9 @@ def tls_node(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
     cert, key = _household_cert(home / "tls")
     pull(REPO_ID, home=home, progress=False, index_only=True)
     experts = open_cache_peer(REPO_ID, None, home, "100MB")
-    running = start_node_server(NodeService(None, "tls-node", experts), SECRET, host="127.0.0.1", port=0,
-                                tls=server_credentials(cert, key))  # fmt: skip
+    running = start_node_server(
+        NodeService(None, "tls-node", experts), SECRET, host="127.0.0.1", port=0, tls=server_credentials(cert, key)
+    )
     try:
         yield f"127.0.0.1:{running.port}", cert.read_bytes(), experts, home
     finally:
@@ -98,8 +106,23 @@ def test_cli_tls_errors_are_one_line(tls_node, tmp_path: Path, monkeypatch, caps
     address, _, _, home = tls_node
     monkeypatch.setenv("EXPERTMESH_HOME", str(home))
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
-    assert main(["serve", "--cache-only", REPO_ID, "--port", "0", "--no-discovery", "--no-metrics", "--no-http",
-                 "--tls-cert", str(home / "tls" / "cert.pem")]) != 0  # fmt: skip
+    assert (
+        main(
+            [
+                "serve",
+                "--cache-only",
+                REPO_ID,
+                "--port",
+                "0",
+                "--no-discovery",
+                "--no-metrics",
+                "--no-http",
+                "--tls-cert",
+                str(home / "tls" / "cert.pem"),
+            ]
+        )
+        != 0
+    )
     assert "both --tls-cert and --tls-key" in capsys.readouterr().err
     (tmp_path / "junk.pem").write_text("not a certificate")
     assert main(["peers", "--no-discovery", "--peer", address, "--tls-ca", str(tmp_path / "junk.pem")]) != 0

@@ -12,11 +12,11 @@ import pytest
 
 from expertmesh.cli import main
 from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.household.warm import WarmNode, owners, warm, warm_order
+from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.store.served import open_cache_peer
-from expertmesh.node.household.warm import WarmNode, owners, warm, warm_order
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "warm-test-secret"
@@ -126,8 +126,12 @@ def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: H
         from expertmesh.node.store.tiers.peers import expert_key, rendezvous_score
 
         # experts for which, once the owner is gone, the empty node ranks before the holder
-        keys = [k for k in sorted(index.experts)
-                if rendezvous_score(expert_key(index, *k), "empty", 1.0) > rendezvous_score(expert_key(index, *k), "holder", 1.0)][:3]  # fmt: skip
+        keys = [
+            k
+            for k in sorted(index.experts)
+            if rendezvous_score(expert_key(index, *k), "empty", 1.0)
+            > rendezvous_score(expert_key(index, *k), "holder", 1.0)
+        ][:3]
         for key in keys:
             assert holder.keep(index.expert(*key))
         table = PeerTable("client", 0.0)

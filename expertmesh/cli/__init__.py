@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from expertmesh.node import constants
-from expertmesh.node.store.policies import DEFAULT_POLICY, POLICIES
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import format_size
+from expertmesh.node.store.policies import DEFAULT_POLICY, POLICIES
 
 DEMO_REPO = constants.DEMO_REPO
 DEMO_DRAFT_REPO = constants.DEMO_DRAFT_REPO
@@ -21,8 +21,14 @@ DEMO_DRAFT_REPO = constants.DEMO_DRAFT_REPO
 def _cmd_pull(args: argparse.Namespace) -> int:
     from expertmesh.node.hub.pull import pull
 
-    result = pull(args.repo, revision=args.revision, progress=not args.no_progress, concurrency=args.concurrency,
-                  index_only=args.index_only, core_bits=args.core_bits)  # fmt: skip
+    result = pull(
+        args.repo,
+        revision=args.revision,
+        progress=not args.no_progress,
+        concurrency=args.concurrency,
+        index_only=args.index_only,
+        core_bits=args.core_bits,
+    )
     _print_pull(result)
     return 0
 
@@ -32,16 +38,22 @@ def _print_pull(r) -> None:
         print(f"{r.repo_id} @ {r.commit[:12]} is already pulled: {r.path}")
         return
     if r.core_bytes == 0:  # --index-only
-        print(f"pulled the expert index of {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}: "
-              f"{r.expert_count} experts in {r.moe_layers} MoE layers; ready for `serve --cache-only`")  # fmt: skip
+        print(
+            f"pulled the expert index of {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}: "
+            f"{r.expert_count} experts in {r.moe_layers} MoE layers; ready for `serve --cache-only`"
+        )
         return
     rate = r.fetched_bytes / r.seconds if r.seconds > 0 else 0.0
     print(f"pulled {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}")
     bits = "" if getattr(r, "core_bits", 16) == 16 else f" ({r.core_bits}-bit weights)"
-    print(f"  core     {format_size(r.core_bytes)}{bits}; fetched {format_size(r.fetched_bytes)} this run "
-          f"in {r.seconds:.1f} s ({format_size(rate)}/s), {r.retries} retried requests")  # fmt: skip
-    print(f"  experts  {r.expert_count} in {r.moe_layers} MoE layers, {format_size(r.expert_bytes)} "
-          "left on the Hub: fetched on demand")  # fmt: skip
+    print(
+        f"  core     {format_size(r.core_bytes)}{bits}; fetched {format_size(r.fetched_bytes)} this run "
+        f"in {r.seconds:.1f} s ({format_size(rate)}/s), {r.retries} retried requests"
+    )
+    print(
+        f"  experts  {r.expert_count} in {r.moe_layers} MoE layers, {format_size(r.expert_bytes)} "
+        "left on the Hub: fetched on demand"
+    )
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
@@ -63,9 +75,15 @@ def _cmd_hub(args: argparse.Namespace) -> int:
 def _store_config(args: argparse.Namespace):
     from expertmesh.node.engine.streamed_model import StoreConfig
 
-    return StoreConfig(ram_budget=args.ram_budget, disk_budget=args.disk_budget, ram_policy=args.ram_policy,
-                       trace_path=Path(args.trace) if args.trace else None, prefetch=not args.no_prefetch,
-                       fill=not args.no_fill, hub_connections=args.hub_connections)  # fmt: skip
+    return StoreConfig(
+        ram_budget=args.ram_budget,
+        disk_budget=args.disk_budget,
+        ram_policy=args.ram_policy,
+        trace_path=Path(args.trace) if args.trace else None,
+        prefetch=not args.no_prefetch,
+        fill=not args.no_fill,
+        hub_connections=args.hub_connections,
+    )
 
 
 def _sampling(args: argparse.Namespace):
@@ -109,8 +127,9 @@ def _open_model(args: argparse.Namespace):
         from expertmesh.node.store.tiers.peers import attach_peers
 
         try:
-            source = attach_peers(sm, args.peer, _secret(args)[0], load_or_create_node_id(constants.expertmesh_home()),
-                                  _tls_ca(args))  # fmt: skip
+            source = attach_peers(
+                sm, args.peer, _secret(args)[0], load_or_create_node_id(constants.expertmesh_home()), _tls_ca(args)
+            )
             if args.remote_compute != "off":
                 from expertmesh.node.household.remote_experts import attach_remote_experts
 
@@ -124,14 +143,16 @@ def _open_model(args: argparse.Namespace):
 def _describe(sm) -> str:
     from expertmesh.node.sizes import format_size
 
-    return (f"{sm.repo_id} @ {sm.commit[:12]}: core {format_size(sm.core_bytes)} in memory; "
-            f"experts from RAM ({format_size(sm.store.ram.budget_bytes)}), "
-            f"disk cache ({format_size(sm.disk.budget_bytes)} at {sm.disk.root}), then the Hub")  # fmt: skip
+    return (
+        f"{sm.repo_id} @ {sm.commit[:12]}: core {format_size(sm.core_bytes)} in memory; "
+        f"experts from RAM ({format_size(sm.store.ram.budget_bytes)}), "
+        f"disk cache ({format_size(sm.disk.budget_bytes)} at {sm.disk.root}), then the Hub"
+    )
 
 
 def _generate_once(sm, prompt: str, args: argparse.Namespace) -> None:
-    from expertmesh.node.engine.generation import GenerationSummary, Generator
     from expertmesh.cli.terminal import StopFlag, ctrl_c_stops, print_summary, stream_text
+    from expertmesh.node.engine.generation import GenerationSummary, Generator
 
     tokens = sm.tokenizer.encode(prompt)
     summary = GenerationSummary()
@@ -156,9 +177,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from expertmesh.cli.terminal import chat_loop
     from expertmesh.node.engine.chat import ChatSession
     from expertmesh.node.engine.generation import Generator
-    from expertmesh.cli.terminal import chat_loop
 
     _speculation(args)
     sm = _open_model(args)
@@ -176,11 +197,11 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Make (or reuse) the demo model, serve it from a local Hub inside this process, pull it and
     generate with experts fetched from that Hub on demand."""
-    from expertmesh.node.hub import client as hub_client
     from expertmesh.node.devtools.local_hub import HubServer
-    from expertmesh.node.hub.pull import pull
-    from expertmesh.node.engine.streamed_model import open_model
     from expertmesh.node.devtools.tiny.demo_model import make_demo_model, make_draft_model
+    from expertmesh.node.engine.streamed_model import open_model
+    from expertmesh.node.hub import client as hub_client
+    from expertmesh.node.hub.pull import pull
 
     hub_dir = constants.expertmesh_home() / "demo" / "hub"
     repo_dir = hub_dir / DEMO_REPO
@@ -198,8 +219,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         result = pull(DEMO_REPO, progress=not args.no_progress)
         _print_pull(result)
         pulled = hub.stats()
-        print(f"   the Hub served {format_size(pulled.get('bytes_served', 0))} in {pulled.get('requests', 0)} "
-              f"requests (core {format_size(result.fetched_bytes)}, the rest headers, config and tokenizer)")  # fmt: skip
+        print(
+            f"   the Hub served {format_size(pulled.get('bytes_served', 0))} in {pulled.get('requests', 0)} "
+            f"requests (core {format_size(result.fetched_bytes)}, the rest headers, config and tokenizer)"
+        )
         sm = open_model(DEMO_REPO, store_config=_store_config(args))
         try:
             print(f"3. generating: {_describe(sm)}")
@@ -210,8 +233,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             sm.close()
         served = hub.stats().get("bytes_served", 0) - pulled.get("bytes_served", 0)
     if served:
-        print(f"   the Hub served {format_size(served)} of experts during generation; run `expertmesh demo` "
-              "again and they come from the disk cache")  # fmt: skip
+        print(
+            f"   the Hub served {format_size(served)} of experts during generation; run `expertmesh demo` "
+            "again and they come from the disk cache"
+        )
     else:
         print("   the Hub served no experts: every one came from this machine's caches")
     return 0
@@ -240,7 +265,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         table = next(s for s in sm.store.sources if s.name == "peer").table if args.discover or args.peer else None
         close = sm.close
     try:
-        service = NodeService(sm, node_id, experts, peers=table, speculation=_speculation(args) if sm is not None else None)
+        service = NodeService(
+            sm, node_id, experts, peers=table, speculation=_speculation(args) if sm is not None else None
+        )
         ex = service.experts
         metrics = _start_metrics(args, sm, experts, table)  # first: its daemon thread needs no stopping on an error
         tls = None
@@ -257,14 +284,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from expertmesh.node.household.discovery import Advertisement, Discovery
 
             address = args.interface or (args.host if args.host not in ("0.0.0.0", "") else _lan_address())
-            ad = Advertisement(node_id, args.cluster, service.role, running.port, ex.disk.budget_bytes,
-                               metrics_port=metrics.port if metrics is not None else 0,
-                               compute=service.computer is not None)  # fmt: skip
+            ad = Advertisement(
+                node_id,
+                args.cluster,
+                service.role,
+                running.port,
+                ex.disk.budget_bytes,
+                metrics_port=metrics.port if metrics is not None else 0,
+                compute=service.computer is not None,
+            )
             discovery = Discovery(table, ad, address, [args.interface] if args.interface else None)
             print(f"advertising in cluster {args.cluster!r} as {address}:{running.port}; peers join as they appear")
         api = _start_api(args, ex.repo_id, secret, running.port, table)
-        print(_describe(sm) if sm is not None else
-              f"cache peer: experts on disk ({format_size(ex.disk.budget_bytes)} at {ex.disk.root}), the Hub on a miss")  # fmt: skip
+        print(
+            _describe(sm)
+            if sm is not None
+            else f"cache peer: experts on disk ({format_size(ex.disk.budget_bytes)} at {ex.disk.root}), the Hub on a miss"
+        )
         if created:
             print("created a household secret; to join another Mac, run there:")
             print(f"  EXPERTMESH_SECRET={secret} expertmesh serve {args.repo}")
@@ -304,11 +340,15 @@ def _start_api(args: argparse.Namespace, repo_id: str, secret: str, grpc_port: i
 
     local = [] if args.cache_only else [f"{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:{grpc_port}"]
     pool = NodePool.following(local, table) if table is not None else NodePool(local)
-    config = CoordinatorConfig(secret=secret, models=lambda: [repo_id], tls_ca=_tls_ca(args), max_waiting=args.max_waiting)
+    config = CoordinatorConfig(
+        secret=secret, models=lambda: [repo_id], tls_ca=_tls_ca(args), max_waiting=args.max_waiting
+    )
     try:
         api = OpenAIServer(Coordinator(config, pool), args.http_host, args.http_port)
     except OSError as e:
-        raise ExpertmeshError(f"cannot serve the HTTP API on {args.http_host}:{args.http_port}: {e.strerror or e}") from None
+        raise ExpertmeshError(
+            f"cannot serve the HTTP API on {args.http_host}:{args.http_port}: {e.strerror or e}"
+        ) from None
     print(f"OpenAI-compatible API on {api.url} (model {repo_id!r})")
     return api
 
@@ -336,8 +376,11 @@ def _cmd_prometheus_targets(args: argparse.Namespace) -> int:
     from expertmesh.node.observability.prometheus_targets import TargetsWatcher
 
     watcher = TargetsWatcher(Path(args.file), args.cluster, [args.interface] if args.interface else None)
-    print(f"keeping {args.file} in step with the nodes of cluster {args.cluster!r}" +
-          ("" if args.once else "; Ctrl-C stops"), file=sys.stderr)  # fmt: skip
+    print(
+        f"keeping {args.file} in step with the nodes of cluster {args.cluster!r}"
+        + ("" if args.once else "; Ctrl-C stops"),
+        file=sys.stderr,
+    )
     try:
         threading.Event().wait(args.wait) if args.once else threading.Event().wait()
     except KeyboardInterrupt:
@@ -371,8 +414,13 @@ def _household(args: argparse.Namespace):
     for address in args.peer:
         table.add(Peer(address, address, 0.0))
     if args.discover:
-        d = Discovery(table, Advertisement(table.self_id, args.cluster, "cli", 0, 0), None,
-                      [args.interface] if args.interface else None, advertise=False)  # fmt: skip
+        d = Discovery(
+            table,
+            Advertisement(table.self_id, args.cluster, "cli", 0, 0),
+            None,
+            [args.interface] if args.interface else None,
+            advertise=False,
+        )
         time.sleep(args.wait)
         d.settle()
         d.close()
@@ -395,12 +443,14 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from expertmesh.node.household.warm import describe_nodes, warm, warm_order
     from expertmesh.node.hub import local_models
     from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
     from expertmesh.node.observability.routing_trace import read_trace
-    from expertmesh.node.household.warm import describe_nodes, warm, warm_order
 
-    index = ExpertIndex.load(local_models.find_index(constants.expertmesh_home(), args.repo, args.revision) / INDEX_FILENAME)
+    index = ExpertIndex.load(
+        local_models.find_index(constants.expertmesh_home(), args.repo, args.revision) / INDEX_FILENAME
+    )
     uses: Counter = Counter()
     for path in args.trace:
         try:
@@ -413,12 +463,16 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     for line in skipped:
         print(f"skipping {line}", file=sys.stderr)
     if not nodes:
-        raise ExpertmeshError(f"no node serving {index.repo_id}@{index.commit[:12]} was found "
-                              "(is multicast blocked? try --peer HOST:PORT)")  # fmt: skip
+        raise ExpertmeshError(
+            f"no node serving {index.repo_id}@{index.commit[:12]} was found "
+            "(is multicast blocked? try --peer HOST:PORT)"
+        )
     order = warm_order(index, uses)
-    print(f"warming {len(order)} experts of {index.repo_id}@{index.commit[:12]} on {len(nodes)} nodes, "
-          f"{'most used first (' + str(len(args.trace)) + ' traces)' if args.trace else 'spread across layers'}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"warming {len(order)} experts of {index.repo_id}@{index.commit[:12]} on {len(nodes)} nodes, "
+        f"{'most used first (' + str(len(args.trace)) + ' traces)' if args.trace else 'spread across layers'}",
+        file=sys.stderr,
+    )
     stop = threading.Event()
     with tqdm(total=len(order), unit="expert", disable=None, file=sys.stderr) as bar:
         try:
@@ -429,8 +483,10 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     for r in results:
         state = "budget full" if r.full else (f"left out: {r.unreachable}" if r.unreachable else "done")
         errors = f", errors {dict(r.errors)}" if r.errors else ""
-        print(f"{r.node_id:<18} {r.address:<22} owns {r.owned:>7}, held {r.held:>7}, kept {r.kept:>7} "
-              f"({format_size(r.kept_bytes)}), left {r.left:>7}: {state}{errors}")  # fmt: skip
+        print(
+            f"{r.node_id:<18} {r.address:<22} owns {r.owned:>7}, held {r.held:>7}, kept {r.kept:>7} "
+            f"({format_size(r.kept_bytes)}), left {r.left:>7}: {state}{errors}"
+        )
     return 1 if any(r.unreachable for r in results) else 0
 
 
@@ -475,8 +531,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         b = b.strip()
         slots.append(round(trace.total_experts * float(b[:-1]) / 100) if b.endswith("%") else int(b))
     accesses = len(trace.accesses())
-    print(f"{trace.repo} @ {trace.commit[:12]}: {trace.passes} passes, {accesses} expert uses, "
-          f"{trace.total_experts} experts in {len(trace.experts_per_layer)} MoE layers")  # fmt: skip
+    print(
+        f"{trace.repo} @ {trace.commit[:12]}: {trace.passes} passes, {accesses} expert uses, "
+        f"{trace.total_experts} experts in {len(trace.experts_per_layer)} MoE layers"
+    )
     table = replay(trace, slots, args.policies.split(",") if args.policies else None)
     print(f"{'RAM hit rate':<14}" + "".join(f"{n:>8} ({100 * n / trace.total_experts:.0f}%)" for n in slots))
     for name, rates in table.items():
@@ -487,8 +545,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from expertmesh.node.devtools.bench import print_table, run_bench, write_json
 
-    doc = run_bench(model=args.model, tokens=args.tokens, time_scale=args.time_scale, ram_fraction=args.ram_fraction,
-                    naive_tokens=args.naive_tokens, hub_connections=args.hub_connections, progress=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    doc = run_bench(
+        model=args.model,
+        tokens=args.tokens,
+        time_scale=args.time_scale,
+        ram_fraction=args.ram_fraction,
+        naive_tokens=args.naive_tokens,
+        hub_connections=args.hub_connections,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
     print_table(doc)
     if args.json:
         write_json(doc, Path(args.json))
@@ -518,23 +583,53 @@ def _positive_int(text: str) -> int:
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="branch, tag or commit sha (default: what was pulled from main)")
-    p.add_argument("--ram-budget", type=_budget, default=constants.DEFAULT_RAM_BUDGET,
-                   help="RAM for experts: a size (8GB) or a %% of the memory the core leaves (default %(default)s)")  # fmt: skip
-    p.add_argument("--disk-budget", type=_budget, default=constants.DEFAULT_DISK_BUDGET,
-                   help="disk for cached experts: a size or a %% of free space (default %(default)s)")
-    p.add_argument("--ram-policy", choices=list(POLICIES), default=DEFAULT_POLICY,
-                   help="which experts RAM keeps (default %(default)s, chosen by `expertmesh replay` on traces)")
+    p.add_argument(
+        "--ram-budget",
+        type=_budget,
+        default=constants.DEFAULT_RAM_BUDGET,
+        help="RAM for experts: a size (8GB) or a %% of the memory the core leaves (default %(default)s)",
+    )
+    p.add_argument(
+        "--disk-budget",
+        type=_budget,
+        default=constants.DEFAULT_DISK_BUDGET,
+        help="disk for cached experts: a size or a %% of free space (default %(default)s)",
+    )
+    p.add_argument(
+        "--ram-policy",
+        choices=list(POLICIES),
+        default=DEFAULT_POLICY,
+        help="which experts RAM keeps (default %(default)s, chosen by `expertmesh replay` on traces)",
+    )
     p.add_argument("--trace", metavar="FILE", help="record the routed experts of every layer and pass to FILE")
     p.add_argument("--no-prefetch", action="store_true", help="do not guess and fetch the next layer's experts")
-    p.add_argument("--no-fill", action="store_true", help="do not use the idle link while generating to fetch "
-                   "experts not yet held onto free disk budget (it never evicts)")  # fmt: skip
-    p.add_argument("--hub-connections", type=_positive_int, default=constants.HUB_CONNECTIONS, metavar="N",
-                   help="range requests in flight to the Hub at once (default %(default)s)")
-    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
-                   help="a node of the household to ask for experts before the Hub (repeatable)")
-    p.add_argument("--remote-compute", choices=("auto", "off"), default="auto",
-                   help="auto (default): run experts on the peers that hold them when the measured costs say it is "
-                        "faster than fetching them (move activations, not experts); off: always fetch the experts")  # fmt: skip
+    p.add_argument(
+        "--no-fill",
+        action="store_true",
+        help="do not use the idle link while generating to fetch "
+        "experts not yet held onto free disk budget (it never evicts)",
+    )
+    p.add_argument(
+        "--hub-connections",
+        type=_positive_int,
+        default=constants.HUB_CONNECTIONS,
+        metavar="N",
+        help="range requests in flight to the Hub at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a node of the household to ask for experts before the Hub (repeatable)",
+    )
+    p.add_argument(
+        "--remote-compute",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto (default): run experts on the peers that hold them when the measured costs say it is "
+        "faster than fetching them (move activations, not experts); off: always fetch the experts",
+    )
     _add_tls_ca_argument(p)
 
 
@@ -549,20 +644,30 @@ def _add_household_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_tls_ca_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-ca", metavar="PEM", help="the household's TLS certificate: call nodes over TLS "
-                   "(default $EXPERTMESH_TLS_CA; plain TCP if neither)")  # fmt: skip
+    p.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="the household's TLS certificate: call nodes over TLS (default $EXPERTMESH_TLS_CA; plain TCP if neither)",
+    )
 
 
 def _add_metrics_arguments(p: argparse.ArgumentParser, default: int | None) -> None:
-    p.add_argument("--metrics-port", type=int, default=default, metavar="N",
-                   help="serve Prometheus /metrics on port N (0 picks a free one and prints it)"
-                        + ("; default 0" if default == 0 else "; default: not served"))  # fmt: skip
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default,
+        metavar="N",
+        help="serve Prometheus /metrics on port N (0 picks a free one and prints it)"
+        + ("; default 0" if default == 0 else "; default: not served"),
+    )
     p.add_argument("--metrics-host", help="address for /metrics (default: the same as --host, else 127.0.0.1)")
     p.add_argument("--no-metrics", dest="metrics_port", action="store_const", const=None, help="do not serve /metrics")
 
 
 def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)")
+    p.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)"
+    )
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
     p.add_argument("--seed", type=int, help="random seed: the same seed gives the same text")
@@ -571,11 +676,18 @@ def _add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -
 def _add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     from expertmesh.node.engine.speculative import DEFAULT_MODE, MODES
 
-    p.add_argument("--speculate", choices=MODES, default=DEFAULT_MODE,
-                   help="draft tokens and verify them in one pass: ngram (prompt look-up), draft (--draft "
-                        "model) or off (default %(default)s, chosen by benchmarks/bench_speculative.py)")  # fmt: skip
-    p.add_argument("--draft", metavar="REPO", help="draft model for --speculate draft: a folder or repo id of a "
-                   "small mlx-lm model with the same tokenizer")  # fmt: skip
+    p.add_argument(
+        "--speculate",
+        choices=MODES,
+        default=DEFAULT_MODE,
+        help="draft tokens and verify them in one pass: ngram (prompt look-up), draft (--draft "
+        "model) or off (default %(default)s, chosen by benchmarks/bench_speculative.py)",
+    )
+    p.add_argument(
+        "--draft",
+        metavar="REPO",
+        help="draft model for --speculate draft: a folder or repo id of a small mlx-lm model with the same tokenizer",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -592,9 +704,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=constants.PULL_CONCURRENCY, help="range requests in flight")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--index-only", action="store_true", help="only the expert index (for `serve --cache-only`)")
-    p.add_argument("--core-bits", type=int, choices=[16, 8], metavar="{16,8}",
-                   help="8 stores and runs the core as MLX 8-bit weights (about half the memory; experts keep "
-                        "their precision); default: 16 (BF16) for a new pull, else what is pulled")  # fmt: skip
+    p.add_argument(
+        "--core-bits",
+        type=int,
+        choices=[16, 8],
+        metavar="{16,8}",
+        help="8 stores and runs the core as MLX 8-bit weights (about half the memory; experts keep "
+        "their precision); default: 16 (BF16) for a new pull, else what is pulled",
+    )
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("tiny-model", help="write a tiny MoE repo in an upstream layout (tests, demos)")
@@ -632,22 +749,43 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a node: the gRPC node service for a pulled model")
     p.add_argument("repo", help="Hugging Face repo id of a pulled model")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
-    p.add_argument("--port", type=int, default=constants.DEFAULT_NODE_PORT, help="0 picks a free port (default %(default)s)")
+    p.add_argument(
+        "--port", type=int, default=constants.DEFAULT_NODE_PORT, help="0 picks a free port (default %(default)s)"
+    )
     p.add_argument("--secret", help="the household secret (default EXPERTMESH_SECRET, else the one kept in the home)")
     p.add_argument("--cluster", default="home", help="zeroconf cluster name: nodes join their own cluster only")
     p.add_argument("--interface", metavar="IP", help="advertise and browse on this address only")
-    p.add_argument("--no-discovery", dest="discover", action="store_false",
-                   help="no zeroconf: peers only from --peer (where multicast does not work)")
-    p.add_argument("--cache-only", action="store_true",
-                   help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)")
-    p.add_argument("--tls-cert", metavar="PEM", help="serve over TLS with the household certificate (see node/rpc/tls.py)")
+    p.add_argument(
+        "--no-discovery",
+        dest="discover",
+        action="store_false",
+        help="no zeroconf: peers only from --peer (where multicast does not work)",
+    )
+    p.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)",
+    )
+    p.add_argument(
+        "--tls-cert", metavar="PEM", help="serve over TLS with the household certificate (see node/rpc/tls.py)"
+    )
     p.add_argument("--tls-key", metavar="PEM", help="the key of --tls-cert")
     p.add_argument("--http-host", default="127.0.0.1", help="the OpenAI-compatible API's address (default %(default)s)")
-    p.add_argument("--http-port", type=int, default=8000, metavar="N",
-                   help="the OpenAI-compatible API's port (default %(default)s; 0 picks a free one)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        metavar="N",
+        help="the OpenAI-compatible API's port (default %(default)s; 0 picks a free one)",
+    )
     p.add_argument("--no-http", dest="http_port", action="store_const", const=None, help="no HTTP API")
-    p.add_argument("--max-waiting", type=int, default=16, metavar="N",
-                   help="requests that may wait for a generation slot before the API answers 429 (default %(default)s)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=16,
+        metavar="N",
+        help="requests that may wait for a generation slot before the API answers 429 (default %(default)s)",
+    )
     _add_metrics_arguments(p, default=0)
     _add_model_arguments(p)
     _add_speculation_arguments(p)
@@ -664,13 +802,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warm", help="every node keeps the experts it owns, most used first, into free disk budget")
     p.add_argument("repo", help="a model pulled here (`pull --index-only` is enough)")
     p.add_argument("--revision", default=None)
-    p.add_argument("--trace", action="append", default=[], metavar="FILE",
-                   help="routing traces (`run --trace`) that rank experts by use (repeatable)")
+    p.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="routing traces (`run --trace`) that rank experts by use (repeatable)",
+    )
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight per node (default %(default)s)")
     _add_household_arguments(p)
     p.set_defaults(func=_cmd_warm)
 
-    p = sub.add_parser("prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds")
+    p = sub.add_parser(
+        "prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds"
+    )
     p.add_argument("file", help="the targets file (e.g. deploy/prometheus/targets/nodes.json), replaced atomically")
     p.add_argument("--cluster", default="home")
     p.add_argument("--interface", metavar="IP", help="browse on this address only")
@@ -685,14 +830,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("bench", help="naive, cold, warm-disk, warm-RAM and mlx-lm side by side on an emulated link")
-    p.add_argument("--model", default="demo", help="demo (the trained demo model), tiny-ARCH, or wide-kimi_k3 (a wider random K3) (default %(default)s)")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="demo (the trained demo model), tiny-ARCH, or wide-kimi_k3 (a wider random K3) (default %(default)s)",
+    )
     p.add_argument("--tokens", type=int, default=24, help="tokens per prompt (default %(default)s)")
-    p.add_argument("--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)")
-    p.add_argument("--time-scale", type=float, default=constants.BENCH_TIME_SCALE,
-                   help="emulated link seconds per K3 second (default %(default)s)")
+    p.add_argument(
+        "--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)"
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=constants.BENCH_TIME_SCALE,
+        help="emulated link seconds per K3 second (default %(default)s)",
+    )
     p.add_argument("--ram-fraction", type=float, default=0.25, help="RAM budget as a fraction of all experts")
-    p.add_argument("--hub-connections", type=_positive_int, default=constants.HUB_CONNECTIONS, metavar="N",
-                   help="range requests in flight to the Hub in cold and warm_disk (default %(default)s)")
+    p.add_argument(
+        "--hub-connections",
+        type=_positive_int,
+        default=constants.HUB_CONNECTIONS,
+        metavar="N",
+        help="range requests in flight to the Hub in cold and warm_disk (default %(default)s)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=_cmd_bench)
 
@@ -702,7 +862,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(p)
     _add_sampling_arguments(p, max_tokens=48)
     _add_speculation_arguments(p)  # --speculate draft uses the demo's draft model unless --draft says otherwise
-    p.set_defaults(func=_cmd_demo, temp=0.5, seed=0, speculate="off")  # a tiny model loops when greedy; seeded, it stays repeatable
+    p.set_defaults(
+        func=_cmd_demo, temp=0.5, seed=0, speculate="off"
+    )  # a tiny model loops when greedy; seeded, it stays repeatable
     return parser
 
 

@@ -68,8 +68,11 @@ def ctrl_c_stops(flag: StopFlag) -> Iterator[StopFlag]:
         signal.signal(signal.SIGINT, previous)
 
 
-def chat_loop(reply: Callable[[str, Callable[[], bool], GenerationSummary], Iterator[Token]],
-              read_line: Callable[[str], str] = input, show_summary: bool = True) -> int:  # fmt: skip
+def chat_loop(
+    reply: Callable[[str, Callable[[], bool], GenerationSummary], Iterator[Token]],
+    read_line: Callable[[str], str] = input,
+    show_summary: bool = True,
+) -> int:
     """Read a message, stream the reply, repeat until end of input; returns the turns taken."""
     turns = 0
     while True:

@@ -22,17 +22,17 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from expertmesh.node import constants
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.store.store import SOURCES
-from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
-from expertmesh.node.store.tiers.hub import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.hub import client as hub_client
 from expertmesh.node.sizes import format_size
+from expertmesh.node.store.store import SOURCES
+from expertmesh.node.store.tiers.hub import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT
 
 K3_EXPERT_BYTES = 17.5e6
 K3_LINK = {"bandwidth": 100e6, "per_connection": 12.5e6, "ttfb_s": 0.050, "connection_s": 0.100}
@@ -53,24 +53,35 @@ class LinkSettings:
     expert_bytes: int
 
     @classmethod
-    def scaled(cls, expert_bytes: int, time_scale: float, stands_for: float = K3_EXPERT_BYTES) -> "LinkSettings":
+    def scaled(cls, expert_bytes: int, time_scale: float, stands_for: float = K3_EXPERT_BYTES) -> LinkSettings:
         """K3's home link, with bytes scaled so that this model's expert crosses it as an expert of
         `stands_for` bytes (K3's by default) would, and time sped up by `time_scale`."""
         b = expert_bytes / stands_for
-        return cls(K3_LINK["bandwidth"] * b / time_scale, K3_LINK["per_connection"] * b / time_scale,
-                   K3_LINK["ttfb_s"] * time_scale, K3_LINK["connection_s"] * time_scale, time_scale,
-                   expert_bytes)  # fmt: skip
+        return cls(
+            K3_LINK["bandwidth"] * b / time_scale,
+            K3_LINK["per_connection"] * b / time_scale,
+            K3_LINK["ttfb_s"] * time_scale,
+            K3_LINK["connection_s"] * time_scale,
+            time_scale,
+            expert_bytes,
+        )
 
     def knobs(self) -> HubKnobs:
-        return HubKnobs(bandwidth_bytes_per_s=self.bandwidth, per_connection_bytes_per_s=self.per_connection,
-                        ttfb_s=self.ttfb_s, connection_cost_s=self.connection_s)  # fmt: skip
+        return HubKnobs(
+            bandwidth_bytes_per_s=self.bandwidth,
+            per_connection_bytes_per_s=self.per_connection,
+            ttfb_s=self.ttfb_s,
+            connection_cost_s=self.connection_s,
+        )
 
     def describe(self) -> str:
         per_expert = self.expert_bytes / self.per_connection
-        return (f"link {format_size(self.bandwidth)}/s, {format_size(self.per_connection)}/s per connection, "
-                f"first byte {self.ttfb_s * 1000:.1f} ms, new connection {self.connection_s * 1000:.1f} ms; "
-                f"a {format_size(self.expert_bytes)} expert takes {per_expert * 1000:.1f} ms on one connection "
-                f"(K3: {K3_EXPERT_BYTES / K3_LINK['per_connection']:.1f} s), time scale {self.time_scale}")  # fmt: skip
+        return (
+            f"link {format_size(self.bandwidth)}/s, {format_size(self.per_connection)}/s per connection, "
+            f"first byte {self.ttfb_s * 1000:.1f} ms, new connection {self.connection_s * 1000:.1f} ms; "
+            f"a {format_size(self.expert_bytes)} expert takes {per_expert * 1000:.1f} ms on one connection "
+            f"(K3: {K3_EXPERT_BYTES / K3_LINK['per_connection']:.1f} s), time scale {self.time_scale}"
+        )
 
 
 @dataclass
@@ -120,8 +131,9 @@ def _bench_repo(model: str, hub_dir: Path) -> str:
     return repo_id
 
 
-def _run_prompts(sm, prompts: list[list[int]], tokens: int,
-                 link_bytes: Callable[[], int] = lambda: 0) -> list[GenerationSummary]:  # fmt: skip
+def _run_prompts(
+    sm, prompts: list[list[int]], tokens: int, link_bytes: Callable[[], int] = lambda: 0
+) -> list[GenerationSummary]:
     """Greedy generation of each prompt; each summary also gets `ids`, `decode_link_bytes`, the
     bytes the link carried between the first token and the last (prefill's bytes belong to TTFT),
     and `decode_fetch_s`, the decode time until the token after which the link carried nothing more
@@ -146,8 +158,9 @@ def _decode_s_per_token(s: GenerationSummary) -> float:
     return decode / max(1, s.generated_tokens - 1)
 
 
-def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link: LinkSettings,
-            belady: float | None) -> ConfigResult:  # fmt: skip
+def _result(
+    name: str, summaries: list[GenerationSummary], hub_bytes: int, link: LinkSettings, belady: float | None
+) -> ConfigResult:
     tokens = sum(s.generated_tokens for s in summaries)
     uses = {k: sum(s.experts.uses[k] for s in summaries) for k in SOURCES}
     total = sum(uses.values()) or 1
@@ -173,8 +186,8 @@ def _result(name: str, summaries: list[GenerationSummary], hub_bytes: int, link:
 
 def _belady(trace_paths: list[Path], slots: int) -> float:
     """Belady's hit rate over traces of separate nodes (each starts empty), weighted by uses."""
-    from expertmesh.node.store.policies import belady_hit_rate
     from expertmesh.node.observability.routing_trace import read_trace
+    from expertmesh.node.store.policies import belady_hit_rate
 
     hits = uses = 0.0
     for path in trace_paths:
@@ -184,10 +197,18 @@ def _belady(trace_paths: list[Path], slots: int) -> float:
     return hits / uses if uses else 0.0
 
 
-def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constants.BENCH_TIME_SCALE, ram_fraction: float = 0.25,
-              naive_tokens: int = 8, hub_connections: int = DEFAULT_CONNECTIONS, coalesce: bool = True,
-              pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
-              stands_for: float = K3_EXPERT_BYTES, progress=print) -> dict:  # fmt: skip
+def run_bench(
+    model: str = "demo",
+    tokens: int = 24,
+    time_scale: float = constants.BENCH_TIME_SCALE,
+    ram_fraction: float = 0.25,
+    naive_tokens: int = 8,
+    hub_connections: int = DEFAULT_CONNECTIONS,
+    coalesce: bool = True,
+    pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
+    stands_for: float = K3_EXPERT_BYTES,
+    progress=print,
+) -> dict:
     """Run every configuration; returns the JSON document (also printed as a table by the CLI).
 
     `stands_for`: the expert size the link is scaled to (K3's by default; a smaller one makes the
@@ -195,9 +216,9 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
     """
     import mlx_lm
 
+    from expertmesh.node.engine.streamed_model import StoreConfig, open_model
     from expertmesh.node.hub.client import RangeReader
     from expertmesh.node.hub.pull import pull
-    from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-"))
     try:
@@ -216,8 +237,10 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
             min_piece = int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for)  # K3's pieces, scaled
             hub.knobs = link.knobs()
             prompts = [tokenizer.encode(p) for p in PROMPTS]
-            progress(f"{repo_id}: {len(index.experts)} experts of {format_size(expert_bytes)} "
-                     f"({format_size(all_bytes)}); RAM budget {ram_fraction:.0%} of them ({ram_slots} experts)")  # fmt: skip
+            progress(
+                f"{repo_id}: {len(index.experts)} experts of {format_size(expert_bytes)} "
+                f"({format_size(all_bytes)}); RAM budget {ram_fraction:.0%} of them ({ram_slots} experts)"
+            )
             progress(link.describe())
 
             def home(name: str) -> Path:
@@ -225,8 +248,14 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
                 shutil.copytree(pulled, h)
                 return h
 
-            def measured(name: str, open_node: Callable, n_tokens: int, traced: bool,
-                         fresh_per_prompt: bool = False, n_prompts: int = len(prompts)) -> ConfigResult:  # fmt: skip
+            def measured(
+                name: str,
+                open_node: Callable,
+                n_tokens: int,
+                traced: bool,
+                fresh_per_prompt: bool = False,
+                n_prompts: int = len(prompts),
+            ) -> ConfigResult:
                 """`open_node(i, trace)` opens the node for prompt i. `fresh_per_prompt`: a node per
                 prompt, each closed after it; else the first node answers every prompt."""
                 progress(f"  {name} ...")
@@ -252,22 +281,45 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
                 return r
 
             def expertmesh_node(home_dir: Path, trace: Path | None = None):
-                cfg = StoreConfig(ram_budget=ram_budget, trace_path=trace, hub_min_piece_bytes=min_piece,
-                                  hub_connections=hub_connections, hub_pieces_per_expert=pieces_per_expert,
-                                  coalesce=coalesce)  # fmt: skip
+                cfg = StoreConfig(
+                    ram_budget=ram_budget,
+                    trace_path=trace,
+                    hub_min_piece_bytes=min_piece,
+                    hub_connections=hub_connections,
+                    hub_pieces_per_expert=pieces_per_expert,
+                    coalesce=coalesce,
+                )
                 return open_model(repo_id, home=home_dir, store_config=cfg)
 
             results = []
             if naive_tokens > 0:
                 naive_cfg = StoreConfig(ram_budget="0", disk_budget="0", fetch_concurrency=1, prefetch=False)
                 naive_home = home("naive")
-                results.append(measured("naive", lambda i, _: open_model(repo_id, home=naive_home, store_config=naive_cfg,
-                                                                         hub_reader=RangeReader(fresh_connections=True)),
-                                        naive_tokens, traced=False, n_prompts=1))  # one prompt: it is slow
+                results.append(
+                    measured(
+                        "naive",
+                        lambda i, _: open_model(
+                            repo_id,
+                            home=naive_home,
+                            store_config=naive_cfg,
+                            hub_reader=RangeReader(fresh_connections=True),
+                        ),
+                        naive_tokens,
+                        traced=False,
+                        n_prompts=1,
+                    )
+                )  # one prompt: it is slow
             # cold: a new node for every prompt, so every measured token is decoded with caches that
             # started empty, as every token of a K3 reply is (no reply warms 1.56 TB of experts)
-            results.append(measured("cold", lambda i, trace: expertmesh_node(home(f"cold-{i}"), trace),
-                                    tokens, traced=True, fresh_per_prompt=True))  # fmt: skip
+            results.append(
+                measured(
+                    "cold",
+                    lambda i, trace: expertmesh_node(home(f"cold-{i}"), trace),
+                    tokens,
+                    traced=True,
+                    fresh_per_prompt=True,
+                )
+            )
             # warm_disk: the disk of a node that has answered these prompts once before (not timed)
             cached = home("cached")
             session = expertmesh_node(cached)
@@ -290,8 +342,12 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
                         ttft = time.perf_counter() - t0
                     if r.finish_reason != "stop":
                         out.append(r.token)
-                s = GenerationSummary(prompt_tokens=len(ids), generated_tokens=len(out), time_to_first_token_s=ttft,
-                                      seconds=time.perf_counter() - t0)  # fmt: skip
+                s = GenerationSummary(
+                    prompt_tokens=len(ids),
+                    generated_tokens=len(out),
+                    time_to_first_token_s=ttft,
+                    seconds=time.perf_counter() - t0,
+                )
                 s.ids = out  # type: ignore[attr-defined]
                 summaries.append(s)
             mlx = _result("mlx_lm", summaries, 0, link, None)
@@ -303,38 +359,56 @@ def run_bench(model: str = "demo", tokens: int = 24, time_scale: float = constan
     for r in results:
         if any(o[: len(ref)] != ref[: len(o)] for o, ref in zip(r.outputs, reference)):  # the shorter a prefix
             raise AssertionError(f"bench: {r.name} generated other tokens than mlx-lm: the comparison is void")
-    return {"model": repo_id, "tokens_per_prompt": tokens, "prompts": list(PROMPTS), "ram_fraction": ram_fraction,
-            "hub_connections": hub_connections, "pieces_per_expert": pieces_per_expert, "coalesce": coalesce,
-            "link": asdict(link), "configs": [asdict(r) for r in results]}  # fmt: skip
+    return {
+        "model": repo_id,
+        "tokens_per_prompt": tokens,
+        "prompts": list(PROMPTS),
+        "ram_fraction": ram_fraction,
+        "hub_connections": hub_connections,
+        "pieces_per_expert": pieces_per_expert,
+        "coalesce": coalesce,
+        "link": asdict(link),
+        "configs": [asdict(r) for r in results],
+    }
 
 
 def print_table(doc: dict, out=print) -> None:
     configs = {c["name"]: c for c in doc["configs"]}
-    out(f"{'config':<10} {'ms/token':>9} {'vs mlx_lm':>9} {'TTFT s':>7} {'hub B/token':>11} {'link use':>8} "
-        f"{'RAM hit':>7} {'Belady':>7} {'ready':>7} {'disk hit':>8}")  # fmt: skip
+    out(
+        f"{'config':<10} {'ms/token':>9} {'vs mlx_lm':>9} {'TTFT s':>7} {'hub B/token':>11} {'link use':>8} "
+        f"{'RAM hit':>7} {'Belady':>7} {'ready':>7} {'disk hit':>8}"
+    )
 
     def f(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
     base = configs["mlx_lm"]["s_per_token"]
     for c in doc["configs"]:
-        out(f"{c['name']:<10} {c['s_per_token'] * 1000:>9.2f} {c['s_per_token'] / base:>8.2f}x {c['ttft_s']:>7.3f} "
+        out(
+            f"{c['name']:<10} {c['s_per_token'] * 1000:>9.2f} {c['s_per_token'] / base:>8.2f}x {c['ttft_s']:>7.3f} "
             f"{c['hub_bytes_per_token']:>11.0f} {f(c['link_utilisation'], '.2f'):>8} {f(c['ram_hit_rate'], '.3f'):>7} "
             f"{f(c['belady_ram_hit_rate'], '.3f'):>7} {f(c.get('ready_hit_rate'), '.3f'):>7} "
-            f"{f(c['disk_hit_rate'], '.3f'):>8}")  # fmt: skip
+            f"{f(c['disk_hit_rate'], '.3f'):>8}"
+        )
     for name in ("cold", "warm_disk"):
         c = configs.get(name)
         if c and c.get("ready_hit_rate") is not None and c.get("belady_staged_hit_rate"):
-            out(f"{name}: RAM hits {c['ram_hit_rate'] / c['belady_ram_hit_rate']:.2f}x Belady's; uses answered "
+            out(
+                f"{name}: RAM hits {c['ram_hit_rate'] / c['belady_ram_hit_rate']:.2f}x Belady's; uses answered "
                 f"without waiting {c['ready_hit_rate'] / c['belady_staged_hit_rate']:.2f}x Belady's with the same "
-                f"memory (budget + staged guesses)")  # fmt: skip
+                f"memory (budget + staged guesses)"
+            )
     for c in doc["configs"]:
         if c.get("link_utilisation_while_fetching"):
-            out(f"{c['name']}: link use {c['link_utilisation']:.2f} over decode, {c['link_utilisation_while_fetching']:.2f} "
-                "while anything was left to fetch")  # fmt: skip
+            out(
+                f"{c['name']}: link use {c['link_utilisation']:.2f} over decode, {c['link_utilisation_while_fetching']:.2f} "
+                "while anything was left to fetch"
+            )
     if "naive" in configs and "cold" in configs:
-        out(f"cold is {configs['naive']['s_per_token'] / configs['cold']['s_per_token']:.1f}x faster than naive; "
-            f"warm_ram is {configs['warm_ram']['s_per_token'] / base:.2f}x mlx_lm")  # fmt: skip
+        out(
+            f"cold is {configs['naive']['s_per_token'] / configs['cold']['s_per_token']:.1f}x faster than naive; "
+            f"warm_ram is {configs['warm_ram']['s_per_token'] / base:.2f}x mlx_lm"
+        )
 
 
 def write_json(doc: dict, path: Path) -> None:

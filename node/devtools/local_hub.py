@@ -29,8 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
-from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.devtools.link_emulation import TokenBucket, take_together
+from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import parse_size
 
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".npz")
@@ -86,8 +86,11 @@ def _scan(root: Path) -> dict[str, _Repo]:
     repos = {}
     for ns in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for rp in sorted(p for p in ns.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            files = {str(f.relative_to(rp)): f for f in sorted(rp.rglob("*"))
-                     if f.is_file() and not any(part.startswith(".") for part in f.relative_to(rp).parts)}  # fmt: skip
+            files = {
+                str(f.relative_to(rp)): f
+                for f in sorted(rp.rglob("*"))
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(rp).parts)
+            }
             commit_file = rp / ".hub_commit"
             if commit_file.is_file():
                 commit = commit_file.read_text().strip()
@@ -120,11 +123,23 @@ class _Stats:
 
     def as_json(self) -> dict:
         with self.lock:
-            files = {k: {"requests": v["requests"], "bytes": v["bytes"],
-                         "ranges": [[a, b, n] for (a, b), n in sorted(v["ranges"].items())]}
-                     for k, v in self.files.items()}  # fmt: skip
-            return {"requests": self.requests, "bytes_served": self.bytes_served, "connections": self.connections,
-                    "redirects": self.redirects, "peak_waiting": self.peak_waiting, "faults": dict(self.faults), "files": files}  # fmt: skip
+            files = {
+                k: {
+                    "requests": v["requests"],
+                    "bytes": v["bytes"],
+                    "ranges": [[a, b, n] for (a, b), n in sorted(v["ranges"].items())],
+                }
+                for k, v in self.files.items()
+            }
+            return {
+                "requests": self.requests,
+                "bytes_served": self.bytes_served,
+                "connections": self.connections,
+                "redirects": self.redirects,
+                "peak_waiting": self.peak_waiting,
+                "faults": dict(self.faults),
+                "files": files,
+            }
 
 
 class HubServer:
@@ -145,7 +160,7 @@ class HubServer:
         self.url = f"http://{self.host}:{self.port}"
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "HubServer":
+    def start(self) -> HubServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="expertmesh-hub", daemon=True)
         self._thread.start()
         return self
@@ -154,7 +169,7 @@ class HubServer:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def __enter__(self) -> "HubServer":
+    def __enter__(self) -> HubServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -200,7 +215,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, content_type: str = "application/json") -> None:
+    def _send(
+        self, status: int, body: bytes = b"", headers: dict | None = None, content_type: str = "application/json"
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -326,9 +343,20 @@ class _Handler(BaseHTTPRequestHandler):
             if self._is_lfs(name, f):
                 sib["lfs"] = {"sha256": self._sha256(f), "size": f.stat().st_size, "pointerSize": 134}
             siblings.append(sib)
-        doc = {"_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False,
-               "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
-               "lastModified": "2026-01-01T00:00:00.000Z", "siblings": siblings}  # fmt: skip
+        doc = {
+            "_id": repo_id,
+            "id": repo_id,
+            "modelId": repo_id,
+            "sha": repo.commit,
+            "private": False,
+            "gated": False,
+            "disabled": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": [],
+            "lastModified": "2026-01-01T00:00:00.000Z",
+            "siblings": siblings,
+        }
         self._send(200, json.dumps(doc).encode())
 
     def _tree(self, repo_id: str, rev: str, folder: str, paths: list[str] | None) -> None:
@@ -353,8 +381,10 @@ class _Handler(BaseHTTPRequestHandler):
                 dirs.add((f"{folder}/" if folder else "") + rel.split("/", 1)[0])
             else:
                 entries.append(self._file_entry(name, f))
-        entries += [{"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0}
-                    for d in sorted(dirs)]  # fmt: skip
+        entries += [
+            {"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0}
+            for d in sorted(dirs)
+        ]
         self._send(200, json.dumps(entries).encode())
 
     def _file_entry(self, name: str, f: Path) -> dict:
@@ -395,9 +425,13 @@ class _Handler(BaseHTTPRequestHandler):
             sha = self._sha256(f)
             token = base64.urlsafe_b64encode(json.dumps([repo_id, repo.commit, name]).encode()).decode()
             expires = int(time.time() + self.hub.knobs.cdn_url_ttl_s)
-            headers = {**common, "ETag": f'"{sha}"', "X-Linked-Etag": f'"{sha}"',
-                       "X-Linked-Size": str(f.stat().st_size),
-                       "Location": f"{self.hub.url}/_cdn/{token}?expires={expires}"}  # fmt: skip
+            headers = {
+                **common,
+                "ETag": f'"{sha}"',
+                "X-Linked-Etag": f'"{sha}"',
+                "X-Linked-Size": str(f.stat().st_size),
+                "Location": f"{self.hub.url}/_cdn/{token}?expires={expires}",
+            }
             with self.hub.stats_.lock:
                 self.hub.stats_.redirects += 1
             return self._send(302, b"", headers)
@@ -425,8 +459,17 @@ class _Handler(BaseHTTPRequestHandler):
         sha = f'"{self._sha256(repo.files[name])}"'
         # The CDN shares our host, so huggingface_hub treats its URL as a relative redirect
         # and expects the Hub's headers on it too.
-        self._serve_bytes(key, data, {"ETag": sha, "X-Linked-Etag": sha, "X-Linked-Size": str(len(data)),
-                                      "X-Repo-Commit": commit, "Accept-Ranges": "bytes"})  # fmt: skip
+        self._serve_bytes(
+            key,
+            data,
+            {
+                "ETag": sha,
+                "X-Linked-Etag": sha,
+                "X-Linked-Size": str(len(data)),
+                "X-Repo-Commit": commit,
+                "Accept-Ranges": "bytes",
+            },
+        )
 
     def _serve_bytes(self, key: str, data: bytes, headers: dict) -> None:
         size = len(data)
@@ -465,8 +508,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             while sent < limit:
                 chunk = body[sent : min(limit, sent + _CHUNK)]
-                take_together(len(chunk), (self.hub.link, knobs.bandwidth_bytes_per_s),
-                              (self.bucket, knobs.per_connection_bytes_per_s))  # fmt: skip
+                take_together(
+                    len(chunk),
+                    (self.hub.link, knobs.bandwidth_bytes_per_s),
+                    (self.bucket, knobs.per_connection_bytes_per_s),
+                )
                 self.wfile.write(chunk)
                 sent += len(chunk)
         finally:
@@ -490,12 +536,23 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttfb", type=float, default=0.0, help="seconds before each response")
     parser.add_argument("--connection-cost", type=float, default=0.0, help="seconds added to each new connection")
     parser.add_argument("--require-token", help="token every request must present (Authorization: Bearer)")
-    parser.add_argument("--fault", action="append", default=[], metavar="KIND:SPEC", type=parse_fault,
-                        help=f"inject faults, KIND in {', '.join(FAULT_KINDS)}; SPEC e.g. rate=0.1 or count=3,retry_after=2")  # fmt: skip
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND:SPEC",
+        type=parse_fault,
+        help=f"inject faults, KIND in {', '.join(FAULT_KINDS)}; SPEC e.g. rate=0.1 or count=3,retry_after=2",
+    )
 
 
-_FAULT_FIELDS = {"rate": ("rate", float), "count": ("count", int), "retry_after": ("retry_after_s", float),
-                 "stall": ("stall_s", float), "path": ("path_glob", str)}  # fmt: skip
+_FAULT_FIELDS = {
+    "rate": ("rate", float),
+    "count": ("count", int),
+    "retry_after": ("retry_after_s", float),
+    "stall": ("stall_s", float),
+    "path": ("path_glob", str),
+}
 
 
 def parse_fault(text: str) -> Fault:

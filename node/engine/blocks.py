@@ -112,8 +112,16 @@ def _expert_forward(w: ExpertWeights, activation, x: mx.array) -> mx.array:
 
 def _project(p: ProjectionWeights, x: mx.array) -> mx.array:
     if p.quant is not None:
-        y = mx.quantized_matmul(x, p.weight, p.scales, p.biases, transpose=True, group_size=p.quant.group_size,
-                                bits=p.quant.bits, mode=p.quant.mode)  # fmt: skip
+        y = mx.quantized_matmul(
+            x,
+            p.weight,
+            p.scales,
+            p.biases,
+            transpose=True,
+            group_size=p.quant.group_size,
+            bits=p.quant.bits,
+            mode=p.quant.mode,
+        )
     else:
         y = x @ p.weight.T
     if p.bias is not None:

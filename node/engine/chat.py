@@ -30,14 +30,19 @@ class ChatSession:
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def reply(self, text: str, settings: SamplingSettings, should_stop: Callable[[], bool] = lambda: False,
-              summary: GenerationSummary | None = None) -> Iterator[Token]:  # fmt: skip
+    def reply(
+        self,
+        text: str,
+        settings: SamplingSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        summary: GenerationSummary | None = None,
+    ) -> Iterator[Token]:
         """Stream the assistant's reply to `text`; the reply joins the conversation as far as
         it got (also when stopped early)."""
         messages = [*self.messages, {"role": "user", "content": text}]
         rendered = self._render(messages)
         if self.generator.history and self._seen_text is not None and rendered.startswith(self._seen_text):
-            new_text = rendered[len(self._seen_text):]
+            new_text = rendered[len(self._seen_text) :]
         else:
             if self.generator.history:
                 self.rebuilds += 1

@@ -106,7 +106,9 @@ def quantizable(path: str, module: nn.Module, group_sizes: tuple[int, ...] = GRO
     return not is_router(path) and group_size_for(module.weight.shape[-1], group_sizes) is not None
 
 
-def quantize_model(model: nn.Module, bits: int = 8, group_sizes: tuple[int, ...] = GROUP_SIZES) -> tuple[list[str], list[str]]:
+def quantize_model(
+    model: nn.Module, bits: int = 8, group_sizes: tuple[int, ...] = GROUP_SIZES
+) -> tuple[list[str], list[str]]:
     """Quantise `model`'s core in place; returns (quantised layer paths, kept layer paths).
 
     Each layer is packed in the widest of `group_sizes` that divides its input width. The
@@ -120,7 +122,9 @@ def quantize_model(model: nn.Module, bits: int = 8, group_sizes: tuple[int, ...]
     def predicate(path: str, module: nn.Module) -> bool | dict:
         if not isinstance(module, _LAYERS):
             return False
-        ok = quantizable(path, module, group_sizes) and (arch_predicate is None or arch_predicate(path, module) is not False)
+        ok = quantizable(path, module, group_sizes) and (
+            arch_predicate is None or arch_predicate(path, module) is not False
+        )
         (done if ok else kept).append(path)
         if not ok:
             return False
@@ -160,8 +164,10 @@ def quantize_core(model_dir: Path, bits: int = 8, group_sizes: tuple[int, ...] =
     for p in old:
         p.unlink()
     os.replace(tmp, model_dir / QUANTIZED_FILE)
-    index = {"metadata": {"total_size": after, "expertmesh": f"core only, {bits}-bit"},
-             "weight_map": {k: QUANTIZED_FILE for k in weights}}  # fmt: skip
+    index = {
+        "metadata": {"total_size": after, "expertmesh": f"core only, {bits}-bit"},
+        "weight_map": {k: QUANTIZED_FILE for k in weights},
+    }
     _write_atomic(model_dir / "model.safetensors.index.json", json.dumps(index, indent=1))
     return CoreQuantization(bits, group_size, before, after, done, kept)
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from expertmesh.v1 import node_pb2
-from expertmesh.node.rpc import activations
 from expertmesh.node.engine.blocks import StreamingSwitchGLU, streaming_blocks
 from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.rpc import activations
+from expertmesh.v1 import node_pb2
 
 MAX_ROWS_PER_CALL = 1 << 16  # prefill of thousands of tokens times k experts fits; more is a bad caller
 

@@ -20,11 +20,19 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from expertmesh.node.engine.speculative import (
+    CacheRollback,
+    Draft,
+    DraftController,
+    SpeculationConfig,
+    SpeculationStats,
+    accept_drafts,
+    check_rollback_supported,
+    make_draft_source,
+)
+from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.store.store import SOURCES, StoreStats
-from expertmesh.node.engine.speculative import (CacheRollback, Draft, DraftController, SpeculationConfig, SpeculationStats,
-                              accept_drafts, check_rollback_supported, make_draft_source)
-from expertmesh.node.engine.streamed_model import StreamedModel
 
 PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the same numerics
 
@@ -69,22 +77,31 @@ class GenerationSummary:
     def lines(self) -> list[str]:
         from expertmesh.node.sizes import format_size
 
-        out = [f"{self.generated_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_s:.2f} tokens/s, "
-               f"time to first token {self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens), "
-               f"stopped by {self.stop_reason}"]  # fmt: skip
-        parts = [f"{s} {self.experts.uses[s]} ({format_size(self.experts.bytes[s])})" for s in SOURCES
-                 if self.experts.uses[s] or s in ("ram", "hub")]  # fmt: skip
+        out = [
+            f"{self.generated_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_s:.2f} tokens/s, "
+            f"time to first token {self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens), "
+            f"stopped by {self.stop_reason}"
+        ]
+        parts = [
+            f"{s} {self.experts.uses[s]} ({format_size(self.experts.bytes[s])})"
+            for s in SOURCES
+            if self.experts.uses[s] or s in ("ram", "hub")
+        ]
         out.append(f"expert uses by source: {', '.join(parts)}; {self.experts.total_uses} in all")
         pf = self.experts.prefetch
         if pf["issued"]:
-            out.append(f"prefetched {pf['issued']} guesses of the next layer's experts: {pf['used']} used, "
-                       f"{pf['wasted']} wasted")  # fmt: skip
+            out.append(
+                f"prefetched {pf['issued']} guesses of the next layer's experts: {pf['used']} used, "
+                f"{pf['wasted']} wasted"
+            )
         rc = self.experts.remote
         if rc["calls"] or any(rc[k] for k in rc if k.startswith("fallback_")):
             fell = ", ".join(f"{k[9:].replace('_', ' ')} {rc[k]}" for k in rc if k.startswith("fallback_") and rc[k])
-            out.append(f"remote execution: {self.experts.uses['remote']} experts computed on peers in {rc['calls']} calls, "
-                       f"activations {format_size(rc['sent_bytes'])} sent, {format_size(rc['received_bytes'])} received; "
-                       f"fetched here instead: {fell or 'none'}")  # fmt: skip
+            out.append(
+                f"remote execution: {self.experts.uses['remote']} experts computed on peers in {rc['calls']} calls, "
+                f"activations {format_size(rc['sent_bytes'])} sent, {format_size(rc['received_bytes'])} received; "
+                f"fetched here instead: {fell or 'none'}"
+            )
         if self.speculation is not None:
             out.append(self.speculation.line())
         return out
@@ -129,7 +146,7 @@ class Generator:
     def _prefill(self, tokens: list[int]) -> mx.array:
         """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone."""
         while len(tokens) > 1:
-            chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1):]
+            chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1) :]
             self._forward(chunk)
             mx.eval([c.state for c in self.cache])
         return self._logprobs(self._forward(tokens))
@@ -139,8 +156,17 @@ class Generator:
         logits = logits[:, -1, :]
         return logits - mx.logsumexp(logits, keepdims=True)
 
-    def _speculative(self, tokens: list[int], settings: SamplingSettings, should_stop: Callable[[], bool],
-                     summary: GenerationSummary, sampler, eos: set[int], detok, t0: float) -> Iterator[Token]:  # fmt: skip
+    def _speculative(
+        self,
+        tokens: list[int],
+        settings: SamplingSettings,
+        should_stop: Callable[[], bool],
+        summary: GenerationSummary,
+        sampler,
+        eos: set[int],
+        detok,
+        t0: float,
+    ) -> Iterator[Token]:
         """Decoding with drafts: each pass feeds `todo` (what must enter the cache, ending with the
         current token) plus k drafts, and yields the accepted drafts and one token more.
 
@@ -169,7 +195,7 @@ class Generator:
             start = len(self.history) - fed
             pass_tokens = self.history[start:]
             kept = rollback.keep(fed, keep) if fed else 0
-            del self.history[start + kept:]
+            del self.history[start + kept :]
             return pass_tokens[kept:keep] + ([] if eos_stop or not out else [out[-1]])
 
         try:
@@ -228,7 +254,7 @@ class Generator:
                     draft = source.propose(self.history + todo, k, settings.temp, settings.top_p)
                 if draft.tokens:
                     rollback.snapshot()
-                logits = self._forward(todo + draft.tokens)[0, len(todo) - 1:]
+                logits = self._forward(todo + draft.tokens)[0, len(todo) - 1 :]
                 stats.passes += 1
                 rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         finally:
@@ -241,9 +267,13 @@ class Generator:
                 stats.passes += 1
             self.speculation_stats.add(stats)
 
-    def generate(self, tokens: list[int], settings: SamplingSettings,
-                 should_stop: Callable[[], bool] = lambda: False,
-                 summary: GenerationSummary | None = None) -> Iterator[Token]:  # fmt: skip
+    def generate(
+        self,
+        tokens: list[int],
+        settings: SamplingSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        summary: GenerationSummary | None = None,
+    ) -> Iterator[Token]:
         """Feed `tokens` after what the cache holds and yield new tokens as they are made.
 
         The last token yielded is not fed back (there is nothing to predict after it); the next
@@ -256,8 +286,10 @@ class Generator:
             raise ValueError("nothing to generate from: the prompt has no tokens")
         limit = self.sm.max_context
         if limit is not None and len(self.history) + len(tokens) >= limit:
-            raise ContextLengthError(f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
-                                     f"context is {limit}: it leaves no room for an answer; shorten it")  # fmt: skip
+            raise ContextLengthError(
+                f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
+                f"context is {limit}: it leaves no room for an answer; shorten it"
+            )
         summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
         sampler = make_sampler(settings.temp, settings.top_p)

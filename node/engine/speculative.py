@@ -80,15 +80,17 @@ class SpeculationStats:
     def passes_per_token(self) -> float:
         return self.passes / self.generated if self.generated else 0.0
 
-    def add(self, other: "SpeculationStats") -> None:
+    def add(self, other: SpeculationStats) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def line(self) -> str:
-        return (f"speculation: {self.passes} passes for {self.generated} tokens "
-                f"({self.passes_per_token:.2f} passes per generated token); {self.accepted} of {self.drafted} "
-                f"drafts accepted ({self.acceptance:.0%}) in {self.verify_passes} verify passes"
-                + (f"; switched off {self.switched_off}x while it did not pay" if self.switched_off else ""))  # fmt: skip
+        return (
+            f"speculation: {self.passes} passes for {self.generated} tokens "
+            f"({self.passes_per_token:.2f} passes per generated token); {self.accepted} of {self.drafted} "
+            f"drafts accepted ({self.acceptance:.0%}) in {self.verify_passes} verify passes"
+            + (f"; switched off {self.switched_off}x while it did not pay" if self.switched_off else "")
+        )
 
 
 # -- draft sources ---------------------------------------------------------------------------
@@ -126,10 +128,10 @@ class NgramDraft:
     def _lookup(self, context: list[int], k: int) -> list[int]:
         n_ctx = len(context)
         for n in range(min(self.ngram_max, n_ctx - 1), self.ngram_min - 1, -1):
-            tail = context[n_ctx - n:]
+            tail = context[n_ctx - n :]
             for start in range(n_ctx - n - 1, -1, -1):  # latest first: recent text predicts best
-                if context[start:start + n] == tail:
-                    return context[start + n:start + n + k]
+                if context[start : start + n] == tail:
+                    return context[start + n : start + n + k]
         return []
 
     def close(self) -> None:
@@ -153,7 +155,7 @@ class ModelDraft:
         self.fed: list[int] = []
 
     @classmethod
-    def load(cls, repo_or_path: str, tokenizer, home: Path | None = None) -> "ModelDraft":
+    def load(cls, repo_or_path: str, tokenizer, home: Path | None = None) -> ModelDraft:
         """Load a draft model from a local folder, or a repo pulled with huggingface_hub.
 
         Raises:
@@ -169,15 +171,18 @@ class ModelDraft:
             try:
                 path = Path(snapshot_download(repo_or_path))
             except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as e:
-                raise SpeculationError(f"draft model {repo_or_path!r} is neither a folder nor a reachable "
-                                       f"repository ({type(e).__name__})") from None  # fmt: skip
+                raise SpeculationError(
+                    f"draft model {repo_or_path!r} is neither a folder nor a reachable repository ({type(e).__name__})"
+                ) from None
         try:
             model, draft_tok = mlx_lm.load(str(path))
         except (ValueError, FileNotFoundError, KeyError) as e:
             raise SpeculationError(f"mlx-lm cannot load the draft model at {path}: {e}") from None
         if draft_tok.get_vocab() != tokenizer.get_vocab():
-            raise SpeculationError(f"the draft model {repo_or_path!r} has another tokenizer than the model: "
-                                   "its tokens would mean other text")  # fmt: skip
+            raise SpeculationError(
+                f"the draft model {repo_or_path!r} has another tokenizer than the model: "
+                "its tokens would mean other text"
+            )
         return cls(model, len(tokenizer.get_vocab()))
 
     def _sync(self, context: list[int]) -> mx.array:
@@ -377,8 +382,10 @@ class CacheRollback:
             elif c.is_trimmable():
                 c.trim(fed)
             else:
-                raise SpeculationError(f"cannot roll back a {type(c).__name__}: speculation is not "
-                                       "supported for this model (use --speculate off)")  # fmt: skip
+                raise SpeculationError(
+                    f"cannot roll back a {type(c).__name__}: speculation is not "
+                    "supported for this model (use --speculate off)"
+                )
         return 0
 
 

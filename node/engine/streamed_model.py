@@ -12,14 +12,19 @@ import mlx.nn as nn
 
 from expertmesh.node import constants
 from expertmesh.node.hub import local_models
-from expertmesh.node.store.policies import DEFAULT_POLICY
-from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
+from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.sizes import parse_budget
 from expertmesh.node.store.codec import ExpertCodec
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.store.policies import DEFAULT_POLICY
 from expertmesh.node.store.store import ByteSource, ExpertStore, RamCache
-from expertmesh.node.store.tiers.hub import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT, HubSource
-from expertmesh.node.sizes import parse_budget
+from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
+from expertmesh.node.store.tiers.hub import (
+    DEFAULT_CONNECTIONS,
+    DEFAULT_MIN_PIECE_BYTES,
+    DEFAULT_PIECES_PER_EXPERT,
+    HubSource,
+)
 
 
 @dataclass
@@ -71,16 +76,23 @@ def _physical_memory() -> int:
 
 def resolve_budgets(cfg: StoreConfig, core_bytes: int, cache_root: Path) -> tuple[int, int]:
     """(RAM bytes, disk bytes): percentages of memory left after the core and of free disk."""
-    ram = max(constants.MIN_RAM_BUDGET_BYTES if cfg.ram_budget == constants.DEFAULT_RAM_BUDGET else 0,
-              parse_budget(cfg.ram_budget, max(0, _physical_memory() - core_bytes)))  # fmt: skip
+    ram = max(
+        constants.MIN_RAM_BUDGET_BYTES if cfg.ram_budget == constants.DEFAULT_RAM_BUDGET else 0,
+        parse_budget(cfg.ram_budget, max(0, _physical_memory() - core_bytes)),
+    )
     cache_root.mkdir(parents=True, exist_ok=True)
     disk = parse_budget(cfg.disk_budget, shutil.disk_usage(cache_root).free)
     return ram, disk
 
 
-def open_model(repo_id: str, revision: str | None = None, home: Path | None = None,
-               store_config: StoreConfig | None = None, hub_reader=None,
-               extra_sources: list[ByteSource] | None = None) -> StreamedModel:  # fmt: skip
+def open_model(
+    repo_id: str,
+    revision: str | None = None,
+    home: Path | None = None,
+    store_config: StoreConfig | None = None,
+    hub_reader=None,
+    extra_sources: list[ByteSource] | None = None,
+) -> StreamedModel:
     """Load a pulled model's core and tokenizer and wire its expert store.
 
     Raises:
@@ -102,8 +114,12 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     if not mx.metal.is_available() and _has_dense_experts(index):
         dense_dtype = mx.float32  # MLX's CPU gather_mm computes in float32 only
         model.set_dtype(mx.float32)
-    codec = ExpertCodec(config.get("quantization"), {b.layer: b.path for b in blocks},
-                        {b.layer: b.input_dims for b in blocks}, dense_dtype)  # fmt: skip
+    codec = ExpertCodec(
+        config.get("quantization"),
+        {b.layer: b.path for b in blocks},
+        {b.layer: b.input_dims for b in blocks},
+        dense_dtype,
+    )
     missing = sorted(set(index.moe_layers) - {b.layer for b in blocks})
     if missing:
         raise ValueError(f"{repo_id}: the index has experts for layers {missing} that the model does not route")
@@ -112,12 +128,29 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     ram_bytes, disk_bytes = resolve_budgets(cfg, marker.get("core_bytes", index.core_bytes), root)
     digests = DigestBook(root / DIGESTS_FILENAME)
     disk = DiskCache(root, index, disk_bytes, digests)
-    sources: list[ByteSource] = [disk, *(extra_sources or []), HubSource(index, hub_reader, connections=cfg.hub_connections,
-                                                                                   pieces_per_expert=cfg.hub_pieces_per_expert,
-                                                                                   min_piece_bytes=cfg.hub_min_piece_bytes)]
-    store = ExpertStore(index, codec, RamCache(ram_bytes, cfg.ram_policy), sources, sinks=[disk], concurrency=cfg.fetch_concurrency,
-                        digests=digests, prefetch=cfg.prefetch, fill_order=_fill_order(index) if cfg.fill else None,
-                        coalesce=cfg.coalesce)  # fmt: skip
+    sources: list[ByteSource] = [
+        disk,
+        *(extra_sources or []),
+        HubSource(
+            index,
+            hub_reader,
+            connections=cfg.hub_connections,
+            pieces_per_expert=cfg.hub_pieces_per_expert,
+            min_piece_bytes=cfg.hub_min_piece_bytes,
+        ),
+    ]
+    store = ExpertStore(
+        index,
+        codec,
+        RamCache(ram_bytes, cfg.ram_policy),
+        sources,
+        sinks=[disk],
+        concurrency=cfg.fetch_concurrency,
+        digests=digests,
+        prefetch=cfg.prefetch,
+        fill_order=_fill_order(index) if cfg.fill else None,
+        coalesce=cfg.coalesce,
+    )
     if cfg.trace_path is not None:
         from expertmesh.node.observability.routing_trace import TraceWriter
 
@@ -125,8 +158,19 @@ def open_model(repo_id: str, revision: str | None = None, home: Path | None = No
     for b in blocks:
         b.bind(store)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    return StreamedModel(repo_id, index.commit, path, model, tokenizer, config, index, store, disk,
-                         marker.get("core_bytes", index.core_bytes), marker.get("core_bits", 16))  # fmt: skip
+    return StreamedModel(
+        repo_id,
+        index.commit,
+        path,
+        model,
+        tokenizer,
+        config,
+        index,
+        store,
+        disk,
+        marker.get("core_bytes", index.core_bytes),
+        marker.get("core_bits", 16),
+    )
 
 
 def _has_dense_experts(index: ExpertIndex) -> bool:

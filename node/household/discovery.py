@@ -36,8 +36,13 @@ class Advertisement:
     compute: bool = False  # answers ComputeExperts (a full node with MLX)
 
     def properties(self) -> dict[str, str]:
-        props = {"node_id": self.node_id, "cluster": self.cluster, "role": self.role,
-                 "disk": str(self.disk_budget_bytes), "proto": str(self.protocol_version)}  # fmt: skip
+        props = {
+            "node_id": self.node_id,
+            "cluster": self.cluster,
+            "role": self.role,
+            "disk": str(self.disk_budget_bytes),
+            "proto": str(self.protocol_version),
+        }
         if self.metrics_port:
             props["metrics"] = str(self.metrics_port)
         if self.compute:
@@ -57,17 +62,28 @@ class Discovery:
         interfaces: addresses to use (e.g. ["192.168.1.20"]); None: every interface.
     """
 
-    def __init__(self, table: PeerTable, ad: Advertisement, address: str | None, interfaces: list[str] | None = None,
-                 advertise: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        table: PeerTable,
+        ad: Advertisement,
+        address: str | None,
+        interfaces: list[str] | None = None,
+        advertise: bool = True,
+    ):
         self.table = table
         self.ad = ad
         self.duplicates = 0
-        self._zc = Zeroconf(interfaces=interfaces or ["0.0.0.0"], ip_version=IPVersion.V4Only)  # fmt: skip
+        self._zc = Zeroconf(interfaces=interfaces or ["0.0.0.0"], ip_version=IPVersion.V4Only)
         self._info = None
         if advertise:  # `expertmesh peers` only looks
-            self._info = ServiceInfo(SERVICE_TYPE, f"{ad.node_id}.{SERVICE_TYPE}", port=ad.port,
-                                     addresses=[socket.inet_aton(address)], properties=ad.properties(),
-                                     server=f"expertmesh-{ad.node_id}.local.")  # fmt: skip
+            self._info = ServiceInfo(
+                SERVICE_TYPE,
+                f"{ad.node_id}.{SERVICE_TYPE}",
+                port=ad.port,
+                addresses=[socket.inet_aton(address)],
+                properties=ad.properties(),
+                server=f"expertmesh-{ad.node_id}.local.",
+            )
             self._zc.register_service(self._info, allow_name_change=False)
         self._names: dict[str, str] = {}  # service name -> node id
         self._lock = threading.Lock()
@@ -86,8 +102,9 @@ class Discovery:
         if node_id == self.ad.node_id:
             if self._info is not None and name != self._info.name:
                 self.duplicates += 1
-                logger.error("another node (%s) advertises this node's id %s: give one of them a fresh home",
-                             address, node_id)  # fmt: skip
+                logger.error(
+                    "another node (%s) advertises this node's id %s: give one of them a fresh home", address, node_id
+                )
             return
         try:
             weight = float(_text(props, "disk") or 0)
@@ -95,7 +112,9 @@ class Discovery:
             weight = 0.0
         with self._lock:
             self._names[name] = node_id
-        self.table.add(Peer(node_id, address, weight, _text(props, "role") or "full", compute=_text(props, "compute") == "1"))
+        self.table.add(
+            Peer(node_id, address, weight, _text(props, "role") or "full", compute=_text(props, "compute") == "1")
+        )
         logger.info("peer %s at %s joined (%s)", node_id, address, _text(props, "role"))
 
     def _resolve_in_background(self, name: str) -> None:

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import grpc
 import mlx.core as mx
 
-from expertmesh.v1 import node_pb2
 from expertmesh.node.rpc import activations
 from expertmesh.node.store.store import ExpertStore
 from expertmesh.node.store.tiers.peers import Peer, PeerSource, expert_key
+from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -244,8 +244,9 @@ class RemoteExperts:
 
     # -- one layer ----------------------------------------------------------------------------
 
-    def run(self, block, experts: list[int], rows: dict[int, mx.array],
-            guess: tuple[int, list[int]] | None) -> dict[int, mx.array]:  # fmt: skip
+    def run(
+        self, block, experts: list[int], rows: dict[int, mx.array], guess: tuple[int, list[int]] | None
+    ) -> dict[int, mx.array]:
         """Every expert's output rows for `block`'s layer, computed here or on peers."""
         layer, store = block.layer, self.store
         if store.trace is not None:
@@ -282,14 +283,18 @@ class RemoteExperts:
                 batch.append(node_pb2.ExpertRows(expert=e, rows=t))
                 size += len(t.data)
                 if size >= self.config.max_call_bytes or i == len(experts) - 1:
-                    request = node_pb2.ComputeExpertsRequest(model=model, layer=block.layer, experts=batch,
-                                                             fetch_on_miss=any(x.expert in placement.owner_fetch for x in batch))  # fmt: skip
+                    request = node_pb2.ComputeExpertsRequest(
+                        model=model,
+                        layer=block.layer,
+                        experts=batch,
+                        fetch_on_miss=any(x.expert in placement.owner_fetch for x in batch),
+                    )
                     timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate)
                     sent_at = time.perf_counter()
-                    fut = self.peers.stub(peer.address).ComputeExperts.future(request, metadata=self.peers.metadata,
-                                                                               timeout=timeout)  # fmt: skip
-                    call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch},
-                                 t.dtype)  # fmt: skip
+                    fut = self.peers.stub(peer.address).ComputeExperts.future(
+                        request, metadata=self.peers.metadata, timeout=timeout
+                    )
+                    call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch}, t.dtype)
                     fut.add_done_callback(lambda _, done=call.finished: done.append(time.perf_counter()))
                     calls.append(call)
                     batch, size = [], 0
@@ -306,7 +311,9 @@ class RemoteExperts:
             except grpc.RpcError as e:
                 deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 reason = "deadline" if deadline else "error"
-                self.peers.table.penalise(call.peer, "compute_deadline" if deadline else f"compute_{e.code().name.lower()}")
+                self.peers.table.penalise(
+                    call.peer, "compute_deadline" if deadline else f"compute_{e.code().name.lower()}"
+                )
                 stats.record_remote(**{f"fallback_{reason}": len(asked)})
                 failed.extend(asked)
                 continue
@@ -314,7 +321,9 @@ class RemoteExperts:
             try:
                 got = self._check(block, call, response)
             except activations.BadTensor as e:
-                logger.warning("peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, e)
+                logger.warning(
+                    "peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, e
+                )
                 self.peers.table.penalise(call.peer, "bad_output")
                 stats.record_remote(fallback_bad_output=len(asked))
                 failed.extend(asked)
@@ -322,8 +331,9 @@ class RemoteExperts:
             received = sum(len(x.rows.data) for x in response.experts)
             link = self.links.get(call.peer.node_id) or self._link(call.peer)
             link.observe_call(wall, response.compute_seconds, len(got) + len(response.missing), response.queued)
-            stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received,
-                                fallback_missing=len(response.missing))  # fmt: skip
+            stats.record_remote(
+                calls=1, sent_bytes=call.sent_bytes, received_bytes=received, fallback_missing=len(response.missing)
+            )
             for e, arr in got.items():
                 out[e] = arr
                 self.peers.note_holding(call.peer, (block.layer, e), True)
@@ -345,8 +355,9 @@ class RemoteExperts:
         for item in response.experts:
             if item.expert not in call.rows or item.expert in got:
                 raise activations.BadTensor(f"expert {item.expert} was not asked for, or came twice")
-            got[item.expert] = activations.decode(item.rows, block.output_dims, dtype=call.dtype,
-                                                  rows=call.rows[item.expert])  # fmt: skip
+            got[item.expert] = activations.decode(
+                item.rows, block.output_dims, dtype=call.dtype, rows=call.rows[item.expert]
+            )
         missing = set(response.missing)
         if set(got) | missing != set(call.rows) or set(got) & missing:
             raise activations.BadTensor("the answer does not account for every expert asked exactly once")
@@ -363,4 +374,3 @@ def attach_remote_experts(sm, peers: PeerSource, config: RemoteConfig | None = N
     for block in streaming_blocks(sm.model):
         block.bind_remote(remote)
     return remote
-

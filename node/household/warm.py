@@ -19,11 +19,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
 from expertmesh.node.hub.expert_index import ExpertIndex
-from expertmesh.node.store.tiers.peers import FETCH_DEADLINE_S, INFO_DEADLINE_S, expert_key, inventory_keys, rendezvous_score
 from expertmesh.node.rpc.auth import call_metadata
 from expertmesh.node.rpc.tls import open_channel
+from expertmesh.node.store.tiers.peers import (
+    FETCH_DEADLINE_S,
+    INFO_DEADLINE_S,
+    expert_key,
+    inventory_keys,
+    rendezvous_score,
+)
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +73,18 @@ class WarmNode:
     disk_budget_bytes: int
 
 
-def describe_nodes(addresses: Iterable[str], index: ExpertIndex, secret: str,
-                   tls_ca: bytes | None = None) -> tuple[list[WarmNode], list[str]]:  # fmt: skip
+def describe_nodes(
+    addresses: Iterable[str], index: ExpertIndex, secret: str, tls_ca: bytes | None = None
+) -> tuple[list[WarmNode], list[str]]:
     """The nodes at `addresses` that serve this exact model (repo and commit), and a line for
     each that does not or did not answer."""
     nodes, skipped = [], []
     for address in addresses:
         try:
             with open_channel(address, tls_ca) as channel:
-                info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
-                                                            timeout=INFO_DEADLINE_S)  # fmt: skip
+                info = node_pb2_grpc.NodeStub(channel).Info(
+                    node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=INFO_DEADLINE_S
+                )
         except grpc.RpcError as e:
             skipped.append(f"{address}: {e.code().name.lower()}")
             continue
@@ -102,13 +110,21 @@ def owners(index: ExpertIndex, nodes: list[WarmNode], keys: Iterable[ExpertKey])
 
 
 def _inventory(stub: node_pb2_grpc.NodeStub, model: node_pb2.ModelKey, metadata) -> set[ExpertKey]:
-    return inventory_keys(stub.GetInventory(node_pb2.InventoryRequest(model=model), metadata=metadata,
-                                            timeout=INFO_DEADLINE_S))  # fmt: skip
+    return inventory_keys(
+        stub.GetInventory(node_pb2.InventoryRequest(model=model), metadata=metadata, timeout=INFO_DEADLINE_S)
+    )
 
 
-def warm(index: ExpertIndex, nodes: list[WarmNode], secret: str, order: list[ExpertKey] | None = None,
-         concurrency: int = DEFAULT_CONCURRENCY, progress: Callable[[int, int], None] | None = None,
-         stop: threading.Event | None = None, tls_ca: bytes | None = None) -> list[NodeWarm]:  # fmt: skip
+def warm(
+    index: ExpertIndex,
+    nodes: list[WarmNode],
+    secret: str,
+    order: list[ExpertKey] | None = None,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    progress: Callable[[int, int], None] | None = None,
+    stop: threading.Event | None = None,
+    tls_ca: bytes | None = None,
+) -> list[NodeWarm]:
     """Ask every node to keep the experts it owns, in `order`; returns what each did.
 
     `progress(done, bytes)` is called after each expert (from several threads); `stop` ends the
@@ -119,15 +135,18 @@ def warm(index: ExpertIndex, nodes: list[WarmNode], secret: str, order: list[Exp
     model = node_pb2.ModelKey(repo_id=index.repo_id, commit=index.commit)
     metadata = call_metadata(secret)
     owned = owners(index, nodes, order)
-    results = {n.node_id: NodeWarm(n.node_id, n.address, n.disk_budget_bytes, owned=len(owned[n.node_id])) for n in nodes}
+    results = {
+        n.node_id: NodeWarm(n.node_id, n.address, n.disk_budget_bytes, owned=len(owned[n.node_id])) for n in nodes
+    }
     lock = threading.Lock()
     counts = [0, 0]
 
     def one(node: NodeWarm, stub: node_pb2_grpc.NodeStub, key: ExpertKey) -> None:
         if stop.is_set() or node.full or node.unreachable:
             return
-        request = node_pb2.FetchExpertRequest(key=node_pb2.ExpertKey(model=model, layer=key[0], expert=key[1]),
-                                              fetch_on_miss=True, keep_only=True)  # fmt: skip
+        request = node_pb2.FetchExpertRequest(
+            key=node_pb2.ExpertKey(model=model, layer=key[0], expert=key[1]), fetch_on_miss=True, keep_only=True
+        )
         try:
             for _ in stub.FetchExpert(request, metadata=metadata, timeout=FETCH_DEADLINE_S):
                 pass
@@ -139,7 +158,9 @@ def warm(index: ExpertIndex, nodes: list[WarmNode], secret: str, order: list[Exp
                 node.errors[e.code().name.lower()] += 1
                 node.failures_in_a_row += 1
                 if node.failures_in_a_row >= GIVE_UP_AFTER_ERRORS and not node.unreachable:
-                    node.unreachable = f"{node.failures_in_a_row} failures in a row, the last {e.code().name.lower()}: {e.details()}"
+                    node.unreachable = (
+                        f"{node.failures_in_a_row} failures in a row, the last {e.code().name.lower()}: {e.details()}"
+                    )
             return
         nbytes = index.expert(*key).nbytes
         with lock:

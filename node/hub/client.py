@@ -17,9 +17,9 @@ import re
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx2
 from huggingface_hub import HfApi, hf_hub_download, hf_hub_url
@@ -28,8 +28,8 @@ from huggingface_hub import errors as hf_errors
 from huggingface_hub.utils import build_hf_headers, get_session
 
 from expertmesh.node import constants
-from expertmesh.node.hub import safetensors_format
 from expertmesh.node.errors import AuthError, DownloadError, EndpointUnreachableError, ModelNotFoundError
+from expertmesh.node.hub import safetensors_format
 from expertmesh.node.hub.safetensors_format import TensorEntry
 
 logger = logging.getLogger(__name__)
@@ -135,8 +135,9 @@ def list_files(repo_id: str, commit: str) -> list[str]:
 def download_file(remote: RemoteFile, local_dir: Path) -> Path:
     """Download one (small) file of the pinned revision into `local_dir`."""
     path = _api_call(
-        lambda: hf_hub_download(remote.repo_id, remote.filename, revision=remote.commit, local_dir=local_dir,
-                                endpoint=endpoint()),  # fmt: skip
+        lambda: hf_hub_download(
+            remote.repo_id, remote.filename, revision=remote.commit, local_dir=local_dir, endpoint=endpoint()
+        ),
         remote.repo_id,
         remote.commit,
     )
@@ -153,9 +154,14 @@ class RangeReader:
     trip and a call against the Hub's rate limit).
     """
 
-    def __init__(self, max_retries: int = constants.HTTP_MAX_RETRIES, timeout_s: float = constants.HTTP_TIMEOUT_S,
-                 backoff_base_s: float = 0.25, backoff_max_s: float = 8.0,
-                 fresh_connections: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        max_retries: int = constants.HTTP_MAX_RETRIES,
+        timeout_s: float = constants.HTTP_TIMEOUT_S,
+        backoff_base_s: float = 0.25,
+        backoff_max_s: float = 8.0,
+        fresh_connections: bool = False,
+    ):
         self.fresh_connections = fresh_connections  # a new connection per request: benchmarks' naive client
         # Pinned now: a reader belongs to one Hub, even if huggingface_hub is pointed elsewhere later.
         self.endpoint = endpoint()
@@ -252,8 +258,9 @@ class RangeReader:
             if self.fresh_connections:
                 session.close()
 
-    def _read_redirected(self, session, remote: RemoteFile, url: str, headers: dict, is_cdn: bool,
-                         start: int, end: int) -> tuple[bytes, int | None]:  # fmt: skip
+    def _read_redirected(
+        self, session, remote: RemoteFile, url: str, headers: dict, is_cdn: bool, start: int, end: int
+    ) -> tuple[bytes, int | None]:
         for _ in range(5):  # redirects
             try:
                 with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=self.timeout_s) as r:
@@ -268,8 +275,9 @@ class RangeReader:
                 raise _Retryable(f"{type(e).__name__}") from None
         raise _Retryable("too many redirects")
 
-    def _check_body(self, r: httpx2.Response, remote: RemoteFile, start: int, end: int,
-                    is_cdn: bool) -> tuple[bytes, int | None]:  # fmt: skip
+    def _check_body(
+        self, r: httpx2.Response, remote: RemoteFile, start: int, end: int, is_cdn: bool
+    ) -> tuple[bytes, int | None]:
         status = r.status_code
         if status == 206:
             m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub.safetensors_format import DTYPE_BYTES, TensorEntry
@@ -30,8 +30,12 @@ INDEX_FILENAME = "expert_index.json"
 FORMAT_VERSION = 1
 
 # `experts` must be a whole name segment, so `shared_experts` stays in the core.
-_PER_EXPERT_RE = re.compile(r"^(?P<pre>(?:.*\.)?layers\.)(?P<layer>\d+)(?P<mid>\.(?:.*\.)?experts\.)(?P<expert>\d+)(?P<post>\..+)$")
-_STACKED_RE = re.compile(r"^(?P<pre>(?:.*\.)?layers\.)(?P<layer>\d+)(?P<post>\.(?:.*\.)?(?:switch_mlp|experts)\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?)$")  # fmt: skip
+_PER_EXPERT_RE = re.compile(
+    r"^(?P<pre>(?:.*\.)?layers\.)(?P<layer>\d+)(?P<mid>\.(?:.*\.)?experts\.)(?P<expert>\d+)(?P<post>\..+)$"
+)
+_STACKED_RE = re.compile(
+    r"^(?P<pre>(?:.*\.)?layers\.)(?P<layer>\d+)(?P<post>\.(?:.*\.)?(?:switch_mlp|experts)\.[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)?)$"
+)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ class ExpertIndex:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path) -> "ExpertIndex":
+    def load(cls, path: Path) -> ExpertIndex:
         doc = json.loads(Path(path).read_text())
         if doc.get("format_version") != FORMAT_VERSION:
             raise UnsupportedModelError(f"{path}: expert index format {doc.get('format_version')} is not supported")
@@ -153,8 +157,17 @@ class ExpertIndex:
             tensors = []
             for kind, fid, start in row:
                 pattern, dtype, shape, stacked = kinds[kind]
-                tensors.append(TensorSlice(pattern.format(layer=layer, expert=expert), dtype, shape, files[fid],
-                                           start, start + _nbytes(dtype, shape), stacked))  # fmt: skip
+                tensors.append(
+                    TensorSlice(
+                        pattern.format(layer=layer, expert=expert),
+                        dtype,
+                        shape,
+                        files[fid],
+                        start,
+                        start + _nbytes(dtype, shape),
+                        stacked,
+                    )
+                )
             experts[(layer, expert)] = ExpertLocation(layer, expert, tensors)
         return cls(doc["repo_id"], doc["commit"], {f: n for f, n in doc["files"]}, core, experts)
 

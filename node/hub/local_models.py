@@ -85,7 +85,9 @@ def find_index(home: Path, repo_id: str, revision: str | None = None) -> Path:
     if folder is not None and ((folder / INDEX_MARKER).is_file() or is_complete(folder)):
         return folder
     hint = f" --revision {revision}" if revision != "main" else ""
-    raise NotPulledError(f"{repo_id}@{revision} has no expert index here: run `expertmesh pull --index-only {repo_id}{hint}`")
+    raise NotPulledError(
+        f"{repo_id}@{revision} has no expert index here: run `expertmesh pull --index-only {repo_id}{hint}`"
+    )
 
 
 def read_marker(path: Path) -> dict:

@@ -25,13 +25,13 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from expertmesh.node import constants
-from expertmesh.node.hub import client as hub_client, local_models, safetensors_format
-from expertmesh.node.engine.mlx_lm_models import check_supported
 from expertmesh.node.engine.core_quantization import CoreBitsError, check_core_bits, quantize_core
+from expertmesh.node.engine.mlx_lm_models import check_supported
 from expertmesh.node.errors import DownloadError, InsufficientDiskError, UnsupportedModelError
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex, build_index, coalesce
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub import local_models, safetensors_format
 from expertmesh.node.hub.client import RangeReader, RemoteFile
-
+from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex, build_index, coalesce
 
 UPSTREAM_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -107,8 +107,10 @@ def pull(
         if core_bits is None or core_bits == result.core_bits:
             return result
         if result.core_bits != 16:
-            raise CoreBitsError(f"{repo_id} @ {commit[:12]} is pulled with a {result.core_bits}-bit core; the BF16 core "
-                                f"is no longer here: delete {target} and pull again")  # fmt: skip
+            raise CoreBitsError(
+                f"{repo_id} @ {commit[:12]} is pulled with a {result.core_bits}-bit core; the BF16 core "
+                f"is no longer here: delete {target} and pull again"
+            )
         q = quantize_core(target, core_bits)  # the BF16 core is here: quantise it in place
         result.core_bits, result.core_bytes, result.already_complete = core_bits, q.core_bytes_after, False
         _write_marker(target, result)
@@ -122,9 +124,19 @@ def pull(
     index = _build_index(repo_id, commit, files, reader, concurrency)
     if index_only:
         index.save(target / INDEX_FILENAME)
-        result = PullResult(repo_id=repo_id, commit=commit, path=target, model_type=model_type, core_bytes=0,
-                            fetched_bytes=0, expert_count=len(index.experts), expert_bytes=index.expert_bytes,
-                            moe_layers=len(index.moe_layers), seconds=time.monotonic() - t0, retries=reader.retries)  # fmt: skip
+        result = PullResult(
+            repo_id=repo_id,
+            commit=commit,
+            path=target,
+            model_type=model_type,
+            core_bytes=0,
+            fetched_bytes=0,
+            expert_count=len(index.experts),
+            expert_bytes=index.expert_bytes,
+            moe_layers=len(index.moe_layers),
+            seconds=time.monotonic() - t0,
+            retries=reader.retries,
+        )
         _write_atomic(target / local_models.INDEX_MARKER, json.dumps({"repo_id": repo_id, "commit": commit}))
         local_models.record_ref(home, repo_id, revision or "main", commit)
         return result
@@ -136,8 +148,16 @@ def pull(
     _check_disk(target, needed)
 
     have_bytes = sum(p.nbytes for p in have)
-    bar = tqdm(total=index.core_bytes, initial=have_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-               desc=f"core of {repo_id}", disable=not progress, dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=index.core_bytes,
+        initial=have_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"core of {repo_id}",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     try:
         _fetch_parts(repo_id, commit, missing, parts_dir, reader, concurrency, bar)
     finally:
@@ -172,8 +192,11 @@ def _fetch_small_files(repo_id: str, commit: str, files: list[str], target: Path
     """Config, tokenizer and generation files; returns the parsed config."""
     if "config.json" not in files:
         raise UnsupportedModelError(f"{repo_id} has no config.json: not a transformers model repository")
-    wanted = [f for f in files if "/" not in f and f != UPSTREAM_INDEX
-              and any(fnmatch.fnmatch(f, pat) for pat in constants.CORE_FILE_PATTERNS)]  # fmt: skip
+    wanted = [
+        f
+        for f in files
+        if "/" not in f and f != UPSTREAM_INDEX and any(fnmatch.fnmatch(f, pat) for pat in constants.CORE_FILE_PATTERNS)
+    ]
     for filename in wanted:
         hub_client.download_file(RemoteFile(repo_id, commit, filename), target)
     try:
@@ -195,8 +218,12 @@ def _build_index(repo_id: str, commit: str, files: list[str], reader: RangeReade
     else:
         raise UnsupportedModelError(f"{repo_id} has no safetensors weights ({UPSTREAM_INDEX} or {SINGLE_FILE})")
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        headers = dict(zip(shards, pool.map(
-            lambda s: hub_client.read_safetensors_header(reader, RemoteFile(repo_id, commit, s)), shards)))  # fmt: skip
+        headers = dict(
+            zip(
+                shards,
+                pool.map(lambda s: hub_client.read_safetensors_header(reader, RemoteFile(repo_id, commit, s)), shards),
+            )
+        )
     return build_index(repo_id, commit, headers)
 
 
@@ -247,8 +274,9 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def _fetch_parts(repo_id: str, commit: str, parts: list[_Part], parts_dir: Path, reader: RangeReader,
-                 concurrency: int, bar: tqdm) -> None:  # fmt: skip
+def _fetch_parts(
+    repo_id: str, commit: str, parts: list[_Part], parts_dir: Path, reader: RangeReader, concurrency: int, bar: tqdm
+) -> None:
     def fetch(part: _Part) -> int:
         data = reader.read(RemoteFile(repo_id, commit, part.shard), part.start, part.end)
         if len(data) != part.nbytes:

@@ -12,19 +12,31 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 # Safetensors refuses headers larger than this; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 class SafetensorsFormatError(ValueError):
@@ -118,7 +130,9 @@ def encode_header(entries: Iterable[tuple[str, str, tuple[int, ...], int]], meta
     return struct.pack("<Q", len(text)) + text
 
 
-def write_file(path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]], metadata: dict | None = None) -> None:
+def write_file(
+    path: Path, tensors: list[tuple[str, str, tuple[int, ...], bytes]], metadata: dict | None = None
+) -> None:
     """Write a safetensors file with the tensors in exactly this order (atomically)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:

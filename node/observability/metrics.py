@@ -32,14 +32,41 @@ TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 # The first token also pays the prefill: from a tenth of a second to half an hour.
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 # An expert use: microseconds from RAM, milliseconds from SSD or the LAN, seconds from the Hub.
-FETCH_BUCKETS_S = (1e-6, 5e-6, 2.5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                   2.5, 5, 10, 30, 60)  # fmt: skip
+FETCH_BUCKETS_S = (
+    1e-6,
+    5e-6,
+    2.5e-5,
+    1e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 ROLES = ("full", "cache")
 TIERS = ("ram", "disk")
 # Reasons always exported (as 0 until they happen), so an "errors by reason" panel has data on a
 # healthy household; others (gRPC status names) appear when they first happen.
-PEER_ERROR_REASONS = ("unavailable", "deadline_exceeded", "unauthenticated", "wrong_size", "bad_digest", "bad_bytes",
-                      "oversized")  # fmt: skip
+PEER_ERROR_REASONS = (
+    "unavailable",
+    "deadline_exceeded",
+    "unauthenticated",
+    "wrong_size",
+    "bad_digest",
+    "bad_bytes",
+    "oversized",
+)
 HUB_ERROR_REASONS = ("retried",)
 SPECULATIVE_OUTCOMES = ("drafted", "accepted")
 
@@ -61,12 +88,12 @@ class MetricsSources:
     hub_readers: list = field(default_factory=list)
 
     @classmethod
-    def of_model(cls, sm, peers=None) -> "MetricsSources":
+    def of_model(cls, sm, peers=None) -> MetricsSources:
         store = sm.store
         return cls(store.stats, store.ram, sm.disk, peers, _hub_readers(store.sources))
 
     @classmethod
-    def of_served(cls, experts, peers=None) -> "MetricsSources":
+    def of_served(cls, experts, peers=None) -> MetricsSources:
         """A cache peer's: its disk and the stats of the experts it fetched as an owner."""
         return cls(experts.stats, None, experts.disk, peers, _hub_readers(experts.remote_sources))
 
@@ -84,46 +111,74 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator:
         src = self.src
         stats = src.stats.snapshot() if src.stats is not None else None
-        uses = CounterMetricFamily(PREFIX + "expert_requests", "Expert uses by the tier that answered them "
-                                   "(ram|disk|peer|hub; remote: computed by the peer that holds it); a prefetched guess counts when it is used.", labels=["source"])  # fmt: skip
-        nbytes = CounterMetricFamily(PREFIX + "expert_bytes", "Upstream bytes of the experts used, by the tier that "
-                                     "answered (source=hub: bytes that crossed the internet).", labels=["source"])  # fmt: skip
-        bad = CounterMetricFamily(PREFIX + "integrity_failures", "Expert copies whose sha256 did not match the one "
-                                  "recorded at first fetch, by where the copy came from; each was discarded.",
-                                  labels=["source"])  # fmt: skip
+        uses = CounterMetricFamily(
+            PREFIX + "expert_requests",
+            "Expert uses by the tier that answered them "
+            "(ram|disk|peer|hub; remote: computed by the peer that holds it); a prefetched guess counts when it is used.",
+            labels=["source"],
+        )
+        nbytes = CounterMetricFamily(
+            PREFIX + "expert_bytes",
+            "Upstream bytes of the experts used, by the tier that "
+            "answered (source=hub: bytes that crossed the internet).",
+            labels=["source"],
+        )
+        bad = CounterMetricFamily(
+            PREFIX + "integrity_failures",
+            "Expert copies whose sha256 did not match the one "
+            "recorded at first fetch, by where the copy came from; each was discarded.",
+            labels=["source"],
+        )
         for s in SOURCES:
             uses.add_metric([s], stats.uses[s] if stats else 0)
             nbytes.add_metric([s], stats.bytes[s] if stats else 0)
             bad.add_metric([s], stats.integrity_failures[s] if stats else 0)
         yield from (uses, nbytes, bad)
 
-        prefetch = CounterMetricFamily(PREFIX + "prefetch", "Guesses of the next layer's experts: issued (fetched), "
-                                       "used (demanded by the pass they were for), wasted (not demanded).",
-                                       labels=["outcome"])  # fmt: skip
+        prefetch = CounterMetricFamily(
+            PREFIX + "prefetch",
+            "Guesses of the next layer's experts: issued (fetched), "
+            "used (demanded by the pass they were for), wasted (not demanded).",
+            labels=["outcome"],
+        )
         for o in PREFETCH_OUTCOMES:
             prefetch.add_metric([o], stats.prefetch[o] if stats else 0)
         yield prefetch
 
         remote = stats.remote if stats else dict.fromkeys(REMOTE_COUNTS, 0)
-        yield CounterMetricFamily(PREFIX + "remote_calls", "ComputeExperts calls to peers (remote expert execution: "
-                                  "one per peer per layer of a pass).", value=remote["calls"])  # fmt: skip
-        moved = CounterMetricFamily(PREFIX + "activation_bytes", "Activation bytes moved for remote expert execution, "
-                                    "by direction (sent: expert inputs; received: their outputs).", labels=["direction"])  # fmt: skip
+        yield CounterMetricFamily(
+            PREFIX + "remote_calls",
+            "ComputeExperts calls to peers (remote expert execution: one per peer per layer of a pass).",
+            value=remote["calls"],
+        )
+        moved = CounterMetricFamily(
+            PREFIX + "activation_bytes",
+            "Activation bytes moved for remote expert execution, "
+            "by direction (sent: expert inputs; received: their outputs).",
+            labels=["direction"],
+        )
         moved.add_metric(["sent"], remote["sent_bytes"])
         moved.add_metric(["received"], remote["received_bytes"])
-        fallbacks = CounterMetricFamily(PREFIX + "remote_fallbacks", "Experts placed on a peer but fetched and computed "
-                                        "here instead, by reason (error, deadline, bad_output, missing).",
-                                        labels=["reason"])  # fmt: skip
+        fallbacks = CounterMetricFamily(
+            PREFIX + "remote_fallbacks",
+            "Experts placed on a peer but fetched and computed "
+            "here instead, by reason (error, deadline, bad_output, missing).",
+            labels=["reason"],
+        )
         for reason in ("error", "deadline", "bad_output", "missing"):
             fallbacks.add_metric([reason], remote[f"fallback_{reason}"])
         yield from (moved, fallbacks)
 
-        cache_bytes = GaugeMetricFamily(PREFIX + "cache_bytes", "Bytes held by each cache tier (RAM: decoded experts; "
-                                        "disk: upstream bytes).", labels=["tier"])  # fmt: skip
+        cache_bytes = GaugeMetricFamily(
+            PREFIX + "cache_bytes",
+            "Bytes held by each cache tier (RAM: decoded experts; disk: upstream bytes).",
+            labels=["tier"],
+        )
         cache_experts = GaugeMetricFamily(PREFIX + "cache_experts", "Experts held by each cache tier.", labels=["tier"])
         budget = GaugeMetricFamily(PREFIX + "cache_budget_bytes", "Each cache tier's byte budget.", labels=["tier"])
-        evictions = CounterMetricFamily(PREFIX + "cache_evictions", "Experts dropped by each cache tier to stay "
-                                        "within its budget.", labels=["tier"])  # fmt: skip
+        evictions = CounterMetricFamily(
+            PREFIX + "cache_evictions", "Experts dropped by each cache tier to stay within its budget.", labels=["tier"]
+        )
         for tier, cache in (("ram", src.ram), ("disk", src.disk)):
             cache_bytes.add_metric([tier], getattr(cache, "nbytes", 0))
             cache_experts.add_metric([tier], len(cache) if cache is not None else 0)
@@ -131,8 +186,9 @@ class _StateCollector(Collector):
             evictions.add_metric([tier], getattr(cache, "evictions", 0))
         yield from (cache_bytes, cache_experts, budget, evictions)
 
-        peers = GaugeMetricFamily(PREFIX + "peers", "Live peers this node knows (not skipped after an error), by role.",
-                                  labels=["role"])  # fmt: skip
+        peers = GaugeMetricFamily(
+            PREFIX + "peers", "Live peers this node knows (not skipped after an error), by role.", labels=["role"]
+        )
         live = dict.fromkeys(ROLES, 0)
         errors = dict.fromkeys(PEER_ERROR_REASONS, 0)
         if src.peers is not None:
@@ -142,11 +198,14 @@ class _StateCollector(Collector):
             errors.update(dict(src.peers.errors))
         for role, n in live.items():
             peers.add_metric([role], n)
-        peer_errors = CounterMetricFamily(PREFIX + "peer_errors", "Peers skipped after a failure, by reason (a gRPC "
-                                          "status name, or wrong_size, bad_digest, bad_bytes, oversized for fetches; "
-                                          "compute_* and bad_output for remote execution; not_serving and health_* "
-                                          "for health checks).",
-                                          labels=["reason"])  # fmt: skip
+        peer_errors = CounterMetricFamily(
+            PREFIX + "peer_errors",
+            "Peers skipped after a failure, by reason (a gRPC "
+            "status name, or wrong_size, bad_digest, bad_bytes, oversized for fetches; "
+            "compute_* and bad_output for remote execution; not_serving and health_* "
+            "for health checks).",
+            labels=["reason"],
+        )
         for reason, n in errors.items():
             peer_errors.add_metric([reason], n)
         yield from (peers, peer_errors)
@@ -156,9 +215,11 @@ class _StateCollector(Collector):
             hub["retried"] += getattr(reader, "retries", 0)
             for reason, n in dict(getattr(reader, "errors", None) or {}).items():
                 hub[reason] = hub.get(reason, 0) + n
-        hub_errors = CounterMetricFamily(PREFIX + "hub_errors", "Hub range requests that failed, by reason "
-                                         "(retried: failed attempts that were retried with backoff).",
-                                         labels=["reason"])  # fmt: skip
+        hub_errors = CounterMetricFamily(
+            PREFIX + "hub_errors",
+            "Hub range requests that failed, by reason (retried: failed attempts that were retried with backoff).",
+            labels=["reason"],
+        )
         for reason, n in hub.items():
             hub_errors.add_metric([reason], n)
         yield hub_errors
@@ -174,36 +235,58 @@ class NodeMetrics:
     def __init__(self, src: MetricsSources):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_StateCollector(src))
-        self.tokens = Counter(PREFIX + "tokens_generated", "Tokens generated (sampled and returned; an end-of-sequence "
-                              "token is not counted).", registry=self.registry)  # fmt: skip
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens fed to the model.", registry=self.registry)
+        self.tokens = Counter(
+            PREFIX + "tokens_generated",
+            "Tokens generated (sampled and returned; an end-of-sequence token is not counted).",
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens fed to the model.", registry=self.registry
+        )
         self.generations = Counter(PREFIX + "generations", "Generations started.", registry=self.registry)
-        self.token_seconds = Histogram(PREFIX + "token_seconds", "Time per generated token: since the previous token, "
-                                       "or for the first one since the request (prefill included).",
-                                       buckets=TOKEN_BUCKETS_S, registry=self.registry)  # fmt: skip
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time from a request to its first token.",
-                              buckets=TTFT_BUCKETS_S, registry=self.registry)  # fmt: skip
-        self.fetch_seconds = Histogram(PREFIX + "expert_fetch_seconds", "Time to get one used expert from the tier "
-                                       "that answered (RAM: a lookup; disk, peer, hub: read, verify and decode).",
-                                       labelnames=["source"], buckets=FETCH_BUCKETS_S, registry=self.registry)  # fmt: skip
+        self.token_seconds = Histogram(
+            PREFIX + "token_seconds",
+            "Time per generated token: since the previous token, "
+            "or for the first one since the request (prefill included).",
+            buckets=TOKEN_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from a request to its first token.",
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.fetch_seconds = Histogram(
+            PREFIX + "expert_fetch_seconds",
+            "Time to get one used expert from the tier "
+            "that answered (RAM: a lookup; disk, peer, hub: read, verify and decode).",
+            labelnames=["source"],
+            buckets=FETCH_BUCKETS_S,
+            registry=self.registry,
+        )
         # every source has a series from the start; children kept, as a use is observed per expert
         self._fetch_by_source = {s: self.fetch_seconds.labels(s) for s in SOURCES}
         # Speculation's counters live in each Generator (a chat's), so the node sums them as they happen.
-        self.speculative_tokens = Counter(PREFIX + "speculative_tokens", "Speculative decoding: tokens drafted, and "
-                                          "drafted tokens the big model accepted (0 while speculation is off).",
-                                          labelnames=["outcome"], registry=self.registry)  # fmt: skip
+        self.speculative_tokens = Counter(
+            PREFIX + "speculative_tokens",
+            "Speculative decoding: tokens drafted, and "
+            "drafted tokens the big model accepted (0 while speculation is off).",
+            labelnames=["outcome"],
+            registry=self.registry,
+        )
         for o in SPECULATIVE_OUTCOMES:
             self.speculative_tokens.labels(o)
 
     @classmethod
-    def for_model(cls, sm, peers=None) -> "NodeMetrics":
+    def for_model(cls, sm, peers=None) -> NodeMetrics:
         """Metrics of a full node (or `run`): reads `sm`'s tiers and observes its generations."""
         metrics = cls(MetricsSources.of_model(sm, peers))
         metrics.attach_model(sm)
         return metrics
 
     @classmethod
-    def for_served(cls, experts, peers=None) -> "NodeMetrics":
+    def for_served(cls, experts, peers=None) -> NodeMetrics:
         """Metrics of a cache peer."""
         metrics = cls(MetricsSources.of_served(experts, peers))
         experts.stats.observer = metrics.observe_fetch
@@ -237,7 +320,7 @@ class NodeMetrics:
 
     # -- serving ------------------------------------------------------------------------------
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> "MetricsServer":
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
         """Serve `/metrics` with prometheus_client's own HTTP server; `port` 0 picks a free one.
 
         Raises:

@@ -32,8 +32,10 @@ class MetricsTarget:
 
 def targets_document(targets: list[MetricsTarget]) -> list[dict]:
     """The `file_sd` JSON of `targets`: one group per node, labelled with its id, role and cluster."""
-    return [{"targets": [t.address], "labels": {"node_id": t.node_id, "role": t.role, "cluster": t.cluster}}
-            for t in sorted(targets, key=lambda t: t.address)]  # fmt: skip
+    return [
+        {"targets": [t.address], "labels": {"node_id": t.node_id, "role": t.role, "cluster": t.cluster}}
+        for t in sorted(targets, key=lambda t: t.address)
+    ]
 
 
 def write_targets(path: Path, targets: list[MetricsTarget]) -> None:
@@ -77,8 +79,12 @@ class TargetsWatcher:
         if _text(props, "cluster") != self.cluster or not port.isdigit() or not 0 < int(port) < 65536:
             self._set(name, None)  # another cluster, or a node that serves no metrics
             return
-        target = MetricsTarget(f"{info.parsed_addresses()[0]}:{port}", _text(props, "node_id"),
-                               _text(props, "role") or "full", self.cluster)  # fmt: skip
+        target = MetricsTarget(
+            f"{info.parsed_addresses()[0]}:{port}",
+            _text(props, "node_id"),
+            _text(props, "role") or "full",
+            self.cluster,
+        )
         self._set(name, target)
 
     def _set(self, name: str, target: MetricsTarget | None) -> None:

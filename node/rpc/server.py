@@ -10,8 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
 from expertmesh.node.rpc.auth import SecretInterceptor
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # chunks are 1 MiB; anything far larger is a bad client
@@ -32,12 +32,20 @@ class RunningServer:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def start_node_server(servicer: node_pb2_grpc.NodeServicer, secret: str, host: str = "127.0.0.1", port: int = 0,
-                      max_workers: int = 16, tls: grpc.ServerCredentials | None = None) -> RunningServer:  # fmt: skip
+def start_node_server(
+    servicer: node_pb2_grpc.NodeServicer,
+    secret: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 16,
+    tls: grpc.ServerCredentials | None = None,
+) -> RunningServer:
     """Start serving; `port` 0 picks a free one (see `RunningServer.port`); `tls` from
     node/rpc/tls.py's `server_credentials`, or None for plain TCP."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]  # fmt: skip
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
     executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
     server = grpc.server(executor, interceptors=[SecretInterceptor(secret)], options=options)
     node_pb2_grpc.add_NodeServicer_to_server(servicer, server)

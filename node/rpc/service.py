@@ -16,16 +16,16 @@ from collections.abc import Iterator
 
 import grpc
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
-from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
-from expertmesh.node.store.integrity import sha256
-from expertmesh.node.store.store import SOURCES
-from expertmesh.node.errors import DownloadError, ExpertmeshError
 from expertmesh.node.devtools.link_emulation import LanEmulation
+from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.store.served import ServedExperts
 from expertmesh.node.engine.speculative import SpeculationConfig, SpeculationError, make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.errors import DownloadError, ExpertmeshError
+from expertmesh.node.store.integrity import sha256
+from expertmesh.node.store.served import ServedExperts
+from expertmesh.node.store.store import SOURCES
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,15 @@ def _version() -> str:
 class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
-    def __init__(self, sm: StreamedModel | None, node_id: str, experts: ServedExperts | None = None, peers=None,
-                 lan: LanEmulation | None = None, speculation: SpeculationConfig | None = None):  # fmt: skip
+    def __init__(
+        self,
+        sm: StreamedModel | None,
+        node_id: str,
+        experts: ServedExperts | None = None,
+        peers=None,
+        lan: LanEmulation | None = None,
+        speculation: SpeculationConfig | None = None,
+    ):
         """`lan` slows FetchExpert and ComputeExperts to an emulated household link (benchmarks).
         `speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
         cache cannot roll back generates without it (logged once, here)."""
@@ -94,16 +101,24 @@ class NodeService(node_pb2_grpc.NodeServicer):
             mlx_version = mx.__version__
         disk = self.experts.disk
         stats = self.experts.stats.snapshot()
-        return node_pb2.InfoResponse(node_id=self.node_id, role=self.role, models=[self._model_key()],
-                                     ram_budget_bytes=self.experts.ram_budget_bytes,
-                                     disk_budget_bytes=disk.budget_bytes, disk_used_bytes=disk.nbytes,
-                                     expertmesh_version=_version(), mlx_version=mlx_version,
-                                     protocol_version=PROTOCOL_VERSION,
-                                     live_peers=self.peers.live_count() if self.peers is not None else 0,
-                                     expert_uses=stats.uses, expert_bytes=stats.bytes,
-                                     generated_tokens=self._generated[0], generation_seconds=self._generated[1],
-                                     ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0,
-                                     compute=self.computer is not None)  # fmt: skip
+        return node_pb2.InfoResponse(
+            node_id=self.node_id,
+            role=self.role,
+            models=[self._model_key()],
+            ram_budget_bytes=self.experts.ram_budget_bytes,
+            disk_budget_bytes=disk.budget_bytes,
+            disk_used_bytes=disk.nbytes,
+            expertmesh_version=_version(),
+            mlx_version=mlx_version,
+            protocol_version=PROTOCOL_VERSION,
+            live_peers=self.peers.live_count() if self.peers is not None else 0,
+            expert_uses=stats.uses,
+            expert_bytes=stats.bytes,
+            generated_tokens=self._generated[0],
+            generation_seconds=self._generated[1],
+            ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0,
+            compute=self.computer is not None,
+        )
 
     def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
         self._check_model(request.model, context)
@@ -123,7 +138,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self._check_model(key.model, context)
         loc = self.experts.index.experts.get((key.layer, key.expert))
         if loc is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.experts.repo_id} has no expert {key.expert} in layer {key.layer}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.experts.repo_id} has no expert {key.expert} in layer {key.layer}",
+            )
         if request.keep_only:
             yield self._keep(loc, context)
             return
@@ -140,7 +158,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if self.lan is not None:
             self.lan.round_trip()
         for start in range(0, len(blob), CHUNK_BYTES):
-            chunk = node_pb2.ExpertChunk(data=bytes(view[start:start + CHUNK_BYTES]))
+            chunk = node_pb2.ExpertChunk(data=bytes(view[start : start + CHUNK_BYTES]))
             if self.lan is not None:
                 self.lan.send(len(chunk.data))
             if start == 0:
@@ -155,8 +173,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
         if not kept:
             disk = self.experts.disk
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"the disk budget is full ({disk.nbytes} of {disk.budget_bytes} bytes): warming never evicts")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the disk budget is full ({disk.nbytes} of {disk.budget_bytes} bytes): warming never evicts",
+            )
         return node_pb2.ExpertChunk(size=loc.nbytes, sha256=self.experts.digests.get((loc.layer, loc.expert)) or "")
 
     def ComputeExperts(self, request, context) -> node_pb2.ComputeExpertsResponse:
@@ -175,12 +195,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching an expert to compute failed: {e}")
         if lan is not None:
             lan.send(sum(len(e.rows.data) for e in result.outputs), activations=True)
-        return node_pb2.ComputeExpertsResponse(experts=result.outputs, missing=result.missing,
-                                               compute_seconds=result.seconds, queued=result.queued)  # fmt: skip
+        return node_pb2.ComputeExpertsResponse(
+            experts=result.outputs, missing=result.missing, compute_seconds=result.seconds, queued=result.queued
+        )
 
     def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
         if self.sm is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with"
+            )
         self._check_model(request.model, context, allow_empty_commit=True)
         chars = sum(len(m.content) for m in request.messages) if request.messages else len(request.prompt)
         if chars > MAX_PROMPT_CHARS or not chars:
@@ -188,19 +211,27 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if any(m.role not in CHAT_ROLES for m in request.messages):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message's role must be one of {', '.join(CHAT_ROLES)}")
         if request.max_tokens > MAX_TOKENS_LIMIT or request.temperature < 0 or not 0 <= request.top_p <= 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"max_tokens must be at most {MAX_TOKENS_LIMIT}, temperature ≥ 0 and top_p in [0, 1]")  # fmt: skip
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_tokens must be at most {MAX_TOKENS_LIMIT}, temperature ≥ 0 and top_p in [0, 1]",
+            )
         tok = self.sm.tokenizer
         if request.messages or request.chat:
-            messages = ([{"role": m.role, "content": m.content} for m in request.messages] if request.messages
-                        else [{"role": "user", "content": request.prompt}])  # fmt: skip
+            messages = (
+                [{"role": m.role, "content": m.content} for m in request.messages]
+                if request.messages
+                else [{"role": "user", "content": request.prompt}]
+            )
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tok.encode(text, add_special_tokens=False)
         else:
             ids = tok.encode(request.prompt)
-        settings = SamplingSettings(max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS, temp=request.temperature,
-                                    top_p=request.top_p if request.top_p > 0 else 1.0,
-                                    seed=request.seed if request.HasField("seed") else None)  # fmt: skip
+        settings = SamplingSettings(
+            max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
+            temp=request.temperature,
+            top_p=request.top_p if request.top_p > 0 else 1.0,
+            seed=request.seed if request.HasField("seed") else None,
+        )
         summary = GenerationSummary()
         with self._generate_lock:
             stats = self.sm.store.stats
@@ -210,9 +241,16 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 for t in generator.generate(ids, settings, lambda: not context.is_active(), summary):
                     now, t_now = stats.snapshot(), time.perf_counter()
                     d = _delta(now, last)
-                    yield node_pb2.GenerateEvent(token=node_pb2.TokenEvent(
-                        id=t.id, text=t.text, seconds=t_now - t_last, expert_uses=d[0], hub_bytes=d[1],
-                        prompt_tokens=summary.prompt_tokens if first else 0))  # fmt: skip
+                    yield node_pb2.GenerateEvent(
+                        token=node_pb2.TokenEvent(
+                            id=t.id,
+                            text=t.text,
+                            seconds=t_now - t_last,
+                            expert_uses=d[0],
+                            hub_bytes=d[1],
+                            prompt_tokens=summary.prompt_tokens if first else 0,
+                        )
+                    )
                     first = False
                     last, t_last = now, t_now
             except ContextLengthError as e:
@@ -225,14 +263,21 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self._generated[0] += summary.generated_tokens
                 self._generated[1] += summary.seconds
         spec = summary.speculation
-        yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(
-            prompt_tokens=summary.prompt_tokens, generated_tokens=summary.generated_tokens,
-            time_to_first_token_s=summary.time_to_first_token_s, seconds=summary.seconds,
-            stop_reason=summary.stop_reason, trailing_text=summary.trailing_text,
-            expert_uses={s: summary.experts.uses[s] for s in SOURCES},
-            expert_bytes={s: summary.experts.bytes[s] for s in SOURCES},
-            forward_passes=spec.passes if spec else 0, drafted_tokens=spec.drafted if spec else 0,
-            accepted_tokens=spec.accepted if spec else 0))  # fmt: skip
+        yield node_pb2.GenerateEvent(
+            done=node_pb2.GenerationDone(
+                prompt_tokens=summary.prompt_tokens,
+                generated_tokens=summary.generated_tokens,
+                time_to_first_token_s=summary.time_to_first_token_s,
+                seconds=summary.seconds,
+                stop_reason=summary.stop_reason,
+                trailing_text=summary.trailing_text,
+                expert_uses={s: summary.experts.uses[s] for s in SOURCES},
+                expert_bytes={s: summary.experts.bytes[s] for s in SOURCES},
+                forward_passes=spec.passes if spec else 0,
+                drafted_tokens=spec.drafted if spec else 0,
+                accepted_tokens=spec.accepted if spec else 0,
+            )
+        )
 
 
 def _delta(now, before) -> tuple[int, int]:

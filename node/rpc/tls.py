@@ -58,5 +58,8 @@ def open_channel(address: str, ca: bytes | None = None) -> grpc.Channel:
     """A channel to a node: TLS checked against `ca` for the household name, or plain TCP."""
     if ca is None:
         return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca),
-                               options=[*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME)])  # fmt: skip
+    return grpc.secure_channel(
+        address,
+        grpc.ssl_channel_credentials(root_certificates=ca),
+        options=[*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME)],
+    )

@@ -113,8 +113,9 @@ def _to_mx(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is None:
         raise UnsupportedModelError(f"expert tensors of dtype {dtype} are not supported yet")
-    a = mx.array(np.frombuffer(blob, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=offset)
-                 .reshape(shape))  # fmt: skip
+    a = mx.array(
+        np.frombuffer(blob, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=offset).reshape(shape)
+    )
     return a.view(mx.bfloat16) if dtype == "BF16" else a
 
 
@@ -130,8 +131,13 @@ class ExpertCodec:
             `gather_mm` takes only float32); None keeps the upstream dtype.
     """
 
-    def __init__(self, quantization: dict | None, block_paths: dict[int, str],
-                 input_dims: dict[int, dict[str, int]], dense_dtype: mx.Dtype | None = None):  # fmt: skip
+    def __init__(
+        self,
+        quantization: dict | None,
+        block_paths: dict[int, str],
+        input_dims: dict[int, dict[str, int]],
+        dense_dtype: mx.Dtype | None = None,
+    ):
         self.quantization = quantization or {}
         self.block_paths = block_paths
         self.input_dims = input_dims

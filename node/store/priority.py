@@ -39,7 +39,9 @@ class PriorityPool:
     def __init__(self, workers: int, name: str):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, workers))]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, workers))
+        ]
         for t in self._threads:
             t.start()
 

@@ -10,11 +10,11 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
 from expertmesh.node.errors import DownloadError
-from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
 from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex, ExpertLocation
+from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
 from expertmesh.node.store.store import ByteSource, StoreStats
+from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
 
 
 @dataclass
@@ -30,11 +30,19 @@ class ServedExperts:
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @classmethod
-    def of_model(cls, sm) -> "ServedExperts":
+    def of_model(cls, sm) -> ServedExperts:
         """A full node's: the same disk, digests and stats as its generation uses."""
         store = sm.store
-        return cls(sm.repo_id, sm.commit, sm.index, sm.disk, store.digests, [s for s in store.sources if s.name != "disk"],
-                   store.stats, store.ram.budget_bytes)  # fmt: skip
+        return cls(
+            sm.repo_id,
+            sm.commit,
+            sm.index,
+            sm.disk,
+            store.digests,
+            [s for s in store.sources if s.name != "disk"],
+            store.stats,
+            store.ram.budget_bytes,
+        )
 
     def held_copy(self, loc: ExpertLocation) -> bytes | None:
         """The disk copy if it matches its recorded digest (a bad one is deleted and counted)."""
@@ -105,8 +113,8 @@ def open_cache_peer(repo_id: str, revision: str | None, home: Path, disk_budget:
     import shutil
 
     from expertmesh.node.hub import local_models
-    from expertmesh.node.store.tiers.hub import HubSource
     from expertmesh.node.sizes import parse_budget
+    from expertmesh.node.store.tiers.hub import HubSource
 
     path = local_models.find_index(home, repo_id, revision)
     index = ExpertIndex.load(path / INDEX_FILENAME)

@@ -9,20 +9,21 @@ use is counted by the tier that answered it.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import threading
 import time
-import itertools
-import queue
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
-from expertmesh.node.store.policies import DEFAULT_POLICY, make_policy
 from expertmesh.node.errors import DownloadError
+from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, run_ranges
 from expertmesh.node.store.codec import ExpertCodec, ExpertWeights
 from expertmesh.node.store.integrity import DigestBook
-from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, run_ranges
+from expertmesh.node.store.policies import DEFAULT_POLICY, make_policy
 from expertmesh.node.store.priority import DEMAND, FILL, PREFETCH, fetching_as
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,15 @@ SOURCES = ("ram", "disk", "peer", "hub", "remote")
 PREFETCH_OUTCOMES = ("issued", "used", "wasted", "ready", "filled")
 # remote execution (node/household/remote_experts.py): calls made, activation bytes each way, and experts a
 # peer was asked for that were fetched and computed here instead, by why
-REMOTE_COUNTS = ("calls", "sent_bytes", "received_bytes", "fallback_error", "fallback_deadline",
-                 "fallback_bad_output", "fallback_missing")  # fmt: skip
+REMOTE_COUNTS = (
+    "calls",
+    "sent_bytes",
+    "received_bytes",
+    "fallback_error",
+    "fallback_deadline",
+    "fallback_bad_output",
+    "fallback_missing",
+)
 # queue priorities (node/store/priority.py): a guess never goes before a demand, a fill after both
 DEFAULT_FETCH_CONCURRENCY = 8
 CLOSE_TIMEOUT_S = 10.0
@@ -114,19 +122,27 @@ class StoreStats:
         if self.observer is not None:
             self.observer(source, nbytes, seconds)
 
-    def snapshot(self) -> "StoreStats":
+    def snapshot(self) -> StoreStats:
         with self._lock:
-            return StoreStats(dict(self.uses), dict(self.bytes), dict(self.fetch_seconds), dict(self.integrity_failures),
-                              dict(self.prefetch), dict(self.remote))  # fmt: skip
+            return StoreStats(
+                dict(self.uses),
+                dict(self.bytes),
+                dict(self.fetch_seconds),
+                dict(self.integrity_failures),
+                dict(self.prefetch),
+                dict(self.remote),
+            )
 
-    def since(self, before: "StoreStats") -> "StoreStats":
+    def since(self, before: StoreStats) -> StoreStats:
         now = self.snapshot()
-        return StoreStats({k: now.uses[k] - before.uses[k] for k in SOURCES},
-                          {k: now.bytes[k] - before.bytes[k] for k in SOURCES},
-                          {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES},
-                          {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES},
-                          {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES},
-                          {k: now.remote[k] - before.remote[k] for k in REMOTE_COUNTS})  # fmt: skip
+        return StoreStats(
+            {k: now.uses[k] - before.uses[k] for k in SOURCES},
+            {k: now.bytes[k] - before.bytes[k] for k in SOURCES},
+            {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES},
+            {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES},
+            {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES},
+            {k: now.remote[k] - before.remote[k] for k in REMOTE_COUNTS},
+        )
 
     @property
     def total_uses(self) -> int:
@@ -210,10 +226,19 @@ class ExpertStore:
             (set by the peers tier: only experts this node owns) may narrow it.
     """
 
-    def __init__(self, index: ExpertIndex, codec: ExpertCodec, ram: RamCache, sources: list[ByteSource],
-                 sinks: Iterable[ByteSink] = (), concurrency: int = DEFAULT_FETCH_CONCURRENCY,
-                 digests: DigestBook | None = None, prefetch: bool = True,
-                 fill_order: list[ExpertKey] | None = None, coalesce: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        index: ExpertIndex,
+        codec: ExpertCodec,
+        ram: RamCache,
+        sources: list[ByteSource],
+        sinks: Iterable[ByteSink] = (),
+        concurrency: int = DEFAULT_FETCH_CONCURRENCY,
+        digests: DigestBook | None = None,
+        prefetch: bool = True,
+        fill_order: list[ExpertKey] | None = None,
+        coalesce: bool = True,
+    ):
         self.index = index
         self.digests = digests
         self.trace = None  # a TraceWriter (node/observability/routing_trace.py) records every call when set
@@ -237,8 +262,9 @@ class ExpertStore:
         self._paused_calls = 0  # prefetch pauses for this many layer calls after poor guesses
         self._running_demands = 0
         self._lock = threading.Lock()
-        self._workers = [threading.Thread(target=self._work, name=f"expert-fetch-{i}", daemon=True)
-                         for i in range(self._concurrency)]  # fmt: skip
+        self._workers = [
+            threading.Thread(target=self._work, name=f"expert-fetch-{i}", daemon=True) for i in range(self._concurrency)
+        ]
         self._fill_order = list(fill_order or [])
         self._fill_next = 0
         self._fill_reserved = 0  # bytes of fills in flight, counted against the disk's free room
@@ -248,15 +274,18 @@ class ExpertStore:
         self._fill_wake = threading.Event()
         self._closing = False
         if self._fill_order and self.sinks:
-            self._workers += [threading.Thread(target=self._fill_loop, name=f"expert-fill-{i}", daemon=True)
-                              for i in range(self._concurrency)]  # fmt: skip
+            self._workers += [
+                threading.Thread(target=self._fill_loop, name=f"expert-fill-{i}", daemon=True)
+                for i in range(self._concurrency)
+            ]
         for w in self._workers:
             w.start()
 
     # -- demand -------------------------------------------------------------------------------
 
-    def get_layer(self, layer: int, experts: Iterable[int],
-                  guess: tuple[int, Iterable[int]] | None = None, record: bool = True) -> dict[int, ExpertWeights]:  # fmt: skip
+    def get_layer(
+        self, layer: int, experts: Iterable[int], guess: tuple[int, Iterable[int]] | None = None, record: bool = True
+    ) -> dict[int, ExpertWeights]:
         """The given experts of `layer`, fetching the ones not in RAM concurrently.
 
         `guess` = (next layer, its likely experts) is prefetched behind this layer's demands.
@@ -315,7 +344,10 @@ class ExpertStore:
             if key in self.ram:
                 continue
             with self._lock:
-                if len(self._prefetching) >= budget or self._queued_demands + len(self._prefetching) >= self._concurrency:
+                if (
+                    len(self._prefetching) >= budget
+                    or self._queued_demands + len(self._prefetching) >= self._concurrency
+                ):
                     return  # the guesses' share of the workers is taken, or demands need every worker
                 if key in self._inflight or key in self._staged:
                     continue
@@ -365,8 +397,11 @@ class ExpertStore:
         if source is not None and len(experts) > source.connections:
             runs: list[list[ExpertKey]] = []
             with self._lock:
-                wanted = [(layer, e) for e in sorted(experts)
-                          if (layer, e) not in self._inflight and not any((layer, e) in sink for sink in self.sinks)]  # fmt: skip
+                wanted = [
+                    (layer, e)
+                    for e in sorted(experts)
+                    if (layer, e) not in self._inflight and not any((layer, e) in sink for sink in self.sinks)
+                ]
                 longest = -(-len(wanted) // source.connections)
                 for key in wanted:
                     if runs and runs[-1][-1] == (layer, key[1] - 1) and len(runs[-1]) < longest:

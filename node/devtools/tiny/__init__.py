@@ -8,8 +8,8 @@ routing is not trivial. `mlx_lm.load` loads every one of them; that is the oracl
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from expertmesh.node.devtools.tiny import deepseek_v3, kimi_k3, mlx_converted, qwen3_moe
 

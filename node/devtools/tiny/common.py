@@ -7,10 +7,10 @@ architecture expects; each layout then renames and packs them the way its upstre
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -72,15 +72,21 @@ def config() -> dict:
             "config_groups": {
                 "group_0": {
                     "targets": ["Linear"],
-                    "weights": {"num_bits": 4, "type": "int", "symmetric": True, "group_size": GROUP_SIZE,
-                                "strategy": "group", "dynamic": False},
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "group_size": GROUP_SIZE,
+                        "strategy": "group",
+                        "dynamic": False,
+                    },
                     "input_activations": None,
                     "output_activations": None,
                 }
             },
             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
         },
-    }  # fmt: skip
+    }
 
 
 def pack_int4(w: mx.array) -> tuple[np.ndarray, mx.array]:
@@ -94,7 +100,7 @@ def pack_int4(w: mx.array) -> tuple[np.ndarray, mx.array]:
     q = q.reshape(out_dims, in_dims // 8, 8)
     packed = np.zeros((out_dims, in_dims // 8), dtype=np.uint32)
     for i in range(8):
-        packed |= (q[..., i].astype(np.uint32) << np.uint32(4 * i))
+        packed |= q[..., i].astype(np.uint32) << np.uint32(4 * i)
     return packed.view(np.int32), scales
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -134,8 +134,15 @@ class _RoutingRecorder(nn.Module):
         from mlx_lm.models.kimi_k3 import _group_expert_select
 
         a = self.moe.args
-        inds, _ = _group_expert_select(self.moe.gate(x), self.moe.e_score_correction_bias, a.num_experts_per_token,
-                                       a.num_expert_group, a.topk_group, a.routed_scaling_factor, a.moe_renormalize)  # fmt: skip
+        inds, _ = _group_expert_select(
+            self.moe.gate(x),
+            self.moe.e_score_correction_bias,
+            a.num_experts_per_token,
+            a.num_expert_group,
+            a.topk_group,
+            a.routed_scaling_factor,
+            a.moe_renormalize,
+        )
         self._sink.append(inds)
         return self.moe(x)
 

@@ -92,20 +92,34 @@ def config() -> dict:
             "config_groups": {
                 "group_0": {
                     "targets": ["Linear"],
-                    "weights": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group",
-                                "symmetric": True, "scale_dtype": "uint8"},
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "group_size": 32,
+                        "strategy": "group",
+                        "symmetric": True,
+                        "scale_dtype": "uint8",
+                    },
                     "input_activations": None,
                 }
             },
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
-                       "re:.*block_sparse_moe\\.gate$", "re:.*routed_expert.*"],
+            "ignore": [
+                "lm_head",
+                "re:.*self_attn.*",
+                "re:.*shared_experts.*",
+                "re:.*mlp\\.(gate|up|down)_proj.*",
+                "re:.*block_sparse_moe\\.gate$",
+                "re:.*routed_expert.*",
+            ],
         },
-    }  # fmt: skip
+    }
 
 
 def _upstream_name(name: str) -> str:
     """mlx-lm's name of a core tensor -> the upstream checkpoint's name."""
-    name = re.sub(r"\.mlp\.(?=gate\.|e_score_correction_bias|shared_experts\.|routed_expert_)", ".block_sparse_moe.", name)
+    name = re.sub(
+        r"\.mlp\.(?=gate\.|e_score_correction_bias|shared_experts\.|routed_expert_)", ".block_sparse_moe.", name
+    )
     name = name.replace("block_sparse_moe.e_score_correction_bias", "block_sparse_moe.gate.e_score_correction_bias")
     for res in ("self_attention_res", "mlp_res", "output_attn_res"):
         name = name.replace(f"{res}_proj.weight", f"{res}.proj_weight")
@@ -118,11 +132,15 @@ def _core_tensors(name: str, a: mx.array, params: dict[str, mx.array]) -> list[T
     dtype = mx.float32 if any(s in name for s in _FP32) else mx.bfloat16
     upstream = _upstream_name(name)
     if name.endswith("qkv_proj.weight"):
-        return [tensor(upstream.replace("qkv_proj", f"{p}_proj"), w.astype(dtype))
-                for p, w in zip("qkv", mx.split(a, 3, axis=0))]  # fmt: skip
+        return [
+            tensor(upstream.replace("qkv_proj", f"{p}_proj"), w.astype(dtype))
+            for p, w in zip("qkv", mx.split(a, 3, axis=0))
+        ]
     if name.endswith("qkv_conv.conv.weight"):  # (3P, K, 1) -> three upstream (P, 1, K)
-        return [tensor(upstream.replace("qkv_conv.conv", f"{p}_conv1d"), w.moveaxis(2, 1).astype(dtype))
-                for p, w in zip("qkv", mx.split(a, 3, axis=0))]  # fmt: skip
+        return [
+            tensor(upstream.replace("qkv_conv.conv", f"{p}_conv1d"), w.moveaxis(2, 1).astype(dtype))
+            for p, w in zip("qkv", mx.split(a, 3, axis=0))
+        ]
     if name.endswith("A_log"):
         return [tensor(upstream, a.reshape(1, 1, -1, 1).astype(dtype))]
     if name.endswith("embed_q.weight"):
@@ -159,15 +177,21 @@ def build_wide(out: Path, seed: int, hidden_size: int = 768) -> None:
     """A wider tiny Kimi K3 (same layers, experts and layout) whose compute is no longer
     dwarfed by per-layer fixed costs: benchmarks compare engines on it."""
     cfg = config()
-    cfg["text_config"].update(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                              moe_intermediate_size=hidden_size, routed_expert_hidden_size=hidden_size // 2)  # fmt: skip
+    cfg["text_config"].update(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size,
+        routed_expert_hidden_size=hidden_size // 2,
+    )
     _build(out, cfg, seed, f"layout of moonshotai/Kimi-K3 (mxfp4 experts), hidden size {hidden_size}.")
 
 
 def _build(out: Path, cfg: dict, seed: int, note: str) -> None:
     params = {k.removeprefix("language_model."): v for k, v in init_parameters(cfg, seed).items()}
     first_moe = cfg["text_config"]["first_k_dense_replace"]
-    write_layered_repo(out, params, NUM_LAYERS, list(range(first_moe, NUM_LAYERS)), _core_tensors, _expert_tensors, seed)
+    write_layered_repo(
+        out, params, NUM_LAYERS, list(range(first_moe, NUM_LAYERS)), _core_tensors, _expert_tensors, seed
+    )
     write_json(out / "config.json", cfg)
     write_generation_config(out, write_tokenizer_files(out, VOCAB_SIZE))
     write_readme(out, "kimi_k3", seed, note)

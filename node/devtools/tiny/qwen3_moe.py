@@ -55,7 +55,9 @@ def _core_tensors(name: str, a: mx.array, params: dict[str, mx.array]) -> list[T
 
 def _expert_tensors(params: dict[str, mx.array], layer: int) -> list[Tensor]:
     base = f"model.layers.{layer}.mlp"
-    stacked = {p: params[f"{base}.switch_mlp.{p}.weight"].astype(mx.bfloat16) for p in ("down_proj", "gate_proj", "up_proj")}
+    stacked = {
+        p: params[f"{base}.switch_mlp.{p}.weight"].astype(mx.bfloat16) for p in ("down_proj", "gate_proj", "up_proj")
+    }
     return [tensor(f"{base}.experts.{e}.{p}.weight", w[e]) for e in range(NUM_EXPERTS) for p, w in stacked.items()]
 
 

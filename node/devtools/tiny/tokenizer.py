@@ -7,8 +7,8 @@ built-in text. Byte-level means every string round-trips, which the equality tes
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -24,8 +24,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from expertmesh.node.hub import local_models
-from expertmesh.node.store.integrity import DigestBook
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.store.integrity import DigestBook
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,11 @@ class DiskCache:
                     continue
                 key = (int(path.parent.name), int(path.stem))
                 st = path.stat()
-                if (key not in self.index.experts or st.st_size != self.index.expert(*key).nbytes
-                        or not self.digests.persisted(key)):  # fmt: skip
+                if (
+                    key not in self.index.experts
+                    or st.st_size != self.index.expert(*key).nbytes
+                    or not self.digests.persisted(key)
+                ):
                     path.unlink()
                     continue
                 found.append((st.st_mtime, key, st.st_size))

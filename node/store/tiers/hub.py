@@ -19,8 +19,8 @@ import threading
 
 from expertmesh.node import constants
 from expertmesh.node.errors import DownloadError
-from expertmesh.node.store.priority import PriorityPool
 from expertmesh.node.hub.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
+from expertmesh.node.store.priority import PriorityPool
 
 # Half again as many connections as the link has per-connection shares (K3's home link: 100 MB/s,
 # 12.5 per connection), because each request idles its connection for the first byte: cold, the
@@ -53,9 +53,14 @@ def split_ranges(ranges: list[ByteRange], pieces: int, min_piece_bytes: int) -> 
 class HubSource:
     name = "hub"
 
-    def __init__(self, index: ExpertIndex, reader=None, connections: int = DEFAULT_CONNECTIONS,
-                 pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
-                 min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES):  # fmt: skip
+    def __init__(
+        self,
+        index: ExpertIndex,
+        reader=None,
+        connections: int = DEFAULT_CONNECTIONS,
+        pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
+        min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
+    ):
         from expertmesh.node.hub.client import RangeReader
 
         self.index = index
@@ -82,8 +87,10 @@ class HubSource:
                 return self._read(pieces[0])
             return b"".join(f.result() for f in [self._pool.submit(self._read, p) for p in pieces])
         except DownloadError as e:
-            raise DownloadError(f"expert {loc.expert} of layer {loc.layer} from the Hub at {self.reader.endpoint}: {e}; "
-                                "what was fetched is cached, so running again continues") from None  # fmt: skip
+            raise DownloadError(
+                f"expert {loc.expert} of layer {loc.layer} from the Hub at {self.reader.endpoint}: {e}; "
+                "what was fetched is cached, so running again continues"
+            ) from None
 
     @property
     def run_bytes(self) -> int:
@@ -103,8 +110,10 @@ class HubSource:
                 parts = [f.result() for f in [self._pool.submit(self._read, p) for p in pieces]]
         except DownloadError as e:
             first, last = locs[0], locs[-1]
-            raise DownloadError(f"experts {first.expert}-{last.expert} of layer {first.layer} from the Hub at "
-                                f"{self.reader.endpoint}: {e}") from None  # fmt: skip
+            raise DownloadError(
+                f"experts {first.expert}-{last.expert} of layer {first.layer} from the Hub at "
+                f"{self.reader.endpoint}: {e}"
+            ) from None
         data = {}  # merged range -> its bytes (split_ranges keeps a range's pieces in order)
         for m in merged:
             chunk = []
@@ -122,4 +131,3 @@ class HubSource:
 
     def close(self) -> None:
         self._pool.shutdown()
-

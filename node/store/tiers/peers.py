@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from expertmesh.v1 import node_pb2, node_pb2_grpc
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.rpc.auth import call_metadata
 from expertmesh.node.rpc.tls import open_channel
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,9 @@ class PeerTable:
         with self._lock:
             self.errors[reason] += 1
             peer.skip_until = time.monotonic() + SKIP_AFTER_ERROR_S
-        logger.warning("peer %s (%s): %s; skipping it for %.0f s", peer.node_id, peer.address, reason, SKIP_AFTER_ERROR_S)
+        logger.warning(
+            "peer %s (%s): %s; skipping it for %.0f s", peer.node_id, peer.address, reason, SKIP_AFTER_ERROR_S
+        )
 
     def ranked(self, key: str) -> list[Peer | None]:
         """Live peers by rendezvous score for `key`, best first; None stands for this node."""
@@ -118,8 +120,9 @@ class PeerTable:
 def describe_peer(address: str, secret: str, tls_ca: bytes | None = None) -> Peer:
     """Ask a node at `address` who it is (for a static `--peer`)."""
     with open_channel(address, tls_ca) as channel:
-        info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(secret),
-                                                    timeout=INFO_DEADLINE_S)  # fmt: skip
+        info = node_pb2_grpc.NodeStub(channel).Info(
+            node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=INFO_DEADLINE_S
+        )
     return Peer(info.node_id, address, float(info.disk_budget_bytes), info.role, compute=info.compute)
 
 
@@ -128,8 +131,14 @@ class PeerSource:
 
     name = "peer"
 
-    def __init__(self, index: ExpertIndex, table: PeerTable, secret: str, deadline_s: float = FETCH_DEADLINE_S,
-                 tls_ca: bytes | None = None):  # fmt: skip
+    def __init__(
+        self,
+        index: ExpertIndex,
+        table: PeerTable,
+        secret: str,
+        deadline_s: float = FETCH_DEADLINE_S,
+        tls_ca: bytes | None = None,
+    ):
         self.index = index
         self.tls_ca = tls_ca
         self.table = table
@@ -168,8 +177,11 @@ class PeerSource:
         if known is None or now - known[0] > INVENTORY_TTL_S:
             model = node_pb2.ModelKey(repo_id=self.index.repo_id, commit=self.index.commit)
             try:
-                inv = self._stub(peer.address).GetInventory(node_pb2.InventoryRequest(model=model), metadata=self._metadata,
-                                                            timeout=min(timeout, INFO_DEADLINE_S))  # fmt: skip
+                inv = self._stub(peer.address).GetInventory(
+                    node_pb2.InventoryRequest(model=model),
+                    metadata=self._metadata,
+                    timeout=min(timeout, INFO_DEADLINE_S),
+                )
             except grpc.RpcError:
                 return None
             known = (now, inventory_keys(inv))
@@ -221,9 +233,13 @@ class PeerSource:
 
     def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> bytes | None:
         request = node_pb2.FetchExpertRequest(
-            key=node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id=self.index.repo_id, commit=self.index.commit),
-                                   layer=loc.layer, expert=loc.expert),
-            fetch_on_miss=owner)  # fmt: skip
+            key=node_pb2.ExpertKey(
+                model=node_pb2.ModelKey(repo_id=self.index.repo_id, commit=self.index.commit),
+                layer=loc.layer,
+                expert=loc.expert,
+            ),
+            fetch_on_miss=owner,
+        )
         t0 = time.perf_counter()
         try:
             parts, size, digest = [], None, None
@@ -265,8 +281,11 @@ class PeerSource:
                 if channel is None:
                     channel = self._channels[peer.address] = open_channel(peer.address, self.tls_ca)
             try:
-                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                                   timeout=HEALTH_DEADLINE_S).status  # fmt: skip
+                status = (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_DEADLINE_S)
+                    .status
+                )
             except grpc.RpcError as e:
                 if peer.live:
                     self.table.penalise(peer, f"health_{e.code().name.lower()}")
@@ -282,11 +301,12 @@ class PeerSource:
 
     def start_health_checks(self, every_s: float = HEALTH_EVERY_S) -> None:
         """Check every peer's health every `every_s` seconds until `close`."""
+
         def loop() -> None:
             while not self._stop.wait(every_s):
                 try:
                     self.check_health()
-                except Exception:  # noqa: BLE001 - a prober must never die of one bad round
+                except Exception:  # a prober must never die of one bad round
                     logger.exception("peer health check failed")
 
         self._prober = threading.Thread(target=loop, name="peer-health", daemon=True)
@@ -321,8 +341,10 @@ def attach_peers(sm, addresses: list[str], secret: str, node_id: str, tls_ca: by
         try:
             table.add(describe_peer(address, secret, tls_ca))
         except grpc.RpcError as e:
-            raise EndpointUnreachableError(f"peer {address} did not answer Info ({e.code().name.lower()}): "
-                                           "is it running, and is the household secret the same?") from None  # fmt: skip
+            raise EndpointUnreachableError(
+                f"peer {address} did not answer Info ({e.code().name.lower()}): "
+                "is it running, and is the household secret the same?"
+            ) from None
     source = PeerSource(sm.index, table, secret, tls_ca=tls_ca)
     source.start_health_checks()
     hub_at = next(i for i, s in enumerate(sm.store.sources) if s.name == "hub")
