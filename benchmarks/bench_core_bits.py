@@ -23,10 +23,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model, windows
 from expertmesh.node.engine.core_quantization import core_parameter_bytes
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -46,10 +47,10 @@ def run(n_windows: int) -> dict:
             for bits in (16, 8):
                 r = pull(REPO_ID, home=work / f"h{bits}", progress=False, core_bits=bits)
                 models[bits] = (
-                    open_model(REPO_ID, home=work / f"h{bits}", store_config=StoreConfig(ram_budget="100%")),
+                    open_model(REPO_ID, home=work / f"h{bits}", store=StoreConfig(ram_budget="100%")),
                     r,
                 )
-            f32 = open_model(REPO_ID, home=work / "h16", store_config=StoreConfig(ram_budget="100%"))
+            f32 = open_model(REPO_ID, home=work / "h16", store=StoreConfig(ram_budget="100%"))
             f32.model.set_dtype(mx.float32)  # the noise floor: the same BF16 weights computed in float32
             tok = models[16][0].tokenizer
             text = (DEMO_DIR / HELDOUT_FILE).read_text()

@@ -21,10 +21,11 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny import make_tiny_model
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -59,7 +60,7 @@ def main() -> None:
     repo = make_tiny_model(work / "hub" / repo_id, args.arch, seed=0)
     with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
         pull(repo_id, home=work / "home", progress=False)
-        sm = open_model(repo_id, home=work / "home", store_config=StoreConfig(ram_budget="2GB"))
+        sm = open_model(repo_id, home=work / "home", store=StoreConfig(ram_budget="2GB"))
         ids = sm.tokenizer.encode(PROMPT)
         gen = Generator(sm)
 

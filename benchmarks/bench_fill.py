@@ -20,29 +20,30 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings, _bench_repo, _run_prompts
 from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.store import store as expert_store
+from expertmesh.node.store import fill as idle_fill
 from expertmesh.node.store.tiers.hub import DEFAULT_MIN_PIECE_BYTES
 
-CONFIGS = {"off": (False, 1), "one": (True, 1), "runs": (True, expert_store.FILL_RUN_MAX)}  # fill, run
+CONFIGS = {"off": (False, 1), "one": (True, 1), "runs": (True, idle_fill.FILL_RUN_MAX)}  # fill, run
 
 
 def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tuple[float, float, float, float]]]:
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-fill-"))
     results: dict[str, list[tuple[float, float, float, float]]] = {}
-    run_max = expert_store.FILL_RUN_MAX
+    run_max = idle_fill.FILL_RUN_MAX
     try:
         repo = _bench_repo("demo", work / "hub")
         with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
             for name, (fill, fill_run) in CONFIGS.items():
-                expert_store.FILL_RUN_MAX = fill_run
+                idle_fill.FILL_RUN_MAX = fill_run
                 home = work / name
                 pull(repo, home=home, progress=False)
-                probe = open_model(repo, home=home, store_config=StoreConfig(fill=False))
+                probe = open_model(repo, home=home, store=StoreConfig(fill=False))
                 index, tok = probe.index, probe.tokenizer
                 probe.close()
                 expert_bytes = max(loc.nbytes for loc in index.experts.values())
@@ -53,7 +54,7 @@ def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tupl
                     fill=fill,
                     hub_min_piece_bytes=int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for),
                 )
-                sm = open_model(repo, home=home, store_config=cfg)
+                sm = open_model(repo, home=home, store=cfg)
                 summaries = _run_prompts(sm, [tok.encode(p) for p in PROMPTS], tokens, hub.bytes_served)
                 rows = []
                 for s in summaries:
@@ -75,7 +76,7 @@ def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tupl
                 sm.close()
                 hub.knobs = HubKnobs()
     finally:
-        expert_store.FILL_RUN_MAX = run_max
+        idle_fill.FILL_RUN_MAX = run_max
         shutil.rmtree(work, ignore_errors=True)
     return results
 

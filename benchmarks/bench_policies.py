@@ -19,10 +19,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.observability.routing_trace import Trace, read_trace, replay
@@ -68,7 +69,7 @@ def main() -> None:
     trace_path = work / "trace.jsonl"
     with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
         pull(REPO_ID, home=work / "home", progress=False)
-        sm = open_model(REPO_ID, home=work / "home", store_config=StoreConfig(trace_path=trace_path, prefetch=False))
+        sm = open_model(REPO_ID, home=work / "home", store=StoreConfig(trace_path=trace_path, prefetch=False))
         gen = Generator(sm)
         for i, doc in enumerate(docs[: args.prompts]):
             prompt = " ".join(doc.split()[:6])

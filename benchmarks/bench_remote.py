@@ -28,21 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertmesh.node.assembly import build_node, open_model
+from expertmesh.node.config import HouseholdConfig, NodeConfig, RemoteConfig, RpcConfig, StoreConfig
 from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings
-from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.devtools.link_emulation import LanInterceptor, k3_lan
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
-from expertmesh.node.engine.blocks import streaming_blocks
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.household.remote_experts import RemoteConfig, attach_remote_experts
 from expertmesh.node.household.warm import describe_nodes, warm, warm_order
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
 from expertmesh.node.sizes import format_size
-from expertmesh.node.store.tiers.peers import attach_peers
 
 SECRET = "bench-remote"
 K3_HUB = 12.5e6
@@ -92,9 +88,9 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
             for name in ("p1", "p2", "remote", "fetch", "alone"):
                 pull(REPO_ID, home=work / name, progress=False)
                 homes[name] = work / name
-            probe = open_model(REPO_ID, home=homes["p1"], store_config=StoreConfig(prefetch=False))
+            probe = open_model(REPO_ID, home=homes["p1"], store=StoreConfig(prefetch=False))
             index, tokenizer = probe.index, probe.tokenizer
-            block = streaming_blocks(probe.model)[0]
+            block = probe.blocks[0]
             row_bytes = block.input_width * 4  # float32 on the CPU
             probe.close()
             expert_bytes = max(loc.nbytes for loc in index.experts.values())
@@ -114,10 +110,17 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
 
             peers = []
             for name in ("p1", "p2"):
-                sm = open_model(REPO_ID, home=homes[name], store_config=StoreConfig(prefetch=False))
-                running = start_node_server(NodeService(sm, name, lan=lan), SECRET, port=0)
-                closers += [running.stop, sm.close]
-                peers.append(f"127.0.0.1:{running.port}")
+                config = NodeConfig(
+                    REPO_ID,
+                    home=homes[name],
+                    node_id=name,
+                    store=StoreConfig(prefetch=False),
+                    household=HouseholdConfig(secret=SECRET),
+                    rpc=RpcConfig(host="127.0.0.1", port=0),
+                )
+                node = build_node(config, interceptors=[LanInterceptor(lan)]).start()
+                closers.append(node.close)
+                peers.append(node.rpc.address)
             t0 = time.perf_counter()
             nodes, _ = describe_nodes(peers, index, SECRET)
             kept = warm(index, nodes, SECRET)
@@ -130,7 +133,7 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
             alone = open_model(
                 REPO_ID,
                 home=homes["alone"],
-                store_config=StoreConfig(prefetch=False, disk_budget=str(len(third) * expert_bytes)),
+                store=StoreConfig(prefetch=False, disk_budget=str(len(third) * expert_bytes)),
             )
             for layer in index.moe_layers:
                 alone.store.get_layer(layer, [e for lay, e in third if lay == layer])
@@ -143,13 +146,12 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
                 cfg = StoreConfig(
                     ram_budget=ram, disk_budget="0" if name != "alone" else str(len(third) * expert_bytes)
                 )
-                sm = open_model(REPO_ID, home=homes[name], store_config=cfg)
-                if name != "alone":
-                    source = attach_peers(sm, peers, SECRET, node_id=f"n-{name}")
-                    if name == "remote":
-                        attach_remote_experts(
-                            sm, source, RemoteConfig(lan_bandwidth=lan.bandwidth)
-                        )  # the LAN as "gigabit"
+                household = None
+                if name != "alone":  # "remote" takes the LAN as gigabit; "fetch" never runs experts on peers
+                    remote = RemoteConfig(lan_bandwidth=lan.bandwidth) if name == "remote" else None
+                    household = HouseholdConfig(secret=SECRET, peers=peers, remote=remote)
+                config = NodeConfig(REPO_ID, home=homes[name], node_id=f"n-{name}", store=cfg, household=household)
+                sm = build_node(config).start().model
                 progress(f"  {name} ...")
                 _generate(sm, [tokenizer.encode(WARM_UP)], 4)  # connections made, kernels compiled, estimates measured
                 t0 = time.perf_counter()

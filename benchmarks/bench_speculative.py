@@ -10,8 +10,8 @@ prose) it measures, greedy, every expert already in RAM:
     count): speculation is not expected to save these;
   - whether the output equals the plain path's (greedy, it must, up to ties: the demo's core
     runs in bf16 here, where a pass of k tokens and k passes of one round differently, so a
-    top-2 gap of one bf16 step can flip; the draft model on `- alpha` meets one at token 10,
-    gap 0.03, and in float32 every output is the plain path's, as tests/test_speculative.py says).
+    top-2 gap of one bf16 step can flip (docs/benchmarks.md records where it did); in float32
+    every output is the plain path's, as tests/test_speculative.py says).
 Every prompt generates `--tokens` tokens (end-of-text is ignored unless `--stop-at-eos`): a
 tiny greedy model then falls into loops, which flatters n-grams on prose too; the first tokens,
 before any loop, are in `--stop-at-eos`'s run. `draft` drafts with the demo's draft model
@@ -33,11 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import SpeculationConfig, StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny.demo_model import DRAFT_DIR, REPO_ID, make_demo_model
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.speculative import SpeculationConfig
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -97,7 +97,7 @@ def run(tokens: int, pass_cost_ms: float, modes: list[str], ignore_eos: bool = T
         repo_dir = make_demo_model(work / "hub" / REPO_ID)
         with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
             pull(REPO_ID, home=work / "home", progress=False)
-            sm = open_model(REPO_ID, home=work / "home", store_config=StoreConfig(ram_budget="100%", prefetch=False))
+            sm = open_model(REPO_ID, home=work / "home", store=StoreConfig(ram_budget="100%", prefetch=False))
             try:
                 if ignore_eos:  # the greedy demo ends most answers within a few tokens
                     sm.tokenizer.eos_token_ids = set()

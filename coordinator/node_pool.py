@@ -24,7 +24,7 @@ class NodePool:
     @classmethod
     def following(cls, static: list[str], table) -> NodePool:
         """`static` plus the live full nodes of a PeerTable."""
-        return cls(static, lambda: [p.address for p in list(table.peers.values()) if p.role == "full" and p.live])
+        return cls(static, table.full_addresses)
 
     def addresses(self) -> list[str]:
         seen: dict[str, None] = dict.fromkeys(self.static)

@@ -31,9 +31,8 @@ from expertmesh.coordinator.api_metrics import ApiMetrics
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.request_queue import QueueFull, RequestQueue
 from expertmesh.coordinator.stop_sequences import StopScanner
-from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.tls import open_channel
-from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.rpc.client import NodeClient
+from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -210,37 +209,21 @@ class Coordinator:
         self.pool = pool
         self.queue = RequestQueue(lambda: len(pool.addresses()), config.max_waiting)
         self.metrics = ApiMetrics(self.queue.depth)
-        self._channels: dict[str, grpc.Channel] = {}
+        self._clients: dict[str, NodeClient] = {}
         self._lock = threading.Lock()
 
-    def _channel(self, address: str) -> grpc.Channel:
-        """One channel per node, kept open: a request then costs no connection set-up."""
+    def _client(self, address: str) -> NodeClient:
+        """One client per node, kept open: a request then costs no connection set-up."""
         with self._lock:
-            if address not in self._channels:
-                self._channels[address] = open_channel(address, self.config.tls_ca)
-            return self._channels[address]
-
-    def _stub(self, address: str) -> node_pb2_grpc.NodeStub:
-        return node_pb2_grpc.NodeStub(self._channel(address))
+            if address not in self._clients:
+                self._clients[address] = NodeClient(address, self.config.secret, self.config.tls_ca)
+            return self._clients[address]
 
     def healthy_nodes(self) -> list[str]:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        up = []
-        for address in self.pool.addresses():
-            try:
-                r = health_pb2_grpc.HealthStub(self._channel(address)).Check(
-                    health_pb2.HealthCheckRequest(), timeout=HEALTH_DEADLINE_S
-                )
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    up.append(address)
-            except grpc.RpcError:
-                pass
-        return up
+        return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
 
     def generate(self, ask: Ask, usage: dict):
         """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive."""
-        metadata = call_metadata(self.config.secret)
         tried: set[str] = set()
         with self.queue.slot():
             while True:
@@ -254,7 +237,7 @@ class Coordinator:
                 address = candidates[0]
                 tried.add(address)
                 with self.pool.using(address):
-                    call = self._stub(address).Generate(_request(ask), metadata=metadata, timeout=GENERATE_DEADLINE_S)
+                    call = self._client(address).generate(_request(ask), GENERATE_DEADLINE_S)
                     scanner = StopScanner(ask.stop)
                     started = False
                     try:
@@ -305,9 +288,9 @@ class Coordinator:
 
     def close(self) -> None:
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -488,7 +471,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class OpenAIServer:
-    """The API on `host:port` (port 0 picks a free one), served from a background thread."""
+    """The API on `host:port` (port 0 picks a free one), served from a background thread once started."""
 
     def __init__(self, coordinator: Coordinator, host: str = "127.0.0.1", port: int = 8000):
         handler = type("Handler", (_Handler,), {"coordinator": coordinator})
@@ -497,13 +480,18 @@ class OpenAIServer:
         self.httpd.daemon_threads = True
         self.host, self.port = host, self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="openai-api", daemon=True)
+
+    def start(self) -> OpenAIServer:
+        """Serve from a background thread (the socket is bound already, so the port is known)."""
         self._thread.start()
+        return self
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        if self._thread.is_alive():
+            self.httpd.shutdown()
         self.httpd.server_close()
         self.coordinator.close()

@@ -8,45 +8,17 @@ the household's hit rate, the Hub's share what still crosses the internet.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
 
-import grpc
-
-from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.tls import open_channel
+from expertmesh.node.rpc.client import NodeAnswer
 from expertmesh.node.sizes import format_size
-from expertmesh.node.store.store import SOURCES
-from expertmesh.node.store.tiers.peers import INFO_DEADLINE_S
-from expertmesh.v1 import node_pb2, node_pb2_grpc
-
-
-@dataclass
-class NodeStatus:
-    address: str
-    info: node_pb2.InfoResponse | None = None
-    error: str = ""  # why Info failed, if it did
-
-
-def ask_all(addresses: Iterable[str], secret: str, tls_ca: bytes | None = None) -> list[NodeStatus]:
-    out = []
-    for address in addresses:
-        try:
-            with open_channel(address, tls_ca) as channel:
-                info = node_pb2_grpc.NodeStub(channel).Info(
-                    node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=INFO_DEADLINE_S
-                )
-            out.append(NodeStatus(address, info))
-        except grpc.RpcError as e:
-            out.append(NodeStatus(address, error=e.code().name.lower()))
-    return out
+from expertmesh.node.store.stats import SOURCES
 
 
 def _fill(used: int, budget: int) -> str:
     return f"{format_size(used)} / {format_size(budget)}" if budget else "-"
 
 
-def status_lines(nodes: list[NodeStatus]) -> list[str]:
+def status_lines(nodes: list[NodeAnswer]) -> list[str]:
     lines = [
         f"{'node':<18} {'address':<22} {'role':<6} {'model':<34} {'RAM used / budget':>20} "
         f"{'disk used / budget':>22} {'peers':>5} {'tokens':>7} {'tokens/s':>8}"

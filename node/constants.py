@@ -42,8 +42,11 @@ DISK_HEADROOM_BYTES = 1 * 1024**3
 HTTP_TIMEOUT_S = 30.0
 HTTP_MAX_RETRIES = 8
 
-# Range requests in flight to the Hub at once while generating (node/store/tiers/hub.py says why 12).
-HUB_CONNECTIONS = 12
+# The Hub tier (node/store/tiers/hub.py); each default was chosen by a benchmark whose command
+# and figures are in docs/benchmarks.md.
+HUB_CONNECTIONS = 12  # range requests in flight at once: half again the home link's per-connection shares
+HUB_PIECES_PER_EXPERT = 4  # separate requests one expert is split into, at most
+HUB_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
 # Expert range requests in flight per layer (the distinct experts of a layer fetch together).
 EXPERT_FETCH_CONCURRENCY = 8
 # Default budgets: RAM from the memory left after the core, disk from the free space.
@@ -51,10 +54,8 @@ DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
 DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 
-# `expertmesh bench`: emulated link seconds per K3 second. The emulated Hub runs on this machine,
-# beside the node: at 0.05 its ~350 requests per real second cost more CPU on 2 cores than the
-# link's own delays, and kept the link only 0.65 busy in cold decode; 0.1 kept it 0.89, 0.2 0.91,
-# 0.5 0.93, and from 0.1 on decode takes the same K3 seconds per token (benchmarks/bench_time_scale.py).
+# `expertmesh bench`: emulated link seconds per K3 second; below 0.1 the emulated Hub's own CPU,
+# not the link, bounds the bench on 2 cores (docs/benchmarks.md, benchmarks/bench_time_scale.py).
 BENCH_TIME_SCALE = 0.2
 
 # The built-in demo model (node/devtools/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
@@ -70,3 +71,5 @@ def household_secret() -> str | None:
 
 SECRET_FILENAME = "secret"  # in EXPERTMESH_HOME, owner-only
 DEFAULT_NODE_PORT = 7433
+# The version of proto/expertmesh/v1 this node speaks, in Info and in its zeroconf advertisement.
+PROTOCOL_VERSION = 1

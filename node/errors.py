@@ -37,3 +37,7 @@ class DownloadError(ExpertmeshError):
 
 class NotPulledError(ExpertmeshError):
     """A command needs a model that has not been pulled yet."""
+
+
+class SpeculationError(ExpertmeshError):
+    """Speculative decoding cannot be set up as asked (a bad mode, draft model or cache)."""

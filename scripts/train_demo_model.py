@@ -36,10 +36,10 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes
 
 from expertmesh.node.devtools.tiny import demo_model
 from expertmesh.node.devtools.tiny.tokenizer import save_tokenizer, train_tokenizer
+from expertmesh.node.engine.mlx_lm_models import model_classes
 
 STDLIB = Path("/usr/lib/python3.11")
 # Not PSF-licensed, per /usr/share/doc/python3.11/copyright ("Files with other licenses"), or not
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.steps * args.batch / windows.shape[0]
 
     cfg = demo_model.config()
-    model_class, args_class = _get_classes(cfg)
+    model_class, args_class = model_classes(cfg)
     mx.random.seed(args.seed)
     model = model_class(args_class.from_dict(cfg))
     model.train()

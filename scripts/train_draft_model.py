@@ -43,11 +43,11 @@ import numpy as np
 import train_demo_model as demo_data  # a script's own folder is on sys.path
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes
 from tokenizers import Tokenizer
 
 from expertmesh.node.devtools.tiny import demo_model
 from expertmesh.node.devtools.tiny.common import write_json
+from expertmesh.node.engine.mlx_lm_models import model_classes
 
 
 def draft_config(hidden: int, layers: int, intermediate: int, heads: int) -> dict:
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = TeacherCache(teacher, windows)
 
     cfg = draft_config(args.hidden, args.layers, args.intermediate, args.heads)
-    model_class, args_class = _get_classes(cfg)
+    model_class, args_class = model_classes(cfg)
     mx.random.seed(args.seed)
     model = model_class(args_class.from_dict(cfg))
     model.train()

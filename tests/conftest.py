@@ -1,14 +1,23 @@
-"""Shared fixtures: tiny repos are built once per test session (they are deterministic)."""
+"""Shared fixtures, built once per test session: the tiny repos (deterministic), a pulled home of
+each (copied for a test that wants its own), and the mlx-lm oracle every streamed generation is
+compared with."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import mlx.core as mx
+import mlx_lm
 import pytest
 
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny import ARCHS, make_tiny_model
 from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
+
+DENSE_EXPERT_ARCHS = ("qwen3_moe",)  # BF16 experts: streamed in float32 on a CPU (see Oracle.load)
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +40,64 @@ def hub(hub_root: Path):
     with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
         yield server
         server.knobs.faults = []
+
+
+@pytest.fixture(scope="session")
+def pulled_home(hub_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Path], Path]:
+    """`pulled_home(arch, dest)`: a home at `dest` with that tiny repo pulled (core and index, no
+    expert), copied from one pulled once per session. Its commit is the Hub's hash of the repo's
+    bytes, so any test Hub serves its experts."""
+    pulled: dict[str, Path] = {}
+
+    def make(arch: str, dest: Path) -> Path:
+        if arch not in pulled:
+            home = tmp_path_factory.mktemp(f"pulled-{arch}")
+            with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+                pull(f"expertmesh/tiny-{arch}", home=home, progress=False)
+            pulled[arch] = home
+        shutil.copytree(pulled[arch], dest, dirs_exist_ok=True)
+        return dest
+
+    return make
+
+
+class Oracle:
+    """mlx-lm itself, on the whole tiny repo in memory: what streamed generation must equal.
+    Each model is loaded once per session; greedy token lists are remembered."""
+
+    def __init__(self, repos: dict[str, Path]):
+        self.repos = repos
+        self._models: dict[str, tuple] = {}
+        self._tokens: dict[tuple, list[int]] = {}
+
+    def load(self, arch: str) -> tuple:
+        """(model, tokenizer). BF16 experts run in float32 here, as the streamed model runs them on
+        a CPU (MLX's CPU gather_mm computes float32 only), so the two compare."""
+        if arch not in self._models:
+            model, tokenizer = mlx_lm.load(str(self.repos[arch]))
+            if arch in DENSE_EXPERT_ARCHS and not mx.metal.is_available():
+                model.set_dtype(mx.float32)
+            self._models[arch] = (model, tokenizer)
+        return self._models[arch]
+
+    def tokens(self, arch: str, prompt: str | list[int], max_tokens: int) -> list[int]:
+        """Greedy token ids (the end-of-sequence token, which is no output, left out)."""
+        key = (arch, prompt if isinstance(prompt, str) else tuple(prompt), max_tokens)
+        if key not in self._tokens:
+            model, tokenizer = self.load(arch)
+            feed = prompt if isinstance(prompt, str) else mx.array(prompt)
+            self._tokens[key] = [
+                r.token
+                for r in mlx_lm.stream_generate(model, tokenizer, feed, max_tokens=max_tokens)
+                if r.finish_reason != "stop"
+            ]
+        return list(self._tokens[key])
+
+    def text(self, arch: str, prompt: str, max_tokens: int) -> str:
+        model, tokenizer = self.load(arch)
+        return mlx_lm.generate(model, tokenizer, prompt, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_repos: dict[str, Path]) -> Oracle:
+    return Oracle(tiny_repos)

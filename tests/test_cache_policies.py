@@ -8,7 +8,7 @@ import random
 import pytest
 
 from expertmesh.node.store.policies import POLICIES, belady_hit_rate, frequency_oracle_hit_rate, hit_rate, make_policy
-from expertmesh.node.store.store import RamCache
+from expertmesh.node.store.tiers.ram import RamCache
 
 
 def _skewed(n: int, seed: int) -> list[int]:

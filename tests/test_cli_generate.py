@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
+pytestmark = pytest.mark.e2e  # every test here runs the `expertmesh` command in its own process
+
 CLI = [sys.executable, "-m", "expertmesh"]
 
 
 @pytest.fixture(scope="module")
-def home(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def home(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("home")
-    pull(REPO_ID, home=home, progress=False)
+    pulled_home("kimi_k3", home)
     return home
 
 
@@ -45,14 +46,12 @@ def _uses(stderr: str, source: str) -> int:
     return 0
 
 
-def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, home: Path, tiny_repos: dict[str, Path]) -> None:
-    import mlx_lm
+def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, home: Path, oracle) -> None:
 
     prompt = "The cat sat on"
     r = _run(["run", REPO_ID, prompt, "--max-tokens", "16"], _env(home, hub))
     assert r.returncode == 0, r.stderr
-    model, tokenizer = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    expected = mlx_lm.generate(model, tokenizer, prompt, max_tokens=16)
+    expected = oracle.text("kimi_k3", prompt, 16)
     assert r.stdout == expected + "\n"  # stdout holds the generated text and nothing else
     assert "16 tokens in" in r.stderr and "tokens/s" in r.stderr and "time to first token" in r.stderr
     assert _uses(r.stderr, "hub") + _uses(r.stderr, "disk") > 0
@@ -95,9 +94,9 @@ def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(hub: HubServer, home: Path) -> None:
     """A real SIGINT in the middle of a real reply: the reply stops, the next turn continues the cache."""
     from expertmesh.cli.terminal import chat_loop
+    from expertmesh.node.assembly import open_model
     from expertmesh.node.engine.chat import ChatSession
     from expertmesh.node.engine.generation import Generator, SamplingSettings
-    from expertmesh.node.engine.streamed_model import open_model
 
     sm = open_model(REPO_ID, home=home)
     try:

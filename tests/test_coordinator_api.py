@@ -7,21 +7,15 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 
-import mlx_lm
 import openai
 import pytest
+from nodes import serving
 
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.rpc.tls import open_channel
-from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.rpc.client import NodeClient
+from expertmesh.v1 import node_pb2
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "api-test-secret"
@@ -30,21 +24,16 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def node(hub, tmp_path_factory: pytest.TempPathFactory):
+def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("api-node")
-    pull(REPO_ID, home=home, progress=False)
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False))
-    running = start_node_server(NodeService(sm, "api-node"), SECRET, host="127.0.0.1", port=0)
-    try:
-        yield f"127.0.0.1:{running.port}"
-    finally:
-        running.stop()
-        sm.close()
+    pulled_home("kimi_k3", home)
+    with serving(REPO_ID, home, SECRET, node_id="api-node") as node:
+        yield node.rpc.address
 
 
 def _api(addresses: list[str], max_waiting: int = 16) -> OpenAIServer:
     config = CoordinatorConfig(secret=SECRET, models=lambda: [REPO_ID], max_waiting=max_waiting)
-    return OpenAIServer(Coordinator(config, NodePool(addresses)), "127.0.0.1", 0)
+    return OpenAIServer(Coordinator(config, NodePool(addresses)), "127.0.0.1", 0).start()
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +51,16 @@ def client(api) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def completion_text(tiny_repos: dict[str, Path]) -> str:
-    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    return mlx_lm.generate(ref, tok, PROMPT, max_tokens=16)
+def completion_text(oracle) -> str:
+    return oracle.text("kimi_k3", PROMPT, 16)
 
 
 def _node_chat_text(address: str, max_tokens: int) -> str:
     """The node's own Generate for MESSAGES, greedy: what the API must pass through unchanged."""
     req = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=REPO_ID), max_tokens=max_tokens, temperature=0.0)
     req.messages.extend(node_pb2.ChatMessage(**m) for m in MESSAGES)
-    with open_channel(address) as channel:
-        events = list(node_pb2_grpc.NodeStub(channel).Generate(req, metadata=call_metadata(SECRET), timeout=120))
+    with NodeClient(address, SECRET) as client:
+        events = list(client.generate(req, timeout=120))
     return "".join(e.token.text for e in events if e.HasField("token")) + events[-1].done.trailing_text
 
 
@@ -181,8 +169,8 @@ def test_status_shows_the_node_and_the_uses_by_source(node, client: openai.OpenA
     out = capsys.readouterr().out
     row = next(ln for ln in out.splitlines() if ln.startswith("api-node"))
     assert " full " in row and REPO_ID in row
-    with open_channel(node) as channel:
-        info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET), timeout=30)
+    with NodeClient(node, SECRET) as c:
+        info = c.info(timeout=30)
     assert info.generated_tokens >= 4 and f" {info.generated_tokens} " in row
     assert f"of {sum(info.expert_uses.values())};" in out  # the household line sums the nodes' own counts
     assert main(["status", "--no-discovery", "--peer", node, "--peer", "127.0.0.1:1"]) == 1

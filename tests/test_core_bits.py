@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 
 from expertmesh.cli import main
+from expertmesh.node.assembly import open_model
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.core_quantization import group_size_for
-from expertmesh.node.engine.streamed_model import open_model
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
 
@@ -74,6 +74,7 @@ def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) ->
     assert m8["core_bytes"] < 0.7 * m16["core_bytes"]
 
 
+@pytest.mark.e2e
 def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None:
     sm = open_model(REPO_ID, home=homes[8])
     try:

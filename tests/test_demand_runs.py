@@ -12,19 +12,19 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import Fault, HubServer
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub.expert_index import run_ranges
-from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 RUN, LONE = [0, 1, 2], 5
 
 
 @pytest.fixture(scope="module")
-def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("demand-runs")
-    pull(REPO_ID, home=home, progress=False)
+    pulled_home("kimi_k3", home)
     return home
 
 
@@ -33,9 +33,7 @@ def _open(home: Path, coalesce: bool, connections: int = 1):
     return open_model(
         REPO_ID,
         home=home,
-        store_config=StoreConfig(
-            disk_budget="0", prefetch=False, fill=False, coalesce=coalesce, hub_connections=connections
-        ),
+        store=StoreConfig(disk_budget="0", prefetch=False, fill=False, coalesce=coalesce, hub_connections=connections),
     )
 
 

@@ -16,6 +16,8 @@ import mlx.core as mx
 import pytest
 
 from expertmesh.cli import main
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import SpeculationConfig, StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny.demo_model import (
     DRAFT_DIR,
@@ -25,8 +27,7 @@ from expertmesh.node.devtools.tiny.demo_model import (
     make_draft_model,
 )
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.speculative import ModelDraft, SpeculationConfig
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.engine.speculative import ModelDraft
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -51,7 +52,7 @@ def demo(demo_hub, tmp_path_factory: pytest.TempPathFactory):
     """(home, the streamed demo model in float32, end of text ignored so every prompt runs TOKENS)."""
     home = tmp_path_factory.mktemp("demo-home")
     pull(REPO_ID, home=home, progress=False)
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(ram_budget="100%", prefetch=False))
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="100%", prefetch=False))
     sm.model.set_dtype(mx.float32)
     sm.tokenizer.eos_token_ids = set()  # the greedy demo ends most answers within a few tokens
     yield home, sm

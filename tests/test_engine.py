@@ -27,11 +27,13 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.chat import ChatSession
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
+from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.hub.pull import pull
 
 LOGIT_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2**-5}  # measured: 0.0 everywhere (see above)
@@ -49,7 +51,7 @@ def _repo_id(arch: str) -> str:
 
 def _open(arch: str, home: Path, ram_budget: str = "50%", prefetch: bool = True) -> StreamedModel:
     return open_model(
-        _repo_id(arch), home=home, store_config=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False)
+        _repo_id(arch), home=home, store=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False)
     )
 
 
@@ -57,32 +59,14 @@ def _open(arch: str, home: Path, ram_budget: str = "50%", prefetch: bool = True)
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_repos: dict[str, Path]):
-    """arch -> (model, tokenizer) of plain mlx-lm on the whole repo, loaded once per module."""
-    loaded: dict[str, tuple] = {}
-
-    def get(arch: str):
-        if arch not in loaded:
-            model, tokenizer = mlx_lm.load(str(tiny_repos[arch]))
-            if arch == "qwen3_moe" and not mx.metal.is_available():
-                # open_model runs dense BF16 experts in float32 on CPU (MLX's CPU gather_mm
-                # computes float32 only), so the oracle must run in float32 too to compare.
-                model.set_dtype(mx.float32)
-            loaded[arch] = (model, tokenizer)
-        return loaded[arch]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def models(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
+def models(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
     """arch -> a StreamedModel (RAM 50 %) on its own pulled home, opened once per module."""
     opened: dict[str, StreamedModel] = {}
 
     def get(arch: str) -> StreamedModel:
         if arch not in opened:
             home = tmp_path_factory.mktemp(f"home-{arch}")
-            pull(_repo_id(arch), home=home, progress=False)
+            pulled_home(arch, home)
             opened[arch] = _open(arch, home)
         return opened[arch]
 
@@ -158,7 +142,7 @@ def _cached(reply: list[int], summary: GenerationSummary) -> list[int]:
 def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(
     arch: str, hub: HubServer, oracle, tmp_path: Path
 ) -> None:
-    ref, ref_tok = oracle(arch)
+    ref, ref_tok = oracle.load(arch)
     prompts = [ref_tok.encode(p) for p in PROMPTS]
     expected = [_mlx_lm_tokens(ref, ref_tok, ids, MAX_TOKENS) for ids in prompts]
     for p, exp in zip(PROMPTS, expected):
@@ -253,7 +237,7 @@ def two_turns(models, oracle):
 
 @pytest.mark.parametrize("arch", CHAT_ARCHS)
 def test_second_chat_turn_continues_the_cache(arch: str, two_turns, oracle) -> None:
-    ref, tok = oracle(arch)
+    ref, tok = oracle.load(arch)
     t = two_turns(arch)
     session, reply1, reply2 = t["session"], t["reply1"], t["reply2"]
     assert session.rebuilds == 0, "turn 2 rebuilt the cache instead of continuing it"
@@ -284,7 +268,7 @@ def test_second_chat_turn_continues_the_cache(arch: str, two_turns, oracle) -> N
 
 def test_seeded_sampling_is_reproducible_and_equals_mlx_lm(models, oracle) -> None:
     sm = models("kimi_k3")
-    ref, tok = oracle("kimi_k3")
+    ref, tok = oracle.load("kimi_k3")
     ids = tok.encode("Once upon a time")
 
     def sampled(seed: int) -> list[int]:
@@ -307,7 +291,7 @@ def test_seeded_sampling_is_reproducible_and_equals_mlx_lm(models, oracle) -> No
 
 def test_stopping_after_three_tokens_then_the_next_turn_continues(models, oracle) -> None:
     sm = models("kimi_k3")
-    ref, tok = oracle("kimi_k3")
+    ref, tok = oracle.load("kimi_k3")
     session = ChatSession(Generator(sm))
     reply1: list[int] = []
     s1 = GenerationSummary()
@@ -337,7 +321,7 @@ def test_ctrl_c_inside_a_turn_rebuilds_the_next_one_correctly(models, oracle) ->
     """A KeyboardInterrupt mid-turn leaves the cache unknown: the next turn rebuilds from the
     full rendering, and then equals a fresh mlx-lm run on it exactly."""
     sm = models("kimi_k3")
-    ref, tok = oracle("kimi_k3")
+    ref, tok = oracle.load("kimi_k3")
     session = ChatSession(Generator(sm))
     reply1: list[int] = []
 
@@ -368,9 +352,7 @@ def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path:
     concurrent requests on one node do) each get every expert, and the Hub sends each once.
     Also the regression of a deadlock that once hung warm-disk runs one time in three."""
     pull(_repo_id("kimi_k3"), home=tmp_path, progress=False)
-    sm = open_model(
-        _repo_id("kimi_k3"), home=tmp_path, store_config=StoreConfig(ram_budget="50%", prefetch=False, fill=False)
-    )
+    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
     try:
         layer = sm.index.moe_layers[0]
         served_before = hub.stats()["bytes_served"]
@@ -390,6 +372,6 @@ def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path:
         sent = hub.stats()["bytes_served"] - served_before
         assert sent == sum(sm.index.expert(layer, e).nbytes for e in distinct)  # one fetch each, however many asked
         assert sm.store.stats.total_uses == sum(len(w) for w in wanted)
-        assert not sm.store._inflight  # single flight forgot the finished fetches
+        assert not sm.store.fetches.in_flight_count()  # single flight forgot the finished fetches
     finally:
         sm.close()

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import mlx_lm
 from waiting import wait_until
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub.expert_index import run_ranges
 from expertmesh.node.hub.pull import pull
 
@@ -25,13 +25,10 @@ def _generate(sm) -> list[int]:
     return [t.id for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=TOKENS))]
 
 
-def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
-    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    expected = [
-        r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"
-    ]
+def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, oracle, tmp_path: Path) -> None:
+    expected = oracle.tokens("kimi_k3", PROMPT, TOKENS)
     pull(REPO_ID, home=tmp_path, progress=False)
-    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True))
+    sm = open_model(REPO_ID, home=tmp_path, store=StoreConfig(prefetch=False, fill=True))
     try:
         before, requests = hub.stats()["bytes_served"], hub.stats()["requests"]
         assert _generate(sm) == expected
@@ -49,9 +46,9 @@ def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, t
 
 def test_a_run_of_adjacent_experts_is_one_request_per_range(hub: HubServer, tmp_path: Path) -> None:
     pull(REPO_ID, home=tmp_path, progress=False)
-    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=False))
+    sm = open_model(REPO_ID, home=tmp_path, store=StoreConfig(prefetch=False, fill=False))
     try:
-        source = next(s for s in sm.store.sources if s.name == "hub")
+        source = sm.store.chain.runs  # the Hub tier: the only remote tier of a node alone
         layer = min(k[0] for k in sm.index.experts)
         run = [sm.index.expert(layer, e) for e in range(4)]
         assert run_ranges([run[0], run[2]]) is None  # not back to back: no run
@@ -67,14 +64,12 @@ def test_a_run_of_adjacent_experts_is_one_request_per_range(hub: HubServer, tmp_
 
 def test_fill_takes_free_budget_only(hub: HubServer, tmp_path: Path) -> None:
     pull(REPO_ID, home=tmp_path, progress=False)
-    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=False))
+    sm = open_model(REPO_ID, home=tmp_path, store=StoreConfig(prefetch=False, fill=False))
     _generate(sm)
     used, expert_bytes = len(sm.disk), max(loc.nbytes for loc in sm.index.experts.values())
     sm.close()
     budget = (used + SPARE) * expert_bytes
-    sm = open_model(
-        REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True, disk_budget=str(budget))
-    )
+    sm = open_model(REPO_ID, home=tmp_path, store=StoreConfig(prefetch=False, fill=True, disk_budget=str(budget)))
     try:
         before = hub.stats()["bytes_served"]
         _generate(sm)  # every demand is a disk hit now; the link is idle for the fill
@@ -87,24 +82,21 @@ def test_fill_takes_free_budget_only(hub: HubServer, tmp_path: Path) -> None:
         sm.close()
 
 
-def test_fill_stops_when_the_file_system_is_full(hub: HubServer, tiny_repos, tmp_path: Path, monkeypatch) -> None:
+def test_fill_stops_when_the_file_system_is_full(hub: HubServer, oracle, tmp_path: Path, monkeypatch) -> None:
     """Writes failing with ENOSPC: the generation still gives mlx-lm's tokens, and the fill stops
     at once instead of downloading the model for nothing."""
     import errno
 
     from expertmesh.node.store.tiers import disk as disk_cache
 
-    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    expected = [
-        r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=TOKENS) if r.finish_reason != "stop"
-    ]
+    expected = oracle.tokens("kimi_k3", PROMPT, TOKENS)
     pull(REPO_ID, home=tmp_path, progress=False)
 
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk_cache.os, "replace", full)
-    sm = open_model(REPO_ID, home=tmp_path, store_config=StoreConfig(prefetch=False, fill=True))
+    sm = open_model(REPO_ID, home=tmp_path, store=StoreConfig(prefetch=False, fill=True))
     try:
         before = hub.stats()["bytes_served"]
         assert _generate(sm) == expected
@@ -113,6 +105,6 @@ def test_fill_stops_when_the_file_system_is_full(hub: HubServer, tiny_repos, tmp
         assert len(sm.disk) == 0 and stats.prefetch["filled"] == 0
         expert_bytes = max(loc.nbytes for loc in sm.index.experts.values())
         wasted = hub.stats()["bytes_served"] - before - stats.bytes["hub"]
-        assert wasted <= sm.store._concurrency * expert_bytes  # at most the fills that were in flight
+        assert wasted <= sm.store.fetch_workers * expert_bytes  # at most the fills that were in flight
     finally:
         sm.close()

@@ -10,15 +10,14 @@ import re
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import mlx_lm
 import pytest
-from mlx_lm.sample_utils import make_sampler
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import Fault, HubServer
 from expertmesh.node.engine.blocks import load_core_model
 from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
+from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, NotPulledError, UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
@@ -34,26 +33,13 @@ FAST_RETRIES = dict(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.05)
 
 
 @pytest.fixture(scope="module")
-def oracle_tokens(tiny_repos: dict[str, Path]):
-    """prompt ids -> mlx-lm's greedy tokens on the whole repo (the model is loaded once)."""
-    model, tokenizer = mlx_lm.load(str(tiny_repos[ARCH]))
-
-    def run(ids: list[int], max_tokens: int = GREEDY.max_tokens) -> list[int]:
-        out = []
-        for r in mlx_lm.stream_generate(
-            model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=make_sampler(0.0)
-        ):
-            if r.finish_reason == "stop":  # the EOS token, not output
-                break
-            out.append(r.token)
-        return out
-
-    run.tokenizer = tokenizer
-    return run
+def oracle_tokens(oracle):
+    """prompt ids -> mlx-lm's greedy tokens on the whole repo (conftest's session oracle)."""
+    return lambda ids, max_tokens=GREEDY.max_tokens: oracle.tokens(ARCH, ids, max_tokens)
 
 
 def _open(home: Path, **kwargs) -> StreamedModel:
-    return open_model(REPO_ID, home=home, store_config=StoreConfig(ram_budget="50%", fill=False), **kwargs)
+    return open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="50%", fill=False), **kwargs)
 
 
 def _generate(
@@ -99,9 +85,9 @@ def test_hub_failing_mid_generation_then_recovering(hub: HubServer, oracle_token
         # Let the layer's other fetches (still retrying against the faults) finish, so the
         # recovery below cannot join a fetch that is about to fail.
         deadline = time.monotonic() + 10
-        while sm.store._inflight and time.monotonic() < deadline:
+        while sm.store.fetches.in_flight_count() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not sm.store._inflight
+        assert not sm.store.fetches.in_flight_count()
 
         # The disk cache holds whole experts only: no temporary files, every size exact.
         files = _cache_files(sm)

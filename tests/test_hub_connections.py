@@ -8,21 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.cli import _store_config, build_parser
+from expertmesh.cli import build_parser
+from expertmesh.cli.arguments import store_config
+from expertmesh.node.assembly import open_model
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.client import RangeReader
-from expertmesh.node.hub.pull import pull
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
 
 @pytest.fixture(scope="module")
-def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("hub-connections")
-    pull(REPO_ID, home=home, progress=False)
+    pulled_home("kimi_k3", home)
     return home
 
 
@@ -30,10 +30,10 @@ def _peak_while_generating(hub: HubServer, home: Path, connections: int) -> int:
     args = build_parser().parse_args(
         ["run", REPO_ID, "x", "--no-prefetch", "--no-fill", "--hub-connections", str(connections)]
     )
-    cfg = _store_config(args)
+    cfg = store_config(args)
     cfg.hub_min_piece_bytes = 1  # every expert in the pool's full number of pieces
     cfg.disk_budget = "0"  # every expert comes from the Hub
-    sm = open_model(REPO_ID, home=home, store_config=cfg)
+    sm = open_model(REPO_ID, home=home, store=cfg)
     hub.knobs.ttfb_s = 0.02  # requests overlap for certain
     hub.stats_.reset()
     try:

@@ -111,6 +111,7 @@ def test_a_connection_pays_its_own_rate_not_the_link_on_top() -> None:
     assert wait == pytest.approx(9e-6)
 
 
+@pytest.mark.e2e
 def test_cli_serves_and_stops(hub_root: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "expertmesh", "hub", str(hub_root), "--port", "0"], stdout=subprocess.PIPE, text=True

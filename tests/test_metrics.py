@@ -20,18 +20,15 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from nodes import serving
 from prometheus_client.parser import text_string_to_metric_families
 
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.config import MetricsConfig, StoreConfig
 from expertmesh.node.household.discovery import Advertisement, Discovery
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.observability.metrics import NodeMetrics
+from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.observability.prometheus_targets import TargetsWatcher
 from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.store.store import SOURCES
-from expertmesh.node.store.tiers.peers import PeerTable
+from expertmesh.node.store.stats import SOURCES
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -92,22 +89,24 @@ def _poll(fn, what: str):
 
 
 @pytest.fixture(scope="module")
-def node(hub, tmp_path_factory: pytest.TempPathFactory):
+def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
     """A full node with its /metrics: the gRPC node service and prometheus_client's HTTP server."""
     home = tmp_path_factory.mktemp("metrics-node")
-    pull(REPO_ID, home=home, progress=False)
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=True))
-    metrics = NodeMetrics.for_model(sm, PeerTable("metrics-node", 1.0))
-    served = metrics.serve("127.0.0.1", 0)
-    running = start_node_server(NodeService(sm, node_id="metrics-node"), SECRET, host="127.0.0.1", port=0)
-    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    pulled_home("kimi_k3", home)
+    node = serving(
+        REPO_ID,
+        home,
+        SECRET,
+        node_id="metrics-node",
+        store=StoreConfig(prefetch=True),
+        metrics=MetricsConfig("127.0.0.1", 0),
+    )
+    channel = grpc.insecure_channel(node.rpc.address)
     try:
-        yield sm, node_pb2_grpc.NodeStub(channel), served
+        yield node.model, node_pb2_grpc.NodeStub(channel), node.metrics_server
     finally:
         channel.close()
-        running.stop()
-        served.stop()
-        sm.close()
+        node.close()
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +231,7 @@ def _dashboard_exprs() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.e2e
 def test_every_dashboard_expression_returns_data_from_a_real_prometheus(prometheus, generation) -> None:
     _, after, done = generation
     total = after[("expertmesh_tokens_generated_total", ())]
@@ -273,6 +273,7 @@ def test_every_dashboard_expression_returns_data_from_a_real_prometheus(promethe
             assert any(float(r["value"][1]) > 0 for r in result), (title, promql, result)
 
 
+@pytest.mark.e2e
 def test_promtool_accepts_the_config_and_a_scrape(node, generation) -> None:
     promtool = _tool("promtool")
     _, _, served = node
@@ -333,8 +334,8 @@ class _RepeatDraft:
 
 
 def test_speculative_counters_equal_the_generations_own(node, generation) -> None:
+    from expertmesh.node.config import SpeculationConfig
     from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-    from expertmesh.node.engine.speculative import SpeculationConfig
 
     sm, _, served = node
     before = _samples(_scrape(served.url))

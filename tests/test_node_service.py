@@ -13,14 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from nodes import serving
 
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -29,19 +27,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def node(hub_root: Path, tmp_path_factory: pytest.TempPathFactory):
+def node(pulled_home, hub_root: Path, tmp_path_factory: pytest.TempPathFactory):
     with HubServer(hub_root) as hub, hub_client.using_endpoint(hub.url):
         home = tmp_path_factory.mktemp("node")
-        pull(REPO_ID, home=home, progress=False)
-        sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False))
-        running = start_node_server(NodeService(sm, node_id="n1"), SECRET, host="127.0.0.1", port=0)
-        channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+        pulled_home("kimi_k3", home)
+        served = serving(REPO_ID, home, SECRET, node_id="n1")
+        channel = grpc.insecure_channel(served.rpc.address)
         try:
-            yield sm, node_pb2_grpc.NodeStub(channel), channel
+            yield served.model, node_pb2_grpc.NodeStub(channel), channel, home
         finally:
             channel.close()
-            running.stop()
-            sm.close()
+            served.close()
 
 
 def _key(sm, layer: int, expert: int) -> node_pb2.ExpertKey:
@@ -58,7 +54,7 @@ def _upstream_bytes(repo: Path, loc) -> bytes:
 
 
 def test_health_is_open_and_everything_else_needs_the_secret(node) -> None:
-    sm, stub, channel = node
+    sm, stub, channel, _ = node
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="expertmesh.v1.Node"))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     for metadata in ((), call_metadata("wrong")):
@@ -75,7 +71,7 @@ def test_health_is_open_and_everything_else_needs_the_secret(node) -> None:
 
 
 def test_fetch_expert_is_exact_and_verified_and_fills_the_inventory(node, tiny_repos: dict[str, Path]) -> None:
-    sm, stub, _ = node
+    sm, stub, _, _ = node
     md = call_metadata(SECRET)
     layer = sm.index.moe_layers[-1]
     loc = sm.index.expert(layer, 7)
@@ -98,7 +94,7 @@ def test_fetch_expert_is_exact_and_verified_and_fills_the_inventory(node, tiny_r
 
 
 def test_bad_requests_get_clear_statuses(node) -> None:
-    sm, stub, _ = node
+    sm, stub, _, _ = node
     md = call_metadata(SECRET)
     cases = [
         (_key(sm, 999, 0), grpc.StatusCode.INVALID_ARGUMENT),
@@ -124,17 +120,15 @@ def test_bad_requests_get_clear_statuses(node) -> None:
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_generate_streams_mlx_lm_tokens_with_a_summary(node, tiny_repos: dict[str, Path]) -> None:
-    import mlx_lm
+def test_generate_streams_mlx_lm_tokens_with_a_summary(node, oracle) -> None:
 
-    sm, stub, _ = node
+    sm, stub, _, _ = node
     prompt = "The household shares"
     request = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=sm.repo_id), prompt=prompt, max_tokens=12)
     events = list(stub.Generate(request, metadata=call_metadata(SECRET), timeout=120))
     tokens = [e.token.id for e in events if e.HasField("token")]
     done = events[-1].done
-    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    expected = [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=12) if r.finish_reason != "stop"]
+    expected = oracle.tokens("kimi_k3", prompt, 12)
     assert tokens == expected
     assert done.generated_tokens == len(tokens) and done.stop_reason in ("length", "eos")
     per_token = sum(e.token.expert_uses for e in events if e.HasField("token"))
@@ -145,23 +139,18 @@ def test_generate_streams_mlx_lm_tokens_with_a_summary(node, tiny_repos: dict[st
         assert per_token < sum(done.expert_uses.values())
 
 
-def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(
-    node, tiny_repos: dict[str, Path]
-) -> None:
+def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(node, oracle) -> None:
     """`serve --speculate ngram` runs Generate through the speculative decoder (the random tiny
     model seldom repeats itself, so drafts are few: tests/test_speculative.py and
     benchmarks/bench_speculative.py show the savings on the trained demo model)."""
-    import mlx_lm
 
-    from expertmesh.node.engine.speculative import SpeculationConfig
+    from expertmesh.node.config import SpeculationConfig
 
-    sm = node[0]
-    running = start_node_server(
-        NodeService(sm, node_id="n2", speculation=SpeculationConfig(mode="ngram")), SECRET, host="127.0.0.1", port=0
-    )
+    sm, home = node[0], node[3]
+    speculating = serving(REPO_ID, home, SECRET, node_id="n2", speculation=SpeculationConfig(mode="ngram"))
     prompt = "one two three four one two three four one two three four one two"
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        with grpc.insecure_channel(speculating.rpc.address) as channel:
             request = node_pb2.GenerateRequest(
                 model=node_pb2.ModelKey(repo_id=sm.repo_id), prompt=prompt, max_tokens=24
             )
@@ -169,15 +158,15 @@ def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(
                 node_pb2_grpc.NodeStub(channel).Generate(request, metadata=call_metadata(SECRET), timeout=120)
             )
     finally:
-        running.stop()
-    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    expected = [r.token for r in mlx_lm.stream_generate(ref, tok, prompt, max_tokens=24) if r.finish_reason != "stop"]
+        speculating.close()
+    expected = oracle.tokens("kimi_k3", prompt, 24)
     assert [e.token.id for e in events if e.HasField("token")] == expected
     done = events[-1].done
     assert 0 < done.forward_passes <= done.generated_tokens  # counted by the speculative decoder
     assert done.accepted_tokens <= done.drafted_tokens
 
 
+@pytest.mark.e2e
 def test_the_committed_generated_code_is_up_to_date(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)],
@@ -194,6 +183,7 @@ def test_the_committed_generated_code_is_up_to_date(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.e2e
 def test_serve_creates_a_secret_prints_how_to_join_and_stops_on_sigterm(hub_root: Path, tmp_path: Path) -> None:
     import re
     import signal

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx_lm
 import pytest
+from nodes import joined, serving
 
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
+from expertmesh.node.household.membership import Peer, PeerTable, rendezvous_score
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.store.tiers.peers import Peer, PeerTable, attach_peers, rendezvous_score
 from expertmesh.v1 import node_pb2
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -23,32 +22,31 @@ PROMPT = "Ask the household first"
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_repos: dict[str, Path]) -> list[int]:
-    ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-    return [r.token for r in mlx_lm.stream_generate(ref, tok, PROMPT, max_tokens=16) if r.finish_reason != "stop"]
+def expected(oracle) -> list[int]:
+    return oracle.tokens("kimi_k3", PROMPT, 16)
 
 
-def _node(home: Path, servicer_class=NodeService, node_id: str = "owner"):
+def _node(home: Path, servicer_class=None, node_id: str = "owner"):
     pull(REPO_ID, home=home, progress=False)
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False))
-    return sm, start_node_server(servicer_class(sm, node_id), SECRET, host="127.0.0.1", port=0)
+    return serving(REPO_ID, home, SECRET, node_id=node_id, service_class=servicer_class)
 
 
-def _client(home: Path, port: int):
+def _client(home: Path, address: str, store: StoreConfig | None = None):
     """A node with no disk budget: it owns nothing, so every expert it lacks comes from peers."""
     pull(REPO_ID, home=home, progress=False)
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False, disk_budget="0"))
-    source = attach_peers(sm, [f"127.0.0.1:{port}"], SECRET, node_id="client")
-    return sm, source
+    return joined(
+        REPO_ID, home, SECRET, [address], node_id="client", store=store or StoreConfig(prefetch=False, disk_budget="0")
+    )
 
 
-def _generate(sm) -> list[int]:
+def _generate(node) -> list[int]:
+    sm = node.model
     return [t.id for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=16))]
 
 
 def test_experts_come_from_the_owner_and_cross_the_hub_once(hub: HubServer, expected, tmp_path: Path) -> None:
-    owner, running = _node(tmp_path / "owner")
-    client, source = _client(tmp_path / "client", running.port)
+    owner = _node(tmp_path / "owner")
+    client = _client(tmp_path / "client", owner.rpc.address)
     try:
         before = hub.stats()["bytes_served"]
         assert _generate(client) == expected
@@ -61,7 +59,6 @@ def test_experts_come_from_the_owner_and_cross_the_hub_once(hub: HubServer, expe
         assert hub.stats()["bytes_served"] - before == served
     finally:
         client.close()
-        running.stop()
         owner.close()
 
 
@@ -74,15 +71,14 @@ class _LyingNode(NodeService):
 
 
 def test_a_lying_peer_is_caught_skipped_and_counted(hub: HubServer, expected, tmp_path: Path) -> None:
-    liar, running = _node(tmp_path / "liar", _LyingNode, node_id="liar")
-    client, source = _client(tmp_path / "client", running.port)
+    liar = _node(tmp_path / "liar", _LyingNode, node_id="liar")
+    client = _client(tmp_path / "client", liar.rpc.address)
     try:
         assert _generate(client) == expected  # every bad copy was refused; the Hub filled in
-        assert source.table.errors["bad_digest"] >= 1
+        assert client.peers.errors["bad_digest"] >= 1
         assert client.store.stats.uses["hub"] > 0
     finally:
         client.close()
-        running.stop()
         liar.close()
 
 
@@ -100,12 +96,13 @@ def test_ownership_follows_disk_budgets_and_moves_little() -> None:
     assert rendezvous_score("k", "n", 0.0) == float("-inf")  # no disk, no ownership
 
 
-def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, tmp_path: Path) -> None:
+@pytest.mark.e2e
+def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, oracle, tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
 
-    owner, running = _node(tmp_path / "owner")
+    owner = _node(tmp_path / "owner")
     try:
         pull(REPO_ID, home=tmp_path / "client", progress=False)
         env = {
@@ -128,7 +125,7 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, t
                 "0",
                 "--no-prefetch",
                 "--peer",
-                f"127.0.0.1:{running.port}",
+                owner.rpc.address,
             ],
             env=env,
             capture_output=True,
@@ -136,12 +133,11 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, t
             timeout=300,
         )
         assert r.returncode == 0, r.stderr
-        ref, tok = mlx_lm.load(str(tiny_repos["kimi_k3"]))
-        assert r.stdout == mlx_lm.generate(ref, tok, PROMPT, max_tokens=16) + "\n"  # the single-node text
+        assert r.stdout == oracle.text("kimi_k3", PROMPT, 16) + "\n"  # the single-node text
         line = next(ln for ln in r.stderr.splitlines() if "expert uses by source" in ln)
         assert " peer " in line and "hub 0 " in line
         bad = subprocess.run(
-            [sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--peer", f"127.0.0.1:{running.port}"],
+            [sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--peer", owner.rpc.address],
             env={**env, "EXPERTMESH_SECRET": "wrong"},
             capture_output=True,
             text=True,
@@ -149,10 +145,10 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, tiny_repos, t
         )
         assert bad.returncode != 0 and "secret" in bad.stderr and SECRET not in bad.stderr
     finally:
-        running.stop()
         owner.close()
 
 
+@pytest.mark.e2e
 def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubServer, expected, tmp_path: Path) -> None:
     """kill -9 of the peer that serves every expert: the generation goes on from the Hub, same tokens."""
     import os
@@ -195,12 +191,12 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
         assert port is not None, "the cache peer did not start in 120 s"
         pull(REPO_ID, home=tmp_path / "client", progress=False)
         # no disk and a 1-byte RAM tier: every use is a fetch, so the sources after the kill show
-        client = open_model(
-            REPO_ID, home=tmp_path / "client", store_config=StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")
+        client = _client(
+            tmp_path / "client", f"127.0.0.1:{port}", StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")
         )
-        source = attach_peers(client, [f"127.0.0.1:{port}"], SECRET, node_id="client")
         try:
-            gen = Generator(client).generate(client.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=16))
+            sm = client.model
+            gen = Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=16))
             tokens = [next(gen).id for _ in range(4)]
             at_kill = client.store.stats.snapshot()
             assert at_kill.uses["peer"] > 0 and at_kill.uses["hub"] == 0
@@ -210,7 +206,7 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
             assert tokens == expected  # the single-node output
             after = client.store.stats.since(at_kill)
             assert after.uses["hub"] > 0 and after.uses["peer"] == 0
-            assert sum(source.table.errors.values()) >= 1  # the dead peer was counted and skipped
+            assert sum(client.peers.errors.values()) >= 1  # the dead peer was counted and skipped
         finally:
             client.close()
     finally:
@@ -224,21 +220,22 @@ def test_peers_follow_grpc_health(hub: HubServer, tmp_path: Path) -> None:
     is SERVING again is used at once, not after its skip runs out."""
     from grpc_health.v1 import health_pb2
 
-    owner, running = _node(tmp_path / "owner")
-    client, source = _client(tmp_path / "client", running.port)
+    owner = _node(tmp_path / "owner")
+    client = _client(tmp_path / "client", owner.rpc.address)
     try:
-        peer = next(iter(source.table.peers.values()))
+        source = client.peer_tier
+        (peer,) = client.peers.all()
         source.check_health()
         assert peer.live
-        running.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        owner.rpc.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         source.check_health()
-        assert not peer.live and source.table.errors["not_serving"] == 1
-        running.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert not peer.live and client.peers.errors["not_serving"] == 1
+        owner.rpc.health.set("", health_pb2.HealthCheckResponse.SERVING)
         source.check_health()
         assert peer.live
-        running.stop(0)
+        owner.rpc.stop(0)
         source.check_health()
-        assert not peer.live and source.table.errors["health_unavailable"] == 1
+        assert not peer.live and client.peers.errors["health_unavailable"] == 1
     finally:
         client.close()
         owner.close()

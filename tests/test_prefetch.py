@@ -7,28 +7,28 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub.pull import pull
-from expertmesh.node.store.store import PREFETCH_MIN_ACCURACY, PREFETCH_WINDOW
+from expertmesh.node.store.prefetch import PREFETCH_MIN_ACCURACY, PREFETCH_WINDOW
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
 
 @pytest.fixture(scope="module")
-def home(hub_root: Path, tmp_path_factory: pytest.TempPathFactory):
+def home(pulled_home, hub_root: Path, tmp_path_factory: pytest.TempPathFactory):
     with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
         home = tmp_path_factory.mktemp("home")
-        pull(REPO_ID, home=home, progress=False)
+        pulled_home("kimi_k3", home)
         yield home
 
 
 def test_every_guess_is_used_or_wasted_and_the_output_is_unchanged(home: Path) -> None:
     outputs = {}
     for prefetch in (False, True):
-        sm = open_model(REPO_ID, home=home, store_config=StoreConfig(ram_budget="1", prefetch=prefetch))
+        sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", prefetch=prefetch))
         try:
             ids = sm.tokenizer.encode("Guess the next layer")
             outputs[prefetch] = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=16))]
@@ -47,7 +47,7 @@ def test_every_guess_is_used_or_wasted_and_the_output_is_unchanged(home: Path) -
 
 
 def test_poor_guesses_pause_prefetching(home: Path) -> None:
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(ram_budget="1"))
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1"))
     try:
         store, layer = sm.store, sm.index.moe_layers[1]
         assert store.wants_guesses()

@@ -89,6 +89,7 @@ def test_ignored_range_is_retried_never_used(hub: HubServer, tiny_repos: dict[st
     assert reader.retries == 2 and hub.stats()["faults"] == {"ignore_range": 2}
 
 
+@pytest.mark.e2e
 def test_killed_pull_resumes_and_fetches_less(
     hub: HubServer, hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,6 +178,7 @@ def test_rejected_token(hub_root: Path, tmp_path: Path, monkeypatch: pytest.Monk
         assert "hf_wrong" not in str(e.value)
 
 
+@pytest.mark.e2e
 def test_cli_errors_are_one_line(hub: HubServer, tmp_path: Path) -> None:
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
     r = subprocess.run(
@@ -228,10 +230,10 @@ def test_disk_space_is_checked_first(
 
 
 def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: HubServer, tmp_path: Path) -> None:
-    from expertmesh.node.engine.streamed_model import open_model
+    from expertmesh.node.assembly import build_node, open_model
+    from expertmesh.node.config import NodeConfig, StoreConfig
     from expertmesh.node.errors import NotPulledError
     from expertmesh.node.hub import local_models
-    from expertmesh.node.store.served import open_cache_peer
 
     _reset(hub)
     result = pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False, index_only=True)
@@ -241,10 +243,9 @@ def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: 
     assert not list(local_models.find_index(tmp_path, "expertmesh/tiny-kimi_k3").glob("*.safetensors"))
     with pytest.raises(NotPulledError, match="expertmesh pull expertmesh/tiny-kimi_k3"):
         open_model("expertmesh/tiny-kimi_k3", home=tmp_path)
-    peer = open_cache_peer("expertmesh/tiny-kimi_k3", None, tmp_path, "1MB")
-    try:
+    config = NodeConfig("expertmesh/tiny-kimi_k3", home=tmp_path, cache_only=True, store=StoreConfig(disk_budget="1MB"))
+    with build_node(config) as node:  # a cache peer: the index is enough
+        peer = node.experts
         loc = next(iter(peer.index.experts.values()))
         assert peer.held_copy(loc) is None and len(peer.fetch_as_owner(loc)) == loc.nbytes
         assert peer.held_copy(loc) is not None  # kept, and it passes its own digest
-    finally:
-        peer.close()

@@ -15,20 +15,18 @@ import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
+from nodes import joined, serving
 
-from expertmesh.node.devtools.link_emulation import k3_lan
+from expertmesh.node.config import RemoteConfig, StoreConfig
+from expertmesh.node.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny import ARCHS
-from expertmesh.node.engine.blocks import streaming_blocks
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.household.remote_experts import LinkEstimate, RemoteConfig, RemoteExperts, attach_remote_experts
+from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.store.tiers.peers import attach_peers
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SECRET = "remote-test-secret"
@@ -37,8 +35,8 @@ TOKENS = 10
 TIME_SCALE = 0.05  # a K3 expert's 148 ms on gigabit becomes 7.4 ms
 
 
-def _generate(sm, on_token=None) -> list[int]:
-    out = []
+def _generate(node, on_token=None) -> list[int]:
+    sm, out = node.model, []
     for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=TOKENS)):
         out.append(t.id)
         if on_token is not None:
@@ -81,19 +79,27 @@ class Pair:
     def __init__(self, arch: str, root: Path):
         repo = f"expertmesh/tiny-{arch}"
         pull(repo, home=root / "peer", progress=False)
-        self.peer = open_model(repo, home=root / "peer", store_config=StoreConfig(prefetch=False))
+        lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))  # shaped below, once the model is known
+        self.peer = serving(repo, root / "peer", SECRET, node_id=f"peer-{arch}", service_class=_ComputeNode,
+                            interceptors=[lan])  # fmt: skip
         self.expected = _generate(self.peer)  # the single-node output; it also fills the peer's disk
         loc = next(iter(self.peer.index.experts.values()))
-        block = streaming_blocks(self.peer.model)[0]
-        row_bytes = block.input_width * 4
-        self.service = _ComputeNode(self.peer, f"peer-{arch}", lan=k3_lan(loc.nbytes, row_bytes, TIME_SCALE))
-        self.running = start_node_server(self.service, SECRET, port=0)
+        row_bytes = self.peer.model.blocks[0].input_width * 4
+        lan.lan = k3_lan(loc.nbytes, row_bytes, TIME_SCALE)
+        self.service = self.peer.service
+        self.running = self.peer.rpc
         pull(repo, home=root / "me", progress=False)
-        self.me = open_model(
-            repo, home=root / "me", store_config=StoreConfig(prefetch=False, disk_budget="0", ram_budget="0")
+        self.me = joined(
+            repo,
+            root / "me",
+            SECRET,
+            [self.running.address],
+            node_id=f"me-{arch}",
+            store=StoreConfig(prefetch=False, disk_budget="0", ram_budget="0"),
+            remote=RemoteConfig(deadline_floor_s=0.5),
         )
-        self.source = attach_peers(self.me, [f"127.0.0.1:{self.running.port}"], SECRET, node_id=f"me-{arch}")
-        self.remote = attach_remote_experts(self.me, self.source, RemoteConfig(deadline_floor_s=0.5))
+        self.source = self.me.peer_tier
+        self.remote = self.me.remote
 
     def revive(self) -> None:
         self.service.mode = "honest"
@@ -102,7 +108,6 @@ class Pair:
 
     def close(self) -> None:
         self.me.close()
-        self.running.stop(0)
         self.peer.close()
 
 
@@ -134,7 +139,7 @@ def test_remote_execution_gives_the_single_node_output(pairs, arch: str) -> None
 
 def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
     pair = pairs("kimi_k3")
-    block = streaming_blocks(pair.me.model)[0]
+    block = pair.me.model.blocks[0]
     layer = block.layer
     held = sorted(e for (lay, e) in pair.peer.index.experts if lay == layer and (lay, e) in pair.peer.disk)[:3]
     assert held, "the peer holds experts of the first MoE layer after generating"
@@ -195,7 +200,7 @@ def test_a_compute_peer_killed_mid_generation_loses_no_token(hub: HubServer, tmp
 
 def test_compute_requests_are_checked(pairs) -> None:
     pair = pairs("kimi_k3")
-    block = streaming_blocks(pair.me.model)[0]
+    block = pair.me.model.blocks[0]
     model = node_pb2.ModelKey(repo_id=pair.me.repo_id, commit=pair.me.commit)
     good = activations.encode(mx.zeros((2, block.input_width)))
     bad_requests = {
@@ -254,7 +259,7 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
     the local disk is read here; one held by the peer runs there; a peer slower than the link gets
     nothing."""
     pair = pairs("kimi_k3")
-    layer = streaming_blocks(pair.me.model)[0].layer
+    layer = pair.me.model.blocks[0].layer
     experts = sorted(e for (lay, e) in pair.peer.index.experts if lay == layer and (lay, e) in pair.peer.disk)[:4]
     assert len(experts) == 4
     nbytes = pair.me.index.expert(layer, experts[0]).nbytes
@@ -280,7 +285,9 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
 def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Path, monkeypatch) -> None:
     """The CLI's wiring: `--peer` attaches remote execution (a compute peer was described as one);
     `--remote-compute off` leaves every expert to be fetched."""
-    from expertmesh.cli import _open_model, build_parser
+    from expertmesh.cli import build_parser
+    from expertmesh.cli.generate import node_config
+    from expertmesh.node.assembly import build_node
 
     pair = pairs("kimi_k3")
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
@@ -290,10 +297,6 @@ def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Pa
         args = build_parser().parse_args(
             ["run", pair.me.repo_id, "hello", "--peer", f"127.0.0.1:{pair.running.port}", "--remote-compute", flag]
         )
-        sm = _open_model(args)
-        try:
-            peer = next(s for s in sm.store.sources if s.name == "peer").table.peers
-            assert all(p.compute for p in peer.values())  # Info said so
-            assert all((b._remote is not None) == bound for b in streaming_blocks(sm.model)), flag
-        finally:
-            sm.close()
+        with build_node(node_config(args)) as node:
+            assert all(p.compute for p in node.peers.all())  # Info said so
+            assert all((b._remote is not None) == bound for b in node.model.blocks), flag

@@ -19,6 +19,8 @@ import mlx.core as mx
 import pytest
 
 from expertmesh.cli import main
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.speculative import (
@@ -30,8 +32,7 @@ from expertmesh.node.engine.speculative import (
     SpeculationError,
     SpeculationStats,
 )
-from expertmesh.node.engine.streamed_model import StoreConfig, StreamedModel, open_model
-from expertmesh.node.hub.pull import pull
+from expertmesh.node.engine.streamed_model import StreamedModel
 
 PROMPT = "for i in range for i in range"
 TOKENS = 24
@@ -68,15 +69,15 @@ class _AlwaysWrong(_Scripted):
 
 
 @pytest.fixture(scope="module")
-def models(hub, tmp_path_factory: pytest.TempPathFactory):
+def models(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
     """arch -> StreamedModel in float32 (see the module docstring), opened once per module."""
     opened: dict[str, StreamedModel] = {}
 
     def get(arch: str) -> StreamedModel:
         if arch not in opened:
             home = tmp_path_factory.mktemp(f"spec-{arch}")
-            pull(f"expertmesh/tiny-{arch}", home=home, progress=False)
-            sm = open_model(f"expertmesh/tiny-{arch}", home=home, store_config=StoreConfig(ram_budget="50%"))
+            pulled_home(arch, home)
+            sm = open_model(f"expertmesh/tiny-{arch}", home=home, store=StoreConfig(ram_budget="50%"))
             sm.model.set_dtype(mx.float32)
             opened[arch] = sm
         return opened[arch]
@@ -257,12 +258,13 @@ def test_bad_speculation_flags_are_one_line_errors(capsys, tmp_path: Path, monke
 
 
 def test_drafted_and_accepted_reach_the_prometheus_counter(models) -> None:
-    from expertmesh.node.observability.metrics import NodeMetrics
+    from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
 
     sm = models("deepseek_v3")
     ids = sm.tokenizer.encode(PROMPT)
     plain, _, _ = _run(Generator(sm), ids)
-    metrics = NodeMetrics.for_model(sm)
+    metrics = NodeMetrics(MetricsSources(sm.store.stats, sm.store.ram, sm.disk))
+    sm.token_observer, sm.store.stats.observer = metrics, metrics.observe_fetch  # as node/assembly.py does
     try:
         _, _, summary = _run(Generator(sm, SPEC, draft_source=_Scripted(len(ids), plain, _vocab(sm))), ids)
     finally:

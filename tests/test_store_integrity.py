@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -19,15 +19,15 @@ PROMPT = "The store keeps every expert"
 
 
 @pytest.fixture(scope="module")
-def pulled(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("pulled")
-    pull(REPO_ID, home=home, progress=False)
+    pulled_home("kimi_k3", home)
     return home
 
 
 def _generate(home: Path, **budgets):
     # no guesses and no idle-link fill: every count below is then exact (either would add fetches)
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(**budgets, prefetch=False, fill=False))
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(**budgets, prefetch=False, fill=False))
     try:
         ids = sm.tokenizer.encode(PROMPT)
         tokens = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=16))]

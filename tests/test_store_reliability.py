@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import Fault, HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.engine.streamed_model import StoreConfig, open_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
@@ -26,7 +27,7 @@ FAST = dict(max_retries=8, backoff_base_s=0.005, backoff_max_s=0.05, timeout_s=0
 
 def _generate(home: Path, reader=None, tokens: int = 16):
     # one response per expert (no demand runs), so each fault below spoils exactly one expert
-    sm = open_model(REPO_ID, home=home, store_config=StoreConfig(prefetch=False, coalesce=False), hub_reader=reader)
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(prefetch=False, coalesce=False), hub_reader=reader)
     try:
         ids = sm.tokenizer.encode(PROMPT)
         out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens))]
@@ -90,6 +91,7 @@ def test_wrong_bytes_on_a_refetch_are_caught_and_fetched_again(hub: HubServer, r
     _assert_cache_is_clean(root)
 
 
+@pytest.mark.e2e
 def test_a_run_killed_while_fetching_restarts_cleanly(hub: HubServer, reference, tmp_path: Path) -> None:
     pull(REPO_ID, home=tmp_path, progress=False)
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}

@@ -12,17 +12,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from nodes import serving
 
 from expertmesh.cli import main
+from expertmesh.node.config import RpcConfig, StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.household.membership import PeerTable, describe_peer
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.server import start_node_server
-from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.rpc.tls import TLS_NAME, open_channel, server_credentials
-from expertmesh.node.store.served import open_cache_peer
-from expertmesh.node.store.tiers.peers import PeerSource, PeerTable, describe_peer
-from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.rpc.client import NodeClient
+from expertmesh.node.rpc.tls import TLS_NAME
+from expertmesh.node.store.tiers.peers import PeerSource
+from expertmesh.v1 import node_pb2
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "tls-test-secret"
@@ -59,20 +59,19 @@ def tls_node(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("tls-node")
     cert, key = _household_cert(home / "tls")
     pull(REPO_ID, home=home, progress=False, index_only=True)
-    experts = open_cache_peer(REPO_ID, None, home, "100MB")
-    running = start_node_server(
-        NodeService(None, "tls-node", experts), SECRET, host="127.0.0.1", port=0, tls=server_credentials(cert, key)
+    rpc = RpcConfig(host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key))
+    node = serving(
+        REPO_ID, home, SECRET, node_id="tls-node", cache_only=True, store=StoreConfig(disk_budget="100MB"), rpc=rpc
     )
     try:
-        yield f"127.0.0.1:{running.port}", cert.read_bytes(), experts, home
+        yield node.rpc.address, cert.read_bytes(), node.experts, home
     finally:
-        running.stop()
-        experts.close()
+        node.close()
 
 
 def _info(address: str, ca: bytes | None) -> node_pb2.InfoResponse:
-    with open_channel(address, ca) as channel:
-        return node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET), timeout=5)
+    with NodeClient(address, SECRET, ca) as client:
+        return client.info(timeout=5)
 
 
 def test_a_client_trusting_the_household_cert_gets_verified_experts(tls_node) -> None:

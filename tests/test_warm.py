@@ -9,14 +9,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from nodes import serving
 
 from expertmesh.cli import main
+from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.household.warm import WarmNode, owners, warm, warm_order
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.server import start_node_server
 from expertmesh.node.rpc.service import NodeService
-from expertmesh.node.store.served import open_cache_peer
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "warm-test-secret"
@@ -25,17 +25,18 @@ SECRET = "warm-test-secret"
 class CachePeer:
     def __init__(self, home: Path, node_id: str, disk_budget: str):
         pull(REPO_ID, home=home, progress=False, index_only=True)
-        self.experts = open_cache_peer(REPO_ID, None, home, disk_budget)
+        self.node = serving(
+            REPO_ID, home, SECRET, node_id=node_id, cache_only=True, store=StoreConfig(disk_budget=disk_budget)
+        )
+        self.experts = self.node.experts
         self.node_id = node_id
-        self.running = start_node_server(NodeService(None, node_id, self.experts), SECRET, host="127.0.0.1", port=0)
-        self.address = f"127.0.0.1:{self.running.port}"
+        self.address = self.node.rpc.address
 
     def as_warm_node(self) -> WarmNode:
         return WarmNode(self.node_id, self.address, self.experts.disk.budget_bytes)
 
     def close(self) -> None:
-        self.running.stop()
-        self.experts.close()
+        self.node.close()
 
 
 @pytest.fixture
@@ -111,19 +112,24 @@ class _CountingService(NodeService):
 
 
 def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: HubServer, tmp_path: Path) -> None:
-    from expertmesh.node.store.tiers.peers import Peer, PeerSource, PeerTable
+    from expertmesh.node.household.membership import Peer, PeerTable, expert_key, rendezvous_score
+    from expertmesh.node.store.tiers.peers import PeerSource
 
     made = []
     try:
         for name in ("owner", "holder", "empty"):
             home = tmp_path / name
             pull(REPO_ID, home=home, progress=False, index_only=True)
-            experts = open_cache_peer(REPO_ID, None, home, "100MB")
-            service = _CountingService(None, name, experts)
-            made.append((name, experts, service, start_node_server(service, SECRET, host="127.0.0.1", port=0)))
-        (_, _, _, owner_server), (_, holder, _, holder_server), (_, _, empty_service, empty_server) = made
+            store = StoreConfig(disk_budget="100MB")
+            made.append(
+                serving(
+                    REPO_ID, home, SECRET, node_id=name, cache_only=True, store=store, service_class=_CountingService
+                )
+            )
+        owner_node, holder_node, empty_node = made
+        owner_server, holder_server, empty_server = (n.rpc for n in made)
+        holder, empty_service = holder_node.experts, empty_node.service
         index = holder.index
-        from expertmesh.node.store.tiers.peers import expert_key, rendezvous_score
 
         # experts for which, once the owner is gone, the empty node ranks before the holder
         keys = [
@@ -150,6 +156,5 @@ def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: H
         finally:
             source.close()
     finally:
-        for _, experts, _, server in made:
-            server.stop()
-            experts.close()
+        for node in made:
+            node.close()

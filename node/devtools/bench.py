@@ -17,6 +17,7 @@ Configurations:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import statistics
@@ -26,13 +27,26 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx2
+
 from expertmesh.node import constants
 from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.sizes import format_size
-from expertmesh.node.store.store import SOURCES
+from expertmesh.node.store.stats import SOURCES
 from expertmesh.node.store.tiers.hub import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT
+
+
+class FreshConnectionReader(hub_client.RangeReader):
+    """The naive configuration's Hub client: a new connection for every request, as the reference
+    system fetches (no keep-alive pool)."""
+
+    @contextlib.contextmanager
+    def _session(self):
+        with httpx2.Client() as session:
+            yield session
+
 
 K3_EXPERT_BYTES = 17.5e6
 K3_LINK = {"bandwidth": 100e6, "per_connection": 12.5e6, "ttfb_s": 0.050, "connection_s": 0.100}
@@ -216,8 +230,8 @@ def run_bench(
     """
     import mlx_lm
 
-    from expertmesh.node.engine.streamed_model import StoreConfig, open_model
-    from expertmesh.node.hub.client import RangeReader
+    from expertmesh.node.assembly import open_model
+    from expertmesh.node.config import StoreConfig
     from expertmesh.node.hub.pull import pull
 
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-"))
@@ -226,7 +240,7 @@ def run_bench(
         with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
             pulled = work / "pulled"
             pull(repo_id, home=pulled, progress=False)
-            probe = open_model(repo_id, home=pulled, store_config=StoreConfig(prefetch=False))
+            probe = open_model(repo_id, home=pulled, store=StoreConfig(prefetch=False))
             index, tokenizer = probe.index, probe.tokenizer
             probe.close()
             expert_bytes = max(loc.nbytes for loc in index.experts.values())
@@ -276,7 +290,7 @@ def run_bench(
                 r = _result(name, summaries, after["bytes_served"] - before["bytes_served"], link, belady)
                 r.hub_requests = after["requests"] - before["requests"]
                 if traces:
-                    r.belady_staged_hit_rate = _belady(traces, ram_slots + max(1, sm.store._concurrency // 2))
+                    r.belady_staged_hit_rate = _belady(traces, ram_slots + max(1, sm.store.fetch_workers // 2))
                 progress(f"  {name}: {r.s_per_token * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s")
                 return r
 
@@ -289,7 +303,7 @@ def run_bench(
                     hub_pieces_per_expert=pieces_per_expert,
                     coalesce=coalesce,
                 )
-                return open_model(repo_id, home=home_dir, store_config=cfg)
+                return open_model(repo_id, home=home_dir, store=cfg)
 
             results = []
             if naive_tokens > 0:
@@ -301,8 +315,8 @@ def run_bench(
                         lambda i, _: open_model(
                             repo_id,
                             home=naive_home,
-                            store_config=naive_cfg,
-                            hub_reader=RangeReader(fresh_connections=True),
+                            store=naive_cfg,
+                            hub_reader=FreshConnectionReader(),
                         ),
                         naive_tokens,
                         traced=False,
@@ -326,7 +340,7 @@ def run_bench(
             _run_prompts(session, prompts, tokens)
             session.close()
             results.append(measured("warm_disk", lambda i, trace: expertmesh_node(cached, trace), tokens, traced=True))
-            sm = open_model(repo_id, home=home("warm_ram"), store_config=StoreConfig(ram_budget=str(2 * all_bytes)))
+            sm = open_model(repo_id, home=home("warm_ram"), store=StoreConfig(ram_budget=str(2 * all_bytes)))
             _run_prompts(sm, prompts, tokens)  # fill RAM
             results.append(measured("warm_ram", lambda i, _: sm, tokens, traced=False))
 

@@ -1,12 +1,14 @@
 """A slower link than loopback, for benchmarks: bytes per second shared by everyone using it, and a
-round-trip delay. The local Hub (node/devtools/local_hub.py) and a node's gRPC service (`LanEmulation`)
-use it, so a bench on one machine sees the household's network, not the kernel's memcpy."""
+round-trip delay. The local Hub (node/devtools/local_hub.py) and a node's gRPC service (`LanInterceptor`
+in front of it) use it, so a bench on one machine sees the household's network, not the kernel's memcpy."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
+
+import grpc
 
 
 class TokenBucket:
@@ -33,7 +35,7 @@ def take_together(nbytes: int, *limits: tuple[TokenBucket, float]) -> None:
     The bytes start when every bucket is free and last as long as the slowest rate makes them;
     each bucket is busy for its own rate's share. Taking the buckets one after another instead
     would charge a connection the link's time on top of its own, so 8 connections of an eighth
-    of the link each could never fill it (measured: 0.79 of the link at most).
+    of the link each could never fill it (docs/benchmarks.md, bench_time_scale).
     """
     time.sleep(reserve_together(nbytes, None, *limits))
 
@@ -100,3 +102,62 @@ def k3_lan(expert_bytes: int, row_bytes: int, time_scale: float) -> LanEmulation
     b = expert_bytes / K3_EXPERT_BYTES
     activation_scale = (K3_ROW_BYTES / K3_EXPERT_BYTES) / (row_bytes / expert_bytes)
     return LanEmulation(GIGABIT["bandwidth"] * b / time_scale, GIGABIT["rtt_s"] * time_scale, activation_scale)
+
+
+NODE_METHODS = "/expertmesh.v1.Node/"
+
+
+def _payload_bytes(message) -> int:
+    """What a message puts on the wire (its serialized size)."""
+    return message.ByteSize()
+
+
+class LanInterceptor(grpc.ServerInterceptor):
+    """Slows a node's gRPC service to `lan`, as a household link would: every call of the node
+    service pays a round trip and its messages' bytes each way (ComputeExperts' at the
+    activation scale). Only benchmarks and tests put it in front of a node (`build_node(...,
+    interceptors=[LanInterceptor(lan)])`); the health service is never slowed."""
+
+    def __init__(self, lan: LanEmulation):
+        self.lan = lan
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(NODE_METHODS):
+            return handler
+        lan, activations = self.lan, method.endswith("/ComputeExperts")
+
+        def arrive(request) -> None:
+            lan.round_trip()
+            lan.receive(_payload_bytes(request), activations)
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                arrive(request)
+                response = inner(request, context)
+                lan.send(_payload_bytes(response), activations)
+                return response
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            def stream(request, context):
+                arrive(request)
+                for response in inner_stream(request, context):
+                    lan.send(_payload_bytes(response), activations)
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

@@ -24,8 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
-from mlx_lm.utils import _get_classes, load_model
+from mlx_lm.utils import load_model
 
+from expertmesh.node.engine.mlx_lm_models import model_classes
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.store.codec import ExpertWeights, ProjectionWeights
 
@@ -208,7 +209,7 @@ def streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
 
 
 def _streaming_classes(config: dict):
-    model_class, args_class = _get_classes(config=config)
+    model_class, args_class = model_classes(config)
 
     class StreamingModel(model_class):
         def __init__(self, args):

@@ -15,30 +15,12 @@ What stays in full precision and why:
     layers whose input width no group size divides (16-wide KDA `f_b_proj`/`g_b_proj`, MLA's
     `embed_q`): mlx-lm skips them too
 The embedding and the output head are quantised (as mlx-lm's own `convert -q` does): they are a
-large share of a small model's core (30 % of the demo's), and the quality numbers below include
-their error. They cannot be shared: the demo's are untied and unrelated (row cosine 0.008).
+large share of a small model's core, and the measured quality includes their error.
 
-Measured on the trained demo model (`python benchmarks/bench_core_bits.py`: 1024 held-out
-positions; `--windows 24`: all 3072): resident core 0.562x the BF16 core (0.578x with groups of 64
-everywhere), top-1 agreement 95.1 % (94.1 % over 3072), mean KL 0.0051 nats, 99.0-99.2 % where
-BF16's top token leads the second by >= 0.05. Neither issue-7 target (<= 0.55x, >= 98 %) is
-reachable with 8-bit affine weights on this model, for two measured reasons:
-  - bytes: 6.8 % of the BF16 core stays BF16 under the rules above (routers 2.4 %, the 16-wide
-    `f_b_proj`/`g_b_proj`/`embed_q` 2.8 %, convs, norms and KDA parameters 1.6 %), and the
-    quantised 93 % costs 0.531x (8.5 bits a weight in the 64-wide layers that hold most of it).
-    0.55x needs <= 4.2 % kept or <= 8.28 bits a quantised weight: quantising the routers too
-    gives 0.551x (KL 0.0060); only `mxfp8` (8.25 bits at any width) reaches 0.548x, at twice
-    the KL (0.0117) and top-1 90 %.
-  - agreement: the bench's noise floor (the same BF16 weights computed in float32) is 98.05 %
-    (97.8 % over 3072): 41 % of the positions are near ties (lead < 0.05) that any perturbation
-    flips. Quantising one tensor alone already falls below 98 % (only the embedding: 97.7 %, only
-    lm_head: 97.1 %, KL 0.0007). Keeping lm_head in BF16 buys 1.6 points of top-1 (over 3072) and
-    the embedding 0.2, for +0.07x bytes each. On CPU a large share of the error is arithmetic, not
-    the weights: mlx's CPU `quantized_matmul` on BF16 inputs is 4x noisier than a BF16 dense
-    matmul (rms 0.015 vs 0.004 on the demo's lm_head). Float32 scales on the embedding alone
-    make every activation float32 and give 96.9 % / KL 0.0029 (over 3072) for +0.005x, but
-    double activation and KV-cache memory, so it is not done. Group sizes barely matter: all 32
-    gives 0.596x and the same KL; `mxfp8`'s FP8 codes are what cost it its quality.
+Quality is measured, not assumed: `python benchmarks/bench_core_bits.py` compares the 8-bit core
+with the BF16 one on held-out text (resident bytes, top-1 agreement, KL, and the BF16-in-float32
+noise floor). Its figures, and why 8-bit affine weights stop short of exactly half the bytes and of
+BF16's agreement on the demo model, are in docs/benchmarks.md.
 
 The result is saved under mlx-lm's parameter names in one `model-core-q8.safetensors`; mlx-lm's
 `load_model` recognises quantised layers by their `.scales` and reads each layer's group size

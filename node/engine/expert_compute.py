@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from expertmesh.node.engine.blocks import StreamingSwitchGLU, streaming_blocks
+from expertmesh.node.engine.blocks import StreamingSwitchGLU
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.rpc import activations
 from expertmesh.v1 import node_pb2
@@ -40,7 +40,7 @@ class ExpertComputer:
 
     def __init__(self, sm: StreamedModel):
         self.sm = sm
-        self.blocks: dict[int, StreamingSwitchGLU] = {b.layer: b for b in streaming_blocks(sm.model)}
+        self.blocks: dict[int, StreamingSwitchGLU] = {b.layer: b for b in sm.blocks}
         self._running = 0
         self._lock = threading.Lock()
 

@@ -15,16 +15,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.speculative import (
     CacheRollback,
     Draft,
     DraftController,
-    SpeculationConfig,
     SpeculationStats,
     accept_drafts,
     check_rollback_supported,
@@ -32,7 +33,7 @@ from expertmesh.node.engine.speculative import (
 )
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import ExpertmeshError
-from expertmesh.node.store.store import SOURCES, StoreStats
+from expertmesh.node.store.stats import SOURCES, StoreStats
 
 PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the same numerics
 
@@ -56,30 +57,53 @@ class Token:
     logprobs: mx.array
 
 
+class TokenObserver(Protocol):
+    """What watches every generation (observability/metrics.py's NodeMetrics)."""
+
+    def prompt(self, tokens: int) -> None: ...
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def token(self, seconds: float) -> None: ...
+
+    def speculative(self, drafted: int, accepted: int) -> None: ...
+
+
 @dataclass
 class GenerationSummary:
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    time_to_first_token_s: float = 0.0
-    seconds: float = 0.0
+    time_to_first_token_s: float = 0.0  # the prompt's prefill and the first token
+    seconds: float = 0.0  # the whole generation
     stop_reason: str = "length"  # length | eos | interrupted | context
     trailing_text: str = ""  # text the detokenizer held back until the end (a split character)
     experts: StoreStats = field(default_factory=StoreStats)
     speculation: SpeculationStats | None = None  # None: generated without speculation
 
     @property
-    def tokens_per_s(self) -> float:
-        decode_s = self.seconds - self.time_to_first_token_s
-        if self.generated_tokens > 1 and decode_s > 0:
-            return (self.generated_tokens - 1) / decode_s
-        return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+    def decode_seconds(self) -> float:
+        """Time after the first token: what the tokens after it took."""
+        return max(0.0, self.seconds - self.time_to_first_token_s)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second of decoding (the prefill is not in it)."""
+        if self.generated_tokens > 1 and self.decode_seconds > 0:
+            return (self.generated_tokens - 1) / self.decode_seconds
+        return 0.0
 
     def lines(self) -> list[str]:
         from expertmesh.node.sizes import format_size
 
+        decode = ""
+        if self.generated_tokens > 1:
+            decode = (
+                f"; decode {self.decode_tokens_per_s:.2f} tokens/s "
+                f"({self.generated_tokens - 1} after the first in {self.decode_seconds:.2f} s)"
+            )
         out = [
-            f"{self.generated_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_s:.2f} tokens/s, "
-            f"time to first token {self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens), "
+            f"{self.generated_tokens} tokens in {self.seconds:.2f} s: time to first token "
+            f"{self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens){decode}; "
             f"stopped by {self.stop_reason}"
         ]
         parts = [
@@ -107,6 +131,51 @@ class GenerationSummary:
         return out
 
 
+class _TokenBook:
+    """What every generated token goes through, on the plain and the speculative path alike: the
+    time to first token, the observer, the detokenizer, and the stops after it (max_tokens, the
+    caller's stop). An end-of-sequence token is timed but neither counted nor yielded."""
+
+    def __init__(
+        self,
+        summary: GenerationSummary,
+        settings: SamplingSettings,
+        observer: TokenObserver | None,
+        eos: set[int],
+        detok,
+        should_stop: Callable[[], bool],
+        t0: float,
+    ):
+        self.summary, self.settings, self.observer = summary, settings, observer
+        self.eos, self.detok, self.should_stop = eos, detok, should_stop
+        self.t0 = self.t_prev = t0
+
+    def emit(self, tok: int, logprobs: mx.array) -> Token | None:
+        """The Token to yield for `tok`, or None for an end-of-sequence token."""
+        t_now = time.perf_counter()
+        summary = self.summary
+        if summary.generated_tokens == 0:
+            summary.time_to_first_token_s = t_now - self.t0
+            if self.observer is not None:
+                self.observer.first_token(t_now - self.t0)
+        if tok in self.eos:
+            return None
+        summary.generated_tokens += 1
+        if self.observer is not None:
+            self.observer.token(t_now - self.t_prev)
+        self.t_prev = t_now
+        self.detok.add_token(tok)
+        return Token(tok, self.detok.last_segment, logprobs)
+
+    def stop_after(self) -> str | None:
+        """Why generation stops after the token just yielded, if it does."""
+        if self.summary.generated_tokens == self.settings.max_tokens:
+            return "length"
+        if self.should_stop():
+            return "interrupted"
+        return None
+
+
 class Generator:
     """Generates on one streamed model, keeping its cache between calls (a conversation).
 
@@ -130,8 +199,7 @@ class Generator:
             check_rollback_supported(make_prompt_cache(sm.model))
             self._source = draft_source or make_draft_source(self.speculation, sm.tokenizer)
             self._controller = DraftController(self.speculation)
-        # per-token observer (node/observability/metrics.py attaches one to the model): prompt(n), first_token(s), token(s)
-        self.observer = getattr(sm, "token_observer", None)
+        self.observer: TokenObserver | None = sm.token_observer
         self.reset()
 
     def reset(self) -> None:
@@ -156,17 +224,28 @@ class Generator:
         logits = logits[:, -1, :]
         return logits - mx.logsumexp(logits, keepdims=True)
 
-    def _speculative(
-        self,
-        tokens: list[int],
-        settings: SamplingSettings,
-        should_stop: Callable[[], bool],
-        summary: GenerationSummary,
-        sampler,
-        eos: set[int],
-        detok,
-        t0: float,
-    ) -> Iterator[Token]:
+    def _plain(self, tokens: list[int], book: _TokenBook, sampler) -> Iterator[Token]:
+        """One token per forward pass, exactly mlx-lm's `generate_step`."""
+        summary, limit = book.summary, self.sm.max_context
+        logprobs = self._prefill(list(tokens))
+        for _ in range(book.settings.max_tokens):
+            y = sampler(logprobs)
+            mx.eval(y, logprobs)
+            token = book.emit(int(y.item()), logprobs.squeeze(0))
+            if token is None:
+                summary.stop_reason = "eos"
+                return
+            yield token
+            stop = book.stop_after()
+            if stop is not None:
+                summary.stop_reason = stop
+                return
+            if limit is not None and len(self.history) + 1 >= limit:
+                summary.stop_reason = "context"
+                return
+            logprobs = self._logprobs(self._forward([token.id]))
+
+    def _speculative(self, tokens: list[int], book: _TokenBook, sampler) -> Iterator[Token]:
         """Decoding with drafts: each pass feeds `todo` (what must enter the cache, ending with the
         current token) plus k drafts, and yields the accepted drafts and one token more.
 
@@ -176,12 +255,11 @@ class Generator:
         ends the cache holds what the plain path's would: all but the last token yielded, or
         after an EOS all of them.
         """
+        summary, settings = book.summary, book.settings
         stats = summary.speculation = SpeculationStats()
         source, ctl = self._source, self._controller
         rollback = CacheRollback(self.cache)
         limit = self.sm.max_context
-        spec_hook = getattr(self.observer, "speculative", None)  # for metrics: hook(drafted, accepted)
-        t_prev = t0
         todo: list[int] = []  # the pass in flight fed `todo` and `draft.tokens`
         draft = Draft([])
         out: list[int] = []  # tokens of the pass in flight yielded so far
@@ -208,35 +286,23 @@ class Generator:
                     stats.accepted += j
                     stats.verify_passes += 1
                     ctl.update(k, j, stats.generated, stats)
-                    if spec_hook is not None:
-                        spec_hook(k, j)
+                    if self.observer is not None:
+                        self.observer.speculative(k, j)
                 else:
                     y = sampler(rows[:1])  # exactly the plain path's step
                     mx.eval(y)
                     j, nxt = 0, int(y.item())
                 out, settled, stop = [], False, None
                 for i, tok in enumerate([*draft.tokens[:j], nxt]):
-                    t_now = time.perf_counter()
-                    if summary.generated_tokens == 0:
-                        summary.time_to_first_token_s = t_now - t0
-                        if self.observer is not None:
-                            self.observer.first_token(t_now - t0)
-                    if tok in eos:
+                    token = book.emit(tok, rows[i])
+                    if token is None:
                         stop = "eos"
                         break
                     out.append(tok)
                     stats.generated += 1
-                    summary.generated_tokens += 1
-                    if self.observer is not None:
-                        self.observer.token(t_now - t_prev)
-                    t_prev = t_now
-                    detok.add_token(tok)
-                    yield Token(tok, detok.last_segment, rows[i])
-                    if summary.generated_tokens == settings.max_tokens:
-                        stop = "length"
-                        break
-                    if should_stop():
-                        stop = "interrupted"
+                    yield token
+                    stop = book.stop_after()
+                    if stop is not None:
                         break
                 eos_stop = stop == "eos"
                 todo, draft, settled = settle(), Draft([]), True
@@ -295,45 +361,20 @@ class Generator:
         sampler = make_sampler(settings.temp, settings.top_p)
         if settings.seed is not None:
             mx.random.seed(settings.seed)
-        eos = set(self.sm.tokenizer.eos_token_ids)
         detok = self.sm.tokenizer.detokenizer
         detok.reset()
         before = self.sm.store.stats.snapshot()
-        t0 = t_prev = time.perf_counter()
+        t0 = time.perf_counter()
         if self.observer is not None:
             self.observer.prompt(len(tokens))
+        book = _TokenBook(
+            summary, settings, self.observer, set(self.sm.tokenizer.eos_token_ids), detok, should_stop, t0
+        )
         try:
             if self.speculation is not None:
-                yield from self._speculative(tokens, settings, should_stop, summary, sampler, eos, detok, t0)
+                yield from self._speculative(tokens, book, sampler)
             else:
-                logprobs = self._prefill(list(tokens))
-                for n in range(settings.max_tokens):
-                    y = sampler(logprobs)
-                    mx.eval(y, logprobs)
-                    token = int(y.item())
-                    t_now = time.perf_counter()
-                    if n == 0:
-                        summary.time_to_first_token_s = t_now - t0
-                        if self.observer is not None:
-                            self.observer.first_token(t_now - t0)
-                    if token in eos:
-                        summary.stop_reason = "eos"
-                        break
-                    summary.generated_tokens += 1
-                    if self.observer is not None:
-                        self.observer.token(t_now - t_prev)
-                    t_prev = t_now
-                    detok.add_token(token)
-                    yield Token(token, detok.last_segment, logprobs.squeeze(0))
-                    if n + 1 == settings.max_tokens:
-                        break
-                    if should_stop():
-                        summary.stop_reason = "interrupted"
-                        break
-                    if limit is not None and len(self.history) + 1 >= limit:
-                        summary.stop_reason = "context"
-                        break
-                    logprobs = self._logprobs(self._forward([token]))
+                yield from self._plain(tokens, book, sampler)
             detok.finalize()
             summary.trailing_text = detok.last_segment
         finally:

@@ -26,38 +26,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_top_p
 
-from expertmesh.node.errors import ExpertmeshError
-
-MODES = ("ngram", "draft", "off")
-DEFAULT_MODE = "ngram"  # measured by benchmarks/bench_speculative.py: see README "Speculative decoding"
-
-
-class SpeculationError(ExpertmeshError):
-    pass
-
-
-@dataclass
-class SpeculationConfig:
-    """How to speculate. `mode` is one of MODES; `draft_repo` names the draft model for "draft"."""
-
-    mode: str = DEFAULT_MODE
-    draft_repo: str | None = None
-    initial_draft: int = 3  # drafts per verify pass at the start
-    max_draft: int = 8
-    ngram_max: int = 4  # longest suffix looked up in the context
-    ngram_min: int = 2  # shorter suffixes match by chance too often to be worth a pass's width
-    min_acceptance: float = 0.3  # below this (smoothed) acceptance rate speculation does not pay
-    warmup_rounds: int = 3  # verify rounds before the off-switch may engage
-    cooldown_tokens: int = 16  # plain tokens before probing again; doubles while it keeps failing
-    max_cooldown_tokens: int = 512
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise SpeculationError(f"--speculate must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.mode == "draft" and not self.draft_repo:
-            raise SpeculationError("--speculate draft needs --draft REPO (a small mlx-lm model, same tokenizer)")
-        if not 1 <= self.initial_draft <= self.max_draft:
-            raise SpeculationError(f"draft length must be in 1..{self.max_draft}, not {self.initial_draft}")
+from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.errors import SpeculationError
 
 
 @dataclass

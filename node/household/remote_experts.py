@@ -32,32 +32,23 @@ from dataclasses import dataclass, field
 import grpc
 import mlx.core as mx
 
+from expertmesh.node.config import RemoteConfig
+from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.rpc import activations
 from expertmesh.node.store.store import ExpertStore
-from expertmesh.node.store.tiers.peers import Peer, PeerSource, expert_key
+from expertmesh.node.store.tiers.peers import PeerSource
 from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
 # Priors until something is measured: gigabit Ethernet, an SSD, a home link.
 DEFAULT_LAN_RTT_S = 1e-3
-DEFAULT_LAN_BANDWIDTH = 118e6
+DEFAULT_LAN_BANDWIDTH = RemoteConfig.lan_bandwidth
 DEFAULT_DISK_BANDWIDTH = 2e9
 DEFAULT_HUB_BANDWIDTH = 12.5e6
 DEFAULT_HUB_LATENCY_S = 0.05
 EWMA = 0.2  # weight of a new measurement
 PING_EVERY_S = 30.0  # round-trip time is re-measured this often per peer
-
-
-@dataclass
-class RemoteConfig:
-    """How remote execution behaves; the placement itself is decided by measured costs."""
-
-    enabled: bool = True
-    deadline_floor_s: float = 1.0  # a call's deadline is at least this ...
-    deadline_factor: float = 4.0  # ... and at least this many times its estimated duration
-    max_call_bytes: int = 3 * 1024 * 1024  # a peer's rows are split into calls no larger (gRPC's limits)
-    lan_bandwidth: float = DEFAULT_LAN_BANDWIDTH  # what a peer's link is assumed to carry until measured
 
 
 @dataclass
@@ -149,7 +140,7 @@ class RemoteExperts:
         if time.monotonic() - link.pinged_at > PING_EVERY_S:
             t0 = time.perf_counter()
             try:
-                self.peers.stub(peer.address).Info(node_pb2.InfoRequest(), metadata=self.peers.metadata, timeout=2.0)
+                self.peers.client(peer.address).info(timeout=2.0)
                 link.observe_ping(time.perf_counter() - t0)
             except grpc.RpcError:
                 link.pinged_at = time.monotonic()  # the call itself will find out
@@ -179,14 +170,14 @@ class RemoteExperts:
         """
         placement = Placement()
         computers = self._compute_peers()
-        if not computers or not self.config.enabled:
+        if not computers:
             return placement
         index = self.store.index
         # what each peer holds: as last known (the health checks keep it fresh), asked now only the first time
         held = {p.node_id: self.peers.known_inventory(p) or self.peers.inventory(p) or set() for p in computers}
         by_id = {p.node_id: p for p in computers}
         links = {p.node_id: self._link(p) for p in computers}
-        lanes = max(1, getattr(self.store, "_concurrency", 1))  # local fetches run side by side
+        lanes = self.store.fetch_workers  # local fetches run side by side
         busy: dict[str, float] = {"here": 0.0, "hub": 0.0}
         stats = self.store.stats.snapshot()
         called: set[str] = set()
@@ -291,9 +282,7 @@ class RemoteExperts:
                     )
                     timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate)
                     sent_at = time.perf_counter()
-                    fut = self.peers.stub(peer.address).ComputeExperts.future(
-                        request, metadata=self.peers.metadata, timeout=timeout
-                    )
+                    fut = self.peers.client(peer.address).compute_experts(request, timeout)
                     call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch}, t.dtype)
                     fut.add_done_callback(lambda _, done=call.finished: done.append(time.perf_counter()))
                     calls.append(call)
@@ -364,13 +353,3 @@ class RemoteExperts:
         if got and not bool(mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in got.values()]))):
             raise activations.BadTensor("rows with NaN or infinite values")
         return got
-
-
-def attach_remote_experts(sm, peers: PeerSource, config: RemoteConfig | None = None) -> RemoteExperts:
-    """Let every expert block of a streamed model run experts on the household's compute peers."""
-    from expertmesh.node.engine.blocks import streaming_blocks
-
-    remote = RemoteExperts(sm.store, peers, sm.disk, config)
-    for block in streaming_blocks(sm.model):
-        block.bind_remote(remote)
-    return remote

@@ -19,17 +19,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from expertmesh.node.household.membership import expert_key, rendezvous_score
 from expertmesh.node.hub.expert_index import ExpertIndex
-from expertmesh.node.rpc.auth import call_metadata
-from expertmesh.node.rpc.tls import open_channel
-from expertmesh.node.store.tiers.peers import (
-    FETCH_DEADLINE_S,
-    INFO_DEADLINE_S,
-    expert_key,
-    inventory_keys,
-    rendezvous_score,
-)
-from expertmesh.v1 import node_pb2, node_pb2_grpc
+from expertmesh.node.rpc.client import NodeClient, ask_info, model_key
+from expertmesh.node.store.tiers.peers import FETCH_DEADLINE_S
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +72,10 @@ def describe_nodes(
     """The nodes at `addresses` that serve this exact model (repo and commit), and a line for
     each that does not or did not answer."""
     nodes, skipped = [], []
-    for address in addresses:
-        try:
-            with open_channel(address, tls_ca) as channel:
-                info = node_pb2_grpc.NodeStub(channel).Info(
-                    node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=INFO_DEADLINE_S
-                )
-        except grpc.RpcError as e:
-            skipped.append(f"{address}: {e.code().name.lower()}")
+    for answer in ask_info(addresses, secret, tls_ca):
+        address, info = answer.address, answer.info
+        if info is None:
+            skipped.append(f"{address}: {answer.error}")
             continue
         if not any(m.repo_id == index.repo_id and m.commit == index.commit for m in info.models):
             served = ", ".join(f"{m.repo_id}@{m.commit[:12]}" for m in info.models) or "nothing"
@@ -109,12 +98,6 @@ def owners(index: ExpertIndex, nodes: list[WarmNode], keys: Iterable[ExpertKey])
     return out
 
 
-def _inventory(stub: node_pb2_grpc.NodeStub, model: node_pb2.ModelKey, metadata) -> set[ExpertKey]:
-    return inventory_keys(
-        stub.GetInventory(node_pb2.InventoryRequest(model=model), metadata=metadata, timeout=INFO_DEADLINE_S)
-    )
-
-
 def warm(
     index: ExpertIndex,
     nodes: list[WarmNode],
@@ -132,8 +115,7 @@ def warm(
     """
     order = order if order is not None else warm_order(index)
     stop = stop or threading.Event()
-    model = node_pb2.ModelKey(repo_id=index.repo_id, commit=index.commit)
-    metadata = call_metadata(secret)
+    model = model_key(index.repo_id, index.commit)
     owned = owners(index, nodes, order)
     results = {
         n.node_id: NodeWarm(n.node_id, n.address, n.disk_budget_bytes, owned=len(owned[n.node_id])) for n in nodes
@@ -141,14 +123,11 @@ def warm(
     lock = threading.Lock()
     counts = [0, 0]
 
-    def one(node: NodeWarm, stub: node_pb2_grpc.NodeStub, key: ExpertKey) -> None:
+    def one(node: NodeWarm, client: NodeClient, key: ExpertKey) -> None:
         if stop.is_set() or node.full or node.unreachable:
             return
-        request = node_pb2.FetchExpertRequest(
-            key=node_pb2.ExpertKey(model=model, layer=key[0], expert=key[1]), fetch_on_miss=True, keep_only=True
-        )
         try:
-            for _ in stub.FetchExpert(request, metadata=metadata, timeout=FETCH_DEADLINE_S):
+            for _ in client.fetch_expert(model, *key, FETCH_DEADLINE_S, fetch_on_miss=True, keep_only=True):
                 pass
         except grpc.RpcError as e:
             with lock:
@@ -173,20 +152,19 @@ def warm(
         if progress is not None:
             progress(*done)
 
-    channels, queues = [], []
+    clients, queues = [], []
     for n in nodes:
         node = results[n.node_id]
-        channel = open_channel(n.address, tls_ca)
-        channels.append(channel)
-        stub = node_pb2_grpc.NodeStub(channel)
+        client = NodeClient(n.address, secret, tls_ca)
+        clients.append(client)
         try:
-            held = _inventory(stub, model, metadata)
+            held = client.inventory(model)
         except grpc.RpcError as e:
             node.unreachable = f"inventory: {e.code().name.lower()}"
             continue
         todo = [k for k in owned[n.node_id] if k not in held]
         node.held = node.owned - len(todo)
-        queues.append([(node, stub, key) for key in todo])
+        queues.append([(node, client, key) for key in todo])
     pool = ThreadPoolExecutor(max_workers=max(1, concurrency) * max(1, len(nodes)), thread_name_prefix="warm")
     try:
         # round-robin across nodes, so every node has requests in flight from the start
@@ -199,6 +177,6 @@ def warm(
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        for channel in channels:
-            channel.close()
+        for client in clients:
+            client.close()
     return [results[n.node_id] for n in nodes]

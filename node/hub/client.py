@@ -17,9 +17,10 @@ import re
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx2
 from huggingface_hub import HfApi, hf_hub_download, hf_hub_url
@@ -33,6 +34,7 @@ from expertmesh.node.hub import safetensors_format
 from expertmesh.node.hub.safetensors_format import TensorEntry
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
@@ -41,12 +43,14 @@ _DEFAULT_REDIRECT_TTL_S = 300.0
 
 
 class _Retryable(Exception):
-    """A failure worth another attempt; `wait_s` is the server's Retry-After, if any."""
+    """A failure worth another attempt; `wait_s` is the server's Retry-After, if any; `final` is
+    what to raise if no attempt is left (default: a DownloadError that says how often it failed)."""
 
-    def __init__(self, reason: str, wait_s: float | None = None):
+    def __init__(self, reason: str, wait_s: float | None = None, final: Exception | None = None):
         super().__init__(reason)
         self.reason = reason
         self.wait_s = wait_s
+        self.final = final
 
 
 @dataclass(frozen=True)
@@ -97,21 +101,56 @@ def translate_hub_error(e: Exception, repo_id: str, revision: str | None = None)
     return e
 
 
-def _api_call(fn, repo_id: str, revision: str | None, max_retries: int = constants.HTTP_MAX_RETRIES):
-    """Call huggingface_hub, retrying rate limits, 5xx and dropped connections with backoff."""
+def retrying(
+    attempt: Callable[[], T],
+    what: str,
+    max_retries: int = constants.HTTP_MAX_RETRIES,
+    backoff_base_s: float = 0.25,
+    backoff_max_s: float = 8.0,
+    on_retry: Callable[[], None] | None = None,
+    cancelled: threading.Event | None = None,
+) -> T:
+    """`attempt()`, called again after each `_Retryable` it raises: after the server's Retry-After,
+    else an exponential backoff with full jitter (so many clients do not retry in lockstep).
+
+    Raises:
+        the `_Retryable`'s `final` error (or a DownloadError) once `max_retries` retries failed,
+        or at once when `cancelled` is set.
+    """
     _check_online()
-    for attempt in range(max_retries + 1):
+    for n in range(max_retries + 1):
+        try:
+            return attempt()
+        except _Retryable as e:
+            if n == max_retries or (cancelled is not None and cancelled.is_set()):
+                raise (e.final or DownloadError(f"{what} failed {n + 1} times, last: {e.reason}")) from None
+            if on_retry is not None:
+                on_retry()
+            wait = e.wait_s if e.wait_s is not None else random.uniform(0, min(backoff_max_s, backoff_base_s * 2**n))
+            logger.info("retrying %s in %.2fs: %s", what, wait, e.reason)
+            if cancelled is not None and cancelled.wait(wait):
+                raise DownloadError(f"{what}: cancelled") from None
+            if cancelled is None:
+                time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _api_call(fn: Callable[[], T], repo_id: str, revision: str | None) -> T:
+    """Call huggingface_hub, retrying rate limits, 5xx and dropped connections (`retrying`)."""
+
+    def attempt() -> T:
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - translated below
+        except Exception as e:  # noqa: BLE001 - translated, or retried when transient
             response = getattr(e, "response", None)
             status = getattr(response, "status_code", None)
-            transient = status in _RETRY_STATUS or isinstance(e, httpx2.TransportError)
-            if not transient or attempt == max_retries:
-                raise translate_hub_error(e, repo_id, revision) from None
-            wait = _retry_after(response.headers.get("retry-after")) if response is not None else None
-            time.sleep(wait if wait is not None else random.uniform(0, min(8.0, 0.25 * 2**attempt)))
-    raise AssertionError("unreachable")
+            final = translate_hub_error(e, repo_id, revision)
+            if status in _RETRY_STATUS or isinstance(e, httpx2.TransportError):
+                wait = _retry_after(response.headers.get("retry-after")) if response is not None else None
+                raise _Retryable(f"HTTP {status}" if status else type(e).__name__, wait, final) from None
+            raise final from None
+
+    return retrying(attempt, f"{repo_id}@{revision or 'main'}")
 
 
 def resolve_commit(repo_id: str, revision: str | None = None) -> str:
@@ -160,9 +199,7 @@ class RangeReader:
         timeout_s: float = constants.HTTP_TIMEOUT_S,
         backoff_base_s: float = 0.25,
         backoff_max_s: float = 8.0,
-        fresh_connections: bool = False,
     ):
-        self.fresh_connections = fresh_connections  # a new connection per request: benchmarks' naive client
         # Pinned now: a reader belongs to one Hub, even if huggingface_hub is pointed elsewhere later.
         self.endpoint = endpoint()
         self.max_retries = max_retries
@@ -173,6 +210,11 @@ class RangeReader:
         self._resolving: dict[RemoteFile, threading.Event] = {}  # set once the first reader's redirect is known
         self._lock = threading.Lock()
         self.retries = 0  # how many attempts failed and were retried, for the summary
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Stop: reads in flight end at their next chunk, and nothing is retried (Ctrl-C, close)."""
+        self._cancelled.set()
 
     def read(self, remote: RemoteFile, start: int, end: int) -> bytes:
         """Bytes `[start, end)` of `remote`, exactly; clipped at the end of the file.
@@ -187,25 +229,18 @@ class RangeReader:
         """`read`, plus the file's total size from the `Content-Range` (None if the server hides it)."""
         if end <= start:
             raise ValueError(f"empty range {start}-{end}")
-        return self._retrying(lambda: self._read_once(remote, start, end), f"{remote}: bytes {start}-{end - 1}")
+        return retrying(
+            lambda: self._read_once(remote, start, end),
+            f"{remote}: bytes {start}-{end - 1}",
+            self.max_retries,
+            self.backoff_base_s,
+            self.backoff_max_s,
+            on_retry=self._count_retry,
+            cancelled=self._cancelled,
+        )
 
-    def _retrying(self, attempt_fn, what: str):
-        _check_online()
-        for attempt in range(self.max_retries + 1):
-            try:
-                return attempt_fn()
-            except _Retryable as e:
-                if attempt == self.max_retries:
-                    raise DownloadError(f"{what} failed {attempt + 1} times, last: {e.reason}") from None
-                self.retries += 1
-                wait = e.wait_s if e.wait_s is not None else self._backoff(attempt)
-                logger.info("retrying %s in %.2fs: %s", what, wait, e.reason)
-                time.sleep(wait)
-        raise AssertionError("unreachable")
-
-    def _backoff(self, attempt: int) -> float:
-        """Exponential backoff with full jitter, so many clients do not retry in lockstep."""
-        return random.uniform(0, min(self.backoff_max_s, self.backoff_base_s * 2**attempt))
+    def _count_retry(self) -> None:
+        self.retries += 1
 
     def _location(self, remote: RemoteFile) -> tuple[str, bool]:
         """The URL to ask, and whether it is a remembered CDN location."""
@@ -249,14 +284,17 @@ class RangeReader:
         if is_cdn:  # signed CDN URLs must not receive the Hub token
             headers.pop("authorization", None)
             headers.pop("Authorization", None)
-        session = httpx2.Client() if self.fresh_connections else get_session()
         try:
-            return self._read_redirected(session, remote, url, headers, is_cdn, start, end)
+            with self._session() as session:
+                return self._read_redirected(session, remote, url, headers, is_cdn, start, end)
         finally:
             if not is_cdn:
                 self._resolved(remote)  # no redirect came (a small file, an error): the others ask themselves
-            if self.fresh_connections:
-                session.close()
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[httpx2.Client]:
+        """The HTTP client for one read: huggingface_hub's pooled keep-alive session."""
+        yield get_session()
 
     def _read_redirected(
         self, session, remote: RemoteFile, url: str, headers: dict, is_cdn: bool, start: int, end: int
@@ -292,6 +330,8 @@ class RangeReader:
                 raise _Retryable("Content-Length disagrees with Content-Range")
             body = bytearray()
             for chunk in r.iter_bytes():
+                if self._cancelled.is_set():
+                    raise DownloadError(f"{remote}: cancelled")
                 body += chunk
                 if len(body) > got_end - got_start:
                     raise _Retryable("more bytes than the range")

@@ -296,8 +296,11 @@ def _fetch_parts(
     try:
         for future in as_completed([pool.submit(fetch, p) for p in parts]):
             bar.update(future.result())
+    except BaseException:
+        reader.cancel()  # on an error or Ctrl-C, reads in flight stop at their next chunk
+        raise
     finally:
-        # On an error or Ctrl-C, drop queued ranges; published parts stay for the resume.
+        # Queued ranges are dropped; published parts stay for the resume.
         pool.shutdown(wait=True, cancel_futures=True)
 
 

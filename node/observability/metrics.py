@@ -1,11 +1,11 @@
-"""A node's Prometheus metrics (DESIGN §8), declared here next to their help text.
+"""A node's Prometheus metrics, declared here next to their help text.
 
 Counts that the store, the caches and the peer table already keep are read from them at scrape
 time by one custom collector, so `/metrics` shows exactly the numbers a generation's summary is
 made of and no code path can forget to count. Only what needs one observation per event is
 observed as it happens: the latency histograms (`token_seconds`, `time_to_first_token_seconds`,
 `expert_fetch_seconds{source}`) and the token and speculation counters, through two small hooks —
-the store's `StoreStats.observer` and the generator's `token_observer` (Generator.observer).
+the store's `StoreStats.observer` and the model's `token_observer`, both set by node/assembly.py.
 
 Every node has its own `CollectorRegistry`, so several nodes in one process (tests) never collide.
 Labels are fixed, small sets (source, tier, outcome, role, reason, direction): never an expert id, a prompt or
@@ -15,14 +15,21 @@ the household secret.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from expertmesh.node.store.store import PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES
+from expertmesh.node.store.stats import PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES, StoreStats
+
+if TYPE_CHECKING:
+    from expertmesh.node.household.membership import PeerTable
+    from expertmesh.node.hub.client import RangeReader
+    from expertmesh.node.store.tiers.disk import DiskCache
+    from expertmesh.node.store.tiers.ram import RamCache
 
 logger = logging.getLogger(__name__)
 
@@ -78,28 +85,14 @@ class MetricsSources:
     Args:
         stats: the store's `StoreStats` (uses, bytes, integrity failures, prefetch outcomes).
         ram: the `RamCache`; disk: the `DiskCache`; peers: the `PeerTable` the node follows.
-        hub_readers: the Hub `RangeReader`s (their `retries`, and `errors` by reason if they keep one).
+        hub_readers: the Hub `RangeReader`s (their `retries`).
     """
 
-    stats: object | None = None
-    ram: object | None = None
-    disk: object | None = None
-    peers: object | None = None
-    hub_readers: list = field(default_factory=list)
-
-    @classmethod
-    def of_model(cls, sm, peers=None) -> MetricsSources:
-        store = sm.store
-        return cls(store.stats, store.ram, sm.disk, peers, _hub_readers(store.sources))
-
-    @classmethod
-    def of_served(cls, experts, peers=None) -> MetricsSources:
-        """A cache peer's: its disk and the stats of the experts it fetched as an owner."""
-        return cls(experts.stats, None, experts.disk, peers, _hub_readers(experts.remote_sources))
-
-
-def _hub_readers(sources: Iterable) -> list:
-    return [s.reader for s in sources if getattr(s, "name", "") == "hub" and hasattr(s, "reader")]
+    stats: StoreStats | None = None
+    ram: RamCache | None = None
+    disk: DiskCache | None = None
+    peers: PeerTable | None = None
+    hub_readers: list[RangeReader] = field(default_factory=list)
 
 
 class _StateCollector(Collector):
@@ -180,10 +173,11 @@ class _StateCollector(Collector):
             PREFIX + "cache_evictions", "Experts dropped by each cache tier to stay within its budget.", labels=["tier"]
         )
         for tier, cache in (("ram", src.ram), ("disk", src.disk)):
-            cache_bytes.add_metric([tier], getattr(cache, "nbytes", 0))
-            cache_experts.add_metric([tier], len(cache) if cache is not None else 0)
-            budget.add_metric([tier], getattr(cache, "budget_bytes", 0))
-            evictions.add_metric([tier], getattr(cache, "evictions", 0))
+            held = cache is not None  # a cache peer has no RAM tier: its series stay at 0
+            cache_bytes.add_metric([tier], cache.nbytes if held else 0)
+            cache_experts.add_metric([tier], len(cache) if held else 0)
+            budget.add_metric([tier], cache.budget_bytes if held else 0)
+            evictions.add_metric([tier], cache.evictions if held else 0)
         yield from (cache_bytes, cache_experts, budget, evictions)
 
         peers = GaugeMetricFamily(
@@ -192,7 +186,7 @@ class _StateCollector(Collector):
         live = dict.fromkeys(ROLES, 0)
         errors = dict.fromkeys(PEER_ERROR_REASONS, 0)
         if src.peers is not None:
-            for p in list(src.peers.peers.values()):
+            for p in src.peers.all():
                 if p.live:
                     live[p.role] = live.get(p.role, 0) + 1
             errors.update(dict(src.peers.errors))
@@ -212,9 +206,7 @@ class _StateCollector(Collector):
 
         hub = dict.fromkeys(HUB_ERROR_REASONS, 0)
         for reader in src.hub_readers:
-            hub["retried"] += getattr(reader, "retries", 0)
-            for reason, n in dict(getattr(reader, "errors", None) or {}).items():
-                hub[reason] = hub.get(reason, 0) + n
+            hub["retried"] += reader.retries
         hub_errors = CounterMetricFamily(
             PREFIX + "hub_errors",
             "Hub range requests that failed, by reason (retried: failed attempts that were retried with backoff).",
@@ -228,8 +220,7 @@ class _StateCollector(Collector):
 class NodeMetrics:
     """One node's registry: the state collector, the token counters and the latency histograms.
 
-    Attach it to a loaded model (`attach_model`) so generation and expert uses are observed; then
-    `serve` it on `/metrics`.
+    node/assembly.py makes it the store's and the model's observer, then serves it on `/metrics`.
     """
 
     def __init__(self, src: MetricsSources):
@@ -277,24 +268,6 @@ class NodeMetrics:
         )
         for o in SPECULATIVE_OUTCOMES:
             self.speculative_tokens.labels(o)
-
-    @classmethod
-    def for_model(cls, sm, peers=None) -> NodeMetrics:
-        """Metrics of a full node (or `run`): reads `sm`'s tiers and observes its generations."""
-        metrics = cls(MetricsSources.of_model(sm, peers))
-        metrics.attach_model(sm)
-        return metrics
-
-    @classmethod
-    def for_served(cls, experts, peers=None) -> NodeMetrics:
-        """Metrics of a cache peer."""
-        metrics = cls(MetricsSources.of_served(experts, peers))
-        experts.stats.observer = metrics.observe_fetch
-        return metrics
-
-    def attach_model(self, sm) -> None:
-        sm.store.stats.observer = self.observe_fetch
-        sm.token_observer = self  # node/engine/generation.py: Generator reads it
 
     # -- hooks --------------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Prometheus' file-based service discovery, kept in step with the nodes zeroconf finds.
 
 Every node that serves `/metrics` advertises its port as the `metrics` TXT property (never the
-secret). This module browses the advertisements of one cluster and rewrites a `file_sd` JSON file
-whenever a node comes, moves or goes; Prometheus re-reads the file by itself. The file is written
-to a temporary name and renamed, so Prometheus never reads half of it.
+secret). This module follows the advertisements of one cluster (household/discovery.py's
+Browser) and rewrites a `file_sd` JSON file whenever a node comes, moves or goes; Prometheus
+re-reads the file by itself. The file is written to a temporary name and renamed, so Prometheus
+never reads half of it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from zeroconf import IPVersion, ServiceBrowser, ServiceListener, Zeroconf
-
-from expertmesh.node.household.discovery import RESOLVE_TIMEOUT_MS, SERVICE_TYPE, _text
+from expertmesh.node.household.discovery import Browser, Sighting
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ def write_targets(path: Path, targets: list[MetricsTarget]) -> None:
 
 
 class TargetsWatcher:
-    """Browse a cluster's nodes and rewrite `path` whenever their metrics targets change.
+    """Follow a cluster's nodes and rewrite `path` whenever their metrics targets change.
 
     Args:
         interfaces: addresses to browse on (None: every interface).
@@ -63,29 +62,18 @@ class TargetsWatcher:
         self._lock = threading.Lock()
         self.changed = threading.Event()  # set after each rewrite (tests, `--once`)
         write_targets(path, [])
-        self._zc = Zeroconf(interfaces=interfaces or ["0.0.0.0"], ip_version=IPVersion.V4Only)
-        self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, _Listener(self))
+        self._browser = Browser(self._seen, interfaces)
 
     def targets(self) -> list[MetricsTarget]:
         with self._lock:
             return list(self._targets.values())
 
-    def _resolve(self, name: str) -> None:
-        info = self._zc.get_service_info(SERVICE_TYPE, name, timeout=RESOLVE_TIMEOUT_MS)
-        if info is None or not info.parsed_addresses():
-            return
-        props = info.properties or {}
-        port = _text(props, "metrics")
-        if _text(props, "cluster") != self.cluster or not port.isdigit() or not 0 < int(port) < 65536:
-            self._set(name, None)  # another cluster, or a node that serves no metrics
-            return
-        target = MetricsTarget(
-            f"{info.parsed_addresses()[0]}:{port}",
-            _text(props, "node_id"),
-            _text(props, "role") or "full",
-            self.cluster,
-        )
-        self._set(name, target)
+    def _seen(self, name: str, sighting: Sighting | None) -> None:
+        target = None
+        if sighting is not None and sighting.ad.cluster == self.cluster and sighting.ad.metrics_port:
+            ad = sighting.ad
+            target = MetricsTarget(f"{sighting.host}:{ad.metrics_port}", ad.node_id, ad.role, self.cluster)
+        self._set(name, target)  # None: gone, another cluster, or a node that serves no metrics
 
     def _set(self, name: str, target: MetricsTarget | None) -> None:
         with self._lock:
@@ -101,22 +89,4 @@ class TargetsWatcher:
         self.changed.set()
 
     def close(self) -> None:
-        self._browser.cancel()
-        self._zc.close()
-
-
-class _Listener(ServiceListener):
-    def __init__(self, watcher: TargetsWatcher):
-        self.w = watcher
-
-    def _resolve_in_background(self, name: str) -> None:
-        threading.Thread(target=self.w._resolve, args=(name,), daemon=True).start()  # never in zeroconf's thread
-
-    def add_service(self, zc: Zeroconf, type_: str, name: str) -> None:
-        self._resolve_in_background(name)
-
-    def update_service(self, zc: Zeroconf, type_: str, name: str) -> None:
-        self._resolve_in_background(name)
-
-    def remove_service(self, zc: Zeroconf, type_: str, name: str) -> None:
-        self.w._set(name, None)
+        self._browser.close()

@@ -1,10 +1,13 @@
 """A node's gRPC server: the node service behind the household secret, plus the standard health
-service (open to all) and server reflection, on the address asked for."""
+service (open to all) and server reflection, on the address asked for.
+
+The port is bound when the server is made, so a taken port fails while the node is being built
+and the port is known (port 0 picks a free one) before anything advertises it; `start` serves.
+"""
 
 from __future__ import annotations
 
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,46 +20,53 @@ SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # chunks are 1 MiB; anything far larger is a bad client
 
 
-@dataclass
-class RunningServer:
-    server: grpc.Server
-    port: int
-    health: health.HealthServicer
-    executor: futures.ThreadPoolExecutor
+class NodeServer:
+    """`servicer` on `host:port` (0: a free port, see `port`); `tls` from rpc/tls.py's
+    `server_credentials`, or None for plain TCP; `interceptors` run after the secret check."""
+
+    def __init__(
+        self,
+        servicer: node_pb2_grpc.NodeServicer,
+        secret: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_workers: int = 16,
+        tls: grpc.ServerCredentials | None = None,
+        interceptors=(),
+    ):
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
+        self.server = grpc.server(
+            self.executor, interceptors=[SecretInterceptor(secret), *interceptors], options=options
+        )
+        node_pb2_grpc.add_NodeServicer_to_server(servicer, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        address = f"{host}:{port}"
+        bound = self.server.add_secure_port(address, tls) if tls is not None else self.server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.host, self.port = host, bound
+
+    @property
+    def address(self) -> str:
+        """host:port to reach this server from this machine."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> NodeServer:
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self
 
     def stop(self, grace_s: float = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
-        # grpc leaves its executor's threads alive; MLX aborts the process at exit if a thread
-        # that ran a generation is still alive then, so join them here.
+        # grpc leaves its executor's threads alive; join them, so no thread that ran a
+        # generation outlives the node (MLX aborts the process at exit if one is still running).
         self.executor.shutdown(wait=True, cancel_futures=True)
-
-
-def start_node_server(
-    servicer: node_pb2_grpc.NodeServicer,
-    secret: str,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    max_workers: int = 16,
-    tls: grpc.ServerCredentials | None = None,
-) -> RunningServer:
-    """Start serving; `port` 0 picks a free one (see `RunningServer.port`); `tls` from
-    node/rpc/tls.py's `server_credentials`, or None for plain TCP."""
-    options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ]
-    executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
-    server = grpc.server(executor, interceptors=[SecretInterceptor(secret)], options=options)
-    node_pb2_grpc.add_NodeServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{host}:{port}"
-    bound = server.add_secure_port(address, tls) if tls is not None else server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, health_servicer, executor)

@@ -16,20 +16,20 @@ from collections.abc import Iterator
 
 import grpc
 
-from expertmesh.node.devtools.link_emulation import LanEmulation
+from expertmesh.node import constants
+from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.speculative import SpeculationConfig, SpeculationError, make_draft_source
+from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
-from expertmesh.node.errors import DownloadError, ExpertmeshError
+from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.store.integrity import sha256
 from expertmesh.node.store.served import ServedExperts
-from expertmesh.node.store.store import SOURCES
+from expertmesh.node.store.stats import SOURCES
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
 CHUNK_BYTES = 1024 * 1024  # well under gRPC's 4 MB message limit
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 32768
@@ -53,13 +53,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self,
         sm: StreamedModel | None,
         node_id: str,
-        experts: ServedExperts | None = None,
+        experts: ServedExperts,
         peers=None,
-        lan: LanEmulation | None = None,
         speculation: SpeculationConfig | None = None,
     ):
-        """`lan` slows FetchExpert and ComputeExperts to an emulated household link (benchmarks).
-        `speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
+        """`speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
         cache cannot roll back generates without it (logged once, here)."""
         self.sm = sm
         self.speculation, self._draft = None, None
@@ -70,10 +68,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self.speculation, self._draft = speculation, draft
             except SpeculationError as e:
                 logger.warning("generating without speculation: %s", e)
-        self.lan = lan
         self.computer = ExpertComputer(sm) if sm is not None else None
         self.peers = peers  # the PeerTable this node follows, if any
-        self.experts = experts or ServedExperts.of_model(sm)
+        self.experts = experts
         self.node_id = node_id
         self.role = "full" if sm is not None else "cache"
         self._generate_lock = threading.Lock()  # one generation at a time: the model has one cache
@@ -92,8 +89,6 @@ class NodeService(node_pb2_grpc.NodeServicer):
     # -- rpcs ---------------------------------------------------------------------------------
 
     def Info(self, request, context) -> node_pb2.InfoResponse:
-        if self.lan is not None:
-            self.lan.round_trip()  # Info is how peers measure the round trip
         mlx_version = ""
         if self.sm is not None:
             import mlx.core as mx
@@ -110,7 +105,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             disk_used_bytes=disk.nbytes,
             expertmesh_version=_version(),
             mlx_version=mlx_version,
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=constants.PROTOCOL_VERSION,
             live_peers=self.peers.live_count() if self.peers is not None else 0,
             expert_uses=stats.uses,
             expert_bytes=stats.bytes,
@@ -155,12 +150,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
         digest = sha256(blob)
         view = memoryview(blob)
-        if self.lan is not None:
-            self.lan.round_trip()
         for start in range(0, len(blob), CHUNK_BYTES):
             chunk = node_pb2.ExpertChunk(data=bytes(view[start : start + CHUNK_BYTES]))
-            if self.lan is not None:
-                self.lan.send(len(chunk.data))
             if start == 0:
                 chunk.size, chunk.sha256 = len(blob), digest
             yield chunk
@@ -183,18 +174,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if self.computer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it serves expert bytes only")
         self._check_model(request.model, context)
-        lan = self.lan
-        if lan is not None:
-            lan.round_trip()
-            lan.receive(sum(len(e.rows.data) for e in request.experts), activations=True)
         try:
             result = self.computer.compute(request)
         except ComputeRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except DownloadError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching an expert to compute failed: {e}")
-        if lan is not None:
-            lan.send(sum(len(e.rows.data) for e in result.outputs), activations=True)
         return node_pb2.ComputeExpertsResponse(
             experts=result.outputs, missing=result.missing, compute_seconds=result.seconds, queued=result.queued
         )

@@ -51,9 +51,9 @@ class LFUAged:
     admission: a newcomer stays only if it has been used more often than the coldest resident.
 
     A model has a bounded set of experts (K3: 83,328), so exact counts fit in a dict; no sketch.
-    Halving every AGEING_BUDGETS budgets' worth of uses lets yesterday's hot experts cool down. On
-    the demo model's traces a longer period only helped (16 -> 64 budgets: 0.405 -> 0.423 at a 25%
-    budget); 64 keeps the half-life near a conversation (K3: ~900 tokens at a 20k-expert budget).
+    Halving every AGEING_BUDGETS budgets' worth of uses lets yesterday's hot experts cool down; the
+    period was chosen on the demo model's traces (benchmarks/bench_policies.py, docs/benchmarks.md)
+    and keeps the half-life near a conversation (K3: ~900 tokens at a 20k-expert budget).
     """
 
     name = "lfu"

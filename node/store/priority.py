@@ -42,10 +42,18 @@ class PriorityPool:
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, workers))
         ]
-        for t in self._threads:
-            t.start()
+        self._started = False
+        self._closed = False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
 
     def submit(self, fn: Callable, *args, priority: int | None = None) -> Future:
+        if not self._started or self._closed:
+            raise RuntimeError("the pool is not running: nothing would run what is submitted")
         fut: Future = Future()
         self._queue.put((current() if priority is None else priority, next(self._seq), fn, args, fut))
         return fut
@@ -63,6 +71,18 @@ class PriorityPool:
                 fut.set_exception(e)
 
     def shutdown(self) -> None:
+        """Fail what is queued (its waiters wake with an error instead of waiting forever), let
+        what runs finish, and join the threads (bounded)."""
+        self._closed = True
+        while True:
+            try:
+                _, _, fn, _, fut = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the pool was shut down"))
+        if not self._started:
+            return
         for _ in self._threads:
             self._queue.put((-1, -1, None, (), None))
         for t in self._threads:

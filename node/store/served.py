@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from expertmesh.node.errors import DownloadError
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex, ExpertLocation
-from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
-from expertmesh.node.store.store import ByteSource, StoreStats
-from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
+from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.store.integrity import DigestBook
+from expertmesh.node.store.stats import StoreStats
+from expertmesh.node.store.tiers import Tier
+from expertmesh.node.store.tiers.disk import DiskCache
 
 
 @dataclass
@@ -24,25 +24,10 @@ class ServedExperts:
     index: ExpertIndex
     disk: DiskCache
     digests: DigestBook
-    remote_sources: list[ByteSource]  # nearest first, after the disk: peers, then the Hub
+    remote_tiers: list[Tier]  # nearest first, after the disk: peers, then the Hub
     stats: StoreStats
     ram_budget_bytes: int = 0
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
-
-    @classmethod
-    def of_model(cls, sm) -> ServedExperts:
-        """A full node's: the same disk, digests and stats as its generation uses."""
-        store = sm.store
-        return cls(
-            sm.repo_id,
-            sm.commit,
-            sm.index,
-            sm.disk,
-            store.digests,
-            [s for s in store.sources if s.name != "disk"],
-            store.stats,
-            store.ram.budget_bytes,
-        )
 
     def held_copy(self, loc: ExpertLocation) -> bytes | None:
         """The disk copy if it matches its recorded digest (a bad one is deleted and counted)."""
@@ -68,14 +53,15 @@ class ServedExperts:
             blob = self.held_copy(loc)
             if blob is not None:
                 return blob
-            for source in self.remote_sources:
-                blob = source.fetch(loc)
+            for tier in self.remote_tiers:
+                blob = tier.fetch(loc)
                 if blob is None or len(blob) != loc.nbytes:
                     continue
                 if not self.digests.check(key, blob, may_record=True):
-                    self.stats.record_integrity_failure(source.name)
+                    self.stats.record_integrity_failure(tier.source)
+                    tier.discard(loc)
                     continue
-                self.stats.record(source.name, loc.nbytes)
+                self.stats.record(tier.source, loc.nbytes)
                 self.disk.put(loc, blob)
                 return blob
         raise DownloadError(f"expert {loc.expert} of layer {loc.layer}: no source has a good copy")
@@ -99,27 +85,5 @@ class ServedExperts:
             return key in self.disk
 
     def close(self) -> None:
-        for source in self.remote_sources:
-            if hasattr(source, "close"):
-                source.close()
-
-
-def open_cache_peer(repo_id: str, revision: str | None, home: Path, disk_budget: str, hub_reader=None) -> ServedExperts:
-    """A cache peer's experts: the pulled index, a disk cache within `disk_budget`, the Hub behind it.
-
-    Raises:
-        NotPulledError: no index here (the message says `expertmesh pull --index-only REPO`).
-    """
-    import shutil
-
-    from expertmesh.node.hub import local_models
-    from expertmesh.node.sizes import parse_budget
-    from expertmesh.node.store.tiers.hub import HubSource
-
-    path = local_models.find_index(home, repo_id, revision)
-    index = ExpertIndex.load(path / INDEX_FILENAME)
-    root = cache_dir(home, repo_id, index.commit)
-    root.mkdir(parents=True, exist_ok=True)
-    digests = DigestBook(root / DIGESTS_FILENAME)
-    disk = DiskCache(root, index, parse_budget(disk_budget, shutil.disk_usage(root).free), digests)
-    return ServedExperts(repo_id, index.commit, index, disk, digests, [HubSource(index, hub_reader)], StoreStats())
+        for tier in self.remote_tiers:
+            tier.close()

@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes
 
+from expertmesh.node.engine.mlx_lm_models import model_classes
 from expertmesh.node.hub import safetensors_format
 
 _DTYPES = {
@@ -47,7 +47,7 @@ def tensor(name: str, a: mx.array) -> Tensor:
 
 def init_parameters(config: dict, seed: int) -> dict[str, mx.array]:
     """mlx-lm's freshly initialised parameters for `config`, by mlx-lm's own names."""
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     mx.random.seed(seed)
     model: nn.Module = model_class(args_class.from_dict(config))
     params = dict(tree_flatten(model.parameters()))

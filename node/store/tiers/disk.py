@@ -37,7 +37,10 @@ def cache_dir(home: Path, repo_id: str, commit: str) -> Path:
 
 
 class DiskCache:
-    name = "disk"
+    """The disk tier of one pinned model (see the module's docstring); a `Tier` (store/tiers)."""
+
+    source = "disk"
+    local = True
 
     def __init__(self, root: Path, index: ExpertIndex, budget_bytes: int, digests: DigestBook):
         self.root = root
@@ -115,6 +118,9 @@ class DiskCache:
     def discard(self, loc: ExpertLocation) -> None:
         """Delete a copy that failed its check."""
         self._forget((loc.layer, loc.expert))
+
+    def close(self) -> None:
+        """Nothing to stop: every write is published or dropped before `put` returns."""
 
     def put(self, loc: ExpertLocation, blob: bytes) -> None:
         key = (loc.layer, loc.expert)

@@ -15,23 +15,14 @@ already fills every piece, so K3's 17.5 MB experts are never run together.
 
 from __future__ import annotations
 
-import threading
-
 from expertmesh.node import constants
 from expertmesh.node.errors import DownloadError
 from expertmesh.node.hub.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 from expertmesh.node.store.priority import PriorityPool
 
-# Half again as many connections as the link has per-connection shares (K3's home link: 100 MB/s,
-# 12.5 per connection), because each request idles its connection for the first byte: cold, the
-# link was busy over decode 0.79 of the time with 8, 0.91 with 12, 0.88 with 16 and 0.82 with 24
-# (benchmarks/bench_connections.py, medians of 2 rounds; decode 1.19x / 1.00x / 1.02x / 1.03x).
 DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
-# Cold, 12 connections (benchmarks/bench_connections.py --counts 12 --pieces 2,4,8, medians of 3):
-# 2 pieces kept the link 0.74 busy (TTFT 1.17x, decode 1.07x of 4 pieces), 4 0.92, 8 0.94 for
-# twice the requests and TTFT 0.96x, decode 1.01x: not worth doubling the calls on the Hub.
-DEFAULT_PIECES_PER_EXPERT = 4
-DEFAULT_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
+DEFAULT_PIECES_PER_EXPERT = constants.HUB_PIECES_PER_EXPERT
+DEFAULT_MIN_PIECE_BYTES = constants.HUB_MIN_PIECE_BYTES
 
 
 def split_ranges(ranges: list[ByteRange], pieces: int, min_piece_bytes: int) -> list[ByteRange]:
@@ -51,7 +42,10 @@ def split_ranges(ranges: list[ByteRange], pieces: int, min_piece_bytes: int) -> 
 
 
 class HubSource:
-    name = "hub"
+    """The Hub tier (a `RunFetcher`, store/tiers): the last tier, it answers or raises."""
+
+    source = "hub"
+    local = False
 
     def __init__(
         self,
@@ -70,7 +64,8 @@ class HubSource:
         self.min_piece_bytes = min_piece_bytes
         self._pool = PriorityPool(connections, "hub-range")  # demands' pieces before guesses' and fills'
 
-        self._lock = threading.Lock()
+    def start(self) -> None:
+        self._pool.start()
 
     def _read(self, r: ByteRange) -> bytes:
         from expertmesh.node.hub.client import RemoteFile
@@ -129,5 +124,9 @@ class HubSource:
             out.append(b"".join(blob))
         return out
 
+    def discard(self, loc: ExpertLocation) -> None:
+        """Bad bytes from the Hub: nothing is kept here, so the next try asks again."""
+
     def close(self) -> None:
+        self.reader.cancel()  # a fetch in flight ends at its next chunk instead of running on
         self._pool.shutdown()

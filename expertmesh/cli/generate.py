@@ -1,0 +1,147 @@
+"""`run`, `chat` and `demo`: generating on one node, the text on stdout, a summary on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from expertmesh.cli import arguments
+from expertmesh.cli.models import print_pull
+from expertmesh.node import constants
+from expertmesh.node.config import MetricsConfig, NodeConfig
+from expertmesh.node.sizes import format_size
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("run", help="generate text from a prompt on a pulled model")
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("prompt", help="the prompt (raw text, no chat template)")
+    arguments.add_store_arguments(p)
+    arguments.add_peer_arguments(p)
+    arguments.add_sampling_arguments(p)
+    arguments.add_speculation_arguments(p)
+    arguments.add_metrics_arguments(p, default=None)
+    p.set_defaults(func=run)
+
+    p = sub.add_parser("chat", help="chat with a pulled model (its chat template, multi-turn)")
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("--system", help="system prompt")
+    arguments.add_store_arguments(p)
+    arguments.add_peer_arguments(p)
+    arguments.add_sampling_arguments(p, max_tokens=512)
+    arguments.add_speculation_arguments(p)
+    p.set_defaults(func=chat)
+
+    p = sub.add_parser("demo", help="the whole path on a built-in tiny model, no internet needed")
+    p.add_argument("--prompt", default="Return the number of", help="what to generate from")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    arguments.add_store_arguments(p)
+    arguments.add_sampling_arguments(p, max_tokens=48)
+    arguments.add_speculation_arguments(
+        p
+    )  # --speculate draft uses the demo's draft model unless --draft says otherwise
+    # a tiny model loops when greedy; seeded, it stays repeatable
+    p.set_defaults(func=demo, temp=0.5, seed=0, speculate="off")
+
+
+def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
+    """`run`'s and `chat`'s flags as the node they describe."""
+    metrics_config = None
+    if metrics and getattr(args, "metrics_port", None) is not None:
+        metrics_config = MetricsConfig(host=args.metrics_host or "127.0.0.1", port=args.metrics_port)
+    return NodeConfig(
+        args.repo,
+        revision=args.revision,
+        store=arguments.store_config(args),
+        household=arguments.household_config(args),
+        metrics=metrics_config,
+    )
+
+
+def _generate_once(node, prompt: str, args: argparse.Namespace) -> None:
+    from expertmesh.cli.terminal import StopFlag, ctrl_c_stops, print_summary, stream_text
+    from expertmesh.node.engine.generation import GenerationSummary, Generator
+
+    sm = node.model
+    tokens = sm.tokenizer.encode(prompt)
+    summary = GenerationSummary()
+    with ctrl_c_stops(StopFlag()) as flag:
+        generator = Generator(sm, arguments.speculation(args))
+        stream_text(generator.generate(tokens, arguments.sampling(args), flag, summary), summary)
+    print_summary(summary)
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertmesh.node.assembly import build_node
+
+    arguments.speculation(args)  # a bad --speculate/--draft fails before the model loads
+    with build_node(node_config(args, metrics=True)) as node:
+        print(node.describe(), file=sys.stderr)
+        if node.metrics_server is not None:
+            print(f"metrics on {node.metrics_server.url}", file=sys.stderr)
+        _generate_once(node, args.prompt, args)
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    from expertmesh.cli.terminal import chat_loop
+    from expertmesh.node.assembly import build_node
+    from expertmesh.node.engine.chat import ChatSession
+    from expertmesh.node.engine.generation import Generator
+
+    speculation = arguments.speculation(args)
+    with build_node(node_config(args)) as node:
+        print(node.describe(), file=sys.stderr)
+        print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
+        session = ChatSession(Generator(node.model, speculation), system_prompt=args.system)
+        settings = arguments.sampling(args)
+        chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary))
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Make (or reuse) the demo model, serve it from a local Hub inside this process, pull it and
+    generate with experts fetched from that Hub on demand."""
+    from expertmesh.node.assembly import build_node
+    from expertmesh.node.devtools.local_hub import HubServer
+    from expertmesh.node.devtools.tiny.demo_model import make_demo_model, make_draft_model
+    from expertmesh.node.hub import client as hub_client
+    from expertmesh.node.hub.pull import pull
+
+    hub_dir = constants.expertmesh_home() / "demo" / "hub"
+    repo_dir = hub_dir / constants.DEMO_REPO
+    if not (repo_dir / "config.json").is_file():
+        print(
+            f"making the demo model {constants.DEMO_REPO} (a tiny Kimi K3 trained on Python's docstrings) in {repo_dir}"
+        )
+        make_demo_model(repo_dir)
+    draft_dir = hub_dir / constants.DEMO_DRAFT_REPO  # its draft model, for --speculate draft here and with `run`
+    if not (draft_dir / "config.json").is_file():
+        make_draft_model(draft_dir)
+    if args.draft is None:
+        args.draft = str(draft_dir)  # the folder: no second download from the Hub it serves
+    with HubServer(hub_dir, host="127.0.0.1", port=0) as hub, hub_client.using_endpoint(hub.url):
+        print(f"1. serving it with a local Hub at {hub.url}")
+        print("2. pulling the core (never the experts)")
+        result = pull(constants.DEMO_REPO, progress=not args.no_progress)
+        print_pull(result)
+        pulled = hub.stats()
+        print(
+            f"   the Hub served {format_size(pulled.get('bytes_served', 0))} in {pulled.get('requests', 0)} "
+            f"requests (core {format_size(result.fetched_bytes)}, the rest headers, config and tokenizer)"
+        )
+        config = NodeConfig(constants.DEMO_REPO, store=arguments.store_config(args))
+        with build_node(config) as node:
+            print(f"3. generating: {node.describe()}")
+            print(f"   prompt: {args.prompt!r}")
+            sys.stdout.flush()
+            _generate_once(node, args.prompt, args)
+        served = hub.stats().get("bytes_served", 0) - pulled.get("bytes_served", 0)
+    if served:
+        print(
+            f"   the Hub served {format_size(served)} of experts during generation; run `expertmesh demo` "
+            "again and they come from the disk cache"
+        )
+    else:
+        print("   the Hub served no experts: every one came from this machine's caches")
+    return 0

@@ -1,0 +1,152 @@
+"""`peers`, `status`, `warm` and `prometheus-targets`: the household seen from any machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+from expertmesh.cli import arguments
+from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.sizes import format_size
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("peers", help="the nodes of the household: found by zeroconf (and --peer), with their Info")
+    arguments.add_household_lookup_arguments(p)
+    p.set_defaults(func=peers)
+
+    p = sub.add_parser("status", help="the household's headline numbers: fill, throughput, expert uses by source")
+    arguments.add_household_lookup_arguments(p)
+    p.set_defaults(func=status)
+
+    p = sub.add_parser("warm", help="every node keeps the experts it owns, most used first, into free disk budget")
+    p.add_argument("repo", help="a model pulled here (`pull --index-only` is enough)")
+    p.add_argument("--revision", default=None)
+    p.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="routing traces (`run --trace`) that rank experts by use (repeatable)",
+    )
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight per node (default %(default)s)")
+    arguments.add_household_lookup_arguments(p)
+    p.set_defaults(func=warm)
+
+    p = sub.add_parser(
+        "prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds"
+    )
+    p.add_argument("file", help="the targets file (e.g. deploy/prometheus/targets/nodes.json), replaced atomically")
+    p.add_argument("--cluster", default="home")
+    p.add_argument("--interface", metavar="IP", help="browse on this address only")
+    p.add_argument("--once", action="store_true", help="listen for --wait seconds, write the file and exit")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen with --once (default %(default)s)")
+    p.set_defaults(func=prometheus_targets)
+
+
+def peers(args: argparse.Namespace) -> int:
+    """The household as this machine sees it: every node found (zeroconf and --peer), asked for Info."""
+    from expertmesh.node.rpc.client import ask_info
+
+    table = arguments.find_household(args)
+    names = {p.address: p.node_id for p in table.all()}
+    print(f"{'node':<18} {'address':<22} {'role':<6} {'model':<40} {'disk used / budget':>22}")
+    for n in ask_info(sorted(names), arguments.known_secret(), arguments.tls_ca(args)):
+        info = n.info
+        if info is None:
+            print(f"{names[n.address]:<18} {n.address:<22} {'?':<6} {'(' + n.error + ')':<40}")
+            continue
+        model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in info.models)
+        disk = f"{format_size(info.disk_used_bytes)} / {format_size(info.disk_budget_bytes)}"
+        print(f"{info.node_id:<18} {n.address:<22} {info.role:<6} {model:<40} {disk:>22}")
+    if not names:
+        print("no nodes found (is multicast blocked? try --peer HOST:PORT)")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    """The household's headline numbers: every node's fill and throughput, uses by source."""
+    from expertmesh.coordinator.status import status_lines
+    from expertmesh.node.rpc.client import ask_info
+
+    addresses = sorted(p.address for p in arguments.find_household(args).all())
+    nodes = ask_info(addresses, arguments.known_secret(), arguments.tls_ca(args))
+    print("\n".join(status_lines(nodes)))
+    return 0 if nodes and all(n.info is not None for n in nodes) else 1
+
+
+def warm(args: argparse.Namespace) -> int:
+    """Every node keeps the experts it owns, most used first, into free disk budget."""
+    from collections import Counter
+
+    from tqdm import tqdm
+
+    from expertmesh.node import constants
+    from expertmesh.node.household import warm as warming
+    from expertmesh.node.hub import local_models
+    from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+    from expertmesh.node.observability.routing_trace import read_trace
+
+    folder = local_models.find_index(constants.expertmesh_home(), args.repo, args.revision)
+    index = ExpertIndex.load(folder / INDEX_FILENAME)
+    uses: Counter = Counter()
+    for path in args.trace:
+        try:
+            uses.update(read_trace(Path(path)).accesses())
+        except (OSError, ValueError) as e:
+            raise ExpertmeshError(f"cannot read trace {path}: {e}") from None
+    secret, tls_ca = arguments.known_secret(), arguments.tls_ca(args)
+    addresses = sorted(p.address for p in arguments.find_household(args).all())
+    nodes, skipped = warming.describe_nodes(addresses, index, secret, tls_ca)
+    for line in skipped:
+        print(f"skipping {line}", file=sys.stderr)
+    if not nodes:
+        raise ExpertmeshError(
+            f"no node serving {index.repo_id}@{index.commit[:12]} was found "
+            "(is multicast blocked? try --peer HOST:PORT)"
+        )
+    order = warming.warm_order(index, uses)
+    ranked = f"most used first ({len(args.trace)} traces)" if args.trace else "spread across layers"
+    print(
+        f"warming {len(order)} experts of {index.repo_id}@{index.commit[:12]} on {len(nodes)} nodes, {ranked}",
+        file=sys.stderr,
+    )
+    stop = threading.Event()
+    with tqdm(total=len(order), unit="expert", disable=None, file=sys.stderr) as bar:
+        try:
+            results = warming.warm(
+                index, nodes, secret, order, args.concurrency, lambda done, _: bar.update(1), stop, tls_ca
+            )
+        except KeyboardInterrupt:
+            print("stopped: what was kept stays kept; run warm again to go on", file=sys.stderr)
+            return 130
+    for r in results:
+        state = "budget full" if r.full else (f"left out: {r.unreachable}" if r.unreachable else "done")
+        errors = f", errors {dict(r.errors)}" if r.errors else ""
+        print(
+            f"{r.node_id:<18} {r.address:<22} owns {r.owned:>7}, held {r.held:>7}, kept {r.kept:>7} "
+            f"({format_size(r.kept_bytes)}), left {r.left:>7}: {state}{errors}"
+        )
+    return 1 if any(r.unreachable for r in results) else 0
+
+
+def prometheus_targets(args: argparse.Namespace) -> int:
+    """Keep a Prometheus file_sd file in step with the metrics ports the cluster's nodes advertise."""
+    from expertmesh.node.observability.prometheus_targets import TargetsWatcher
+
+    watcher = TargetsWatcher(Path(args.file), args.cluster, [args.interface] if args.interface else None)
+    print(
+        f"keeping {args.file} in step with the nodes of cluster {args.cluster!r}"
+        + ("" if args.once else "; Ctrl-C stops"),
+        file=sys.stderr,
+    )
+    try:
+        threading.Event().wait(args.wait) if args.once else threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watcher.close()
+    print(f"{len(watcher.targets())} nodes serve metrics: {args.file}", file=sys.stderr)
+    return 0

@@ -1,0 +1,64 @@
+"""`pull`: a model's core and expert index onto this machine (never its experts)."""
+
+from __future__ import annotations
+
+import argparse
+
+from expertmesh.node import constants
+from expertmesh.node.sizes import format_size
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("pull", help="download a model's core and expert index (never its experts)")
+    p.add_argument("repo", help="Hugging Face repo id, e.g. moonshotai/Kimi-K3")
+    p.add_argument("--revision", help="branch, tag or commit sha (default: main)")
+    p.add_argument("--concurrency", type=int, default=constants.PULL_CONCURRENCY, help="range requests in flight")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--index-only", action="store_true", help="only the expert index (for `serve --cache-only`)")
+    p.add_argument(
+        "--core-bits",
+        type=int,
+        choices=[16, 8],
+        metavar="{16,8}",
+        help="8 stores and runs the core as MLX 8-bit weights (about half the memory; experts keep "
+        "their precision); default: 16 (BF16) for a new pull, else what is pulled",
+    )
+    p.set_defaults(func=pull)
+
+
+def pull(args: argparse.Namespace) -> int:
+    from expertmesh.node.hub.pull import pull as pull_model
+
+    result = pull_model(
+        args.repo,
+        revision=args.revision,
+        progress=not args.no_progress,
+        concurrency=args.concurrency,
+        index_only=args.index_only,
+        core_bits=args.core_bits,
+    )
+    print_pull(result)
+    return 0
+
+
+def print_pull(r) -> None:
+    if r.already_complete:
+        print(f"{r.repo_id} @ {r.commit[:12]} is already pulled: {r.path}")
+        return
+    if r.core_bytes == 0:  # --index-only
+        print(
+            f"pulled the expert index of {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}: "
+            f"{r.expert_count} experts in {r.moe_layers} MoE layers; ready for `serve --cache-only`"
+        )
+        return
+    rate = r.fetched_bytes / r.seconds if r.seconds > 0 else 0.0
+    print(f"pulled {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}")
+    bits = "" if r.core_bits == 16 else f" ({r.core_bits}-bit weights)"
+    print(
+        f"  core     {format_size(r.core_bytes)}{bits}; fetched {format_size(r.fetched_bytes)} this run "
+        f"in {r.seconds:.1f} s ({format_size(rate)}/s), {r.retries} retried requests"
+    )
+    print(
+        f"  experts  {r.expert_count} in {r.moe_layers} MoE layers, {format_size(r.expert_bytes)} "
+        "left on the Hub: fetched on demand"
+    )

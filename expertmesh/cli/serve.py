@@ -1,0 +1,121 @@
+"""`serve`: a node of the household, until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from expertmesh.cli import arguments
+from expertmesh.node import constants
+from expertmesh.node.config import ApiConfig, HouseholdConfig, MetricsConfig, NodeConfig, RemoteConfig, RpcConfig
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("serve", help="run a node: the gRPC node service for a pulled model")
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
+    p.add_argument(
+        "--port", type=int, default=constants.DEFAULT_NODE_PORT, help="0 picks a free port (default %(default)s)"
+    )
+    p.add_argument("--secret", help="the household secret (default EXPERTMESH_SECRET, else the one kept in the home)")
+    p.add_argument("--cluster", default="home", help="zeroconf cluster name: nodes join their own cluster only")
+    p.add_argument("--interface", metavar="IP", help="advertise and browse on this address only")
+    p.add_argument(
+        "--no-discovery",
+        dest="discover",
+        action="store_false",
+        help="no zeroconf: peers only from --peer (where multicast does not work)",
+    )
+    p.add_argument(
+        "--cache-only",
+        action="store_true",
+        help="a cache peer: no core and no compute, only expert bytes (needs `pull --index-only`)",
+    )
+    p.add_argument(
+        "--tls-cert", metavar="PEM", help="serve over TLS with the household certificate (see node/rpc/tls.py)"
+    )
+    p.add_argument("--tls-key", metavar="PEM", help="the key of --tls-cert")
+    p.add_argument("--http-host", default="127.0.0.1", help="the OpenAI-compatible API's address (default %(default)s)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        metavar="N",
+        help="the OpenAI-compatible API's port (default %(default)s; 0 picks a free one)",
+    )
+    p.add_argument("--no-http", dest="http_port", action="store_const", const=None, help="no HTTP API")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=16,
+        metavar="N",
+        help="requests that may wait for a generation slot before the API answers 429 (default %(default)s)",
+    )
+    arguments.add_metrics_arguments(p, default=0)
+    arguments.add_store_arguments(p)
+    arguments.add_peer_arguments(p)
+    arguments.add_speculation_arguments(p)
+    p.set_defaults(func=serve)
+
+
+def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
+    """`serve`'s flags as the node they describe."""
+    household = HouseholdConfig(
+        secret=secret,
+        peers=list(args.peer),
+        discover=args.discover,
+        cluster=args.cluster,
+        interface=args.interface,
+        tls_ca=arguments.tls_ca(args),
+        remote=RemoteConfig() if args.remote_compute != "off" else None,
+    )
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = MetricsConfig(host=args.metrics_host or args.host, port=args.metrics_port)
+    api = None
+    if args.http_port is not None:
+        api = ApiConfig(host=args.http_host, port=args.http_port, max_waiting=args.max_waiting)
+    return NodeConfig(
+        args.repo,
+        revision=args.revision,
+        cache_only=args.cache_only,
+        store=arguments.store_config(args),
+        household=household,
+        rpc=RpcConfig(host=args.host, port=args.port, tls_cert=args.tls_cert, tls_key=args.tls_key),
+        metrics=metrics,
+        api=api,
+        speculation=arguments.speculation(args) if not args.cache_only else None,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    from expertmesh.node.assembly import build_node
+
+    secret, created = arguments.secret(args)
+    node = build_node(node_config(args, secret))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with node:
+        print(
+            f"{node.role} node {node.node_id} serving {node.repo_id} @ {node.commit[:12]} on {args.host}:{node.rpc.port}"
+        )
+        if node.metrics_server is not None:
+            print(f"metrics on {node.metrics_server.url}", file=sys.stderr)
+        if node.discovery is not None:
+            print(f"advertising in cluster {args.cluster!r} as {node.discovery.address}; peers join as they appear")
+        if node.api is not None:
+            print(f"OpenAI-compatible API on {node.api.url} (model {node.repo_id!r})")
+        print(node.describe())
+        if created:
+            print("created a household secret; to join another Mac, run there:")
+            print(f"  EXPERTMESH_SECRET={secret} expertmesh serve {args.repo}")
+        sys.stdout.flush()
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("stopping", file=sys.stderr)
+    return 0

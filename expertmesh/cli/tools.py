@@ -1,0 +1,136 @@
+"""`hub`, `tiny-model`, `bench` and `replay`: a local Hub, test models and measurements."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from expertmesh.cli import arguments
+from expertmesh.node import constants
+from expertmesh.node.config import RAM_POLICIES
+from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.sizes import format_size
+
+TINY_ARCHS = ("kimi_k3", "deepseek_v3", "qwen3_moe", "mlx_qwen3_moe")
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("hub", help="serve a folder of model repos over the Hugging Face Hub protocol")
+    p.add_argument("dir", help="folder holding NAMESPACE/NAME/ repo folders")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    from expertmesh.node.devtools.local_hub import add_knob_arguments
+
+    add_knob_arguments(p)
+    p.set_defaults(func=hub)
+
+    p = sub.add_parser("tiny-model", help="write a tiny MoE repo in an upstream layout (tests, demos)")
+    p.add_argument("out", help="folder to write the repo into (replaced)")
+    p.add_argument("--arch", required=True, choices=TINY_ARCHS)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=tiny_model)
+
+    p = sub.add_parser("bench", help="naive, cold, warm-disk, warm-RAM and mlx-lm side by side on an emulated link")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="demo (the trained demo model), tiny-ARCH, or wide-kimi_k3 (a wider random K3) (default %(default)s)",
+    )
+    p.add_argument("--tokens", type=int, default=24, help="tokens per prompt (default %(default)s)")
+    p.add_argument(
+        "--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)"
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=constants.BENCH_TIME_SCALE,
+        help="emulated link seconds per K3 second (default %(default)s)",
+    )
+    p.add_argument("--ram-fraction", type=float, default=0.25, help="RAM budget as a fraction of all experts")
+    p.add_argument(
+        "--hub-connections",
+        type=arguments.positive_int,
+        default=constants.HUB_CONNECTIONS,
+        metavar="N",
+        help="range requests in flight to the Hub in cold and warm_disk (default %(default)s)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=bench)
+
+    p = sub.add_parser("replay", help="hit rates of each RAM policy and of the offline optimum on a trace")
+    p.add_argument("trace", help="a file written by `run --trace`")
+    p.add_argument("--budgets", default="10%,25%,50%", help="experts RAM holds: counts or %% of all experts")
+    p.add_argument("--policies", help=f"comma-separated, from {', '.join(RAM_POLICIES)} (default: all)")
+    p.set_defaults(func=replay)
+
+
+def hub(args: argparse.Namespace) -> int:
+    from expertmesh.node.devtools.local_hub import knobs_from_args, serve_forever_cli
+
+    serve_forever_cli(Path(args.dir), args.host, args.port, knobs_from_args(args))
+    return 0
+
+
+def tiny_model(args: argparse.Namespace) -> int:
+    from expertmesh.node.devtools.tiny import make_tiny_model
+
+    out = make_tiny_model(Path(args.out), args.arch, args.seed)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(f"wrote tiny {args.arch} (seed {args.seed}) to {out}: {format_size(size)}")
+    return 0
+
+
+def bench(args: argparse.Namespace) -> int:
+    from expertmesh.node.devtools.bench import print_table, run_bench, write_json
+
+    doc = run_bench(
+        model=args.model,
+        tokens=args.tokens,
+        time_scale=args.time_scale,
+        ram_fraction=args.ram_fraction,
+        naive_tokens=args.naive_tokens,
+        hub_connections=args.hub_connections,
+        progress=lambda m: print(m, file=sys.stderr),
+    )
+    print_table(doc)
+    if args.json:
+        write_json(doc, Path(args.json))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _slots(budgets: str, total: int) -> list[int]:
+    """`10%,25%` or `40,80` as numbers of experts."""
+    slots = []
+    for b in budgets.split(","):
+        b = b.strip()
+        try:
+            n = round(total * float(b[:-1]) / 100) if b.endswith("%") else int(b)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ExpertmeshError(f"--budgets: {b!r} is neither a count of experts nor a percentage")
+        slots.append(n)
+    return slots
+
+
+def replay(args: argparse.Namespace) -> int:
+    from expertmesh.node.observability.routing_trace import read_trace
+    from expertmesh.node.observability.routing_trace import replay as replay_trace
+
+    try:
+        trace = read_trace(Path(args.trace))
+    except (OSError, ValueError) as e:
+        raise ExpertmeshError(str(e)) from None
+    slots = _slots(args.budgets, trace.total_experts)
+    accesses = len(trace.accesses())
+    print(
+        f"{trace.repo} @ {trace.commit[:12]}: {trace.passes} passes, {accesses} expert uses, "
+        f"{trace.total_experts} experts in {len(trace.experts_per_layer)} MoE layers"
+    )
+    table = replay_trace(trace, slots, args.policies.split(",") if args.policies else None)
+    print(f"{'RAM hit rate':<14}" + "".join(f"{n:>8} ({100 * n / trace.total_experts:.0f}%)" for n in slots))
+    for name, rates in table.items():
+        print(f"{name:<14}" + "".join(f"{rates[n]:>14.3f}" for n in slots))
+    return 0

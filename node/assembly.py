@@ -1,0 +1,386 @@
+"""The one place a node is assembled, started and stopped.
+
+`build_node(config)` makes every part from a NodeConfig before any thread starts, in the order
+of the trip of an expert:
+
+    index, disk tier, digests       what the pinned model's experts are, and the copies on this disk
+    membership                      the household's peer table: who is here, who owns which expert
+    tiers                           disk -> peers -> Hub, with the integrity checks between them
+    store                           RAM, single-flight demand, prefetch, idle-link fill
+    model (a full node)             mlx-lm's model, its expert blocks bound to the store
+    remote execution                experts run on the peers that hold them (ComputeExperts)
+    served experts                  what peers may fetch from this node
+    metrics, gRPC service, API      how the node is watched and reached
+
+`Node.start()` then starts the threads and servers in dependency order (store, peer health
+checks, /metrics, gRPC, the zeroconf advertisement, the API) and `Node.close()` stops them in
+reverse. `serve`, `run`, `chat`, `demo`, the bench and the tests all go through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from expertmesh.node import constants
+from expertmesh.node.config import HouseholdConfig, NodeConfig, StoreConfig
+from expertmesh.node.errors import EndpointUnreachableError, ExpertmeshError
+from expertmesh.node.hub import local_models
+from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.sizes import format_size, parse_budget
+from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
+from expertmesh.node.store.stats import StoreStats
+from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
+
+if TYPE_CHECKING:
+    from expertmesh.coordinator.openai_api import OpenAIServer
+    from expertmesh.node.engine.streamed_model import StreamedModel
+    from expertmesh.node.household.discovery import Discovery
+    from expertmesh.node.household.membership import PeerTable
+    from expertmesh.node.household.remote_experts import RemoteExperts
+    from expertmesh.node.observability.metrics import MetricsServer, NodeMetrics
+    from expertmesh.node.rpc.server import NodeServer
+    from expertmesh.node.rpc.service import NodeService
+    from expertmesh.node.store.served import ServedExperts
+    from expertmesh.node.store.store import ExpertStore
+    from expertmesh.node.store.tiers.hub import HubSource
+    from expertmesh.node.store.tiers.peers import PeerSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Node:
+    """A node's parts. A full node has `model` and `store`; a cache peer has neither.
+
+    `peers` is the household's peer table (None alone), `peer_tier` the tier that fetches from
+    it (None without peers to ask). Servers are set once `start` has run.
+    """
+
+    config: NodeConfig
+    node_id: str
+    index: ExpertIndex
+    disk: DiskCache
+    stats: StoreStats
+    experts: ServedExperts | None  # what peers fetch from this node
+    hub: HubSource
+    model: StreamedModel | None = None
+    store: ExpertStore | None = None
+    peers: PeerTable | None = None
+    peer_tier: PeerSource | None = None
+    remote: RemoteExperts | None = None
+    metrics: NodeMetrics | None = None
+    service: NodeService | None = None
+    rpc: NodeServer | None = None
+    metrics_server: MetricsServer | None = None
+    discovery: Discovery | None = None
+    api: OpenAIServer | None = None
+    _started: bool = field(default=False, repr=False)
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def role(self) -> str:
+        return "cache" if self.model is None else "full"
+
+    @property
+    def repo_id(self) -> str:
+        return self.index.repo_id
+
+    @property
+    def commit(self) -> str:
+        return self.index.commit
+
+    def start(self) -> Node:
+        """Start threads and servers, each after what it depends on; a failure stops what started."""
+        if self._started:
+            return self
+        self._started = True
+        try:
+            if self.store is not None:
+                self.store.start()
+            self.hub.start()
+            if self.peer_tier is not None:
+                self.peer_tier.start_health_checks()
+            if self.metrics is not None:
+                m = self.config.metrics
+                try:
+                    self.metrics_server = self.metrics.serve(m.host, m.port)
+                except OSError as e:
+                    raise ExpertmeshError(f"cannot serve metrics on {m.host}:{m.port}: {e.strerror or e}") from None
+            if self.rpc is not None:
+                self.rpc.start()
+            if self.config.household is not None and self.config.household.discover and self.rpc is not None:
+                self.discovery = _advertise(self)
+            if self.api is not None:
+                self.api.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop everything started, in reverse order; safe to call twice, and on a half-built node."""
+        if self._closed:
+            return
+        self._closed = True
+        stops = []
+        if self.api is not None:
+            stops.append(self.api.stop)
+        if self.discovery is not None:
+            stops.append(self.discovery.close)
+        if self.rpc is not None:
+            stops.append(self.rpc.stop)
+        if self.metrics_server is not None:
+            stops.append(self.metrics_server.stop)
+        if self.store is not None:
+            stops.append(self.store.close)  # its fetch workers, then its tiers
+        else:
+            stops += [tier.close for tier in (self.peer_tier, self.hub) if tier is not None]
+        for stop in stops:
+            try:
+                stop()
+            except Exception:  # the rest must still stop
+                logger.exception("stopping a part of the node failed")
+
+    def __enter__(self) -> Node:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        """One line: what this node holds and where experts come from."""
+        if self.model is None:
+            return f"cache peer: experts on disk ({format_size(self.disk.budget_bytes)} at {self.disk.root}), the Hub on a miss"
+        return (
+            f"{self.repo_id} @ {self.commit[:12]}: core {format_size(self.model.core_bytes)} in memory; "
+            f"experts from RAM ({format_size(self.store.ram.budget_bytes)}), "
+            f"disk cache ({format_size(self.disk.budget_bytes)} at {self.disk.root}), "
+            + ("peers, " if self.peer_tier is not None else "")
+            + "then the Hub"
+        )
+
+
+def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, interceptors=()) -> Node:
+    """Every part of the node `config` describes, made but not started.
+
+    Args:
+        hub_reader: the Hub client (hub/client.py's RangeReader) to use instead of a new one:
+            tests inject faults with it, the bench a naive client.
+        service_class: the gRPC servicer class (default rpc/service.py's NodeService); tests
+            subclass it to make a peer misbehave.
+        interceptors: extra gRPC server interceptors (devtools/link_emulation.py's LAN).
+
+    Raises:
+        NotPulledError: the model (or, for a cache peer, its index) is not pulled here.
+        UnsupportedModelError: mlx-lm cannot run it, or it has no streamable experts.
+        EndpointUnreachableError: a listed peer does not answer.
+        ExpertmeshError: the parts asked for do not fit together (e.g. gRPC without a secret).
+    """
+    from expertmesh.node.household.node_id import load_or_create_node_id
+    from expertmesh.node.store.served import ServedExperts
+    from expertmesh.node.store.tiers.hub import HubSource
+
+    home = config.home or constants.expertmesh_home()
+    if config.rpc is not None and config.household is None:
+        raise ExpertmeshError("serving gRPC needs a household secret (HouseholdConfig)")
+    if config.cache_only and (config.api is not None and config.rpc is None):
+        raise ExpertmeshError("a cache peer serves expert bytes only: it needs gRPC")
+    # a node alone needs no identity (and writes none: `run` on a full or read-only home still runs)
+    node_id = config.node_id or (load_or_create_node_id(home) if config.household is not None else "local")
+    if config.cache_only:
+        path = local_models.find_index(home, config.repo_id, config.revision)
+        core_bytes = 0
+    else:
+        path = local_models.find_pulled(home, config.repo_id, config.revision)
+        core_bytes = local_models.read_marker(path).get("core_bytes")
+    index = ExpertIndex.load(path / INDEX_FILENAME)
+    core_bytes = index.core_bytes if core_bytes is None else core_bytes
+
+    root = cache_dir(home, config.repo_id, index.commit)
+    ram_bytes, disk_bytes = resolve_budgets(config.store, core_bytes, root)
+    digests = DigestBook(root / DIGESTS_FILENAME)
+    disk = DiskCache(root, index, disk_bytes, digests)
+    stats = StoreStats()
+    s = config.store
+    hub = HubSource(index, hub_reader, connections=s.hub_connections, pieces_per_expert=s.hub_pieces_per_expert,
+                    min_piece_bytes=s.hub_min_piece_bytes)  # fmt: skip
+    node = Node(config, node_id, index, disk, stats, experts=None, hub=hub)
+    try:
+        if config.household is not None:
+            _join_household(node, config.household)
+        remote_tiers = [t for t in (node.peer_tier, hub) if t is not None]
+        node.experts = ServedExperts(index.repo_id, index.commit, index, disk, digests, remote_tiers, stats,
+                                     ram_budget_bytes=ram_bytes if not config.cache_only else 0)  # fmt: skip
+        if not config.cache_only:
+            _build_model(node, path, ram_bytes, remote_tiers, digests)
+        if config.metrics is not None:
+            _build_metrics(node)
+        if config.rpc is not None:
+            _build_rpc(node, service_class, interceptors)
+        if config.api is not None:
+            _build_api(node)
+    except BaseException:
+        node.close()
+        raise
+    return node
+
+
+def open_model(repo_id: str, *, home: Path | None = None, revision: str | None = None,
+               store: StoreConfig | None = None, hub_reader=None):  # fmt: skip
+    """A started node with nothing but its model: what `run`, the bench and most tests use.
+    Closing the model (`StreamedModel.close`) closes the node."""
+    node = build_node(NodeConfig(repo_id, revision, home=home, store=store or StoreConfig()), hub_reader=hub_reader)
+    return node.start().model
+
+
+# -- the parts ------------------------------------------------------------------------------
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * 1024**3
+
+
+def resolve_budgets(cfg: StoreConfig, core_bytes: int, cache_root: Path) -> tuple[int, int]:
+    """(RAM bytes, disk bytes): percentages of memory left after the core and of free disk."""
+    floor = constants.MIN_RAM_BUDGET_BYTES if cfg.ram_budget == constants.DEFAULT_RAM_BUDGET else 0
+    ram = max(floor, parse_budget(cfg.ram_budget, max(0, _physical_memory() - core_bytes)))
+    cache_root.mkdir(parents=True, exist_ok=True)
+    disk = parse_budget(cfg.disk_budget, shutil.disk_usage(cache_root).free)
+    return ram, disk
+
+
+def _join_household(node: Node, household: HouseholdConfig) -> None:
+    """The peer table with the listed peers (asked who they are now), and the tier that uses it."""
+    import grpc
+
+    from expertmesh.node.household.membership import PeerTable, describe_peer
+
+    node.peers = PeerTable(self_id=node.node_id, self_weight=float(node.disk.budget_bytes))
+    for address in household.peers:
+        try:
+            node.peers.add(describe_peer(address, household.secret, household.tls_ca))
+        except grpc.RpcError as e:
+            raise EndpointUnreachableError(
+                f"peer {address} did not answer Info ({e.code().name.lower()}): "
+                "is it running, and is the household secret the same?"
+            ) from None
+    if (household.peers or household.discover) and not node.config.cache_only:
+        # a cache peer follows the household (for the API's view) but fetches from the Hub only
+        from expertmesh.node.store.tiers.peers import PeerSource
+
+        node.peer_tier = PeerSource(node.index, node.peers, household.secret, tls_ca=household.tls_ca)
+
+
+def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, digests: DigestBook) -> None:
+    """The core in memory, the store over the tiers, and the expert blocks bound to it."""
+    from expertmesh.node.engine.streamed_model import load_streamed_model
+    from expertmesh.node.household.warm import warm_order
+    from expertmesh.node.store.store import ExpertStore
+    from expertmesh.node.store.tier_chain import TierChain
+    from expertmesh.node.store.tiers.ram import RamCache
+
+    config, index = node.config, node.index
+    s = config.store
+    core = load_streamed_model(config.repo_id, path, index)
+    runs = node.hub if node.peer_tier is None else None  # runs only where nothing is asked between disk and Hub
+    chain = TierChain(index, core.codec, node.disk, remote_tiers, node.stats, digests, runs=runs)
+    trace = None
+    if s.trace_path is not None:
+        from expertmesh.node.observability.routing_trace import TraceWriter
+
+        trace = TraceWriter(s.trace_path, index)
+    owns = None
+    if node.peers is not None:
+        from expertmesh.node.household.membership import expert_key
+
+        table = node.peers
+        owns = lambda key: table.ranked(expert_key(index, *key))[0] is None  # noqa: E731 - only the owner fills
+    node.store = ExpertStore(index, RamCache(ram_bytes, s.ram_policy), chain, workers=s.fetch_concurrency,
+                             prefetch=s.prefetch, fill_order=warm_order(index) if s.fill else None, owns=owns,
+                             coalesce=s.coalesce, trace=trace)  # fmt: skip
+    node.model = core.bind(node.store, node.disk, close=node.close)
+    remote = config.household.remote if config.household is not None else None
+    if node.peer_tier is not None and remote is not None:
+        from expertmesh.node.household.remote_experts import RemoteExperts
+
+        node.remote = RemoteExperts(node.store, node.peer_tier, node.disk, remote)
+        for block in node.model.blocks:
+            block.bind_remote(node.remote)
+
+
+def _build_metrics(node: Node) -> None:
+    from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
+
+    ram = node.store.ram if node.store is not None else None
+    node.metrics = NodeMetrics(MetricsSources(node.stats, ram, node.disk, node.peers, [node.hub.reader]))
+    node.stats.observer = node.metrics.observe_fetch
+    if node.model is not None:
+        node.model.token_observer = node.metrics
+
+
+def _build_rpc(node: Node, service_class, interceptors) -> None:
+    from expertmesh.node.rpc.server import NodeServer
+    from expertmesh.node.rpc.service import NodeService
+
+    rpc, household = node.config.rpc, node.config.household
+    tls = None
+    if rpc.tls_cert or rpc.tls_key:
+        from expertmesh.node.rpc.tls import TlsConfigError, server_credentials
+
+        if not (rpc.tls_cert and rpc.tls_key):
+            raise TlsConfigError("TLS needs both --tls-cert and --tls-key")
+        tls = server_credentials(rpc.tls_cert, rpc.tls_key)
+    speculation = node.config.speculation if node.model is not None else None
+    node.service = (service_class or NodeService)(node.model, node.node_id, node.experts, peers=node.peers,
+                                                  speculation=speculation)  # fmt: skip
+    node.rpc = NodeServer(node.service, household.secret, host=rpc.host, port=rpc.port, tls=tls,
+                          max_workers=rpc.max_workers, interceptors=interceptors)  # fmt: skip
+
+
+def _build_api(node: Node) -> None:
+    """The embedded coordinator: this node if it is a full node, and the full nodes the peer table follows."""
+    from expertmesh.coordinator.node_pool import NodePool
+    from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
+
+    api, rpc, household = node.config.api, node.config.rpc, node.config.household
+    host = "127.0.0.1" if rpc.host in ("0.0.0.0", "") else rpc.host
+    local = [] if node.model is None else [f"{host}:{node.rpc.port}"]
+    pool = NodePool.following(local, node.peers) if node.peers is not None else NodePool(local)
+    repo_id = node.repo_id
+    coordinator = Coordinator(CoordinatorConfig(secret=household.secret, models=lambda: [repo_id], tls_ca=household.tls_ca,
+                                                max_waiting=api.max_waiting), pool)  # fmt: skip
+    try:
+        node.api = OpenAIServer(coordinator, api.host, api.port)
+    except OSError as e:
+        raise ExpertmeshError(f"cannot serve the HTTP API on {api.host}:{api.port}: {e.strerror or e}") from None
+
+
+def _advertise(node: Node):
+    """Advertise this node over zeroconf and follow the others into the peer table."""
+    from expertmesh.node.household.discovery import Advertisement, Discovery
+
+    household, rpc = node.config.household, node.config.rpc
+    address = household.interface or (rpc.host if rpc.host not in ("0.0.0.0", "") else lan_address())
+    ad = Advertisement(node.node_id, household.cluster, node.role, node.rpc.port, node.disk.budget_bytes,
+                       metrics_port=node.metrics_server.port if node.metrics_server is not None else 0,
+                       compute=node.model is not None)  # fmt: skip
+    return Discovery(node.peers, ad, address, [household.interface] if household.interface else None)
+
+
+def lan_address() -> str:
+    """This machine's address on the default route (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: only selects the interface
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"

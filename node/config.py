@@ -1,0 +1,137 @@
+"""Everything a node is made from, as plain dataclasses: what `build_node` (node/assembly.py) reads.
+
+The CLI turns its flags into these; tests and benchmarks write them directly. Objects that are
+not settings (an injected Hub reader, a servicer class) are keyword arguments of `build_node`,
+not fields here. Nothing in this module imports MLX, gRPC or the Hub client, so parsing a
+command line stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from expertmesh.node import constants
+from expertmesh.node.errors import SpeculationError
+from expertmesh.node.store.policies import DEFAULT_POLICY, POLICIES
+
+SPECULATION_MODES = ("ngram", "draft", "off")
+DEFAULT_SPECULATION = "ngram"  # measured by benchmarks/bench_speculative.py (docs/benchmarks.md)
+RAM_POLICIES = tuple(POLICIES)
+DEFAULT_RAM_POLICY = DEFAULT_POLICY  # chosen by `expertmesh replay` on routing traces (docs/benchmarks.md)
+
+
+@dataclass
+class StoreConfig:
+    """Budgets and fetch settings of the expert store; sizes or percentages as on the CLI."""
+
+    ram_budget: str = constants.DEFAULT_RAM_BUDGET  # a size, or a % of the memory the core leaves
+    disk_budget: str = constants.DEFAULT_DISK_BUDGET  # a size, or a % of the free space
+    fetch_concurrency: int = constants.EXPERT_FETCH_CONCURRENCY  # experts fetched at once
+    ram_policy: str = DEFAULT_RAM_POLICY  # store/policies.py
+    trace_path: Path | None = None  # record every layer's routed experts here (`--trace`)
+    prefetch: bool = True  # guess the next layer's experts and fetch them behind the demands
+    fill: bool = True  # while generating, fetch experts not yet held onto free disk budget when the link is idle
+    hub_min_piece_bytes: int = constants.HUB_MIN_PIECE_BYTES  # experts are split into pieces no smaller
+    hub_connections: int = constants.HUB_CONNECTIONS  # range requests in flight to the Hub at once
+    hub_pieces_per_expert: int = constants.HUB_PIECES_PER_EXPERT  # separate requests an expert is split into, at most
+    coalesce: bool = True  # demanded experts back to back in a shard fetched as one run of requests
+
+
+@dataclass
+class RemoteConfig:
+    """How remote expert execution behaves (household/remote_experts.py); where each expert runs
+    is decided by measured costs, not here."""
+
+    deadline_floor_s: float = 1.0  # a call's deadline is at least this ...
+    deadline_factor: float = 4.0  # ... and at least this many times its estimated duration
+    max_call_bytes: int = 3 * 1024 * 1024  # a peer's rows are split into calls no larger (gRPC's limits)
+    lan_bandwidth: float = 118e6  # bytes/s a peer's link is assumed to carry until measured (gigabit)
+
+
+@dataclass
+class HouseholdConfig:
+    """Joining a household: the shared secret, how peers are found, and what is asked of them."""
+
+    secret: str
+    peers: list[str] = field(default_factory=list)  # HOST:PORT of nodes to use besides those found
+    discover: bool = False  # advertise this node and find the others with zeroconf
+    cluster: str = "home"  # zeroconf: nodes join their own cluster only
+    interface: str | None = None  # zeroconf: advertise and browse on this address only
+    tls_ca: bytes | None = None  # the household certificate: call peers over TLS
+    remote: RemoteConfig | None = field(default_factory=RemoteConfig)  # None: always fetch experts
+
+
+@dataclass
+class RpcConfig:
+    """The node's gRPC service (proto/expertmesh/v1/node.proto)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port
+    tls_cert: str | None = None  # PEM files of the household certificate (rpc/tls.py)
+    tls_key: str | None = None
+    max_workers: int = 16
+
+
+@dataclass
+class MetricsConfig:
+    """Prometheus `/metrics` of the node."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port
+
+
+@dataclass
+class ApiConfig:
+    """The embedded coordinator's OpenAI-compatible API."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port
+    max_waiting: int = 16  # requests that may wait for a generation slot before the API answers 429
+
+
+@dataclass
+class SpeculationConfig:
+    """How to speculate. `mode` is one of SPECULATION_MODES; `draft_repo` names the draft model for "draft"."""
+
+    mode: str = DEFAULT_SPECULATION
+    draft_repo: str | None = None
+    initial_draft: int = 3  # drafts per verify pass at the start
+    max_draft: int = 8
+    ngram_max: int = 4  # longest suffix looked up in the context
+    ngram_min: int = 2  # shorter suffixes match by chance too often to be worth a pass's width
+    min_acceptance: float = 0.3  # below this (smoothed) acceptance rate speculation does not pay
+    warmup_rounds: int = 3  # verify rounds before the off-switch may engage
+    cooldown_tokens: int = 16  # plain tokens before probing again; doubles while it keeps failing
+    max_cooldown_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPECULATION_MODES:
+            raise SpeculationError(f"--speculate must be one of {', '.join(SPECULATION_MODES)}, not {self.mode!r}")
+        if self.mode == "draft" and not self.draft_repo:
+            raise SpeculationError("--speculate draft needs --draft REPO (a small mlx-lm model, same tokenizer)")
+        if not 1 <= self.initial_draft <= self.max_draft:
+            raise SpeculationError(f"draft length must be in 1..{self.max_draft}, not {self.initial_draft}")
+
+
+@dataclass
+class NodeConfig:
+    """One node: which model, where its home is, and which of its parts run.
+
+    A node with only `repo_id` is what `run` and `chat` use: the model, its store and its tiers,
+    alone. `household` joins other Macs; `rpc` serves them (and needs `household` for the
+    secret); `metrics` and `api` serve Prometheus and OpenAI clients. `cache_only` makes a cache
+    peer: no core and no MLX, only expert bytes for the household.
+    """
+
+    repo_id: str
+    revision: str | None = None
+    home: Path | None = None  # default: $EXPERTMESH_HOME
+    node_id: str | None = None  # default: the one kept in the home
+    cache_only: bool = False
+    store: StoreConfig = field(default_factory=StoreConfig)
+    household: HouseholdConfig | None = None
+    rpc: RpcConfig | None = None
+    metrics: MetricsConfig | None = None
+    api: ApiConfig | None = None
+    speculation: SpeculationConfig | None = None  # None or mode "off": no speculation in Generate

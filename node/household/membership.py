@@ -1,0 +1,123 @@
+"""Who is in the household and who owns which expert, computed the same way on every node.
+
+Each expert has an owner: the live node with the highest weighted rendezvous score for the
+expert's key (weight = the node's disk budget), so ownership spreads in proportion to disk and
+moves little when a node comes or goes. There is no central directory: every node computes the
+owner from its own peer table, which zeroconf (household/discovery.py), `--peer` addresses and
+gRPC health checks keep in step. A peer that errs is skipped for a while and counted by reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.rpc.client import NodeClient
+
+logger = logging.getLogger(__name__)
+
+SKIP_AFTER_ERROR_S = 30.0
+
+
+@dataclass
+class Peer:
+    node_id: str
+    address: str  # host:port
+    weight: float  # its disk budget in bytes: a bigger disk owns more experts
+    role: str = "full"
+    skip_until: float = 0.0
+    compute: bool = False  # answers ComputeExperts: runs experts it holds on activations we send
+
+    @property
+    def live(self) -> bool:
+        return time.monotonic() >= self.skip_until
+
+
+def rendezvous_score(key: str, node_id: str, weight: float) -> float:
+    """Weighted rendezvous (highest random weight) score: -w / ln(u), u uniform in (0, 1) from a hash."""
+    if weight <= 0:
+        return -math.inf
+    h = int.from_bytes(hashlib.sha256(f"{key}|{node_id}".encode()).digest()[:8], "big")
+    u = (h + 0.5) / 2**64
+    return -weight / math.log(u)
+
+
+def expert_key(index: ExpertIndex, layer: int, expert: int) -> str:
+    """The name an expert is hashed by: the same on every node of the household."""
+    return f"{index.repo_id}@{index.commit}/{layer}/{expert}"
+
+
+@dataclass
+class PeerTable:
+    """The peers this node knows: from `--peer` addresses and from zeroconf."""
+
+    self_id: str
+    self_weight: float
+    peers: dict[str, Peer] = field(default_factory=dict)
+    errors: Counter = field(default_factory=Counter)  # reason -> count
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, peer: Peer) -> None:
+        with self._lock:
+            if peer.node_id == self.self_id:
+                return  # our own advertisement
+            self.peers[peer.node_id] = peer
+
+    def remove(self, node_id: str) -> None:
+        with self._lock:
+            self.peers.pop(node_id, None)
+
+    def all(self) -> list[Peer]:
+        with self._lock:
+            return list(self.peers.values())
+
+    def live_count(self) -> int:
+        with self._lock:
+            return sum(p.live for p in self.peers.values())
+
+    def compute_peers(self) -> list[Peer]:
+        """Live peers that answer ComputeExperts."""
+        with self._lock:
+            return [p for p in self.peers.values() if p.compute and p.live]
+
+    def full_addresses(self) -> list[str]:
+        """Addresses of the live full nodes: where the coordinator may send generations."""
+        with self._lock:
+            return [p.address for p in self.peers.values() if p.role == "full" and p.live]
+
+    def restore(self, peer: Peer) -> None:
+        """A skipped peer answered its health check: use it again now, not when its skip ends."""
+        with self._lock:
+            peer.skip_until = 0.0
+
+    def penalise(self, peer: Peer, reason: str) -> None:
+        with self._lock:
+            self.errors[reason] += 1
+            peer.skip_until = time.monotonic() + SKIP_AFTER_ERROR_S
+        logger.warning(
+            "peer %s (%s): %s; skipping it for %.0f s", peer.node_id, peer.address, reason, SKIP_AFTER_ERROR_S
+        )
+
+    def ranked(self, key: str) -> list[Peer | None]:
+        """Live peers by rendezvous score for `key`, best first; None stands for this node."""
+        with self._lock:
+            entries = [(rendezvous_score(key, p.node_id, p.weight), p) for p in self.peers.values() if p.live]
+        entries.append((rendezvous_score(key, self.self_id, self.self_weight), None))
+        return [p for _, p in sorted(entries, key=lambda e: e[0], reverse=True)]
+
+    def owns(self, key: str) -> bool:
+        """Whether this node is the owner of the expert named `key` among the live nodes."""
+        return self.ranked(key)[0] is None
+
+
+def describe_peer(address: str, secret: str, tls_ca: bytes | None = None) -> Peer:
+    """Ask a node at `address` who it is (for a static `--peer`). Raises grpc.RpcError."""
+    with NodeClient(address, secret, tls_ca) as client:
+        info = client.info()
+    return Peer(info.node_id, address, float(info.disk_budget_bytes), info.role, compute=info.compute)

@@ -1,0 +1,119 @@
+"""Talking to another node: one `NodeClient` per address, the household secret on every call.
+
+The peers tier, remote execution, `warm`, `status`, `peers` and the coordinator all reach nodes
+through this class, so the channel options, TLS, the secret and the deadlines live in one place.
+Calls raise `grpc.RpcError`: what a failure means (skip a peer, fall back, report) is the
+caller's to decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.tls import open_channel
+from expertmesh.v1 import node_pb2, node_pb2_grpc
+
+INFO_DEADLINE_S = 5.0
+HEALTH_DEADLINE_S = 2.0
+
+
+def model_key(repo_id: str, commit: str) -> node_pb2.ModelKey:
+    return node_pb2.ModelKey(repo_id=repo_id, commit=commit)
+
+
+def inventory_keys(inv: node_pb2.InventoryResponse) -> set[tuple[int, int]]:
+    """The (layer, expert) keys an InventoryResponse's bitmaps mark as held (a short bitmap holds nothing beyond its end)."""
+    return {
+        (lb.layer, e)
+        for lb in inv.layers
+        for e in range(min(lb.num_experts, 8 * len(lb.bits)))
+        if lb.bits[e // 8] >> (e % 8) & 1
+    }
+
+
+class NodeClient:
+    """A channel to the node at `address` (kept open: calls cost no connection set-up)."""
+
+    def __init__(self, address: str, secret: str, tls_ca: bytes | None = None):
+        self.address = address
+        self.channel = open_channel(address, tls_ca)
+        self._stub = node_pb2_grpc.NodeStub(self.channel)
+        self._metadata = call_metadata(secret)
+
+    def info(self, timeout: float = INFO_DEADLINE_S) -> node_pb2.InfoResponse:
+        return self._stub.Info(node_pb2.InfoRequest(), metadata=self._metadata, timeout=timeout)
+
+    def inventory(self, model: node_pb2.ModelKey, timeout: float = INFO_DEADLINE_S) -> set[tuple[int, int]]:
+        """The experts of `model` the node's disk holds."""
+        request = node_pb2.InventoryRequest(model=model)
+        return inventory_keys(self._stub.GetInventory(request, metadata=self._metadata, timeout=timeout))
+
+    def fetch_expert(
+        self,
+        model: node_pb2.ModelKey,
+        layer: int,
+        expert: int,
+        timeout: float,
+        fetch_on_miss: bool = False,
+        keep_only: bool = False,
+    ) -> Iterator[node_pb2.ExpertChunk]:
+        """The expert's chunks as they stream (`keep_only`: the node keeps it, one empty chunk)."""
+        request = node_pb2.FetchExpertRequest(
+            key=node_pb2.ExpertKey(model=model, layer=layer, expert=expert),
+            fetch_on_miss=fetch_on_miss,
+            keep_only=keep_only,
+        )
+        return self._stub.FetchExpert(request, metadata=self._metadata, timeout=timeout)
+
+    def compute_experts(self, request: node_pb2.ComputeExpertsRequest, timeout: float) -> grpc.Future:
+        """ComputeExperts in flight: remote execution sends a layer's calls to all peers at once."""
+        return self._stub.ComputeExperts.future(request, metadata=self._metadata, timeout=timeout)
+
+    def generate(self, request: node_pb2.GenerateRequest, timeout: float):
+        """Generate's stream of events; `cancel()` on it stops the node's generation."""
+        return self._stub.Generate(request, metadata=self._metadata, timeout=timeout)
+
+    def health(self, timeout: float = HEALTH_DEADLINE_S) -> int:
+        """The node's standard gRPC health status (open to all: no secret needed)."""
+        return health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+
+    def serving(self, timeout: float = HEALTH_DEADLINE_S) -> bool:
+        try:
+            return self.health(timeout) == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> NodeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class NodeAnswer:
+    """A node's Info, or why it could not be had."""
+
+    address: str
+    info: node_pb2.InfoResponse | None = None
+    error: str = ""  # the gRPC status, lower case, when Info failed
+
+
+def ask_info(addresses: Iterable[str], secret: str, tls_ca: bytes | None = None) -> list[NodeAnswer]:
+    """Info of every node at `addresses`, one at a time (`status`, `peers`, `warm`)."""
+    out = []
+    for address in addresses:
+        with NodeClient(address, secret, tls_ca) as client:
+            try:
+                out.append(NodeAnswer(address, client.info()))
+            except grpc.RpcError as e:
+                out.append(NodeAnswer(address, error=e.code().name.lower()))
+    return out

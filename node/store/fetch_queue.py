@@ -1,0 +1,218 @@
+"""Single flight over a priority queue served by a pool of fetch workers.
+
+There is one future per expert in flight: whoever asks for an expert that is already being
+fetched waits for that fetch, and a demand for a queued guess moves it ahead. Entries are taken
+demands first, then guesses (store/priority.py); idle-link fill claims its experts outside the
+queue, so a demand for one of them joins the fill instead of fetching it twice.
+
+`changed` is notified whenever the demand work or the experts in flight change: idle-link fill
+waits on it for the link to be free instead of polling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from expertmesh.node.store.priority import DEMAND, PREFETCH, fetching_as
+from expertmesh.node.store.stats import ExpertKey
+from expertmesh.node.store.tier_chain import Fetched
+
+CLOSE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Demanded experts lying back to back in a shard: one queue entry, one set of Hub requests."""
+
+    keys: tuple[ExpertKey, ...]
+
+
+class FetchQueue:
+    """Fetches experts with `workers` threads, at most once each at a time.
+
+    Args:
+        fetch_one: fetches one expert (TierChain.fetch).
+        fetch_run: fetches a run of adjacent experts, one result or exception each (TierChain.fetch_run).
+        finished: called with (key, result or None) when a queued fetch ends, before its waiters
+            wake: the prefetcher stages guesses that nobody demanded yet.
+    """
+
+    def __init__(
+        self,
+        fetch_one: Callable[[ExpertKey], Fetched],
+        fetch_run: Callable[[list[ExpertKey]], list[Fetched | BaseException]],
+        workers: int,
+        finished: Callable[[ExpertKey, Fetched | None], None] | None = None,
+    ):
+        self._fetch_one = fetch_one
+        self._fetch_run = fetch_run
+        self._finished = finished
+        self.workers = max(1, workers)
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._lock = threading.RLock()
+        self.changed = threading.Condition(self._lock)
+        self._inflight: dict[ExpertKey, Future] = {}
+        self._started: set[ExpertKey] = set()
+        self._queued_demands = 0
+        self._running_demands = 0
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self._threads = [
+            threading.Thread(target=self._work, name=f"expert-fetch-{i}", daemon=True) for i in range(self.workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- what is going on ---------------------------------------------------------------------
+
+    def in_flight(self, key: ExpertKey) -> bool:
+        with self._lock:
+            return key in self._inflight
+
+    def in_flight_count(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    @property
+    def queued_demands(self) -> int:
+        return self._queued_demands
+
+    @property
+    def demand_busy(self) -> bool:
+        """Whether any demand is queued or being fetched."""
+        return bool(self._queued_demands or self._running_demands)
+
+    def notify(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    # -- asking -------------------------------------------------------------------------------
+
+    def submit(self, key: ExpertKey, priority: int) -> Future:
+        """The future of `key`'s fetch, queued at `priority` unless it is in flight already."""
+        with self._lock:
+            fut = self._inflight.get(key)
+            if fut is None:
+                fut = Future()
+                self._inflight[key] = fut
+            elif priority == PREFETCH or key in self._started:
+                return fut
+            if priority == DEMAND:
+                self._queued_demands += 1
+            self._queue.put((priority, next(self._seq), key))
+            self.changed.notify_all()
+            return fut
+
+    def submit_demands(
+        self, keys: list[ExpertKey], plan: Callable[[list[ExpertKey]], list[list[ExpertKey]]] | None = None
+    ) -> dict[ExpertKey, Future]:
+        """Demand `keys`; `plan` groups those not in flight into runs (store/runs.py), each of two
+        or more experts fetched as one queue entry. Every key's future is returned."""
+        waiting: dict[ExpertKey, Future] = {}
+        if plan is not None:
+            with self._lock:
+                for run in plan([k for k in sorted(keys) if k not in self._inflight]):
+                    if len(run) < 2:
+                        continue
+                    for key in run:  # started at once: a later demand or guess for one of them joins its future
+                        waiting[key] = self._inflight[key] = Future()
+                        self._started.add(key)
+                    self._queued_demands += 1
+                    self._queue.put((DEMAND, next(self._seq), _Run(tuple(run))))
+                self.changed.notify_all()
+        for key in keys:
+            if key not in waiting:
+                waiting[key] = self.submit(key, DEMAND)
+        return waiting
+
+    def claim(self, keys: Iterable[ExpertKey]) -> list[Future]:
+        """Register `keys` as in flight for a fetch made outside the queue (idle-link fill)."""
+        with self._lock:
+            futs = []
+            for key in keys:
+                futs.append(self._inflight.setdefault(key, Future()))
+                self._started.add(key)
+            return futs
+
+    def release(self, keys: Iterable[ExpertKey]) -> None:
+        """The claimed fetch of `keys` is over (its futures are the caller's to resolve)."""
+        with self._lock:
+            for key in keys:
+                self._inflight.pop(key, None)
+                self._started.discard(key)
+            self.changed.notify_all()
+
+    # -- the workers --------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            priority, _, key = self._queue.get()
+            if key is None:
+                return
+            if isinstance(key, _Run):
+                self._work_run(key.keys)
+                continue
+            with self._lock:
+                if priority == DEMAND:
+                    self._queued_demands -= 1
+                if key in self._started or key not in self._inflight:
+                    self.changed.notify_all()
+                    continue  # a duplicate entry of a guess that a demand moved up
+                self._started.add(key)
+                fut = self._inflight[key]
+                self._running_demands += priority == DEMAND
+            try:
+                with fetching_as(priority):
+                    fetched, error = self._fetch_one(key), None
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                fetched, error = None, e
+            if self._finished is not None:
+                self._finished(key, fetched)
+            with self._lock:
+                self._running_demands -= priority == DEMAND
+                self._inflight.pop(key, None)
+                self._started.discard(key)
+                self.changed.notify_all()
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(fetched)
+
+    def _work_run(self, keys: tuple[ExpertKey, ...]) -> None:
+        with self._lock:
+            self._queued_demands -= 1
+            self._running_demands += 1
+            futs = [self._inflight[key] for key in keys]
+        try:
+            with fetching_as(DEMAND):
+                results = self._fetch_run(list(keys))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            results = [e] * len(keys)
+        with self._lock:
+            self._running_demands -= 1
+            for key in keys:
+                self._inflight.pop(key, None)
+                self._started.discard(key)
+            self.changed.notify_all()
+        for fut, result in zip(futs, results):
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the workers before any queued fetch; join them, bounded (one may be mid-fetch)."""
+        for _ in self._threads:
+            self._queue.put((-1, -1, None))
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.notify()

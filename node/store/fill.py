@@ -1,0 +1,174 @@
+"""Idle-link fill: while a generation runs and no demand wants the link, fetch experts not yet held
+onto free disk budget.
+
+A fill is not a guess and never enters RAM: it turns a future Hub miss into a disk hit. It never
+evicts (only free budget is filled), keeps to the experts this node owns in a household, and is
+registered as in flight, so a demand for the same expert waits for it instead of fetching it
+twice; a demand that arrives while fills run gets every fetch worker. Fill threads sleep on the
+fetch queue's condition until the link is free, and while no generation has asked for a layer
+within FILL_ACTIVE_S, until one does.
+
+Experts lying back to back in a shard are filled as one Hub request (store/runs.py). Runs start
+at one expert and double with every run the disk kept, up to FILL_RUN_MAX, so a disk that keeps
+nothing (a full file system) costs at most one expert per fill thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.store.fetch_queue import FetchQueue
+from expertmesh.node.store.prefetch import Prefetcher
+from expertmesh.node.store.priority import FILL, fetching_as
+from expertmesh.node.store.runs import fill_run
+from expertmesh.node.store.stats import ExpertKey, StoreStats
+from expertmesh.node.store.tier_chain import TierChain
+from expertmesh.node.store.tiers.ram import RamCache
+
+logger = logging.getLogger(__name__)
+
+# A generation is going on while a layer was asked for within this many seconds.
+FILL_ACTIVE_S = 2.0
+# Runs of adjacent experts per fill request, at most (and the Hub's `run_bytes`).
+FILL_RUN_MAX = 8
+
+
+class IdleFill:
+    """Fill threads over `order` (most useful first), for one store.
+
+    Args:
+        owns: whether this node should hold an expert (in a household, the ones it owns);
+            None: every expert.
+    """
+
+    def __init__(
+        self,
+        index: ExpertIndex,
+        order: list[ExpertKey],
+        fetches: FetchQueue,
+        chain: TierChain,
+        ram: RamCache,
+        prefetcher: Prefetcher,
+        stats: StoreStats,
+        threads: int,
+        owns: Callable[[ExpertKey], bool] | None = None,
+    ):
+        self.index = index
+        self.fetches = fetches
+        self.chain = chain
+        self.disk = chain.disk
+        self.ram = ram
+        self.prefetcher = prefetcher
+        self.stats = stats
+        self.owns = owns
+        self._order = list(order)
+        self._next = 0
+        self._reserved = 0  # bytes of fills in flight, counted against the disk's free room
+        self._run = 1  # experts per fill request: doubles with each run the disk kept
+        self._active_until = -1.0
+        self._closing = False
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"expert-fill-{i}", daemon=True) for i in range(threads)
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def touch(self) -> None:
+        """A generation asked for a layer: the link may be filled while it is otherwise idle."""
+        self._active_until = time.monotonic() + FILL_ACTIVE_S
+        if self._next < len(self._order):
+            self.fetches.notify()
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self._order)
+
+    def _may_fill(self) -> bool:
+        return time.monotonic() < self._active_until and not self.fetches.demand_busy and not self.prefetcher.in_flight
+
+    def _wanted(self, key: ExpertKey) -> bool:
+        """Neither held, nor being fetched, nor someone else's to hold (under the queue's lock)."""
+        if self.fetches.in_flight(key) or key in self.ram or key in self.disk:
+            return False
+        return self.owns is None or self.owns(key)
+
+    def _has_room(self, nbytes: int) -> bool:
+        return self.disk.has_room(nbytes + self._reserved)
+
+    def _next_run(self) -> list[ExpertKey]:
+        """The next run to fill; [] when nothing is left or the budget is full (under the queue's lock)."""
+        runs = self.chain.runs
+        while self._next < len(self._order):
+            key = self._order[self._next]
+            self._next += 1
+            if not self._wanted(key):
+                continue
+            if not self._has_room(self.index.expert(*key).nbytes):
+                self._next = len(self._order)  # the disk budget is full: fill never evicts
+                return []
+            if runs is None:
+                return [key]
+            return fill_run(self.index, key, self._run, runs.run_bytes, self._wanted, self._has_room)
+        return []
+
+    def _loop(self) -> None:
+        while True:
+            with self.fetches.changed:
+                while not self._closing and not self.done and not self._may_fill():
+                    left = self._active_until - time.monotonic()
+                    self.fetches.changed.wait(left if left > 0 else None)
+                if self._closing or self.done:
+                    return
+                run = self._next_run()
+                if not run:
+                    if self.done:
+                        return  # everything is held, or the budget is full
+                    continue
+                futs = self.fetches.claim(run)
+                self._reserved += sum(self.index.expert(*k).nbytes for k in run)  # held until on disk
+            with fetching_as(FILL):
+                results = self.chain.fetch_run(run)
+            with self.fetches.changed:
+                self._reserved -= sum(self.index.expert(*k).nbytes for k in run)
+            self.fetches.release(run)
+            if not self._settle(run, futs, results):
+                return
+
+    def _settle(self, run: list[ExpertKey], futs: list, results: list) -> bool:
+        """Hand each result to whoever joined; False when the disk kept nothing (fill stops)."""
+        kept = True
+        for key, fut, result in zip(run, futs, results):
+            if isinstance(result, BaseException):
+                logger.debug("filling expert %s failed: %s", key, result)
+                fut.set_exception(result)
+                continue
+            fut.set_result(result)
+            if result.source != "disk" and key not in self.disk:
+                kept = False
+            else:
+                self.stats.record_prefetch("filled")
+        if not kept:
+            with self.fetches.changed:  # the disk did not keep it (a full file system): more fills would be wasted
+                self._next = len(self._order)
+            logger.warning("the disk cache did not keep a filled expert; idle-link fill stops")
+            return False
+        if len(run) == self._run and not any(isinstance(r, BaseException) for r in results):
+            self._run = min(FILL_RUN_MAX, 2 * self._run)
+        return True
+
+    def stop(self) -> None:
+        """Take no more fills; a fill in flight finishes (see `join`)."""
+        self._closing = True
+        self.fetches.notify()
+
+    def join(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))

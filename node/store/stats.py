@@ -1,0 +1,92 @@
+"""What the store counts: expert uses, bytes and fetch time by the tier that answered, integrity
+failures, the fate of prefetched guesses and of remote execution. Summaries, `Info` and
+`/metrics` all read these same counters, so no two views of one generation disagree."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, commit)
+
+# remote: computed by the peer that holds it (activations moved, not the expert); its bytes are
+# the activation bytes sent and received
+SOURCES = ("ram", "disk", "peer", "hub", "remote")
+# issued: guesses fetched; used: demanded by the pass they were for; wasted: not demanded, dropped;
+# ready: used guesses that had arrived before their demand (no wait: as good as a RAM hit);
+# filled: fetched onto the disk on an idle link (not a guess: see store/fill.py)
+PREFETCH_OUTCOMES = ("issued", "used", "wasted", "ready", "filled")
+# remote execution (household/remote_experts.py): calls made, activation bytes each way, and
+# experts a peer was asked for that were fetched and computed here instead, by why
+REMOTE_COUNTS = (
+    "calls",
+    "sent_bytes",
+    "received_bytes",
+    "fallback_error",
+    "fallback_deadline",
+    "fallback_bad_output",
+    "fallback_missing",
+)
+
+
+@dataclass
+class StoreStats:
+    """Expert uses and upstream bytes by source; thread-safe, cumulative."""
+
+    uses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    fetch_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))
+    integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
+    remote: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMOTE_COUNTS, 0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # called as observer(source, nbytes, seconds) after each use (observability/metrics.py: the fetch histogram)
+    observer: Callable[[str, int, float], None] | None = field(default=None, repr=False, compare=False)
+
+    def record_prefetch(self, outcome: str, n: int = 1) -> None:
+        with self._lock:
+            self.prefetch[outcome] += n
+
+    def record_remote(self, **counts: int) -> None:
+        with self._lock:
+            for k, n in counts.items():
+                self.remote[k] += n
+
+    def record_integrity_failure(self, source: str) -> None:
+        with self._lock:
+            self.integrity_failures[source] += 1
+
+    def record(self, source: str, nbytes: int, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.uses[source] += 1
+            self.bytes[source] += nbytes
+            self.fetch_seconds[source] += seconds
+        if self.observer is not None:
+            self.observer(source, nbytes, seconds)
+
+    def snapshot(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                dict(self.uses),
+                dict(self.bytes),
+                dict(self.fetch_seconds),
+                dict(self.integrity_failures),
+                dict(self.prefetch),
+                dict(self.remote),
+            )
+
+    def since(self, before: StoreStats) -> StoreStats:
+        now = self.snapshot()
+        return StoreStats(
+            {k: now.uses[k] - before.uses[k] for k in SOURCES},
+            {k: now.bytes[k] - before.bytes[k] for k in SOURCES},
+            {k: now.fetch_seconds[k] - before.fetch_seconds[k] for k in SOURCES},
+            {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES},
+            {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES},
+            {k: now.remote[k] - before.remote[k] for k in REMOTE_COUNTS},
+        )
+
+    @property
+    def total_uses(self) -> int:
+        return sum(self.uses.values())

@@ -1,0 +1,133 @@
+"""The tiers after RAM as one fetch: nearest first, every copy checked, remote copies kept on disk.
+
+An expert is asked of the disk, then of each remote tier (peers, the Hub) until one gives bytes
+that match the expert's recorded sha256 (store/integrity.py). A copy that fails is discarded by
+its tier and counted; a remote tier is asked again a few times, since a transfer can be damaged
+where the source is not. Bytes from beyond this machine are decoded for MLX and written to the
+disk cache, so the next use of the expert is a disk hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from expertmesh.node.errors import DownloadError
+from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.store.codec import ExpertCodec, ExpertWeights
+from expertmesh.node.store.integrity import DigestBook
+from expertmesh.node.store.stats import ExpertKey, StoreStats
+from expertmesh.node.store.tiers import RunFetcher, Tier
+from expertmesh.node.store.tiers.disk import DiskCache
+
+logger = logging.getLogger(__name__)
+
+INTEGRITY_RETRIES = 2  # refetches from a remote tier whose bytes failed their sha256 check
+
+
+@dataclass
+class Fetched:
+    """A decoded expert and where it came from."""
+
+    weights: ExpertWeights
+    source: str
+    seconds: float
+
+
+class TierChain:
+    """Fetches experts of one pinned model from `disk`, then `remote` tiers in order.
+
+    Args:
+        runs: the tier that fetches adjacent experts as one request (the Hub), when it is the
+            only remote tier; None: every expert is fetched on its own.
+        digests: the sha256 of each expert, checked on every copy not from RAM (None: no checks).
+    """
+
+    def __init__(
+        self,
+        index: ExpertIndex,
+        codec: ExpertCodec,
+        disk: DiskCache,
+        remote: list[Tier],
+        stats: StoreStats,
+        digests: DigestBook | None = None,
+        runs: RunFetcher | None = None,
+    ):
+        self.index = index
+        self.codec = codec
+        self.disk = disk
+        self.remote = list(remote)
+        self.tiers: list[Tier] = [disk, *self.remote]
+        self.stats = stats
+        self.digests = digests
+        self.runs = runs
+
+    def fetch(self, key: ExpertKey) -> Fetched:
+        """The expert from the nearest tier with a good copy.
+
+        Raises:
+            DownloadError: no tier gave a good copy, or one gave the wrong number of bytes.
+        """
+        loc = self.index.expert(*key)
+        for tier in self.tiers:
+            for _ in range(1 if tier.local else 1 + INTEGRITY_RETRIES):
+                t0 = time.perf_counter()
+                blob = tier.fetch(loc)
+                if blob is None:
+                    break
+                if len(blob) != loc.nbytes:  # a tier must never hand over a partial expert
+                    raise DownloadError(f"{tier.source} gave {len(blob)} bytes for expert {key}, expected {loc.nbytes}")
+                if self.verify(key, tier, blob):
+                    break
+                blob = None
+            if blob is None:
+                continue
+            weights = self.codec.decode(loc, blob)
+            if not tier.local:
+                self.disk.put(loc, blob)
+            return Fetched(weights, tier.source, time.perf_counter() - t0)
+        raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
+
+    def fetch_run(self, keys: list[ExpertKey]) -> list[Fetched | BaseException]:
+        """Each expert of a run, fetched as one request when there are several; an expert whose
+        bytes fail their checks is fetched again on its own (with `fetch`'s retries)."""
+        out: list[Fetched | BaseException] = []
+        blobs: list[bytes | None] = [None] * len(keys)
+        runs = self.runs if len(keys) > 1 else None
+        t0 = time.perf_counter()
+        if runs is not None:
+            try:
+                blobs = runs.fetch_run([self.index.expert(*k) for k in keys])
+            except Exception as e:  # noqa: BLE001 - each expert is tried again on its own below
+                logger.debug("experts %s as one run failed: %s", keys, e)
+        seconds = (time.perf_counter() - t0) / len(keys)
+        for key, blob in zip(keys, blobs):
+            loc = self.index.expert(*key)
+            try:
+                if blob is not None and len(blob) == loc.nbytes and self.verify(key, runs, blob):
+                    weights = self.codec.decode(loc, blob)
+                    self.disk.put(loc, blob)
+                    out.append(Fetched(weights, runs.source, seconds))
+                else:
+                    out.append(self.fetch(key))
+            except BaseException as e:  # noqa: BLE001 - handed to a demand that joined, if any
+                out.append(e)
+        return out
+
+    def verify(self, key: ExpertKey, tier: Tier, blob) -> bool:
+        """Check a copy against the digest recorded at first fetch, or record it if this is the first.
+
+        Only bytes a remote tier vouched for may become the reference; a local copy without a
+        recorded digest is unverifiable and treated like a bad one.
+        """
+        if self.digests is None or self.digests.check(key, blob, may_record=not tier.local):
+            return True
+        self.stats.record_integrity_failure(tier.source)
+        logger.warning("expert %s from %s failed its sha256 check; discarding that copy", key, tier.source)
+        tier.discard(self.index.expert(*key))
+        return False
+
+    def close(self) -> None:
+        for tier in self.remote:
+            tier.close()

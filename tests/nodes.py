@@ -1,0 +1,69 @@
+"""Nodes for tests, built by the same composition root as `expertmesh serve` and `run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from expertmesh.node.assembly import Node, build_node
+from expertmesh.node.config import (
+    HouseholdConfig,
+    MetricsConfig,
+    NodeConfig,
+    RemoteConfig,
+    RpcConfig,
+    SpeculationConfig,
+    StoreConfig,
+)
+
+
+def serving(
+    repo_id: str,
+    home: Path,
+    secret: str,
+    *,
+    node_id: str,
+    store: StoreConfig | None = None,
+    peers: list[str] = (),
+    cache_only: bool = False,
+    speculation: SpeculationConfig | None = None,
+    remote: RemoteConfig | None = None,
+    rpc: RpcConfig | None = None,
+    metrics: MetricsConfig | None = None,
+    service_class=None,
+    interceptors=(),
+) -> Node:
+    """A started node serving gRPC on a free loopback port (`node.rpc.address`), and /metrics if asked."""
+    config = NodeConfig(
+        repo_id,
+        home=home,
+        node_id=node_id,
+        cache_only=cache_only,
+        store=store or StoreConfig(prefetch=False),
+        household=HouseholdConfig(secret=secret, peers=list(peers), remote=remote or RemoteConfig()),
+        rpc=rpc or RpcConfig(host="127.0.0.1", port=0),
+        metrics=metrics,
+        speculation=speculation,
+    )
+    return build_node(config, service_class=service_class, interceptors=interceptors).start()
+
+
+def joined(
+    repo_id: str,
+    home: Path,
+    secret: str,
+    peers: list[str],
+    *,
+    node_id: str,
+    store: StoreConfig | None = None,
+    remote: RemoteConfig | None = None,
+) -> Node:
+    """A started node that asks `peers` before the Hub and serves nothing (as `run --peer` does);
+    `remote` None: it always fetches experts, never runs them on peers."""
+    config = NodeConfig(
+        repo_id,
+        home=home,
+        node_id=node_id,
+        store=store or StoreConfig(prefetch=False),
+        household=HouseholdConfig(secret=secret, peers=list(peers), remote=remote),
+    )
+    return build_node(config).start()
