@@ -208,15 +208,28 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
     disk = DiskCache(root, index, disk_bytes, digests)
     stats = StoreStats()
     s = config.store
-    hub = HubSource(index, hub_reader, connections=s.hub_connections, pieces_per_expert=s.hub_pieces_per_expert,
-                    min_piece_bytes=s.hub_min_piece_bytes)  # fmt: skip
+    hub = HubSource(
+        index,
+        hub_reader,
+        connections=s.hub_connections,
+        pieces_per_expert=s.hub_pieces_per_expert,
+        min_piece_bytes=s.hub_min_piece_bytes,
+    )
     node = Node(config, node_id, index, disk, stats, experts=None, hub=hub)
     try:
         if config.household is not None:
             _join_household(node, config.household)
         remote_tiers = [t for t in (node.peer_tier, hub) if t is not None]
-        node.experts = ServedExperts(index.repo_id, index.commit, index, disk, digests, remote_tiers, stats,
-                                     ram_budget_bytes=ram_bytes if not config.cache_only else 0)  # fmt: skip
+        node.experts = ServedExperts(
+            index.repo_id,
+            index.commit,
+            index,
+            disk,
+            digests,
+            remote_tiers,
+            stats,
+            ram_budget_bytes=ram_bytes if not config.cache_only else 0,
+        )
         if not config.cache_only:
             _build_model(node, path, ram_bytes, remote_tiers, digests)
         if config.metrics is not None:
@@ -231,8 +244,14 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
     return node
 
 
-def open_model(repo_id: str, *, home: Path | None = None, revision: str | None = None,
-               store: StoreConfig | None = None, hub_reader=None):  # fmt: skip
+def open_model(
+    repo_id: str,
+    *,
+    home: Path | None = None,
+    revision: str | None = None,
+    store: StoreConfig | None = None,
+    hub_reader=None,
+):
     """A started node with nothing but its model: what `run`, the bench and most tests use.
     Closing the model (`StreamedModel.close`) closes the node."""
     node = build_node(NodeConfig(repo_id, revision, home=home, store=store or StoreConfig()), hub_reader=hub_reader)
@@ -304,9 +323,17 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
 
         table = node.peers
         owns = lambda key: table.ranked(expert_key(index, *key))[0] is None  # noqa: E731 - only the owner fills
-    node.store = ExpertStore(index, RamCache(ram_bytes, s.ram_policy), chain, workers=s.fetch_concurrency,
-                             prefetch=s.prefetch, fill_order=warm_order(index) if s.fill else None, owns=owns,
-                             coalesce=s.coalesce, trace=trace)  # fmt: skip
+    node.store = ExpertStore(
+        index,
+        RamCache(ram_bytes, s.ram_policy),
+        chain,
+        workers=s.fetch_concurrency,
+        prefetch=s.prefetch,
+        fill_order=warm_order(index) if s.fill else None,
+        owns=owns,
+        coalesce=s.coalesce,
+        trace=trace,
+    )
     node.model = core.bind(node.store, node.disk, close=node.close)
     remote = config.household.remote if config.household is not None else None
     if node.peer_tier is not None and remote is not None:
@@ -340,10 +367,21 @@ def _build_rpc(node: Node, service_class, interceptors) -> None:
             raise TlsConfigError("TLS needs both --tls-cert and --tls-key")
         tls = server_credentials(rpc.tls_cert, rpc.tls_key)
     speculation = node.config.speculation if node.model is not None else None
-    node.service = (service_class or NodeService)(node.model, node.node_id, node.experts, peers=node.peers,
-                                                  speculation=speculation)  # fmt: skip
-    node.rpc = NodeServer(node.service, household.secret, host=rpc.host, port=rpc.port, tls=tls,
-                          max_workers=rpc.max_workers, interceptors=interceptors)  # fmt: skip
+    node.service = (service_class or NodeService)(
+        node.model, node.node_id, node.experts, peers=node.peers, speculation=speculation
+    )
+    try:
+        node.rpc = NodeServer(
+            node.service,
+            household.secret,
+            host=rpc.host,
+            port=rpc.port,
+            tls=tls,
+            max_workers=rpc.max_workers,
+            interceptors=interceptors,
+        )
+    except OSError as e:
+        raise ExpertmeshError(f"cannot serve gRPC on {rpc.host}:{rpc.port}: {e}") from None
 
 
 def _build_api(node: Node) -> None:
@@ -356,8 +394,12 @@ def _build_api(node: Node) -> None:
     local = [] if node.model is None else [f"{host}:{node.rpc.port}"]
     pool = NodePool.following(local, node.peers) if node.peers is not None else NodePool(local)
     repo_id = node.repo_id
-    coordinator = Coordinator(CoordinatorConfig(secret=household.secret, models=lambda: [repo_id], tls_ca=household.tls_ca,
-                                                max_waiting=api.max_waiting), pool)  # fmt: skip
+    coordinator = Coordinator(
+        CoordinatorConfig(
+            secret=household.secret, models=lambda: [repo_id], tls_ca=household.tls_ca, max_waiting=api.max_waiting
+        ),
+        pool,
+    )
     try:
         node.api = OpenAIServer(coordinator, api.host, api.port)
     except OSError as e:
@@ -370,9 +412,15 @@ def _advertise(node: Node):
 
     household, rpc = node.config.household, node.config.rpc
     address = household.interface or (rpc.host if rpc.host not in ("0.0.0.0", "") else lan_address())
-    ad = Advertisement(node.node_id, household.cluster, node.role, node.rpc.port, node.disk.budget_bytes,
-                       metrics_port=node.metrics_server.port if node.metrics_server is not None else 0,
-                       compute=node.model is not None)  # fmt: skip
+    ad = Advertisement(
+        node.node_id,
+        household.cluster,
+        node.role,
+        node.rpc.port,
+        node.disk.budget_bytes,
+        metrics_port=node.metrics_server.port if node.metrics_server is not None else 0,
+        compute=node.model is not None,
+    )
     return Discovery(node.peers, ad, address, [household.interface] if household.interface else None)
 
 

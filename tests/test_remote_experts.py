@@ -80,8 +80,9 @@ class Pair:
         repo = f"expertmesh/tiny-{arch}"
         pull(repo, home=root / "peer", progress=False)
         lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))  # shaped below, once the model is known
-        self.peer = serving(repo, root / "peer", SECRET, node_id=f"peer-{arch}", service_class=_ComputeNode,
-                            interceptors=[lan])  # fmt: skip
+        self.peer = serving(
+            repo, root / "peer", SECRET, node_id=f"peer-{arch}", service_class=_ComputeNode, interceptors=[lan]
+        )
         self.expected = _generate(self.peer)  # the single-node output; it also fills the peer's disk
         loc = next(iter(self.peer.index.experts.values()))
         row_bytes = self.peer.model.blocks[0].input_width * 4

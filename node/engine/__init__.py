@@ -1,0 +1,3 @@
+"""The model side of a node: mlx-lm's model with streaming expert blocks (blocks.py), loaded by
+streamed_model.py; generation.py and speculative.py decode with it; expert_compute.py runs experts
+for peers; core_quantization.py makes the 8-bit core."""

@@ -68,8 +68,17 @@ class ExpertStore:
         self.prefetcher = Prefetcher(self.fetches, ram, self.stats, enabled=prefetch)
         self.fill = None
         if fill_order:
-            self.fill = IdleFill(index, fill_order, self.fetches, chain, ram, self.prefetcher, self.stats,
-                                 threads=self.fetches.workers, owns=owns)  # fmt: skip
+            self.fill = IdleFill(
+                index,
+                fill_order,
+                self.fetches,
+                chain,
+                ram,
+                self.prefetcher,
+                self.stats,
+                threads=self.fetches.workers,
+                owns=owns,
+            )
 
     def start(self) -> ExpertStore:
         """Start the fetch workers (and fill threads); nothing runs before this."""
