@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import signal
 import subprocess
 import sys
@@ -139,3 +140,39 @@ def test_fault_flags_parse_or_fail_clearly() -> None:
     for bad in ("bogus:rate=1", "cut:speed=3", "cut:count=x"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_fault(bad)
+
+
+def test_a_large_file_is_served_by_range_and_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mirror of a multi-GB checkpoint: start-up and range reads never read whole files, a large
+    file's sha256 is computed once (in the background) and kept across restarts, and until then
+    its ETag is a provisional id that huggingface_hub still accepts."""
+    from expertmesh.node.devtools import local_hub
+
+    repo = tmp_path / "hub" / "big" / "model"
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text('{"model_type": "none"}')
+    shard = repo / "model-00001-of-00001.safetensors"
+    size = local_hub._SMALL_HASH_BYTES + 5 * 1024 * 1024  # large: hashed in the background only
+    with open(shard, "wb") as f:
+        f.truncate(size)  # sparse: costs no disk
+        f.seek(size - 1000)
+        f.write(bytes(range(200)))
+    hashed: list[Path] = []
+    real_sha256_of = local_hub._sha256_of
+    monkeypatch.setattr(local_hub, "_sha256_of", lambda p: hashed.append(p) or real_sha256_of(p))
+
+    with HubServer(tmp_path / "hub", hash_in_background=False) as hub:
+        url = f"{hub.url}/big/model/resolve/main/{shard.name}"
+        head = httpx2.head(url)
+        provisional = head.headers["x-linked-etag"].strip('"')
+        assert head.status_code == 302 and len(provisional) == 64
+        r = httpx2.get(url, headers={"Range": f"bytes={size - 1000}-{size - 801}"}, follow_redirects=True)
+        assert r.status_code == 206 and r.content == bytes(range(200))
+        assert not hashed  # neither start-up nor a range read hashed the shard
+        hub.digests.hash_all(hub.large_files())
+        assert hashed == [shard]
+        sha = hashlib.sha256(shard.read_bytes()).hexdigest()
+        assert httpx2.head(url).headers["x-linked-etag"].strip('"') == sha != provisional
+    with HubServer(tmp_path / "hub", hash_in_background=False) as again:
+        assert httpx2.head(f"{again.url}/big/model/resolve/main/{shard.name}").headers["x-linked-etag"] == f'"{sha}"'
+    assert hashed == [shard]  # kept in .hub_cache/digests.json: not hashed again after a restart

@@ -7,8 +7,16 @@ commit and linked-size/etag headers, and the 302 to a signed CDN-like URL for la
 and it can behave like a CDN over a home link (bandwidth, time to first byte, faults), with
 knobs settable at run time (`POST /_hub/knobs`) and counters of what it served (`GET /_hub/stats`).
 
-`DIR/{namespace}/{name}/` is a repo; its commit sha is a hash of its files' names and bytes
-(or the 40 hex digits in `.hub_commit`); `main` and that sha are its revisions.
+`DIR/{namespace}/{name}/` is a repo; its commit sha is a hash of its files' names, sizes and
+contents (large files by their size and their first and last MiB), or the 40 hex digits in
+`.hub_commit` (a household mirror of a real repo should give its upstream commit there, so caches
+agree); `main` and that sha are its revisions.
+
+It serves repos of any size, as a household mirror of a 1.5 TB checkpoint must: start-up reads at
+most 2 MiB of each large file, a range request reads only its range (`os.pread`, in chunks), and
+each large file's sha256 (its LFS id) is computed once, by one background thread, and kept in
+`DIR/.hub_cache/digests.json` so a restart hashes nothing again. Until a file's sha256 is known,
+answers that carry it (ETag, LFS metadata) carry a provisional id made of its size and mtime.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import base64
 import fnmatch
 import hashlib
 import json
+import logging
+import os
 import random
 import re
 import signal
@@ -35,7 +45,10 @@ from expertmesh.node.sizes import parse_size
 
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".npz")
 _LFS_MIN_BYTES = 10 * 1024 * 1024
-_CHUNK = 64 * 1024
+_CHUNK = 256 * 1024  # bytes read and sent at a time: bounded memory per connection
+_SMALL_HASH_BYTES = 64 * 1024 * 1024  # files up to this size are hashed when first asked; larger ones in the background
+_EDGE_BYTES = 1024 * 1024  # a large file enters the commit by its size and its first and last MiB
+DIGESTS_FILE = Path(".hub_cache") / "digests.json"
 # cut: half the body, then the connection closes; stall: half the body, then silence for
 # `stall_s`; wrong_range: a Content-Range one byte off; wrong_bytes: the right headers, flipped bytes
 FAULT_KINDS = ("429", "503", "500", "cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
@@ -75,32 +88,131 @@ class HubKnobs:
 
 
 @dataclass
+class _File:
+    path: Path
+    size: int
+    mtime_ns: int
+
+    @property
+    def provisional_id(self) -> str:
+        """Stands for the sha256 until it is known: changes when the file does."""
+        return hashlib.sha256(f"{self.size}:{self.mtime_ns}:{self.path.name}".encode()).hexdigest()
+
+
+@dataclass
 class _Repo:
     repo_id: str
     path: Path
     commit: str
-    files: dict[str, Path]
+    files: dict[str, _File]
+
+
+def _is_lfs(name: str, f: _File) -> bool:
+    return name.endswith(_LFS_SUFFIXES) or f.size >= _LFS_MIN_BYTES
+
+
+def _sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(4 * 1024 * 1024):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _content_mark(f: _File) -> bytes:
+    """What a file adds to its repo's commit: all its bytes if small, else its size and edges."""
+    if f.size <= _SMALL_HASH_BYTES:
+        return hashlib.sha256(f.path.read_bytes()).digest()
+    with open(f.path, "rb") as fh:
+        head = os.pread(fh.fileno(), _EDGE_BYTES, 0)
+        tail = os.pread(fh.fileno(), _EDGE_BYTES, f.size - _EDGE_BYTES)
+    return hashlib.sha256(str(f.size).encode() + head + tail).digest()
 
 
 def _scan(root: Path) -> dict[str, _Repo]:
     repos = {}
     for ns in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for rp in sorted(p for p in ns.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            files = {
-                str(f.relative_to(rp)): f
-                for f in sorted(rp.rglob("*"))
-                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(rp).parts)
-            }
+            files = {}
+            for path in sorted(rp.rglob("*")):
+                if path.is_file() and not any(part.startswith(".") for part in path.relative_to(rp).parts):
+                    st = path.stat()
+                    files[str(path.relative_to(rp))] = _File(path, st.st_size, st.st_mtime_ns)
             commit_file = rp / ".hub_commit"
             if commit_file.is_file():
                 commit = commit_file.read_text().strip()
             else:
                 h = hashlib.sha1()
                 for name, f in files.items():
-                    h.update(name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+                    h.update(name.encode() + b"\0" + _content_mark(f))
                 commit = h.hexdigest()
             repos[f"{ns.name}/{rp.name}"] = _Repo(f"{ns.name}/{rp.name}", rp, commit, files)
     return repos
+
+
+class _Digests:
+    """The sha256 of served files, each computed once and kept on disk across restarts (keyed by
+    path, size and mtime, so a changed file is hashed again). Small files are hashed when first
+    asked; large ones by `hash_all`, which a background thread runs."""
+
+    def __init__(self, root: Path):
+        self.path = root / DIGESTS_FILE
+        self._known: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        try:
+            self._known = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self._known = {}
+
+    @staticmethod
+    def _key(f: _File) -> str:
+        return f"{f.path}|{f.size}|{f.mtime_ns}"
+
+    def get(self, f: _File) -> str | None:
+        """The file's sha256, or None while a large file waits for the background hasher."""
+        with self._lock:
+            known = self._known.get(self._key(f))
+        if known is None and f.size <= _SMALL_HASH_BYTES:
+            known = self._compute(f)
+        return known
+
+    def id_of(self, f: _File) -> str:
+        return self.get(f) or f.provisional_id
+
+    def _compute(self, f: _File) -> str:
+        digest = _sha256_of(f.path)
+        with self._lock:
+            self._known[self._key(f)] = digest
+        return digest
+
+    def hash_all(self, files: list[_File]) -> None:
+        """Hash every large file not known yet, one at a time, saving after each (a background job)."""
+        for f in files:
+            if self._stop.is_set():
+                return
+            with self._lock:
+                if self._key(f) in self._known or f.size <= _SMALL_HASH_BYTES:
+                    continue
+            try:
+                self._compute(f)
+                self._save()
+            except OSError as e:
+                logging.getLogger(__name__).warning("cannot hash %s: %s", f.path, e)
+
+    def _save(self) -> None:
+        with self._lock:
+            doc = json.dumps(self._known)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(doc)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only mirror still serves; it hashes again after a restart
+            logging.getLogger(__name__).warning("cannot keep file digests in %s: %s", self.path, e)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class _Stats:
@@ -145,9 +257,20 @@ class _Stats:
 class HubServer:
     """The local Hub, serving in background threads; use as a context manager."""
 
-    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, knobs: HubKnobs | None = None):
+    def __init__(
+        self,
+        root: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        knobs: HubKnobs | None = None,
+        hash_in_background: bool = True,
+    ):
+        """`hash_in_background`: start hashing large files' sha256 when serving starts (tests turn
+        it off to see the provisional ids)."""
         self.root = Path(root)
+        self.hash_in_background = hash_in_background
         self.repos = _scan(self.root)
+        self.digests = _Digests(self.root)
         self.knobs = knobs or HubKnobs()
         self.stats_ = _Stats()
         self.link = TokenBucket()
@@ -163,9 +286,17 @@ class HubServer:
     def start(self) -> HubServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="expertmesh-hub", daemon=True)
         self._thread.start()
+        if self.hash_in_background:
+            threading.Thread(
+                target=self.digests.hash_all, args=(self.large_files(),), name="expertmesh-hub-hash", daemon=True
+            ).start()
         return self
 
+    def large_files(self) -> list[_File]:
+        return [f for repo in self.repos.values() for name, f in repo.files.items() if _is_lfs(name, f)]
+
     def stop(self) -> None:
+        self.digests.stop()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -338,10 +469,13 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized(repo) or not self._revision(repo, rev):
             return
         siblings = []
+        blobs = query.get("blobs", ["false"])[0].lower() in ("1", "true")  # HfApi's files_metadata=True
         for name, f in repo.files.items():
-            sib = {"rfilename": name, "size": f.stat().st_size}
-            if self._is_lfs(name, f):
-                sib["lfs"] = {"sha256": self._sha256(f), "size": f.stat().st_size, "pointerSize": 134}
+            sib: dict = {"rfilename": name}
+            if blobs:
+                sib["size"] = f.size
+                if _is_lfs(name, f):
+                    sib["lfs"] = {"sha256": self.hub.digests.id_of(f), "size": f.size, "pointerSize": 134}
             siblings.append(sib)
         doc = {
             "_id": repo_id,
@@ -387,20 +521,25 @@ class _Handler(BaseHTTPRequestHandler):
         ]
         self._send(200, json.dumps(entries).encode())
 
-    def _file_entry(self, name: str, f: Path) -> dict:
-        size = f.stat().st_size
-        entry = {"type": "file", "path": name, "size": size, "oid": hashlib.sha1(f.read_bytes()).hexdigest()}
-        if self._is_lfs(name, f):
-            entry["lfs"] = {"oid": self._sha256(f), "size": size, "pointerSize": 134}
-        return entry
-
-    @staticmethod
-    def _is_lfs(name: str, f: Path) -> bool:
-        return name.endswith(_LFS_SUFFIXES) or f.stat().st_size >= _LFS_MIN_BYTES
-
-    @staticmethod
-    def _sha256(f: Path) -> str:
-        return hashlib.sha256(f.read_bytes()).hexdigest()
+    def _file_entry(self, name: str, f: _File) -> dict:
+        if _is_lfs(name, f):
+            sha = self.hub.digests.id_of(f)
+            pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\nsize {f.size}\n".encode()
+            oid = hashlib.sha1(b"blob %d\0" % len(pointer) + pointer).hexdigest()
+            return {
+                "type": "file",
+                "path": name,
+                "size": f.size,
+                "oid": oid,
+                "lfs": {"oid": sha, "size": f.size, "pointerSize": len(pointer)},
+            }
+        data = f.path.read_bytes()
+        return {
+            "type": "file",
+            "path": name,
+            "size": f.size,
+            "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+        }
 
     def _fault_status(self, fault: Fault) -> None:
         code = int(fault.kind)
@@ -421,23 +560,23 @@ class _Handler(BaseHTTPRequestHandler):
         if f is None:
             return self._error(404, "EntryNotFound", f"{name} does not exist on {rev}")
         common = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
-        if self._is_lfs(name, f):
-            sha = self._sha256(f)
+        if _is_lfs(name, f):
+            sha = self.hub.digests.id_of(f)
             token = base64.urlsafe_b64encode(json.dumps([repo_id, repo.commit, name]).encode()).decode()
             expires = int(time.time() + self.hub.knobs.cdn_url_ttl_s)
             headers = {
                 **common,
                 "ETag": f'"{sha}"',
                 "X-Linked-Etag": f'"{sha}"',
-                "X-Linked-Size": str(f.stat().st_size),
+                "X-Linked-Size": str(f.size),
                 "Location": f"{self.hub.url}/_cdn/{token}?expires={expires}",
             }
             with self.hub.stats_.lock:
                 self.hub.stats_.redirects += 1
             return self._send(302, b"", headers)
-        data = f.read_bytes()
+        data = f.path.read_bytes()  # a small file (config, tokenizer): read whole
         etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        self._serve_bytes(key, data, {**common, "ETag": f'"{etag}"'})
+        self._serve_file(key, f, {**common, "ETag": f'"{etag}"'})
 
     def _cdn(self, token: str, query: dict) -> None:
         try:
@@ -455,24 +594,25 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.hub.repos.get(repo_id)
         if repo is None or repo.commit != commit or name not in repo.files:
             return self._error(404, None, "not found")
-        data = repo.files[name].read_bytes()
-        sha = f'"{self._sha256(repo.files[name])}"'
+        f = repo.files[name]
+        sha = f'"{self.hub.digests.id_of(f)}"'
         # The CDN shares our host, so huggingface_hub treats its URL as a relative redirect
         # and expects the Hub's headers on it too.
-        self._serve_bytes(
+        self._serve_file(
             key,
-            data,
+            f,
             {
                 "ETag": sha,
                 "X-Linked-Etag": sha,
-                "X-Linked-Size": str(len(data)),
+                "X-Linked-Size": str(f.size),
                 "X-Repo-Commit": commit,
                 "Accept-Ranges": "bytes",
             },
         )
 
-    def _serve_bytes(self, key: str, data: bytes, headers: dict) -> None:
-        size = len(data)
+    def _serve_file(self, key: str, f: _File, headers: dict) -> None:
+        """The file, or the range asked for, read in chunks as it is sent (never the whole file)."""
+        size = f.size
         status, start, end = 200, 0, size
         rng = self.headers.get("Range")
         body_faults = ("cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
@@ -491,30 +631,33 @@ class _Handler(BaseHTTPRequestHandler):
             status = 206
             shift = 1 if fault and fault.kind == "wrong_range" else 0
             headers = {**headers, "Content-Range": f"bytes {start + shift}-{end - 1 + shift}/{size}"}
-        body = data[start:end]
-        if fault and fault.kind == "wrong_bytes":
-            body = bytes(b ^ 0x5A for b in body)
         self.send_response(status)
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(end - start))
         for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
         if self.command == "HEAD":
             return
-        limit = len(body) // 2 if fault and fault.kind in ("cut", "stall") else len(body)
+        length = end - start
+        limit = length // 2 if fault and fault.kind in ("cut", "stall") else length
         sent = 0
         knobs = self.hub.knobs
         try:
-            while sent < limit:
-                chunk = body[sent : min(limit, sent + _CHUNK)]
-                take_together(
-                    len(chunk),
-                    (self.hub.link, knobs.bandwidth_bytes_per_s),
-                    (self.bucket, knobs.per_connection_bytes_per_s),
-                )
-                self.wfile.write(chunk)
-                sent += len(chunk)
+            with open(f.path, "rb") as fh:
+                while sent < limit:
+                    chunk = os.pread(fh.fileno(), min(_CHUNK, limit - sent), start + sent)
+                    if not chunk:
+                        break  # the file shrank under us: the client sees a short body and retries
+                    if fault and fault.kind == "wrong_bytes":
+                        chunk = bytes(b ^ 0x5A for b in chunk)
+                    take_together(
+                        len(chunk),
+                        (self.hub.link, knobs.bandwidth_bytes_per_s),
+                        (self.bucket, knobs.per_connection_bytes_per_s),
+                    )
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
         finally:
             with self.hub.stats_.lock:
                 self.hub.stats_.bytes_served += sent
@@ -522,7 +665,7 @@ class _Handler(BaseHTTPRequestHandler):
                 entry["bytes"] += sent
                 r = (start, start + sent - 1)
                 entry["ranges"][r] = entry["ranges"].get(r, 0) + 1
-        if limit < len(body):
+        if limit < length:
             self.wfile.flush()
             if fault.kind == "stall":
                 time.sleep(fault.stall_s)
