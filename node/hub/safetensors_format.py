@@ -138,7 +138,7 @@ def write_file(
     with open(tmp, "wb") as f:
         f.write(encode_header(((n, d, s, len(b)) for n, d, s, b in tensors), metadata))
         for *_, data in tensors:
-            f.write(data)
+            f.write(data if isinstance(data, bytes | bytearray | memoryview) else bytes(data))  # lazily made
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

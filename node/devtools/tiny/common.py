@@ -30,6 +30,23 @@ _DTYPES = {
 }
 
 
+class LazyBytes:
+    """Bytes of a known length, made only when they are written: a K3-sized expert (17.5 MB)
+    is generated as its shard is written instead of all of a layer's at once."""
+
+    def __init__(self, nbytes: int, make: Callable[[], bytes]):
+        self.nbytes, self.make = nbytes, make
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        data = self.make()
+        if len(data) != self.nbytes:
+            raise ValueError(f"made {len(data)} bytes, {self.nbytes} promised")
+        return data
+
+
 @dataclass
 class Tensor:
     """A named tensor ready to be written: safetensors dtype, shape and raw bytes."""
@@ -37,7 +54,7 @@ class Tensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | LazyBytes
 
 
 def tensor(name: str, a: mx.array) -> Tensor:
