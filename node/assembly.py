@@ -101,6 +101,7 @@ class Node:
             return self
         self._started = True
         try:
+            self.disk.start()
             if self.store is not None:
                 self.store.start()
             self.hub.start()
@@ -141,6 +142,7 @@ class Node:
             stops.append(self.store.close)  # its fetch workers, then its tiers
         else:
             stops += [tier.close for tier in (self.peer_tier, self.hub) if tier is not None]
+        stops.append(self.disk.close)  # last: what was queued is published
         for stop in stops:
             try:
                 stop()

@@ -29,7 +29,9 @@ def test_every_package_folder_is_listed_and_every_listed_package_exists() -> Non
     data_only = {name for name in SETUPTOOLS["package-data"] if not (_folder_of(name) / "__init__.py").exists()}
     listed = set(SETUPTOOLS["packages"])
     assert not found - listed, f"packages pyproject.toml does not list (they would not be installed): {found - listed}"
-    assert not listed - found - data_only, f"listed, but neither a package nor a data folder: {listed - found - data_only}"
+    assert not listed - found - data_only, (
+        f"listed, but neither a package nor a data folder: {listed - found - data_only}"
+    )
     assert all(_folder_of(name).is_dir() for name in data_only)
 
 

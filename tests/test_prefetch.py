@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from expertmesh.node.assembly import open_model
 from expertmesh.node.config import StoreConfig
@@ -61,5 +62,40 @@ def test_poor_guesses_pause_prefetching(home: Path) -> None:
         issued = store.stats.prefetch["issued"]
         store.prefetch(layer, [6, 7])
         assert store.stats.prefetch["issued"] == issued  # paused: nothing more is fetched
+    finally:
+        sm.close()
+
+
+def test_guesses_go_out_behind_demands_that_outnumber_the_workers(home: Path) -> None:
+    """K3's regime: almost every use of a token is a miss, so a layer's demands outnumber the
+    fetch workers. The next layer's guesses are still fetched — queued behind the demands, never
+    before them — and are ready when their pass comes."""
+    sm = open_model(
+        REPO_ID, home=home, store=StoreConfig(ram_budget="1", disk_budget="0", fetch_concurrency=2, fill=False)
+    )
+    try:
+        store = sm.store
+        first, second = sm.index.moe_layers[:2]
+        store.get_layer(first, range(8), guess=(second, [10, 11, 12, 13]))  # 8 misses, 2 workers
+        assert store.stats.prefetch["issued"] == 4
+        assert wait_until(lambda: store.prefetcher.in_flight == 0), "the guesses were never fetched"
+        store.get_layer(second, [10, 11, 12, 13])
+        assert store.stats.prefetch["used"] == 4 and store.stats.prefetch["ready"] == 4
+        uses = store.stats.uses  # an earlier test may have left some on this home's disk
+        assert uses["hub"] + uses["disk"] == 12 and uses["ram"] == 0  # each fetched once, guesses included
+    finally:
+        sm.close()
+
+
+def test_a_layer_wanting_more_experts_than_memory_holds_comes_in_groups(home: Path) -> None:
+    """A long prompt can route one layer to more experts than the RAM budget holds: they are
+    handed over a group of one per fetch worker at a time, so memory stays within the budget."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fetch_concurrency=3, fill=False))
+    try:
+        store, layer = sm.store, sm.index.moe_layers[0]
+        assert store.hold_limit() == 3
+        groups = [sorted(g) for g in store.layer_groups(layer, range(8))]
+        assert groups == [[0, 1, 2], [3, 4, 5], [6, 7]]
+        assert [sorted(g) for g in store.layer_groups(layer, range(3))] == [[0, 1, 2]]  # few enough: one group
     finally:
         sm.close()

@@ -96,7 +96,14 @@ class StreamingSwitchGLU(nn.Module):
         if self._remote is not None:  # some experts may run on the peers that hold them
             out = self._remote.run(self, experts, rows, next_guess)
         else:
-            out = self.compute(store.get_layer(self.layer, experts, guess=next_guess), rows)
+            out = {}
+            groups = store.layer_groups(self.layer, experts, guess=next_guess)
+            for n, weights in enumerate(groups):
+                part = self.compute(weights, {e: rows[e] for e in weights})
+                if n or len(weights) < len(experts):  # more experts than memory holds: compute
+                    mx.eval(list(part.values()))  # this group now, so its weights can go
+                out.update(part)
+                del weights
         y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
         return y.reshape(*indices.shape, y.shape[-1])
 

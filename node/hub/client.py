@@ -216,7 +216,7 @@ class RangeReader:
         """Stop: reads in flight end at their next chunk, and nothing is retried (Ctrl-C, close)."""
         self._cancelled.set()
 
-    def read(self, remote: RemoteFile, start: int, end: int) -> bytes:
+    def read(self, remote: RemoteFile, start: int, end: int) -> bytearray:
         """Bytes `[start, end)` of `remote`, exactly; clipped at the end of the file.
 
         Raises:
@@ -225,12 +225,22 @@ class RangeReader:
         """
         return self.read_with_size(remote, start, end)[0]
 
-    def read_with_size(self, remote: RemoteFile, start: int, end: int) -> tuple[bytes, int | None]:
-        """`read`, plus the file's total size from the `Content-Range` (None if the server hides it)."""
+    def read_into(self, remote: RemoteFile, start: int, end: int, out: memoryview) -> int:
+        """`read`, straight into `out` (at least `end - start` bytes): the bytes land once, where
+        they are used. Returns how many were written (fewer only at the end of the file)."""
+        if len(out) < end - start:
+            raise ValueError(f"a buffer of {len(out)} bytes for a range of {end - start}")
+        return len(self.read_with_size(remote, start, end, out)[0])
+
+    def read_with_size(
+        self, remote: RemoteFile, start: int, end: int, out: memoryview | None = None
+    ) -> tuple[bytearray | memoryview, int | None]:
+        """`read` (into `out` if given), plus the file's total size from the `Content-Range`
+        (None if the server hides it)."""
         if end <= start:
             raise ValueError(f"empty range {start}-{end}")
         return retrying(
-            lambda: self._read_once(remote, start, end),
+            lambda: self._read_once(remote, start, end, out),
             f"{remote}: bytes {start}-{end - 1}",
             self.max_retries,
             self.backoff_base_s,
@@ -278,7 +288,9 @@ class RangeReader:
         with self._lock:
             self._locations.pop(remote, None)
 
-    def _read_once(self, remote: RemoteFile, start: int, end: int) -> tuple[bytes, int | None]:
+    def _read_once(
+        self, remote: RemoteFile, start: int, end: int, out: memoryview | None
+    ) -> tuple[bytearray | memoryview, int | None]:
         url, is_cdn = self._location(remote)
         headers = build_hf_headers(headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
         if is_cdn:  # signed CDN URLs must not receive the Hub token
@@ -286,7 +298,7 @@ class RangeReader:
             headers.pop("Authorization", None)
         try:
             with self._session() as session:
-                return self._read_redirected(session, remote, url, headers, is_cdn, start, end)
+                return self._read_redirected(session, remote, url, headers, is_cdn, start, end, out)
         finally:
             if not is_cdn:
                 self._resolved(remote)  # no redirect came (a small file, an error): the others ask themselves
@@ -297,8 +309,16 @@ class RangeReader:
         yield get_session()
 
     def _read_redirected(
-        self, session, remote: RemoteFile, url: str, headers: dict, is_cdn: bool, start: int, end: int
-    ) -> tuple[bytes, int | None]:
+        self,
+        session,
+        remote: RemoteFile,
+        url: str,
+        headers: dict,
+        is_cdn: bool,
+        start: int,
+        end: int,
+        out: memoryview | None,
+    ) -> tuple[bytearray | memoryview, int | None]:
         for _ in range(5):  # redirects
             try:
                 with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=self.timeout_s) as r:
@@ -308,14 +328,14 @@ class RangeReader:
                         headers.pop("authorization", None)
                         headers.pop("Authorization", None)
                         continue
-                    return self._check_body(r, remote, start, end, is_cdn)
+                    return self._check_body(r, remote, start, end, is_cdn, out)
             except httpx2.TransportError as e:
                 raise _Retryable(f"{type(e).__name__}") from None
         raise _Retryable("too many redirects")
 
     def _check_body(
-        self, r: httpx2.Response, remote: RemoteFile, start: int, end: int, is_cdn: bool
-    ) -> tuple[bytes, int | None]:
+        self, r: httpx2.Response, remote: RemoteFile, start: int, end: int, is_cdn: bool, out: memoryview | None
+    ) -> tuple[bytearray | memoryview, int | None]:
         status = r.status_code
         if status == 206:
             m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))
@@ -328,16 +348,20 @@ class RangeReader:
             length = r.headers.get("content-length")
             if length is not None and int(length) != got_end - got_start:
                 raise _Retryable("Content-Length disagrees with Content-Range")
-            body = bytearray()
+            want = got_end - got_start
+            if out is None:
+                out = memoryview(bytearray(want))  # allocated once the server said how much comes
+            body, n = out[:want], 0
             for chunk in r.iter_bytes():
                 if self._cancelled.is_set():
                     raise DownloadError(f"{remote}: cancelled")
-                body += chunk
-                if len(body) > got_end - got_start:
+                if n + len(chunk) > want:
                     raise _Retryable("more bytes than the range")
-            if len(body) != got_end - got_start:
-                raise _Retryable(f"connection ended after {len(body)} of {got_end - got_start} bytes")
-            return bytes(body), None if total == "*" else int(total)
+                body[n : n + len(chunk)] = chunk
+                n += len(chunk)
+            if n != want:
+                raise _Retryable(f"connection ended after {n} of {want} bytes")
+            return (body.obj if len(body.obj) == want else body), None if total == "*" else int(total)
         if status == 200:
             # The server ignored Range: never read (let alone store) a whole shard.
             raise _Retryable("the server ignored the Range header (200 instead of 206)")

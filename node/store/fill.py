@@ -133,7 +133,7 @@ class IdleFill:
                 futs = self.fetches.claim(run)
                 self._reserved += sum(self.index.expert(*k).nbytes for k in run)  # held until on disk
             with fetching_as(FILL):
-                results = self.chain.fetch_run(run)
+                results = self.chain.fetch_run(run, keep_now=True)  # so "kept" below is known
             with self.fetches.changed:
                 self._reserved -= sum(self.index.expert(*k).nbytes for k in run)
             self.fetches.release(run)

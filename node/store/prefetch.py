@@ -1,9 +1,11 @@
 """Guesses of the next layer's experts, fetched behind the demands and staged until they are used.
 
 While a layer's experts arrive, the engine applies the next MoE layer's router to this layer's
-input and hands the store its guess. Guesses are queued behind every demand, take at most half
-the fetch workers, and are staged beside the RAM tier (not in its policy) until the pass they
-were for demands or drops them. A guess must never delay a demand, and it is only worth its
+input and hands the store its guess. Guesses are queued behind every demand (the fetch queue and
+the Hub's connection pool take demands first), so a worker starts a guess only when no demand
+waits, and they are staged beside the RAM tier (not in its policy) until the pass they were for
+demands or drops them. At most MAX_GUESSES_PER_WORKER x workers guesses are outstanding, which
+bounds the memory staged guesses hold. A guess must never delay a demand, and it is only worth its
 compute while guesses are mostly right: below PREFETCH_MIN_ACCURACY over the last
 PREFETCH_WINDOW guesses, prefetch pauses for PREFETCH_PAUSE_CALLS layer calls, then tries again.
 """
@@ -22,6 +24,7 @@ from expertmesh.node.store.tiers.ram import RamCache
 PREFETCH_WINDOW = 64
 PREFETCH_MIN_ACCURACY = 0.25
 PREFETCH_PAUSE_CALLS = 512
+MAX_GUESSES_PER_WORKER = 2  # K3: 16 guesses (one layer's top-k) with 8 fetch workers
 
 
 class Prefetcher:
@@ -50,16 +53,15 @@ class Prefetcher:
         """Fetch likely experts of `layer` at low priority, if the workers have room and guesses pay."""
         if not self.wants_guesses():
             return
-        budget = max(1, self.fetches.workers // 2)
+        budget = MAX_GUESSES_PER_WORKER * self.fetches.workers
         for e in experts:
             key = (layer, int(e))
             if key in self.ram:
                 continue
-            queued_demands = self.fetches.queued_demands
             in_flight = self.fetches.in_flight(key)
             with self._lock:
-                if len(self._prefetching) >= budget or queued_demands + len(self._prefetching) >= self.fetches.workers:
-                    return  # the guesses' share of the workers is taken, or demands need every worker
+                if len(self._prefetching) + len(self._staged) >= budget:
+                    return  # enough guesses are in flight or waiting for their pass
                 if in_flight or key in self._staged:
                     continue
                 self._guessed.add(key)

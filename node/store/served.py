@@ -62,7 +62,7 @@ class ServedExperts:
                     tier.discard(loc)
                     continue
                 self.stats.record(tier.source, loc.nbytes)
-                self.disk.put(loc, blob)
+                self.disk.put(loc, blob, wait=True)  # `keep` and a peer's next ask rely on it
                 return blob
         raise DownloadError(f"expert {loc.expert} of layer {loc.layer}: no source has a good copy")
 

@@ -40,6 +40,10 @@ class StoreStats:
     integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
     remote: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMOTE_COUNTS, 0))
+    # what generation waited for: the bytes of experts demanded and not yet here (neither in RAM
+    # nor an arrived guess), and the seconds a layer call waited for them
+    waited_bytes: int = 0
+    wait_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # called as observer(source, nbytes, seconds) after each use (observability/metrics.py: the fetch histogram)
     observer: Callable[[str, int, float], None] | None = field(default=None, repr=False, compare=False)
@@ -52,6 +56,11 @@ class StoreStats:
         with self._lock:
             for k, n in counts.items():
                 self.remote[k] += n
+
+    def record_wait(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.waited_bytes += nbytes
+            self.wait_seconds += seconds
 
     def record_integrity_failure(self, source: str) -> None:
         with self._lock:
@@ -74,6 +83,8 @@ class StoreStats:
                 dict(self.integrity_failures),
                 dict(self.prefetch),
                 dict(self.remote),
+                self.waited_bytes,
+                self.wait_seconds,
             )
 
     def since(self, before: StoreStats) -> StoreStats:
@@ -85,6 +96,8 @@ class StoreStats:
             {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES},
             {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES},
             {k: now.remote[k] - before.remote[k] for k in REMOTE_COUNTS},
+            now.waited_bytes - before.waited_bytes,
+            now.wait_seconds - before.wait_seconds,
         )
 
     @property

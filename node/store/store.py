@@ -12,7 +12,7 @@ counted by the tier that answered it (store/stats.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
 from expertmesh.node.hub.expert_index import ExpertIndex
@@ -64,6 +64,7 @@ class ExpertStore:
         self.stats = chain.stats
         self.trace = trace
         self.coalesce = coalesce
+        self._expert_bytes = max((loc.nbytes for loc in index.experts.values()), default=1)
         self.fetches = FetchQueue(chain.fetch, chain.fetch_run, workers, finished=self._arrived)
         self.prefetcher = Prefetcher(self.fetches, ram, self.stats, enabled=prefetch)
         self.fill = None
@@ -107,11 +108,38 @@ class ExpertStore:
         routing itself and asks for a part of it, as remote execution does).
         """
         experts = [int(e) for e in experts]
+        self._begin_layer(layer, experts, record)
+        return self._get(layer, experts, guess)
+
+    def hold_limit(self) -> int:
+        """How many of one layer's experts may be held at once: what the RAM tier keeps anyway, or
+        one per fetch worker beyond it (so memory stays within the budget during a long prefill)."""
+        return max(self.fetches.workers, self.ram.slots(self._expert_bytes))
+
+    def layer_groups(
+        self, layer: int, experts: Iterable[int], guess: tuple[int, Iterable[int]] | None = None
+    ) -> Iterator[dict[int, ExpertWeights]]:
+        """The given experts of `layer` a group at a time, where the layer wants more than
+        `hold_limit`: the caller computes each group (and lets its weights go) before the next
+        is fetched. One group, as `get_layer`, otherwise."""
+        experts = [int(e) for e in experts]
+        self._begin_layer(layer, experts, record=True)
+        if len(experts) <= self.hold_limit():
+            yield self._get(layer, experts, guess)
+            return
+        size = self.fetches.workers
+        for i in range(0, len(experts), size):
+            yield self._get(layer, experts[i : i + size], guess if i == 0 else None)
+
+    def _begin_layer(self, layer: int, experts: list[int], record: bool) -> None:
+        """A layer is asked for: generation is on (fill), its routing is traced, its guesses settle."""
         if self.fill is not None:
             self.fill.touch()
         if self.trace is not None and record:
             self.trace.record(layer, experts)
         self.prefetcher.settle(layer, set(experts))
+
+    def _get(self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None) -> dict[int, ExpertWeights]:
         out: dict[int, ExpertWeights] = {}
         missing: list[int] = []
         for e in experts:
@@ -130,8 +158,12 @@ class ExpertStore:
         waiting = self._demand(layer, missing)
         if guess is not None:
             self.prefetch(*guess)
-        for e, fut in waiting.items():
-            out[e] = self._use((layer, e), fut.result())
+        if waiting:
+            t0 = time.perf_counter()
+            for e, fut in waiting.items():
+                out[e] = self._use((layer, e), fut.result())
+            waited = sum(self.index.expert(layer, e).nbytes for e in waiting)
+            self.stats.record_wait(waited, time.perf_counter() - t0)
         return out
 
     def _demand(self, layer: int, experts: list[int]) -> dict[int, Future]:

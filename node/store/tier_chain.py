@@ -63,8 +63,9 @@ class TierChain:
         self.digests = digests
         self.runs = runs
 
-    def fetch(self, key: ExpertKey) -> Fetched:
-        """The expert from the nearest tier with a good copy.
+    def fetch(self, key: ExpertKey, keep_now: bool = False) -> Fetched:
+        """The expert from the nearest tier with a good copy. Bytes from beyond this machine are
+        queued for the disk (written behind), or written before returning with `keep_now`.
 
         Raises:
             DownloadError: no tier gave a good copy, or one gave the wrong number of bytes.
@@ -85,11 +86,11 @@ class TierChain:
                 continue
             weights = self.codec.decode(loc, blob)
             if not tier.local:
-                self.disk.put(loc, blob)
+                self.disk.put(loc, blob, wait=keep_now)
             return Fetched(weights, tier.source, time.perf_counter() - t0)
         raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
 
-    def fetch_run(self, keys: list[ExpertKey]) -> list[Fetched | BaseException]:
+    def fetch_run(self, keys: list[ExpertKey], keep_now: bool = False) -> list[Fetched | BaseException]:
         """Each expert of a run, fetched as one request when there are several; an expert whose
         bytes fail their checks is fetched again on its own (with `fetch`'s retries)."""
         out: list[Fetched | BaseException] = []
@@ -107,10 +108,10 @@ class TierChain:
             try:
                 if blob is not None and len(blob) == loc.nbytes and self.verify(key, runs, blob):
                     weights = self.codec.decode(loc, blob)
-                    self.disk.put(loc, blob)
+                    self.disk.put(loc, blob, wait=keep_now)
                     out.append(Fetched(weights, runs.source, seconds))
                 else:
-                    out.append(self.fetch(key))
+                    out.append(self.fetch(key, keep_now))
             except BaseException as e:  # noqa: BLE001 - handed to a demand that joined, if any
                 out.append(e)
         return out

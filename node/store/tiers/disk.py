@@ -11,6 +11,13 @@ reservation was evicted meanwhile drops its temporary file instead of publishing
 accounting no longer holds, so the published files never exceed the budget. Reads are positional
 reads into a preallocated buffer (`os.preadv`), which release the interpreter lock, so the fetch
 threads read in parallel.
+
+Once started, writes leave the fetch path: `put` reserves the expert's room and queues its bytes
+for one writer thread (write-behind), and until the file is published a read is answered from
+those queued bytes, so nothing is fetched twice. The queue is bounded (`put` waits while it is
+full), and a crash loses only queued bytes, never a half-written file. A disk that refuses writes
+(full, read-only, gone) turns the tier off: nothing more is kept, generation goes on from the
+other tiers.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import errno
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 from expertmesh.node.hub import local_models
@@ -30,6 +37,9 @@ from expertmesh.node.store.integrity import DigestBook
 logger = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
+WRITE_BEHIND_BYTES = 256 * 1024 * 1024  # queued writes at most (K3: about 15 experts); `put` waits beyond
+# errors that mean the disk will not take more: the tier turns itself off
+_DISK_REFUSES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
 
 
 def cache_dir(home: Path, repo_id: str, commit: str) -> Path:
@@ -50,9 +60,16 @@ class DiskCache:
         self._files: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> size, LRU first
         self._writing: set[tuple[int, int]] = set()  # reserved in _files, file not yet in place
         self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)
+        self._pending: dict[tuple[int, int], bytes | bytearray] = {}  # queued for the writer, readable
+        self._queue: deque[tuple[int, int]] = deque()
+        self._pending_bytes = 0
+        self._writer: threading.Thread | None = None
+        self._closing = False
         self.nbytes = 0
         self.evictions = 0
         self.write_errors = 0
+        self.refused = False  # the disk refused a write: nothing more is kept
         self._recover()
 
     def _path(self, layer: int, expert: int) -> Path:
@@ -92,16 +109,21 @@ class DiskCache:
         return len(self._files)
 
     def __contains__(self, key: tuple[int, int]) -> bool:
-        return key in self._files and key not in self._writing
+        """Held: published, or queued for the writer (readable from memory until it is written)."""
+        return key in self._files and (key not in self._writing or key in self._pending)
 
     def has_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget without evicting anything (warming never evicts)."""
         with self._lock:
-            return self.nbytes + nbytes <= self.budget_bytes
+            return not self.refused and self.nbytes + nbytes <= self.budget_bytes
 
-    def fetch(self, loc: ExpertLocation) -> bytearray | None:
+    def fetch(self, loc: ExpertLocation) -> bytes | bytearray | None:
         key = (loc.layer, loc.expert)
         with self._lock:
+            queued = self._pending.get(key)
+            if queued is not None and key in self._files:
+                self._files.move_to_end(key)
+                return queued
             if key not in self._files or key in self._writing:
                 return None
             self._files.move_to_end(key)
@@ -119,26 +141,83 @@ class DiskCache:
         """Delete a copy that failed its check."""
         self._forget((loc.layer, loc.expert))
 
-    def close(self) -> None:
-        """Nothing to stop: every write is published or dropped before `put` returns."""
+    def start(self) -> None:
+        """Write behind from now on: `put` queues, one thread writes."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_queued, name="disk-cache-writer", daemon=True)
+            self._writer.start()
 
-    def put(self, loc: ExpertLocation, blob: bytes) -> None:
+    def flush(self) -> None:
+        """Wait until every queued write is published (or dropped)."""
+        with self._queued:
+            while self._pending and self._writer is not None and self._writer.is_alive():
+                self._queued.wait(0.1)
+
+    def close(self) -> None:
+        """Publish what is queued, then stop the writer."""
+        with self._queued:
+            self._closing = True
+            self._queued.notify_all()
+        if self._writer is not None:
+            self._writer.join(30.0)
+
+    def put(self, loc: ExpertLocation, blob: bytes | bytearray, wait: bool = False) -> None:
+        """Keep a copy of a verified expert (its digest must already be persisted); failing to
+        keep one is not the caller's error. Queued when the writer runs, unless `wait`."""
         key = (loc.layer, loc.expert)
         size = len(blob)
-        if size > self.budget_bytes or not self.digests.persisted(key):
+        if self.refused or size > self.budget_bytes or not self.digests.persisted(key):
             return
         with self._lock:
             if key in self._files:
                 return
-            while self._files and self.nbytes + size > self.budget_bytes:
-                old, old_size = self._files.popitem(last=False)
-                self.nbytes -= old_size
-                self.evictions += 1
-                self._writing.discard(old)  # its writer sees the reservation gone and drops its file
-                self._path(*old).unlink(missing_ok=True)
-            self._files[key] = size  # reserved now, so a concurrent put does not overshoot
-            self._writing.add(key)
-            self.nbytes += size
+            self._reserve(key, size)
+            if self._writer is not None and not wait and not self._closing:
+                while self._pending_bytes + size > WRITE_BEHIND_BYTES and self._pending and not self._closing:
+                    self._queued.wait()  # bounded: the fetch path slows to the disk's pace
+                if key not in self._writing:
+                    return  # evicted while we waited
+                self._pending[key] = blob
+                self._pending_bytes += size
+                self._queue.append(key)
+                self._queued.notify_all()
+                return
+        self._write(key, blob)
+
+    def _reserve(self, key: tuple[int, int], size: int) -> None:
+        """Count `size` against the budget now, evicting least recently used files (under the lock)."""
+        while self._files and self.nbytes + size > self.budget_bytes:
+            old, old_size = self._files.popitem(last=False)
+            self.nbytes -= old_size
+            self.evictions += 1
+            self._writing.discard(old)  # its writer sees the reservation gone and drops its file
+            if self._pending.pop(old, None) is not None:
+                self._pending_bytes -= old_size
+            else:
+                with contextlib.suppress(OSError):
+                    self._path(*old).unlink(missing_ok=True)
+        self._files[key] = size  # reserved now, so a concurrent put does not overshoot
+        self._writing.add(key)
+        self.nbytes += size
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._queued:
+                while not self._queue and not self._closing:
+                    self._queued.wait()
+                if not self._queue:
+                    return
+                key = self._queue.popleft()
+                blob = self._pending.get(key)
+            if blob is not None:
+                self._write(key, blob)
+            with self._queued:
+                if self._pending.pop(key, None) is not None:
+                    self._pending_bytes -= len(blob)
+                self._queued.notify_all()
+
+    def _write(self, key: tuple[int, int], blob: bytes | bytearray) -> None:
+        """Write under a temporary name and publish it by a rename, while the reservation stands."""
         path = self._path(*key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")
         try:
@@ -152,11 +231,19 @@ class DiskCache:
                     return
             tmp.unlink(missing_ok=True)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only disk refuses the unlink too
+                tmp.unlink(missing_ok=True)
             self._forget(key)
             self.write_errors += 1
-            level = logging.WARNING if e.errno in (errno.ENOSPC, errno.EDQUOT) else logging.ERROR
-            logger.log(level, "disk cache: could not keep expert %s (%s); continuing without it", key, e.strerror)
+            if e.errno in _DISK_REFUSES and not self.refused:
+                self.refused = True
+                logger.warning(
+                    "disk cache at %s refused a write (%s): keeping no more experts on disk; generation goes on",
+                    self.root,
+                    e.strerror,
+                )
+            else:
+                logger.error("disk cache: could not keep expert %s (%s); continuing without it", key, e.strerror)
 
     def _forget(self, key: tuple[int, int]) -> None:
         with self._lock:
@@ -164,7 +251,11 @@ class DiskCache:
             if size is not None:
                 self.nbytes -= size
             self._writing.discard(key)
-            self._path(*key).unlink(missing_ok=True)
+            queued = self._pending.pop(key, None)
+            if queued is not None:
+                self._pending_bytes -= len(queued)
+            with contextlib.suppress(OSError):
+                self._path(*key).unlink(missing_ok=True)
 
 
 def _pread_into(path: Path, buf: bytearray) -> int:

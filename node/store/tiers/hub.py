@@ -67,61 +67,70 @@ class HubSource:
     def start(self) -> None:
         self._pool.start()
 
-    def _read(self, r: ByteRange) -> bytes:
+    def _read_into(self, r: ByteRange, out: memoryview) -> None:
         from expertmesh.node.hub.client import RemoteFile
 
-        data = self.reader.read(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end)
-        if len(data) != r.nbytes:
-            raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {len(data)}")
-        return data
+        got = self.reader.read_into(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end, out)
+        if got != r.nbytes:
+            raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {got}")
 
-    def fetch(self, loc: ExpertLocation) -> bytes:
-        pieces = split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes)
+    def _read_pieces(self, pieces: list[ByteRange], into: memoryview) -> None:
+        """Each piece into its place in `into`, on the pool's connections (one piece: here)."""
+        offsets, off = [], 0
+        for p in pieces:
+            offsets.append(off)
+            off += p.nbytes
+        if len(pieces) == 1:
+            self._read_into(pieces[0], into[: pieces[0].nbytes])
+            return
+        futures = [self._pool.submit(self._read_into, p, into[o : o + p.nbytes]) for p, o in zip(pieces, offsets)]
+        for f in futures:
+            f.result()
+
+    def fetch(self, loc: ExpertLocation) -> bytearray:
+        """The expert's bytes, its pieces read on separate connections straight into one buffer."""
+        blob = bytearray(loc.nbytes)
         try:
-            if len(pieces) == 1:
-                return self._read(pieces[0])
-            return b"".join(f.result() for f in [self._pool.submit(self._read, p) for p in pieces])
+            self._read_pieces(split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes), memoryview(blob))
         except DownloadError as e:
             raise DownloadError(
                 f"expert {loc.expert} of layer {loc.layer} from the Hub at {self.reader.endpoint}: {e}; "
                 "what was fetched is cached, so running again continues"
             ) from None
+        return blob
 
     @property
     def run_bytes(self) -> int:
         """The largest run worth one request: beyond it, pieces on separate connections pay more."""
         return self.pieces_per_expert * self.min_piece_bytes
 
-    def fetch_run(self, locs: list[ExpertLocation]) -> list[bytes]:
-        """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges."""
+    def fetch_run(self, locs: list[ExpertLocation]) -> list[bytes | bytearray | memoryview]:
+        """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges into
+        one buffer; an expert of one range is a view of it, not a copy."""
         merged = run_ranges(locs)
         if merged is None:
             raise ValueError("fetch_run needs experts whose byte ranges lie back to back")
-        pieces = split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes)
+        buffer = bytearray(sum(m.nbytes for m in merged))
+        view = memoryview(buffer)
         try:
-            if len(pieces) == 1:
-                parts = [self._read(pieces[0])]
-            else:
-                parts = [f.result() for f in [self._pool.submit(self._read, p) for p in pieces]]
+            self._read_pieces(split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes), view)
         except DownloadError as e:
             first, last = locs[0], locs[-1]
             raise DownloadError(
                 f"experts {first.expert}-{last.expert} of layer {first.layer} from the Hub at "
                 f"{self.reader.endpoint}: {e}"
             ) from None
-        data = {}  # merged range -> its bytes (split_ranges keeps a range's pieces in order)
+        where, off = {}, 0  # merged range -> its offset in the buffer
         for m in merged:
-            chunk = []
-            while parts and sum(len(c) for c in chunk) < m.nbytes:
-                chunk.append(parts.pop(0))
-            data[m] = b"".join(chunk)
+            where[m] = off
+            off += m.nbytes
         out = []
         for loc in locs:
-            blob = []
+            parts = []
             for r in loc.ranges:
                 m = next(m for m in merged if m.file == r.file and m.start <= r.start and r.end <= m.end)
-                blob.append(data[m][r.start - m.start : r.end - m.start])
-            out.append(b"".join(blob))
+                parts.append(view[where[m] + r.start - m.start : where[m] + r.end - m.start])
+            out.append(parts[0] if len(parts) == 1 else b"".join(parts))
         return out
 
     def discard(self, loc: ExpertLocation) -> None:

@@ -108,7 +108,7 @@ class PeerSource:
 
     # -- the tier -----------------------------------------------------------------------------
 
-    def fetch(self, loc: ExpertLocation) -> bytes | None:
+    def fetch(self, loc: ExpertLocation) -> bytearray | None:
         """The expert from the household, or None: the caller goes to the Hub (this node owns it, or
         no peer could serve it in time)."""
         ranked = self.table.ranked(expert_key(self.index, loc.layer, loc.expert))
@@ -129,27 +129,27 @@ class PeerSource:
                 return blob
         return None
 
-    def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> bytes | None:
+    def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> bytearray | None:
         t0 = time.perf_counter()
+        blob = bytearray(loc.nbytes)  # the chunks land in place: no join
         try:
-            parts, size, digest, received = [], None, None, 0
+            size, digest, received = None, None, 0
             for chunk in self.client(peer.address).fetch_expert(
                 self._model, loc.layer, loc.expert, timeout, fetch_on_miss=owner
             ):
                 if size is None:
                     size, digest = chunk.size, chunk.sha256
-                parts.append(chunk.data)
-                received += len(chunk.data)
-                if received > loc.nbytes:
+                if received + len(chunk.data) > loc.nbytes:
                     self.table.penalise(peer, "oversized")
                     return None
+                blob[received : received + len(chunk.data)] = chunk.data
+                received += len(chunk.data)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND and not owner:
                 return None  # an honest miss
             self.table.penalise(peer, e.code().name.lower())
             return None
-        blob = b"".join(parts)
-        if size != loc.nbytes or len(blob) != loc.nbytes:
+        if size != loc.nbytes or received != loc.nbytes:
             self.table.penalise(peer, "wrong_size")
             return None
         if hashlib.sha256(blob).hexdigest() != digest:

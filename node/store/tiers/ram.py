@@ -47,6 +47,10 @@ class RamCache:
                     self.nbytes -= gone.nbytes
                     self.evictions += 1
 
+    def slots(self, expert_bytes: int) -> int:
+        """How many experts of about `expert_bytes` the budget holds."""
+        return self.budget_bytes // max(1, expert_bytes)
+
     def keys(self) -> list[ExpertKey]:
         with self._lock:
             return list(self._items)
