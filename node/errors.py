@@ -35,6 +35,11 @@ class DownloadError(ExpertmeshError):
     """A download kept failing after its retries, or returned the wrong bytes."""
 
 
+class Abandoned(DownloadError):
+    """A fetch nobody waits for (an idle-link fill, a guess that proved wrong) gave its connection
+    up to a demand; whoever comes to want the expert fetches it again."""
+
+
 class NotPulledError(ExpertmeshError):
     """A command needs a model that has not been pulled yet."""
 

@@ -6,6 +6,7 @@ import hashlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,3 +177,30 @@ def test_a_large_file_is_served_by_range_and_hashed_once(tmp_path: Path, monkeyp
     with HubServer(tmp_path / "hub", hash_in_background=False) as again:
         assert httpx2.head(f"{again.url}/big/model/resolve/main/{shard.name}").headers["x-linked-etag"] == f'"{sha}"'
     assert hashed == [shard]  # kept in .hub_cache/digests.json: not hashed again after a restart
+
+
+def test_a_read_that_may_give_up_stops_mid_transfer_but_finishes_what_is_nearly_done(tmp_path: Path) -> None:
+    """A fetch nobody waits for gives its link up to a demand: the read stops between chunks
+    (the Hub sends far less than asked), unless less than ABANDON_MIN_LEFT_BYTES is left."""
+    from expertmesh.node.errors import Abandoned
+    from expertmesh.node.hub import client as hub_client
+
+    repo = tmp_path / "hub" / "big" / "model"
+    repo.mkdir(parents=True)
+    (repo / "model.safetensors").write_bytes(bytes(range(256)) * (32 * 1024))  # 8 MiB
+    with HubServer(tmp_path / "hub") as hub, hub_client.using_endpoint(hub.url):
+        hub.knobs.bandwidth_bytes_per_s = 4e6  # 8 MiB takes 2 s
+        reader = hub_client.RangeReader()
+        remote = hub_client.RemoteFile("big/model", hub.repos["big/model"].commit, "model.safetensors")
+        want = 8 * 1024 * 1024
+        buf = memoryview(bytearray(want))
+        flag = threading.Event()
+        threading.Timer(0.2, flag.set).start()
+        with pytest.raises(Abandoned):
+            reader.read_into(remote, 0, want, buf, abandon=flag.is_set)
+        assert hub.stats()["bytes_served"] < want // 2  # it stopped, it did not finish
+        small = hub_client.ABANDON_MIN_LEFT_BYTES * 9 // 10
+        flag.clear()
+        threading.Timer(0.05, flag.set).start()
+        assert reader.read_into(remote, 0, small, buf, abandon=flag.is_set) == small  # nearly done: finished
+        assert bytes(buf[:small]) == (bytes(range(256)) * (32 * 1024))[:small]

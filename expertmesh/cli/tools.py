@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -35,9 +36,17 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--model",
         default="demo",
-        help="demo (the trained demo model), tiny-ARCH, or wide-kimi_k3 (a wider random K3) (default %(default)s)",
+        help="demo (the trained demo model), tiny-ARCH, wide-kimi_k3 (a wider random K3), or k3-proportions "
+        "(17.5 MB experts, the Hub in its own process, no time scale: see node/devtools/bench_k3.py) "
+        "(default %(default)s)",
     )
-    p.add_argument("--tokens", type=int, default=24, help="tokens per prompt (default %(default)s)")
+    p.add_argument(
+        "--per-connection-bandwidth",
+        default="12.5MB,25MB,100MB",
+        metavar="B[,B...]",
+        help="k3-proportions: the per-connection caps to run at, on a 100 MB/s link (default %(default)s)",
+    )
+    p.add_argument("--tokens", type=int, help="tokens per prompt (default 24; k3-proportions: 4)")
     p.add_argument(
         "--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)"
     )
@@ -84,9 +93,11 @@ def tiny_model(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from expertmesh.node.devtools.bench import print_table, run_bench, write_json
 
+    if args.model == "k3-proportions":
+        return _bench_k3(args)
     doc = run_bench(
         model=args.model,
-        tokens=args.tokens,
+        tokens=args.tokens or 24,
         time_scale=args.time_scale,
         ram_fraction=args.ram_fraction,
         naive_tokens=args.naive_tokens,
@@ -96,6 +107,22 @@ def bench(args: argparse.Namespace) -> int:
     print_table(doc)
     if args.json:
         write_json(doc, Path(args.json))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _bench_k3(args: argparse.Namespace) -> int:
+    from expertmesh.node.devtools import bench_k3
+    from expertmesh.node.sizes import parse_size
+
+    try:
+        caps = [float(parse_size(c)) for c in args.per_connection_bandwidth.split(",")]
+    except ValueError as e:
+        raise ExpertmeshError(f"--per-connection-bandwidth: {e}") from None
+    doc = bench_k3.run(caps, tokens=args.tokens or 4, progress=lambda m: print(m, file=sys.stderr))
+    bench_k3.print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -658,6 +658,9 @@ class _Handler(BaseHTTPRequestHandler):
                     )
                     self.wfile.write(chunk)
                     sent += len(chunk)
+        except (ConnectionResetError, BrokenPipeError):
+            self.close_connection = True  # the client went away (a cancelled fetch): nothing to report
+            return
         finally:
             with self.hub.stats_.lock:
                 self.hub.stats_.bytes_served += sent

@@ -29,7 +29,7 @@ from huggingface_hub import errors as hf_errors
 from huggingface_hub.utils import build_hf_headers, get_session
 
 from expertmesh.node import constants
-from expertmesh.node.errors import AuthError, DownloadError, EndpointUnreachableError, ModelNotFoundError
+from expertmesh.node.errors import Abandoned, AuthError, DownloadError, EndpointUnreachableError, ModelNotFoundError
 from expertmesh.node.hub import safetensors_format
 from expertmesh.node.hub.safetensors_format import TensorEntry
 
@@ -38,6 +38,9 @@ T = TypeVar("T")
 
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# A read that may give its link up does so only while at least this much is left: finishing a
+# nearly done transfer costs the link less than throwing its bytes away and asking again.
+ABANDON_MIN_LEFT_BYTES = 1024 * 1024
 # A CDN location without an `expires` query is trusted for this long.
 _DEFAULT_REDIRECT_TTL_S = 300.0
 
@@ -211,6 +214,7 @@ class RangeReader:
         self._lock = threading.Lock()
         self.retries = 0  # how many attempts failed and were retried, for the summary
         self._cancelled = threading.Event()
+        self._abandon = threading.local()  # the read in progress on this thread may give up when it says
 
     def cancel(self) -> None:
         """Stop: reads in flight end at their next chunk, and nothing is retried (Ctrl-C, close)."""
@@ -225,29 +229,46 @@ class RangeReader:
         """
         return self.read_with_size(remote, start, end)[0]
 
-    def read_into(self, remote: RemoteFile, start: int, end: int, out: memoryview) -> int:
+    def read_into(
+        self, remote: RemoteFile, start: int, end: int, out: memoryview, abandon: Callable[[], bool] | None = None
+    ) -> int:
         """`read`, straight into `out` (at least `end - start` bytes): the bytes land once, where
-        they are used. Returns how many were written (fewer only at the end of the file)."""
+        they are used. Returns how many were written (fewer only at the end of the file).
+
+        `abandon()` is asked before the request and between chunks: when it says so, the read
+        stops and raises Abandoned (not retried).
+        """
         if len(out) < end - start:
             raise ValueError(f"a buffer of {len(out)} bytes for a range of {end - start}")
-        return len(self.read_with_size(remote, start, end, out)[0])
+        return len(self.read_with_size(remote, start, end, out, abandon)[0])
 
     def read_with_size(
-        self, remote: RemoteFile, start: int, end: int, out: memoryview | None = None
+        self,
+        remote: RemoteFile,
+        start: int,
+        end: int,
+        out: memoryview | None = None,
+        abandon: Callable[[], bool] | None = None,
     ) -> tuple[bytearray | memoryview, int | None]:
         """`read` (into `out` if given), plus the file's total size from the `Content-Range`
         (None if the server hides it)."""
         if end <= start:
             raise ValueError(f"empty range {start}-{end}")
-        return retrying(
-            lambda: self._read_once(remote, start, end, out),
-            f"{remote}: bytes {start}-{end - 1}",
-            self.max_retries,
-            self.backoff_base_s,
-            self.backoff_max_s,
-            on_retry=self._count_retry,
-            cancelled=self._cancelled,
-        )
+        if abandon is not None and abandon():
+            raise Abandoned(f"{remote}: bytes {start}-{end - 1} given up before asking")
+        self._abandon.value = abandon
+        try:
+            return retrying(
+                lambda: self._read_once(remote, start, end, out),
+                f"{remote}: bytes {start}-{end - 1}",
+                self.max_retries,
+                self.backoff_base_s,
+                self.backoff_max_s,
+                on_retry=self._count_retry,
+                cancelled=self._cancelled,
+            )
+        finally:
+            self._abandon.value = None
 
     def _count_retry(self) -> None:
         self.retries += 1
@@ -352,9 +373,12 @@ class RangeReader:
             if out is None:
                 out = memoryview(bytearray(want))  # allocated once the server said how much comes
             body, n = out[:want], 0
+            abandon = getattr(self._abandon, "value", None)
             for chunk in r.iter_bytes():
                 if self._cancelled.is_set():
                     raise DownloadError(f"{remote}: cancelled")
+                if abandon is not None and want - n >= ABANDON_MIN_LEFT_BYTES and abandon():
+                    raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
                 if n + len(chunk) > want:
                     raise _Retryable("more bytes than the range")
                 body[n : n + len(chunk)] = chunk

@@ -7,6 +7,10 @@ queue, so a demand for one of them joins the fill instead of fetching it twice.
 
 `changed` is notified whenever the demand work or the experts in flight change: idle-link fill
 waits on it for the link to be free instead of polling.
+
+A fetch nobody waits for gives its link up to demands: a guess the pass proved wrong (`stale`)
+is abandoned mid-transfer, and so is a fill (store/fill.py) while a demand waits — unless a demand
+has since come for that very expert, which is then fetched to the end.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from expertmesh.node.errors import Abandoned
 from expertmesh.node.store.priority import DEMAND, PREFETCH, fetching_as
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tier_chain import Fetched
@@ -37,7 +42,7 @@ class FetchQueue:
     """Fetches experts with `workers` threads, at most once each at a time.
 
     Args:
-        fetch_one: fetches one expert (TierChain.fetch).
+        fetch_one: fetches one expert (TierChain.fetch; it takes `abandon`).
         fetch_run: fetches a run of adjacent experts, one result or exception each (TierChain.fetch_run).
         finished: called with (key, result or None) when a queued fetch ends, before its waiters
             wake: the prefetcher stages guesses that nobody demanded yet.
@@ -45,12 +50,15 @@ class FetchQueue:
 
     def __init__(
         self,
-        fetch_one: Callable[[ExpertKey], Fetched],
+        fetch_one: Callable[..., Fetched],
         fetch_run: Callable[[list[ExpertKey]], list[Fetched | BaseException]],
         workers: int,
         finished: Callable[[ExpertKey, Fetched | None], None] | None = None,
+        stale: Callable[[ExpertKey], bool] | None = None,
     ):
+        """`stale(key)`: a guess no pass wants any more (the prefetcher knows)."""
         self._fetch_one = fetch_one
+        self._stale = stale
         self._fetch_run = fetch_run
         self._finished = finished
         self.workers = max(1, workers)
@@ -60,6 +68,7 @@ class FetchQueue:
         self.changed = threading.Condition(self._lock)
         self._inflight: dict[ExpertKey, Future] = {}
         self._started: set[ExpertKey] = set()
+        self._demanded: set[ExpertKey] = set()  # in flight, and a demand waits for it
         self._queued_demands = 0
         self._running_demands = 0
         self._threads: list[threading.Thread] = []
@@ -81,6 +90,10 @@ class FetchQueue:
         with self._lock:
             return len(self._inflight)
 
+    def demanded(self, key: ExpertKey) -> bool:
+        """Whether a demand waits for `key` (then its fetch is never abandoned)."""
+        return key in self._demanded
+
     @property
     def queued_demands(self) -> int:
         return self._queued_demands
@@ -99,6 +112,8 @@ class FetchQueue:
     def submit(self, key: ExpertKey, priority: int) -> Future:
         """The future of `key`'s fetch, queued at `priority` unless it is in flight already."""
         with self._lock:
+            if priority == DEMAND:
+                self._demanded.add(key)
             fut = self._inflight.get(key)
             if fut is None:
                 fut = Future()
@@ -125,6 +140,7 @@ class FetchQueue:
                     for key in run:  # started at once: a later demand or guess for one of them joins its future
                         waiting[key] = self._inflight[key] = Future()
                         self._started.add(key)
+                        self._demanded.add(key)
                     self._queued_demands += 1
                     self._queue.put((DEMAND, next(self._seq), _Run(tuple(run))))
                 self.changed.notify_all()
@@ -148,7 +164,19 @@ class FetchQueue:
             for key in keys:
                 self._inflight.pop(key, None)
                 self._started.discard(key)
+                self._demanded.discard(key)
             self.changed.notify_all()
+
+    def release_unless_demanded(self, key: ExpertKey) -> bool:
+        """Give up a claimed fetch that no demand waits for (its future is the caller's to fail);
+        False, and the claim kept, when one does."""
+        with self._lock:
+            if key in self._demanded:
+                return False
+            self._inflight.pop(key, None)
+            self._started.discard(key)
+            self.changed.notify_all()
+            return True
 
     # -- the workers --------------------------------------------------------------------------
 
@@ -169,22 +197,40 @@ class FetchQueue:
                 self._started.add(key)
                 fut = self._inflight[key]
                 self._running_demands += priority == DEMAND
-            try:
-                with fetching_as(priority):
-                    fetched, error = self._fetch_one(key), None
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                fetched, error = None, e
+            fetched, error = self._fetch_guarded(key, priority)
             if self._finished is not None:
                 self._finished(key, fetched)
             with self._lock:
                 self._running_demands -= priority == DEMAND
                 self._inflight.pop(key, None)
                 self._started.discard(key)
+                self._demanded.discard(key)
                 self.changed.notify_all()
             if error is not None:
                 fut.set_exception(error)
             else:
                 fut.set_result(fetched)
+
+    def _fetch_guarded(self, key: ExpertKey, priority: int) -> tuple[Fetched | None, BaseException | None]:
+        """Fetch `key`; a guess gives its link up once it proves wrong, unless a demand came for it,
+        in which case it is fetched to the end."""
+        while True:
+            abandon = None
+            if priority == PREFETCH and self._stale is not None:
+
+                def abandon(key=key) -> bool:
+                    return key not in self._demanded and self._stale(key)
+
+            try:
+                with fetching_as(priority):
+                    return self._fetch_one(key, abandon=abandon), None
+            except Abandoned as e:
+                if key in self._demanded:
+                    priority = DEMAND  # a demand joined after the guess gave up: fetch it for the demand
+                    continue
+                return None, e
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                return None, e
 
     def _work_run(self, keys: tuple[ExpertKey, ...]) -> None:
         with self._lock:
@@ -201,6 +247,7 @@ class FetchQueue:
             for key in keys:
                 self._inflight.pop(key, None)
                 self._started.discard(key)
+                self._demanded.discard(key)
             self.changed.notify_all()
         for fut, result in zip(futs, results):
             if isinstance(result, BaseException):

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from expertmesh.node.errors import Abandoned
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import FetchQueue
 from expertmesh.node.store.prefetch import Prefetcher
@@ -67,6 +68,7 @@ class IdleFill:
         self.owns = owns
         self._order = list(order)
         self._next = 0
+        self._retry: list[ExpertKey] = []  # fills that gave their link up to a demand, to try again
         self._reserved = 0  # bytes of fills in flight, counted against the disk's free room
         self._run = 1  # experts per fill request: doubles with each run the disk kept
         self._active_until = -1.0
@@ -87,7 +89,7 @@ class IdleFill:
 
     @property
     def done(self) -> bool:
-        return self._next >= len(self._order)
+        return self._next >= len(self._order) and not self._retry
 
     def _may_fill(self) -> bool:
         return time.monotonic() < self._active_until and not self.fetches.demand_busy and not self.prefetcher.in_flight
@@ -104,13 +106,16 @@ class IdleFill:
     def _next_run(self) -> list[ExpertKey]:
         """The next run to fill; [] when nothing is left or the budget is full (under the queue's lock)."""
         runs = self.chain.runs
-        while self._next < len(self._order):
-            key = self._order[self._next]
-            self._next += 1
+        while self._retry or self._next < len(self._order):
+            if self._retry:
+                key = self._retry.pop(0)
+            else:
+                key = self._order[self._next]
+                self._next += 1
             if not self._wanted(key):
                 continue
             if not self._has_room(self.index.expert(*key).nbytes):
-                self._next = len(self._order)  # the disk budget is full: fill never evicts
+                self._next, self._retry = len(self._order), []  # the disk budget is full: fill never evicts
                 return []
             if runs is None:
                 return [key]
@@ -133,12 +138,37 @@ class IdleFill:
                 futs = self.fetches.claim(run)
                 self._reserved += sum(self.index.expert(*k).nbytes for k in run)  # held until on disk
             with fetching_as(FILL):
-                results = self.chain.fetch_run(run, keep_now=True)  # so "kept" below is known
+                # "kept" below must be known, so the disk write comes first; and a fill gives its
+                # link up to any demand but one for these very experts
+                results = self.chain.fetch_run(run, keep_now=True, abandon=lambda run=run: self._yield_to_demand(run))
             with self.fetches.changed:
                 self._reserved -= sum(self.index.expert(*k).nbytes for k in run)
+            run, futs, results = self._finish_abandoned(run, futs, results)
             self.fetches.release(run)
             if not self._settle(run, futs, results):
                 return
+
+    def _yield_to_demand(self, run: list[ExpertKey]) -> bool:
+        return self.fetches.demand_busy and not any(self.fetches.demanded(k) for k in run)
+
+    def _finish_abandoned(self, run: list[ExpertKey], futs: list, results: list) -> tuple[list, list, list]:
+        """Fills that gave their link up: one a demand came for meanwhile is fetched now, for it;
+        the others are released (their futures fail, nobody waits) and tried again later."""
+        done = []  # (key, future, result) still to settle
+        for key, fut, result in zip(run, futs, results):
+            if not isinstance(result, Abandoned):
+                done.append((key, fut, result))
+            elif self.fetches.release_unless_demanded(key):
+                fut.set_exception(result)
+                with self.fetches.changed:
+                    self._retry.append(key)
+            else:
+                try:
+                    fetched = self.chain.fetch(key, keep_now=True)
+                except BaseException as e:  # noqa: BLE001 - handed to the demand that waits
+                    fetched = e
+                done.append((key, fut, fetched))
+        return [d[0] for d in done], [d[1] for d in done], [d[2] for d in done]
 
     def _settle(self, run: list[ExpertKey], futs: list, results: list) -> bool:
         """Hand each result to whoever joined; False when the disk kept nothing (fill stops)."""
@@ -155,7 +185,7 @@ class IdleFill:
                 self.stats.record_prefetch("filled")
         if not kept:
             with self.fetches.changed:  # the disk did not keep it (a full file system): more fills would be wasted
-                self._next = len(self._order)
+                self._next, self._retry = len(self._order), []
             logger.warning("the disk cache did not keep a filled expert; idle-link fill stops")
             return False
         if len(run) == self._run and not any(isinstance(r, BaseException) for r in results):

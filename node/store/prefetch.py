@@ -69,6 +69,10 @@ class Prefetcher:
             self.stats.record_prefetch("issued")
             self.fetches.submit(key, PREFETCH)
 
+    def stale(self, key: ExpertKey) -> bool:
+        """A guess whose pass has come and did not want it: its fetch may give the link up."""
+        return key not in self._guessed
+
     def arrived(self, key: ExpertKey, fetched: Fetched | None) -> None:
         """A queued fetch ended (FetchQueue's `finished`): stage it if it is a guess not yet used."""
         with self._lock:

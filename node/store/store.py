@@ -65,7 +65,9 @@ class ExpertStore:
         self.trace = trace
         self.coalesce = coalesce
         self._expert_bytes = max((loc.nbytes for loc in index.experts.values()), default=1)
-        self.fetches = FetchQueue(chain.fetch, chain.fetch_run, workers, finished=self._arrived)
+        self.fetches = FetchQueue(
+            chain.fetch, chain.fetch_run, workers, finished=self._arrived, stale=lambda key: self.prefetcher.stale(key)
+        )
         self.prefetcher = Prefetcher(self.fetches, ram, self.stats, enabled=prefetch)
         self.fill = None
         if fill_order:

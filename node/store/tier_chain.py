@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from expertmesh.node.errors import DownloadError
+from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.store.codec import ExpertCodec, ExpertWeights
 from expertmesh.node.store.integrity import DigestBook
@@ -63,9 +64,11 @@ class TierChain:
         self.digests = digests
         self.runs = runs
 
-    def fetch(self, key: ExpertKey, keep_now: bool = False) -> Fetched:
+    def fetch(self, key: ExpertKey, keep_now: bool = False, abandon: Callable[[], bool] | None = None) -> Fetched:
         """The expert from the nearest tier with a good copy. Bytes from beyond this machine are
         queued for the disk (written behind), or written before returning with `keep_now`.
+        `abandon`: a fetch nobody waits for gives up its link to a demand when it says so
+        (Abandoned, not an error of a tier).
 
         Raises:
             DownloadError: no tier gave a good copy, or one gave the wrong number of bytes.
@@ -74,7 +77,7 @@ class TierChain:
         for tier in self.tiers:
             for _ in range(1 if tier.local else 1 + INTEGRITY_RETRIES):
                 t0 = time.perf_counter()
-                blob = tier.fetch(loc)
+                blob = tier.fetch(loc, abandon)
                 if blob is None:
                     break
                 if len(blob) != loc.nbytes:  # a tier must never hand over a partial expert
@@ -90,7 +93,9 @@ class TierChain:
             return Fetched(weights, tier.source, time.perf_counter() - t0)
         raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
 
-    def fetch_run(self, keys: list[ExpertKey], keep_now: bool = False) -> list[Fetched | BaseException]:
+    def fetch_run(
+        self, keys: list[ExpertKey], keep_now: bool = False, abandon: Callable[[], bool] | None = None
+    ) -> list[Fetched | BaseException]:
         """Each expert of a run, fetched as one request when there are several; an expert whose
         bytes fail their checks is fetched again on its own (with `fetch`'s retries)."""
         out: list[Fetched | BaseException] = []
@@ -99,7 +104,9 @@ class TierChain:
         t0 = time.perf_counter()
         if runs is not None:
             try:
-                blobs = runs.fetch_run([self.index.expert(*k) for k in keys])
+                blobs = runs.fetch_run([self.index.expert(*k) for k in keys], abandon)
+            except Abandoned as e:
+                return [e] * len(keys)
             except Exception as e:  # noqa: BLE001 - each expert is tried again on its own below
                 logger.debug("experts %s as one run failed: %s", keys, e)
         seconds = (time.perf_counter() - t0) / len(keys)
@@ -111,7 +118,7 @@ class TierChain:
                     self.disk.put(loc, blob, wait=keep_now)
                     out.append(Fetched(weights, runs.source, seconds))
                 else:
-                    out.append(self.fetch(key, keep_now))
+                    out.append(self.fetch(key, keep_now, abandon))
             except BaseException as e:  # noqa: BLE001 - handed to a demand that joined, if any
                 out.append(e)
         return out

@@ -5,7 +5,9 @@ A tier declares what it can do, so the store never singles one out by name:
     source        the `source` its uses are counted under (disk | peer | hub)
     local         its copies live on this machine: they are not written back to the disk, and a bad
                   one is not asked for again (a remote tier may send good bytes on a second try)
-    fetch(loc)    the expert's upstream bytes (its ranges concatenated), or None if it lacks them
+    fetch(loc, abandon)
+                  the expert's upstream bytes (its ranges concatenated), or None if it lacks them;
+                  a tier that moves bytes over a link stops when `abandon()` says so (Abandoned)
     discard(loc)  a copy it gave failed its digest: delete it (disk), blame its sender (peers)
     close()       stop its threads and connections
 
@@ -15,6 +17,7 @@ A tier that can also fetch experts lying back to back in a shard as one request 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from expertmesh.node.hub.expert_index import ExpertLocation
@@ -24,7 +27,7 @@ class Tier(Protocol):
     source: str
     local: bool
 
-    def fetch(self, loc: ExpertLocation) -> bytes | bytearray | None: ...
+    def fetch(self, loc: ExpertLocation, abandon: Callable[[], bool] | None = None) -> bytes | bytearray | None: ...
 
     def discard(self, loc: ExpertLocation) -> None: ...
 
@@ -40,4 +43,4 @@ class RunFetcher(Tier, Protocol):
     @property
     def run_bytes(self) -> int: ...
 
-    def fetch_run(self, locs: list[ExpertLocation]) -> list[bytes]: ...
+    def fetch_run(self, locs: list[ExpertLocation], abandon: Callable[[], bool] | None = None) -> list[bytes]: ...

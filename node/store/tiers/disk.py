@@ -117,7 +117,8 @@ class DiskCache:
         with self._lock:
             return not self.refused and self.nbytes + nbytes <= self.budget_bytes
 
-    def fetch(self, loc: ExpertLocation) -> bytes | bytearray | None:
+    def fetch(self, loc: ExpertLocation, abandon=None) -> bytes | bytearray | None:
+        """The copy on disk (or queued for it); `abandon` is for tiers that move bytes over a link."""
         key = (loc.layer, loc.expert)
         with self._lock:
             queued = self._pending.get(key)

@@ -15,8 +15,10 @@ already fills every piece, so K3's 17.5 MB experts are never run together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from expertmesh.node import constants
-from expertmesh.node.errors import DownloadError
+from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.hub.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 from expertmesh.node.store.priority import PriorityPool
 
@@ -67,31 +69,39 @@ class HubSource:
     def start(self) -> None:
         self._pool.start()
 
-    def _read_into(self, r: ByteRange, out: memoryview) -> None:
+    def _read_into(self, r: ByteRange, out: memoryview, abandon: Callable[[], bool] | None) -> None:
         from expertmesh.node.hub.client import RemoteFile
 
-        got = self.reader.read_into(RemoteFile(self.index.repo_id, self.index.commit, r.file), r.start, r.end, out)
+        remote = RemoteFile(self.index.repo_id, self.index.commit, r.file)
+        got = self.reader.read_into(remote, r.start, r.end, out, abandon)
         if got != r.nbytes:
             raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {got}")
 
-    def _read_pieces(self, pieces: list[ByteRange], into: memoryview) -> None:
+    def _read_pieces(self, pieces: list[ByteRange], into: memoryview, abandon: Callable[[], bool] | None) -> None:
         """Each piece into its place in `into`, on the pool's connections (one piece: here)."""
         offsets, off = [], 0
         for p in pieces:
             offsets.append(off)
             off += p.nbytes
         if len(pieces) == 1:
-            self._read_into(pieces[0], into[: pieces[0].nbytes])
+            self._read_into(pieces[0], into[: pieces[0].nbytes], abandon)
             return
-        futures = [self._pool.submit(self._read_into, p, into[o : o + p.nbytes]) for p, o in zip(pieces, offsets)]
-        for f in futures:
-            f.result()
+        futures = [
+            self._pool.submit(self._read_into, p, into[o : o + p.nbytes], abandon) for p, o in zip(pieces, offsets)
+        ]
+        errors = [f.exception() for f in futures]  # every piece ends (an abandoned one at once) before the buffer goes
+        for e in errors:
+            if e is not None:
+                raise e
 
-    def fetch(self, loc: ExpertLocation) -> bytearray:
+    def fetch(self, loc: ExpertLocation, abandon: Callable[[], bool] | None = None) -> bytearray:
         """The expert's bytes, its pieces read on separate connections straight into one buffer."""
         blob = bytearray(loc.nbytes)
         try:
-            self._read_pieces(split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes), memoryview(blob))
+            pieces = split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes)
+            self._read_pieces(pieces, memoryview(blob), abandon)
+        except Abandoned:
+            raise
         except DownloadError as e:
             raise DownloadError(
                 f"expert {loc.expert} of layer {loc.layer} from the Hub at {self.reader.endpoint}: {e}; "
@@ -104,7 +114,9 @@ class HubSource:
         """The largest run worth one request: beyond it, pieces on separate connections pay more."""
         return self.pieces_per_expert * self.min_piece_bytes
 
-    def fetch_run(self, locs: list[ExpertLocation]) -> list[bytes | bytearray | memoryview]:
+    def fetch_run(
+        self, locs: list[ExpertLocation], abandon: Callable[[], bool] | None = None
+    ) -> list[bytes | bytearray | memoryview]:
         """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges into
         one buffer; an expert of one range is a view of it, not a copy."""
         merged = run_ranges(locs)
@@ -113,7 +125,9 @@ class HubSource:
         buffer = bytearray(sum(m.nbytes for m in merged))
         view = memoryview(buffer)
         try:
-            self._read_pieces(split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes), view)
+            self._read_pieces(split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes), view, abandon)
+        except Abandoned:
+            raise
         except DownloadError as e:
             first, last = locs[0], locs[-1]
             raise DownloadError(

@@ -108,7 +108,7 @@ class PeerSource:
 
     # -- the tier -----------------------------------------------------------------------------
 
-    def fetch(self, loc: ExpertLocation) -> bytearray | None:
+    def fetch(self, loc: ExpertLocation, abandon=None) -> bytearray | None:
         """The expert from the household, or None: the caller goes to the Hub (this node owns it, or
         no peer could serve it in time)."""
         ranked = self.table.ranked(expert_key(self.index, loc.layer, loc.expert))

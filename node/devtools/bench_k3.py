@@ -1,0 +1,397 @@
+"""`expertmesh bench --model k3-proportions`: the fetch path at Kimi K3's real proportions, honestly.
+
+A K3-proportioned repo (node/devtools/tiny/k3_proportions.py: 3 MoE layers of 64 experts of
+17,547,264 bytes, top-16) is served by `expertmesh hub` in a process of its own, shaped like a
+home link with its real numbers and no time scale: 100 MB/s in all, a per-connection cap (12.5, 25
+or 100 MB/s), 75 ms to the first byte. Every configuration runs in a process of its own, so its
+peak RSS and CPU time are its own, on the same prompts:
+
+    floor          the bytes decode demanded from the link, divided by its bandwidth: no fetch
+                   strategy does better
+    fair_naive     one keep-alive connection, one expert at a time, no guesses, the same caches as
+                   cold: the simplest client a user would write
+    deltafin_like  one expert at a time on a new connection per request: the reference system's way
+    cold           expertmesh's defaults, caches empty at every prompt
+    k3_replay      K3's decode regime without compute: every MoE layer of every token asks for
+                   top-k experts not held anywhere (no RAM, no disk), the next layer's true routing
+                   given as the guess
+    warm_disk      the experts of the prompts on disk (an untimed pass first), RAM empty
+    mlx_lm         mlx-lm with every expert in memory
+
+Decode is measured (after the first token); what the fields count:
+
+    s_per_token                decode seconds per token (k3_replay: seconds per replayed token)
+    wait_over_floor            seconds layer calls waited for experts ÷ the floor's seconds
+    useful_link_use            the floor's seconds ÷ seconds waited: the link's share that moved
+                               bytes a token waited for
+    bytes_moved_over_demanded  bytes the Hub sent ÷ bytes of the experts decode took from the link
+                               (above 1: wasted guesses, fills, retries)
+    peak_rss_bytes             the process's peak resident memory
+    node_cpu_s_per_gb          the node process's CPU seconds per GB the Hub sent it
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from expertmesh.node.sizes import format_size
+
+REPO_ID = "expertmesh/k3-proportions"
+LINK_BYTES_PER_S = 100e6
+TTFB_S = 0.075
+PROMPTS = ("Count the experts", "Stream the layer", "Fetch once, keep it")
+FIELDS = (
+    "s_per_token",
+    "wait_over_floor",
+    "useful_link_use",
+    "bytes_moved_over_demanded",
+    "peak_rss_bytes",
+    "node_cpu_s_per_gb",
+)
+
+
+@dataclass
+class Row:
+    name: str
+    per_connection_bytes_per_s: float
+    s_per_token: float
+    wait_over_floor: float | None = None
+    useful_link_use: float | None = None
+    bytes_moved_over_demanded: float | None = None
+    peak_rss_bytes: int | None = None
+    node_cpu_s_per_gb: float | None = None
+    tokens: int = 0
+    demanded_bytes: int = 0
+    moved_bytes: int = 0
+    wait_s: float = 0.0
+
+
+# -- the worker: one configuration in its own process -----------------------------------------
+
+
+def _hub_bytes(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/_hub/stats", timeout=30) as r:
+        return json.load(r)["bytes_served"]
+
+
+def _peak_rss() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+
+
+class _Phase:
+    """What a measured phase consumed: store waits, bytes from the Hub, CPU and wall time."""
+
+    def __init__(self, store, hub_url: str):
+        self.store, self.hub_url = store, hub_url
+        self.stats = store.stats.snapshot()
+        self.hub = _hub_bytes(hub_url)
+        self.cpu, self.wall = time.process_time(), time.perf_counter()
+
+    def since(self) -> dict:
+        d = self.store.stats.since(self.stats)
+        return {
+            "wait_s": d.wait_seconds,
+            "demanded_bytes": d.bytes["hub"],
+            "moved_bytes": _hub_bytes(self.hub_url) - self.hub,
+            "cpu_s": time.process_time() - self.cpu,
+            "wall_s": time.perf_counter() - self.wall,
+        }
+
+
+def _sum(parts: list[dict]) -> dict:
+    return {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
+
+
+def _open(spec: dict, home: Path):
+    from expertmesh.node.assembly import open_model
+    from expertmesh.node.config import StoreConfig
+
+    reader = None
+    if spec.get("fresh_connections"):
+        from expertmesh.node.devtools.bench import FreshConnectionReader
+
+        reader = FreshConnectionReader()
+    return open_model(spec["repo_id"], home=home, store=StoreConfig(**spec["store"]), hub_reader=reader)
+
+
+def _generate(spec: dict, home: Path, prompt: str) -> dict:
+    """One prompt on a new node: its decode phase measured."""
+    from expertmesh.node.engine.generation import Generator, SamplingSettings
+
+    sm = _open(spec, home)
+    try:
+        ids = sm.tokenizer.encode(prompt)
+        phase, tokens = None, 0
+        for _ in Generator(sm).generate(ids, SamplingSettings(max_tokens=spec["tokens"])):
+            tokens += 1
+            if phase is None:
+                sm.store.disk.flush()  # the prefill's writes are not decode's
+                phase = _Phase(sm.store, spec["hub_url"])
+        return {**phase.since(), "tokens": tokens - 1} if phase else {}
+    finally:
+        sm.close()
+
+
+def _replay(spec: dict, home: Path) -> dict:
+    """K3's regime without compute: top-k fresh experts a layer, the true next routing as the guess."""
+    import numpy as np
+
+    sm = _open(spec, home)
+    try:
+        store, index = sm.store, sm.index
+        layers = index.moe_layers
+        per_layer = {layer: sum(1 for lay, _ in index.experts if lay == layer) for layer in layers}
+        rng = np.random.default_rng(0)
+        plan = [[rng.choice(per_layer[layer], spec["top_k"], replace=False).tolist() for layer in layers]]
+        for _ in range(spec["tokens"]):
+            plan.append([rng.choice(per_layer[layer], spec["top_k"], replace=False).tolist() for layer in layers])
+        flat = [(layer, experts) for token in plan for layer, experts in zip(layers, token)]
+        store.get_layer(*flat[0])  # untimed: connections made, the first layer's experts in flight
+        phase = _Phase(store, spec["hub_url"])
+        for (layer, experts), nxt in zip(flat[1:], [*flat[2:], None]):
+            store.get_layer(layer, experts, guess=nxt)
+        return {**phase.since(), "tokens": spec["tokens"]}
+    finally:
+        sm.close()
+
+
+def _mlx_lm(spec: dict) -> dict:
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(spec["repo_dir"])
+    per_token = []
+    for prompt in spec["prompts"]:
+        last = None
+        for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=spec["tokens"]):
+            last = r
+        per_token.append(1 / last.generation_tps if last and last.generation_tps else 0.0)
+    return {"s_per_token": sorted(per_token)[len(per_token) // 2], "tokens": spec["tokens"]}
+
+
+def worker(spec: dict) -> dict:
+    from expertmesh.node.hub import client as hub_client
+
+    work = Path(spec["work"])
+    out: dict
+    with hub_client.using_endpoint(spec["hub_url"]):
+        if spec["mode"] == "mlx_lm":
+            out = _mlx_lm(spec)
+        elif spec["mode"] == "replay":
+            home = work / "home"
+            shutil.copytree(spec["template"], home)
+            out = _replay(spec, home)
+        else:
+            home = work / "home"
+            if spec["mode"] == "warm":  # fill the disk with the prompts' experts first, untimed
+                shutil.copytree(spec["template"], home)
+                for prompt in spec["prompts"]:
+                    _generate({**spec, "store": {**spec["store"], "ram_budget": "0"}}, home, prompt)
+            parts = []
+            for n, prompt in enumerate(spec["prompts"]):
+                if spec["mode"] != "warm":  # caches empty at every prompt
+                    home = work / f"home-{n}"
+                    shutil.copytree(spec["template"], home)
+                parts.append(_generate(spec, home, prompt))
+            out = _sum([p for p in parts if p])
+    out["peak_rss_bytes"] = _peak_rss()
+    return out
+
+
+# -- the driver -----------------------------------------------------------------------------
+
+
+def _model_dir(cache: Path, repo_id: str, p, progress: Callable[[str], None]) -> Path:
+    from expertmesh.node.devtools.tiny import k3_proportions
+
+    repo = cache / repo_id
+    if not (repo / "config.json").is_file():
+        progress(f"making {repo_id}: {p.moe_layers} MoE layers of {p.experts} experts of {p.expert_bytes:,} bytes")
+        staging = repo.with_name(repo.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        k3_proportions.build(staging, 0, p)
+        staging.rename(repo)
+    from expertmesh.node.devtools.local_hub import HubServer
+
+    hub = HubServer(repo.parent.parent)  # its shards' sha256 now, once, so the hub's hasher never competes with a run
+    if any(hub.digests.get(f) is None for f in hub.large_files()):
+        progress("hashing the shards once (kept for later runs)")
+        hub.digests.hash_all(hub.large_files())
+    hub.httpd.server_close()
+    return repo
+
+
+class _Hub:
+    """`expertmesh hub` in its own process, shaped like a home link."""
+
+    def __init__(self, root: Path, per_connection: float, link: float, ttfb: float):
+        cmd = [sys.executable, "-m", "expertmesh", "hub", str(root), "--port", "0"]
+        cmd += ["--bandwidth", str(int(link)), "--per-connection-bandwidth", str(int(per_connection))]
+        cmd += ["--ttfb", str(ttfb)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        m = re.search(r"at (http://\S+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(f"the hub did not start: {line!r}")
+        self.url = m.group(1)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _run_worker(spec: dict) -> dict:
+    r = subprocess.run(
+        [sys.executable, "-m", "expertmesh.node.devtools.bench_k3", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"{spec['name']} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _row(name: str, cap: float, link: float, got: dict) -> Row:
+    floor = got.get("demanded_bytes", 0) / link
+    wait = got.get("wait_s", 0.0)
+    tokens = max(1, got.get("tokens", 1))
+    moved = got.get("moved_bytes", 0)
+    return Row(
+        name,
+        cap,
+        s_per_token=got["s_per_token"] if "s_per_token" in got else got["wall_s"] / tokens,
+        wait_over_floor=wait / floor if floor else None,
+        useful_link_use=floor / wait if wait else None,
+        bytes_moved_over_demanded=moved / got["demanded_bytes"] if got.get("demanded_bytes") else None,
+        peak_rss_bytes=got.get("peak_rss_bytes"),
+        node_cpu_s_per_gb=got["cpu_s"] / (moved / 1e9) if moved else None,
+        tokens=got.get("tokens", 0),
+        demanded_bytes=got.get("demanded_bytes", 0),
+        moved_bytes=moved,
+        wait_s=wait,
+    )
+
+
+def run(
+    per_connection: list[float],
+    tokens: int = 4,
+    link: float = LINK_BYTES_PER_S,
+    ttfb: float = TTFB_S,
+    configs: tuple[str, ...] = ("cold", "fair_naive", "deltafin_like", "k3_replay", "warm_disk", "mlx_lm"),
+    progress: Callable[[str], None] = print,
+    proportions=None,
+    cache: Path | None = None,
+) -> dict:
+    """Every configuration at every per-connection cap; returns the JSON document.
+
+    `proportions` (k3_proportions.Proportions) defaults to K3's; `cache` (where the model is made
+    and kept) to $EXPERTMESH_HOME/bench.
+    """
+    from expertmesh.node import constants
+    from expertmesh.node.devtools.tiny import k3_proportions
+    from expertmesh.node.hub import client as hub_client
+    from expertmesh.node.hub.pull import pull
+
+    p = proportions or k3_proportions.Proportions()
+    repo_id = REPO_ID if p == k3_proportions.Proportions() else f"{REPO_ID}-{p.expert_bytes}"
+    cache = cache or constants.expertmesh_home() / "bench"
+    root = _model_dir(cache / "hub", repo_id, p, progress)
+    work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-k3-"))
+    ram = str(4 * p.expert_bytes)  # a few experts: K3's RAM holds a small share of its experts too
+    store = {"ram_budget": ram, "disk_budget": "100%"}
+    sequential = {**store, "fetch_concurrency": 1, "hub_connections": 1, "hub_pieces_per_expert": 1}
+    sequential.update(prefetch=False, fill=False, coalesce=False)
+    specs = {
+        "cold": {"mode": "generate", "store": store},
+        "fair_naive": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1]},
+        "deltafin_like": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1], "fresh_connections": True},
+        "k3_replay": {"mode": "replay", "store": {"ram_budget": "0", "disk_budget": "0", "fill": False}},
+        "warm_disk": {"mode": "warm", "store": store},
+        "mlx_lm": {"mode": "mlx_lm", "store": store},
+    }
+    rows: list[Row] = []
+    try:
+        for cap in per_connection:
+            hub = _Hub(root.parent.parent, cap, link, ttfb)
+            try:
+                template = work / f"pulled-{int(cap)}"
+                with hub_client.using_endpoint(hub.url):
+                    pull(repo_id, home=template, progress=False)
+                progress(
+                    f"link {format_size(link)}/s, {format_size(cap)}/s per connection, first byte {ttfb * 1000:.0f} ms"
+                )
+                for name in configs:
+                    spec = {
+                        "name": name,
+                        "repo_id": repo_id,
+                        "repo_dir": str(root),
+                        "hub_url": hub.url,
+                        "template": str(template),
+                        "work": str(work / f"{name}-{int(cap)}"),
+                        "tokens": tokens,
+                        "top_k": p.top_k,
+                        "prompts": list(PROMPTS),
+                        **specs[name],
+                    }
+                    progress(f"  {name} ...")
+                    t0 = time.perf_counter()
+                    row = _row(name, cap, link, _run_worker(spec))
+                    rows.append(row)
+                    progress(f"  {name}: {row.s_per_token:.2f} s/token ({time.perf_counter() - t0:.0f} s)")
+                cold = next((r for r in rows if r.name == "cold" and r.per_connection_bytes_per_s == cap), None)
+                if cold and cold.tokens:
+                    rows.append(Row("floor", cap, s_per_token=cold.demanded_bytes / link / cold.tokens))
+            finally:
+                hub.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "model": {"repo": repo_id, **asdict(p), "expert_bytes": p.expert_bytes},
+        "link": {"bytes_per_s": link, "ttfb_s": ttfb},
+        "tokens_per_prompt": tokens,
+        "load": os.getloadavg(),
+        "configs": [asdict(r) for r in rows],
+    }
+
+
+def print_table(doc: dict, out=print) -> None:
+    out(f"{'config':<14} {'cap MB/s':>8} {'s/token':>8} {'wait/floor':>10} {'link use':>8} {'moved/dem':>9} "
+        f"{'peak RSS':>10} {'CPU s/GB':>8}")  # fmt: skip
+    for r in doc["configs"]:
+
+        def f(v, fmt):
+            return "-" if v is None else format(v, fmt)
+
+        rss = format_size(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "-"
+        out(
+            f"{r['name']:<14} {r['per_connection_bytes_per_s'] / 1e6:>8.1f} {r['s_per_token']:>8.2f} "
+            f"{f(r['wait_over_floor'], '.2f'):>10} {f(r['useful_link_use'], '.2f'):>8} "
+            f"{f(r['bytes_moved_over_demanded'], '.2f'):>9} {rss:>10} {f(r['node_cpu_s_per_gb'], '.2f'):>8}"
+        )
+    by = {(r["name"], r["per_connection_bytes_per_s"]): r for r in doc["configs"]}
+    for (name, cap), r in by.items():
+        if name != "cold":
+            continue
+        for base in ("fair_naive", "deltafin_like"):
+            b = by.get((base, cap))
+            if b and r["s_per_token"]:
+                out(f"at {cap / 1e6:.1f} MB/s per connection cold is {b['s_per_token'] / r['s_per_token']:.2f}x {base}")
+    out(f"load average: {', '.join(f'{x:.2f}' for x in doc['load'])}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(json.loads(sys.argv[1]))))

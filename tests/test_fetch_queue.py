@@ -1,0 +1,76 @@
+"""The fetch queue's rules, with a scripted tier: one fetch per expert however many ask, demands
+before guesses, and a guess that proved wrong gives its link up unless a demand came for it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from expertmesh.node.errors import Abandoned
+from expertmesh.node.store.fetch_queue import FetchQueue
+from expertmesh.node.store.priority import DEMAND, PREFETCH
+from expertmesh.node.store.tier_chain import Fetched
+
+
+class _SlowTier:
+    """Takes `steps` x 5 ms per expert, asking `abandon` between steps, as the Hub tier does between chunks."""
+
+    def __init__(self, steps: int = 40):
+        self.steps = steps
+        self.started: list = []
+        self.lock = threading.Lock()
+
+    def fetch(self, key, keep_now: bool = False, abandon=None) -> Fetched:
+        with self.lock:
+            self.started.append(key)
+        for _ in range(self.steps):
+            if abandon is not None and abandon():
+                raise Abandoned(f"{key} gave up")
+            time.sleep(0.005)
+        return Fetched(weights=None, source="hub", seconds=0.0)
+
+    def fetch_run(self, keys, keep_now: bool = False, abandon=None) -> list:
+        return [self.fetch(k, keep_now, abandon) for k in keys]
+
+
+def _queue(tier: _SlowTier, stale: set, workers: int = 1) -> FetchQueue:
+    q = FetchQueue(tier.fetch, tier.fetch_run, workers, stale=lambda key: key in stale)
+    q.start()
+    return q
+
+
+def test_a_wrong_guess_gives_its_link_up_and_a_wanted_one_does_not() -> None:
+    tier, stale = _SlowTier(), set()
+    q = _queue(tier, stale)
+    try:
+        wrong = q.submit((1, 1), PREFETCH)
+        stale.add((1, 1))  # its pass came and did not want it
+        with pytest.raises(Abandoned):
+            wrong.result(timeout=10)
+        guess = q.submit((1, 2), PREFETCH)
+        assert q.submit((1, 2), DEMAND) is guess  # the demand joins the guess's fetch
+        stale.add((1, 2))  # settled: no longer a pending guess, but a demand waits for it
+        assert guess.result(timeout=10).source == "hub"
+        assert not q.demanded((1, 2)) and q.in_flight_count() == 0
+    finally:
+        q.close()
+
+
+def test_demands_go_before_queued_guesses_and_each_expert_is_fetched_once() -> None:
+    tier, stale = _SlowTier(steps=4), set()
+    q = _queue(tier, stale)
+    try:
+        first = q.submit((1, 0), DEMAND)  # occupies the one worker
+        guesses = [q.submit((2, e), PREFETCH) for e in range(3)]
+        demands = [q.submit((3, e), DEMAND) for e in range(3)]
+        again = q.submit((3, 0), DEMAND)
+        assert again is demands[0]
+        for f in [first, *demands, *guesses]:
+            f.result(timeout=10)
+        order = tier.started
+        assert order[0] == (1, 0) and order[1:4] == [(3, 0), (3, 1), (3, 2)]  # demands, then guesses
+        assert len(order) == len(set(order)) == 7
+    finally:
+        q.close()
