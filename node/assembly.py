@@ -102,6 +102,8 @@ class Node:
         self._started = True
         try:
             self.disk.start()
+            if self.model is not None:
+                self.model.limit_buffer_cache()
             if self.store is not None:
                 self.store.start()
             self.hub.start()

@@ -70,8 +70,9 @@ def test_guesses_go_out_behind_demands_that_outnumber_the_workers(home: Path) ->
     """K3's regime: almost every use of a token is a miss, so a layer's demands outnumber the
     fetch workers. The next layer's guesses are still fetched — queued behind the demands, never
     before them — and are ready when their pass comes."""
+    # RAM room for the staged guesses (they count against it), 2 fetch workers
     sm = open_model(
-        REPO_ID, home=home, store=StoreConfig(ram_budget="1", disk_budget="0", fetch_concurrency=2, fill=False)
+        REPO_ID, home=home, store=StoreConfig(ram_budget="1MB", disk_budget="0", fetch_concurrency=2, fill=False)
     )
     try:
         store = sm.store

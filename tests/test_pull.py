@@ -249,3 +249,25 @@ def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: 
         loc = next(iter(peer.index.experts.values()))
         assert peer.held_copy(loc) is None and len(peer.fetch_as_owner(loc)) == loc.nbytes
         assert peer.held_copy(loc) is not None  # kept, and it passes its own digest
+
+
+def test_pull_keeps_its_requests_in_flight(hub: HubServer, tmp_path: Path) -> None:
+    """`--concurrency N` means N ranges in flight, also while each waits for its first byte."""
+    _reset(hub)
+    hub.knobs.ttfb_s = 0.3  # every request waits, so the ones in flight overlap for certain
+    try:
+        pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False, concurrency=3)
+    finally:
+        hub.knobs.ttfb_s = 0.0
+    assert hub.stats()["peak_waiting"] == 3
+
+
+def test_a_core_of_few_large_spans_is_split_so_every_connection_has_work() -> None:
+    from expertmesh.node.hub.expert_index import ExpertIndex, TensorSlice
+    from expertmesh.node.hub.pull import MIN_PART_BYTES, PARTS_PER_CORE, _plan_parts
+
+    big = 3 * 1024**3  # one span of 3 GB, as a K3 layer's core can be
+    core = {"a": TensorSlice("a", "U8", (big,), "s1.safetensors", 0, big)}
+    parts = _plan_parts(ExpertIndex("x/y", "0" * 40, {"s1.safetensors": big}, core, {}))
+    assert len(parts) >= PARTS_PER_CORE and all(MIN_PART_BYTES <= p.nbytes <= 64 * 1024**2 for p in parts)
+    assert parts[0].start == 0 and parts[-1].end == big and all(a.end == b.start for a, b in zip(parts, parts[1:]))

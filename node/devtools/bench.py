@@ -107,7 +107,13 @@ class ConfigResult:
     hub_bytes_per_token: float
     hub_requests: int = 0  # every request the Hub answered during the configuration (ranges, redirects)
     bytes_by_source: dict[str, int] = field(default_factory=dict)
-    link_utilisation: float | None = None  # hub bytes during decode / link bandwidth / decode wall time
+    # the link's honest share: bytes decode waited for from the Hub / link bandwidth / seconds waited
+    # (fills and wasted guesses do not count; 1.0 means every wait lasted exactly the transfer's floor)
+    useful_link_use: float | None = None
+    wait_over_floor: float | None = None  # seconds decode waited for experts / that floor
+    # how busy the link was: every byte the Hub sent during decode (fills and guesses included) /
+    # link bandwidth / decode wall time
+    link_utilisation: float | None = None
     # the same over the decode time while something was still fetched from the Hub (until the
     # last token after which no more Hub bytes came)
     link_utilisation_while_fetching: float | None = None
@@ -155,11 +161,14 @@ def _run_prompts(
     out = []
     for ids in prompts:
         summary = GenerationSummary()
-        ids_out, samples = [], []  # (time, link bytes) after each token
+        ids_out, samples, first = [], [], None  # (time, link bytes) after each token
         for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary):
             ids_out.append(t.id)
             samples.append((time.perf_counter(), link_bytes()))
+            if first is None:
+                first = sm.store.stats.snapshot()  # decode's waits are counted from here
         summary.ids = ids_out  # type: ignore[attr-defined]
+        summary.decode_experts = sm.store.stats.since(first) if first else None  # type: ignore[attr-defined]
         summary.decode_link_bytes = samples[-1][1] - samples[0][1] if samples else 0  # type: ignore[attr-defined]
         last = next((t for t, b in samples if samples and b == samples[-1][1]), 0.0)
         summary.decode_fetch_s = last - samples[0][0] if summary.decode_link_bytes else 0.0  # type: ignore[attr-defined]
@@ -181,6 +190,9 @@ def _result(
     decode_wall = sum(s.seconds - s.time_to_first_token_s for s in summaries)
     decode_bytes = sum(getattr(s, "decode_link_bytes", 0) for s in summaries)
     fetching = sum(getattr(s, "decode_fetch_s", 0.0) for s in summaries)
+    decode = [s.decode_experts for s in summaries if getattr(s, "decode_experts", None) is not None]
+    waited_floor = sum(d.bytes["hub"] for d in decode) / link.bandwidth
+    waited = sum(d.wait_seconds for d in decode)
     return ConfigResult(
         name=name,
         s_per_token=statistics.median(_decode_s_per_token(s) for s in summaries),
@@ -188,6 +200,8 @@ def _result(
         tokens=tokens,
         hub_bytes_per_token=hub_bytes / max(1, tokens),
         bytes_by_source={k: sum(s.experts.bytes[k] for s in summaries) for k in SOURCES},
+        useful_link_use=waited_floor / waited if waited > 0 else None,
+        wait_over_floor=waited / waited_floor if waited_floor > 0 else None,
         link_utilisation=decode_bytes / link.bandwidth / decode_wall if decode_wall > 0 else None,
         link_utilisation_while_fetching=decode_bytes / link.bandwidth / fetching if fetching > 0 else None,
         ram_hit_rate=uses["ram"] / total,
@@ -389,8 +403,8 @@ def run_bench(
 def print_table(doc: dict, out=print) -> None:
     configs = {c["name"]: c for c in doc["configs"]}
     out(
-        f"{'config':<10} {'ms/token':>9} {'vs mlx_lm':>9} {'TTFT s':>7} {'hub B/token':>11} {'link use':>8} "
-        f"{'RAM hit':>7} {'Belady':>7} {'ready':>7} {'disk hit':>8}"
+        f"{'config':<10} {'ms/token':>9} {'vs mlx_lm':>9} {'TTFT s':>7} {'hub B/token':>11} {'useful':>6} "
+        f"{'busy':>5} {'RAM hit':>7} {'Belady':>7} {'ready':>7} {'disk hit':>8}"
     )
 
     def f(v, fmt):
@@ -400,7 +414,8 @@ def print_table(doc: dict, out=print) -> None:
     for c in doc["configs"]:
         out(
             f"{c['name']:<10} {c['s_per_token'] * 1000:>9.2f} {c['s_per_token'] / base:>8.2f}x {c['ttft_s']:>7.3f} "
-            f"{c['hub_bytes_per_token']:>11.0f} {f(c['link_utilisation'], '.2f'):>8} {f(c['ram_hit_rate'], '.3f'):>7} "
+            f"{c['hub_bytes_per_token']:>11.0f} {f(c.get('useful_link_use'), '.2f'):>6} "
+            f"{f(c['link_utilisation'], '.2f'):>5} {f(c['ram_hit_rate'], '.3f'):>7} "
             f"{f(c['belady_ram_hit_rate'], '.3f'):>7} {f(c.get('ready_hit_rate'), '.3f'):>7} "
             f"{f(c['disk_hit_rate'], '.3f'):>8}"
         )
@@ -412,11 +427,15 @@ def print_table(doc: dict, out=print) -> None:
                 f"without waiting {c['ready_hit_rate'] / c['belady_staged_hit_rate']:.2f}x Belady's with the same "
                 f"memory (budget + staged guesses)"
             )
+    out(
+        "useful: bytes decode waited for from the Hub / link bandwidth / seconds it waited; "
+        "busy: every byte the Hub sent during decode (fills, guesses) / bandwidth / decode time"
+    )
     for c in doc["configs"]:
         if c.get("link_utilisation_while_fetching"):
             out(
-                f"{c['name']}: link use {c['link_utilisation']:.2f} over decode, {c['link_utilisation_while_fetching']:.2f} "
-                "while anything was left to fetch"
+                f"{c['name']}: link busy {c['link_utilisation']:.2f} over decode, "
+                f"{c['link_utilisation_while_fetching']:.2f} while anything was left to fetch"
             )
     if "naive" in configs and "cold" in configs:
         out(

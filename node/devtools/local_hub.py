@@ -336,6 +336,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # quiet: tests and demos read stdout
         pass
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # the client hung up (a cancelled fetch, a closed keep-alive connection): nothing to report
+
     def setup(self) -> None:
         super().setup()
         self.bucket = TokenBucket()

@@ -53,6 +53,18 @@ class StreamedModel:
         if self._close is not None:
             self._close()
 
+    def limit_buffer_cache(self) -> int:
+        """Keep MLX's cache of freed buffers to one expert's worth (returned, in bytes).
+
+        MLX keeps freed buffers for reuse, by default up to its memory limit: every expert a layer
+        decoded and let go would stay resident, outside the RAM budget. An expert is a few large
+        buffers, cheap to allocate again next to the time it takes to fetch or read.
+        """
+        expert_bytes = max((loc.nbytes for loc in self.index.experts.values()), default=0)
+        limit = expert_bytes
+        mx.set_cache_limit(limit)
+        return limit
+
 
 def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> StreamedModel:
     """Load a pulled model's core and tokenizer; its blocks stream once bound to a store.

@@ -227,13 +227,23 @@ def _build_index(repo_id: str, commit: str, files: list[str], reader: RangeReade
     return build_index(repo_id, commit, headers)
 
 
+MIN_PART_BYTES = 1024 * 1024
+PARTS_PER_CORE = 64  # a core of a few spans still gives every connection work to do
+
+
 def _plan_parts(index: ExpertIndex) -> list[_Part]:
-    """Core bytes as ranges: adjacent core tensors coalesce, big spans split for resume."""
+    """Core bytes as ranges: adjacent core tensors coalesce, and spans are split into parts of
+    about 1/PARTS_PER_CORE of the core (between MIN_PART_BYTES and MAX_RANGE_BYTES), so the
+    configured number of requests stay in flight even when the core is a few large spans, and a
+    resume loses at most one part per request. The plan depends on the core alone, so a resumed
+    pull finds the parts of the one it resumes."""
     spans = coalesce((t.file, t.start, t.end) for t in index.core.values())
+    total = sum(s.end - s.start for s in spans)
+    size = min(constants.MAX_RANGE_BYTES, max(MIN_PART_BYTES, total // PARTS_PER_CORE))
     parts = []
     for span in spans:
-        for start in range(span.start, span.end, constants.MAX_RANGE_BYTES):
-            parts.append(_Part(span.file, start, min(span.end, start + constants.MAX_RANGE_BYTES)))
+        for start in range(span.start, span.end, size):
+            parts.append(_Part(span.file, start, min(span.end, start + size)))
     return parts
 
 

@@ -158,14 +158,19 @@ class FetchQueue:
                 self._started.add(key)
             return futs
 
-    def release(self, keys: Iterable[ExpertKey]) -> None:
-        """The claimed fetch of `keys` is over (its futures are the caller's to resolve)."""
+    def release(self, keys: Iterable[ExpertKey]) -> set[ExpertKey]:
+        """The claimed fetch of `keys` is over (its futures are the caller's to resolve); returns
+        those a demand waits for: from here on a new demand makes a new fetch, so this is final."""
         with self._lock:
+            demanded = set()
             for key in keys:
                 self._inflight.pop(key, None)
                 self._started.discard(key)
-                self._demanded.discard(key)
+                if key in self._demanded:
+                    demanded.add(key)
+                    self._demanded.discard(key)
             self.changed.notify_all()
+            return demanded
 
     def release_unless_demanded(self, key: ExpertKey) -> bool:
         """Give up a claimed fetch that no demand waits for (its future is the caller's to fail);

@@ -27,7 +27,7 @@ from expertmesh.node.store.prefetch import Prefetcher
 from expertmesh.node.store.priority import FILL, fetching_as
 from expertmesh.node.store.runs import fill_run
 from expertmesh.node.store.stats import ExpertKey, StoreStats
-from expertmesh.node.store.tier_chain import TierChain
+from expertmesh.node.store.tier_chain import Fetched, TierChain
 from expertmesh.node.store.tiers.ram import RamCache
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class IdleFill:
         self._next = 0
         self._retry: list[ExpertKey] = []  # fills that gave their link up to a demand, to try again
         self._reserved = 0  # bytes of fills in flight, counted against the disk's free room
+        # and against memory: fills in flight hold at most one expert's bytes per fetch worker
+        self._memory_cap = fetches.workers * max((loc.nbytes for loc in index.experts.values()), default=0)
         self._run = 1  # experts per fill request: doubles with each run the disk kept
         self._active_until = -1.0
         self._closing = False
@@ -92,7 +94,12 @@ class IdleFill:
         return self._next >= len(self._order) and not self._retry
 
     def _may_fill(self) -> bool:
-        return time.monotonic() < self._active_until and not self.fetches.demand_busy and not self.prefetcher.in_flight
+        return (
+            time.monotonic() < self._active_until
+            and not self.fetches.demand_busy
+            and not self.prefetcher.in_flight
+            and self._reserved < self._memory_cap
+        )
 
     def _wanted(self, key: ExpertKey) -> bool:
         """Neither held, nor being fetched, nor someone else's to hold (under the queue's lock)."""
@@ -119,7 +126,8 @@ class IdleFill:
                 return []
             if runs is None:
                 return [key]
-            return fill_run(self.index, key, self._run, runs.run_bytes, self._wanted, self._has_room)
+            run_bytes = min(runs.run_bytes, max(self.index.expert(*key).nbytes, self._memory_cap - self._reserved))
+            return fill_run(self.index, key, self._run, run_bytes, self._wanted, self._has_room)
         return []
 
     def _loop(self) -> None:
@@ -140,12 +148,23 @@ class IdleFill:
             with fetching_as(FILL):
                 # "kept" below must be known, so the disk write comes first; and a fill gives its
                 # link up to any demand but one for these very experts
-                results = self.chain.fetch_run(run, keep_now=True, abandon=lambda run=run: self._yield_to_demand(run))
+                results = self.chain.fetch_run(
+                    run, keep_now=True, abandon=lambda run=run: self._yield_to_demand(run), decode=False
+                )
             with self.fetches.changed:
                 self._reserved -= sum(self.index.expert(*k).nbytes for k in run)
             run, futs, results = self._finish_abandoned(run, futs, results)
-            self.fetches.release(run)
-            if not self._settle(run, futs, results):
+            demanded = self.fetches.release(run)
+            results = [  # decoded only for a demand that joined (a fill needs the bytes on disk, not in
+                # MLX); for nobody, not even the bytes are kept
+                (self.chain.decoded(k, r) if k in demanded else Fetched(None, r.source, r.seconds))
+                if isinstance(r, Fetched)
+                else r
+                for k, r in zip(run, results)
+            ]
+            going_on = self._settle(run, futs, results)
+            del futs, results  # nothing of this run stays referenced while the thread waits
+            if not going_on:
                 return
 
     def _yield_to_demand(self, run: list[ExpertKey]) -> bool:

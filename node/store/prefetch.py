@@ -4,8 +4,9 @@ While a layer's experts arrive, the engine applies the next MoE layer's router t
 input and hands the store its guess. Guesses are queued behind every demand (the fetch queue and
 the Hub's connection pool take demands first), so a worker starts a guess only when no demand
 waits, and they are staged beside the RAM tier (not in its policy) until the pass they were for
-demands or drops them. At most MAX_GUESSES_PER_WORKER x workers guesses are outstanding, which
-bounds the memory staged guesses hold. A guess must never delay a demand, and it is only worth its
+demands or drops them. Staged guesses are decoded experts, so they count against the RAM budget:
+at most as many guesses are outstanding (in flight or staged) as the RAM tier holds experts, never
+fewer than one per fetch worker nor more than MAX_GUESSES_PER_WORKER per worker. A guess must never delay a demand, and it is only worth its
 compute while guesses are mostly right: below PREFETCH_MIN_ACCURACY over the last
 PREFETCH_WINDOW guesses, prefetch pauses for PREFETCH_PAUSE_CALLS layer calls, then tries again.
 """
@@ -28,8 +29,11 @@ MAX_GUESSES_PER_WORKER = 2  # K3: 16 guesses (one layer's top-k) with 8 fetch wo
 
 
 class Prefetcher:
-    def __init__(self, fetches: FetchQueue, ram: RamCache, stats: StoreStats, enabled: bool = True):
+    def __init__(
+        self, fetches: FetchQueue, ram: RamCache, stats: StoreStats, enabled: bool = True, expert_bytes: int = 1
+    ):
         self.fetches = fetches
+        self.expert_bytes = expert_bytes
         self.ram = ram
         self.stats = stats
         self.enabled = enabled
@@ -39,6 +43,12 @@ class Prefetcher:
         self._prefetching: set[ExpertKey] = set()  # guesses whose fetch has not finished
         self._window = [0, 0]  # used, wasted since the last accuracy check
         self._paused_calls = 0  # prefetch pauses for this many layer calls after poor guesses
+
+    def budget(self) -> int:
+        """Guesses in flight or staged at most: as many as the RAM tier holds (staged guesses
+        are decoded experts too), at least one per fetch worker, at most two."""
+        slots = self.ram.slots(self.expert_bytes)
+        return min(MAX_GUESSES_PER_WORKER * self.fetches.workers, max(self.fetches.workers, slots))
 
     def wants_guesses(self) -> bool:
         """Whether guessing the next layer is worth its (small) compute right now."""
@@ -53,7 +63,7 @@ class Prefetcher:
         """Fetch likely experts of `layer` at low priority, if the workers have room and guesses pay."""
         if not self.wants_guesses():
             return
-        budget = MAX_GUESSES_PER_WORKER * self.fetches.workers
+        budget = self.budget()
         for e in experts:
             key = (layer, int(e))
             if key in self.ram:

@@ -40,8 +40,9 @@ class StoreStats:
     integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
     remote: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMOTE_COUNTS, 0))
-    # what generation waited for: the bytes of experts demanded and not yet here (neither in RAM
-    # nor an arrived guess), and the seconds a layer call waited for them
+    # what generation waited for over a link: the bytes of demanded experts that came from the
+    # Hub or a peer (not in RAM, not an arrived guess, not on disk), and the seconds the layer
+    # calls that waited for them waited
     waited_bytes: int = 0
     wait_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -68,7 +68,7 @@ class ExpertStore:
         self.fetches = FetchQueue(
             chain.fetch, chain.fetch_run, workers, finished=self._arrived, stale=lambda key: self.prefetcher.stale(key)
         )
-        self.prefetcher = Prefetcher(self.fetches, ram, self.stats, enabled=prefetch)
+        self.prefetcher = Prefetcher(self.fetches, ram, self.stats, enabled=prefetch, expert_bytes=self._expert_bytes)
         self.fill = None
         if fill_order:
             self.fill = IdleFill(
@@ -162,10 +162,15 @@ class ExpertStore:
             self.prefetch(*guess)
         if waiting:
             t0 = time.perf_counter()
-            for e, fut in waiting.items():
-                out[e] = self._use((layer, e), fut.result())
-            waited = sum(self.index.expert(layer, e).nbytes for e in waiting)
-            self.stats.record_wait(waited, time.perf_counter() - t0)
+            fetched = {e: fut.result() for e, fut in waiting.items()}
+            seconds = time.perf_counter() - t0
+            for e, f in fetched.items():
+                out[e] = self._use((layer, e), f)
+            # a wait that included bytes from beyond this machine waited for the link; one that
+            # only read the disk did not (it is the disk's)
+            far = sum(self.index.expert(layer, e).nbytes for e, f in fetched.items() if f.source in ("hub", "peer"))
+            if far:
+                self.stats.record_wait(far, seconds)
         return out
 
     def _demand(self, layer: int, experts: list[int]) -> dict[int, Future]:

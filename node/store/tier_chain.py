@@ -29,11 +29,13 @@ INTEGRITY_RETRIES = 2  # refetches from a remote tier whose bytes failed their s
 
 @dataclass
 class Fetched:
-    """A decoded expert and where it came from."""
+    """A decoded expert and where it came from; a fill that nobody waited for keeps its `blob`
+    instead (decoding is for someone who computes with it)."""
 
-    weights: ExpertWeights
+    weights: ExpertWeights | None
     source: str
     seconds: float
+    blob: bytes | bytearray | memoryview | None = None
 
 
 class TierChain:
@@ -64,7 +66,9 @@ class TierChain:
         self.digests = digests
         self.runs = runs
 
-    def fetch(self, key: ExpertKey, keep_now: bool = False, abandon: Callable[[], bool] | None = None) -> Fetched:
+    def fetch(
+        self, key: ExpertKey, keep_now: bool = False, abandon: Callable[[], bool] | None = None, decode: bool = True
+    ) -> Fetched:
         """The expert from the nearest tier with a good copy. Bytes from beyond this machine are
         queued for the disk (written behind), or written before returning with `keep_now`.
         `abandon`: a fetch nobody waits for gives up its link to a demand when it says so
@@ -87,17 +91,29 @@ class TierChain:
                 blob = None
             if blob is None:
                 continue
-            weights = self.codec.decode(loc, blob)
             if not tier.local:
                 self.disk.put(loc, blob, wait=keep_now)
-            return Fetched(weights, tier.source, time.perf_counter() - t0)
+            if not decode:
+                return Fetched(None, tier.source, time.perf_counter() - t0, blob)
+            return Fetched(self.codec.decode(loc, blob), tier.source, time.perf_counter() - t0)
+
+    def decoded(self, key: ExpertKey, fetched: Fetched) -> Fetched:
+        """`fetched` with its weights, decoded from its blob if it came as bytes."""
+        if fetched.weights is not None:
+            return fetched
+        return Fetched(self.codec.decode(self.index.expert(*key), fetched.blob), fetched.source, fetched.seconds)
         raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
 
     def fetch_run(
-        self, keys: list[ExpertKey], keep_now: bool = False, abandon: Callable[[], bool] | None = None
+        self,
+        keys: list[ExpertKey],
+        keep_now: bool = False,
+        abandon: Callable[[], bool] | None = None,
+        decode: bool = True,
     ) -> list[Fetched | BaseException]:
         """Each expert of a run, fetched as one request when there are several; an expert whose
-        bytes fail their checks is fetched again on its own (with `fetch`'s retries)."""
+        bytes fail their checks is fetched again on its own (with `fetch`'s retries). Without
+        `decode` the run's experts come back as bytes (`Fetched.blob`)."""
         out: list[Fetched | BaseException] = []
         blobs: list[bytes | None] = [None] * len(keys)
         runs = self.runs if len(keys) > 1 else None
@@ -114,11 +130,13 @@ class TierChain:
             loc = self.index.expert(*key)
             try:
                 if blob is not None and len(blob) == loc.nbytes and self.verify(key, runs, blob):
-                    weights = self.codec.decode(loc, blob)
                     self.disk.put(loc, blob, wait=keep_now)
-                    out.append(Fetched(weights, runs.source, seconds))
+                    if decode:
+                        out.append(Fetched(self.codec.decode(loc, blob), runs.source, seconds))
+                    else:
+                        out.append(Fetched(None, runs.source, seconds, blob))
                 else:
-                    out.append(self.fetch(key, keep_now, abandon))
+                    out.append(self.fetch(key, keep_now, abandon, decode))
             except BaseException as e:  # noqa: BLE001 - handed to a demand that joined, if any
                 out.append(e)
         return out

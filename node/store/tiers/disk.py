@@ -32,12 +32,13 @@ from pathlib import Path
 
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.store.buffers import expert_buffer
 from expertmesh.node.store.integrity import DigestBook
 
 logger = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
-WRITE_BEHIND_BYTES = 256 * 1024 * 1024  # queued writes at most (K3: about 15 experts); `put` waits beyond
+WRITE_BEHIND_EXPERTS = 2  # queued writes at most (an SSD drains them in milliseconds); `put` waits beyond
 # errors that mean the disk will not take more: the tier turns itself off
 _DISK_REFUSES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
 
@@ -64,6 +65,7 @@ class DiskCache:
         self._pending: dict[tuple[int, int], bytes | bytearray] = {}  # queued for the writer, readable
         self._queue: deque[tuple[int, int]] = deque()
         self._pending_bytes = 0
+        self._pending_max = WRITE_BEHIND_EXPERTS * max((loc.nbytes for loc in index.experts.values()), default=0)
         self._writer: threading.Thread | None = None
         self._closing = False
         self.nbytes = 0
@@ -128,7 +130,7 @@ class DiskCache:
             if key not in self._files or key in self._writing:
                 return None
             self._files.move_to_end(key)
-        blob = bytearray(loc.nbytes)
+        blob = expert_buffer(loc.nbytes)
         try:
             got = _pread_into(self._path(*key), blob)
         except FileNotFoundError:
@@ -174,7 +176,7 @@ class DiskCache:
                 return
             self._reserve(key, size)
             if self._writer is not None and not wait and not self._closing:
-                while self._pending_bytes + size > WRITE_BEHIND_BYTES and self._pending and not self._closing:
+                while self._pending_bytes + size > self._pending_max and self._pending and not self._closing:
                     self._queued.wait()  # bounded: the fetch path slows to the disk's pace
                 if key not in self._writing:
                     return  # evicted while we waited

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from expertmesh.node import constants
 from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.hub.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
+from expertmesh.node.store.buffers import expert_buffer
 from expertmesh.node.store.priority import PriorityPool
 
 DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
@@ -96,7 +97,7 @@ class HubSource:
 
     def fetch(self, loc: ExpertLocation, abandon: Callable[[], bool] | None = None) -> bytearray:
         """The expert's bytes, its pieces read on separate connections straight into one buffer."""
-        blob = bytearray(loc.nbytes)
+        blob = expert_buffer(loc.nbytes)
         try:
             pieces = split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes)
             self._read_pieces(pieces, memoryview(blob), abandon)
@@ -122,7 +123,7 @@ class HubSource:
         merged = run_ranges(locs)
         if merged is None:
             raise ValueError("fetch_run needs experts whose byte ranges lie back to back")
-        buffer = bytearray(sum(m.nbytes for m in merged))
+        buffer = expert_buffer(sum(m.nbytes for m in merged))
         view = memoryview(buffer)
         try:
             self._read_pieces(split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes), view, abandon)

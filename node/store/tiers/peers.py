@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2
 from expertmesh.node.household.membership import Peer, PeerTable, expert_key
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
+from expertmesh.node.store.buffers import expert_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class PeerSource:
 
     def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> bytearray | None:
         t0 = time.perf_counter()
-        blob = bytearray(loc.nbytes)  # the chunks land in place: no join
+        blob = expert_buffer(loc.nbytes)  # the chunks land in place: no join
         try:
             size, digest, received = None, None, 0
             for chunk in self.client(peer.address).fetch_expert(
