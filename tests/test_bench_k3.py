@@ -1,0 +1,60 @@
+"""`expertmesh bench --model k3-proportions` on a very small variant: its JSON carries exactly the
+field names issue 20 fixed, and its baseline moves only what it demands, no faster than the link.
+The speed figures themselves come from the real-size run in docs/benchmarks.md, not from here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from expertmesh.node.devtools import bench_k3
+from expertmesh.node.devtools.tiny import k3_proportions
+
+TINY = k3_proportions.Proportions(moe_layers=2, experts=16, top_k=4, latent=256, intermediate=256, hidden=64)
+CAP = 20e6
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    got = bench_k3.run(
+        [CAP],
+        tokens=2,
+        configs=("cold", "fair_naive", "k3_replay"),
+        progress=lambda _m: None,
+        proportions=TINY,
+        cache=tmp_path_factory.mktemp("bench-k3"),
+    )
+    return json.loads(json.dumps(got))  # what --json writes
+
+
+@pytest.mark.e2e
+def test_every_config_reports_the_agreed_fields(doc: dict) -> None:
+    rows = {r["name"]: r for r in doc["configs"]}
+    assert set(rows) == {"cold", "fair_naive", "k3_replay", "floor"}
+    for name in ("cold", "fair_naive", "k3_replay"):
+        row = rows[name]
+        assert set(bench_k3.FIELDS) <= set(row), name
+        assert row["per_connection_bytes_per_s"] == CAP
+        assert row["tokens"] > 0 and row["s_per_token"] > 0, name
+        assert row["peak_rss_bytes"] > 0 and row["node_cpu_s_per_gb"] > 0, name
+    assert doc["model"]["expert_bytes"] == TINY.expert_bytes
+    assert doc["link"]["bytes_per_s"] == bench_k3.LINK_BYTES_PER_S
+
+
+@pytest.mark.e2e
+def test_the_baseline_moves_only_what_it_demands_at_no_more_than_the_link(doc: dict) -> None:
+    rows = {r["name"]: r for r in doc["configs"]}
+    naive = rows["fair_naive"]
+    # one connection, one expert at a time, no guesses, no fill: every byte it moves was waited for,
+    # and no faster than the link carries it (the floor: demanded bytes at the link's full rate)
+    assert naive["bytes_moved_over_demanded"] == pytest.approx(1.0)
+    assert naive["wait_over_floor"] >= 0.95
+    for name in ("cold", "fair_naive", "k3_replay"):
+        row = rows[name]
+        assert row["demanded_bytes"] > 0 and row["demanded_bytes"] % TINY.expert_bytes == 0, name
+        assert row["useful_link_use"] == pytest.approx(1 / row["wait_over_floor"], rel=1e-6)
+    floor = rows["floor"]
+    assert floor["s_per_token"] == pytest.approx(
+        rows["cold"]["demanded_bytes"] / doc["link"]["bytes_per_s"] / rows["cold"]["tokens"]
+    )
