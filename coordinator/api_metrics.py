@@ -1,6 +1,10 @@
-"""The coordinator's own metrics on its `/metrics`: API responses by endpoint and status, and
-the generation queue. Nodes export the expert and token metrics (node/observability/metrics.py); these say how
-the front door is doing — how often people are turned away (429) or failed (5xx)."""
+"""The coordinator's own metrics: API responses by endpoint and status, and the generation queue.
+Nodes export the expert and token metrics (node/observability/metrics.py); these say how the
+front door is doing — how often people are turned away (429) or failed (5xx).
+
+They are on the API's `/metrics`, and a node that serves both the API and `/metrics` registers
+them on its node registry too (node/assembly.py): that is the port the node advertises and
+`expertmesh prometheus-targets` lists, so Prometheus finds them without a target of their own."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/healthz", "/metrics")
+# Every label name used here; none may be a target label (node/observability/prometheus_targets.py).
+LABELS = ("endpoint", "code", "state")
 
 
 class ApiMetrics(Collector):

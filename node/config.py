@@ -75,10 +75,21 @@ class RpcConfig:
 
 @dataclass
 class MetricsConfig:
-    """Prometheus `/metrics` of the node."""
+    """Prometheus `/metrics` of the node.
+
+    `linger_s`: how long `run` keeps `/metrics` up after its generation at most, waiting for one
+    scrape of the final counts (observability/metrics.py's `MetricsServer.linger` says why); 0
+    stops it at once. `serve` runs until stopped and does not linger.
+    """
 
     host: str = "127.0.0.1"
     port: int = 0  # 0 picks a free port
+    linger_s: float = 0.0
+
+
+# `run --metrics-linger`'s default: three scrape intervals of deploy/prometheus/prometheus.yml (5 s),
+# so one failed or late scrape still leaves another; a scrape ends the linger at once.
+RUN_METRICS_LINGER_S = 15.0
 
 
 @dataclass

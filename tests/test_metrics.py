@@ -1,32 +1,50 @@
 """Metrics you can trust: a real Prometheus (Debian's package) scrapes a real node during a gRPC
 generation on the tiny Kimi K3; every PromQL expression of the Grafana dashboard returns data; the
-counters equal the generation's own summary; promtool accepts the config and a scrape; and the
-targets file follows the metrics ports that nodes advertise over zeroconf."""
+counters equal the generation's own summary; promtool accepts the config and a scrape; the
+targets file follows the metrics ports that nodes advertise over zeroconf; Prometheus fed by
+`expertmesh prometheus-targets` shows each node's own view of its peers' roles, and idle ratio
+panels no data; the API's counts come through the node's own target; and `run --metrics-port`
+keeps serving its final counts until they are scraped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
-from nodes import serving
 from prometheus_client.parser import text_string_to_metric_families
 
-from expertmesh.node.config import MetricsConfig, StoreConfig
+from expertmesh.coordinator.api_metrics import LABELS as API_LABELS
+from expertmesh.node.assembly import Node, build_node
+from expertmesh.node.config import (
+    ApiConfig,
+    HouseholdConfig,
+    MetricsConfig,
+    NodeConfig,
+    RpcConfig,
+    SpeculationConfig,
+    StoreConfig,
+)
 from expertmesh.node.household.discovery import Advertisement, Discovery
 from expertmesh.node.household.membership import PeerTable
-from expertmesh.node.observability.prometheus_targets import TargetsWatcher
+from expertmesh.node.observability.metrics import LABELS as NODE_LABELS
+from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
+from expertmesh.node.observability.prometheus_targets import TARGET_LABELS, TargetsWatcher
 from expertmesh.node.rpc.auth import call_metadata
 from expertmesh.node.store.stats import SOURCES
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -38,6 +56,7 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "expertmesh.json"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 MAX_TOKENS = 12
 WAIT_S = 60.0  # every poll below gives up after this long
+CLI = [sys.executable, "-m", "expertmesh"]
 
 
 def _tool(name: str) -> str:
@@ -90,49 +109,44 @@ def _poll(fn, what: str):
 
 @pytest.fixture(scope="module")
 def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
-    """A full node with its /metrics: the gRPC node service and prometheus_client's HTTP server."""
+    """A full node with its /metrics: the gRPC node service, the API and prometheus_client's
+    WSGI app: (model, gRPC stub, metrics server, API URL)."""
     home = tmp_path_factory.mktemp("metrics-node")
     pulled_home("kimi_k3", home)
-    node = serving(
+    config = NodeConfig(
         REPO_ID,
-        home,
-        SECRET,
+        home=home,
         node_id="metrics-node",
         store=StoreConfig(prefetch=True),
+        household=HouseholdConfig(secret=SECRET),
+        rpc=RpcConfig("127.0.0.1", 0),
         metrics=MetricsConfig("127.0.0.1", 0),
+        api=ApiConfig("127.0.0.1", 0),
     )
+    node = build_node(config).start()
     channel = grpc.insecure_channel(node.rpc.address)
     try:
-        yield node.model, node_pb2_grpc.NodeStub(channel), node.metrics_server
+        yield node.model, node_pb2_grpc.NodeStub(channel), node.metrics_server, node.api.url
     finally:
         channel.close()
         node.close()
 
 
-@pytest.fixture(scope="module")
-def prometheus(node):
-    """A real Prometheus on a free loopback port, scraping the node every second."""
+@contextlib.contextmanager
+def _running_prometheus(config: dict, folder: Path) -> Iterator[str]:
+    """A real Prometheus on a free loopback port with `config` written to `folder`/prometheus.yml
+    (relative paths in it are relative to `folder`); yields its base URL."""
     binary = _tool("prometheus")
-    _, _, served = node
-    with tempfile.TemporaryDirectory(prefix="prometheus-") as tmp:
-        config = Path(tmp) / "prometheus.yml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                    "scrape_configs": [
-                        {"job_name": "expertmesh", "static_configs": [{"targets": [f"127.0.0.1:{served.port}"]}]}
-                    ],
-                }
-            )
-        )
-        port = _free_port()
-        log = open(Path(tmp) / "prometheus.log", "wb")
+    path = folder / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    port = _free_port()
+    log_path = folder / "prometheus.log"
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [
                 binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={tmp}/data",
+                f"--config.file={path}",
+                f"--storage.tsdb.path={folder}/data",
                 f"--web.listen-address=127.0.0.1:{port}",
             ],
             stdout=log,
@@ -143,7 +157,7 @@ def prometheus(node):
 
             def ready() -> bool:
                 if proc.poll() is not None:
-                    pytest.fail(f"prometheus exited: {(Path(tmp) / 'prometheus.log').read_text()[-2000:]}")
+                    pytest.fail(f"prometheus exited: {log_path.read_text()[-2000:]}")
                 try:
                     return urllib.request.urlopen(f"{base}/-/ready", timeout=2).status == 200
                 except OSError:
@@ -158,7 +172,19 @@ def prometheus(node):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-            log.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(node):
+    """A real Prometheus scraping the node every second."""
+    served = node[2]
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "expertmesh", "static_configs": [{"targets": [f"127.0.0.1:{served.port}"]}]}],
+    }
+    with tempfile.TemporaryDirectory(prefix="prometheus-") as tmp:
+        with _running_prometheus(config, Path(tmp)) as base:
+            yield base
 
 
 def _query(base: str, expr: str) -> list[dict]:
@@ -169,11 +195,13 @@ def _query(base: str, expr: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def generation(node, prometheus):
-    """One greedy gRPC generation while Prometheus watches: (scrape before, scrape after, its summary)."""
-    sm, stub, served = node
+    """One greedy gRPC generation while Prometheus watches, and one API request: (scrape before,
+    scrape after, its summary)."""
+    sm, stub, served, api_url = node
     # a sample before the generation, so rates over the window see it happen
     _poll(lambda: _query(prometheus, "expertmesh_tokens_generated_total"), "the first scrape of the node")
     before = _samples(_scrape(served.url))
+    assert _get_json(f"{api_url}/models")["data"][0]["id"] == REPO_ID
     events = list(
         stub.Generate(
             node_pb2.GenerateRequest(
@@ -202,21 +230,46 @@ def test_counters_equal_the_generations_own_summary(generation) -> None:
     assert _delta(before, after, "expertmesh_time_to_first_token_seconds_count") == 1
     for s in SOURCES:
         assert _delta(before, after, "expertmesh_expert_requests_total", source=s) == done.expert_uses[s], s
-        assert _delta(before, after, "expertmesh_expert_bytes_total", source=s) == done.expert_bytes[s], s
         assert _delta(before, after, "expertmesh_expert_fetch_seconds_count", source=s) == done.expert_uses[s], s
+        if s != "remote":  # moves activations, not experts: expertmesh_activation_bytes_total
+            assert _delta(before, after, "expertmesh_expert_bytes_total", source=s) == done.expert_bytes[s], s
+    assert ("expertmesh_expert_bytes_total", (("source", "remote"),)) not in after
     assert done.expert_uses["hub"] > 0  # a fresh node: the numbers above are not all zeros
     assert after[("expertmesh_cache_experts", (("tier", "disk"),))] > 0
 
 
 def test_metrics_carry_no_expert_ids_prompts_or_secrets(node, generation) -> None:
-    _, _, served = node
+    served = node[2]
     text = _scrape(served.url)
     assert SECRET not in text and "hello world" not in text
-    allowed = {"source", "tier", "outcome", "role", "reason", "direction", "le"}
+    allowed = set(NODE_LABELS) | set(API_LABELS)
     for fam in text_string_to_metric_families(text):
         if fam.name.startswith("expertmesh_"):
             for sample in fam.samples:
                 assert set(sample.labels) <= allowed, (sample.name, sample.labels)
+
+
+def test_no_metric_label_is_a_target_label(node, generation) -> None:
+    """Prometheus renames a scraped label that a target label shares (`role` -> `exported_role`)."""
+    text = _scrape(node[2].url)
+    used = {name for fam in text_string_to_metric_families(text) for s in fam.samples for name in s.labels}
+    assert {"role", "endpoint", "code", "state"} <= used  # the node's and the API's labels are all here
+    assert not used & ({"job", "instance"} | set(TARGET_LABELS)), used
+
+
+@pytest.mark.e2e
+def test_api_metrics_come_through_the_nodes_own_target(node, prometheus, generation) -> None:
+    """Prometheus scrapes only the node's /metrics port, and sees the API's responses and queue."""
+    served = node[2]
+    instance = f"127.0.0.1:{served.port}"
+
+    def seen() -> list:
+        return _query(prometheus, 'expertmesh_api_responses_total{endpoint="/v1/models", code="200"}')
+
+    (got,) = _poll(seen, "the API's response counter in Prometheus")
+    assert got["metric"]["instance"] == instance and float(got["value"][1]) >= 1
+    states = {r["metric"]["state"]: float(r["value"][1]) for r in _query(prometheus, "expertmesh_api_generations")}
+    assert states == {"running": 0.0, "waiting": 0.0}
 
 
 def _dashboard_exprs() -> list[tuple[str, str]]:
@@ -232,8 +285,8 @@ def _dashboard_exprs() -> list[tuple[str, str]]:
 
 
 @pytest.mark.e2e
-def test_every_dashboard_expression_returns_data_from_a_real_prometheus(prometheus, generation) -> None:
-    _, after, done = generation
+def test_every_dashboard_expression_returns_data_from_a_real_prometheus(prometheus, generation, speculated) -> None:
+    _, after, _ = speculated
     total = after[("expertmesh_tokens_generated_total", ())]
     _poll(
         lambda: any(float(r["value"][1]) == total for r in _query(prometheus, "expertmesh_tokens_generated_total")),
@@ -253,6 +306,8 @@ def test_every_dashboard_expression_returns_data_from_a_real_prometheus(promethe
         "Speculative acceptance",
         "Peers up",
         "Errors by reason",
+        "API responses by code",
+        "API generations",
     ):
         assert wanted in titles
     for title, expr in exprs:
@@ -276,7 +331,7 @@ def test_every_dashboard_expression_returns_data_from_a_real_prometheus(promethe
 @pytest.mark.e2e
 def test_promtool_accepts_the_config_and_a_scrape(node, generation) -> None:
     promtool = _tool("promtool")
-    _, _, served = node
+    served = node[2]
     checked = subprocess.run(
         [promtool, "check", "config", str(PROMETHEUS_YML)], capture_output=True, text=True, timeout=60
     )
@@ -314,7 +369,10 @@ def test_targets_file_follows_the_advertised_metrics_ports(tmp_path: Path) -> No
         try:
             _poll(lambda: json.loads(path.read_text()), "the advertised node in the targets file")
             assert json.loads(path.read_text()) == [
-                {"targets": ["127.0.0.1:9555"], "labels": {"node_id": "metrics-a", "role": "cache", "cluster": cluster}}
+                {
+                    "targets": ["127.0.0.1:9555"],
+                    "labels": {"node_id": "metrics-a", "node_role": "cache", "node_cluster": cluster},
+                }
             ]
         finally:
             node_a.close()
@@ -333,16 +391,22 @@ class _RepeatDraft:
         return Draft([context[-1]] * k)
 
 
-def test_speculative_counters_equal_the_generations_own(node, generation) -> None:
-    from expertmesh.node.config import SpeculationConfig
+@pytest.fixture(scope="module")
+def speculated(node, generation):
+    """After `generation`, a speculative one in this process (scripted drafts, so some are
+    accepted and some not): (scrape before, scrape after, its summary)."""
     from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 
-    sm, _, served = node
+    sm, _, served, _ = node
     before = _samples(_scrape(served.url))
     summary = GenerationSummary()
     gen = Generator(sm, SpeculationConfig(mode="ngram"), draft_source=_RepeatDraft())
     list(gen.generate(sm.tokenizer.encode("one two one two"), SamplingSettings(max_tokens=8), summary=summary))
-    after = _samples(_scrape(served.url))
+    return before, _samples(_scrape(served.url)), summary
+
+
+def test_speculative_counters_equal_the_generations_own(speculated) -> None:
+    before, after, summary = speculated
     assert summary.speculation.drafted > 0
     assert (
         _delta(before, after, "expertmesh_speculative_tokens_total", outcome="drafted") == summary.speculation.drafted
@@ -351,3 +415,173 @@ def test_speculative_counters_equal_the_generations_own(node, generation) -> Non
         _delta(before, after, "expertmesh_speculative_tokens_total", outcome="accepted") == summary.speculation.accepted
     )
     assert _delta(before, after, "expertmesh_tokens_generated_total") == summary.generated_tokens
+
+
+# -- a household under `expertmesh prometheus-targets` -----------------------------------------
+
+
+def _household_node(home: Path, node_id: str, cluster: str, cache_only: bool) -> Node:
+    """A node as `serve` makes it: gRPC, /metrics, and zeroconf on loopback in `cluster`."""
+    config = NodeConfig(
+        REPO_ID,
+        home=home,
+        node_id=node_id,
+        cache_only=cache_only,
+        household=HouseholdConfig(secret=SECRET, discover=True, cluster=cluster, interface="127.0.0.1"),
+        rpc=RpcConfig("127.0.0.1", 0),
+        metrics=MetricsConfig("127.0.0.1", 0),
+    )
+    return build_node(config).start()
+
+
+@pytest.fixture(scope="module")
+def household(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
+    """Two full nodes and a cache peer found by zeroconf, `expertmesh prometheus-targets` following
+    them, and a real Prometheus reading its file through deploy/prometheus/prometheus.yml (scrape
+    and refresh intervals shortened): (Prometheus URL, {node id: (role, instance)})."""
+    cluster = f"metrics-roles-{os.getpid()}"  # unique: another test run on this machine shares loopback multicast
+    roles = {"roles-full-a": "full", "roles-full-b": "full", "roles-cache": "cache"}
+    folder = tmp_path_factory.mktemp("prometheus-household")
+    config = yaml.safe_load(PROMETHEUS_YML.read_text())
+    config["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    config["scrape_configs"][0]["file_sd_configs"][0]["refresh_interval"] = "1s"
+    targets = folder / "targets" / "nodes.json"
+    env = {**os.environ, "EXPERTMESH_HOME": str(folder / "home")}
+    with contextlib.ExitStack() as stack:
+        nodes = {}
+        for node_id, role in roles.items():
+            home = pulled_home("kimi_k3", tmp_path_factory.mktemp(node_id))
+            nodes[node_id] = stack.enter_context(_household_node(home, node_id, cluster, role == "cache"))
+        follower = subprocess.Popen(
+            [*CLI, "prometheus-targets", str(targets), "--cluster", cluster, "--interface", "127.0.0.1"],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+        def stop_follower() -> None:
+            follower.send_signal(signal.SIGINT)  # what Ctrl-C sends: it says how many nodes it followed
+            try:
+                follower.communicate(timeout=WAIT_S)
+            except subprocess.TimeoutExpired:
+                follower.kill()
+                follower.communicate()
+
+        stack.callback(stop_follower)
+        base = stack.enter_context(_running_prometheus(config, folder))
+        for n in nodes.values():
+            _poll(lambda n=n: n.peers.live_count() == len(nodes) - 1, f"{n.node_id} to find the other nodes")
+        yield base, {node_id: (roles[node_id], f"127.0.0.1:{n.metrics_server.port}") for node_id, n in nodes.items()}
+
+
+@pytest.mark.e2e
+def test_prometheus_fed_by_prometheus_targets_reports_each_peers_role(household) -> None:
+    """Each node's `expertmesh_peers{role}` keeps the roles of the peers it sees, not its own."""
+    base, nodes = household
+
+    def scraped() -> list[dict] | None:
+        results = _query(base, "expertmesh_peers")
+        peers: dict[str, float] = {}
+        for r in results:
+            peers[r["metric"]["instance"]] = peers.get(r["metric"]["instance"], 0.0) + float(r["value"][1])
+        return results if peers == {instance: len(nodes) - 1 for _, instance in nodes.values()} else None
+
+    seen: dict[str, dict[str, float]] = {}
+    for r in _poll(scraped, "Prometheus to scrape every node's view of the household"):
+        seen.setdefault(r["metric"]["instance"], {})[r["metric"].get("role", "?")] = float(r["value"][1])
+    for node_id, (role, instance) in nodes.items():
+        others = [r for other, (r, _) in nodes.items() if other != node_id]
+        assert seen[instance] == {r: float(others.count(r)) for r in ("full", "cache")}, (node_id, role)
+    for r in _query(base, "expertmesh_peers"):
+        node_id = r["metric"]["node_id"]
+        assert r["metric"]["node_role"] == nodes[node_id][0] and r["metric"]["instance"] == nodes[node_id][1]
+    renamed = [
+        r["metric"] for r in _query(base, '{__name__=~"expertmesh_.+"}') if any("exported_" in k for k in r["metric"])
+    ]
+    assert not renamed
+    # the dashboard's "Peers up" on the cache peer: the two full nodes it sees
+    (expr,) = [e for t, e in _dashboard_exprs() if t == "Peers up"]
+    cache_instance = nodes["roles-cache"][1]
+    panel = _query(base, expr.replace("$instance", cache_instance.replace(".", "\\\\.")))
+    assert {r["metric"]["role"]: float(r["value"][1]) for r in panel} == {"full": 2.0, "cache": 0.0}
+
+
+@pytest.mark.e2e
+def test_idle_ratio_panels_show_no_data(household) -> None:
+    """Nodes that generated nothing: ratio panels have no sample (Grafana's "no data"), not 0."""
+    base, nodes = household
+    window = "5m"
+    _poll(
+        lambda: len(_query(base, f"rate(expertmesh_prefetch_total{{outcome='used'}}[{window}])")) == len(nodes),
+        "two scrapes of every node, so rates exist",
+    )
+    idle = ("Prefetch accuracy", "Speculative acceptance", "Hit ratio by tier")
+    checked = 0
+    for title, expr in _dashboard_exprs():
+        promql = expr.replace("$__rate_interval", window).replace("$instance", ".*")
+        if title in idle and " / " in expr:
+            assert _query(base, promql) == [], (title, promql)
+            # the same panels' numerators do answer: 0 per second, nothing happening
+            values = [float(r["value"][1]) for r in _query(base, promql.split(" / ")[0])]
+            assert values and all(v == 0 for v in values), (title, values)
+            checked += 1
+    assert checked == len(idle)
+
+
+# -- `run --metrics-port` -----------------------------------------------------------------------
+
+
+def _summary_counts(stderr: str) -> tuple[int, dict[str, int]]:
+    """(tokens generated, expert uses by source) from `run`'s summary."""
+    first = next(ln for ln in stderr.splitlines() if " tokens in " in ln)
+    tokens = int(first.split()[0])
+    line = next(ln for ln in stderr.splitlines() if "expert uses by source" in ln)
+    uses = {}
+    for part in line.split(":", 1)[1].split(";")[0].split(","):
+        words = part.split()
+        uses[words[0]] = int(words[1])
+    return tokens, uses
+
+
+@pytest.mark.e2e
+def test_run_keeps_serving_its_final_counts_until_scraped(pulled_home, hub, tmp_path: Path) -> None:
+    home = pulled_home("kimi_k3", tmp_path / "home")
+    env = {**os.environ, "EXPERTMESH_HOME": str(home), "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    # a linger far longer than the test may wait: only the scrape below can end it in time
+    args = ["run", REPO_ID, "hello world", "--max-tokens", "8", "--metrics-port", "0", "--metrics-linger", "3600"]
+    proc = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # ends when it exits: then the assertion below says why
+            lines.append(line)
+            if line.startswith("keeping ") and "until it is scraped" in line:
+                break
+        stderr = "".join(lines)
+        assert lines and lines[-1].startswith("keeping "), stderr
+        url = next(ln.split()[-1] for ln in lines if ln.startswith("metrics on "))
+        tokens, uses = _summary_counts(stderr)
+        assert tokens == 8 and uses["hub"] > 0
+        # the generation is over and the process is still serving /metrics: its final counts
+        scraped = _samples(_scrape(url))
+        assert scraped[("expertmesh_tokens_generated_total", ())] == tokens
+        for source, n in uses.items():
+            assert scraped[("expertmesh_expert_requests_total", (("source", source),))] == n, source
+        out, rest = proc.communicate(timeout=WAIT_S)  # that scrape ended the linger
+        assert proc.returncode == 0, stderr + rest
+        assert "was not scraped" not in rest
+        assert out.strip()  # the text, on stdout as always
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_linger_stops_at_its_bound_when_nobody_scrapes() -> None:
+    """`run` on a machine without Prometheus still ends: the linger is bounded."""
+    server = NodeMetrics(MetricsSources()).serve("127.0.0.1", 0)
+    try:
+        assert server.linger(0.2) is False
+        assert server.linger(0) is False
+        assert "expertmesh_tokens_generated_total" in _scrape(server.url)  # served until stopped
+    finally:
+        server.stop()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from expertmesh.cli import arguments
 from expertmesh.cli.models import print_pull
 from expertmesh.node import constants
-from expertmesh.node.config import MetricsConfig, NodeConfig
+from expertmesh.node.config import RUN_METRICS_LINGER_S, MetricsConfig, NodeConfig
 from expertmesh.node.sizes import format_size
+
+if TYPE_CHECKING:
+    from expertmesh.node.observability.metrics import MetricsServer
 
 
 def add_commands(sub) -> None:
@@ -21,6 +25,14 @@ def add_commands(sub) -> None:
     arguments.add_sampling_arguments(p)
     arguments.add_speculation_arguments(p)
     arguments.add_metrics_arguments(p, default=None)
+    p.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=RUN_METRICS_LINGER_S,
+        metavar="S",
+        help="after generating, keep /metrics up until it is scraped once more, at most S seconds, so "
+        "Prometheus sees the final counts (default %(default)s; 0: stop at once)",
+    )
     p.set_defaults(func=run)
 
     p = sub.add_parser("chat", help="chat with a pulled model (its chat template, multi-turn)")
@@ -48,7 +60,11 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
     """`run`'s and `chat`'s flags as the node they describe."""
     metrics_config = None
     if metrics and getattr(args, "metrics_port", None) is not None:
-        metrics_config = MetricsConfig(host=args.metrics_host or "127.0.0.1", port=args.metrics_port)
+        metrics_config = MetricsConfig(
+            host=args.metrics_host or "127.0.0.1",
+            port=args.metrics_port,
+            linger_s=max(0.0, getattr(args, "metrics_linger", 0.0)),
+        )
     return NodeConfig(
         args.repo,
         revision=args.revision,
@@ -75,12 +91,34 @@ def run(args: argparse.Namespace) -> int:
     from expertmesh.node.assembly import build_node
 
     arguments.speculation(args)  # a bad --speculate/--draft fails before the model loads
-    with build_node(node_config(args, metrics=True)) as node:
+    config = node_config(args, metrics=True)
+    with build_node(config) as node:
         print(node.describe(), file=sys.stderr)
         if node.metrics_server is not None:
             print(f"metrics on {node.metrics_server.url}", file=sys.stderr)
-        _generate_once(node, args.prompt, args)
+        try:
+            _generate_once(node, args.prompt, args)
+        finally:  # a failed generation's counts are worth a scrape too
+            if node.metrics_server is not None:
+                _linger(node.metrics_server, config.metrics.linger_s)
     return 0
+
+
+def _linger(server: MetricsServer, seconds: float) -> None:
+    """Keep `/metrics` up until one more scrape, at most `seconds` (MetricsServer.linger says why)."""
+    if seconds <= 0:
+        return
+    print(
+        f"keeping {server.url} up until it is scraped, at most {seconds:g} s (--metrics-linger; Ctrl-C ends it)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        scraped = server.linger(seconds)
+    except KeyboardInterrupt:
+        return
+    if not scraped:
+        print(f"/metrics was not scraped within {seconds:g} s; stopping it", file=sys.stderr)
 
 
 def chat(args: argparse.Namespace) -> int:

@@ -107,7 +107,8 @@ class GenerationSummary:
             f"stopped by {self.stop_reason}"
         ]
         parts = [
-            f"{s} {self.experts.uses[s]} ({format_size(self.experts.bytes[s])})"
+            # remote moves no expert: its LAN bytes (activations) are on the remote execution line
+            f"{s} {self.experts.uses[s]} ({'on peers' if s == 'remote' else format_size(self.experts.bytes[s])})"
             for s in SOURCES
             if self.experts.uses[s] or s in ("ram", "hub")
         ]
@@ -123,7 +124,8 @@ class GenerationSummary:
             fell = ", ".join(f"{k[9:].replace('_', ' ')} {rc[k]}" for k in rc if k.startswith("fallback_") and rc[k])
             out.append(
                 f"remote execution: {self.experts.uses['remote']} experts computed on peers in {rc['calls']} calls, "
-                f"activations {format_size(rc['sent_bytes'])} sent, {format_size(rc['received_bytes'])} received; "
+                f"LAN bytes of activations {format_size(rc['sent_bytes'])} sent, "
+                f"{format_size(rc['received_bytes'])} received; "
                 f"fetched here instead: {fell or 'none'}"
             )
         if self.speculation is not None:

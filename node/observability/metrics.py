@@ -8,18 +8,24 @@ observed as it happens: the latency histograms (`token_seconds`, `time_to_first_
 the store's `StoreStats.observer` and the model's `token_observer`, both set by node/assembly.py.
 
 Every node has its own `CollectorRegistry`, so several nodes in one process (tests) never collide.
-Labels are fixed, small sets (source, tier, outcome, role, reason, direction): never an expert id, a prompt or
-the household secret.
+A node with the API registers the coordinator's collector (coordinator/api_metrics.py) here too, so
+the API's numbers come from the same target Prometheus already scrapes. Labels are fixed, small
+sets (LABELS): never an expert id, a prompt or the household secret, and never a target label
+(observability/prometheus_targets.py's TARGET_LABELS), which Prometheus would rename.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -62,6 +68,9 @@ FETCH_BUCKETS_S = (
     60,
 )
 ROLES = ("full", "cache")
+# Every label name a node's own metrics use (`le` is the histograms'); the API's are in
+# coordinator/api_metrics.py's LABELS.
+LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "le")
 TIERS = ("ram", "disk")
 # Reasons always exported (as 0 until they happen), so an "errors by reason" panel has data on a
 # healthy household; others (gRPC status names) appear when they first happen.
@@ -113,7 +122,8 @@ class _StateCollector(Collector):
         nbytes = CounterMetricFamily(
             PREFIX + "expert_bytes",
             "Upstream bytes of the experts used, by the tier that "
-            "answered (source=hub: bytes that crossed the internet).",
+            "answered (source=hub: bytes that crossed the internet; experts computed remotely move "
+            "activations instead, counted in expertmesh_activation_bytes_total).",
             labels=["source"],
         )
         bad = CounterMetricFamily(
@@ -124,7 +134,8 @@ class _StateCollector(Collector):
         )
         for s in SOURCES:
             uses.add_metric([s], stats.uses[s] if stats else 0)
-            nbytes.add_metric([s], stats.bytes[s] if stats else 0)
+            if s != "remote":  # no expert moves: its LAN bytes are expertmesh_activation_bytes_total
+                nbytes.add_metric([s], stats.bytes[s] if stats else 0)
             bad.add_metric([s], stats.integrity_failures[s] if stats else 0)
         yield from (uses, nbytes, bad)
 
@@ -146,7 +157,7 @@ class _StateCollector(Collector):
         )
         moved = CounterMetricFamily(
             PREFIX + "activation_bytes",
-            "Activation bytes moved for remote expert execution, "
+            "LAN bytes of remote expert execution (activations, not experts), "
             "by direction (sent: expert inputs; received: their outputs).",
             labels=["direction"],
         )
@@ -294,26 +305,106 @@ class NodeMetrics:
     # -- serving ------------------------------------------------------------------------------
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
-        """Serve `/metrics` with prometheus_client's own HTTP server; `port` 0 picks a free one.
+        """Serve `/metrics` (prometheus_client's WSGI app) on a thread; `port` 0 picks a free one.
+
+        The server is stdlib's, as in prometheus_client's own `start_http_server`, with one
+        addition: it notes which scrapes were answered, for `MetricsServer.linger`.
 
         Raises:
             OSError: the address cannot be listened on.
         """
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
-        return MetricsServer(server, thread, host, server.server_port)
+        scrapes = _Scrapes()
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, sockaddr = infos[0][0], infos[0][4]
+        server_class = type("MetricsHTTPServer", (_ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(
+            sockaddr[0], port, scrapes.wrap(make_wsgi_app(self.registry)), server_class, handler_class=_QuietHandler
+        )
+        thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
+        thread.start()
+        return MetricsServer(server, thread, host, server.server_port, scrapes)
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a stuck scraper never holds the process
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:
+        pass  # one line per scrape on stderr would bury the summary
+
+
+class _Scrapes:
+    """Which scrapes of `/metrics` were answered, numbered in the order they began.
+
+    A scrape counts as answered once its last byte was written to the socket: the body is
+    wrapped in a generator that wsgiref asks for more after the last write, and only a body
+    exhausted that way counts (a scraper that hung up midway does not).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.begun = 0  # scrapes begun so far; the next one gets this number
+        self.latest_answered = -1  # the number of the latest-begun scrape that was answered
+
+    def wrap(self, app: Callable) -> Callable:
+        def counted(environ: dict, start_response: Callable) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") == "/favicon.ico":  # a browser's, not a scrape
+                return app(environ, start_response)
+            with self._cond:
+                n = self.begun
+                self.begun += 1
+            return self._answer(n, app(environ, start_response))
+
+        return counted
+
+    def _answer(self, n: int, body: Iterable[bytes]) -> Iterator[bytes]:
+        yield from body
+        with self._cond:  # reached only when asked for more after the last chunk was written
+            self.latest_answered = max(self.latest_answered, n)
+            self._cond.notify_all()
+
+    def next_number(self) -> int:
+        """The number the next scrape to begin will get."""
+        with self._cond:
+            return self.begun
+
+    def answered_since(self, mark: int, timeout: float) -> bool:
+        """Wait up to `timeout` s until a scrape numbered `mark` or later was answered."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.latest_answered >= mark, timeout)
 
 
 @dataclass
 class MetricsServer:
-    server: object
-    thread: object
+    server: WSGIServer
+    thread: threading.Thread
     host: str
     port: int
+    scrapes: _Scrapes = field(default_factory=_Scrapes, repr=False)
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address
         return f"http://{host}:{self.port}/metrics"
+
+    def linger(self, seconds: float) -> bool:
+        """Keep serving until a scrape that begins from now on was answered, or for `seconds`,
+        whichever comes first; True if such a scrape was answered. Call it once the counts are
+        final; `stop` afterwards.
+
+        Why: `run` lasts seconds, often less than Prometheus' scrape interval, and its counters
+        are final only when its generation ends. Stopping the server right then leaves Prometheus
+        with whatever an earlier scrape saw (130 tokens where the summary said 151, issue 21), or
+        nothing. One scrape that began after the counts stopped moving carries them all, so there
+        is nothing to wait for after it; the bound keeps a `run` that nobody scrapes (no
+        Prometheus, or one that does not know this port) from waiting long. A scrape already in
+        flight when this is called may have read the counts before they were final: it does not
+        count.
+        """
+        mark = self.scrapes.next_number()
+        return seconds > 0 and self.scrapes.answered_since(mark, seconds)
 
     def stop(self) -> None:
         self.server.shutdown()

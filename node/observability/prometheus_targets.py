@@ -5,6 +5,13 @@ secret). This module follows the advertisements of one cluster (household/discov
 Browser) and rewrites a `file_sd` JSON file whenever a node comes, moves or goes; Prometheus
 re-reads the file by itself. The file is written to a temporary name and renamed, so Prometheus
 never reads half of it.
+
+Target labels are named `node_id`, `node_role` and `node_cluster` (TARGET_LABELS), never a name a
+metric of ours uses: when a target label and a scraped label share a name, Prometheus keeps the
+target's and renames the metric's to `exported_<name>`, so `expertmesh_peers{role}` (the roles of
+the peers a node sees) would show the scraping node's own role instead. `honor_labels: true` would
+fix that the other way round, but then a metric label could overwrite the target's identity;
+distinct names keep both. tests/test_metrics.py checks the two sets stay disjoint.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from expertmesh.node.household.discovery import Browser, Sighting
 
 logger = logging.getLogger(__name__)
 
+# The labels each target gets, besides Prometheus' own `job` and `instance`; disjoint from every
+# label of observability/metrics.py and coordinator/api_metrics.py (METRIC_LABELS there).
+TARGET_LABELS = ("node_id", "node_role", "node_cluster")
+
 
 @dataclass(frozen=True)
 class MetricsTarget:
@@ -32,7 +43,7 @@ class MetricsTarget:
 def targets_document(targets: list[MetricsTarget]) -> list[dict]:
     """The `file_sd` JSON of `targets`: one group per node, labelled with its id, role and cluster."""
     return [
-        {"targets": [t.address], "labels": {"node_id": t.node_id, "role": t.role, "cluster": t.cluster}}
+        {"targets": [t.address], "labels": dict(zip(TARGET_LABELS, (t.node_id, t.role, t.cluster)))}
         for t in sorted(targets, key=lambda t: t.address)
     ]
 

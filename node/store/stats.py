@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, commit)
 
-# remote: computed by the peer that holds it (activations moved, not the expert); its bytes are
-# the activation bytes sent and received
+# remote: computed by the peer that holds it (activations moved, not the expert); its expert bytes
+# are 0, and the LAN bytes of its activations are in `remote` (sent_bytes, received_bytes)
 SOURCES = ("ram", "disk", "peer", "hub", "remote")
 # issued: guesses fetched; used: demanded by the pass they were for; wasted: not demanded, dropped;
 # ready: used guesses that had arrived before their demand (no wait: as good as a RAM hit);
