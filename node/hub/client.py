@@ -4,7 +4,10 @@ Everything goes through huggingface_hub: its configured endpoint (`HF_ENDPOINT`)
 (`HF_TOKEN` or the stored login), its offline switch and its pooled keep-alive HTTP session.
 What huggingface_hub does not do for us is the strict range read: a Hub or CDN answer must be
 a 206 with exactly the `Content-Range` and length we asked for; anything else is retried or
-fails loudly, and a 200 carrying a whole shard is closed before its body is read.
+fails loudly, and a 200 carrying a whole shard is closed before its body is read. Nor does it
+give up a connection that is merely slow: a body arriving below a floor for a window (curl's
+--speed-limit/--speed-time) is dropped and asked again on another connection, and a `Deadline`
+bounds everything one fetch may spend on retries.
 """
 
 from __future__ import annotations
@@ -45,15 +48,47 @@ ABANDON_MIN_LEFT_BYTES = 1024 * 1024
 _DEFAULT_REDIRECT_TTL_S = 300.0
 
 
+class Deadline:
+    """The time one fetch may spend asking the Hub, shared by all its requests: its pieces on
+    separate connections and every retry of each.
+
+    The clock starts with the fetch's first request, not when the fetch is queued: a guess that
+    waits behind demands for a connection must not spend its budget waiting.
+    """
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._ends: float | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the clock, if no request of this fetch started it yet."""
+        with self._lock:
+            if self._ends is None:
+                self._ends = time.monotonic() + self.seconds
+
+    def left(self) -> float:
+        """Seconds left (the whole budget before the first request)."""
+        ends = self._ends
+        return self.seconds if ends is None else max(0.0, ends - time.monotonic())
+
+    def passed(self) -> bool:
+        return self._ends is not None and time.monotonic() >= self._ends
+
+
 class _Retryable(Exception):
     """A failure worth another attempt; `wait_s` is the server's Retry-After, if any; `final` is
-    what to raise if no attempt is left (default: a DownloadError that says how often it failed)."""
+    what to raise if no attempt is left (default: a DownloadError that says how often it failed);
+    `cut_short`: the fetch's deadline stopped it, so the attempt before says more about the cause."""
 
-    def __init__(self, reason: str, wait_s: float | None = None, final: Exception | None = None):
+    def __init__(
+        self, reason: str, wait_s: float | None = None, final: Exception | None = None, cut_short: bool = False
+    ):
         super().__init__(reason)
         self.reason = reason
         self.wait_s = wait_s
         self.final = final
+        self.cut_short = cut_short
 
 
 @dataclass(frozen=True)
@@ -112,24 +147,37 @@ def retrying(
     backoff_max_s: float = 8.0,
     on_retry: Callable[[], None] | None = None,
     cancelled: threading.Event | None = None,
+    deadline: Deadline | None = None,
 ) -> T:
     """`attempt()`, called again after each `_Retryable` it raises: after the server's Retry-After,
     else an exponential backoff with full jitter (so many clients do not retry in lockstep).
+    With a `deadline`, no attempt starts once it passed, and no wait runs past it.
 
     Raises:
         the `_Retryable`'s `final` error (or a DownloadError) once `max_retries` retries failed,
-        or at once when `cancelled` is set.
+        at once when `cancelled` is set, or a DownloadError once the `deadline` passed.
     """
     _check_online()
+    previous = ""  # the reason of the attempt before, for when the deadline cuts the last one short
     for n in range(max_retries + 1):
+        if deadline is not None:
+            if deadline.passed():  # a piece that waited its turn past its fetch's deadline
+                raise DownloadError(f"{what}: not asked, the {deadline.seconds:g} s to fetch it had passed")
+            deadline.start()
         try:
             return attempt()
         except _Retryable as e:
             if n == max_retries or (cancelled is not None and cancelled.is_set()):
                 raise (e.final or DownloadError(f"{what} failed {n + 1} times, last: {e.reason}")) from None
+            wait = e.wait_s if e.wait_s is not None else random.uniform(0, min(backoff_max_s, backoff_base_s * 2**n))
+            if deadline is not None and wait >= deadline.left():
+                last = f"{previous}; then {e.reason}" if e.cut_short and previous else e.reason
+                raise DownloadError(
+                    f"{what}: no complete answer within {deadline.seconds:g} s ({n + 1} attempts), last: {last}"
+                ) from None
+            previous = e.reason
             if on_retry is not None:
                 on_retry()
-            wait = e.wait_s if e.wait_s is not None else random.uniform(0, min(backoff_max_s, backoff_base_s * 2**n))
             logger.info("retrying %s in %.2fs: %s", what, wait, e.reason)
             if cancelled is not None and cancelled.wait(wait):
                 raise DownloadError(f"{what}: cancelled") from None
@@ -202,19 +250,46 @@ class RangeReader:
         timeout_s: float = constants.HTTP_TIMEOUT_S,
         backoff_base_s: float = 0.25,
         backoff_max_s: float = 8.0,
+        min_bytes_per_s: float = constants.HUB_MIN_BYTES_PER_S,
+        speed_window_s: float = constants.HUB_SPEED_WINDOW_S,
+        fetch_deadline_s: float = constants.HUB_FETCH_DEADLINE_S,
     ):
+        """`min_bytes_per_s` over `speed_window_s`: the floor below which a response is given up
+        (0: never); `fetch_deadline_s`: the budget of a `Deadline` for callers that fetch in parts
+        (the Hub tier), not applied to a read without one."""
         # Pinned now: a reader belongs to one Hub, even if huggingface_hub is pointed elsewhere later.
         self.endpoint = endpoint()
         self.max_retries = max_retries
         self.timeout_s = timeout_s
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
+        self.min_bytes_per_s = min_bytes_per_s
+        self.speed_window_s = speed_window_s
+        self.fetch_deadline_s = fetch_deadline_s
         self._locations: dict[RemoteFile, tuple[str, float]] = {}
         self._resolving: dict[RemoteFile, threading.Event] = {}  # set once the first reader's redirect is known
         self._lock = threading.Lock()
         self.retries = 0  # how many attempts failed and were retried, for the summary
+        self.slow_responses = (
+            0  # responses given up for arriving below the floor (each also a retry or the last failure)
+        )
         self._cancelled = threading.Event()
-        self._abandon = threading.local()  # the read in progress on this thread may give up when it says
+        self._call = threading.local()  # the read in progress on this thread: its `abandon` and `deadline`
+
+    @property
+    def read_timeout_s(self) -> float:
+        """The longest one socket read may wait: silence for a whole speed window is below any floor."""
+        return min(self.timeout_s, self.speed_window_s) if self.min_bytes_per_s > 0 else self.timeout_s
+
+    def deadline(self) -> Deadline:
+        """A new budget for one fetch; it ends, at the latest, `fetch_bound_s` after its first request."""
+        return Deadline(self.fetch_deadline_s)
+
+    @property
+    def fetch_bound_s(self) -> float:
+        """The documented bound on a fetch with a `deadline()`: the budget, plus one read that was
+        in progress when it passed (a read cannot be interrupted, only not followed by another)."""
+        return self.fetch_deadline_s + self.read_timeout_s
 
     def cancel(self) -> None:
         """Stop: reads in flight end at their next chunk, and nothing is retried (Ctrl-C, close)."""
@@ -230,17 +305,24 @@ class RangeReader:
         return self.read_with_size(remote, start, end)[0]
 
     def read_into(
-        self, remote: RemoteFile, start: int, end: int, out: memoryview, abandon: Callable[[], bool] | None = None
+        self,
+        remote: RemoteFile,
+        start: int,
+        end: int,
+        out: memoryview,
+        abandon: Callable[[], bool] | None = None,
+        deadline: Deadline | None = None,
     ) -> int:
         """`read`, straight into `out` (at least `end - start` bytes): the bytes land once, where
         they are used. Returns how many were written (fewer only at the end of the file).
 
         `abandon()` is asked before the request and between chunks: when it says so, the read
-        stops and raises Abandoned (not retried).
+        stops and raises Abandoned (not retried). `deadline`: the budget of the fetch this read
+        is part of; once it passed, no attempt starts and the one in progress stops.
         """
         if len(out) < end - start:
             raise ValueError(f"a buffer of {len(out)} bytes for a range of {end - start}")
-        return len(self.read_with_size(remote, start, end, out, abandon)[0])
+        return len(self.read_with_size(remote, start, end, out, abandon, deadline)[0])
 
     def read_with_size(
         self,
@@ -249,6 +331,7 @@ class RangeReader:
         end: int,
         out: memoryview | None = None,
         abandon: Callable[[], bool] | None = None,
+        deadline: Deadline | None = None,
     ) -> tuple[bytearray | memoryview, int | None]:
         """`read` (into `out` if given), plus the file's total size from the `Content-Range`
         (None if the server hides it)."""
@@ -256,7 +339,7 @@ class RangeReader:
             raise ValueError(f"empty range {start}-{end}")
         if abandon is not None and abandon():
             raise Abandoned(f"{remote}: bytes {start}-{end - 1} given up before asking")
-        self._abandon.value = abandon
+        self._call.abandon, self._call.deadline = abandon, deadline
         try:
             return retrying(
                 lambda: self._read_once(remote, start, end, out),
@@ -266,12 +349,27 @@ class RangeReader:
                 self.backoff_max_s,
                 on_retry=self._count_retry,
                 cancelled=self._cancelled,
+                deadline=deadline,
             )
         finally:
-            self._abandon.value = None
+            self._call.abandon = self._call.deadline = None
 
     def _count_retry(self) -> None:
         self.retries += 1
+
+    def _too_slow(self, nbytes: int, seconds: float) -> None:
+        """Give the response up if `nbytes` in `seconds` (at least one speed window) is below the
+        floor: raising inside the stream closes its connection (the body is unread, so it cannot
+        go back to the pool), and the next attempt asks on another one, at once: the slowness
+        belongs to that connection's path, not to a server asking us to back off."""
+        if self.min_bytes_per_s <= 0 or nbytes >= self.min_bytes_per_s * seconds:
+            return
+        self.slow_responses += 1
+        raise _Retryable(
+            f"{nbytes / seconds / 1024:.1f} kB/s for {seconds:.1f} s, below the floor of "
+            f"{self.min_bytes_per_s / 1024:g} kB/s; the connection was given up",
+            wait_s=0,
+        )
 
     def _location(self, remote: RemoteFile) -> tuple[str, bool]:
         """The URL to ask, and whether it is a remembered CDN location."""
@@ -284,8 +382,13 @@ class RangeReader:
                 if first is None:  # this read resolves it; `_resolved` lets the others go
                     self._resolving[remote] = threading.Event()
                     break
-            first.wait(self.timeout_s)  # then the remembered location, or ask ourselves if it failed
+            first.wait(self._time_left(self.timeout_s))  # then the remembered location, or ask ourselves
         return hf_hub_url(remote.repo_id, remote.filename, revision=remote.commit, endpoint=self.endpoint), False
+
+    def _time_left(self, seconds: float) -> float:
+        """`seconds`, cut to what the current read's deadline leaves (never 0: httpx2 reads 0 as no wait)."""
+        deadline = getattr(self._call, "deadline", None)
+        return seconds if deadline is None else max(0.001, min(seconds, deadline.left()))
 
     def _resolved(self, remote: RemoteFile) -> None:
         with self._lock:
@@ -341,22 +444,36 @@ class RangeReader:
         out: memoryview | None,
     ) -> tuple[bytearray | memoryview, int | None]:
         for _ in range(5):  # redirects
+            # connecting and sending within the per-request timeout; each read within the speed
+            # window too (silence that long is below any floor); none past the fetch's deadline
+            timeout = httpx2.Timeout(self._time_left(self.timeout_s), read=self._time_left(self.read_timeout_s))
+            asked_at = time.monotonic()
             try:
-                with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=self.timeout_s) as r:
+                with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=timeout) as r:
                     if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
                         url = self._remember_redirect(remote, url, r.headers["location"])
                         is_cdn = True
                         headers.pop("authorization", None)
                         headers.pop("Authorization", None)
                         continue
-                    return self._check_body(r, remote, start, end, is_cdn, out)
+                    return self._check_body(r, remote, start, end, is_cdn, out, asked_at)
             except httpx2.TransportError as e:
-                raise _Retryable(f"{type(e).__name__}") from None
+                deadline = getattr(self._call, "deadline", None)
+                raise _Retryable(f"{type(e).__name__}", cut_short=deadline is not None and deadline.passed()) from None
         raise _Retryable("too many redirects")
 
     def _check_body(
-        self, r: httpx2.Response, remote: RemoteFile, start: int, end: int, is_cdn: bool, out: memoryview | None
+        self,
+        r: httpx2.Response,
+        remote: RemoteFile,
+        start: int,
+        end: int,
+        is_cdn: bool,
+        out: memoryview | None,
+        asked_at: float,
     ) -> tuple[bytearray | memoryview, int | None]:
+        """The body of a strict 206 into `out`; raises `_Retryable` for anything else worth another
+        try: a wrong or short answer, or one that arrives too slowly (`_too_slow`)."""
         status = r.status_code
         if status == 206:
             m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))
@@ -373,7 +490,9 @@ class RangeReader:
             if out is None:
                 out = memoryview(bytearray(want))  # allocated once the server said how much comes
             body, n = out[:want], 0
-            abandon = getattr(self._abandon, "value", None)
+            abandon = getattr(self._call, "abandon", None)
+            deadline = getattr(self._call, "deadline", None)
+            window_start, window_n = asked_at, 0  # the first window counts the wait for the first byte, as curl's
             for chunk in r.iter_bytes():
                 if self._cancelled.is_set():
                     raise DownloadError(f"{remote}: cancelled")
@@ -383,6 +502,14 @@ class RangeReader:
                     raise _Retryable("more bytes than the range")
                 body[n : n + len(chunk)] = chunk
                 n += len(chunk)
+                if n == want:
+                    continue  # complete: the stream ends next, and its connection goes back to the pool
+                if deadline is not None and deadline.passed():
+                    raise _Retryable(f"{n} of {want} bytes had come when the time was up", cut_short=True)
+                now = time.monotonic()
+                if now - window_start >= self.speed_window_s:
+                    self._too_slow(n - window_n, now - window_start)
+                    window_start, window_n = now, n
             if n != want:
                 raise _Retryable(f"connection ended after {n} of {want} bytes")
             return (body.obj if len(body.obj) == want else body), None if total == "*" else int(total)

@@ -4,7 +4,8 @@ An expert is asked of the disk, then of each remote tier (peers, the Hub) until 
 that match the expert's recorded sha256 (store/integrity.py). A copy that fails is discarded by
 its tier and counted; a remote tier is asked again a few times, since a transfer can be damaged
 where the source is not. Bytes from beyond this machine are decoded for MLX and written to the
-disk cache, so the next use of the expert is a disk hit.
+disk cache, so the next use of the expert is a disk hit; in a household, a copy from a peer is
+kept on disk only by the expert's owner (others hold it in RAM while they use it).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from expertmesh.node.errors import Abandoned, DownloadError
+from expertmesh.node.errors import DownloadError
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.store.codec import ExpertCodec, ExpertWeights
-from expertmesh.node.store.integrity import DigestBook
+from expertmesh.node.store.integrity import DigestBook, sha256
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tiers import RunFetcher, Tier
 from expertmesh.node.store.tiers.disk import DiskCache
@@ -79,6 +80,7 @@ class TierChain:
         """
         loc = self.index.expert(*key)
         for tier in self.tiers:
+            contradicting: set[str] = set()  # digests of this tier's copies that failed the check
             for _ in range(1 if tier.local else 1 + INTEGRITY_RETRIES):
                 t0 = time.perf_counter()
                 blob = tier.fetch(loc, abandon)
@@ -86,23 +88,23 @@ class TierChain:
                     break
                 if len(blob) != loc.nbytes:  # a tier must never hand over a partial expert
                     raise DownloadError(f"{tier.source} gave {len(blob)} bytes for expert {key}, expected {loc.nbytes}")
-                if self.verify(key, tier, blob):
+                if self.verify(key, tier, blob, contradicting):
                     break
                 blob = None
             if blob is None:
                 continue
-            if not tier.local:
+            if not tier.local and (not tier.household or self.disk.owns(key)):
                 self.disk.put(loc, blob, wait=keep_now)
             if not decode:
                 return Fetched(None, tier.source, time.perf_counter() - t0, blob)
             return Fetched(self.codec.decode(loc, blob), tier.source, time.perf_counter() - t0)
+        raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
 
     def decoded(self, key: ExpertKey, fetched: Fetched) -> Fetched:
         """`fetched` with its weights, decoded from its blob if it came as bytes."""
         if fetched.weights is not None:
             return fetched
         return Fetched(self.codec.decode(self.index.expert(*key), fetched.blob), fetched.source, fetched.seconds)
-        raise DownloadError(f"expert {key} of {self.index.repo_id}: no source has a good copy")
 
     def fetch_run(
         self,
@@ -112,8 +114,10 @@ class TierChain:
         decode: bool = True,
     ) -> list[Fetched | BaseException]:
         """Each expert of a run, fetched as one request when there are several; an expert whose
-        bytes fail their checks is fetched again on its own (with `fetch`'s retries). Without
-        `decode` the run's experts come back as bytes (`Fetched.blob`)."""
+        bytes fail their checks is fetched again on its own (with `fetch`'s retries). A run whose
+        request failed (its retries and its deadline spent) hands that error to each expert: asking
+        again one by one would spend the budget once more per expert. Without `decode` the run's
+        experts come back as bytes (`Fetched.blob`)."""
         out: list[Fetched | BaseException] = []
         blobs: list[bytes | None] = [None] * len(keys)
         runs = self.runs if len(keys) > 1 else None
@@ -121,10 +125,8 @@ class TierChain:
         if runs is not None:
             try:
                 blobs = runs.fetch_run([self.index.expert(*k) for k in keys], abandon)
-            except Abandoned as e:
+            except Exception as e:  # noqa: BLE001 - handed to each demand that joined (Abandoned too)
                 return [e] * len(keys)
-            except Exception as e:  # noqa: BLE001 - each expert is tried again on its own below
-                logger.debug("experts %s as one run failed: %s", keys, e)
         seconds = (time.perf_counter() - t0) / len(keys)
         for key, blob in zip(keys, blobs):
             loc = self.index.expert(*key)
@@ -141,14 +143,25 @@ class TierChain:
                 out.append(e)
         return out
 
-    def verify(self, key: ExpertKey, tier: Tier, blob) -> bool:
+    def verify(self, key: ExpertKey, tier: Tier, blob, contradicting: set[str] | None = None) -> bool:
         """Check a copy against the digest recorded at first fetch, or record it if this is the first.
 
         Only bytes a remote tier vouched for may become the reference; a local copy without a
-        recorded digest is unverifiable and treated like a bad one.
+        recorded digest is unverifiable and treated like a bad one. A recorded digest can be wrong
+        (a first fetch damaged in a way the 206 checks miss, a bad line in the book): when two
+        fresh copies from the origin (the Hub, not a peer) agree with each other against it,
+        theirs replaces it. `contradicting` collects the failed digests of one tier's attempts.
         """
-        if self.digests is None or self.digests.check(key, blob, may_record=not tier.local):
+        if self.digests is None:
             return True
+        digest = sha256(blob)
+        if self.digests.check_digest(key, digest, may_record=not tier.local):
+            return True
+        if contradicting is not None and not tier.local and not tier.household:
+            if digest in contradicting:
+                self.digests.replace(key, digest)
+                return True
+            contradicting.add(digest)
         self.stats.record_integrity_failure(tier.source)
         logger.warning("expert %s from %s failed its sha256 check; discarding that copy", key, tier.source)
         tier.discard(self.index.expert(*key))

@@ -11,17 +11,28 @@ Idle-link fill asks for runs of experts that lie back to back in a shard as one 
 (`fetch_run`): each request pays its time to first byte once, which is what a small expert's
 transfer is mostly made of. A run stops growing at `run_bytes`, the size of a request that
 already fills every piece, so K3's 17.5 MB experts are never run together.
+
+A Hub that only drips or stalls ends each fetch in one error within a bound: the pieces of an
+expert or of a run share one `Deadline` (node/hub/client.py, `HUB_FETCH_DEADLINE_S` from the
+first request), and pieces still queued when it passes are cancelled. The experts of a run whose
+request failed are not asked for again one by one (store/tier_chain.py): the run had the budget
+of one fetch, and asking again per expert would multiply it by the run's length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING
 
 from expertmesh.node import constants
 from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.hub.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 from expertmesh.node.store.buffers import expert_buffer
 from expertmesh.node.store.priority import PriorityPool
+
+if TYPE_CHECKING:  # the client (and huggingface_hub) is imported when a tier is made, not with this module
+    from expertmesh.node.hub.client import Deadline
 
 DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
 DEFAULT_PIECES_PER_EXPERT = constants.HUB_PIECES_PER_EXPERT
@@ -49,6 +60,7 @@ class HubSource:
 
     source = "hub"
     local = False
+    household = False
 
     def __init__(
         self,
@@ -70,30 +82,36 @@ class HubSource:
     def start(self) -> None:
         self._pool.start()
 
-    def _read_into(self, r: ByteRange, out: memoryview, abandon: Callable[[], bool] | None) -> None:
+    def _read_into(self, r: ByteRange, out: memoryview, abandon: Callable[[], bool] | None, deadline: Deadline) -> None:
         from expertmesh.node.hub.client import RemoteFile
 
         remote = RemoteFile(self.index.repo_id, self.index.commit, r.file)
-        got = self.reader.read_into(remote, r.start, r.end, out, abandon)
+        got = self.reader.read_into(remote, r.start, r.end, out, abandon, deadline)
         if got != r.nbytes:
             raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {got}")
 
     def _read_pieces(self, pieces: list[ByteRange], into: memoryview, abandon: Callable[[], bool] | None) -> None:
-        """Each piece into its place in `into`, on the pool's connections (one piece: here)."""
+        """Each piece into its place in `into`, on the pool's connections (one piece: here), all
+        within one `Deadline`."""
+        deadline = self.reader.deadline()
         offsets, off = [], 0
         for p in pieces:
             offsets.append(off)
             off += p.nbytes
         if len(pieces) == 1:
-            self._read_into(pieces[0], into[: pieces[0].nbytes], abandon)
+            self._read_into(pieces[0], into[: pieces[0].nbytes], abandon, deadline)
             return
         futures = [
-            self._pool.submit(self._read_into, p, into[o : o + p.nbytes], abandon) for p, o in zip(pieces, offsets)
+            self._pool.submit(self._read_into, p, into[o : o + p.nbytes], abandon, deadline)
+            for p, o in zip(pieces, offsets)
         ]
-        errors = [f.exception() for f in futures]  # every piece ends (an abandoned one at once) before the buffer goes
-        for e in errors:
+        _await_pieces(futures, deadline)  # every piece ends (an abandoned one at once) before the buffer goes
+        ran = [f.exception() for f in futures if not f.cancelled()]
+        for e in ran:
             if e is not None:
                 raise e
+        if len(ran) < len(futures):
+            raise DownloadError(f"pieces not asked for: the {deadline.seconds:g} s to fetch them had passed")
 
     def fetch(self, loc: ExpertLocation, abandon: Callable[[], bool] | None = None) -> bytearray:
         """The expert's bytes, its pieces read on separate connections straight into one buffer."""
@@ -119,7 +137,10 @@ class HubSource:
         self, locs: list[ExpertLocation], abandon: Callable[[], bool] | None = None
     ) -> list[bytes | bytearray | memoryview]:
         """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges into
-        one buffer; an expert of one range is a view of it, not a copy."""
+        one buffer; an expert of one range is a view of it, not a copy.
+
+        The run has the budget of one fetch (retries, `Deadline`); when it fails, its error is
+        each expert's (TierChain.fetch_run does not ask for them again one by one)."""
         merged = run_ranges(locs)
         if merged is None:
             raise ValueError("fetch_run needs experts whose byte ranges lie back to back")
@@ -131,10 +152,11 @@ class HubSource:
             raise
         except DownloadError as e:
             first, last = locs[0], locs[-1]
-            raise DownloadError(
+            error = (
                 f"experts {first.expert}-{last.expert} of layer {first.layer} from the Hub at "
-                f"{self.reader.endpoint}: {e}"
-            ) from None
+                f"{self.reader.endpoint}: {e}; what was fetched is cached, so running again continues"
+            )
+            raise DownloadError(error) from None
         where, off = {}, 0  # merged range -> its offset in the buffer
         for m in merged:
             where[m] = off
@@ -154,3 +176,18 @@ class HubSource:
     def close(self) -> None:
         self.reader.cancel()  # a fetch in flight ends at its next chunk instead of running on
         self._pool.shutdown()
+
+
+def _await_pieces(futures: list[Future], deadline: Deadline) -> None:
+    """Wait until every piece has ended. Once the fetch's `deadline` passed, pieces still queued
+    behind other fetches are cancelled: when their turn came they would fail at once, and the fetch
+    would have waited for that turn. A running piece stops by itself within one read."""
+    while True:
+        _, pending = wait(futures, timeout=deadline.left())  # the whole budget while no piece started
+        if not pending:
+            return
+        if deadline.passed():
+            for f in pending:
+                f.cancel()  # only a queued one is; the running ones are waited for
+            wait(futures)
+            return
