@@ -285,9 +285,10 @@ def _join_household(node: Node, household: HouseholdConfig) -> None:
     """The peer table with the listed peers (asked who they are now), and the tier that uses it."""
     import grpc
 
-    from expertmesh.node.household.membership import PeerTable, describe_peer
+    from expertmesh.node.household.membership import ExpertOwnership, PeerTable, describe_peer
 
     node.peers = PeerTable(self_id=node.node_id, self_weight=float(node.disk.budget_bytes))
+    node.disk.ownership = ExpertOwnership(node.peers, node.index)  # others' experts leave the disk first
     for address in household.peers:
         try:
             node.peers.add(describe_peer(address, household.secret, household.tls_ca))
@@ -408,6 +409,9 @@ def _build_api(node: Node) -> None:
         node.api = OpenAIServer(coordinator, api.host, api.port)
     except OSError as e:
         raise ExpertmeshError(f"cannot serve the HTTP API on {api.host}:{api.port}: {e.strerror or e}") from None
+    if node.metrics is not None:
+        # the API's counts on the node's /metrics too: the port that is advertised and scraped
+        node.metrics.registry.register(coordinator.metrics)
 
 
 def _advertise(node: Node):

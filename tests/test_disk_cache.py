@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import errno
 import os
+import random
 import threading
 from pathlib import Path
 
@@ -123,3 +124,105 @@ def test_a_disk_that_refuses_writes_turns_the_tier_off_without_an_error(
         assert not list(cache.root.glob(f"*/*{TMP_SUFFIX}")) and not _files(cache)
     finally:
         cache.close()
+
+
+def _churn(cache: DiskCache, locs: dict, blobs: dict, seed: int, wrong: list) -> None:
+    r = random.Random(seed)
+    keys = list(locs)
+    for _ in range(150):
+        key = r.choice(keys)
+        if r.random() < 0.5:
+            cache.put(locs[key], blobs[key], wait=r.random() < 0.3)
+        else:
+            got = cache.fetch(locs[key])
+            if got is not None and bytes(got) != blobs[key]:
+                wrong.append(key)
+
+
+def test_concurrent_puts_reads_and_evictions_keep_files_and_accounting_equal(tmp_path: Path) -> None:
+    """Write-behind under churn: an expert evicted while its write is queued or being published,
+    and put again, neither leaves an unaccounted file nor stops the writer."""
+    for trial in range(8):
+        cache, locs, blobs = _cache(tmp_path / str(trial), count=40, budget_experts=5)
+        cache.start()
+        wrong: list = []
+        threads = [threading.Thread(target=_churn, args=(cache, locs, blobs, trial * 10 + i, wrong)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        cache.flush()
+        assert cache._writer.is_alive() and not wrong
+        cache.close()
+        on_disk = {(int(p.parent.name), int(p.stem)) for p in _files(cache)}
+        assert on_disk == set(cache._files) and len(on_disk) * SIZE <= cache.budget_bytes
+
+
+class _Owns:
+    def __init__(self, mine: set) -> None:
+        self.mine, self.version = mine, 0
+
+    def owns(self, key) -> bool:
+        return key in self.mine
+
+
+def test_copies_of_others_experts_go_first_and_never_push_out_our_own(tmp_path: Path) -> None:
+    cache, locs, blobs = _cache(tmp_path, count=8, budget_experts=4)
+    ownership = _Owns({(1, 0), (1, 1), (1, 2)})
+    cache.ownership = ownership
+    for e in (0, 3, 1, 4):  # ours, theirs, ours, theirs: full
+        cache.put(locs[(1, e)], blobs[(1, e)])
+    cache.fetch(locs[(1, 3)])  # theirs, but most recently used
+    cache.put(locs[(1, 2)], blobs[(1, 2)])  # ours: evicts the least recently used of theirs
+    assert set(cache._files) == {(1, 0), (1, 1), (1, 2), (1, 3)}
+    cache.put(locs[(1, 5)], blobs[(1, 5)])  # theirs: pushes out theirs only
+    assert set(cache._files) == {(1, 0), (1, 1), (1, 2), (1, 5)}
+    cache.put(locs[(1, 6)], blobs[(1, 6)])
+    assert set(cache._files) == {(1, 0), (1, 1), (1, 2), (1, 6)}
+    # the household changes: 6 is ours now, 0 no longer
+    ownership.mine, ownership.version = {(1, 1), (1, 2), (1, 6), (1, 7)}, 1
+    cache.put(locs[(1, 7)], blobs[(1, 7)])
+    assert set(cache._files) == {(1, 1), (1, 2), (1, 6), (1, 7)}
+    cache.put(locs[(1, 3)], blobs[(1, 3)])  # theirs, and only our own could make room: not kept
+    assert (1, 3) not in cache and set(cache._files) == {(1, 1), (1, 2), (1, 6), (1, 7)}
+    assert {(int(p.parent.name), int(p.stem)) for p in _files(cache)} == set(cache._files)
+
+
+def test_a_second_process_on_the_same_cache_reads_but_never_writes_or_evicts(tmp_path: Path) -> None:
+    """One writer per cache folder (a flock, as a second `run` on the same home would meet it):
+    the budget holds for both, and the second one takes over when the first closes."""
+    first, locs, blobs = _cache(tmp_path, count=4, budget_experts=2)
+    first.put(locs[(1, 0)], blobs[(1, 0)])
+    second = DiskCache(first.root, first.index, first.budget_bytes, first.digests)
+    assert bytes(second.fetch(locs[(1, 0)])) == blobs[(1, 0)]  # reads what it found
+    second.put(locs[(1, 1)], blobs[(1, 1)])
+    second.put(locs[(1, 2)], blobs[(1, 2)])
+    assert (1, 1) not in second and [p.name for p in _files(first)] == ["0.bin"]  # wrote and evicted nothing
+    first.close()
+    second._retry_at = 0.0  # as DISK_RETRY_S later
+    second.put(locs[(1, 3)], blobs[(1, 3)])
+    assert (1, 3) in second and sorted(p.name for p in _files(second)) == ["0.bin", "3.bin"]
+    second.close()
+
+
+def test_a_refusing_disk_is_tried_again_later_and_a_failing_read_is_fetched_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, locs, blobs = _cache(tmp_path, count=3, budget_experts=3)
+    real_replace = os.replace
+    monkeypatch.setattr(disk_cache.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    cache.put(locs[(1, 0)], blobs[(1, 0)])
+    assert cache.refused and cache.refusals == 1 and (1, 0) not in cache
+    monkeypatch.setattr(disk_cache.os, "replace", real_replace)  # room again
+    cache.put(locs[(1, 1)], blobs[(1, 1)])
+    assert (1, 1) not in cache  # not before the retry time
+    cache._retry_at = 0.0
+    cache.put(locs[(1, 1)], blobs[(1, 1)])
+    assert (1, 1) in cache and not cache.refused
+
+    def eio(*_a):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(disk_cache.os, "preadv", eio)
+    assert cache.fetch(locs[(1, 1)]) is None and cache.read_errors == 1 and (1, 1) not in cache
+    cache.close()

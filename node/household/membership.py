@@ -61,17 +61,22 @@ class PeerTable:
     self_weight: float
     peers: dict[str, Peer] = field(default_factory=dict)
     errors: Counter = field(default_factory=Counter)  # reason -> count
+    version: int = 0  # bumped when a member comes, goes or changes its weight: ownership moved
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, peer: Peer) -> None:
         with self._lock:
             if peer.node_id == self.self_id:
                 return  # our own advertisement
+            old = self.peers.get(peer.node_id)
+            if old is None or old.weight != peer.weight:
+                self.version += 1
             self.peers[peer.node_id] = peer
 
     def remove(self, node_id: str) -> None:
         with self._lock:
-            self.peers.pop(node_id, None)
+            if self.peers.pop(node_id, None) is not None:
+                self.version += 1
 
     def all(self) -> list[Peer]:
         with self._lock:
@@ -114,6 +119,29 @@ class PeerTable:
     def owns(self, key: str) -> bool:
         """Whether this node is the owner of the expert named `key` among the live nodes."""
         return self.ranked(key)[0] is None
+
+    def keeps(self, key: str) -> bool:
+        """Whether this node owns `key` among all members, briefly skipped ones included: what
+        its disk keeps longest. A peer skipped for a few seconds after an error still owns its
+        experts, so one timeout does not make every node re-sort its disk."""
+        mine = rendezvous_score(key, self.self_id, self.self_weight)
+        with self._lock:
+            return all(rendezvous_score(key, p.node_id, p.weight) < mine for p in self.peers.values())
+
+
+@dataclass
+class ExpertOwnership:
+    """Which experts of one model this node owns, as the disk tier asks it (store/tiers/disk.py)."""
+
+    table: PeerTable
+    index: ExpertIndex
+
+    @property
+    def version(self) -> int:
+        return self.table.version
+
+    def owns(self, key: tuple[int, int]) -> bool:
+        return self.table.keeps(expert_key(self.index, *key))
 
 
 def describe_peer(address: str, secret: str, tls_ca: bytes | None = None) -> Peer:

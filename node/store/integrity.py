@@ -4,28 +4,59 @@ Upstream publishes a digest per shard, not per byte range, so an expert's digest
 the first bytes that passed the Hub's strict 206 checks, and every copy that comes from anywhere
 but RAM afterwards (the disk cache, a peer) must match it.
 
-Kept as an append-only text file (`layer expert sha256` per line) beside the disk cache. A line
-is written before the expert's file is published, so a cached file always has its digest; a
-torn last line after a crash is ignored, and the file it would have covered is then deleted as
-unverifiable.
+Kept as an append-only text file beside the disk cache, one record per line:
+`layer expert sha256 crc32`, the crc32 (8 hex digits) taken over the first three fields, so a
+torn, cut or merged line is recognised and skipped instead of read as a record of the wrong
+expert (a cut inside a layer number would otherwise parse). A line is written before the
+expert's file is published, so a cached file always has its digest; a file whose record was lost
+is deleted as unverifiable. Nothing is appended onto a torn tail (a newline goes first), and a
+book with skipped lines, duplicates or lines of the older three-field format is compacted at load
+(written anew and renamed into place). When records of one expert disagree, the last one wins:
+that is how a wrong digest is replaced (`replace`).
+
+Several processes may share a home: appends and compaction happen under an exclusive `flock`
+on a lock file beside the book, and before appending, a process reads what the others appended
+since it last looked, so it neither duplicates their records nor contradicts them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 DIGESTS_FILENAME = "digests.tsv"
+LOCK_SUFFIX = ".lock"
 
 
 def sha256(blob: bytes | bytearray | memoryview) -> str:
     """hashlib releases the interpreter lock on large buffers, so fetch threads hash in parallel."""
     return hashlib.sha256(blob).hexdigest()
+
+
+def format_record(key: tuple[int, int], digest: str) -> str:
+    body = f"{key[0]} {key[1]} {digest}"
+    return f"{body} {zlib.crc32(body.encode()):08x}\n"
+
+
+def parse_record(line: str) -> tuple[tuple[int, int], str, bool] | None:
+    """(key, digest, old format) of one line, or None if it is not a whole record."""
+    parts = line.split()
+    if len(parts) not in (3, 4) or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    if len(parts[2]) != 64 or any(c not in "0123456789abcdef" for c in parts[2]):
+        return None
+    if len(parts) == 4 and parts[3] != f"{zlib.crc32(' '.join(parts[:3]).encode()):08x}":
+        return None
+    return (int(parts[0]), int(parts[1])), parts[2], len(parts) == 3
 
 
 class DigestBook:
@@ -34,19 +65,85 @@ class DigestBook:
         self._digests: dict[tuple[int, int], str] = {}
         self._unpersisted: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
-        self._load()
+        self._seen: tuple[int, int] = (0, 0)  # (inode, offset) of the book read so far
+        self._torn_at: tuple[int, int] | None = None  # (inode, offset) of a torn tail already counted
+        self.skipped_lines = 0  # torn or malformed lines found (metrics, status)
+        self.replaced = 0  # recorded digests replaced by what the Hub agreed on twice
+        with self._lock, self._locked():
+            needs_compaction = self._read_new()
+            if needs_compaction:
+                self._compact()
 
-    def _load(self) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The book to ourselves across processes (a read-only or missing folder: without a lock,
+        since nobody can write there either)."""
         try:
-            text = self.path.read_text(encoding="ascii", errors="replace")
-        except FileNotFoundError:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path.with_name(self.path.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
             return
-        for n, line in enumerate(text.splitlines(), 1):
-            parts = line.split()
-            if len(parts) == 3 and len(parts[2]) == 64 and parts[0].isdigit() and parts[1].isdigit():
-                self._digests[(int(parts[0]), int(parts[1]))] = parts[2]
-            elif line.strip():
-                logger.warning("%s:%d: ignoring a malformed line (an interrupted write?)", self.path, n)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _read_new(self) -> bool:
+        """Read what was appended since we last looked (all of it if the book was replaced);
+        True if anything found calls for compaction. Called with both locks held."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                inode, offset = self._seen
+                if st.st_ino != inode or st.st_size < offset:
+                    offset = 0  # compacted by another process, or new
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            self._seen = (0, 0)
+            return False
+        lines = data.split(b"\n")
+        torn = lines.pop()  # after the last newline: empty, or a record cut short
+        consumed = len(data) - len(torn)
+        messy = False
+        for n, raw in enumerate(lines):
+            record = parse_record(raw.decode("ascii", errors="replace"))
+            if record is None:
+                if raw.strip():
+                    self.skipped_lines += 1
+                    messy = True
+                    logger.warning(
+                        "%s: skipping a torn or malformed record (line %d of what was read)", self.path, n + 1
+                    )
+                continue
+            key, digest, old_format = record
+            messy |= old_format or key in self._digests
+            self._digests[key] = digest  # the last record of an expert wins
+            self._unpersisted.discard(key)
+        if torn.strip() and (st.st_ino, offset + consumed) != self._torn_at:
+            self._torn_at = (st.st_ino, offset + consumed)  # counted once, however often it is read
+            self.skipped_lines += 1
+            messy = True
+            logger.warning("%s: skipping a torn last record (an interrupted write)", self.path)
+        self._seen = (st.st_ino, offset + consumed)
+        return messy
+
+    def _compact(self) -> None:
+        """One record per expert, written anew and renamed into place (both locks held)."""
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w", encoding="ascii") as f:
+                for key, digest in self._digests.items():
+                    if key not in self._unpersisted:
+                        f.write(format_record(key, digest))
+            os.replace(tmp, self.path)
+            self._seen = (os.stat(self.path).st_ino, os.stat(self.path).st_size)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            logger.warning("could not compact %s (%s); its good records are used as they are", self.path, e.strerror)
 
     def get(self, key: tuple[int, int]) -> str | None:
         return self._digests.get(key)
@@ -58,7 +155,10 @@ class DigestBook:
         """Whether `blob` is a good copy of expert `key`: equal to the recorded digest, or, when
         none is recorded yet and `may_record` (bytes that passed a remote source's checks), the
         first copy, whose digest is then recorded. A disk copy without a digest is unverifiable."""
-        digest = sha256(blob)
+        return self.check_digest(key, sha256(blob), may_record)
+
+    def check_digest(self, key: tuple[int, int], digest: str, may_record: bool) -> bool:
+        """`check` for a digest already computed."""
         known = self.get(key)
         if known is None and may_record:
             self.record(key, digest)
@@ -70,23 +170,53 @@ class DigestBook:
         return key in self._digests and key not in self._unpersisted
 
     def record(self, key: tuple[int, int], digest: str) -> None:
-        """Remember `digest` for `key`; the first one recorded stays (it is the reference).
+        """Remember `digest` for `key` unless one is recorded (here or by another process sharing
+        the book): the first one stays the reference until `replace`d.
 
-        A failed write (a full disk) keeps the digest in memory only; `persisted` then says no.
+        A failed write (a full or read-only disk) keeps the digest in memory only; `persisted`
+        then says no.
         """
+        self._write(key, digest, replace=False)
+
+    def replace(self, key: tuple[int, int], digest: str) -> None:
+        """Make `digest` the reference for `key`: the recorded one was contradicted by fresh
+        copies from the Hub that agreed with each other (store/tier_chain.py)."""
+        old = self.get(key)
+        self._write(key, digest, replace=True)
+        self.replaced += 1
+        logger.warning(
+            "expert %s: the recorded sha256 %s… was contradicted by two fresh copies from the Hub that agree; "
+            "recording theirs (%s…)",
+            key,
+            (old or "none")[:12],
+            digest[:12],
+        )
+
+    def _write(self, key: tuple[int, int], digest: str, replace: bool) -> None:
         with self._lock:
-            if key in self._digests:
+            if not replace and key in self._digests:
                 return
-            self._digests[key] = digest
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                try:
-                    line = f"{key[0]} {key[1]} {digest}\n".encode()
-                    if os.write(fd, line) != len(line):  # one write: lines never interleave
-                        raise OSError(28, "short write")
-                finally:
-                    os.close(fd)
+                with self._locked():
+                    self._read_new()  # what other processes recorded meanwhile
+                    if not replace and key in self._digests:
+                        return
+                    self._digests[key] = digest
+                    self._append(format_record(key, digest).encode())
+                self._unpersisted.discard(key)
             except OSError as e:
+                self._digests[key] = digest
                 self._unpersisted.add(key)
-                logger.warning("could not record the digest of expert %s (%s): it stays in RAM only", key, e)
+                logger.warning("could not record the digest of expert %s (%s): it stays in RAM only", key, e.strerror)
+
+    def _append(self, line: bytes) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # never onto a torn tail: that record is lost, this one is not
+            if os.write(fd, line) != len(line):  # one write: lines never interleave
+                raise OSError(28, "short write")
+            self._seen = (os.fstat(fd).st_ino, size + len(line))
+        finally:
+            os.close(fd)

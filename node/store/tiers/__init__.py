@@ -5,6 +5,9 @@ A tier declares what it can do, so the store never singles one out by name:
     source        the `source` its uses are counted under (disk | peer | hub)
     local         its copies live on this machine: they are not written back to the disk, and a bad
                   one is not asked for again (a remote tier may send good bytes on a second try)
+    household     its copies come from the household, whose owners keep them: a node writes one to
+                  its disk only if it owns that expert (the household keeps one copy of each, and a
+                  copy of another's expert never takes the room of one's own)
     fetch(loc, abandon)
                   the expert's upstream bytes (its ranges concatenated), or None if it lacks them;
                   a tier that moves bytes over a link stops when `abandon()` says so (Abandoned)
@@ -26,6 +29,7 @@ from expertmesh.node.hub.expert_index import ExpertLocation
 class Tier(Protocol):
     source: str
     local: bool
+    household: bool
 
     def fetch(self, loc: ExpertLocation, abandon: Callable[[], bool] | None = None) -> bytes | bytearray | None: ...
 

@@ -37,6 +37,7 @@ class PeerSource:
 
     source = "peer"
     local = False
+    household = True
 
     def __init__(
         self,
