@@ -70,7 +70,7 @@ FETCH_BUCKETS_S = (
 ROLES = ("full", "cache")
 # Every label name a node's own metrics use (`le` is the histograms'); the API's are in
 # coordinator/api_metrics.py's LABELS.
-LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "le")
+LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "kind", "le")
 TIERS = ("ram", "disk")
 # Reasons always exported (as 0 until they happen), so an "errors by reason" panel has data on a
 # healthy household; others (gRPC status names) appear when they first happen.
@@ -83,7 +83,8 @@ PEER_ERROR_REASONS = (
     "bad_bytes",
     "oversized",
 )
-HUB_ERROR_REASONS = ("retried",)
+HUB_ERROR_REASONS = ("retried", "slow")
+DISK_ERROR_KINDS = ("write", "read", "refused")
 SPECULATIVE_OUTCOMES = ("drafted", "accepted")
 
 
@@ -191,6 +192,34 @@ class _StateCollector(Collector):
             evictions.add_metric([tier], cache.evictions if held else 0)
         yield from (cache_bytes, cache_experts, budget, evictions)
 
+        disk = src.disk
+        writing = GaugeMetricFamily(
+            PREFIX + "disk_cache_writing",
+            "1 while the disk tier keeps new experts; 0 while its disk refuses writes (full, read-only, "
+            "failing: tried again every minute) or another process on this home keeps the cache.",
+        )
+        writing.add_metric([], 0 if disk is None or disk.refused else 1)
+        disk_errors = CounterMetricFamily(
+            PREFIX + "disk_cache_errors",
+            "Disk tier failures by kind (write: an expert not kept; read: a copy lost to a read error; "
+            "refused: the disk turned writing off). Generation goes on from the other tiers.",
+            labels=["kind"],
+        )
+        counts = (disk.write_errors, disk.read_errors, disk.refusals) if disk is not None else (0, 0, 0)
+        for kind, n in zip(DISK_ERROR_KINDS, counts):
+            disk_errors.add_metric([kind], n)
+        skipped = CounterMetricFamily(
+            PREFIX + "digest_records_skipped",
+            "Torn or malformed lines of the digest book skipped at reading (the book is then compacted).",
+        )
+        replaced = CounterMetricFamily(
+            PREFIX + "digests_replaced",
+            "Recorded expert digests replaced because two fresh copies from the Hub agreed against them.",
+        )
+        skipped.add_metric([], disk.digests.skipped_lines if disk is not None else 0)
+        replaced.add_metric([], disk.digests.replaced if disk is not None else 0)
+        yield from (writing, disk_errors, skipped, replaced)
+
         peers = GaugeMetricFamily(
             PREFIX + "peers", "Live peers this node knows (not skipped after an error), by role.", labels=["role"]
         )
@@ -218,9 +247,11 @@ class _StateCollector(Collector):
         hub = dict.fromkeys(HUB_ERROR_REASONS, 0)
         for reader in src.hub_readers:
             hub["retried"] += reader.retries
+            hub["slow"] += reader.slow_responses
         hub_errors = CounterMetricFamily(
             PREFIX + "hub_errors",
-            "Hub range requests that failed, by reason (retried: failed attempts that were retried with backoff).",
+            "Hub range requests that failed, by reason (retried: failed attempts that were retried with backoff; "
+            "slow: responses given up below the speed floor, also counted as retried).",
             labels=["reason"],
         )
         for reason, n in hub.items():

@@ -69,6 +69,7 @@ class DigestBook:
         self._torn_at: tuple[int, int] | None = None  # (inode, offset) of a torn tail already counted
         self.skipped_lines = 0  # torn or malformed lines found (metrics, status)
         self.replaced = 0  # recorded digests replaced by what the Hub agreed on twice
+        self.write_error: OSError | None = None  # the last failed write: the disk tier stops writing too
         with self._lock, self._locked():
             needs_compaction = self._read_new()
             if needs_compaction:
@@ -207,7 +208,9 @@ class DigestBook:
             except OSError as e:
                 self._digests[key] = digest
                 self._unpersisted.add(key)
-                logger.warning("could not record the digest of expert %s (%s): it stays in RAM only", key, e.strerror)
+                log = logger.warning if self.write_error is None else logger.debug  # once, not per expert
+                self.write_error = e
+                log("could not record the digest of expert %s (%s): it stays in RAM only", key, e.strerror)
 
     def _append(self, line: bytes) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)

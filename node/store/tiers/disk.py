@@ -268,7 +268,13 @@ class DiskCache:
         keep one is not the caller's error. Queued when the writer runs, unless `wait`."""
         key = (loc.layer, loc.expert)
         size = len(blob)
-        if size > self.budget_bytes or not self.digests.persisted(key):
+        if size > self.budget_bytes:
+            return
+        if not self.digests.persisted(key):
+            if self.digests.get(key) is not None and self.digests.write_error is not None:
+                with self._lock:  # the book beside the cache could not be written: neither can the cache
+                    if not self.refused:
+                        self._refuse(self.digests.write_error)
             return
         with self._lock:
             if key in self._files or self._off() or not self._reserve(key, size):
