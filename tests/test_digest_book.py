@@ -1,0 +1,54 @@
+"""The digest book alone: records check themselves, a torn tail is neither read nor appended onto,
+a book with damage or duplicates is compacted at load, and two processes sharing one book see each
+other's records instead of duplicating or contradicting them."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+from expertmesh.node.store.integrity import DigestBook, format_record, parse_record
+
+A = "a" * 64
+B = "b" * 64
+C = "c" * 64
+
+
+def test_a_record_checks_itself() -> None:
+    line = format_record((12, 5), A)
+    assert parse_record(line) == ((12, 5), A, False)
+    assert parse_record(line[1:]) is None  # "2 5 …": a cut inside the layer number is caught
+    assert parse_record(line.replace("a", "b", 1)) is None
+    assert parse_record(f"12 5 {A}") == ((12, 5), A, True)  # the older format is still read
+
+
+def test_nothing_is_appended_onto_a_torn_tail_and_the_book_is_compacted(tmp_path: Path) -> None:
+    path = tmp_path / "digests.tsv"
+    path.write_text(format_record((1, 1), A) + format_record((1, 1), A) + f"1 2 {B}\n" + format_record((1, 3), C)[:20])
+    book = DigestBook(path)
+    assert book.get((1, 1)) == A and book.get((1, 2)) == B and book.get((1, 3)) is None
+    assert book.skipped_lines == 1
+    assert path.read_text() == format_record((1, 1), A) + format_record((1, 2), B)  # compacted, one format
+    with path.open("a") as f:  # a crash tears the next append too
+        f.write(format_record((2, 0), C)[:9])
+    book.record((2, 1), C)
+    assert DigestBook(path).get((2, 1)) == C  # its own line, not glued to the torn one
+
+
+def _record(path: str, key: tuple[int, int], digest: str) -> None:
+    DigestBook(Path(path)).record(key, digest)
+
+
+def test_two_processes_share_one_book(tmp_path: Path) -> None:
+    path = tmp_path / "digests.tsv"
+    mine = DigestBook(path)
+    ctx = multiprocessing.get_context("spawn")
+    other = ctx.Process(target=_record, args=(str(path), (3, 3), A))
+    other.start()
+    other.join(60)
+    assert other.exitcode == 0
+    mine.record((3, 3), B)  # the other process was first: its record stands, ours is not appended
+    assert mine.get((3, 3)) == A
+    assert [parse_record(line)[0] for line in path.read_text().splitlines()] == [(3, 3)]
+    mine.replace((3, 3), C)  # until the Hub says otherwise
+    assert DigestBook(path).get((3, 3)) == C and mine.replaced == 1
