@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
-from expertmesh.node.store.integrity import DigestBook, format_record, parse_record
+from expertmesh.node.store.integrity import DigestBook, Record, format_record, parse_record
 
 A = "a" * 64
 B = "b" * 64
@@ -16,10 +16,12 @@ C = "c" * 64
 
 def test_a_record_checks_itself() -> None:
     line = format_record((12, 5), A)
-    assert parse_record(line) == ((12, 5), A, False)
+    assert parse_record(line) == Record((12, 5), A)
+    assert parse_record(format_record((12, 5), A, verified=True)) == Record((12, 5), A, verified=True)
     assert parse_record(line[1:]) is None  # "2 5 …": a cut inside the layer number is caught
     assert parse_record(line.replace("a", "b", 1)) is None
-    assert parse_record(f"12 5 {A}") == ((12, 5), A, True)  # the older format is still read
+    assert parse_record(line.replace(" u ", " v ")) is None  # the state is covered too
+    assert parse_record(f"12 5 {A}") == Record((12, 5), A, old_format=True)  # older formats are still read
 
 
 def test_nothing_is_appended_onto_a_torn_tail_and_the_book_is_compacted(tmp_path: Path) -> None:
@@ -49,6 +51,7 @@ def test_two_processes_share_one_book(tmp_path: Path) -> None:
     assert other.exitcode == 0
     mine.record((3, 3), B)  # the other process was first: its record stands, ours is not appended
     assert mine.get((3, 3)) == A
-    assert [parse_record(line)[0] for line in path.read_text().splitlines()] == [(3, 3)]
+    assert [parse_record(line).key for line in path.read_text().splitlines()] == [(3, 3)]
     mine.replace((3, 3), C)  # until the Hub says otherwise
     assert DigestBook(path).get((3, 3)) == C and mine.replaced == 1
+    assert DigestBook(path).verified((3, 3))  # two fresh copies agreed on it

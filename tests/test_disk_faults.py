@@ -75,7 +75,8 @@ def test_a_wrong_record_is_replaced_by_what_the_hub_agrees_on(home: Path, refere
     _, _, disk, _ = _generate(home)
     path = disk.root / DIGESTS_FILENAME
     lines = _book_lines(disk.root)
-    key, good, _ = parse_record(lines[0])
+    first = parse_record(lines[0])
+    key, good = first.key, first.digest
     # a well-formed record with a wrong digest (as a damaged first fetch would have left it)
     lines[0] = format_record(key, sha256(b"not the expert")).strip()
     path.write_text("\n".join(lines) + "\n")
@@ -97,23 +98,23 @@ def test_a_torn_book_loses_only_the_torn_record_and_is_compacted(home: Path, ref
     records = [parse_record(line) for line in lines]
     if damage == "torn_tail":  # a full disk cut the last record short
         text = "\n".join(lines[:-1]) + "\n" + lines[-1][:30]
-        lost = {records[-1][0]}
+        lost = {records[-1].key}
     elif damage == "appended_after_torn_tail":  # what an older version then appended onto it
         text = "\n".join(lines[:-2]) + "\n" + lines[-2][:-9] + lines[-1] + "\n"
-        lost = {records[-2][0], records[-1][0]}
+        lost = {records[-2].key, records[-1].key}
     else:  # cut inside the layer number, then a record appended: "1" + "3 4 <digest>" reads as layer 13
-        (layer, expert), digest, _ = records[-1]
+        (layer, expert), digest = records[-1].key, records[-1].digest
         text = "\n".join(lines[:-1]) + "\n" + str(layer)[:1] + format_record((3, expert), digest)
-        lost = {records[-1][0]}
+        lost = {records[-1].key}
     path.write_text(text)
     tokens, stats, disk, out = _generate(home)
     assert tokens == reference
     assert stats.uses["hub"] == len(lost)  # their files were unverifiable: fetched again, nothing else
     assert _metric(out, "expertmesh_digest_records_skipped_total") >= 1
     book = [parse_record(line) for line in _book_lines(disk.root)]
-    assert all(r is not None and not r[2] for r in book)  # every line whole, in the checked format
-    assert len({r[0] for r in book}) == len(book) == len(records)  # one record per expert, none lost
-    assert {r[0]: r[1] for r in book} == {r[0]: r[1] for r in records}
+    assert all(r is not None and not r.old_format for r in book)  # every line whole, in the checked format
+    assert len({r.key for r in book}) == len(book) == len(records)  # one record per expert, none lost
+    assert {r.key: r.digest for r in book} == {r.key: r.digest for r in records}
 
 
 @contextlib.contextmanager
@@ -158,3 +159,31 @@ def test_a_cache_on_a_read_only_or_full_disk_degrades_to_the_other_tiers(
         assert stats.uses["disk"] > 0 and stats.uses["hub"] == 0  # what it held still served
     else:
         assert stats.uses["hub"] > 0
+
+
+def test_a_damaged_first_fetch_is_found_by_verify_and_corrected(
+    home: Path, reference: list[int], hub: HubServer, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Wrong bytes of the right length on an expert's first fetch become its recorded digest;
+    `expertmesh verify` asks the Hub again, two fresh copies agree against the record, and the
+    record and the file are replaced: the output is the clean one from then on."""
+    from expertmesh.cli import main
+    from expertmesh.node.devtools.local_hub import Fault
+
+    hub.knobs.faults = [Fault("wrong_bytes", count=1)]  # the first expert response after the pull
+    try:
+        damaged, _, disk, text = _generate(home)
+    finally:
+        hub.knobs.faults = []
+    assert hub.stats()["faults"].get("wrong_bytes") == 1 and damaged != reference  # garbage, and kept
+    assert _generate(home)[0] == damaged  # the damaged copy matches its own record: it stays
+    assert _metric(text, 'expertmesh_disk_expert_bytes{state="verified"}') == 0
+    monkeypatch.setenv("EXPERTMESH_HOME", str(home))
+    assert main(["verify", REPO_ID, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "corrected expert" in out and " 0 undecided" in out, out
+    tokens, stats, disk, text = _generate(home)
+    assert tokens == reference and not any(stats.integrity_failures.values())
+    assert _metric(text, 'expertmesh_disk_expert_bytes{state="verified"}') > 0
+    assert main(["verify", REPO_ID, "--no-progress"]) == 0  # what this run fetched: all confirmed
+    assert " 0 corrected" in capsys.readouterr().out

@@ -25,6 +25,52 @@ def add_commands(sub) -> None:
     )
     p.set_defaults(func=pull)
 
+    p = sub.add_parser(
+        "verify",
+        help="check the experts on disk against fresh copies from the Hub (replaces any a damaged first fetch left)",
+    )
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("--revision", help="branch, tag or commit sha (default: what is pulled)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=verify)
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Each expert on disk whose digest came from one fetch is fetched again from the Hub
+    (node/store/verify.py); exits 1 if any stayed undecided or could not be fetched."""
+    from tqdm.auto import tqdm
+
+    from expertmesh.node.assembly import build_node
+    from expertmesh.node.config import NodeConfig
+    from expertmesh.node.errors import ExpertmeshError
+    from expertmesh.node.store.verify import unverified_on_disk, verify_experts
+
+    node = build_node(NodeConfig(args.repo, revision=args.revision, cache_only=True)).start()
+    try:
+        disk, digests = node.disk, node.disk.digests
+        if disk.refused:
+            raise ExpertmeshError(
+                f"the expert cache at {disk.root} cannot be written now (another expertmesh process keeps it, "
+                "or its disk refuses writes): stop the other process and run verify again"
+            )
+        keys = unverified_on_disk(disk, digests)
+        total = sum(node.index.expert(*k).nbytes for k in keys)
+        with tqdm(total=total, unit="B", unit_scale=True, disable=args.no_progress, desc="verify") as bar:
+            report = verify_experts(node.index, disk, node.hub, digests, keys, progress=bar.update)
+    finally:
+        node.close()
+    already = len(disk.held()) - len(keys)
+    print(
+        f"{args.repo}: {len(keys)} experts checked against the Hub ({format_size(report.bytes_fetched)} fetched), "
+        f"{report.confirmed} confirmed, {len(report.corrected)} corrected, {len(report.undecided)} undecided, "
+        f"{len(report.failed)} not fetched; {already} were verified before"
+    )
+    for key in report.corrected:
+        print(f"  corrected expert {key[1]} of layer {key[0]}: its first fetch was damaged")
+    for key, error in report.failed[:5]:
+        print(f"  expert {key[1]} of layer {key[0]}: {error}")
+    return 1 if report.undecided or report.failed else 0
+
 
 def pull(args: argparse.Namespace) -> int:
     from expertmesh.node.hub.pull import pull as pull_model

@@ -70,7 +70,7 @@ FETCH_BUCKETS_S = (
 ROLES = ("full", "cache")
 # Every label name a node's own metrics use (`le` is the histograms'); the API's are in
 # coordinator/api_metrics.py's LABELS.
-LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "kind", "le")
+LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "kind", "state", "le")
 TIERS = ("ram", "disk")
 # Reasons always exported (as 0 until they happen), so an "errors by reason" panel has data on a
 # healthy household; others (gRPC status names) appear when they first happen.
@@ -218,7 +218,23 @@ class _StateCollector(Collector):
         )
         skipped.add_metric([], disk.digests.skipped_lines if disk is not None else 0)
         replaced.add_metric([], disk.digests.replaced if disk is not None else 0)
-        yield from (writing, disk_errors, skipped, replaced)
+        on_disk = GaugeMetricFamily(
+            PREFIX + "disk_expert_bytes",
+            "Expert bytes on disk by state: verified (two fresh copies from the Hub agreed: "
+            "`expertmesh verify`) or unverified (checked against the digest of their first fetch).",
+            labels=["state"],
+        )
+        verified = unverified = 0
+        if disk is not None:
+            for key in disk.held():
+                n = disk.index.expert(*key).nbytes
+                if disk.digests.verified(key):
+                    verified += n
+                else:
+                    unverified += n
+        on_disk.add_metric(["verified"], verified)
+        on_disk.add_metric(["unverified"], unverified)
+        yield from (writing, disk_errors, skipped, replaced, on_disk)
 
         peers = GaugeMetricFamily(
             PREFIX + "peers", "Live peers this node knows (not skipped after an error), by role.", labels=["role"]

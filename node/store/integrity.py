@@ -5,9 +5,10 @@ the first bytes that passed the Hub's strict 206 checks, and every copy that com
 but RAM afterwards (the disk cache, a peer) must match it.
 
 Kept as an append-only text file beside the disk cache, one record per line:
-`layer expert sha256 crc32`, the crc32 (8 hex digits) taken over the first three fields, so a
-torn, cut or merged line is recognised and skipped instead of read as a record of the wrong
-expert (a cut inside a layer number would otherwise parse). A line is written before the
+`layer expert sha256 state crc32`, state `u` (unverified: taken from one fetch) or `v` (verified:
+two independent fresh copies from the Hub agreed, store/verify.py), the crc32 (8 hex digits) taken
+over the fields before it, so a torn, cut or merged line is recognised and skipped instead of read
+as a record of the wrong expert (a cut inside a layer number would otherwise parse). A line is written before the
 expert's file is published, so a cached file always has its digest; a file whose record was lost
 is deleted as unverifiable. Nothing is appended onto a torn tail (a newline goes first), and a
 book with skipped lines, duplicates or lines of the older three-field format is compacted at load
@@ -29,6 +30,7 @@ import os
 import threading
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -42,21 +44,39 @@ def sha256(blob: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def format_record(key: tuple[int, int], digest: str) -> str:
-    body = f"{key[0]} {key[1]} {digest}"
-    return f"{body} {zlib.crc32(body.encode()):08x}\n"
+@dataclass(frozen=True)
+class Record:
+    key: tuple[int, int]
+    digest: str
+    verified: bool = False
+    old_format: bool = False  # a line of an earlier format: the book is rewritten in this one
 
 
-def parse_record(line: str) -> tuple[tuple[int, int], str, bool] | None:
-    """(key, digest, old format) of one line, or None if it is not a whole record."""
+def _crc(fields: list[str]) -> str:
+    return f"{zlib.crc32(' '.join(fields).encode()):08x}"
+
+
+def format_record(key: tuple[int, int], digest: str, verified: bool = False) -> str:
+    fields = [str(key[0]), str(key[1]), digest, "v" if verified else "u"]
+    return " ".join([*fields, _crc(fields)]) + "\n"
+
+
+def parse_record(line: str) -> Record | None:
+    """The record of one line, or None if it is not a whole one. Earlier formats are read too:
+    `layer expert sha256` and `layer expert sha256 crc32` (both unverified)."""
     parts = line.split()
-    if len(parts) not in (3, 4) or not (parts[0].isdigit() and parts[1].isdigit()):
+    if len(parts) not in (3, 4, 5) or not (parts[0].isdigit() and parts[1].isdigit()):
         return None
     if len(parts[2]) != 64 or any(c not in "0123456789abcdef" for c in parts[2]):
         return None
-    if len(parts) == 4 and parts[3] != f"{zlib.crc32(' '.join(parts[:3]).encode()):08x}":
+    key = (int(parts[0]), int(parts[1]))
+    if len(parts) == 5:
+        if parts[3] not in ("u", "v") or parts[4] != _crc(parts[:4]):
+            return None
+        return Record(key, parts[2], verified=parts[3] == "v")
+    if len(parts) == 4 and parts[3] != _crc(parts[:3]):
         return None
-    return (int(parts[0]), int(parts[1])), parts[2], len(parts) == 3
+    return Record(key, parts[2], old_format=True)
 
 
 class DigestBook:
@@ -64,6 +84,7 @@ class DigestBook:
         self.path = path
         self._digests: dict[tuple[int, int], str] = {}
         self._unpersisted: set[tuple[int, int]] = set()
+        self._verified: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self._seen: tuple[int, int] = (0, 0)  # (inode, offset) of the book read so far
         self._torn_at: tuple[int, int] | None = None  # (inode, offset) of a torn tail already counted
@@ -119,9 +140,13 @@ class DigestBook:
                         "%s: skipping a torn or malformed record (line %d of what was read)", self.path, n + 1
                     )
                 continue
-            key, digest, old_format = record
-            messy |= old_format or key in self._digests
-            self._digests[key] = digest  # the last record of an expert wins
+            key = record.key
+            messy |= record.old_format or key in self._digests
+            self._digests[key] = record.digest  # the last record of an expert wins
+            if record.verified:
+                self._verified.add(key)
+            else:
+                self._verified.discard(key)
             self._unpersisted.discard(key)
         if torn.strip() and (st.st_ino, offset + consumed) != self._torn_at:
             self._torn_at = (st.st_ino, offset + consumed)  # counted once, however often it is read
@@ -138,7 +163,7 @@ class DigestBook:
             with open(tmp, "w", encoding="ascii") as f:
                 for key, digest in self._digests.items():
                     if key not in self._unpersisted:
-                        f.write(format_record(key, digest))
+                        f.write(format_record(key, digest, key in self._verified))
             os.replace(tmp, self.path)
             self._seen = (os.stat(self.path).st_ino, os.stat(self.path).st_size)
         except OSError as e:
@@ -166,6 +191,16 @@ class DigestBook:
             return True
         return digest == known
 
+    def verified(self, key: tuple[int, int]) -> bool:
+        """Whether the digest of `key` was confirmed by two independent fresh copies from the Hub."""
+        return key in self._verified
+
+    def mark_verified(self, key: tuple[int, int]) -> None:
+        """A fresh copy from the Hub agreed with the recorded digest: it is the expert's."""
+        digest = self.get(key)
+        if digest is not None and key not in self._verified:
+            self._write(key, digest, replace=True, verified=True)
+
     def persisted(self, key: tuple[int, int]) -> bool:
         """Whether the digest of `key` is on disk: only then may its expert be cached on disk."""
         return key in self._digests and key not in self._unpersisted
@@ -177,13 +212,13 @@ class DigestBook:
         A failed write (a full or read-only disk) keeps the digest in memory only; `persisted`
         then says no.
         """
-        self._write(key, digest, replace=False)
+        self._write(key, digest, replace=False, verified=False)
 
     def replace(self, key: tuple[int, int], digest: str) -> None:
         """Make `digest` the reference for `key`: the recorded one was contradicted by fresh
         copies from the Hub that agreed with each other (store/tier_chain.py)."""
         old = self.get(key)
-        self._write(key, digest, replace=True)
+        self._write(key, digest, replace=True, verified=True)  # two fresh copies agreed on it
         self.replaced += 1
         logger.warning(
             "expert %s: the recorded sha256 %s… was contradicted by two fresh copies from the Hub that agree; "
@@ -193,7 +228,7 @@ class DigestBook:
             digest[:12],
         )
 
-    def _write(self, key: tuple[int, int], digest: str, replace: bool) -> None:
+    def _write(self, key: tuple[int, int], digest: str, replace: bool, verified: bool) -> None:
         with self._lock:
             if not replace and key in self._digests:
                 return
@@ -203,8 +238,12 @@ class DigestBook:
                     if not replace and key in self._digests:
                         return
                     self._digests[key] = digest
-                    self._append(format_record(key, digest).encode())
+                    self._append(format_record(key, digest, verified).encode())
                 self._unpersisted.discard(key)
+                if verified:
+                    self._verified.add(key)
+                else:
+                    self._verified.discard(key)
             except OSError as e:
                 self._digests[key] = digest
                 self._unpersisted.add(key)

@@ -183,6 +183,11 @@ class DiskCache:
         """Held: published, or queued for the writer (readable from memory until it is written)."""
         return key in self._files and (key not in self._writing or key in self._pending)
 
+    def held(self) -> list[tuple[int, int]]:
+        """The experts whose files are on disk now (a snapshot, least recently used first)."""
+        with self._lock:
+            return [k for k in self._files if k not in self._writing]
+
     def has_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget without evicting anything (warming never evicts)."""
         with self._lock:
