@@ -83,6 +83,9 @@ def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> Streame
     if not mx.metal.is_available() and _has_dense_experts(index):
         dense_dtype = mx.float32  # MLX's CPU gather_mm computes in float32 only
         model.set_dtype(mx.float32)
+        # computed here: a lazy cast belongs to this thread's stream, and MLX refuses to evaluate
+        # it on another (the gRPC worker that generates: "There is no Stream(cpu, 0) in current thread")
+        mx.eval(model.parameters())
     codec = ExpertCodec(
         config.get("quantization"),
         {b.layer: b.path for b in blocks},
