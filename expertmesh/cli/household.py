@@ -1,4 +1,10 @@
-"""`peers`, `status`, `warm` and `prometheus-targets`: the household seen from any machine."""
+"""`peers`, `status`, `warm`, `secret` and `prometheus-targets`: the household seen from any machine.
+
+The commands that ask nodes take the household secret as nodes do (--secret-file, --secret,
+EXPERTMESH_SECRET, the home's) and fail, non-zero and in one line, when no node takes it — telling
+a wrong secret (the node refused it) from a node that did not answer, and never printing the
+secret itself: error messages name where it came from.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,14 @@ import argparse
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expertmesh.cli import arguments
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import format_size
+
+if TYPE_CHECKING:
+    from expertmesh.node.rpc.client import NodeAnswer
 
 
 def add_commands(sub) -> None:
@@ -36,6 +46,14 @@ def add_commands(sub) -> None:
     p.set_defaults(func=warm)
 
     p = sub.add_parser(
+        "secret", help="print this household's secret (from EXPERTMESH_SECRET or the home) to join another Mac"
+    )
+    p.add_argument(
+        "--create", action="store_true", help="make one in the home if there is none (as the first `serve` does)"
+    )
+    p.set_defaults(func=show_secret)
+
+    p = sub.add_parser(
         "prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds"
     )
     p.add_argument("file", help="the targets file (e.g. deploy/prometheus/targets/nodes.json), replaced atomically")
@@ -46,14 +64,40 @@ def add_commands(sub) -> None:
     p.set_defaults(func=prometheus_targets)
 
 
+def no_node_accepted(answers: list[NodeAnswer], source: str) -> str | None:
+    """Why no node took the secret (a wrong secret, or no answer at all), or None if one did; the
+    rows of the table say what the others did. `source` names where the secret came from."""
+    from expertmesh.node.rpc.auth import refused
+
+    if not answers or any(a.info is not None for a in answers):
+        return None
+    wrong = ", ".join(a.address for a in answers if refused(a.error))
+    away = ", ".join(f"{a.address} ({a.error})" for a in answers if not refused(a.error))
+    fix_secret = "`expertmesh secret` on a node of the household shows the right one"
+    if not away:
+        return f"wrong secret: every node found ({wrong}) refused the household secret from {source}; {fix_secret}"
+    if not wrong:
+        return (
+            f"no node answered: {away} unreachable; is `serve` running there, on that port, "
+            "and does --tls-ca match its TLS?"
+        )
+    return (
+        f"no node accepted the household secret: {wrong} refused it (wrong secret, from {source}), "
+        f"{away} unreachable; {fix_secret}"
+    )
+
+
 def peers(args: argparse.Namespace) -> int:
     """The household as this machine sees it: every node found (zeroconf and --peer), asked for Info."""
     from expertmesh.node.rpc.client import ask_info
 
+    secret, source = arguments.known_secret(args)  # a bad secret fails before the wait for advertisements
+    tls_ca = arguments.tls_ca(args)
     table = arguments.find_household(args)
     names = {p.address: p.node_id for p in table.all()}
     print(f"{'node':<18} {'address':<22} {'role':<6} {'model':<40} {'disk used / budget':>22}")
-    for n in ask_info(sorted(names), arguments.known_secret(), arguments.tls_ca(args)):
+    answers = ask_info(sorted(names), secret, tls_ca)
+    for n in answers:
         info = n.info
         if info is None:
             print(f"{names[n.address]:<18} {n.address:<22} {'?':<6} {'(' + n.error + ')':<40}")
@@ -61,8 +105,12 @@ def peers(args: argparse.Namespace) -> int:
         model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in info.models)
         disk = f"{format_size(info.disk_used_bytes)} / {format_size(info.disk_budget_bytes)}"
         print(f"{info.node_id:<18} {n.address:<22} {info.role:<6} {model:<40} {disk:>22}")
+    sys.stdout.flush()  # the table before the error line, when both go to one terminal
     if not names:
-        print("no nodes found (is multicast blocked? try --peer HOST:PORT)")
+        raise ExpertmeshError("no nodes found (is multicast blocked? try --peer HOST:PORT)")
+    why = no_node_accepted(answers, source)
+    if why:
+        raise ExpertmeshError(why)
     return 0
 
 
@@ -71,8 +119,13 @@ def status(args: argparse.Namespace) -> int:
     from expertmesh.coordinator.status import status_lines
     from expertmesh.node.rpc.client import ask_info
 
+    secret, source = arguments.known_secret(args)
+    tls_ca = arguments.tls_ca(args)
     addresses = sorted(p.address for p in arguments.find_household(args).all())
-    nodes = ask_info(addresses, arguments.known_secret(), arguments.tls_ca(args))
+    nodes = ask_info(addresses, secret, tls_ca)
+    why = no_node_accepted(nodes, source)
+    if why:  # not a table of question marks over "no expert has been used yet"
+        raise ExpertmeshError(why)
     print("\n".join(status_lines(nodes)))
     return 0 if nodes and all(n.info is not None for n in nodes) else 1
 
@@ -88,7 +141,9 @@ def warm(args: argparse.Namespace) -> int:
     from expertmesh.node.hub import local_models
     from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
     from expertmesh.node.observability.routing_trace import read_trace
+    from expertmesh.node.rpc.client import ask_info
 
+    (secret, source), tls_ca = arguments.known_secret(args), arguments.tls_ca(args)  # before any work
     folder = local_models.find_index(constants.expertmesh_home(), args.repo, args.revision)
     index = ExpertIndex.load(folder / INDEX_FILENAME)
     uses: Counter = Counter()
@@ -97,9 +152,16 @@ def warm(args: argparse.Namespace) -> int:
             uses.update(read_trace(Path(path)).accesses())
         except (OSError, ValueError) as e:
             raise ExpertmeshError(f"cannot read trace {path}: {e}") from None
-    secret, tls_ca = arguments.known_secret(), arguments.tls_ca(args)
     addresses = sorted(p.address for p in arguments.find_household(args).all())
-    nodes, skipped = warming.describe_nodes(addresses, index, secret, tls_ca)
+    answers = ask_info(addresses, secret, tls_ca)  # first: a wrong secret is named as such
+    for a in answers:
+        if a.info is None:
+            print(f"skipping {a.address}: {a.error}", file=sys.stderr)
+    why = no_node_accepted(answers, source)
+    if why:
+        raise ExpertmeshError(f"no node serving {index.repo_id}@{index.commit[:12]} was found: {why}")
+    answered = [a.address for a in answers if a.info is not None]
+    nodes, skipped = warming.describe_nodes(answered, index, secret, tls_ca)
     for line in skipped:
         print(f"skipping {line}", file=sys.stderr)
     if not nodes:
@@ -130,6 +192,33 @@ def warm(args: argparse.Namespace) -> int:
             f"({format_size(r.kept_bytes)}), left {r.left:>7}: {state}{errors}"
         )
     return 1 if any(r.unreachable for r in results) else 0
+
+
+def show_secret(args: argparse.Namespace) -> int:
+    """The household secret on stdout, on request only: `serve` no longer prints it where stdout may
+    be a log, so this is how another Mac gets it (`expertmesh secret > FILE`, or over ssh)."""
+    from expertmesh.node import constants
+    from expertmesh.node.rpc.auth import SecretError, check_secret, load_or_create_secret
+
+    path, created = arguments.home_secret_path(), False
+    env = constants.household_secret()
+    if env is not None:
+        secret, source = check_secret(env.strip(), "EXPERTMESH_SECRET"), "EXPERTMESH_SECRET"
+    elif path.exists() or args.create:
+        secret, created = load_or_create_secret(path)
+        source = str(path)
+    else:
+        raise SecretError(
+            f"no household secret in {path} yet: `expertmesh secret --create` makes one (so does the first `serve`)"
+        )
+    print(secret)
+    print(
+        f"(from {source}{', just created' if created else ''}) to join another Mac, keep it there in a file only "
+        "you can read and run `expertmesh serve REPO --secret-file FILE`, or save it as that Mac's "
+        f"EXPERTMESH_HOME/{constants.SECRET_FILENAME}; peers, status and warm take --secret-file too",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def prometheus_targets(args: argparse.Namespace) -> int:

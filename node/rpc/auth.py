@@ -2,7 +2,11 @@
 
 A call without the right secret is refused with UNAUTHENTICATED before any handler runs, so it
 learns nothing about the node or its cache. The comparison takes constant time, and the secret
-never appears in a log line or an error message.
+never appears in a log line or an error message: the errors below name the file or variable a
+secret came from, never its value.
+
+Without TLS (tls.py) the secret travels in clear with every call, like everything else on the LAN;
+it keeps out the neighbours' software, not someone who can watch the network.
 """
 
 from __future__ import annotations
@@ -14,20 +18,75 @@ from pathlib import Path
 
 import grpc
 
+from expertmesh.node.errors import ExpertmeshError
+
 SECRET_METADATA_KEY = "x-expertmesh-secret"
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # what a load balancer or a peer table may ask freely
+# The statuses that mean "this node does not take that secret", as opposed to "it did not answer":
+# a node refuses with UNAUTHENTICATED; PERMISSION_DENIED is what a proxy in front may answer.
+REFUSED_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def refused(code_name: str) -> bool:
+    """Whether a call's status (its lower-case name, as NodeAnswer.error holds it) refused the secret."""
+    return code_name.upper() in {c.name for c in REFUSED_CODES}
+
+
+class SecretError(ExpertmeshError):
+    """A secret that cannot be used: one line for the user, naming where it came from, never its value."""
 
 
 def new_secret() -> str:
     return secrets.token_urlsafe(24)
 
 
-def load_or_create_secret(path: Path) -> tuple[str, bool]:
-    """The secret kept at `path` (owner-only), creating one if there is none; (secret, created)."""
+def check_secret(secret: str, source: str) -> str:
+    """`secret` if gRPC metadata can carry it (printable ASCII, not empty), else a SecretError.
+
+    Checked before any call: an unusable value would otherwise fail inside gRPC with a message or
+    a traceback that could quote it."""
+    if not secret:
+        raise SecretError(f"the household secret from {source} is empty")
+    if not all(" " <= c <= "~" for c in secret):
+        raise SecretError(
+            f"the household secret from {source} holds characters other than printable ASCII, "
+            "which gRPC metadata cannot carry (`expertmesh secret --create` makes a usable one)"
+        )
+    return secret
+
+
+def read_secret_file(path: Path) -> str:
+    """The secret in the file at `path` (surrounding whitespace dropped), or a one-line SecretError
+    for a missing, unreadable, non-text or empty file."""
     try:
-        return path.read_text().strip(), False
-    except FileNotFoundError:
-        pass
+        text = path.read_bytes().decode("ascii")
+    except OSError as e:
+        raise SecretError(f"cannot read the secret file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise SecretError(f"the secret file {path} is not ASCII text (is it the right file?)") from None
+    secret = text.strip()
+    if not secret:
+        raise SecretError(
+            f"the secret file {path} is empty: copy the household secret into it (`expertmesh secret` on a node shows it)"
+        )
+    return check_secret(secret, f"the file {path}")
+
+
+def loosely_readable(path: Path) -> bool:
+    """Whether others than the owner may read `path` (then anyone on the Mac can join the household)."""
+    try:
+        return bool(path.stat().st_mode & 0o077)
+    except OSError:
+        return False
+
+
+def load_or_create_secret(path: Path) -> tuple[str, bool]:
+    """The secret kept at `path` (owner-only), creating one if there is none; (secret, created).
+
+    A file that exists but is empty or unreadable is an error, not replaced: it may be a copy in
+    progress, or the other Macs may share it."""
+    if path.exists() or path.is_symlink():
+        return read_secret_file(path), False
     path.parent.mkdir(parents=True, exist_ok=True)
     secret = new_secret()
     tmp = path.with_name(path.name + ".tmp")
