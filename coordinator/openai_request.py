@@ -3,10 +3,19 @@
 Every field a client may send is validated here, with a message that names the field, so the
 official clients raise their usual exceptions with our reason; what reaches a node is a
 `GenerateRequest` with sane values only.
+
+The edges follow the OpenAI API reference: a message's `content` may be a list of parts (text parts
+are joined, other kinds are refused by name: the models served here read text only), `developer`
+is the newer name of `system`, an assistant's `content` may be null, and `null` for any optional
+field means the field is absent. Nothing that is not finite, and no string that is not Unicode
+text (a lone surrogate, which JSON can spell as `"\\ud800"`), gets past `decode_body` and
+`parse_ask`: either would fail later, deep in the node, as a 5xx instead of a 400.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -15,6 +24,14 @@ from expertmesh.v1 import node_pb2
 
 MAX_TOKENS_LIMIT = 32768  # as the node's own limit
 MAX_STOPS = 4  # as OpenAI's
+MAX_DEPTH = 64  # JSON nesting a request needs is about 5 (messages, parts); deeper is an attack
+# The roles a client may send, and the role the chat template sees: `developer` is what OpenAI now
+# calls the system message of its reasoning models, and templates know only `system`.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Part types of the OpenAI reference that carry no text: refused by name, so the client learns why.
+NON_TEXT_PARTS = ("image_url", "input_audio", "file")
+# Text parts are joined as vLLM joins them for text-only templates: a line apiece.
+PART_SEPARATOR = "\n"
 
 
 class ApiError(Exception):
@@ -35,6 +52,70 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> float:
+    raise _NotFinite(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 overflows to inf
+        raise _NotFinite(f"{text} is too large")
+    return value
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body, or an ApiError 400 that says what is wrong with it.
+
+    Python's `json` accepts more than JSON (NaN, Infinity, numbers that overflow to inf) and fails
+    in ways a server must not pass on as a 500: RecursionError on deep nesting, ValueError on an
+    integer of more than 4,300 digits, strings with lone surrogates that only fail when they are
+    encoded again. The HTTP server calls this for every body, so each of those is a 400.
+    """
+    if not raw.strip():
+        raise _bad("the request body is empty: send a JSON object")
+    try:
+        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except _NotFinite as e:
+        raise _bad(f"the body is not valid JSON: {e}; numbers must be finite") from None
+    except RecursionError:
+        raise _bad(f"the body is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        raise _bad(f"the body is not valid JSON: {e}") from None
+    check_json(value)
+    return value
+
+
+def check_json(value: Any) -> None:
+    """Raise ApiError 400 if a decoded body holds anything a request cannot: nesting deeper than
+    MAX_DEPTH, a float that is not finite, or a string that is not Unicode text.
+
+    `parse_ask` calls it too, so a body decoded elsewhere (with plain `json.loads`) is held to the
+    same rules. Iterative: the depth it checks must not cost stack."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise _bad(f"the body is nested more than {MAX_DEPTH} levels deep")
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise _bad("the body holds a number that is not finite (NaN or infinity)")
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _bad("the body holds a string that is not Unicode text (a lone surrogate)") from None
+
+
 @dataclass
 class Ask:
     """A validated completion request."""
@@ -53,23 +134,70 @@ class Ask:
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
-    value = body.get(name, default)
+    """`body[name]` checked to lie in [lo, hi]; absent or null: `default` (null means absent)."""
+    value = body.get(name)
     if value is None:
         return default
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or not lo <= value <= hi:
+    if isinstance(value, bool) or not ok or not lo <= value <= hi:  # NaN fails the comparison too
         kind = "an integer" if integer else "a number"
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"'{name}' must be {kind} from {lo:g} to {hi:g}", param=name)
+        raise _bad(f"'{name}' must be {kind} from {lo:g} to {hi:g}", param=name)
     return value
+
+
+def _parts_text(i: int, role: str, parts: list) -> str:
+    """The text of a message given as content parts: text parts (and an assistant's refusal
+    parts) joined; any other kind is refused by name, as these models read no images or audio."""
+    texts = []
+    for j, part in enumerate(parts):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+        elif kind in NON_TEXT_PARTS:
+            raise _bad(
+                f"{where} is an '{kind}' part, which is not supported: the models served here read text "
+                "only; send text parts ({'type': 'text', 'text': ...})",
+                param="messages",
+                code="unsupported_content",
+            )
+        else:
+            raise _bad(f"{where} must be a text part: {{'type': 'text', 'text': '...'}}", param="messages")
+    return PART_SEPARATOR.join(texts)
+
+
+def _message(i: int, m: Any) -> dict[str, str]:
+    """One message as the chat template takes it: a template role and a string content."""
+    if not isinstance(m, dict):
+        raise _bad(f"messages[{i}] must be an object with a role and a content", param="messages")
+    role = m.get("role")
+    if role in ("tool", "function"):
+        raise _bad(f"messages[{i}]: '{role}' messages are not supported: this server calls no tools", param="messages")
+    if role not in ROLES:
+        raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", param="messages")
+    if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
+        raise _bad(f"messages[{i}]: tool calls are not supported: this server calls no tools", param="messages")
+    content = m.get("content")
+    if content is None and role == "assistant":  # the reference allows it (with tool_calls): no text
+        content = ""
+    elif isinstance(content, list):
+        content = _parts_text(i, role, content)
+    elif not isinstance(content, str):
+        allowed = "a string or a list of text parts" + (" or null" if role == "assistant" else "")
+        raise _bad(f"messages[{i}].content must be {allowed}", param="messages")
+    return {"role": ROLES[role], "content": content}
 
 
 def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int) -> Ask:
     """Check a request body the way the OpenAI API does, with a message that says what is wrong."""
     if not isinstance(body, dict):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+        raise _bad("the request body must be a JSON object")
+    check_json(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'model' is required: one of " + ", ".join(models), param="model")
+        raise _bad("'model' is required: one of " + ", ".join(models), param="model")
     if model not in models:
         raise ApiError(
             HTTPStatus.NOT_FOUND,
@@ -81,61 +209,53 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "'messages' must be a non-empty list", param="messages")
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in ("system", "user", "assistant")
-                or not isinstance(m.get("content"), str)
-            ):
-                raise ApiError(
-                    HTTPStatus.BAD_REQUEST,
-                    f"messages[{i}] must have a role (system, user or assistant) and a string content",
-                    param="messages",
-                )
-            ask.messages.append({"role": m["role"], "content": m["content"]})
+            raise _bad("'messages' must be a non-empty list", param="messages")
+        ask.messages = [_message(i, m) for i, m in enumerate(messages)]
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "'prompt' must be a non-empty string", param="prompt")
+            raise _bad("'prompt' must be a non-empty string", param="prompt")
         ask.prompt = prompt
     if _number(body, "n", 1, 1, 1, integer=True) != 1:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'n' must be 1", param="n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    ask.max_tokens = _number(
-        {"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1, MAX_TOKENS_LIMIT, integer=True
-    )
+        raise _bad("'n' must be 1", param="n")
+    # The newer name wins, but only when it is given: null means absent, so `max_tokens` then counts.
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    ask.max_tokens = _number(body, name, default_max_tokens, 1, MAX_TOKENS_LIMIT, integer=True)
     ask.temperature = float(_number(body, "temperature", 1.0, 0, 2))
     ask.top_p = float(_number(body, "top_p", 1.0, 0, 1))
-    seed = body.get("seed")
-    if seed is not None:
-        ask.seed = _number(body, "seed", None, -(2**63), 2**63 - 1, integer=True)
+    # The reference takes any 64-bit integer, negative ones too; the node maps it onto MLX's seed.
+    ask.seed = _number(body, "seed", None, -(2**63), 2**63 - 1, integer=True)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(
-            HTTPStatus.BAD_REQUEST,
-            f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings",
-            param="stop",
-        )
+        raise _bad(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings", param="stop")
     ask.stop = stops
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'stream' must be true or false", param="stream")
-    ask.stream = stream
-    options = body.get("stream_options") or {}
-    ask.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("'stream' must be true or false", param="stream")
+    ask.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", param="stream_options")
+    ask.include_usage = bool((options or {}).get("include_usage"))
     return ask
 
 
 def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
+    """The node's Generate call for `ask`.
+
+    `top_p: 0` asks for the smallest nucleus, the most likely token alone: that is greedy decoding,
+    so it goes to the node as temperature 0. (The node's `top_p` 0 means "off", as in mlx-lm's
+    sampler, which applies top-p only for 0 < top_p < 1: sent as is, 0 would sample from everything.)
+    """
+    greedy = ask.top_p == 0
     req = node_pb2.GenerateRequest(
         model=node_pb2.ModelKey(repo_id=ask.model),
         max_tokens=ask.max_tokens,
-        temperature=ask.temperature,
-        top_p=ask.top_p,
+        temperature=0.0 if greedy else ask.temperature,
+        top_p=1.0 if greedy else ask.top_p,
     )
     if ask.chat:
         req.messages.extend(node_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in ask.messages)

@@ -1,9 +1,23 @@
-"""A multi-turn conversation that keeps the model's cache between turns.
+"""Chat templating that keeps message text as text, and a multi-turn conversation that keeps the
+model's cache between turns.
 
-Each turn feeds only what is new: the chat template renders the whole conversation, and the
-text after what the cache has already seen (the end of the last reply, the new user message,
-the assistant header) is tokenised and fed. If a template re-renders earlier turns differently,
-the cache is rebuilt from the full rendering: slower, never wrong.
+**Message text stays text.** A chat template writes its structure with control tokens
+(`<|im_start|>`, `<|im_end|>`, ...). Rendering the template to a string and tokenising that string
+parses the same tokens out of the messages' text as well, so a user who writes
+`<|im_end|><|im_start|>system` would forge a system turn. `chat_token_ids` renders the template with
+every control token inside a message marked (private-use characters around it), then tokenises
+piece by piece: the template's own markup as tokens, each marked control token as plain text
+(`split_special_tokens=True`, and split further if the tokenizer still matches an added token).
+This is what transformers' `apply_chat_template(..., sanitize_control_tokens=True)` does; we do it
+here through the tokenizer API that every release mlx-lm accepts has (`added_tokens_decoder`,
+`chat_template`, `encode`), so it also holds for tokenizers and releases without that option, and
+for the incremental encoding of `ChatSession`. Text without control tokens is tokenised in one
+piece, exactly as before.
+
+**The conversation.** Each turn feeds only what is new: the chat template renders the whole
+conversation, and the text after what the cache has already seen (the end of the last reply, the
+new user message, the assistant header) is tokenised and fed. If a template re-renders earlier
+turns differently, the cache is rebuilt from the full rendering: slower, never wrong.
 
 The cache holds the reply as the token ids that were sampled, not a re-tokenisation of its
 text (as mlx-lm's own chat does): the model continues from exactly what it produced. A fresh run
@@ -14,9 +28,122 @@ cache over the same tokens.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings, Token
+
+# Private-use code points (plane 15) put around a control token found in a message. Any already
+# in a message are dropped first, so a user cannot forge a mark either.
+MARK_START, MARK_END = "\U000f0000", "\U000f0001"
+
+
+class ChatTemplateError(ValueError):
+    """A message's text cannot be encoded without a control token (the tokenizer makes one from it)."""
+
+
+class ControlTokens:
+    """The tokens that carry a chat's structure for one tokenizer, and so must never come from a
+    message's text: its special added tokens, and its other added tokens that the chat template
+    writes itself (as transformers chooses them), except whitespace ones (Gemma's "\\n")."""
+
+    def __init__(self, tokenizer: Any):
+        template = getattr(tokenizer, "chat_template", None) or ""
+        if isinstance(template, dict):  # named templates
+            template = "\n".join(t for t in template.values() if isinstance(t, str))
+        added: dict[int, Any] = dict(getattr(tokenizer, "added_tokens_decoder", None) or {})
+        contents: dict[str, int | None] = {}
+        for token_id, token in added.items():
+            text = getattr(token, "content", str(token))
+            if text and not text.isspace() and (getattr(token, "special", True) or text in template):
+                contents[text] = token_id
+        for text in getattr(tokenizer, "all_special_tokens", None) or ():
+            if text and not text.isspace():
+                contents.setdefault(text, None)
+        self.texts = tuple(sorted(contents, key=len, reverse=True))  # a token before those it contains
+        self.ids = {i for i in contents.values() if i is not None}
+        alternatives = "|".join(map(re.escape, self.texts)) or "(?!)"  # (?!): matches nothing
+        self.pattern = re.compile(alternatives)
+        # [text, marked token, text, ...]; None in place of the token for a lone mark (a template
+        # that splits a message's text can separate a mark from its token)
+        self.marked = re.compile(f"{MARK_START}({alternatives}){MARK_END}|[{MARK_START}{MARK_END}]")
+
+    def mark(self, text: str) -> str:
+        """`text` with each control token in it marked, and no stray marks."""
+        text = text.replace(MARK_START, "").replace(MARK_END, "")
+        return self.pattern.sub(lambda m: MARK_START + m.group(0) + MARK_END, text)
+
+
+def control_tokens(tokenizer: Any) -> ControlTokens:
+    """The ControlTokens of `tokenizer`. Worked out on each call: a few hundred added tokens at
+    most, and `re` keeps the compiled patterns, so it costs little next to a forward pass."""
+    return ControlTokens(tokenizer)
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The chat template's text for `messages`, with the control tokens in their contents marked
+    for `encode_rendered`."""
+    ct = control_tokens(tokenizer)
+    marked = [{**m, "content": ct.mark(m["content"])} for m in messages]
+    return tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def encode_rendered(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of (a tail of) `render_chat`'s text: the template's markup as its tokens, each
+    marked control token as plain text, marks dropped.
+
+    Raises:
+        ChatTemplateError: the tokenizer makes a control token out of a marked token's plain text.
+    """
+    ct = control_tokens(tokenizer)
+    pieces = ct.marked.split(text)
+    if len(pieces) == 1:  # nothing marked: one piece, as the template's text always was encoded
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    ids = tokenizer.encode(pieces[0], add_special_tokens=add_special_tokens) if pieces[0] or add_special_tokens else []
+    for i, piece in enumerate(pieces[1:], start=1):
+        if not piece:  # an empty text, or a lone mark (None), which still separates its neighbours
+            continue
+        if i % 2:
+            ids += _plain(tokenizer, piece, ct.ids, newline)
+        else:
+            ids += _inner(tokenizer, piece, newline, split_special=False)
+    return ids
+
+
+def chat_token_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The prompt tokens of a conversation: its template rendered and encoded so that only the
+    template's own markup becomes control tokens (see the module's docstring)."""
+    return encode_rendered(tokenizer, render_chat(tokenizer, messages, add_generation_prompt))
+
+
+def _inner(tokenizer: Any, piece: str, newline: list[int], split_special: bool) -> list[int]:
+    """Token ids of a piece from the middle of a text. Encoded after a newline that is then
+    removed, so a SentencePiece tokenizer does not add the space it puts at the start of a text."""
+    kwargs = {"add_special_tokens": False, **({"split_special_tokens": True} if split_special else {})}
+    ids = tokenizer.encode("\n" + piece, **kwargs)
+    if newline and ids[: len(newline)] == newline:
+        return ids[len(newline) :]
+    return tokenizer.encode(piece, **kwargs)
+
+
+def _plain(tokenizer: Any, text: str, control_ids: set[int], newline: list[int]) -> list[int]:
+    """`text` (a control token's text) as ordinary text: no control token may come out of it.
+
+    `split_special_tokens=True` keeps special tokens plain in transformers' tokenizers; an added
+    token that is not special, or a tokenizer that ignores the option, still matches, so the text
+    is then split in two and each half encoded alone (no added token matches a strict part of it)."""
+    try:
+        ids = _inner(tokenizer, text, newline, split_special=True)
+    except TypeError:  # a tokenizer whose encode takes no such option
+        ids = _inner(tokenizer, text, newline, split_special=False)
+    if not control_ids.intersection(ids):
+        return ids
+    if len(text) < 2:
+        raise ChatTemplateError(f"the tokenizer encodes the text {text!r} only as a control token")
+    half = len(text) // 2
+    return _plain(tokenizer, text[:half], control_ids, newline) + _plain(tokenizer, text[half:], control_ids, newline)
 
 
 class ChatSession:
@@ -24,11 +151,11 @@ class ChatSession:
         self.generator = generator
         self.tokenizer = generator.sm.tokenizer
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self._seen_text: str | None = None  # the rendered text the cache holds; None: unknown
+        self._seen_text: str | None = None  # the rendered (marked) text the cache holds; None: unknown
         self.rebuilds = 0  # turns whose cache had to be rebuilt from scratch
 
     def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return render_chat(self.tokenizer, messages, add_generation_prompt=True)
 
     def reply(
         self,
@@ -48,7 +175,7 @@ class ChatSession:
                 self.rebuilds += 1
             self.generator.reset()
             new_text = rendered
-        tokens = self.tokenizer.encode(new_text, add_special_tokens=not self.generator.history)
+        tokens = encode_rendered(self.tokenizer, new_text, add_special_tokens=not self.generator.history)
         reply_ids: list[int] = []
         summary = summary if summary is not None else GenerationSummary()
         finished = False
@@ -65,4 +192,6 @@ class ChatSession:
             fed_text = self.tokenizer.decode(fed_ids)
             self.messages = [*messages, {"role": "assistant", "content": reply_text}]
             consistent = finished and reply_text.startswith(fed_text)
-            self._seen_text = rendered + fed_text if consistent else None
+            # The next rendering marks the reply's control-token text as it marks any message's.
+            marked = control_tokens(self.tokenizer).mark(fed_text)
+            self._seen_text = rendered + marked if consistent else None

@@ -362,7 +362,7 @@ class Generator:
         summary.prompt_tokens = len(tokens)
         sampler = make_sampler(settings.temp, settings.top_p)
         if settings.seed is not None:
-            mx.random.seed(settings.seed)
+            mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
         detok = self.sm.tokenizer.detokenizer
         detok.reset()
         before = self.sm.store.stats.snapshot()

@@ -3,6 +3,10 @@ service (open to all) and server reflection, on the address asked for.
 
 The port is bound when the server is made, so a taken port fails while the node is being built
 and the port is known (port 0 picks a free one) before anything advertises it; `start` serves.
+
+Every call runs on one of `max_workers` threads, and a streaming Generate keeps its thread to the
+end. The service's generation slots (rpc/service.py) are fitted to leave RESERVED_WORKERS threads
+to everything else, so health checks and Info are answered however many generations are asked for.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # chunks are 1 MiB; anything far larger is a bad client
+RESERVED_WORKERS = 4  # threads Generate never holds: health, Info, inventory, expert fetches
 
 
 class NodeServer:
@@ -38,6 +43,9 @@ class NodeServer:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
+        slots = getattr(servicer, "generation_slots", None)
+        if slots is not None:
+            slots.fit(max_workers - RESERVED_WORKERS)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
         self.server = grpc.server(
             self.executor, interceptors=[SecretInterceptor(secret), *interceptors], options=options

@@ -5,19 +5,29 @@ It answers for the one model it serves: what it is (Info), which experts its dis
 miss when asked, as an owner does), experts run on a peer's activations (ComputeExperts, see
 node/engine/expert_compute.py) and generation (Generate). Requests are validated before anything is
 read; a bad key is INVALID_ARGUMENT or NOT_FOUND, never an exception in a log.
+
+Generate is bounded: a call holds a gRPC worker thread for its whole stream, waiting ones too, so
+unbounded they fill the pool and health checks and Info time out (peers then mark the node down).
+`GenerationSlots` admits one running and a few waiting calls; any more are answered
+RESOURCE_EXHAUSTED at once, which the coordinator takes as "try another node". A call whose client
+has gone stops at its next token (grpc closes the stream's generator there, and the generator's
+`should_stop` sees the context inactive), and a waiting one leaves the queue.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
 from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.speculative import make_draft_source
@@ -34,7 +44,77 @@ CHUNK_BYTES = 1024 * 1024  # well under gRPC's 4 MB message limit
 DEFAULT_MAX_TOKENS = 256
 MAX_TOKENS_LIMIT = 32768
 MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 10_000
+MAX_TEMPERATURE = 2.0  # as the OpenAI API's
 CHAT_ROLES = ("system", "user", "assistant")
+DEFAULT_WAITING_GENERATIONS = 3  # calls that may wait for the running one; more are refused
+WAIT_POLL_S = 0.25  # how often a waiting call checks that its client is still there
+SEED_MODULUS = 2**64  # MLX seeds are unsigned 64-bit; the proto's (and OpenAI's) are signed
+
+
+class GenerationSlots:
+    """Admission for Generate: one generation runs (the model has one cache) and up to `waiting`
+    more wait for it, in arrival order; `admit` refuses any more at once.
+
+    Why not let grpc queue them: a waiting call holds a worker thread, so the queue would be the
+    thread pool itself, and health checks and Info would wait behind it.
+    """
+
+    def __init__(self, waiting: int = DEFAULT_WAITING_GENERATIONS):
+        self.capacity = 1 + max(0, waiting)
+        self._cond = threading.Condition()
+        self._admitted = 0
+        self._queue: deque[object] = deque()
+        self._running = False
+
+    def fit(self, threads: int) -> None:
+        """Admit no more calls than `threads` (the worker threads Generate may hold), one at least."""
+        with self._cond:
+            self.capacity = max(1, min(self.capacity, threads))
+
+    def admit(self) -> bool:
+        """Take a place (running or waiting); False when every place is taken. Pair with `leave`."""
+        with self._cond:
+            if self._admitted >= self.capacity:
+                return False
+            self._admitted += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._admitted -= 1
+
+    def turn(self, still_wanted: Callable[[], bool]) -> bool:
+        """Wait for this call's turn to run; False if `still_wanted` turned false first. After
+        True, call `done` when the generation ends."""
+        ticket = object()
+        with self._cond:
+            self._queue.append(ticket)
+            try:
+                while self._running or self._queue[0] is not ticket:
+                    if not still_wanted():
+                        return False
+                    self._cond.wait(WAIT_POLL_S)
+                self._running = True
+                return True
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+
+    def done(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+
+    def depth(self) -> tuple[int, int]:
+        """(running, waiting) now."""
+        with self._cond:
+            return int(self._running), len(self._queue)
+
+    def in_use(self) -> int:
+        """Places taken now: running, waiting, and admitted calls still preparing their prompt."""
+        with self._cond:
+            return self._admitted
 
 
 def _version() -> str:
@@ -56,9 +136,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         experts: ServedExperts,
         peers=None,
         speculation: SpeculationConfig | None = None,
+        waiting_generations: int = DEFAULT_WAITING_GENERATIONS,
     ):
         """`speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
-        cache cannot roll back generates without it (logged once, here)."""
+        cache cannot roll back generates without it (logged once, here). `waiting_generations`:
+        Generate calls that may wait while one runs (see GenerationSlots)."""
         self.sm = sm
         self.speculation, self._draft = None, None
         if sm is not None and speculation is not None and speculation.mode != "off":
@@ -73,7 +155,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.experts = experts
         self.node_id = node_id
         self.role = "full" if sm is not None else "cache"
-        self._generate_lock = threading.Lock()  # one generation at a time: the model has one cache
+        self.generation_slots = GenerationSlots(waiting_generations)  # one generation at a time: one cache
+        # Tokenisers keep "parse special tokens or not" as shared state that each encode sets, and
+        # chat encoding switches it per piece: one encode at a time keeps each piece as intended.
+        self._tokenize_lock = threading.Lock()
         self._generated = [0, 0.0]  # tokens, seconds of every Generate so far (for Info)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -184,69 +269,108 @@ class NodeService(node_pb2_grpc.NodeServicer):
             experts=result.outputs, missing=result.missing, compute_seconds=result.seconds, queued=result.queued
         )
 
+    def _check_generate(self, request, context) -> None:
+        """Every field of a GenerateRequest in range, or INVALID_ARGUMENT naming it: the coordinator
+        checks them too, but any household member can call a node directly."""
+        self._check_model(request.model, context, allow_empty_commit=True)
+
+        def refuse(message: str) -> None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+        if request.messages:
+            if len(request.messages) > MAX_MESSAGES:
+                refuse(f"at most {MAX_MESSAGES} messages")
+            if any(m.role not in CHAT_ROLES for m in request.messages):
+                refuse(f"a message's role must be one of {', '.join(CHAT_ROLES)}")
+            if sum(len(m.content) for m in request.messages) > MAX_PROMPT_CHARS:
+                refuse(f"the messages must have at most {MAX_PROMPT_CHARS} characters")
+        elif not 0 < len(request.prompt) <= MAX_PROMPT_CHARS:
+            refuse(f"the prompt must have 1 to {MAX_PROMPT_CHARS} characters")
+        if request.max_tokens > MAX_TOKENS_LIMIT:
+            refuse(f"max_tokens must be at most {MAX_TOKENS_LIMIT}")
+        if not (math.isfinite(request.temperature) and 0 <= request.temperature <= MAX_TEMPERATURE):
+            refuse(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, not {request.temperature}")
+        if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
+            refuse(f"top_p must be a number from 0 to 1, not {request.top_p}")
+
+    def _prompt_ids(self, request, context) -> list[int]:
+        """The prompt's tokens: a chat through its template, message text kept as plain text (so
+        it cannot forge a turn; node/engine/chat.py), or the raw prompt as the client wrote it."""
+        tok = self.sm.tokenizer
+        with self._tokenize_lock:
+            if request.messages or request.chat:
+                messages = (
+                    [{"role": m.role, "content": m.content} for m in request.messages]
+                    if request.messages
+                    else [{"role": "user", "content": request.prompt}]
+                )
+                try:
+                    return chat_token_ids(tok, messages)
+                except ChatTemplateError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return tok.encode(request.prompt)
+
     def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
         if self.sm is None:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with"
             )
-        self._check_model(request.model, context, allow_empty_commit=True)
-        chars = sum(len(m.content) for m in request.messages) if request.messages else len(request.prompt)
-        if chars > MAX_PROMPT_CHARS or not chars:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the prompt must have 1 to {MAX_PROMPT_CHARS} characters")
-        if any(m.role not in CHAT_ROLES for m in request.messages):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a message's role must be one of {', '.join(CHAT_ROLES)}")
-        if request.max_tokens > MAX_TOKENS_LIMIT or request.temperature < 0 or not 0 <= request.top_p <= 1:
+        self._check_generate(request, context)
+        slots = self.generation_slots
+        if not slots.admit():
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_tokens must be at most {MAX_TOKENS_LIMIT}, temperature ≥ 0 and top_p in [0, 1]",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this node is busy: one generation runs and {slots.capacity - 1} wait; try another node or later",
             )
-        tok = self.sm.tokenizer
-        if request.messages or request.chat:
-            messages = (
-                [{"role": m.role, "content": m.content} for m in request.messages]
-                if request.messages
-                else [{"role": "user", "content": request.prompt}]
-            )
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = tok.encode(text, add_special_tokens=False)
-        else:
-            ids = tok.encode(request.prompt)
+        try:
+            ids = self._prompt_ids(request, context)
+            if not slots.turn(context.is_active):
+                return  # the client left while waiting
+            try:
+                yield from self._generate(request, ids, context)
+            finally:
+                slots.done()
+        finally:
+            slots.leave()
+
+    def _generate(self, request, ids: list[int], context) -> Iterator[node_pb2.GenerateEvent]:
+        """Generate's stream once the call's turn has come."""
         settings = SamplingSettings(
             max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
             temp=request.temperature,
-            top_p=request.top_p if request.top_p > 0 else 1.0,
-            seed=request.seed if request.HasField("seed") else None,
+            top_p=request.top_p if request.top_p > 0 else 1.0,  # the proto's 0: off
+            # any int64 (OpenAI's seeds may be negative) onto MLX's uint64, one seed to one seed
+            seed=request.seed % SEED_MODULUS if request.HasField("seed") else None,
         )
         summary = GenerationSummary()
-        with self._generate_lock:
-            stats = self.sm.store.stats
-            last, t_last, first = stats.snapshot(), time.perf_counter(), True
-            try:
-                generator = Generator(self.sm, self.speculation, draft_source=self._draft)
-                for t in generator.generate(ids, settings, lambda: not context.is_active(), summary):
-                    now, t_now = stats.snapshot(), time.perf_counter()
-                    d = _delta(now, last)
-                    yield node_pb2.GenerateEvent(
-                        token=node_pb2.TokenEvent(
-                            id=t.id,
-                            text=t.text,
-                            seconds=t_now - t_last,
-                            expert_uses=d[0],
-                            hub_bytes=d[1],
-                            prompt_tokens=summary.prompt_tokens if first else 0,
-                        )
+        stats = self.sm.store.stats
+        last, t_last, first = stats.snapshot(), time.perf_counter(), True
+        try:
+            generator = Generator(self.sm, self.speculation, draft_source=self._draft)
+            for t in generator.generate(ids, settings, lambda: not context.is_active(), summary):
+                now, t_now = stats.snapshot(), time.perf_counter()
+                d = _delta(now, last)
+                yield node_pb2.GenerateEvent(
+                    token=node_pb2.TokenEvent(
+                        id=t.id,
+                        text=t.text,
+                        seconds=t_now - t_last,
+                        expert_uses=d[0],
+                        hub_bytes=d[1],
+                        prompt_tokens=summary.prompt_tokens if first else 0,
                     )
-                    first = False
-                    last, t_last = now, t_now
-            except ContextLengthError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except DownloadError as e:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            except ExpertmeshError as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            finally:
-                self._generated[0] += summary.generated_tokens
-                self._generated[1] += summary.seconds
+                )
+                first = False
+                last, t_last = now, t_now
+        except ContextLengthError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except DownloadError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ExpertmeshError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        finally:
+            self._generated[0] += summary.generated_tokens
+            self._generated[1] += summary.seconds
         spec = summary.speculation
         yield node_pb2.GenerateEvent(
             done=node_pb2.GenerationDone(
