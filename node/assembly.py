@@ -390,11 +390,27 @@ def _build_rpc(node: Node, service_class, interceptors) -> None:
 
 
 def _build_api(node: Node) -> None:
-    """The embedded coordinator: this node if it is a full node, and the full nodes the peer table follows."""
+    """The embedded coordinator: this node if it is a full node, and the full nodes the peer table follows.
+
+    Beyond loopback the API needs keys: the home's key file gets one if it holds none. The
+    open-file limit is raised first, so thousands of idle connections fit beside gRPC."""
+    from expertmesh.coordinator.api_access import AccessPolicy, KeyRing, api_keys_path, ensure_api_key, is_loopback
+    from expertmesh.coordinator.http_server import ServerLimits
     from expertmesh.coordinator.node_pool import NodePool
+    from expertmesh.coordinator.open_files import raise_open_file_limit
     from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
 
     api, rpc, household = node.config.api, node.config.rpc, node.config.household
+    key_file = api.key_file or api_keys_path(node.config.home or constants.expertmesh_home())
+    try:
+        if not is_loopback(api.host) and ensure_api_key(key_file):
+            logger.info("created an API key for clients of the HTTP API in %s", key_file)
+        access = AccessPolicy(api.host, KeyRing(key_file), api.allowed_hosts)
+    except (OSError, ValueError) as e:
+        raise ExpertmeshError(
+            f"cannot set up the HTTP API's keys in {key_file}: {getattr(e, 'strerror', None) or e}"
+        ) from None
+    raise_open_file_limit()
     host = "127.0.0.1" if rpc.host in ("0.0.0.0", "") else rpc.host
     local = [] if node.model is None else [f"{host}:{node.rpc.port}"]
     pool = NodePool.following(local, node.peers) if node.peers is not None else NodePool(local)
@@ -406,7 +422,8 @@ def _build_api(node: Node) -> None:
         pool,
     )
     try:
-        node.api = OpenAIServer(coordinator, api.host, api.port)
+        limits = ServerLimits(max_connections=api.max_connections)
+        node.api = OpenAIServer(coordinator, api.host, api.port, access=access, limits=limits)
     except OSError as e:
         raise ExpertmeshError(f"cannot serve the HTTP API on {api.host}:{api.port}: {e.strerror or e}") from None
     if node.metrics is not None:

@@ -94,11 +94,17 @@ RUN_METRICS_LINGER_S = 15.0
 
 @dataclass
 class ApiConfig:
-    """The embedded coordinator's OpenAI-compatible API."""
+    """The embedded coordinator's OpenAI-compatible API.
+
+    Beyond loopback it needs an API key (coordinator/api_access.py says why keys of their own):
+    the keys are in `key_file`, created with one key if it holds none."""
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0 picks a free port
     max_waiting: int = 16  # requests that may wait for a generation slot before the API answers 429
+    max_connections: int = 4096  # open at once (at most half the open-file limit); beyond, the oldest idle closes
+    allowed_hosts: list[str] = field(default_factory=list)  # more names clients use for this machine (Host header)
+    key_file: Path | None = None  # default: `api-keys` in the home
 
 
 @dataclass

@@ -67,3 +67,22 @@ def joined(
         household=HouseholdConfig(secret=secret, peers=list(peers), remote=remote),
     )
     return build_node(config).start()
+
+
+def serve_command(repo_id: str, cluster: str | None, *extra: str, verbose: bool = False) -> list[str]:
+    """`expertmesh serve` as a separate process on loopback (gRPC on a free port, zeroconf on
+    127.0.0.1 in `cluster`, or no discovery), as the end-to-end tests start it."""
+    import sys
+
+    where = ["--interface", "127.0.0.1", "--cluster", cluster] if cluster else ["--no-discovery"]
+    cli = [sys.executable, "-m", "expertmesh", *(["-v"] if verbose else [])]
+    return [*cli, "serve", repo_id, "--host", "127.0.0.1", "--port", "0", *where, *extra]
+
+
+def api_server(addresses: list[str], secret: str, models: list[str], max_waiting: int = 16):
+    """A started OpenAI API on a free loopback port over the full nodes at `addresses`."""
+    from expertmesh.coordinator.node_pool import NodePool
+    from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
+
+    config = CoordinatorConfig(secret=secret, models=lambda: list(models), max_waiting=max_waiting)
+    return OpenAIServer(Coordinator(config, NodePool(addresses)), "127.0.0.1", 0).start()

@@ -10,10 +10,9 @@ import urllib.request
 
 import openai
 import pytest
-from nodes import serving
+from nodes import api_server, serving
 
-from expertmesh.coordinator.node_pool import NodePool
-from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
+from expertmesh.coordinator.openai_api import OpenAIServer
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.v1 import node_pb2
 
@@ -32,8 +31,7 @@ def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _api(addresses: list[str], max_waiting: int = 16) -> OpenAIServer:
-    config = CoordinatorConfig(secret=SECRET, models=lambda: [REPO_ID], max_waiting=max_waiting)
-    return OpenAIServer(Coordinator(config, NodePool(addresses)), "127.0.0.1", 0).start()
+    return api_server(addresses, SECRET, [REPO_ID], max_waiting)
 
 
 @pytest.fixture(scope="module")

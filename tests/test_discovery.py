@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from nodes import serve_command
 from waiting import wait_until
 from zeroconf import ServiceInfo, Zeroconf
 
@@ -84,25 +85,7 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "expertmesh",
-            "serve",
-            "expertmesh/tiny-kimi_k3",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--interface",
-            "127.0.0.1",
-            "--cluster",
-            E2E_CLUSTER,
-            "--no-prefetch",
-            "--http-port",
-            "0",
-            *extra,
-        ],
+        serve_command("expertmesh/tiny-kimi_k3", E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+from nodes import serve_command
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
@@ -54,22 +55,7 @@ class Served:
         env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "expertmesh",
-                    "serve",
-                    REPO_ID,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--interface",
-                    "127.0.0.1",
-                    "--cluster",
-                    CLUSTER,
-                    *extra,
-                ],
+                serve_command(REPO_ID, CLUSTER, *extra),
                 env=env,
                 stdout=out,
                 stderr=err,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from expertmesh.node import constants
@@ -95,6 +96,7 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
         help="auto (default): run experts on the peers that hold them when the measured costs say it is "
         "faster than fetching them (move activations, not experts); off: always fetch the experts",
     )
+    add_secret_arguments(p)
     add_tls_ca_argument(p)
 
 
@@ -105,7 +107,25 @@ def add_household_lookup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
     p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
     p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+    add_secret_arguments(p)
     add_tls_ca_argument(p)
+
+
+def add_secret_arguments(p: argparse.ArgumentParser) -> None:
+    """--secret-file and --secret, for every command that talks to nodes. A file is the way that
+    keeps the secret out of `ps` (any user of the Mac can read another's command lines)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="read the household secret from PATH, a file only you can read (default: EXPERTMESH_SECRET, "
+        "else the one kept in the home; `expertmesh secret` shows it)",
+    )
+    g.add_argument(
+        "--secret",
+        help="the household secret itself: it shows in `ps` to every user of this machine, so prefer "
+        "--secret-file or EXPERTMESH_SECRET",
+    )
 
 
 def add_tls_ca_argument(p: argparse.ArgumentParser) -> None:
@@ -180,23 +200,67 @@ def speculation(args: argparse.Namespace) -> SpeculationConfig | None:
     return None if mode == "off" else SpeculationConfig(mode=mode, draft_repo=getattr(args, "draft", None))
 
 
+def home_secret_path() -> Path:
+    """Where the home keeps the household secret (owner-only); `serve` creates it, `secret` shows it."""
+    return constants.expertmesh_home() / constants.SECRET_FILENAME
+
+
+def _read_kept(path: Path) -> str:
+    """The secret in `path`, with a warning (never the secret) when other users may read the file."""
+    from expertmesh.node.rpc.auth import loosely_readable, read_secret_file
+
+    secret = read_secret_file(path)
+    if loosely_readable(path):
+        print(f"warning: other users of this machine can read {path}: chmod 600 {path}", file=sys.stderr)
+    return secret
+
+
+def given_secret(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(secret, where it came from) from --secret, --secret-file or EXPERTMESH_SECRET, in that order;
+    None if none was given. The source names a flag, variable or file, so errors can say which."""
+    from expertmesh.node.rpc.auth import check_secret
+
+    if getattr(args, "secret", None) is not None:
+        return check_secret(args.secret.strip(), "--secret"), "--secret"
+    if getattr(args, "secret_file", None):
+        path = Path(args.secret_file).expanduser()
+        return _read_kept(path), f"--secret-file {path}"
+    env = constants.household_secret()
+    if env is not None:
+        return check_secret(env.strip(), "EXPERTMESH_SECRET"), "EXPERTMESH_SECRET"
+    return None
+
+
 def secret(args: argparse.Namespace) -> tuple[str, bool]:
-    """The household secret: --secret, EXPERTMESH_SECRET, else the one kept in the home (created if none)."""
+    """The household secret of a node that joins the household (serve, run/chat with --peer):
+    --secret, --secret-file, EXPERTMESH_SECRET, else the one kept in the home (created if none);
+    (secret, created). Raises SecretError (one line, never the value) for an unusable one."""
     from expertmesh.node.rpc.auth import load_or_create_secret
 
-    given = getattr(args, "secret", None) or constants.household_secret()
-    if given:
-        return given, False
-    return load_or_create_secret(constants.expertmesh_home() / constants.SECRET_FILENAME)
+    given = given_secret(args)
+    if given is not None:
+        return given[0], False
+    path = home_secret_path()
+    if path.exists():
+        return _read_kept(path), False
+    return load_or_create_secret(path)
 
 
-def known_secret() -> str:
-    """The household secret for a command that joins no household: the environment, else the home's."""
-    given = constants.household_secret() or ""
-    kept = constants.expertmesh_home() / constants.SECRET_FILENAME
-    if not given and kept.is_file():
-        given = kept.read_text().strip()
-    return given
+def known_secret(args: argparse.Namespace) -> tuple[str, str]:
+    """(secret, where it came from) for a command that asks nodes but joins no household (peers,
+    status, warm): as `secret`, but it never creates one — a new secret could only be refused."""
+    from expertmesh.node.rpc.auth import SecretError
+
+    given = given_secret(args)
+    if given is not None:
+        return given
+    path = home_secret_path()
+    if not path.exists():
+        raise SecretError(
+            f"no household secret here ({path} does not exist): pass --secret-file PATH with a copy of "
+            "the household's (`expertmesh secret` on a node shows it), or set EXPERTMESH_SECRET"
+        )
+    return _read_kept(path), str(path)
 
 
 def tls_ca(args: argparse.Namespace) -> bytes | None:

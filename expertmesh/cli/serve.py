@@ -19,7 +19,6 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--port", type=int, default=constants.DEFAULT_NODE_PORT, help="0 picks a free port (default %(default)s)"
     )
-    p.add_argument("--secret", help="the household secret (default EXPERTMESH_SECRET, else the one kept in the home)")
     p.add_argument("--cluster", default="home", help="zeroconf cluster name: nodes join their own cluster only")
     p.add_argument("--interface", metavar="IP", help="advertise and browse on this address only")
     p.add_argument(
@@ -53,6 +52,22 @@ def add_commands(sub) -> None:
         metavar="N",
         help="requests that may wait for a generation slot before the API answers 429 (default %(default)s)",
     )
+    p.add_argument(
+        "--http-allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name clients use for this machine in the API's Host header (its addresses, its host "
+        "name and HOSTNAME.local are allowed already; other names are refused against DNS rebinding)",
+    )
+    p.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="API connections open at once, at most half the open-file limit; beyond, the one idle longest "
+        "is closed (default %(default)s)",
+    )
     arguments.add_metrics_arguments(p, default=0)
     arguments.add_store_arguments(p)
     arguments.add_peer_arguments(p)
@@ -76,7 +91,13 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         metrics = MetricsConfig(host=args.metrics_host or args.host, port=args.metrics_port)
     api = None
     if args.http_port is not None:
-        api = ApiConfig(host=args.http_host, port=args.http_port, max_waiting=args.max_waiting)
+        api = ApiConfig(
+            host=args.http_host,
+            port=args.http_port,
+            max_waiting=args.max_waiting,
+            max_connections=args.http_max_connections,
+            allowed_hosts=list(args.http_allow_host),
+        )
     return NodeConfig(
         args.repo,
         revision=args.revision,
@@ -88,6 +109,27 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         api=api,
         speculation=arguments.speculation(args) if not args.cache_only else None,
     )
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (then plain TCP shows nothing to the LAN)."""
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _tell_how_to_join(secret: str, repo: str) -> None:
+    """After creating a secret: the join command on a terminal only. Anywhere else stdout is
+    probably a log (launchd's, a file), and a secret in a log is a secret anyone who reads it has."""
+    where = arguments.home_secret_path()
+    if sys.stdout.isatty():
+        print(f"created a household secret in {where}; to join another Mac, run there:")
+        print(f"  EXPERTMESH_SECRET={secret} expertmesh serve {repo}")
+    else:
+        print(f"created a household secret in {where}; `expertmesh secret` shows it and how another Mac joins")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -106,11 +148,16 @@ def serve(args: argparse.Namespace) -> int:
         if node.discovery is not None:
             print(f"advertising in cluster {args.cluster!r} as {node.discovery.address}; peers join as they appear")
         if node.api is not None:
-            print(f"OpenAI-compatible API on {node.api.url} (model {node.repo_id!r})")
+            print(f"OpenAI-compatible API on {node.api.url} (model {node.repo_id!r}); {node.api.access.describe()}")
         print(node.describe())
+        if not args.tls_cert and not _loopback(args.host):
+            print(
+                f"gRPC on {args.host} is plain TCP: the household secret and the experts cross the LAN in clear; "
+                "beyond a trusted home network serve with --tls-cert/--tls-key (README: Security)",
+                file=sys.stderr,
+            )
         if created:
-            print("created a household secret; to join another Mac, run there:")
-            print(f"  EXPERTMESH_SECRET={secret} expertmesh serve {args.repo}")
+            _tell_how_to_join(secret, args.repo)
         sys.stdout.flush()
         try:
             while not stop.wait(1.0):

@@ -1,0 +1,191 @@
+"""Routing one validated ask to the household's full nodes, as a stream of text pieces.
+
+Each generation waits for a slot in the bounded FIFO queue (request_queue.py), goes to the least
+busy full node, and moves to another node if the first fails before its first token. Stop
+sequences are applied here, on the streamed text, and the node's generation is cancelled at the
+stop. A `Cancellation` lets another thread stop a generation at any moment: the HTTP server
+cancels when its client goes away, and cancelling the node's Generate call (a gRPC stream) makes
+the node stop within a token, instead of generating for nobody (issue 22).
+
+The gRPC client is blocking, so `Coordinator.generate` runs on a thread of its own
+(generation_threads.py); everything here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import grpc
+
+from expertmesh.coordinator.api_metrics import ApiMetrics
+from expertmesh.coordinator.node_pool import NodePool
+from expertmesh.coordinator.openai_request import ApiError, Ask, generate_request
+from expertmesh.coordinator.request_queue import QueueFull, RequestQueue
+from expertmesh.coordinator.stop_sequences import StopScanner
+from expertmesh.node.rpc.client import NodeClient
+
+logger = logging.getLogger(__name__)
+
+GENERATE_DEADLINE_S = 3600.0  # a cold Kimi K3 token can take minutes; a whole answer, up to this
+HEALTH_DEADLINE_S = 3.0
+
+
+@dataclass
+class Finish:
+    """The last item a generation yields: why it ended, as OpenAI's finish_reason."""
+
+    reason: str  # stop | length
+
+
+@dataclass
+class CoordinatorConfig:
+    secret: str
+    models: Callable[[], list[str]]  # the repo ids the household serves
+    tls_ca: bytes | None = None
+    max_waiting: int = 16  # requests that may wait for a slot before the API answers 429
+    default_max_tokens: int = 256
+
+
+class Cancellation:
+    """Stops one generation from any thread: now if its node call is running, else before it starts.
+
+    gRPC's `call.cancel()` is thread-safe and ends the node's Generate at its next token (the
+    node's generator checks `context.is_active()` per token)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+        self.cancelled = False
+
+    def attach(self, call: grpc.Future) -> None:
+        """The node call now running; cancelled at once if the cancellation came first."""
+        with self._lock:
+            self._call = call
+            if self.cancelled:
+                call.cancel()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            if self._call is not None:
+                self._call.cancel()
+
+
+_NODE_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
+    grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
+}
+_TRY_ANOTHER = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
+
+
+class Coordinator:
+    """Routes validated asks to full nodes and yields (text, finish_reason) pieces."""
+
+    def __init__(self, config: CoordinatorConfig, pool: NodePool):
+        self.config = config
+        self.pool = pool
+        self.queue = RequestQueue(lambda: len(pool.addresses()), config.max_waiting)
+        self.metrics = ApiMetrics(self.queue.depth)
+        self._clients: dict[str, NodeClient] = {}
+        self._lock = threading.Lock()
+
+    def _client(self, address: str) -> NodeClient:
+        """One client per node, kept open: a request then costs no connection set-up."""
+        with self._lock:
+            if address not in self._clients:
+                self._clients[address] = NodeClient(address, self.config.secret, self.config.tls_ca)
+            return self._clients[address]
+
+    def healthy_nodes(self) -> list[str]:
+        return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
+
+    def generate(self, ask: Ask, usage: dict, cancel: Cancellation | None = None) -> Iterator[str | Finish]:
+        """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive.
+
+        Raises QueueFull when too many requests wait already, ApiError when no node can answer.
+        Once `cancel` is cancelled it yields nothing more of use (at most a Finish)."""
+        cancel = cancel or Cancellation()
+        tried: set[str] = set()
+        busy: set[str] = set()  # nodes that answered RESOURCE_EXHAUSTED: every slot taken
+        with self.queue.slot():
+            while True:
+                if cancel.cancelled:  # the client left while this waited for its slot: no generation at all
+                    return
+                candidates = self.pool.ranked(exclude=tried)
+                if not candidates and tried and busy == tried:  # a full household, not a broken one: 429
+                    raise QueueFull(f"every full node is generating already ({len(busy)} asked)")
+                if not candidates:
+                    raise ApiError(
+                        HTTPStatus.SERVICE_UNAVAILABLE,
+                        "no full node of the household could generate" + (f" (tried {len(tried)})" if tried else ""),
+                        type_="server_error",
+                    )
+                address = candidates[0]
+                tried.add(address)
+                with self.pool.using(address):
+                    call = self._client(address).generate(generate_request(ask), GENERATE_DEADLINE_S)
+                    cancel.attach(call)
+                    scanner = StopScanner(ask.stop)
+                    started = False
+                    try:
+                        for event in call:
+                            if event.HasField("token"):
+                                started = True
+                                usage["completion_tokens"] += 1
+                                usage["prompt_tokens"] = usage["prompt_tokens"] or event.token.prompt_tokens
+                                text = scanner.feed(event.token.text)
+                                if text:
+                                    yield text
+                                if scanner.stopped:
+                                    call.cancel()
+                                    yield Finish("stop")
+                                    return
+                            else:
+                                done = event.done
+                                usage["prompt_tokens"] = done.prompt_tokens
+                                tail = scanner.feed(done.trailing_text) + scanner.finish()
+                                if tail:
+                                    yield tail
+                                yield Finish("stop" if scanner.stopped or done.stop_reason == "eos" else "length")
+                                return
+                        yield Finish("length")
+                        return
+                    except grpc.RpcError as e:
+                        if e.code() == grpc.StatusCode.CANCELLED:
+                            yield Finish("stop")
+                            return
+                        if not started and e.code() in _TRY_ANOTHER:
+                            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                                busy.add(address)
+                            logger.warning(
+                                "node %s failed before its first token (%s); trying another",
+                                address,
+                                e.code().name.lower(),
+                            )
+                            continue
+                        if not started and e.code() in _NODE_ERRORS:
+                            raise ApiError(
+                                _NODE_ERRORS[e.code()], e.details() or "the node refused the request"
+                            ) from None
+                        raise ApiError(
+                            HTTPStatus.BAD_GATEWAY,
+                            f"the node failed mid-generation: {e.code().name.lower()}",
+                            type_="server_error",
+                        ) from None
+                    finally:
+                        call.cancel()  # no-op when finished; stops the node when the client went away
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
