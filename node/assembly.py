@@ -15,12 +15,16 @@ of the trip of an expert:
 `Node.start()` then starts the threads and servers in dependency order (store, peer health
 checks, /metrics, gRPC, the zeroconf advertisement, the API) and `Node.close()` stops them in
 reverse. `serve`, `run`, `chat`, `demo`, the bench and the tests all go through here.
+
+A full node's MLX work — loading the core, MLX's buffer cache limit and the wired memory set at
+start and undone at close, every token and every peer's ComputeExperts — runs on the process's
+MLX thread (node/engine/model_thread.py); its memory is planned from the machine before the core
+is loaded (node/engine/memory.py), so a core that cannot fit is refused first.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 from dataclasses import dataclass, field
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from expertmesh.node import constants
 from expertmesh.node.config import HouseholdConfig, NodeConfig, StoreConfig
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import EndpointUnreachableError, ExpertmeshError
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
@@ -38,7 +43,10 @@ from expertmesh.node.store.stats import StoreStats
 from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from expertmesh.coordinator.openai_api import OpenAIServer
+    from expertmesh.node.engine.memory import MemoryPlan
     from expertmesh.node.engine.streamed_model import StreamedModel
     from expertmesh.node.household.discovery import Discovery
     from expertmesh.node.household.membership import PeerTable
@@ -80,6 +88,8 @@ class Node:
     metrics_server: MetricsServer | None = None
     discovery: Discovery | None = None
     api: OpenAIServer | None = None
+    memory: MemoryPlan | None = None  # a full node's RAM tier, buffer cache and wiring
+    _unwire: Callable[[], None] | None = field(default=None, repr=False)
     _started: bool = field(default=False, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -103,7 +113,7 @@ class Node:
         try:
             self.disk.start()
             if self.model is not None:
-                self.model.limit_buffer_cache()
+                self._unwire = model_thread().call(_hold_memory, self.memory)
             if self.store is not None:
                 self.store.start()
             self.hub.start()
@@ -145,6 +155,8 @@ class Node:
         else:
             stops += [tier.close for tier in (self.peer_tier, self.hub) if tier is not None]
         stops.append(self.disk.close)  # last: what was queued is published
+        if self._unwire is not None:
+            stops.append(lambda: model_thread().call(self._unwire))
         for stop in stops:
             try:
                 stop()
@@ -197,17 +209,18 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         raise ExpertmeshError("a cache peer serves expert bytes only: it needs gRPC")
     # a node alone needs no identity (and writes none: `run` on a full or read-only home still runs)
     node_id = config.node_id or (load_or_create_node_id(home) if config.household is not None else "local")
+    marker: dict = {}
     if config.cache_only:
         path = local_models.find_index(home, config.repo_id, config.revision)
-        core_bytes = 0
     else:
         path = local_models.find_pulled(home, config.repo_id, config.revision)
-        core_bytes = local_models.read_marker(path).get("core_bytes")
+        marker = local_models.read_marker(path)
     index = ExpertIndex.load(path / INDEX_FILENAME)
-    core_bytes = index.core_bytes if core_bytes is None else core_bytes
 
     root = cache_dir(home, config.repo_id, index.commit)
-    ram_bytes, disk_bytes = resolve_budgets(config.store, core_bytes, root)
+    memory = None if config.cache_only else plan_node_memory(config, index, marker)  # refused before loading
+    ram_bytes = memory.ram_tier_bytes if memory is not None else 0
+    disk_bytes = disk_budget(config.store, root)
     digests = DigestBook(root / DIGESTS_FILENAME)
     disk = DiskCache(root, index, disk_bytes, digests)
     stats = StoreStats()
@@ -219,7 +232,7 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         pieces_per_expert=s.hub_pieces_per_expert,
         min_piece_bytes=s.hub_min_piece_bytes,
     )
-    node = Node(config, node_id, index, disk, stats, experts=None, hub=hub)
+    node = Node(config, node_id, index, disk, stats, experts=None, hub=hub, memory=memory)
     try:
         if config.household is not None:
             _join_household(node, config.household)
@@ -265,20 +278,40 @@ def open_model(
 # -- the parts ------------------------------------------------------------------------------
 
 
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 16 * 1024**3
+def plan_node_memory(config: NodeConfig, index: ExpertIndex, marker: dict) -> MemoryPlan:
+    """A full node's memory from this machine (node/engine/memory.py).
+
+    Raises:
+        CoreTooLargeError: the core alone does not fit.
+        ValueError: a `ram_budget` that is neither a size nor a percentage.
+    """
+    from expertmesh.node.engine.memory import device_memory, plan_memory
+
+    core_bytes = marker.get("core_bytes")
+    return plan_memory(
+        config.store.ram_budget,
+        device_memory(),
+        core_bytes=index.core_bytes if core_bytes is None else core_bytes,
+        expert_bytes=max((loc.nbytes for loc in index.experts.values()), default=0),
+        fetch_workers=config.store.fetch_concurrency,
+        repo_id=config.repo_id,
+        core_bits=marker.get("core_bits", 16),
+    )
 
 
-def resolve_budgets(cfg: StoreConfig, core_bytes: int, cache_root: Path) -> tuple[int, int]:
-    """(RAM bytes, disk bytes): percentages of memory left after the core and of free disk."""
-    floor = constants.MIN_RAM_BUDGET_BYTES if cfg.ram_budget == constants.DEFAULT_RAM_BUDGET else 0
-    ram = max(floor, parse_budget(cfg.ram_budget, max(0, _physical_memory() - core_bytes)))
+def disk_budget(cfg: StoreConfig, cache_root: Path) -> int:
+    """The disk tier's bytes: a size, or a percentage of the free space where the cache lives."""
     cache_root.mkdir(parents=True, exist_ok=True)
-    disk = parse_budget(cfg.disk_budget, shutil.disk_usage(cache_root).free)
-    return ram, disk
+    return parse_budget(cfg.disk_budget, shutil.disk_usage(cache_root).free)
+
+
+def _hold_memory(plan: MemoryPlan) -> Callable[[], None] | None:
+    """On the MLX thread at start: MLX's buffer cache within the RAM budget, and the core plus the
+    RAM tier wired where Metal allows. Returns what undoes the wiring at close."""
+    from expertmesh.node.engine.memory import limit_buffer_cache, wire
+
+    limit_buffer_cache(plan)
+    return wire(plan)
 
 
 def _join_household(node: Node, household: HouseholdConfig) -> None:
@@ -314,7 +347,7 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
 
     config, index = node.config, node.index
     s = config.store
-    core = load_streamed_model(config.repo_id, path, index)
+    core = model_thread().call(load_streamed_model, config.repo_id, path, index)  # evaluated where it runs
     runs = node.hub if node.peer_tier is None else None  # runs only where nothing is asked between disk and Hub
     chain = TierChain(index, core.codec, node.disk, remote_tiers, node.stats, digests, runs=runs)
     trace = None
@@ -338,6 +371,7 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
         owns=owns,
         coalesce=s.coalesce,
         trace=trace,
+        wait=model_thread().wait,  # a token waiting for experts lets peers' calls run meanwhile
     )
     node.model = core.bind(node.store, node.disk, close=node.close)
     remote = config.household.remote if config.household is not None else None

@@ -25,7 +25,9 @@ DEFAULT_RAM_POLICY = DEFAULT_POLICY  # chosen by `expertmesh replay` on routing 
 class StoreConfig:
     """Budgets and fetch settings of the expert store; sizes or percentages as on the CLI."""
 
-    ram_budget: str = constants.DEFAULT_RAM_BUDGET  # a size, or a % of the memory the core leaves
+    # what decoded experts may take, MLX's buffer cache included: a size, or a % of what the core
+    # leaves of Metal's recommended working set (the machine's memory without Metal); see engine/memory.py
+    ram_budget: str = constants.DEFAULT_RAM_BUDGET
     disk_budget: str = constants.DEFAULT_DISK_BUDGET  # a size, or a % of the free space
     fetch_concurrency: int = constants.EXPERT_FETCH_CONCURRENCY  # experts fetched at once
     ram_policy: str = DEFAULT_RAM_POLICY  # store/policies.py

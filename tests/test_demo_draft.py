@@ -27,6 +27,7 @@ from expertmesh.node.devtools.tiny.demo_model import (
     make_draft_model,
 )
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import ModelDraft
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
@@ -53,7 +54,7 @@ def demo(demo_hub, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("demo-home")
     pull(REPO_ID, home=home, progress=False)
     sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="100%", prefetch=False))
-    sm.model.set_dtype(mx.float32)
+    model_thread().call(lambda: (sm.model.set_dtype(mx.float32), mx.eval(sm.model.parameters())))  # where it runs
     sm.tokenizer.eos_token_ids = set()  # the greedy demo ends most answers within a few tokens
     yield home, sm
     sm.close()

@@ -17,7 +17,7 @@ from expertmesh.node.hub.expert_index import ExpertIndex, build_index
 def _local_index(repo: Path) -> ExpertIndex:
     shards = sorted(p.name for p in repo.glob("*.safetensors"))
     headers = {s: (safetensors_format.read_header(repo / s), (repo / s).stat().st_size) for s in shards}
-    return build_index("expertmesh/x", "0" * 40, headers)
+    return build_index("expertmesh/x", "0" * 40, headers, json.loads((repo / "config.json").read_text()))
 
 
 @pytest.mark.parametrize("arch", ["kimi_k3", "deepseek_v3", "qwen3_moe", "mlx_qwen3_moe"])
@@ -63,4 +63,4 @@ def test_core_lists_everything_else(tiny_repos: dict[str, Path]) -> None:
 def test_dense_model_is_rejected() -> None:
     entry = safetensors_format.TensorEntry("model.layers.0.mlp.up_proj.weight", "BF16", (4, 4), 100, 132)
     with pytest.raises(UnsupportedModelError, match="no routed experts"):
-        build_index("a/dense", "0" * 40, {"model.safetensors": ({entry.name: entry}, 200)})
+        build_index("a/dense", "0" * 40, {"model.safetensors": ({entry.name: entry}, 200)}, {"model_type": "llama"})

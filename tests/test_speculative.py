@@ -23,6 +23,7 @@ from expertmesh.node.assembly import open_model
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import (
     Draft,
     DraftController,
@@ -78,13 +79,26 @@ def models(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
             home = tmp_path_factory.mktemp(f"spec-{arch}")
             pulled_home(arch, home)
             sm = open_model(f"expertmesh/tiny-{arch}", home=home, store=StoreConfig(ram_budget="50%"))
-            sm.model.set_dtype(mx.float32)
+            model_thread().call(_float32, sm.model)
             opened[arch] = sm
         return opened[arch]
 
     yield get
     for sm in opened.values():
         sm.close()
+
+
+def _float32(model) -> None:
+    """On the MLX thread, where the model runs: MLX evaluates an array only on the thread that made it."""
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+
+
+def _next_logits(gen: Generator, token: int) -> mx.array:
+    """The logits after feeding `token` to the generator's cache (run on the MLX thread)."""
+    logits = gen._forward([token])[0, -1]
+    mx.eval(logits)
+    return logits
 
 
 def _run(gen: Generator, ids: list[int], settings: SamplingSettings = GREEDY):
@@ -119,7 +133,7 @@ def test_greedy_output_and_cache_equal_the_plain_path(arch: str, models) -> None
         assert diff < 1e-4, f"{arch}, {source}: logprobs differ by {diff} after rollbacks"
         # and when generation ends the cache is the plain path's: the next step agrees
         assert gen.history == plain_gen.history
-        a, b = (g._forward([plain[-1]])[0, -1] for g in (gen, plain_gen))
+        a, b = (model_thread().call(_next_logits, g, plain[-1]) for g in (gen, plain_gen))
         assert mx.abs(a - b).max().item() < 1e-4, f"{arch}, {source}: the cache after generation differs"
 
 
@@ -238,7 +252,7 @@ def test_draft_model_mode_keeps_greedy_output(models, tiny_repos: dict[str, Path
     cfg = SpeculationConfig(mode="draft", draft_repo=str(tiny_repos["qwen3_moe"]), warmup_rounds=1000)
     gen = Generator(sm, cfg)
     assert isinstance(gen._source, ModelDraft)
-    gen._source.model.set_dtype(mx.float32)
+    model_thread().call(_float32, gen._source.model)
     got, _, summary = _run(gen, ids)
     assert got == plain
     s = summary.speculation

@@ -27,6 +27,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
 from expertmesh.node.engine.mlx_lm_models import model_classes
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.store.codec import ExpertWeights, ProjectionWeights
 
@@ -78,6 +79,7 @@ class StreamingSwitchGLU(nn.Module):
         store = self._store
         if store is None:
             raise RuntimeError(f"expert block of layer {self.layer} has no expert store bound")
+        model_thread().between_layers()  # a peer's ComputeExperts waits one layer, not a generation
         guess = self._guess
         self._set("_guess", None)
         if guess is not None:

@@ -117,15 +117,21 @@ def quantize_model(
 
 
 def quantize_core(model_dir: Path, bits: int = 8, group_sizes: tuple[int, ...] = GROUP_SIZES) -> CoreQuantization:
-    """Replace the BF16 core shards in `model_dir` by one file of `bits`-bit weights.
+    """Replace the BF16 core shards in `model_dir` by one file of `bits`-bit weights, on the
+    process's MLX thread (node/engine/model_thread.py), like every MLX evaluation.
 
     Raises:
         CoreBitsError: `bits` is not one of CORE_BITS.
     """
-    from expertmesh.node.engine.blocks import load_core_model
+    from expertmesh.node.engine.model_thread import model_thread
 
     check_core_bits(bits)
-    model_dir = Path(model_dir)
+    return model_thread().call(_quantize_core, Path(model_dir), bits, group_sizes)
+
+
+def _quantize_core(model_dir: Path, bits: int, group_sizes: tuple[int, ...]) -> CoreQuantization:
+    from expertmesh.node.engine.blocks import load_core_model
+
     model, _, _ = load_core_model(model_dir)
     before = core_parameter_bytes(model)
     done, kept = quantize_model(model, bits, group_sizes)

@@ -5,6 +5,11 @@ same kernels and precision the requester would use) on the rows that arrived, so
 computed expert gives the requester what its own computation would have given. Only experts
 this node holds in RAM or on disk run unless the caller asks as the owner (`fetch_on_miss`); the
 rest are reported missing so the caller fetches them itself, never silently dropped.
+
+A call is served in two halves: on the gRPC thread that received it, the request is checked and
+the experts' bytes are got from the store (which may wait on a disk or the Hub, and involves no
+MLX); then the rows, the compute and the encoded outputs are handed to the MLX thread as a peer's
+call (node/engine/model_thread.py), which takes its turn beside this node's own generation.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from expertmesh.node.engine.blocks import StreamingSwitchGLU
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.rpc import activations
+from expertmesh.node.store.codec import ExpertWeights
 from expertmesh.v1 import node_pb2
 
 MAX_ROWS_PER_CALL = 1 << 16  # prefill of thousands of tokens times k experts fits; more is a bad caller
@@ -44,8 +51,8 @@ class ExpertComputer:
         self._running = 0
         self._lock = threading.Lock()
 
-    def parse(self, request: node_pb2.ComputeExpertsRequest) -> tuple[StreamingSwitchGLU, dict[int, mx.array]]:
-        """The layer's block and each expert's input rows, all checked.
+    def check(self, request: node_pb2.ComputeExpertsRequest) -> StreamingSwitchGLU:
+        """The layer's block, once every part of the request is checked (no MLX: any thread).
 
         Raises:
             ComputeRequestError: unknown layer or expert, an expert twice, too many rows, or rows
@@ -56,31 +63,31 @@ class ExpertComputer:
             raise ComputeRequestError(f"layer {request.layer} has no routed experts in {self.sm.repo_id}")
         if not request.experts:
             raise ComputeRequestError("no experts to compute")
-        rows: dict[int, mx.array] = {}
-        total, dtype = 0, None
+        seen: set[int] = set()
+        total, dtype = 0, request.experts[0].rows.dtype  # one pass, one dtype
         for item in request.experts:
             if (request.layer, item.expert) not in self.sm.index.experts:
                 raise ComputeRequestError(f"{self.sm.repo_id} has no expert {item.expert} in layer {request.layer}")
-            if item.expert in rows:
+            if item.expert in seen:
                 raise ComputeRequestError(f"expert {item.expert} is listed twice")
-            dtype = dtype or item.rows.dtype  # one pass, one dtype
+            seen.add(item.expert)
             try:
-                rows[item.expert] = activations.decode(item.rows, block.input_width, dtype=dtype)
+                activations.check(item.rows, block.input_width, dtype=dtype)
             except activations.BadTensor as e:
                 raise ComputeRequestError(f"rows of expert {item.expert}: {e}") from None
-            total += rows[item.expert].shape[0]
+            total += item.rows.shape[0]
         if total > MAX_ROWS_PER_CALL:
             raise ComputeRequestError(f"{total} rows in one call; at most {MAX_ROWS_PER_CALL}")
-        return block, rows
+        return block
 
     def compute(self, request: node_pb2.ComputeExpertsRequest) -> ComputeResult:
         """Run what the request asks, as far as this node holds it (or fetches it, as the owner).
 
         Raises:
-            ComputeRequestError: see `parse`.
+            ComputeRequestError: see `check`.
             DownloadError: an expert this node had to fetch could not be had.
         """
-        block, rows = self.parse(request)
+        block = self.check(request)
         with self._lock:
             queued = self._running
             self._running += 1
@@ -88,16 +95,30 @@ class ExpertComputer:
             t0 = time.perf_counter()
             store, layer = self.sm.store, request.layer
             if request.fetch_on_miss:
-                here = list(rows)
+                here = [x.expert for x in request.experts]
             else:
-                here = [e for e in rows if (layer, e) in store.ram or (layer, e) in self.sm.disk]
-            missing = [e for e in rows if e not in here]
+                here = [
+                    x.expert
+                    for x in request.experts
+                    if (layer, x.expert) in store.ram or (layer, x.expert) in self.sm.disk
+                ]
+            missing = [x.expert for x in request.experts if x.expert not in here]
             outputs: list[node_pb2.ExpertRows] = []
             if here:
-                out = block.compute(store.get_layer(layer, here, record=False), {e: rows[e] for e in here})
-                mx.eval(list(out.values()))
-                outputs = [node_pb2.ExpertRows(expert=e, rows=activations.encode(out[e])) for e in here]
+                weights = store.get_layer(layer, here, record=False)  # bytes and buffers only: no MLX thread needed
+                rows = {x.expert: x.rows for x in request.experts if x.expert in weights}
+                outputs = model_thread().call_for_peer(_run, block, weights, rows)
             return ComputeResult(outputs, missing, time.perf_counter() - t0, queued)
         finally:
             with self._lock:
                 self._running -= 1
+
+
+def _run(
+    block: StreamingSwitchGLU, weights: dict[int, ExpertWeights], rows: dict[int, node_pb2.Tensor]
+) -> list[node_pb2.ExpertRows]:
+    """On the MLX thread: the rows into MLX, through the experts, and back into messages."""
+    x = {e: activations.decode(t, block.input_width) for e, t in rows.items()}
+    out = block.compute(weights, x)
+    mx.eval(list(out.values()))
+    return [node_pb2.ExpertRows(expert=e, rows=activations.encode(out[e])) for e in rows]

@@ -5,6 +5,11 @@ mlx-lm pipelines the next step with `async_eval`; we cannot gain from that (ever
 synchronises to learn its routing), and stepping plainly lets Ctrl-C stop between tokens with
 the cache consistent, which multi-turn chat relies on.
 
+Whoever iterates `generate`, every step runs on the process's MLX thread
+(node/engine/model_thread.py), one token per turn: the caller's thread only waits for tokens.
+A token's `logprobs` are evaluated there before it is handed over, since a lazy array cannot be
+evaluated on another thread.
+
 With speculation (`Generator(sm, SpeculationConfig(...))`, node/engine/speculative.py) a pass carries
 drafts as well; the cache is rolled back to exactly the accepted tokens before the next one, so
 between passes and at the end it holds what the plain path's would.
@@ -22,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import (
     CacheRollback,
     Draft,
@@ -154,6 +160,7 @@ class _TokenBook:
 
     def emit(self, tok: int, logprobs: mx.array) -> Token | None:
         """The Token to yield for `tok`, or None for an end-of-sequence token."""
+        mx.eval(logprobs)  # the caller reads it on its own thread: nothing lazy may leave this one
         t_now = time.perf_counter()
         summary = self.summary
         if summary.generated_tokens == 0:
@@ -197,15 +204,17 @@ class Generator:
         self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
         self.speculation_stats = SpeculationStats()
         self._source = self._controller = None
+        mlx = model_thread()
         if self.speculation is not None:
-            check_rollback_supported(make_prompt_cache(sm.model))
-            self._source = draft_source or make_draft_source(self.speculation, sm.tokenizer)
+            check_rollback_supported(mlx.call(make_prompt_cache, sm.model))
+            # a draft model is loaded (evaluated) on the MLX thread, where it will run
+            self._source = draft_source or mlx.call(make_draft_source, self.speculation, sm.tokenizer)
             self._controller = DraftController(self.speculation)
         self.observer: TokenObserver | None = sm.token_observer
         self.reset()
 
     def reset(self) -> None:
-        self.cache = make_prompt_cache(self.sm.model)
+        self.cache = model_thread().call(make_prompt_cache, self.sm.model)
         self.history: list[int] = []  # exactly the tokens the cache has seen
 
     def _forward(self, tokens: list[int]) -> mx.array:
@@ -345,11 +354,22 @@ class Generator:
         """Feed `tokens` after what the cache holds and yield new tokens as they are made.
 
         The last token yielded is not fed back (there is nothing to predict after it); the next
-        call's tokens follow it. `summary`, if given, is filled in as generation goes.
+        call's tokens follow it. `summary`, if given, is filled in as generation goes. Each step
+        runs on the MLX thread; closing the iterator early stops there too, cache consistent.
 
         Raises:
             ContextLengthError: the conversation would not fit the model's context.
         """
+        yield from model_thread().iterate(self._generate(tokens, settings, should_stop, summary))
+
+    def _generate(
+        self,
+        tokens: list[int],
+        settings: SamplingSettings,
+        should_stop: Callable[[], bool],
+        summary: GenerationSummary | None,
+    ) -> Iterator[Token]:
+        """`generate`'s steps, on the MLX thread."""
         if not tokens:
             raise ValueError("nothing to generate from: the prompt has no tokens")
         limit = self.sm.max_context

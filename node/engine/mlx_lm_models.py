@@ -4,11 +4,25 @@ mlx-lm owns the architectures. It maps a config to its `Model` and `ModelArgs` c
 `mlx_lm.utils._get_classes` (the default of `load_model`'s public `get_model_classes` hook), which
 is private: pyproject.toml bounds mlx-lm above for it, and everything here goes through
 `model_classes`, so a new mlx-lm that renames it breaks one function, with a clear message.
+
+It also answers, from mlx-lm itself, what the expert index and the registry test ask of it:
+which model modules can build routed experts (`expert_modules`), a model built without computing
+a weight (`build_model`), and where its expert blocks are (`expert_blocks`).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+import pkgutil
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
+import mlx_lm.models
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from expertmesh.node.errors import UnsupportedModelError
 
@@ -49,3 +63,89 @@ def check_supported(config: dict, repo_id: str) -> str:
             f"{repo_id}: architecture {model_type!r} is not implemented by mlx-lm {mlx_lm.__version__}"
         ) from None
     return model_type
+
+
+# -- which architectures have routed experts -----------------------------------------------------
+
+_EXPERT_CLASS_RE = re.compile(r"\bSwitch(?:GLU|MLP)\b")
+
+
+@functools.cache
+def expert_modules() -> dict[str, str]:
+    """Every model module of the installed mlx-lm that can build routed experts -> the expert
+    block class it names (`SwitchGLU` or `SwitchMLP`; a module that only reuses another's
+    layers names that module's).
+
+    Read from the modules' source (a module that names `SwitchGLU`, or imports one that does),
+    so nothing is imported and the list follows mlx-lm as it grows.
+    """
+    sources: dict[str, str] = {}
+    for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        spec = importlib.util.find_spec(f"mlx_lm.models.{info.name}")
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            continue
+        with open(spec.origin, encoding="utf-8") as f:
+            sources[info.name] = f.read()
+    imports: dict[str, set[str]] = {}
+    for name, src in sources.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps.update(a.name for a in node.names)
+        imports[name] = deps - {name}
+    direct = {}
+    for name, src in sources.items():
+        if name == "switch_layers":
+            continue
+        found = sorted(set(_EXPERT_CLASS_RE.findall(src)) - {"SwitchLinear"})
+        if found:
+            direct[name] = "/".join(found)
+    result = dict(direct)
+    changed = True
+    while changed:  # a module importing an expert module builds its experts too
+        changed = False
+        for name, deps in imports.items():
+            if name not in result and name != "switch_layers":
+                via = sorted(d for d in deps if d in result)
+                if via:
+                    result[name] = result[via[0]]
+                    changed = True
+    return dict(sorted(result.items()))
+
+
+def module_name(config: dict) -> str:
+    """The mlx-lm model module that implements `config` (after mlx-lm's own remapping)."""
+    model_class, _ = model_classes(config)
+    return model_class.__module__.rsplit(".", 1)[-1]
+
+
+def build_model(config: dict) -> nn.Module:
+    """mlx-lm's model for `config`, with its freshly initialised (lazy, never evaluated) weights.
+
+    Used to trace sanitize and to find the expert blocks: nothing is computed, so even a model
+    of a trillion parameters costs only its module tree. MLX's global random state is restored,
+    so building one never changes what a seeded generation samples.
+    """
+    config = dict(config)
+    if "quantization_config" not in config and "quantization_config" in config.get("text_config", {}):
+        config["quantization_config"] = config["text_config"]["quantization_config"]  # as load_model does
+    model_class, args_class = model_classes(config)
+    hi, lo = (int(v) for v in mx.random.state[0].tolist())
+    try:
+        return model_class(args_class.from_dict(config))
+    finally:
+        mx.random.seed((hi << 32) | lo)  # a key is the seed's two 32-bit words
+
+
+def expert_blocks(model: nn.Module) -> dict[str, str]:
+    """Module path -> `SwitchGLU` or `SwitchMLP`, for every routed-expert block of `model`."""
+    out = {}
+    for path, module in model.named_modules():
+        if isinstance(module, SwitchGLU):
+            out[path] = "SwitchGLU"
+        elif isinstance(module, SwitchMLP):
+            out[path] = "SwitchMLP"
+    return out

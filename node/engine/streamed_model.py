@@ -1,6 +1,7 @@
 """A pulled model ready to generate: mlx-lm's model with the core in memory and every expert
-block streaming from the store (engine/blocks.py). node/assembly.py loads it, builds the store
-around its codec, then binds the blocks to that store."""
+block streaming from the store (engine/blocks.py). node/assembly.py loads it on the MLX thread
+(node/engine/model_thread.py), builds the store around its codec, then binds the blocks to that
+store. Its memory — the RAM tier, MLX's buffer cache, wiring — is planned in engine/memory.py."""
 
 from __future__ import annotations
 
@@ -53,21 +54,10 @@ class StreamedModel:
         if self._close is not None:
             self._close()
 
-    def limit_buffer_cache(self) -> int:
-        """Keep MLX's cache of freed buffers to one expert's worth (returned, in bytes).
-
-        MLX keeps freed buffers for reuse, by default up to its memory limit: every expert a layer
-        decoded and let go would stay resident, outside the RAM budget. An expert is a few large
-        buffers, cheap to allocate again next to the time it takes to fetch or read.
-        """
-        expert_bytes = max((loc.nbytes for loc in self.index.experts.values()), default=0)
-        limit = expert_bytes
-        mx.set_cache_limit(limit)
-        return limit
-
 
 def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> StreamedModel:
-    """Load a pulled model's core and tokenizer; its blocks stream once bound to a store.
+    """Load a pulled model's core and tokenizer; its blocks stream once bound to a store. Call it
+    on the MLX thread: loading evaluates the core there, where it will run.
 
     Raises:
         UnsupportedModelError: mlx-lm lacks the architecture, it has no streamable experts, or

@@ -21,6 +21,11 @@ are in flight. A peer that errs, misses its deadline or answers with rows of the
 dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
 computed here: the token is never lost. Everything is counted in the store's statistics (source
 `remote`, activation bytes, fallbacks by reason), so summaries and metrics show the decisions.
+
+`run` is called inside the forward pass, on the process's MLX thread. While it waits for the
+peers' answers that thread serves the peers' own ComputeExperts calls (`ModelThread.wait`): two
+nodes computing for each other at the same moment each answer the other instead of both waiting
+for a deadline.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import grpc
 import mlx.core as mx
 
 from expertmesh.node.config import RemoteConfig
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.rpc import activations
 from expertmesh.node.store.store import ExpertStore
@@ -293,6 +299,7 @@ class RemoteExperts:
         """Put each call's outputs into `out`; returns the experts to fetch and compute here instead."""
         failed: list[int] = []
         stats = self.store.stats
+        model_thread().wait([call.future for call in calls])  # serving peers' calls meanwhile
         for call in calls:
             asked = list(call.rows)
             try:

@@ -1,33 +1,48 @@
 """The expert index: where every routed expert and every core tensor lives in the upstream shards.
 
-An expert is addressed by `(layer, expert)` within a pinned `(repo, commit)`. Upstream
-checkpoints store it in one of two ways, and the index covers both:
+An expert is addressed by `(layer, expert)` within a pinned `(repo, commit)`. Which upstream
+tensors make it up is not guessed from names: mlx-lm's own `sanitize` for the architecture is
+traced on stand-ins of the checkpoint's tensors (node/hub/expert_trace.py), so the index learns
+which tensors feed each `SwitchGLU` parameter and how. An expert is then
 
-- per-expert tensors (`...layers.{l}...experts.{e}.{w1,...}`): the expert is those tensors,
-  usually adjacent in one shard, so they coalesce into one byte range (K3: one range);
-- stacked tensors (MLX conversions, `...layers.{l}...switch_mlp.{proj}.{weight,...}` with the
-  experts on axis 0): the expert is one contiguous slice of each stacked tensor.
+- whole tensors (per-expert checkpoints: `...experts.{e}.{w1,...}`), usually adjacent in one
+  shard, so they coalesce into one byte range (K3: one range);
+- or one slice of each stacked tensor (experts on axis 0, MLX conversions and fused
+  `(E, 2·I, H)` gate/up checkpoints alike): a contiguous range per tensor;
 
-Everything else is the core. The index is built from `model.safetensors.index.json` and the
-shards' safetensors headers (range reads, never a whole shard) and saved as compact JSON
-beside the core: tensors of one kind (same name pattern, dtype and shape) share one record,
-so Kimi K3's 82,432 experts stay a few MB.
+plus its `Recipe`: the operations sanitize applies to those bytes (split a fused gate/up on the
+row axis, transpose, view packed bytes as uint32...), which the codec replays per expert. Order
+in a file never matters. Tensors sanitize drops (multi-token-prediction layers, vision towers)
+are neither; everything else is the core.
+
+The index is built from `model.safetensors.index.json` and the shards' safetensors headers
+(range reads, never a whole shard) and saved as compact JSON beside the core: tensors of one
+kind (same name pattern, dtype and shape) share one record, and experts stored alike share one
+recipe, so Kimi K3's 82,432 experts stay a few MB.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub.safetensors_format import DTYPE_BYTES, TensorEntry
 
 INDEX_FILENAME = "expert_index.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: recipes; an index of format 1 (name-based experts) still loads
+_READABLE_VERSIONS = (1, 2)
+# The parameters an expert block's projection can have, as mlx-lm names them.
+PARAMETER_KINDS = ("weight", "scales", "biases", "bias")
+# A whole tensor every expert of a layer reads (a per-tensor scale) is copied into each: only if small.
+SHARED_INPUT_MAX_BYTES = 1 << 20
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 # `experts` must be a whole name segment, so `shared_experts` stays in the core.
 _PER_EXPERT_RE = re.compile(
@@ -66,11 +81,31 @@ class ByteRange:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How an expert's tensors become its block parameters.
+
+    `text` is JSON mapping each parameter, named relative to the expert block
+    (`gate_proj.weight`), to an expression over the recipe's inputs by position (see
+    `expert_trace.encode_expert`); input i is the expert's tensor `inputs[i]`. Experts stored
+    alike share one `text` whatever their tensors' order in a file.
+    """
+
+    text: str
+    inputs: tuple[int, ...]
+
+    @functools.cached_property
+    def parameters(self) -> dict[str, Any]:
+        return json.loads(self.text)
+
+
 @dataclass
 class ExpertLocation:
     layer: int
     expert: int
-    tensors: list[TensorSlice]
+    tensors: list[TensorSlice]  # in blob order: by file, then offset
+    # None for an index of format 1, whose experts the codec decodes by tensor name.
+    recipe: Recipe | None = None
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +115,19 @@ class ExpertLocation:
     def ranges(self) -> list[ByteRange]:
         """The expert's bytes as few ranges as possible: adjacent tensors coalesce."""
         return coalesce((t.file, t.start, t.end) for t in self.tensors)
+
+    def blob_offsets(self) -> list[int]:
+        """Where each of `tensors` starts in the expert's blob (its `ranges` concatenated)."""
+        offsets = []
+        ranges = self.ranges
+        for t in self.tensors:
+            base = 0
+            for r in ranges:
+                if t.file == r.file and r.start <= t.start and t.end <= r.end:
+                    offsets.append(base + t.start - r.start)
+                    break
+                base += r.nbytes
+        return offsets
 
 
 # A core tensor is addressed exactly like an expert's tensor: a whole tensor of one shard.
@@ -121,6 +169,8 @@ class ExpertIndex:
         kinds: dict[tuple, int] = {}
         files = list(self.files)
         file_ids = {f: i for i, f in enumerate(files)}
+        texts: dict[str, int] = {}
+        recipes: dict[tuple[int, tuple[int, ...]], int] = {}
         experts = []
         for (layer, expert), loc in sorted(self.experts.items()):
             row = []
@@ -128,7 +178,11 @@ class ExpertIndex:
                 pattern = _name_pattern(t.name, layer, expert, t.stacked)
                 kind = kinds.setdefault((pattern, t.dtype, t.shape, t.stacked), len(kinds))
                 row.append([kind, file_ids[t.file], t.start])
-            experts.append([layer, expert, row])
+            recipe = None
+            if loc.recipe is not None:
+                text = texts.setdefault(loc.recipe.text, len(texts))
+                recipe = recipes.setdefault((text, loc.recipe.inputs), len(recipes))
+            experts.append([layer, expert, row, recipe])
         doc = {
             "format_version": FORMAT_VERSION,
             "repo_id": self.repo_id,
@@ -136,6 +190,8 @@ class ExpertIndex:
             "files": [[f, self.files[f]] for f in files],
             "core": [[t.name, t.dtype, list(t.shape), file_ids[t.file], t.start, t.end] for t in self.core.values()],
             "expert_kinds": [[p, d, list(s), st] for (p, d, s, st) in kinds],
+            "recipe_texts": list(texts),
+            "recipes": [[text, list(inputs)] for text, inputs in recipes],
             "experts": experts,
         }
         tmp = path.with_name(path.name + ".tmp")
@@ -145,15 +201,17 @@ class ExpertIndex:
     @classmethod
     def load(cls, path: Path) -> ExpertIndex:
         doc = json.loads(Path(path).read_text())
-        if doc.get("format_version") != FORMAT_VERSION:
+        if doc.get("format_version") not in _READABLE_VERSIONS:
             raise UnsupportedModelError(f"{path}: expert index format {doc.get('format_version')} is not supported")
         files = [f for f, _ in doc["files"]]
         core = {}
         for name, dtype, shape, fid, start, end in doc["core"]:
             core[name] = CoreTensor(name, dtype, tuple(shape), files[fid], start, end)
         kinds = [(p, d, tuple(s), st) for p, d, s, st in doc["expert_kinds"]]
+        texts = doc.get("recipe_texts", [])
+        recipes = [Recipe(texts[text], tuple(inputs)) for text, inputs in doc.get("recipes", [])]
         experts = {}
-        for layer, expert, row in doc["experts"]:
+        for layer, expert, row, *rest in doc["experts"]:
             tensors = []
             for kind, fid, start in row:
                 pattern, dtype, shape, stacked = kinds[kind]
@@ -168,7 +226,8 @@ class ExpertIndex:
                         stacked,
                     )
                 )
-            experts[(layer, expert)] = ExpertLocation(layer, expert, tensors)
+            recipe = recipes[rest[0]] if rest and rest[0] is not None else None
+            experts[(layer, expert)] = ExpertLocation(layer, expert, tensors, recipe)
         return cls(doc["repo_id"], doc["commit"], {f: n for f, n in doc["files"]}, core, experts)
 
 
@@ -180,13 +239,22 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def _name_pattern(name: str, layer: int, expert: int, stacked: bool) -> str:
-    """The tensor name with its layer (and expert) numbers turned into format fields."""
-    name = name.replace("{", "{{").replace("}", "}}")
-    if stacked:
-        m = _STACKED_RE.match(name)
-        return f"{m['pre']}{{layer}}{m['post']}"
-    m = _PER_EXPERT_RE.match(name)
-    return f"{m['pre']}{{layer}}{m['mid']}{{expert}}{m['post']}"
+    """The tensor name with its layer (and, for a per-expert tensor, expert) number turned into
+    format fields, so tensors of one kind share a record; the name itself if no pattern
+    reproduces it (a record of its own: correct, only less compact)."""
+    parts = name.replace("{", "{{").replace("}", "}}").split(".")
+    numeric = [i for i, p in enumerate(parts) if p.isdigit()]
+    at_layer = [i for i in numeric if int(parts[i]) == layer and i > 0 and parts[i - 1] == "layers"]
+    if at_layer:
+        parts[at_layer[0]] = "{layer}"
+        if not stacked:
+            at_expert = [i for i in numeric if i > at_layer[0] and int(parts[i]) == expert]
+            if at_expert:
+                parts[at_expert[-1]] = "{expert}"
+    pattern = ".".join(parts)
+    if pattern.format(layer=layer, expert=expert) != name:
+        return name.replace("{", "{{").replace("}", "}}")
+    return pattern
 
 
 def coalesce(spans: Iterable[tuple[str, int, int]], gap_bytes: int = 0) -> list[ByteRange]:
@@ -209,7 +277,11 @@ def run_ranges(locs: list[ExpertLocation]) -> list[ByteRange] | None:
 
 
 def classify(name: str) -> tuple[str, int, int | None] | None:
-    """`("expert", layer, expert)`, `("stacked", layer, None)`, or None for a core tensor."""
+    """By name alone: `("expert", layer, expert)`, `("stacked", layer, None)`, or None.
+
+    Only for tests and tools that look at a tiny repo's names; the index finds experts from what
+    mlx-lm's sanitize does with the checkpoint (`build_index`).
+    """
     if m := _PER_EXPERT_RE.match(name):
         return "expert", int(m["layer"]), int(m["expert"])
     if m := _STACKED_RE.match(name):
@@ -217,50 +289,237 @@ def classify(name: str) -> tuple[str, int, int | None] | None:
     return None
 
 
-def build_index(repo_id: str, commit: str, headers: dict[str, tuple[dict[str, TensorEntry], int]]) -> ExpertIndex:
-    """Build the index from the parsed header of every shard.
+def build_index(
+    repo_id: str, commit: str, headers: dict[str, tuple[dict[str, TensorEntry], int]], config: dict
+) -> ExpertIndex:
+    """Build the index from the parsed header of every shard and the model's config.
 
     Args:
         headers: shard name -> (its tensors with absolute offsets, the shard's size).
+        config: the repo's config.json, which picks mlx-lm's architecture.
 
     Raises:
-        UnsupportedModelError: no routed experts, or experts whose tensors are inconsistent.
+        UnsupportedModelError: no routed experts, experts stored in a way expertmesh cannot yet
+            address (the message says how they are stored), or inconsistent experts.
     """
-    core: dict[str, CoreTensor] = {}
-    per_expert: dict[tuple[int, int], list[TensorSlice]] = {}
-    stacked: dict[int, list[tuple[str, TensorEntry]]] = {}
+    entries: dict[str, tuple[str, TensorEntry]] = {}
     for file, (tensors, _) in headers.items():
         for entry in tensors.values():
-            kind = classify(entry.name)
-            if kind is None:
-                core[entry.name] = CoreTensor(entry.name, entry.dtype, entry.shape, file, entry.start, entry.end)
-            elif kind[0] == "expert":
-                t = TensorSlice(entry.name, entry.dtype, entry.shape, file, entry.start, entry.end)
-                per_expert.setdefault((kind[1], kind[2]), []).append(t)
-            else:
-                stacked.setdefault(kind[1], []).append((file, entry))
-
+            entries.setdefault(entry.name, (file, entry))
+    plan = _plan(repo_id, config, {n: (e.dtype, e.shape) for n, (_, e) in entries.items()})
+    core = {}
+    for name in sorted(plan.core, key=lambda n: (entries[n][0], entries[n][1].start)):
+        file, entry = entries[name]
+        core[name] = CoreTensor(name, entry.dtype, entry.shape, file, entry.start, entry.end)
+    used = set(plan.core) | {name for inputs, _ in plan.experts.values() for name, _ in inputs}
+    dropped: dict[tuple[str, int], TensorEntry] = {
+        (file, e.start): e for name, (file, e) in entries.items() if name not in used and e.nbytes
+    }
+    recipes: dict[tuple[str, tuple[int, ...]], Recipe] = {}
     experts: dict[tuple[int, int], ExpertLocation] = {}
-    for key, tensors in per_expert.items():
-        experts[key] = ExpertLocation(*key, sorted(tensors, key=lambda t: (t.file, t.start)))
-    for layer, entries in stacked.items():
-        counts = {e.shape[0] for _, e in entries if e.shape}
-        if len(counts) != 1:
-            raise UnsupportedModelError(f"layer {layer}: stacked expert tensors disagree on the number of experts")
-        (n,) = counts
-        for e in range(n):
-            slices = []
-            for file, entry in sorted(entries, key=lambda fe: (fe[0], fe[1].start)):
-                stride = entry.nbytes // n
-                start = entry.start + e * stride
-                slices.append(TensorSlice(entry.name, entry.dtype, entry.shape[1:], file, start, start + stride, True))
-            experts[(layer, e)] = ExpertLocation(layer, e, slices)
-
-    if not experts:
-        raise UnsupportedModelError(f"{repo_id} has no routed experts: expertmesh runs Mixture-of-Experts models only")
+    for key, (inputs, text) in plan.experts.items():
+        slices = []
+        for name, row in inputs:
+            file, entry = entries[name]
+            if row is None:
+                slices.append(TensorSlice(name, entry.dtype, entry.shape, file, entry.start, entry.end))
+            else:
+                stride = entry.nbytes // entry.shape[0]
+                start = entry.start + row * stride
+                slices.append(TensorSlice(name, entry.dtype, entry.shape[1:], file, start, start + stride, True))
+        slices += _gap_fillers(slices, dropped)
+        order = sorted(range(len(slices)), key=lambda i: (slices[i].file, slices[i].start))
+        position = {i: n for n, i in enumerate(order)}
+        used_as = tuple(position[i] for i in range(len(inputs)))
+        recipe = recipes.setdefault((text, used_as), Recipe(text, used_as))
+        experts[key] = ExpertLocation(*key, [slices[i] for i in order], recipe)
     _check_consistent(experts)
     files = {f: size for f, (_, size) in headers.items()}
     return ExpertIndex(repo_id, commit, files, core, dict(sorted(experts.items())))
+
+
+def _gap_fillers(slices: list[TensorSlice], dropped: dict[tuple[str, int], TensorEntry]) -> list[TensorSlice]:
+    """Tensors mlx-lm drops (compressed-tensors' `weight_shape`, say) that lie between an expert's
+    tensors and fill the gap exactly: fetched with the expert, unused, so that its bytes stay one
+    range (one request) as they are upstream."""
+    extra = []
+    ranges = coalesce((t.file, t.start, t.end) for t in slices)
+    for a, b in zip(ranges, ranges[1:]):
+        if a.file != b.file:
+            continue
+        run, at = [], a.end
+        while at < b.start and (entry := dropped.get((a.file, at))) is not None:
+            run.append(TensorSlice(entry.name, entry.dtype, entry.shape, a.file, entry.start, entry.end))
+            at = entry.end
+        if at == b.start:
+            extra += run
+    return extra
+
+
+@dataclass
+class _Plan:
+    core: set[str]  # upstream tensors the core's parameters are made of
+    experts: dict[tuple[int, int], tuple[list[tuple[str, int | None]], str]]  # inputs, recipe text
+
+
+def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> _Plan:
+    """Which tensors are core and which feed each expert, from mlx-lm's sanitize traced."""
+    from expertmesh.node.engine import mlx_lm_models
+    from expertmesh.node.hub import expert_trace
+
+    model_type = config.get("model_type")
+    try:
+        module = mlx_lm_models.module_name(config)
+    except ValueError:
+        raise UnsupportedModelError(f"{repo_id}: architecture {model_type!r} is not implemented by mlx-lm") from None
+    no_experts = f"{repo_id} has no routed experts: expertmesh runs Mixture-of-Experts models only"
+    if module not in mlx_lm_models.expert_modules():
+        raise UnsupportedModelError(f"{no_experts} (mlx-lm's {module} builds no SwitchGLU)")
+    try:
+        model = mlx_lm_models.build_model(config)
+    except Exception as e:  # the architecture's own checks of its config
+        raise UnsupportedModelError(
+            f"{repo_id}: mlx-lm cannot build model_type {model_type!r} from config.json ({e})"
+        ) from e
+    blocks = mlx_lm_models.expert_blocks(model)
+    if not blocks:
+        raise UnsupportedModelError(f"{no_experts} (this config of {model_type!r} builds no SwitchGLU)")
+    cannot = f"expertmesh cannot yet address experts stored as {{}} in model_type {model_type!r}"
+    for path, kind in sorted(blocks.items(), key=lambda pk: _numbers(pk[0])):
+        if kind != "SwitchGLU":
+            raise UnsupportedModelError(
+                f"expertmesh cannot yet stream the {kind} experts (fc1/fc2, no gate) of model_type "
+                f"{model_type!r} ({path}): only SwitchGLU blocks are swapped for streaming ones"
+            )
+    try:
+        out = expert_trace.trace_sanitize(model, tensors)
+    except expert_trace.Untraceable as e:
+        raise UnsupportedModelError(
+            f"expertmesh cannot yet address the experts of model_type {model_type!r}: {e}"
+        ) from None
+
+    by_block: dict[str, dict[str, Any]] = {p: {} for p in blocks}
+    core_out: dict[str, Any] = {}
+    for key, value in out.items():
+        path = next((p for p in blocks if key.startswith(p + ".")), None)
+        if path is None:
+            core_out[key] = value
+        else:
+            by_block[path][key[len(path) + 1 :]] = value
+    core: set[str] = set()
+    for value in core_out.values():
+        core |= expert_trace.leaves_of(value)
+
+    params = _parameter_names(model)
+    layers: dict[int, str] = {}
+    experts: dict[tuple[int, int], tuple[list[tuple[str, int | None]], str]] = {}
+    shared_inputs: dict[str, int] = {}
+    for path, targets in sorted(by_block.items(), key=lambda pt: _numbers(pt[0])):
+        m = _LAYER_RE.search(path + ".")
+        if m is None:
+            raise UnsupportedModelError(f"{repo_id}: expert block {path} is not inside a numbered layer")
+        layer = int(m.group(1))
+        if layer in layers:
+            raise UnsupportedModelError(f"{repo_id}: layer {layer} has two expert blocks, {layers[layer]} and {path}")
+        layers[layer] = path
+        if not targets:
+            unused = sorted(k for k in out if f"layers.{layer}." in k and k not in params)
+            stored = _sample(unused) or "tensors mlx-lm's sanitize does not map onto it"
+            raise UnsupportedModelError(cannot.format(stored) + f": nothing in the checkpoint feeds {path}")
+        for rel, value in targets.items():
+            proj, _, kind = rel.rpartition(".")
+            if proj not in ("gate_proj", "up_proj", "down_proj"):
+                raise UnsupportedModelError(
+                    f"expertmesh cannot yet stream the experts of model_type {model_type!r}: its expert block "
+                    f"{path} has a parameter of its own, {rel}, beyond the gate/up/down projections it streams"
+                )
+            if kind not in PARAMETER_KINDS:
+                names = _sample(sorted(expert_trace.leaves_of(value)))
+                raise UnsupportedModelError(cannot.format(f"{names}, which mlx-lm loads as {kind} (of {path}.{proj})"))
+            if not isinstance(value, expert_trace.Sym) or value._shape is None or not value.shape:
+                ops = ", ".join(sorted(set(expert_trace.opaque_ops(value)))) or "an unrecorded operation"
+                names = _sample(sorted(expert_trace.leaves_of(value)))
+                raise UnsupportedModelError(cannot.format(f"{names} (sanitize makes {path}.{rel} with {ops})"))
+        missing = [p for p in ("gate_proj", "up_proj", "down_proj") if f"{p}.weight" not in targets]
+        if missing:
+            raise UnsupportedModelError(cannot.format(f"tensors that give {path} no {', '.join(missing)}"))
+        shared = sorted(set().union(*(expert_trace.leaves_of(v) for v in targets.values())) & core)
+        if shared:
+            raise UnsupportedModelError(cannot.format(f"tensors shared with the core ({_sample(shared)})"))
+        counts = {v.shape[0] for v in targets.values()}
+        if len(counts) != 1:
+            raise UnsupportedModelError(
+                f"{repo_id}: layer {layer}: expert parameters disagree on the number of experts"
+            )
+        (n,) = counts
+        for e in range(n):
+            try:
+                selected = {rel: expert_trace.select(v, 0, e) for rel, v in targets.items()}
+                inputs, text = expert_trace.encode_expert(selected)
+            except expert_trace.Unaddressable as err:
+                raise UnsupportedModelError(cannot.format(err)) from None
+            for name, row in inputs:
+                if row is None:
+                    shared_inputs[name] = shared_inputs.get(name, 0) + 1
+            experts[(layer, e)] = (inputs, text)
+    for name, uses in shared_inputs.items():
+        dtype, shape = tensors[name]
+        if uses > 1 and DTYPE_BYTES[dtype] * _count(shape) > SHARED_INPUT_MAX_BYTES:
+            raise UnsupportedModelError(cannot.format(f"{name}, one tensor every expert reads whole"))
+    _check_core_without_experts(model, model_type, tensors, core, core_out)
+    return _Plan(core, experts)
+
+
+def _check_core_without_experts(
+    model: Any, model_type: str | None, tensors: dict[str, tuple[str, tuple[int, ...]]], core: set[str], full: dict
+) -> None:
+    """mlx-lm will sanitize the pulled core without the experts: it must make the same core.
+
+    Some sanitize methods decide what to do to core tensors from whether expert tensors are
+    present (qwen3_next shifts its norms only then); a core loaded without them would silently
+    differ from mlx-lm's model, so such a model is refused with the reason.
+    """
+    from expertmesh.node.hub import expert_trace
+
+    try:
+        alone = expert_trace.trace_sanitize(model, {n: tensors[n] for n in core})
+    except expert_trace.Untraceable as e:
+        raise UnsupportedModelError(
+            f"expertmesh cannot yet load the core of model_type {model_type!r} without its routed experts: {e}"
+        ) from None
+    differ = sorted(
+        k
+        for k in set(full) | set(alone)
+        if expert_trace.fingerprint(full.get(k)) != expert_trace.fingerprint(alone.get(k))
+    )
+    if differ:
+        raise UnsupportedModelError(
+            f"expertmesh cannot yet load the core of model_type {model_type!r}: mlx-lm's sanitize makes "
+            f"{_sample(differ)} differently when the routed experts are absent, as they are from a pulled core"
+        )
+
+
+def _numbers(path: str) -> list[int]:
+    """A module path's numbers, so that layer 2 sorts before layer 10."""
+    return [int(n) for n in re.findall(r"\d+", path)]
+
+
+def _parameter_names(model: Any) -> set[str]:
+    from mlx.utils import tree_flatten
+
+    return {k for k, _ in tree_flatten(model.parameters())}
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _sample(names: list[str], n: int = 3) -> str:
+    shown = ", ".join(names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def _check_consistent(experts: dict[tuple[int, int], ExpertLocation]) -> None:
@@ -271,6 +530,15 @@ def _check_consistent(experts: dict[tuple[int, int], ExpertLocation]) -> None:
     for layer, ids in by_layer.items():
         if sorted(ids) != list(range(len(ids))):
             raise UnsupportedModelError(f"layer {layer}: expert ids are not 0..{len(ids) - 1}")
-        shapes = {tuple((t.dtype, t.shape) for t in experts[(layer, e)].tensors) for e in ids}
-        if len(shapes) != 1:
-            raise UnsupportedModelError(f"layer {layer}: experts have different tensors")
+        if len({_stored_as(experts[(layer, e)]) for e in ids}) != 1:
+            raise UnsupportedModelError(f"layer {layer}: experts are not stored alike (different tensors or recipes)")
+
+
+def _stored_as(loc: ExpertLocation) -> tuple:
+    """What two experts of a layer must share: the recipe and its inputs' dtypes and shapes (the
+    order of their tensors in a file may differ)."""
+    if loc.recipe is None:
+        return tuple((t.dtype, t.shape) for t in loc.tensors)
+    inputs = [loc.tensors[i] for i in loc.recipe.inputs]
+    rest = sorted((t.dtype, t.shape) for i, t in enumerate(loc.tensors) if i not in loc.recipe.inputs)
+    return loc.recipe.text, tuple((t.dtype, t.shape) for t in inputs), tuple(rest)

@@ -106,6 +106,7 @@ def pull(
         result = _result_from_marker(target, time.monotonic() - t0)
         if core_bits is None or core_bits == result.core_bits:
             return result
+        _refuse_requantising(repo_id, ExpertIndex.load(target / INDEX_FILENAME), core_bits)
         if result.core_bits != 16:
             raise CoreBitsError(
                 f"{repo_id} @ {commit[:12]} is pulled with a {result.core_bits}-bit core; the BF16 core "
@@ -121,7 +122,8 @@ def pull(
     config = _fetch_small_files(repo_id, commit, files, target)
     model_type = check_supported(config, repo_id)
 
-    index = _build_index(repo_id, commit, files, reader, concurrency)
+    index = _build_index(repo_id, commit, files, reader, concurrency, config)
+    _refuse_requantising(repo_id, index, core_bits)
     if index_only:
         index.save(target / INDEX_FILENAME)
         result = PullResult(
@@ -188,6 +190,27 @@ def pull(
     return result
 
 
+# Core tensors that say the upstream core is quantised already: MLX's scales, FP8 and
+# compressed-tensors' scales, packed integer or 8-bit float weights.
+_QUANTISED_SUFFIXES = (".scales", ".weight_scale", ".weight_scale_inv", ".weight_packed")
+_QUANTISED_DTYPES = ("U32", "I32", "U8", "I8", "F8_E4M3", "F8_E5M2")
+
+
+def _refuse_requantising(repo_id: str, index: ExpertIndex, core_bits: int | None) -> None:
+    """`--core-bits 8` on a core published quantised (an mlx-lm conversion, an FP8 checkpoint) would
+    make nothing smaller, and recording 8 bits would say otherwise: refuse before anything is fetched."""
+    if core_bits in (None, 16):
+        return
+    sign = next(
+        (t for t in index.core.values() if t.name.endswith(_QUANTISED_SUFFIXES) or t.dtype in _QUANTISED_DTYPES), None
+    )
+    if sign is not None:
+        raise CoreBitsError(
+            f"{repo_id}'s core is already quantised as published (it has {sign.name}, {sign.dtype}): --core-bits "
+            f"{core_bits} would not make it smaller; pull it without --core-bits"
+        )
+
+
 def _fetch_small_files(repo_id: str, commit: str, files: list[str], target: Path) -> dict:
     """Config, tokenizer and generation files; returns the parsed config."""
     if "config.json" not in files:
@@ -205,7 +228,11 @@ def _fetch_small_files(repo_id: str, commit: str, files: list[str], target: Path
         raise UnsupportedModelError(f"{repo_id}: config.json is not valid JSON ({e})") from None
 
 
-def _build_index(repo_id: str, commit: str, files: list[str], reader: RangeReader, concurrency: int) -> ExpertIndex:
+def _build_index(
+    repo_id: str, commit: str, files: list[str], reader: RangeReader, concurrency: int, config: dict
+) -> ExpertIndex:
+    """The expert index from the shards' headers; the config picks the architecture whose sanitize tells
+    experts from the core."""
     if UPSTREAM_INDEX in files:
         raw, _ = reader.read_with_size(RemoteFile(repo_id, commit, UPSTREAM_INDEX), 0, 1 << 62)
         try:
@@ -224,7 +251,7 @@ def _build_index(repo_id: str, commit: str, files: list[str], reader: RangeReade
                 pool.map(lambda s: hub_client.read_safetensors_header(reader, RemoteFile(repo_id, commit, s)), shards),
             )
         )
-    return build_index(repo_id, commit, headers)
+    return build_index(repo_id, commit, headers, config)
 
 
 MIN_PART_BYTES = 1024 * 1024

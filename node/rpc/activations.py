@@ -51,8 +51,9 @@ def encode(rows: mx.array | np.ndarray, dtype: str | None = None) -> node_pb2.Te
     return node_pb2.Tensor(shape=list(rows.shape), dtype=dtype, data=rows.tobytes())
 
 
-def decode(t: node_pb2.Tensor, width: int, dtype: str | None = None, rows: int | None = None) -> mx.array:
-    """The (n, width) MLX array a Tensor message holds.
+def check(t: node_pb2.Tensor, width: int, dtype: str | None = None, rows: int | None = None) -> None:
+    """That a Tensor message holds (n, width) rows as `decode` takes them; no MLX involved, so
+    any thread may check a request before handing it to the MLX thread.
 
     Raises:
         BadTensor: not two-dimensional, another width or row count than expected, an unknown or
@@ -66,10 +67,19 @@ def decode(t: node_pb2.Tensor, width: int, dtype: str | None = None, rows: int |
     if len(shape) != 2 or shape[1] != width or shape[0] == 0 or (rows is not None and shape[0] != rows):
         want = f"({rows if rows is not None else 'n'}, {width})"
         raise BadTensor(f"shape {shape}, expected {want}")
-    mlx_dtype, carrier = DTYPES[t.dtype]
-    if len(t.data) != math.prod(shape) * carrier.itemsize:
+    if len(t.data) != math.prod(shape) * DTYPES[t.dtype][1].itemsize:
         raise BadTensor(f"{len(t.data)} bytes for shape {shape} of {t.dtype}")
-    arr = mx.array(np.frombuffer(t.data, dtype=carrier).reshape(shape))
+
+
+def decode(t: node_pb2.Tensor, width: int, dtype: str | None = None, rows: int | None = None) -> mx.array:
+    """The (n, width) MLX array a Tensor message holds.
+
+    Raises:
+        BadTensor: see `check`.
+    """
+    check(t, width, dtype, rows)
+    mlx_dtype, carrier = DTYPES[t.dtype]
+    arr = mx.array(np.frombuffer(t.data, dtype=carrier).reshape(tuple(t.shape)))
     return arr.view(mlx_dtype) if t.dtype == "bfloat16" else arr
 
 

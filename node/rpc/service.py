@@ -6,6 +6,9 @@ miss when asked, as an owner does), experts run on a peer's activations (Compute
 node/engine/expert_compute.py) and generation (Generate). Requests are validated before anything is
 read; a bad key is INVALID_ARGUMENT or NOT_FOUND, never an exception in a log.
 
+No MLX work runs on gRPC's threads: Generate hands each token to the process's MLX thread and
+ComputeExperts its compute (node/engine/model_thread.py), where they take turns fairly.
+
 Generate is bounded: a call holds a gRPC worker thread for its whole stream, waiting ones too, so
 unbounded they fill the pool and health checks and Info time out (peers then mark the node down).
 `GenerationSlots` admits one running and a few waiting calls; any more are answered
@@ -30,6 +33,7 @@ from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
 from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
@@ -145,7 +149,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.speculation, self._draft = None, None
         if sm is not None and speculation is not None and speculation.mode != "off":
             try:
-                draft = make_draft_source(speculation, sm.tokenizer)  # one draft model for every request
+                # one draft model for every request, loaded on the MLX thread where it runs
+                draft = model_thread().call(make_draft_source, speculation, sm.tokenizer)
                 Generator(sm, speculation, draft_source=draft)  # checks the model's cache can roll back
                 self.speculation, self._draft = speculation, draft
             except SpeculationError as e:

@@ -13,7 +13,17 @@ in-memory model computes:
 | `weight` BF16/F16/F32 (unquantised)                   | `gather_mm`                          |
 
 These are the same conversions the architectures' `sanitize` methods apply to whole stacked
-tensors; doing them per expert is what lets an expert be fetched alone.
+tensors; doing them per expert is what lets an expert be fetched alone. An index of format 2
+no longer needs this table: each expert carries its `Recipe`, the operations mlx-lm's own
+sanitize applies to its tensors (node/hub/expert_trace.py), replayed here in numpy; the table
+is how an index of format 1 is still decoded, by tensor name.
+
+Decoding runs on the store's fetch workers, so it evaluates nothing in MLX: the conversions (bit
+views, the int4 zero point, the float32 cast on a CPU) are done in numpy, exactly, and each array
+is then made from its buffer (`mx.array(values, dtype=...)` converts while it copies, eagerly).
+Making an array from a buffer encodes no GPU work and leaves nothing lazy, so the arrays cross to
+the MLX thread (node/engine/model_thread.py) as plain data; an `mx.eval` here would encode Metal
+work on a fetch worker, beside the MLX thread's.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import numpy as np
 
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub.expert_index import ExpertLocation
+from expertmesh.node.hub.expert_trace import evaluate as evaluate_recipe
 
 # Upstream projection names -> SwitchGLU's.
 PROJECTION_ALIASES = {
@@ -51,6 +62,9 @@ _NUMPY_DTYPES = {
     "F32": np.float32,
     "F64": np.float64,
     "BF16": np.uint16,  # numpy has no bfloat16: read the bits, view them in MLX
+    "F8_E4M3": np.uint8,  # fp8 arrives as bytes, as mx.load gives it; a recipe decodes it
+    "F8_E5M2": np.uint8,
+    "F8_E8M0": np.uint8,
 }
 
 
@@ -109,14 +123,81 @@ def _projection_and_kind(name: str) -> tuple[str, str]:
     return parts[-2], parts[-1]
 
 
-def _to_mx(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> mx.array:
+# A tensor on its way to MLX: numpy values and the MLX dtype they become. BF16, which numpy
+# lacks, is widened to float32 on reading (exact) and narrowed back when the array is made.
+_Host = tuple[np.ndarray, mx.Dtype]
+
+_MX_DTYPES = {
+    "BOOL": mx.bool_,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U64": mx.uint64,
+    "I64": mx.int64,
+    "F16": mx.float16,
+    "F32": mx.float32,
+    "F64": mx.float32,  # MLX has no float64 on the GPU; no upstream expert is F64
+    "BF16": mx.bfloat16,
+    "F8_E4M3": mx.uint8,
+    "F8_E5M2": mx.uint8,
+    "F8_E8M0": mx.uint8,
+}
+
+
+def _read(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> _Host:
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is None:
         raise UnsupportedModelError(f"expert tensors of dtype {dtype} are not supported yet")
-    a = mx.array(
-        np.frombuffer(blob, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=offset).reshape(shape)
-    )
-    return a.view(mx.bfloat16) if dtype == "BF16" else a
+    a = np.frombuffer(blob, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=offset).reshape(shape)
+    if dtype == "BF16":
+        a = (a.astype(np.uint32) << 16).view(np.float32)  # a bfloat16 is the top half of a float32
+    return a, _MX_DTYPES[dtype]
+
+
+def _as_uint32(t: _Host) -> _Host:
+    """Packed quantised weights as uint32 words (the bits unchanged), as MLX's kernels take them."""
+    return np.ascontiguousarray(t[0]).view(np.uint32), mx.uint32
+
+
+def _zero_point_biases(scales: _Host) -> _Host:
+    """-8·scales, the affine biases of int4 symmetric weights. Computed in float32: exact for
+    float16 and bfloat16 scales too (times a power of two), so the narrowing back loses nothing."""
+    values, dtype = scales
+    with np.errstate(over="ignore", invalid="ignore"):
+        return -8 * values.astype(np.float32), dtype
+
+
+def _cast(t: _Host, dtype: mx.Dtype) -> _Host:
+    if dtype != mx.float32:
+        raise UnsupportedModelError(f"expert weights can be cast to float32 only, not {dtype}")
+    return t[0].astype(np.float32), mx.float32
+
+
+def _to_mx(t: _Host | None) -> mx.array | None:
+    """The MLX array of `t`, made from its buffer: no graph, nothing to evaluate."""
+    if t is None:
+        return None
+    values, dtype = t
+    return mx.array(np.ascontiguousarray(values), dtype=dtype)
+
+
+def _plain(loc: ExpertLocation) -> bool:
+    """Whether every parameter of the recipe is an upstream tensor as stored (or its bytes viewed)
+    whose name says the same projection: then decoding by name gives the same arrays."""
+    if sorted(loc.recipe.inputs) != list(range(len(loc.tensors))):
+        return False  # tensors the recipe leaves out, or takes twice
+    for param, node in loc.recipe.parameters.items():
+        if node[0] == "view":
+            node = node[1]
+        if node[0] != "in":
+            return False
+        proj = _projection_and_kind(loc.tensors[loc.recipe.inputs[node[1]]].name)[0]
+        if PROJECTION_ALIASES.get(proj) != param.rpartition(".")[0]:
+            return False
+    return True
 
 
 class ExpertCodec:
@@ -146,42 +227,70 @@ class ExpertCodec:
     def decode(self, loc: ExpertLocation, blob: bytes | bytearray | memoryview) -> ExpertWeights:
         """The expert's kernel arrays. Raises UnsupportedModelError for an unknown encoding."""
         view = memoryview(blob)
+        if loc.recipe is not None and not _plain(loc):
+            by_proj = self._from_recipe(loc, view)  # what mlx-lm's sanitize makes of these bytes (hub/expert_trace.py)
+        else:
+            # an index of format 1, or a recipe that only takes tensors as they are stored: by
+            # name. Measured on the K3 layout (tests/test_memory.py's probe): peak RSS 10.5-11
+            # experts over the base by name, 28-29 through the recipe (identical values; the
+            # cause is not yet found), so the plain case keeps the leaner path.
+            try:
+                by_proj = self._by_name(loc, view)
+            except UnsupportedModelError:
+                if loc.recipe is None:
+                    raise
+                by_proj = self._from_recipe(loc, view)
+        missing = [p for p in PROJECTIONS if p not in by_proj]
+        if missing:
+            raise UnsupportedModelError(f"expert {loc.layer}/{loc.expert} has no {', '.join(missing)} tensors")
+        projections = {p: self._projection(loc.layer, p, by_proj[p]) for p in PROJECTIONS}
+        return ExpertWeights(loc.layer, loc.expert, **projections)
+
+    def _from_recipe(self, loc: ExpertLocation, view: memoryview) -> dict[str, dict[str, _Host]]:
+        offsets = loc.blob_offsets()
+        inputs = [
+            _read(view, offsets[i], loc.tensors[i].nbytes, loc.tensors[i].dtype, loc.tensors[i].shape)
+            for i in loc.recipe.inputs
+        ]
+        by_proj: dict[str, dict[str, _Host]] = {}
+        for name, host in evaluate_recipe(loc.recipe.parameters, inputs).items():
+            proj, _, kind = name.rpartition(".")
+            by_proj.setdefault(proj, {})[kind] = host
+        return by_proj
+
+    def _by_name(self, loc: ExpertLocation, view: memoryview) -> dict[str, dict[str, _Host]]:
         offsets = tensor_offsets(loc)
-        by_proj: dict[str, dict[str, mx.array]] = {}
+        by_proj: dict[str, dict[str, _Host]] = {}
         for t in loc.tensors:
             proj, kind = _projection_and_kind(t.name)
             if proj not in PROJECTION_ALIASES:
                 raise UnsupportedModelError(f"expert tensor {t.name}: unknown projection {proj!r}")
             offset, nbytes = offsets[t.name]
-            by_proj.setdefault(PROJECTION_ALIASES[proj], {})[kind] = _to_mx(view, offset, nbytes, t.dtype, t.shape)
-        missing = [p for p in PROJECTIONS if p not in by_proj]
-        if missing:
-            raise UnsupportedModelError(f"expert {loc.layer}/{loc.expert} has no {', '.join(missing)} tensors")
-        projections = {p: self._projection(loc.layer, p, by_proj[p]) for p in PROJECTIONS}
-        # Materialise here, on the fetching thread: a lazy array would carry this thread's MLX
-        # stream into the generating thread's graph, and MLX streams are per thread.
-        mx.eval([a for w in projections.values() for a in (w.weight, w.scales, w.biases, w.bias) if a is not None])
-        return ExpertWeights(loc.layer, loc.expert, **projections)
+            by_proj.setdefault(PROJECTION_ALIASES[proj], {})[kind] = _read(view, offset, nbytes, t.dtype, t.shape)
+        return by_proj
 
-    def _projection(self, layer: int, proj: str, t: dict[str, mx.array]) -> ProjectionWeights:
+    def _projection(self, layer: int, proj: str, t: dict[str, _Host]) -> ProjectionWeights:
         bias = t.get("bias")
         if "weight_packed" in t:  # compressed-tensors pack-quantized
-            weight = t["weight_packed"].view(mx.uint32)
-            scales = t["weight_scale"]
-            biases = -8 * scales if "weight_shape" in t else None  # int4 symmetric: zero point 8
-            return ProjectionWeights(weight, scales, biases, bias, self._quant(layer, proj, weight, scales, biases))
+            weight, scales = _as_uint32(t["weight_packed"]), t["weight_scale"]
+            biases = _zero_point_biases(scales) if "weight_shape" in t else None  # int4 symmetric: zero point 8
+            quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
+            return ProjectionWeights(_to_mx(weight), _to_mx(scales), _to_mx(biases), _to_mx(bias), quant)
         if "scales" in t:  # MLX-quantized
             weight, scales, biases = t["weight"], t["scales"], t.get("biases")
-            return ProjectionWeights(weight, scales, biases, bias, self._quant(layer, proj, weight, scales, biases))
+            quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
+            return ProjectionWeights(_to_mx(weight), _to_mx(scales), _to_mx(biases), _to_mx(bias), quant)
         if "weight" in t:
             weight = t["weight"]
-            if self.dense_dtype is not None and weight.dtype != self.dense_dtype:
-                weight = weight.astype(self.dense_dtype)
-                bias = bias.astype(self.dense_dtype) if bias is not None else None
-            return ProjectionWeights(weight, bias=bias)
+            if self.dense_dtype is not None and weight[1] != self.dense_dtype:
+                weight = _cast(weight, self.dense_dtype)
+                bias = _cast(bias, self.dense_dtype) if bias is not None else None
+            return ProjectionWeights(_to_mx(weight), bias=_to_mx(bias))
         raise UnsupportedModelError(f"layer {layer} {proj}: unknown expert encoding {sorted(t)}")
 
-    def _quant(self, layer: int, proj: str, weight: mx.array, scales: mx.array, biases: mx.array | None) -> QuantSpec:
+    def _quant(
+        self, layer: int, proj: str, weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], has_biases: bool
+    ) -> QuantSpec:
         path = f"{self.block_paths.get(layer, '')}.{proj}"
         params = self.quantization.get(path)
         if not isinstance(params, dict):
@@ -189,9 +298,9 @@ class ExpertCodec:
         in_dims = self.input_dims.get(layer, {}).get(proj)
         if in_dims is None:
             raise UnsupportedModelError(f"layer {layer} has no expert block in the model")
-        bits = weight.shape[-1] * 32 // in_dims
-        group_size = in_dims // scales.shape[-1]
-        mode = params.get("mode") or ("affine" if biases is not None else "mxfp4")
+        bits = weight_shape[-1] * 32 // in_dims
+        group_size = in_dims // scales_shape[-1]
+        mode = params.get("mode") or ("affine" if has_biases else "mxfp4")
         if params.get("bits", bits) != bits or params.get("group_size", group_size) != group_size:
             raise UnsupportedModelError(
                 f"layer {layer} {proj}: expert packing ({bits} bits, groups of {group_size}) disagrees "

@@ -42,6 +42,8 @@ class ExpertStore:
         coalesce: demanded experts back to back in a shard go as one run of requests when a
             layer wants more experts than the Hub has connections (store/runs.py).
         trace: a TraceWriter (observability/routing_trace.py) that records every layer call.
+        wait: waits for a layer's demanded fetches (default: each in turn). The node passes the
+            MLX thread's `wait`, which serves peers' calls while a token waits for its experts.
     """
 
     def __init__(
@@ -55,8 +57,10 @@ class ExpertStore:
         owns: Callable[[ExpertKey], bool] | None = None,
         coalesce: bool = True,
         trace=None,
+        wait: Callable[[list[Future]], None] | None = None,
     ):
         self.index = index
+        self.wait = wait
         self.ram = ram
         self.chain = chain
         self.disk = chain.disk
@@ -162,6 +166,8 @@ class ExpertStore:
             self.prefetch(*guess)
         if waiting:
             t0 = time.perf_counter()
+            if self.wait is not None:
+                self.wait(list(waiting.values()))
             fetched = {e: fut.result() for e, fut in waiting.items()}
             seconds = time.perf_counter() - t0
             for e, f in fetched.items():

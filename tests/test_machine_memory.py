@@ -1,0 +1,182 @@
+"""A full node's memory from the machine (node/engine/memory.py): the RAM budget's default from
+Metal's recommended working set (or the machine's memory), MLX's buffer cache inside the budget,
+the core plus the RAM tier wired, and a core that cannot fit refused before it loads.
+
+Metal is absent here, so the machine is described to MLX's own functions by monkeypatching
+(`mx.device_info`), and the calls a Mac would get (`mx.set_wired_limit`, `mx.set_cache_limit`)
+are recorded with their sizes and threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from expertmesh.node import constants
+from expertmesh.node.assembly import build_node
+from expertmesh.node.config import NodeConfig, StoreConfig
+from expertmesh.node.engine import streamed_model
+from expertmesh.node.engine.memory import CoreTooLargeError, DeviceMemory, plan_memory
+from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.hub import local_models
+from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+
+GiB, MiB = 1024**3, 1024**2
+ARCH = "kimi_k3"
+REPO_ID = f"expertmesh/tiny-{ARCH}"
+PREVIOUS_WIRED = 7  # what set_wired_limit reports as the limit before (restored at close)
+
+
+class FakeMetal:
+    """A Mac as MLX describes it, and the limits asked of it: (thread name, bytes) per call."""
+
+    def __init__(self, memory: int, working_set: int):
+        self.info = {"memory_size": memory, "max_recommended_working_set_size": working_set}
+        self.wired: list[tuple[str, int]] = []
+        self.cache: list[tuple[str, int]] = []
+
+    def set_wired_limit(self, n: int) -> int:
+        self.wired.append((threading.current_thread().name, n))
+        return PREVIOUS_WIRED
+
+    def set_cache_limit(self, n: int) -> int:
+        self.cache.append((threading.current_thread().name, n))
+        return 0
+
+
+@pytest.fixture
+def limits(monkeypatch: pytest.MonkeyPatch):
+    """`limits(memory, working_set)`: MLX on a Mac of that size, its limit calls recorded."""
+
+    def make(memory: int, working_set: int | None) -> FakeMetal:
+        fake = FakeMetal(memory, working_set or 0)
+        if working_set is not None:
+            monkeypatch.setattr(mx, "device_info", lambda: dict(fake.info))
+        monkeypatch.setattr(mx, "set_wired_limit", fake.set_wired_limit)
+        monkeypatch.setattr(mx, "set_cache_limit", fake.set_cache_limit)
+        return fake
+
+    return make
+
+
+def _expected(home: Path, ram_budget: str, device: DeviceMemory):
+    """The plan from the model's own sizes: what the node must have asked for."""
+    path = local_models.find_pulled(home, REPO_ID, None)
+    index = ExpertIndex.load(path / INDEX_FILENAME)
+    return plan_memory(
+        ram_budget,
+        device,
+        core_bytes=local_models.read_marker(path)["core_bytes"],
+        expert_bytes=max(loc.nbytes for loc in index.experts.values()),
+        fetch_workers=constants.EXPERT_FETCH_CONCURRENCY,
+    )
+
+
+def _node(home: Path, ram_budget: str = constants.DEFAULT_RAM_BUDGET):
+    return build_node(NodeConfig(REPO_ID, home=home, store=StoreConfig(ram_budget=ram_budget, fill=False)))
+
+
+# -- the plan alone ---------------------------------------------------------------------------
+
+
+def test_the_default_budget_is_a_share_of_what_the_core_leaves_of_the_working_set() -> None:
+    mac = DeviceMemory(memory_bytes=64 * GiB, working_set_bytes=48 * GiB)
+    plan = plan_memory("50%", mac, core_bytes=20 * GiB, expert_bytes=16 * MiB, fetch_workers=8)
+    in_flight = 2 * 8 * 16 * MiB  # each fetch worker's expert as bytes and as arrays
+    assert plan.in_flight_bytes == in_flight
+    assert plan.ram_budget_bytes == (48 * GiB - 20 * GiB - in_flight) // 2
+    assert plan.buffer_cache_bytes == 16 * MiB  # one expert's buffers, counted inside the budget
+    assert plan.ram_tier_bytes == plan.ram_budget_bytes - 16 * MiB
+    assert plan.wired_bytes == 20 * GiB + plan.ram_budget_bytes <= mac.working_set_bytes
+    cpu = DeviceMemory(memory_bytes=64 * GiB)  # no Metal: the machine's memory bounds it
+    assert (
+        plan_memory("50%", cpu, core_bytes=20 * GiB, expert_bytes=16 * MiB, fetch_workers=8).ram_budget_bytes
+        == (64 * GiB - 20 * GiB - in_flight) // 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("budget", "cache", "tier"),
+    [("1GiB", 16 * MiB, GiB - 16 * MiB), ("16MiB", 8 * MiB, 8 * MiB), ("1", 0, 1), ("0", 0, 0)],
+)
+def test_a_budget_holds_the_buffer_cache_and_the_tier(budget: str, cache: int, tier: int) -> None:
+    mac = DeviceMemory(64 * GiB, 48 * GiB)
+    plan = plan_memory(budget, mac, core_bytes=GiB, expert_bytes=16 * MiB, fetch_workers=8)
+    assert (plan.buffer_cache_bytes, plan.ram_tier_bytes) == (cache, tier)
+
+
+def test_a_core_larger_than_the_machine_is_refused_with_the_8_bit_core_suggested() -> None:
+    mac = DeviceMemory(128 * GiB, 96 * GiB)
+    with pytest.raises(CoreTooLargeError) as e:
+        plan_memory("50%", mac, core_bytes=114 * GiB, expert_bytes=MiB, fetch_workers=8, repo_id="moonshotai/K3")
+    message = str(e.value)
+    assert "Metal's recommended working set" in message and "122.41 GB" in message and "103.08 GB" in message
+    assert "expertmesh pull moonshotai/K3 --core-bits 8" in message and "\n" not in message
+    with pytest.raises(CoreTooLargeError) as e:
+        plan_memory("50%", mac, core_bytes=100 * GiB, expert_bytes=MiB, fetch_workers=8, core_bits=8)
+    assert "--core-bits" not in str(e.value) and "more memory" in str(e.value)
+
+
+# -- a node asks MLX for it, on the MLX thread --------------------------------------------------
+
+
+def test_a_node_limits_the_cache_and_wires_the_core_and_the_ram_tier(limits, pulled_home, hub, tmp_path: Path) -> None:
+    home = pulled_home(ARCH, tmp_path)
+    mac = limits(memory=16 * GiB, working_set=12 * GiB)
+    expected = _expected(home, constants.DEFAULT_RAM_BUDGET, DeviceMemory(16 * GiB, 12 * GiB))
+    node = _node(home).start()
+    try:
+        assert node.memory == expected
+        assert node.store.ram.budget_bytes == expected.ram_tier_bytes
+        mlx = model_thread().name
+        assert mac.cache == [(mlx, expected.buffer_cache_bytes)]
+        assert mac.wired == [(mlx, expected.core_bytes + expected.ram_tier_bytes + expected.buffer_cache_bytes)]
+    finally:
+        node.close()
+    assert mac.wired[-1] == (mlx, PREVIOUS_WIRED)  # given back at close
+
+
+def test_wiring_beyond_the_working_set_is_bounded_and_said_in_one_line(
+    limits, pulled_home, hub, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    home = pulled_home(ARCH, tmp_path)
+    mac = limits(memory=16 * GiB, working_set=GiB)
+    node = _node(home, ram_budget="4GiB")
+    with caplog.at_level(logging.WARNING, logger="expertmesh.node.engine.memory"):
+        node.start()
+    node.close()
+    assert mac.wired[0][1] == GiB  # what Metal allows, not core + 4 GiB
+    (line,) = [r.getMessage() for r in caplog.records if "wiring" in r.getMessage()]
+    assert "recommended working set is 1.07 GB" in line and "\n" not in line
+
+
+def test_without_metal_nothing_is_wired_and_one_line_says_why(
+    limits, pulled_home, hub, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    home = pulled_home(ARCH, tmp_path)
+    mac = limits(memory=16 * GiB, working_set=None)  # MLX's own device info: this CPU
+    with caplog.at_level(logging.INFO, logger="expertmesh.node.engine.memory"):
+        node = _node(home).start()
+    try:
+        assert mac.wired == [] and len(mac.cache) == 1
+    finally:
+        node.close()
+    (line,) = [r.getMessage() for r in caplog.records if "not wired" in r.getMessage()]
+    assert "CPU only" in line
+
+
+def test_a_core_that_cannot_fit_is_refused_before_it_loads(
+    limits, pulled_home, hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = pulled_home(ARCH, tmp_path)
+    limits(memory=GiB, working_set=1024)  # a "Mac" with a kilobyte to spare
+
+    def never(*args, **kwargs):
+        raise AssertionError("the core was loaded although it cannot fit")
+
+    monkeypatch.setattr(streamed_model, "load_streamed_model", never)
+    with pytest.raises(CoreTooLargeError, match=f"pull {REPO_ID} --core-bits 8"):
+        _node(home)

@@ -1,0 +1,150 @@
+"""Every Mixture-of-Experts architecture of the installed mlx-lm, streamed against mlx-lm itself.
+
+For each mlx-lm model module that builds a `SwitchGLU` or `SwitchMLP` (read from mlx-lm's source,
+node/engine/mlx_lm_models.py), a tiny repo in an upstream layout is made
+(node/devtools/tiny/registry.py), pulled through a local Hub and streamed: its greedy tokens must
+equal `mlx_lm.stream_generate` on the whole repo. An architecture that cannot be streamed yet is
+skipped with the precise reason — what `pull` says, or why no tiny repo exists — so
+`pytest -rs tests/test_registry.py` prints them. The last test checks that README.md lists exactly
+the architectures that stream; `EXPERTMESH_UPDATE_README=1` rewrites that list instead.
+
+Budget: tiny repos (2 layers of 8 experts, hidden 64), one per architecture, made once per module;
+the whole module runs in about 25 s on two CPU cores (measured with MLX 0.32.4 on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from expertmesh.node.assembly import open_model
+from expertmesh.node.config import StoreConfig
+from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.node.devtools.tiny import registry
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.mlx_lm_models import expert_modules
+from expertmesh.node.errors import UnsupportedModelError
+from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub.pull import pull
+
+ARCHS = list(expert_modules())
+PROMPT = "hello experts"
+MAX_TOKENS = 8
+README = Path(__file__).resolve().parent.parent / "README.md"
+BEGIN, END = "<!-- supported-architectures:begin -->", "<!-- supported-architectures:end -->"
+
+STREAMED: dict[str, str] = {}  # module -> its layout's description, as the tests find them
+NOT_YET: dict[str, str] = {}  # module -> why not
+
+
+@pytest.fixture(scope="module")
+def registry_hub(tmp_path_factory: pytest.TempPathFactory):
+    """A local Hub serving one tiny repo per architecture (`registry/<module>`), and the
+    architectures no repo could be made for, with why."""
+    root = tmp_path_factory.mktemp("registry-hub")
+    made: dict[str, registry.Made] = {}
+    failed: dict[str, str] = {}
+    for arch in ARCHS:
+        out = root / "registry" / arch
+        out.mkdir(parents=True)
+        try:
+            made[arch] = registry.build(out, arch)
+        except ValueError as e:
+            shutil.rmtree(out)
+            failed[arch] = str(e)
+    with HubServer(root) as server, hub_client.using_endpoint(server.url):
+        yield root / "registry", made, failed
+
+
+def _mlx_lm_tokens(model, tokenizer, ids: list[int]) -> list[int]:
+    out = []
+    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=MAX_TOKENS, sampler=make_sampler(0.0)):
+        if r.finish_reason == "stop":
+            break
+        out.append(r.token)
+    return out
+
+
+def _not_yet(arch: str, reason: str) -> None:
+    NOT_YET[arch] = reason
+    pytest.skip(f"{arch}: {reason}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streams_equal_to_mlx_lm(arch: str, registry_hub, tmp_path: Path) -> None:
+    repos, made, failed = registry_hub
+    if arch in failed:
+        _not_yet(arch, f"no tiny repo: {failed[arch]}")
+    try:
+        pull(f"registry/{arch}", home=tmp_path, progress=False)
+    except UnsupportedModelError as e:
+        _not_yet(arch, str(e))
+    sm = open_model(f"registry/{arch}", home=tmp_path, store=StoreConfig(ram_budget="50%", prefetch=True, fill=False))
+    try:
+        ref, tokenizer = mlx_lm.load(str(repos / arch))
+        if sm.codec.dense_dtype is not None:  # dense experts on a CPU run in float32: so must the oracle
+            ref.set_dtype(sm.codec.dense_dtype)
+        ids = tokenizer.encode(PROMPT)
+        expected = _mlx_lm_tokens(ref, tokenizer, ids)
+        summary = GenerationSummary()
+        settings = SamplingSettings(max_tokens=MAX_TOKENS, temp=0.0)
+        got = [t.id for t in Generator(sm).generate(ids, settings, lambda: False, summary)]
+    finally:
+        sm.close()
+    assert expected, f"{arch}: mlx-lm generated nothing to compare with"
+    assert got == expected, f"{arch} ({made[arch].layout.name}): streamed {got}, mlx-lm {expected}"
+    assert summary.experts.uses["hub"] > 0, f"{arch}: no expert came from the Hub: nothing was streamed"
+    STREAMED[arch] = made[arch].layout.description
+
+
+def test_at_least_twelve_architectures_stream() -> None:
+    if len(STREAMED) + len(NOT_YET) < len(ARCHS):
+        pytest.skip("only part of the registry ran")
+    assert len(STREAMED) >= 12, f"only {sorted(STREAMED)} stream"
+
+
+def supported_block(streamed: dict[str, str], not_yet: dict[str, str]) -> str:
+    """README's list of architectures, as tests/test_registry.py found them."""
+    lines = [
+        BEGIN,
+        f"Measured by `tests/test_registry.py` on mlx-lm {mlx_lm.__version__}: each architecture (mlx-lm model "
+        "module) below streamed a tiny repo with its experts in the layout shown, token for token as "
+        "mlx-lm generates it.",
+        "",
+        "| mlx-lm module | experts stored as |",
+        "|---|---|",
+        *(f"| `{arch}` | {streamed[arch]} |" for arch in sorted(streamed)),
+        "",
+        "Not yet:",
+        "",
+        *(f"- `{arch}`: {_one_line(not_yet[arch])}" for arch in sorted(not_yet)),
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().replace("|", "\\|")
+
+
+def test_readme_lists_the_architectures_that_stream() -> None:
+    if len(STREAMED) + len(NOT_YET) < len(ARCHS):
+        pytest.skip("only part of the registry ran")
+    block = supported_block(STREAMED, NOT_YET)
+    text = README.read_text()
+    current = re.search(re.escape(BEGIN) + ".*?" + re.escape(END), text, re.S)
+    assert current, f"README.md has no {BEGIN} ... {END} block"
+    if os.environ.get("EXPERTMESH_UPDATE_README") == "1":
+        README.write_text(text.replace(current.group(0), block))
+        return
+    assert current.group(0) == block, (
+        "README.md's list of supported architectures differs from what tests/test_registry.py measured: "
+        "run `EXPERTMESH_UPDATE_README=1 python -m pytest tests/test_registry.py` and review the diff"
+    )
