@@ -5,6 +5,7 @@
     serve      serve
     household  peers, status, warm, prometheus-targets
     tools      hub, tiny-model, bench, replay
+    local      ls, rm, cache, doctor
 
 Each group parses its flags into the node's config dataclasses (expertmesh/node/config.py) and
 calls the library; errors meant for the user become one line on stderr and a non-zero exit code,
@@ -27,10 +28,10 @@ import argparse  # noqa: E402 - after the settings above, by design
 import logging  # noqa: E402
 import sys  # noqa: E402
 
-from expertmesh.cli import generate, household, models, serve, tools  # noqa: E402
+from expertmesh.cli import generate, household, local, models, serve, tools  # noqa: E402
 from expertmesh.node.errors import ExpertmeshError  # noqa: E402
 
-GROUPS = (models, generate, serve, household, tools)
+GROUPS = (models, generate, serve, household, local, tools)
 
 
 def build_parser() -> argparse.ArgumentParser:

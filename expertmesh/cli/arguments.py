@@ -100,6 +100,29 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
     add_tls_ca_argument(p)
 
 
+DISCOVERY_WAIT_S = 2.0  # zeroconf answers within a second on a LAN; resolving each node takes a little more
+
+
+def add_discovery_arguments(p: argparse.ArgumentParser) -> None:
+    """How `run` and `chat` find the household with zeroconf, as `serve` does (they advertise nothing)."""
+    p.add_argument("--cluster", default="home", help="the household's zeroconf cluster (default %(default)s)")
+    p.add_argument("--interface", metavar="IP", help="browse on this address only")
+    p.add_argument(
+        "--no-discovery",
+        dest="discover",
+        action="store_false",
+        help="do not look for the household with zeroconf: peers only from --peer",
+    )
+    p.add_argument(
+        "--discovery-wait",
+        type=float,
+        default=DISCOVERY_WAIT_S,
+        metavar="S",
+        help="seconds to listen for the household's nodes before loading the model (default %(default)s); "
+        "only when this machine knows the household secret",
+    )
+
+
 def add_household_lookup_arguments(p: argparse.ArgumentParser) -> None:
     """How a command that joins no household finds its nodes (see `find_household`)."""
     p.add_argument("--cluster", default="home")
@@ -149,27 +172,41 @@ def add_metrics_arguments(p: argparse.ArgumentParser, default: int | None) -> No
     p.add_argument("--no-metrics", dest="metrics_port", action="store_const", const=None, help="do not serve /metrics")
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+def add_sampling_arguments(
+    p: argparse.ArgumentParser, max_tokens: int = 256, temp: float = 0.0, seed: int | None = None
+) -> None:
+    """Sampling flags; a command with other defaults (`demo`) passes them here, so --help shows them."""
     p.add_argument(
         "--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)"
     )
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
+    p.add_argument("--temp", type=float, default=temp, help="sampling temperature; 0 is greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    p.add_argument("--seed", type=int, help="random seed: the same seed gives the same text")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=seed,
+        help="random seed: the same seed gives the same text"
+        + (" (default %(default)s)" if seed is not None else " (default: a fresh one)"),
+    )
 
 
-def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+def add_speculation_arguments(
+    p: argparse.ArgumentParser, default: str = DEFAULT_SPECULATION, draft_default: str | None = None
+) -> None:
+    """--speculate and --draft; `demo` passes its own defaults so --help shows what it really does."""
+    why = ", chosen by benchmarks/bench_speculative.py" if default == DEFAULT_SPECULATION else ""
     p.add_argument(
         "--speculate",
         choices=SPECULATION_MODES,
-        default=DEFAULT_SPECULATION,
+        default=default,
         help="draft tokens and verify them in one pass: ngram (prompt look-up), draft (--draft "
-        "model) or off (default %(default)s, chosen by benchmarks/bench_speculative.py)",
+        f"model) or off (default %(default)s{why})",
     )
     p.add_argument(
         "--draft",
         metavar="REPO",
-        help="draft model for --speculate draft: a folder or repo id of a small mlx-lm model with the same tokenizer",
+        help="draft model for --speculate draft: a folder, or the repo id of a small mlx-lm model with the same "
+        "tokenizer (downloaded into the expertmesh home)" + (f"; default {draft_default}" if draft_default else ""),
     )
 
 
@@ -195,9 +232,21 @@ def sampling(args: argparse.Namespace):
 
 
 def speculation(args: argparse.Namespace) -> SpeculationConfig | None:
-    """--speculate/--draft as a SpeculationConfig (None: off). Raises SpeculationError on a bad pair."""
+    """--speculate/--draft as a SpeculationConfig (None: off). Raises SpeculationError on a bad pair.
+
+    A --draft that is not a folder is a repo id: it is downloaded into the home now (once: `args.draft`
+    then names the folder), so a bad one fails before the model loads and nothing lands in
+    huggingface_hub's own cache."""
     mode = getattr(args, "speculate", "off")
-    return None if mode == "off" else SpeculationConfig(mode=mode, draft_repo=getattr(args, "draft", None))
+    if mode == "off":
+        return None
+    config = SpeculationConfig(mode=mode, draft_repo=getattr(args, "draft", None))
+    if mode == "draft" and not Path(args.draft).expanduser().is_dir():
+        from expertmesh.node.hub import local_models
+
+        args.draft = str(local_models.fetch_draft(constants.expertmesh_home(), args.draft))
+        config.draft_repo = args.draft
+    return config
 
 
 def home_secret_path() -> Path:
@@ -289,25 +338,93 @@ def household_config(args: argparse.Namespace, discover: bool = False) -> Househ
 
 def find_household(args: argparse.Namespace):
     """A PeerTable of the nodes zeroconf finds in `--wait` seconds (unless --no-discovery), and --peer's."""
-    import threading
-
-    from expertmesh.node.household.discovery import Browser
     from expertmesh.node.household.membership import Peer, PeerTable
 
     table = PeerTable(self_id="expertmesh-cli", self_weight=0.0)
     for address in args.peer:
         table.add(Peer(address, address, 0.0))
     if args.discover:
-
-        def seen(name: str, sighting) -> None:
-            if sighting is not None and sighting.ad.cluster == args.cluster:
-                ad = sighting.ad
-                table.add(Peer(ad.node_id, sighting.address, float(ad.disk_budget_bytes), ad.role, compute=ad.compute))
-
-        browser = Browser(seen, [args.interface] if args.interface else None)
-        try:
-            threading.Event().wait(args.wait)
-            browser.settle()
-        finally:
-            browser.close()
+        browse(table, args.cluster, args.interface, args.wait)
     return table
+
+
+def browse(table, cluster: str, interface: str | None, seconds: float) -> None:
+    """Add to `table` (a PeerTable) the nodes of `cluster` that advertise within `seconds`."""
+    import threading
+
+    from expertmesh.node.household.discovery import Browser
+    from expertmesh.node.household.membership import Peer
+
+    def seen(name: str, sighting) -> None:
+        if sighting is not None and sighting.ad.cluster == cluster:
+            ad = sighting.ad
+            table.add(Peer(ad.node_id, sighting.address, float(ad.disk_budget_bytes), ad.role, compute=ad.compute))
+
+    browser = Browser(seen, [interface] if interface else None)
+    try:
+        threading.Event().wait(seconds)
+        browser.settle()
+    finally:
+        browser.close()
+
+
+def generating_household(args: argparse.Namespace) -> HouseholdConfig | None:
+    """The household `run` or `chat` joins: the --peer nodes, and the nodes of --cluster that zeroconf
+    finds (as `serve` finds them) and that take the household secret and serve this model.
+
+    Discovery needs a secret this machine already knows (flag, EXPERTMESH_SECRET or the home's): a
+    machine without one has no household to ask, so it neither waits nor creates a secret. A node
+    that refuses the secret or serves another model is skipped with one line on stderr, never
+    fatal: only --peer addresses must answer (they were asked for by name).
+    """
+    found: list[str] = []
+    known: tuple[str, str] | None = None
+    if getattr(args, "discover", False) and args.discovery_wait > 0:
+        known = given_secret(args)
+        if known is None and home_secret_path().exists():
+            known = _read_kept(home_secret_path()), str(home_secret_path())
+        if known is not None:
+            found = _discovered_nodes(args, known[0])
+    if args.peer:
+        config = household_config(args)  # as before: --peer may create the home's secret
+    elif found and known is not None:
+        from expertmesh.node.config import RemoteConfig
+
+        remote = RemoteConfig() if args.remote_compute != "off" else None
+        config = HouseholdConfig(secret=known[0], tls_ca=tls_ca(args), remote=remote)
+    else:
+        return None
+    config.peers = list(dict.fromkeys([*config.peers, *found]))  # found by zeroconf: asked by address
+    return config
+
+
+def _discovered_nodes(args: argparse.Namespace, secret: str) -> list[str]:
+    """Addresses of the cluster's nodes that answer Info with `secret` and serve `args.repo`."""
+    from expertmesh.node.household.membership import PeerTable
+    from expertmesh.node.household.node_id import NODE_ID_FILENAME
+    from expertmesh.node.rpc.auth import refused
+    from expertmesh.node.rpc.client import ask_info
+
+    try:
+        own = (constants.expertmesh_home() / NODE_ID_FILENAME).read_text().strip()
+    except OSError:
+        own = "expertmesh-cli"
+    table = PeerTable(self_id=own, self_weight=0.0)  # our own `serve` on this home is this node, not a peer
+    try:
+        browse(table, args.cluster, args.interface, args.discovery_wait)
+    except OSError as e:
+        print(f"zeroconf could not browse ({e.strerror or e}); use --peer HOST:PORT", file=sys.stderr)
+        return []
+    addresses = sorted(p.address for p in table.all() if p.address not in args.peer)
+    out = []
+    for answer in ask_info(addresses, secret, tls_ca(args)):
+        if answer.info is None:
+            why = "refused the household secret" if refused(answer.error) else f"did not answer ({answer.error})"
+            print(f"household: skipping {answer.address}: it {why}", file=sys.stderr)
+        elif not any(m.repo_id == args.repo for m in answer.info.models):
+            print(f"household: skipping {answer.address}: it serves another model", file=sys.stderr)
+        else:
+            out.append(answer.address)
+    if out:
+        print(f"household: {len(out)} node(s) found in cluster {args.cluster!r}: {', '.join(out)}", file=sys.stderr)
+    return out

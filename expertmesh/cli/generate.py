@@ -22,6 +22,7 @@ def add_commands(sub) -> None:
     p.add_argument("prompt", help="the prompt (raw text, no chat template)")
     arguments.add_store_arguments(p)
     arguments.add_peer_arguments(p)
+    arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p)
     arguments.add_speculation_arguments(p)
     arguments.add_metrics_arguments(p, default=None)
@@ -40,20 +41,19 @@ def add_commands(sub) -> None:
     p.add_argument("--system", help="system prompt")
     arguments.add_store_arguments(p)
     arguments.add_peer_arguments(p)
+    arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p, max_tokens=512)
     arguments.add_speculation_arguments(p)
     p.set_defaults(func=chat)
 
     p = sub.add_parser("demo", help="the whole path on a built-in tiny model, no internet needed")
-    p.add_argument("--prompt", default="Return the number of", help="what to generate from")
+    p.add_argument("--prompt", default="Return the number of", help="what to generate from (default %(default)r)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     arguments.add_store_arguments(p)
-    arguments.add_sampling_arguments(p, max_tokens=48)
-    arguments.add_speculation_arguments(
-        p
-    )  # --speculate draft uses the demo's draft model unless --draft says otherwise
     # a tiny model loops when greedy; seeded, it stays repeatable
-    p.set_defaults(func=demo, temp=0.5, seed=0, speculate="off")
+    arguments.add_sampling_arguments(p, max_tokens=48, temp=0.5, seed=0)
+    arguments.add_speculation_arguments(p, default="off", draft_default=f"the demo's own, {constants.DEMO_DRAFT_REPO}")
+    p.set_defaults(func=demo)
 
 
 def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
@@ -69,7 +69,7 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
         args.repo,
         revision=args.revision,
         store=arguments.store_config(args),
-        household=arguments.household_config(args),
+        household=arguments.generating_household(args),
         metrics=metrics_config,
     )
 
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     arguments.speculation(args)  # a bad --speculate/--draft fails before the model loads
     config = node_config(args, metrics=True)
     with build_node(config) as node:
+        _mark_used(node)
         print(node.describe(), file=sys.stderr)
         if node.metrics_server is not None:
             print(f"metrics on {node.metrics_server.url}", file=sys.stderr)
@@ -129,12 +130,33 @@ def chat(args: argparse.Namespace) -> int:
 
     speculation = arguments.speculation(args)
     with build_node(node_config(args)) as node:
+        _mark_used(node)
         print(node.describe(), file=sys.stderr)
         print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
         session = ChatSession(Generator(node.model, speculation), system_prompt=args.system)
         settings = arguments.sampling(args)
-        chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary))
+        chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary), read_line=read_line)
     return 0
+
+
+def read_line(prompt: str) -> str:
+    """`input`, but with the prompt on stderr when stdout is not a terminal: `chat ... > reply.txt`
+    then keeps only the replies, and the person typing still sees where to type."""
+    if sys.stdout.isatty():
+        return input(prompt)
+    print(prompt, end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def _mark_used(node) -> None:
+    """Stamp the revision as used now, for `expertmesh ls`."""
+    from expertmesh.node.hub import local_models
+
+    home = node.config.home or constants.expertmesh_home()
+    local_models.mark_used(local_models.model_dir(home, node.repo_id, node.commit))
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -170,6 +192,7 @@ def demo(args: argparse.Namespace) -> int:
         )
         config = NodeConfig(constants.DEMO_REPO, store=arguments.store_config(args))
         with build_node(config) as node:
+            _mark_used(node)
             print(f"3. generating: {node.describe()}")
             print(f"   prompt: {args.prompt!r}")
             sys.stdout.flush()

@@ -5,15 +5,20 @@
         {commit}/                  the local core: config, tokenizer, core-only shards,
                                    model.safetensors.index.json (core only), expert_index.json
         {commit}/pull_complete.json  written last; a model without it is not pulled yet
+        {commit}/index_complete.json `pull --index-only` finished (the index, no core)
+        {commit}/.last_used        touched by `run`, `chat` and `demo`, for `expertmesh ls`
+    drafts/                        draft models (`--draft REPO`), in huggingface_hub's cache layout
 
 Keying the folder by commit sha means cached bytes never mix two versions of a repo.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from expertmesh.node.errors import NotPulledError
@@ -60,6 +65,12 @@ def _local_commit(home: Path, repo_id: str, revision: str) -> Path | None:
     return root / commit if commit else None
 
 
+def local_commit(home: Path, repo_id: str, revision: str) -> str | None:
+    """The commit `revision` (a sha, or a revision name recorded at pull time) stands for here, if known."""
+    folder = _local_commit(home, repo_id, revision)
+    return folder.name if folder is not None else None
+
+
 def find_pulled(home: Path, repo_id: str, revision: str | None = None) -> Path:
     """The folder of a completely pulled revision (default `main`).
 
@@ -92,3 +103,124 @@ def find_index(home: Path, repo_id: str, revision: str | None = None) -> Path:
 
 def read_marker(path: Path) -> dict:
     return json.loads((path / COMPLETE_MARKER).read_text())
+
+
+# -- what a home holds (`expertmesh ls`, `rm`, `cache`) ---------------------------------------
+
+LAST_USED_FILENAME = ".last_used"  # in a commit folder: touched by `run`, `chat` and `demo`
+DRAFTS_DIRNAME = "drafts"  # draft models for `--speculate draft`, in huggingface_hub's cache layout
+
+
+@dataclass
+class PulledModel:
+    """One revision folder under `models/`, whatever state its pull reached."""
+
+    repo_id: str
+    commit: str
+    path: Path
+    state: str  # "complete" (core and index), "index" (`pull --index-only`) or "partial" (a pull not finished)
+    refs: list[str] = field(default_factory=list)  # revision names pinned to this commit
+    core_bytes: int = 0  # the core as stored (after --core-bits), from the marker; 0 unless complete
+    core_bits: int = 16
+    expert_count: int | None = None  # None: not known yet (a partial pull has no index)
+    expert_bytes: int | None = None
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the folder on disk: the core, its index, tokenizer, and any parts of an unfinished pull."""
+        return folder_bytes(self.path)
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the regular files under `path` (0 if it is gone); what `du` would count, near enough."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def repo_from_folder(folder: str) -> str:
+    """`namespace--name` back to `namespace/name`: Hub repo ids never contain `--`, so this is exact."""
+    return folder.replace("--", "/", 1)
+
+
+def pulled_models(home: Path, repo_id: str | None = None) -> list[PulledModel]:
+    """Every revision folder under `home/models` (of `repo_id` only, if given), sorted by repo id.
+
+    Read only: nothing is created, locked or repaired, so `ls` is safe beside a running node."""
+    base = home / "models"
+    roots = [model_root(home, repo_id)] if repo_id else sorted(p for p in base.glob("*") if p.is_dir())
+    out = []
+    for root in roots:
+        refs: dict[str, list[str]] = {}
+        for ref in sorted((root / "refs").glob("*")):
+            with contextlib.suppress(OSError):
+                refs.setdefault(ref.read_text().strip(), []).append(ref.name.replace("--", "/"))
+        for path in sorted(p for p in root.glob("*") if p.is_dir() and _SHA_RE.match(p.name)):
+            out.append(_describe(path, repo_id or repo_from_folder(root.name), refs.get(path.name, [])))
+    return out
+
+
+def _describe(path: Path, repo_id: str, refs: list[str]) -> PulledModel:
+    model = PulledModel(repo_id, path.name, path, "partial", refs)
+    try:
+        if is_complete(path):
+            doc = read_marker(path)
+            model.state = "complete"
+            model.repo_id = doc.get("repo_id", repo_id)
+            model.core_bytes = int(doc.get("core_bytes", 0))
+            model.core_bits = int(doc.get("core_bits", 16))
+            model.expert_count, model.expert_bytes = doc.get("expert_count"), doc.get("expert_bytes")
+        elif (path / INDEX_MARKER).is_file():
+            from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+
+            index = ExpertIndex.load(path / INDEX_FILENAME)
+            model.state = "index"
+            model.expert_count, model.expert_bytes = len(index.experts), index.expert_bytes
+    except (OSError, ValueError, KeyError, TypeError):  # a damaged marker or index: shown as unfinished
+        model.state = "partial"
+    return model
+
+
+def mark_used(path: Path) -> None:
+    """Note that the pulled revision at `path` was just used (for `ls`); never fails a generation:
+    a read-only home simply keeps its old date."""
+    with contextlib.suppress(OSError):
+        (path / LAST_USED_FILENAME).touch()  # an existing stamp gets a new mtime
+
+
+def last_used(path: Path) -> float | None:
+    """When the revision at `path` was last used as far as this folder knows (its stamp, else when
+    its pull finished); None if neither exists. `ls` also looks at the expert cache's files."""
+    for name in (LAST_USED_FILENAME, COMPLETE_MARKER, INDEX_MARKER):
+        with contextlib.suppress(OSError):
+            return (path / name).stat().st_mtime
+    return None
+
+
+def drafts_dir(home: Path) -> Path:
+    return home / DRAFTS_DIRNAME
+
+
+def fetch_draft(home: Path, repo_id: str) -> Path:
+    """The folder of draft model `repo_id`, downloaded into the home (not huggingface_hub's own
+    cache, so `rm -r $EXPERTMESH_HOME` and a home on another disk hold everything expertmesh
+    keeps); reused offline once there.
+
+    Raises:
+        SpeculationError: the repository cannot be had.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    from expertmesh.node.errors import SpeculationError
+    from expertmesh.node.hub.client import endpoint
+
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=drafts_dir(home), endpoint=endpoint()))
+    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as e:
+        raise SpeculationError(
+            f"draft model {repo_id!r} is neither a folder nor a reachable repository ({type(e).__name__})"
+        ) from None

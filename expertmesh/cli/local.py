@@ -1,0 +1,318 @@
+"""`ls`, `rm`, `cache` and `doctor`: this machine's models, caches and readiness.
+
+What a user of `ollama` or `huggingface-cli` expects day to day: see what is pulled and how much
+of each model's experts is on disk, remove a model, check or shrink the expert cache, and ask
+whether this Mac is ready. Listing never locks or changes anything, so it is safe beside a
+running node; deleting goes through the disk tier's own lock and refuses while a node keeps the
+cache (node/store/maintenance.py). Tables are plain aligned text, as the other commands print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from expertmesh.node import constants
+from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.sizes import format_size, parse_budget
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("ls", help="pulled models: core size, experts cached on disk, last used")
+    p.add_argument("repo", nargs="?", help="only this repo id")
+    p.set_defaults(func=ls)
+
+    p = sub.add_parser("rm", help="remove a pulled model: its core and its expert cache (asks first)")
+    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("--revision", help="only this revision (a name pinned at pull time, or a commit sha); default all")
+    p.add_argument("-y", "--yes", action="store_true", help="delete without asking (needed when stdin is no terminal)")
+    p.set_defaults(func=rm)
+
+    p = sub.add_parser("cache", help="the expert cache by model; --verify its files, --prune it to a size")
+    p.add_argument("repo", nargs="?", help="only this repo id's cache")
+    p.add_argument("--revision", help="only this revision of REPO (a name pinned at pull time, or a commit sha)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every expert file against its recorded sha256 and delete bad ones (fetched again when "
+        "needed); `expertmesh verify REPO` checks the recorded digests themselves against the Hub",
+    )
+    p.add_argument(
+        "--prune",
+        metavar="SIZE",
+        help="delete the least recently used experts until the caches (or REPO's) hold at most SIZE "
+        "(a size like 100GB, or a %% of what they hold now)",
+    )
+    p.set_defaults(func=cache)
+
+    p = sub.add_parser(
+        "doctor", help="is this machine ready: memory, disk, Metal, ports, the Hub, the household, the clock"
+    )
+    defaults = serve_defaults()
+    p.add_argument("--host", default=defaults["host"], help="the address `serve` binds gRPC on (default %(default)s)")
+    p.add_argument("--port", type=int, default=defaults["port"], help="serve's gRPC port (default %(default)s)")
+    p.add_argument("--http-host", default=defaults["http_host"], help="the API's address (default %(default)s)")
+    p.add_argument(
+        "--http-port", type=int, default=defaults["http_port"], help="serve's API port (default %(default)s)"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=defaults["metrics_port"],
+        help="serve's /metrics port (default %(default)s: a free one)",
+    )
+    p.add_argument(
+        "--cluster", default=defaults["cluster"], help="the household's zeroconf cluster (default %(default)s)"
+    )
+    p.add_argument("--interface", metavar="IP", help="browse on this address only")
+    p.add_argument("--no-discovery", dest="discover", action="store_false", help="do not look for the household")
+    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for the household (default %(default)s)")
+    p.set_defaults(func=doctor)
+
+
+def serve_defaults() -> dict:
+    """`serve`'s own defaults for the flags doctor checks, read from its parser so the two never drift."""
+    from expertmesh.cli import serve
+
+    sub = argparse.ArgumentParser(add_help=False).add_subparsers()
+    serve.add_commands(sub)
+    p = sub.choices["serve"]
+    names = ("host", "port", "http_host", "http_port", "metrics_port", "metrics_host", "cluster")
+    return {name: p.get_default(name) for name in names}
+
+
+def _ago(t: float | None) -> str:
+    if t is None:
+        return "never"
+    s = max(0.0, time.time() - t)
+    for unit, n in (("day", 86400), ("h", 3600), ("min", 60)):
+        if s >= n:
+            k = int(s // n)
+            return f"{k} {unit}{'s' if unit == 'day' and k > 1 else ''} ago"
+    return "just now"
+
+
+def _share(nbytes: int, of: int | None) -> str:
+    return f"{100 * nbytes / of:.1f}%" if of else "-"
+
+
+# -- ls ---------------------------------------------------------------------------------------
+
+
+def ls(args: argparse.Namespace) -> int:
+    """One line per pulled revision; caches whose model is gone are listed after."""
+    from expertmesh.node.hub import local_models
+    from expertmesh.node.store import maintenance
+
+    home = constants.expertmesh_home()
+    models = local_models.pulled_models(home, args.repo)
+    caches = {(c.repo_id, c.commit): c for c in maintenance.all_usage(home, args.repo)}
+    if not models and not caches:
+        print(f"no models in {home}: `expertmesh pull REPO` pulls one")
+        return 0
+    header = f"{'MODEL':<36} {'REVISION':<10} {'COMMIT':<12}  {'CORE':>16}  {'EXPERTS ON DISK':>34}  LAST USED"
+    print(header)
+    core_total = cached_total = 0
+    for m in models:
+        c = caches.pop((m.repo_id, m.commit), None) or maintenance.usage(home, m.repo_id, m.commit)
+        if m.state == "complete":
+            core = format_size(m.core_bytes) + (f" {m.core_bits}-bit" if m.core_bits != 16 else "")
+            core_total += m.core_bytes
+        elif m.state == "index":
+            core = "index only"
+        else:
+            core = f"unfinished {format_size(m.disk_bytes)}"
+        of = f" of {m.expert_count}" if m.expert_count else ""
+        experts = f"{format_size(c.nbytes)}, {c.experts}{of} ({_share(c.nbytes, m.expert_bytes)})"
+        cached_total += c.nbytes
+        used = max((t for t in (local_models.last_used(m.path), c.last_used) if t is not None), default=None)
+        refs = ",".join(m.refs) or "-"
+        print(f"{m.repo_id:<36} {refs:<10} {m.commit[:12]:<12}  {core:>16}  {experts:>34}  {_ago(used)}")
+    for c in caches.values():  # a cache whose model folder is gone: kept until `rm`
+        cached_total += c.nbytes
+        experts = f"{format_size(c.nbytes)}, {c.experts}"
+        print(f"{c.repo_id:<36} {'-':<10} {c.commit[:12]:<12}  {'not pulled':>16}  {experts:>34}  {_ago(c.last_used)}")
+    print(f"{home}: cores {format_size(core_total)}, experts cached {format_size(cached_total)}")
+    return 0
+
+
+# -- rm ---------------------------------------------------------------------------------------
+
+
+def _commit(home: Path, repo: str, revision: str | None) -> str | None:
+    """The commit --revision names here (None: every revision); an unknown one is an error."""
+    from expertmesh.node.hub import local_models
+
+    if revision is None:
+        return None
+    commit = local_models.local_commit(home, repo, revision)
+    if commit is None:
+        raise ExpertmeshError(f"{repo}@{revision} is not pulled here (`expertmesh ls {repo}` shows what is)")
+    return commit
+
+
+def _confirm(question: str) -> bool:
+    """Ask on the terminal; the question goes to stderr so stdout stays what `rm` did."""
+    print(question, end=" ", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline()
+    return answer.strip().lower() in ("y", "yes")
+
+
+def rm(args: argparse.Namespace) -> int:
+    """Delete a model's revision folders and expert caches, after a yes (or with --yes)."""
+    from expertmesh.node.store import maintenance
+
+    home = constants.expertmesh_home()
+    removal = maintenance.plan_removal(home, args.repo, _commit(home, args.repo, args.revision))
+    if removal.empty:
+        raise ExpertmeshError(f"nothing of {args.repo} in {home} (`expertmesh ls` shows what is there)")
+    for m in removal.models:
+        print(f"  {m.path}  ({'core and index' if m.state == 'complete' else m.state}, {format_size(m.disk_bytes)})")
+    for c in removal.caches:
+        print(f"  {c.root}  (expert cache: {c.experts} experts, {format_size(c.nbytes)})")
+    sys.stdout.flush()
+    size = format_size(removal.nbytes)
+    if not args.yes:
+        if sys.stdin is None or not sys.stdin.isatty():
+            raise ExpertmeshError(
+                f"rm asks before deleting {size}, but stdin is not a terminal: pass --yes to delete without asking"
+            )
+        if not _confirm(f"delete these ({size})? [y/N]"):
+            print("nothing deleted")
+            return 1
+    maintenance.remove(home, removal)
+    print(f"removed {args.repo}: {size} freed")
+    return 0
+
+
+# -- cache ------------------------------------------------------------------------------------
+
+
+def cache(args: argparse.Namespace) -> int:
+    """Usage by model; with --verify and/or --prune, those (verify first), then the usage after."""
+
+    if args.revision and not args.repo:
+        raise ExpertmeshError("--revision needs REPO")
+    home = constants.expertmesh_home()
+    commit = _commit(home, args.repo, args.revision) if args.repo else None
+    status = 0
+    if args.verify:
+        status |= _verify(home, args.repo, commit)
+    if args.prune is not None:
+        status |= _prune(home, args.repo, commit, args.prune)
+    _usage(home, args.repo, commit)
+    return status
+
+
+def _caches(home: Path, repo: str | None, commit: str | None):
+    from expertmesh.node.store import maintenance
+
+    return [c for c in maintenance.all_usage(home, repo) if commit is None or c.commit == commit]
+
+
+def _usage(home: Path, repo: str | None, commit: str | None) -> None:
+    import shutil
+
+    from expertmesh.node.hub import local_models
+
+    caches = _caches(home, repo, commit)
+    if not caches:
+        print(f"no experts cached in {home / 'experts'}")
+        return
+    print(f"{'MODEL':<36} {'COMMIT':<12}  {'EXPERTS':>8}  {'SIZE':>10}  {'SHARE':>6}  LAST USED")
+    for c in caches:
+        pulled = local_models.pulled_models(home, c.repo_id)
+        total = next((m.expert_bytes for m in pulled if m.commit == c.commit), None)
+        share = _share(c.nbytes, total) if c.pulled else "gone"
+        print(
+            f"{c.repo_id:<36} {c.commit[:12]:<12}  {c.experts:>8}  {format_size(c.nbytes):>10}  {share:>6}  "
+            f"{_ago(c.last_used)}"
+        )
+    free = shutil.disk_usage(home).free
+    print(f"total {format_size(sum(c.nbytes for c in caches))} in {len(caches)} cache(s); {format_size(free)} free")
+
+
+def _verify(home: Path, repo: str | None, commit: str | None) -> int:
+    """1 if a bad file was found (and deleted) or a cache could not be checked."""
+    from tqdm.auto import tqdm
+
+    from expertmesh.node.store import maintenance
+
+    status = 0
+    for c in _caches(home, repo, commit):
+        name = f"{c.repo_id}@{c.commit[:12]}"
+        if not c.pulled:
+            print(f"{name}: not checked: the model is not pulled here (`expertmesh rm {c.repo_id}` removes its cache)")
+            continue
+        with tqdm(total=c.nbytes, unit="B", unit_scale=True, desc=f"verify {c.repo_id}", disable=None) as bar:
+            report = maintenance.verify(home, c.repo_id, c.commit, progress=bar.update)
+        print(
+            f"{name}: {report.checked} experts checked ({format_size(report.checked_bytes)}), "
+            f"{len(report.bad)} bad deleted, {len(report.dropped_at_open)} unverifiable deleted"
+        )
+        for (layer, expert), why in report.bad:
+            print(f"  deleted expert {expert} of layer {layer}: {why}")
+        if report.dropped_at_open:
+            print(f"  deleted {len(report.dropped_at_open)} file(s) of the wrong size or with no recorded sha256")
+        if report.unverified:
+            print(
+                f"  {report.unverified} good ones match a digest from one fetch only: "
+                f"`expertmesh verify {c.repo_id}` confirms them against the Hub"
+            )
+        if report.deleted:
+            status = 1
+    return status
+
+
+def _prune(home: Path, repo: str | None, commit: str | None, size: str) -> int:
+    """1 if the caches could not be brought within `size` (caches of models no longer pulled)."""
+    from expertmesh.node.store import maintenance
+
+    if commit is not None:
+        raise ExpertmeshError("--prune works on whole caches: leave --revision out")
+    held = sum(c.nbytes for c in _caches(home, repo, None))
+    try:
+        budget = parse_budget(size, held)
+    except ValueError as e:
+        raise ExpertmeshError(f"--prune: {e}") from None
+    report = maintenance.prune(home, budget, repo)
+    freed = sum(n for _, _, n in report.deleted)
+    print(
+        f"pruned {len(report.deleted)} experts ({format_size(freed)}), least recently used first: "
+        f"{format_size(report.before_bytes)} -> {format_size(report.after_bytes)} (at most {format_size(budget)})"
+    )
+    if not report.within:
+        names = ", ".join(f"{c.repo_id}@{c.commit[:12]}" for c in report.not_pulled)
+        print(f"  still above it: the caches of {names} belong to models no longer pulled; `expertmesh rm` them")
+        return 1
+    return 0
+
+
+# -- doctor -----------------------------------------------------------------------------------
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """Each check on one line; exit 1 if any failed."""
+    from expertmesh.node.doctor import FAIL, WARN, DoctorSettings, run_checks
+
+    settings = DoctorSettings(
+        home=constants.expertmesh_home(),
+        ports=[
+            ("gRPC", args.host, args.port),
+            ("API", args.http_host, args.http_port),
+            ("metrics", args.host, args.metrics_port),
+        ],
+        cluster=args.cluster,
+        interface=args.interface,
+        wait_s=args.wait,
+        discover=args.discover,
+    )
+    checks = run_checks(settings)
+    for check in checks:
+        print(check.line(), flush=True)
+    fails = sum(c.status == FAIL for c in checks)
+    warns = sum(c.status == WARN for c in checks)
+    print(f"{len(checks) - fails - warns} ok, {warns} warn, {fails} fail")
+    return 1 if fails else 0

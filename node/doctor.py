@@ -1,0 +1,476 @@
+"""`expertmesh doctor`: whether this machine is ready to run and serve, one line per check.
+
+Every check answers ok, warn or fail with what it saw and, unless ok, the one thing to do about
+it: what a person setting up a Mac needs, without reading logs. A fail is something that stops
+`serve` or `run` (a taken port, an unreachable Hub, a core larger than the memory); a warn works
+but poorly or not as the household expects (CPU only, no node found, a clock a little off). The
+checks never print the Hub token or the household secret, only where each came from.
+
+The zeroconf browse runs in the background while the other checks go on, so the whole doctor
+takes about its `wait_s`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import errno
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from expertmesh.node import constants
+from expertmesh.node.hub import local_models
+from expertmesh.node.sizes import format_size
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+CLOCK_WARN_S = 30.0  # beyond this, expiry of signed CDN links and TLS certificates is misjudged
+CLOCK_FAIL_S = 300.0  # beyond this, the Hub's signed download links fail outright
+LOW_DISK_BYTES = 20 * 10**9  # the expert cache takes half the free space by default: below this it holds little
+CORE_SHARE_WARN = 0.75  # a core above this share of usable memory leaves little RAM for experts
+HTTP_TIMEOUT_S = 10.0
+MACOS = sys.platform == "darwin"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # OK, WARN or FAIL
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        fix = f"; fix: {self.fix}" if self.fix and self.status != OK else ""
+        return f"{self.status:<5} {self.name:<12} {self.detail}{fix}"
+
+
+@dataclass
+class DoctorSettings:
+    home: Path
+    ports: list[tuple[str, str, int]] = field(default_factory=list)  # (what, host, port) as `serve` binds them
+    cluster: str = "home"
+    interface: str | None = None
+    wait_s: float = 3.0  # zeroconf: seconds to listen (a browser asks at once and again after a second)
+    discover: bool = True
+
+
+def run_checks(s: DoctorSettings) -> list[Check]:
+    """Every check, in the order a person fixes things: the machine, the network, the household."""
+    household = HouseholdProbe(s.home, s.cluster, s.interface) if s.discover else None
+    started = time.monotonic()
+    checks = [metal(), memory(s.home), disk(s.home)]
+    checks += [port(what, host, number) for what, host, number in s.ports]
+    checks += hub(s.home)
+    if household is not None:
+        time.sleep(max(0.0, s.wait_s - (time.monotonic() - started)))
+        checks.append(household.finish())
+    checks.append(secret(s.home))
+    return checks
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def metal() -> Check:
+    """MLX on Metal, or why not: Rosetta, no GPU, or (off macOS) the CPU backend."""
+    try:
+        import mlx.core as mx
+    except ImportError as e:
+        return Check("metal", FAIL, f"MLX does not load ({e})", "pip install -U 'mlx>=0.32.3' in this environment")
+    if mx.metal.is_available():
+        info = mx.device_info()
+        working_set = int(info.get("max_recommended_working_set_size", 0))
+        return Check(
+            "metal",
+            OK,
+            f"{info.get('device_name', 'Apple GPU')}, MLX {mx.__version__}, recommended working set "
+            f"{format_size(working_set)}",
+        )
+    if MACOS and _rosetta():
+        return Check(
+            "metal",
+            FAIL,
+            "this Python runs as x86_64 under Rosetta: MLX has no Metal there",
+            "install an arm64 Python (Homebrew's on Apple Silicon, or python.org's universal2) and recreate the venv",
+        )
+    if MACOS:
+        return Check(
+            "metal",
+            FAIL,
+            f"MLX {mx.__version__} sees no Metal GPU",
+            "expertmesh needs an Apple Silicon Mac on macOS 14 or later; then pip install -U mlx",
+        )
+    return Check(
+        "metal",
+        WARN,
+        f"CPU only (MLX {mx.__version__} on {platform.machine()} {sys.platform}): fine for the tiny and demo models",
+        "run real models on an Apple Silicon Mac",
+    )
+
+
+def _rosetta() -> bool:
+    if platform.machine() == "arm64":
+        return False
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["sysctl", "-n", "sysctl.proc_translated"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() == "1"
+    return False
+
+
+def physical_memory() -> int | None:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def available_memory() -> int | None:
+    """Memory programs can have without swapping: Linux' MemAvailable; on macOS the free,
+    inactive, speculative and purgeable pages of `vm_stat`."""
+    with contextlib.suppress(OSError, ValueError, IndexError, subprocess.SubprocessError):
+        if not MACOS:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+            return None
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+        page = int(out.split("page size of", 1)[1].split()[0])
+        pages = {}
+        for line in out.splitlines()[1:]:
+            name, _, value = line.partition(":")
+            with contextlib.suppress(ValueError):
+                pages[name.strip()] = int(value.strip().rstrip("."))
+        kinds = ("Pages free", "Pages inactive", "Pages speculative", "Pages purgeable")
+        return page * sum(pages.get(k, 0) for k in kinds)
+    return None
+
+
+def _metal_working_set() -> int | None:
+    with contextlib.suppress(ImportError, RuntimeError, AttributeError, ValueError):
+        import mlx.core as mx
+
+        if mx.metal.is_available():
+            return int(mx.device_info().get("max_recommended_working_set_size", 0)) or None
+    return None
+
+
+def memory(home: Path) -> Check:
+    """The machine's memory against the largest core pulled here: it must fit, with room for experts."""
+    total, available = physical_memory(), available_memory()
+    if total is None:
+        return Check("memory", WARN, "cannot read this machine's memory size", "")
+    limit = _metal_working_set() or total
+    limit_name = "Metal's recommended working set" if limit != total else "the memory"
+    seen = format_size(total) + (f", {format_size(available)} available" if available is not None else "")
+    pulled = [m for m in local_models.pulled_models(home) if m.state == "complete"]
+    if not pulled:
+        return Check("memory", OK, f"{seen}; no model pulled yet")
+    big = max(pulled, key=lambda m: m.core_bytes)
+    bits = f", {big.core_bits}-bit" if big.core_bits != 16 else ""
+    core = f"the largest core pulled ({big.repo_id}, {format_size(big.core_bytes)}{bits})"
+    smaller = (
+        f"`expertmesh pull {big.repo_id} --core-bits 8` about halves it"
+        if big.core_bits == 16
+        else "a Mac with more memory"
+    )
+    if big.core_bytes > limit:
+        return Check("memory", FAIL, f"{seen}; {core} is larger than {limit_name} ({format_size(limit)})", smaller)
+    if big.core_bytes > CORE_SHARE_WARN * limit:
+        left = f"under {1 - CORE_SHARE_WARN:.0%} of {limit_name}"
+        return Check("memory", WARN, f"{seen}; {core} leaves {left} for experts in RAM", smaller)
+    return Check("memory", OK, f"{seen}; {core} fits {limit_name} ({format_size(limit)})")
+
+
+def disk(home: Path) -> Check:
+    """Free space where the home is, and whether the home can be written at all."""
+    where = home
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as e:
+        return Check(
+            "disk", FAIL, f"cannot read the disk of {home} ({e.strerror})", "set EXPERTMESH_HOME to a local folder"
+        )
+    cached = local_models.folder_bytes(home / "experts")
+    seen = f"{format_size(free)} free at {where}" + (f"; expert caches take {format_size(cached)}" if cached else "")
+    if not os.access(where, os.W_OK):
+        return Check("disk", FAIL, f"{where} is not writable", "chown it to you, or set EXPERTMESH_HOME elsewhere")
+    if free < constants.DISK_HEADROOM_BYTES:
+        return Check("disk", FAIL, seen, "free some space, or `expertmesh cache --prune SIZE`")
+    if free < LOW_DISK_BYTES:
+        return Check(
+            "disk",
+            WARN,
+            f"{seen}: little room for cached experts",
+            "free space, or put EXPERTMESH_HOME on a larger disk",
+        )
+    return Check("disk", OK, seen)
+
+
+# -- the network ------------------------------------------------------------------------------
+
+_PORT_FLAGS = {"gRPC": "--port", "API": "--http-port", "metrics": "--metrics-port"}
+
+
+def port(what: str, host: str, number: int) -> Check:
+    """Whether `serve` can bind `host:number`; a port held by a running expertmesh node is fine."""
+    name = f"port {what}"
+    if number == 0:
+        return Check(name, OK, "a free port is picked at start")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+        try:
+            s.bind((host, number))
+            return Check(name, OK, f"{host}:{number} is free")
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                return Check(
+                    name, FAIL, f"cannot bind {host}:{number} ({e.strerror})", f"serve with {_PORT_FLAGS[what]} N"
+                )
+    if _expertmesh_answers(what, number):
+        return Check(name, OK, f"{host}:{number} is in use by a running expertmesh node")
+    return Check(
+        name,
+        FAIL,
+        f"{host}:{number} is taken by another program",
+        f"find it with `lsof -nP -iTCP:{number} -sTCP:LISTEN`, or serve with {_PORT_FLAGS[what]} N",
+    )
+
+
+def _expertmesh_answers(what: str, number: int) -> bool:
+    """Whether what listens on `number` is an expertmesh node: its gRPC health check, its API's
+    /healthz, or a /metrics that exports expertmesh's metrics."""
+    if what == "gRPC":
+        from expertmesh.node.rpc.client import NodeClient
+
+        with NodeClient(f"127.0.0.1:{number}", "doctor") as client:  # health needs no secret
+            return client.serving(timeout=2.0)
+    import http.client
+
+    path, sign = ("/healthz", b'"status"') if what == "API" else ("/metrics", b"expertmesh_")
+    conn = http.client.HTTPConnection("127.0.0.1", number, timeout=2.0)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status == 200 and sign in r.read(1 << 20)
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def hub(home: Path) -> list[Check]:
+    """The Hub: reachable, the token accepted, the pulled revisions still there, and this clock
+    against its `Date` header. Uses huggingface_hub's endpoint, token and HTTP session, as pulls do."""
+    from huggingface_hub import constants as hf_constants
+    from huggingface_hub import get_token
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    from expertmesh.node.hub.client import endpoint
+
+    where = endpoint()
+    if hf_constants.HF_HUB_OFFLINE:
+        detail = f"offline (HF_HUB_OFFLINE is set): experts not yet on disk cannot be fetched from {where}"
+        return [Check("hub", WARN, detail, "unset HF_HUB_OFFLINE")]
+    token = get_token()
+    source = "HF_TOKEN" if os.environ.get("HF_TOKEN") else "the stored login"
+    session, headers = get_session(), build_hf_headers()
+    asked = time.time()
+    try:
+        r = session.get(f"{where}/api/whoami-v2", headers=headers, timeout=HTTP_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - whatever the transport raised is the finding itself
+        return [
+            Check(
+                "hub",
+                FAIL,
+                f"cannot reach {where} ({type(e).__name__})",
+                "check the network, HTTPS_PROXY or HF_ENDPOINT",
+            ),
+            Check("clock", WARN, "not checked: the Hub did not answer", "run doctor again once the Hub answers"),
+        ]
+    answered = time.time()
+    return [
+        Check("hub", OK, f"{where} answers (HTTP {r.status_code} in {answered - asked:.2f} s)"),
+        _token(token, source, r),
+        _models(home, where, session, headers),
+        _clock(r.headers.get("date"), asked, answered),
+    ]
+
+
+def _token(token: str | None, source: str, r) -> Check:
+    if token is None:
+        return Check("token", OK, "none: public models only (gated ones need HF_TOKEN)")
+    if r.status_code == 200:
+        try:
+            who = r.json().get("name") or "a user"
+        except (ValueError, AttributeError):
+            who = "a user"
+        return Check("token", OK, f"from {source}, accepted for {who}")
+    if r.status_code == 401:
+        return Check(
+            "token",
+            FAIL,
+            f"the token from {source} is refused (HTTP 401)",
+            "`hf auth login` again, or set HF_TOKEN to a token from https://huggingface.co/settings/tokens",
+        )
+    return Check("token", OK, f"from {source}; this endpoint does not check tokens (HTTP {r.status_code})")
+
+
+def _models(home: Path, where: str, session, headers: dict) -> Check:
+    """A HEAD of each pulled revision's config.json: its experts must stay fetchable from the Hub."""
+    from huggingface_hub import hf_hub_url
+
+    pulled = [m for m in local_models.pulled_models(home) if m.state in ("complete", "index")]
+    if not pulled:
+        return Check("models", OK, "none pulled here yet")
+    refused, gone, unanswered = [], [], []
+    for m in pulled:
+        url = hf_hub_url(m.repo_id, "config.json", revision=m.commit, endpoint=where)
+        try:
+            status = session.head(url, headers=headers, follow_redirects=False, timeout=HTTP_TIMEOUT_S).status_code
+        except Exception as e:  # noqa: BLE001 - the Hub answered a moment ago: transient, and named below
+            unanswered.append(f"{m.repo_id} ({type(e).__name__})")
+            continue
+        if status in (401, 403):
+            refused.append(m.repo_id)
+        elif status >= 400:
+            gone.append(f"{m.repo_id}@{m.commit[:12]} (HTTP {status})")
+    if refused:
+        return Check(
+            "models",
+            FAIL,
+            f"the Hub refuses {', '.join(refused)} to this token",
+            "accept the model's terms on its Hub page, and set HF_TOKEN to a token with access",
+        )
+    if gone:
+        return Check(
+            "models",
+            FAIL,
+            f"no longer on the Hub: {', '.join(gone)}; experts not on disk cannot be fetched",
+            "pull the current revision (`expertmesh pull REPO`), then `expertmesh rm` the old one",
+        )
+    if unanswered:
+        return Check("models", WARN, f"no answer for {', '.join(unanswered)}", "run doctor again")
+    return Check("models", OK, f"every pulled revision is on the Hub ({len(pulled)})")
+
+
+def _clock(date: str | None, asked: float, answered: float) -> Check:
+    """This clock against the Hub's `Date` (1 s resolution, compared with the middle of the request)."""
+    try:
+        theirs = email.utils.parsedate_to_datetime(date).timestamp() if date else None
+    except (TypeError, ValueError):
+        theirs = None
+    if theirs is None:
+        return Check("clock", WARN, "not checked: the Hub sent no Date header", "")
+    skew = (asked + answered) / 2 - theirs
+    seen = f"{abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} the Hub"
+    fix = (
+        "System Settings > General > Date & Time: set time automatically (or `sudo sntp -sS time.apple.com`)"
+        if MACOS
+        else "turn on NTP (`sudo timedatectl set-ntp true`)"
+    )
+    if abs(skew) >= CLOCK_FAIL_S:
+        return Check("clock", FAIL, f"{seen}: the Hub's signed download links fail", fix)
+    if abs(skew) >= CLOCK_WARN_S:
+        return Check("clock", WARN, f"{seen}: signed links and TLS may misjudge expiry", fix)
+    return Check("clock", OK, seen)
+
+
+# -- the household ----------------------------------------------------------------------------
+
+
+class HouseholdProbe:
+    """Zeroconf browsing for the household's advertisements, started at once, read by `finish`."""
+
+    def __init__(self, home: Path, cluster: str, interface: str | None):
+        self.home, self.cluster = home, cluster
+        self._seen: dict[str, object] = {}
+        self._lock = threading.Lock()
+        self.error: OSError | None = None
+        self._browser = None
+        try:
+            from expertmesh.node.household.discovery import Browser
+
+            self._browser = Browser(self._changed, [interface] if interface else None)
+        except OSError as e:
+            self.error = e
+
+    def _changed(self, name: str, sighting) -> None:
+        with self._lock:
+            if sighting is None:
+                self._seen.pop(name, None)
+            else:
+                self._seen[name] = sighting
+
+    def finish(self) -> Check:
+        if self._browser is not None:
+            self._browser.settle()
+            self._browser.close()
+        if self.error is not None:
+            return Check(
+                "household",
+                FAIL,
+                f"zeroconf could not start ({self.error.strerror or self.error})",
+                "check --interface and the firewall; nodes can still be reached with --peer HOST:PORT",
+            )
+        own = _read(self.home / "node_id")
+        with self._lock:
+            everyone = list(self._seen.values())
+        sightings = [s for s in everyone if s.ad.node_id != own]
+        mine = any(s.ad.node_id == own and s.ad.cluster == self.cluster for s in everyone)
+        ours = [s for s in sightings if s.ad.cluster == self.cluster]
+        others = sorted({s.ad.cluster for s in sightings} - {self.cluster})
+        also = "; this machine's own node too" if mine else ""
+        if ours:
+            nodes = ", ".join(f"{s.ad.node_id} at {s.address} ({s.ad.role})" for s in ours[:4])
+            more = f" and {len(ours) - 4} more" if len(ours) > 4 else ""
+            return Check("household", OK, f"{len(ours)} node(s) in cluster {self.cluster!r}: {nodes}{more}{also}")
+        if mine:
+            elsewhere = f" (other clusters seen: {', '.join(map(repr, others))})" if others else ""
+            return Check(
+                "household", OK, f"only this machine's own node advertises in cluster {self.cluster!r}{elsewhere}"
+            )
+        if others:
+            return Check(
+                "household",
+                WARN,
+                f"no node in cluster {self.cluster!r}, but nodes in {', '.join(map(repr, others))}",
+                f"serve with --cluster {self.cluster}, or look with --cluster {others[0]}",
+            )
+        if constants.household_secret() is None and not (self.home / constants.SECRET_FILENAME).exists():
+            return Check("household", OK, "no node advertises and this machine has no household secret: it runs alone")
+        allow = ", and allow Local Network for your terminal (System Settings > Privacy & Security)" if MACOS else ""
+        return Check(
+            "household",
+            WARN,
+            f"no node of cluster {self.cluster!r} advertised on the LAN",
+            "start `expertmesh serve` on the other Macs; if they run, multicast is blocked (Wi-Fi client "
+            f"isolation, a firewall){allow}: use --peer HOST:PORT",
+        )
+
+
+def _read(path: Path) -> str | None:
+    with contextlib.suppress(OSError):
+        return path.read_text().strip() or None
+    return None
+
+
+def secret(home: Path) -> Check:
+    """Where the household secret comes from (never the secret), and whether others can read it."""
+    from expertmesh.node.rpc.auth import loosely_readable
+
+    if constants.household_secret() is not None:
+        return Check("secret", OK, "from EXPERTMESH_SECRET")
+    path = home / constants.SECRET_FILENAME
+    if not path.exists():
+        return Check("secret", OK, f"none yet: the first `expertmesh serve` creates {path}")
+    if loosely_readable(path):
+        return Check("secret", WARN, f"{path} is readable by other users of this machine", f"chmod 600 {path}")
+    return Check("secret", OK, f"{path} (owner-only)")
