@@ -35,6 +35,7 @@ import numpy as np
 
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub.expert_index import ExpertLocation
+from expertmesh.node.hub.expert_trace import SAFETENSORS_DTYPES
 from expertmesh.node.hub.expert_trace import evaluate as evaluate_recipe
 
 # Upstream projection names -> SwitchGLU's.
@@ -127,24 +128,9 @@ def _projection_and_kind(name: str) -> tuple[str, str]:
 # lacks, is widened to float32 on reading (exact) and narrowed back when the array is made.
 _Host = tuple[np.ndarray, mx.Dtype]
 
-_MX_DTYPES = {
-    "BOOL": mx.bool_,
-    "U8": mx.uint8,
-    "I8": mx.int8,
-    "U16": mx.uint16,
-    "I16": mx.int16,
-    "U32": mx.uint32,
-    "I32": mx.int32,
-    "U64": mx.uint64,
-    "I64": mx.int64,
-    "F16": mx.float16,
-    "F32": mx.float32,
-    "F64": mx.float32,  # MLX has no float64 on the GPU; no upstream expert is F64
-    "BF16": mx.bfloat16,
-    "F8_E4M3": mx.uint8,
-    "F8_E5M2": mx.uint8,
-    "F8_E8M0": mx.uint8,
-}
+# what `mx.load` gives each safetensors dtype, but float64 (MLX has none on the GPU; no upstream
+# expert is F64)
+_MX_DTYPES = {**SAFETENSORS_DTYPES, "F64": mx.float32}
 
 
 def _read(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> _Host:

@@ -140,6 +140,15 @@ _GEMMA4 = {
     "top_k_experts": TOP_K,
 }
 
+# Kimi's linear attention in the tiny repos: one KDA layer, then one full-attention layer.
+_KDA_ATTENTION = {
+    "kda_layers": [1],
+    "full_attn_layers": [2],
+    "num_heads": 4,
+    "head_dim": 16,
+    "short_conv_kernel_size": 4,
+}
+
 # What an architecture needs beyond TINY: its layer pattern, nested text config, required flags.
 # `text_args` names the ModelArgs class TINY fills `text_config` from (module.Class).
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -201,13 +210,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "qwen3_next": {"partial_rotary_factor": 0.5},
     "kimi_linear": {
-        "linear_attn_config": {
-            "kda_layers": [1],
-            "full_attn_layers": [2],
-            "num_heads": 4,
-            "head_dim": 16,
-            "short_conv_kernel_size": 4,
-        },
+        "linear_attn_config": _KDA_ATTENTION,
         "first_k_dense_replace": 0,
         "num_experts_per_token": TOP_K,
     },
@@ -267,13 +270,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "text_args": "kimi_k3.TextArgs",
         "text": {
             "model_type": "kimi_linear",
-            "linear_attn_config": {
-                "kda_layers": [1],
-                "full_attn_layers": [2],
-                "num_heads": 4,
-                "head_dim": 16,
-                "short_conv_kernel_size": 4,
-            },
+            "linear_attn_config": _KDA_ATTENTION,
             "num_key_value_heads": 4,
             "hidden_act": "situ",
             "activation_situ_beta": 1.0,
