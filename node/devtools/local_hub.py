@@ -218,7 +218,9 @@ class _Digests:
 class _Stats:
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.settled = threading.Condition(self.lock)
         self.waiting = 0  # requests waiting for their first byte now (not reset: they still wait)
+        self.sending = 0  # bodies being sent now: a client may hold every byte before they are counted
         self.reset()
 
     def reset(self) -> None:
@@ -233,8 +235,11 @@ class _Stats:
     def file(self, key: str) -> dict:
         return self.files.setdefault(key, {"requests": 0, "bytes": 0, "ranges": {}})
 
-    def as_json(self) -> dict:
+    def as_json(self, settle_s: float = 2.0) -> dict:
+        """The counts, once every body being sent has been counted (at most `settle_s` later): the
+        last bytes reach a client before the thread that sent them records them."""
         with self.lock:
+            self.settled.wait_for(lambda: self.sending == 0, timeout=settle_s)
             files = {
                 k: {
                     "requests": v["requests"],
@@ -649,6 +654,8 @@ class _Handler(BaseHTTPRequestHandler):
         limit = length // 2 if fault and fault.kind in ("cut", "stall") else length
         sent = 0
         knobs = self.hub.knobs
+        with self.hub.stats_.lock:
+            self.hub.stats_.sending += 1
         try:
             capped = bool(knobs.bandwidth_bytes_per_s or knobs.per_connection_bytes_per_s)
             with open(f.path, "rb") as fh:
@@ -679,6 +686,8 @@ class _Handler(BaseHTTPRequestHandler):
                 entry["bytes"] += sent
                 r = (start, start + sent - 1)
                 entry["ranges"][r] = entry["ranges"].get(r, 0) + 1
+                self.hub.stats_.sending -= 1
+                self.hub.stats_.settled.notify_all()
         if limit < length:
             self.wfile.flush()
             if fault.kind == "stall":
