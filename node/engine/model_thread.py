@@ -166,10 +166,7 @@ class ModelThread:
         if not pending:
             return
         if not self.is_current():
-            event = threading.Event()
-            for f in pending:
-                f.add_done_callback(lambda _f: all(p.done() for p in pending) and event.set())
-            event.wait()
+            _wait_all(pending)
             return
 
         def arrived(_f: Any) -> None:
@@ -275,3 +272,25 @@ def model_thread() -> ModelThread:
             _instance = ModelThread()
             atexit.register(_instance.stop)
         return _instance
+
+
+def _wait_all(pending: list[Waitable]) -> None:
+    """Block until every future in `pending` is done.
+
+    The callbacks hold a countdown, never the futures: a callback that referred to the list of
+    futures would make each future part of a reference cycle, and a finished fetch's decoded
+    expert (megabytes of MLX buffers, invisible to the garbage collector's thresholds) would
+    stay alive until a full collection happened to run.
+    """
+    left = [len(pending)]
+    lock, event = threading.Lock(), threading.Event()
+
+    def one_done(_f: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                event.set()
+
+    for f in pending:
+        f.add_done_callback(one_done)
+    event.wait()
