@@ -51,7 +51,7 @@ class Waitable(Protocol):
 
 @dataclass
 class _Task:
-    fn: Callable[[], Any]
+    fn: Callable[[], Any] | None  # dropped once run: what it captured is freed with the caller's references
     kind: str
     queued: float = field(default_factory=time.perf_counter)
     started: float = 0.0
@@ -232,6 +232,7 @@ class ModelThread:
                         self.waits.local.append(task.started - task.queued + task.lent)
                         self.waits.peer_turns_in_local.append(self._turns)
                         self._current = None
+                    task = None  # its result (logits, experts) is the caller's now, not kept until the next task
         finally:
             # This thread's streams go now, while `stop` waits for it. Left to the thread's C++
             # exit they were torn down while the interpreter finalised, and MLX 0.32 aborted the
@@ -248,6 +249,7 @@ class ModelThread:
         except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
             task.error = e
         finally:
+            task.fn = None
             task.done.set()
 
     def stop(self) -> None:
