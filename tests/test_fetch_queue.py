@@ -74,3 +74,25 @@ def test_demands_go_before_queued_guesses_and_each_expert_is_fetched_once() -> N
         assert len(order) == len(set(order)) == 7
     finally:
         q.close()
+
+
+def test_a_demand_that_comes_as_a_guess_gives_up_gets_the_expert_not_the_give_up() -> None:
+    # the demand arrives after the guess's fetch decided to give up but before the guess left the
+    # queue's books (here: while its ending is reported): it must never wait for the give-up
+    tier, stale, asked = _SlowTier(steps=4), {(1, 1)}, {}
+    q: FetchQueue
+
+    def finished(key, fetched) -> None:
+        if fetched is None and key not in asked:
+            asked[key] = q.submit(key, DEMAND)
+
+    q = FetchQueue(tier.fetch, tier.fetch_run, 1, finished=finished, stale=lambda key: key in stale)
+    q.start()
+    try:
+        with pytest.raises(Abandoned):
+            q.submit((1, 1), PREFETCH).result(timeout=10)
+        stale.clear()
+        assert asked[(1, 1)].result(timeout=10).source == "hub"
+        assert tier.started == [(1, 1), (1, 1)]  # the demand made a fetch of its own
+    finally:
+        q.close()

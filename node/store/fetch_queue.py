@@ -203,39 +203,47 @@ class FetchQueue:
                 fut = self._inflight[key]
                 self._running_demands += priority == DEMAND
             fetched, error = self._fetch_guarded(key, priority)
-            if self._finished is not None:
-                self._finished(key, fetched)
-            with self._lock:
-                self._running_demands -= priority == DEMAND
-                self._inflight.pop(key, None)
-                self._started.discard(key)
-                self._demanded.discard(key)
-                self.changed.notify_all()
+            while isinstance(error, Abandoned):
+                with self._lock:
+                    if key not in self._demanded:  # decided under the lock: a later demand makes a new fetch
+                        self._leave(key, priority)
+                        break
+                    self._running_demands += priority != DEMAND
+                    priority = DEMAND  # a demand joined after the guess gave up: fetch it for the demand
+                fetched, error = self._fetch_guarded(key, priority)
+            else:
+                if self._finished is not None:
+                    self._finished(key, fetched)
+                with self._lock:
+                    self._leave(key, priority)
             if error is not None:
+                if self._finished is not None and isinstance(error, Abandoned):
+                    self._finished(key, None)
                 fut.set_exception(error)
             else:
                 fut.set_result(fetched)
 
+    def _leave(self, key: ExpertKey, priority: int) -> None:
+        """`key` is no longer in flight (called under the lock)."""
+        self._running_demands -= priority == DEMAND
+        self._inflight.pop(key, None)
+        self._started.discard(key)
+        self._demanded.discard(key)
+        self.changed.notify_all()
+
     def _fetch_guarded(self, key: ExpertKey, priority: int) -> tuple[Fetched | None, BaseException | None]:
-        """Fetch `key`; a guess gives its link up once it proves wrong, unless a demand came for it,
-        in which case it is fetched to the end."""
-        while True:
-            abandon = None
-            if priority == PREFETCH and self._stale is not None:
+        """Fetch `key`; a guess gives its link up once it proves wrong and no demand waits for it."""
+        abandon = None
+        if priority == PREFETCH and self._stale is not None:
 
-                def abandon(key=key) -> bool:
-                    return key not in self._demanded and self._stale(key)
+            def abandon(key=key) -> bool:
+                return key not in self._demanded and self._stale(key)
 
-            try:
-                with fetching_as(priority):
-                    return self._fetch_one(key, abandon=abandon), None
-            except Abandoned as e:
-                if key in self._demanded:
-                    priority = DEMAND  # a demand joined after the guess gave up: fetch it for the demand
-                    continue
-                return None, e
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                return None, e
+        try:
+            with fetching_as(priority):
+                return self._fetch_one(key, abandon=abandon), None
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            return None, e
 
     def _work_run(self, keys: tuple[ExpertKey, ...]) -> None:
         with self._lock:
