@@ -11,7 +11,9 @@ import pytest
 from expertmesh.node.devtools import bench_k3
 from expertmesh.node.devtools.tiny import k3_proportions
 
-TINY = k3_proportions.Proportions(moe_layers=2, experts=16, top_k=4, latent=256, intermediate=256, hidden=64)
+# many experts, few routed: decode keeps meeting experts the prompt did not touch (the baseline has
+# no fill to fetch them ahead); a cold node's fill may still have fetched all of them first
+TINY = k3_proportions.Proportions(moe_layers=2, experts=128, top_k=2, latent=256, intermediate=256, hidden=64)
 CAP = 20e6
 
 
@@ -36,8 +38,10 @@ def test_every_config_reports_the_agreed_fields(doc: dict) -> None:
         row = rows[name]
         assert set(bench_k3.FIELDS) <= set(row), name
         assert row["per_connection_bytes_per_s"] == CAP
-        assert row["tokens"] > 0 and row["s_per_token"] > 0, name
-        assert row["peak_rss_bytes"] > 0 and row["node_cpu_s_per_gb"] > 0, name
+        assert row["tokens"] > 0 and row["s_per_token"] > 0 and row["peak_rss_bytes"] > 0, name
+        # CPU per GB fetched is a figure only where something was fetched: never a made-up zero
+        assert (row["node_cpu_s_per_gb"] is None) == (row["moved_bytes"] == 0), name
+        assert row["node_cpu_s_per_gb"] is None or row["node_cpu_s_per_gb"] > 0, name
     assert doc["model"]["expert_bytes"] == TINY.expert_bytes
     assert doc["link"]["bytes_per_s"] == bench_k3.LINK_BYTES_PER_S
 
@@ -45,15 +49,18 @@ def test_every_config_reports_the_agreed_fields(doc: dict) -> None:
 @pytest.mark.e2e
 def test_the_baseline_moves_only_what_it_demands_at_no_more_than_the_link(doc: dict) -> None:
     rows = {r["name"]: r for r in doc["configs"]}
+    assert rows["k3_replay"]["demanded_bytes"] > 0  # fresh experts at every layer of every token
     naive = rows["fair_naive"]
+    assert naive["demanded_bytes"] > 0  # 2 of 128 experts a layer: decode meets ones the prompt did not touch
     # one connection, one expert at a time, no guesses, no fill: every byte it moves was waited for,
     # and no faster than the link carries it (the floor: demanded bytes at the link's full rate)
     assert naive["bytes_moved_over_demanded"] == pytest.approx(1.0)
     assert naive["wait_over_floor"] >= 0.95
     for name in ("cold", "fair_naive", "k3_replay"):
         row = rows[name]
-        assert row["demanded_bytes"] > 0 and row["demanded_bytes"] % TINY.expert_bytes == 0, name
-        assert row["useful_link_use"] == pytest.approx(1 / row["wait_over_floor"], rel=1e-6)
+        assert row["demanded_bytes"] % TINY.expert_bytes == 0, name  # whole experts, counted once
+        if row["demanded_bytes"]:  # a cold node's fill may have left decode nothing to wait for
+            assert row["useful_link_use"] == pytest.approx(1 / row["wait_over_floor"], rel=1e-6)
     floor = rows["floor"]
     assert floor["s_per_token"] == pytest.approx(
         rows["cold"]["demanded_bytes"] / doc["link"]["bytes_per_s"] / rows["cold"]["tokens"]
