@@ -1,11 +1,12 @@
 """Routing one validated ask to the household's full nodes, as a stream of text pieces.
 
-Each generation waits for a slot in the bounded FIFO queue (request_queue.py), goes to the least
-busy full node, and moves to another node if the first fails before its first token. Stop
-sequences are applied here, on the streamed text, and the node's generation is cancelled at the
-stop. A `Cancellation` lets another thread stop a generation at any moment: the HTTP server
-cancels when its client goes away, and cancelling the node's Generate call (a gRPC stream) makes
-the node stop within a token, instead of generating for nobody (issue 22).
+Each generation waits for a slot in the bounded FIFO queue (request_queue.py; `generations_per_node`
+slots per full node: its batch), goes to the least busy full node, and moves to another node if the
+first fails before its first token. Stop sequences are applied here, on the streamed text, and
+the node's generation is cancelled at the stop. A `Cancellation` lets another thread stop a
+generation at any moment: the HTTP server cancels when its client goes away, and cancelling the
+node's Generate call (a gRPC stream) makes the node stop within a token, instead of generating for
+nobody (issue 22).
 
 The gRPC client is blocking, so `Coordinator.generate` runs on a thread of its own
 (generation_threads.py); everything here is thread-safe.
@@ -48,6 +49,8 @@ class CoordinatorConfig:
     tls_ca: bytes | None = None
     max_waiting: int = 16  # requests that may wait for a slot before the API answers 429
     default_max_tokens: int = 256
+    # generations each full node runs at once (its `--max-batch`): the queue's slots are this per node
+    generations_per_node: int = 1
 
 
 class Cancellation:
@@ -93,7 +96,8 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, pool: NodePool):
         self.config = config
         self.pool = pool
-        self.queue = RequestQueue(lambda: len(pool.addresses()), config.max_waiting)
+        per_node = max(1, config.generations_per_node)
+        self.queue = RequestQueue(lambda: per_node * len(pool.addresses()), config.max_waiting)
         self.metrics = ApiMetrics(self.queue.depth)
         self._clients: dict[str, NodeClient] = {}
         self._lock = threading.Lock()

@@ -33,7 +33,7 @@ from expertmesh.coordinator.request_queue import QueueFull
 __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 
 RETRY_AFTER_S = 5
-GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: one running per full node, up to 32
+GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _GET_PATHS = ("/v1/models", "/metrics", "/healthz")
 
@@ -67,7 +67,10 @@ class OpenAIServer:
             self._handle, host, port, limits, on_response=coordinator.metrics.record, name="openai-api"
         )
         self.host, self.port = host, self.http.port
-        self._threads = GenerationThreads(coordinator, coordinator.config.max_waiting + GENERATION_THREAD_HEADROOM)
+        per_node = max(1, coordinator.config.generations_per_node)
+        self._threads = GenerationThreads(
+            coordinator, coordinator.config.max_waiting + GENERATION_THREAD_HEADROOM * per_node
+        )
         self._health: asyncio.Future | None = None  # the health round in flight
 
     def start(self) -> OpenAIServer:

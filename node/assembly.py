@@ -148,6 +148,8 @@ class Node:
             stops.append(self.discovery.close)
         if self.rpc is not None:
             stops.append(self.rpc.stop)
+        if getattr(self.service, "close", None) is not None:
+            stops.append(self.service.close)  # its batch engine, once no call can reach it
         if self.metrics_server is not None:
             stops.append(self.metrics_server.stop)
         if self.store is not None:
@@ -407,7 +409,12 @@ def _build_rpc(node: Node, service_class, interceptors) -> None:
         tls = server_credentials(rpc.tls_cert, rpc.tls_key)
     speculation = node.config.speculation if node.model is not None else None
     node.service = (service_class or NodeService)(
-        node.model, node.node_id, node.experts, peers=node.peers, speculation=speculation
+        node.model,
+        node.node_id,
+        node.experts,
+        peers=node.peers,
+        speculation=speculation,
+        max_batch=node.config.max_batch,
     )
     try:
         node.rpc = NodeServer(
@@ -451,7 +458,11 @@ def _build_api(node: Node) -> None:
     repo_id = node.repo_id
     coordinator = Coordinator(
         CoordinatorConfig(
-            secret=household.secret, models=lambda: [repo_id], tls_ca=household.tls_ca, max_waiting=api.max_waiting
+            secret=household.secret,
+            models=lambda: [repo_id],
+            tls_ca=household.tls_ca,
+            max_waiting=api.max_waiting,
+            generations_per_node=max(1, node.config.max_batch),
         ),
         pool,
     )

@@ -133,6 +133,13 @@ class SpeculationConfig:
             raise SpeculationError(f"draft length must be in 1..{self.max_draft}, not {self.initial_draft}")
 
 
+# `serve --max-batch`'s default, by benchmarks/bench_batching.py (figures in docs/batching.md): on
+# the project's 2-core CPU machine 4 rows gave 1.5-3x one request's tokens/s (tiny model warm in RAM,
+# demo model warm on disk) with each request near half its speed alone; 8 rows gave about 3.5x with
+# each request below half. A household rarely has more than 4 conversations at once.
+DEFAULT_MAX_BATCH = 4
+
+
 @dataclass
 class NodeConfig:
     """One node: which model, where its home is, and which of its parts run.
@@ -154,3 +161,6 @@ class NodeConfig:
     metrics: MetricsConfig | None = None
     api: ApiConfig | None = None
     speculation: SpeculationConfig | None = None  # None or mode "off": no speculation in Generate
+    # Generate calls decoded together in one batch (node/engine/batching.py); 1: one at a time, as
+    # before batching. A call speculates only while it runs alone. `serve` defaults to DEFAULT_MAX_BATCH.
+    max_batch: int = 1

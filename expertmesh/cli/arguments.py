@@ -210,6 +210,21 @@ def add_speculation_arguments(
     )
 
 
+def add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """--max-batch: how many requests a node decodes together (node/engine/batching.py)."""
+    from expertmesh.node.config import DEFAULT_MAX_BATCH
+
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="requests generated together in one batch, each expert read once per step for all of them "
+        f"(default {DEFAULT_MAX_BATCH}, chosen by benchmarks/bench_batching.py); a request speculates "
+        "(--speculate) only while it runs alone: drafts cannot be verified inside a batch",
+    )
+
+
 # -- flags -> config ------------------------------------------------------------------------
 
 
@@ -229,6 +244,14 @@ def sampling(args: argparse.Namespace):
     from expertmesh.node.engine.generation import SamplingSettings
 
     return SamplingSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed)
+
+
+def max_batch(args: argparse.Namespace) -> int:
+    """--max-batch, or its default DEFAULT_MAX_BATCH (only a call running alone speculates)."""
+    from expertmesh.node.config import DEFAULT_MAX_BATCH
+
+    n = getattr(args, "max_batch", None)
+    return DEFAULT_MAX_BATCH if n is None else n
 
 
 def speculation(args: argparse.Namespace) -> SpeculationConfig | None:

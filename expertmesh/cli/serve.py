@@ -72,6 +72,7 @@ def add_commands(sub) -> None:
     arguments.add_store_arguments(p)
     arguments.add_peer_arguments(p)
     arguments.add_speculation_arguments(p)
+    arguments.add_batch_arguments(p)
     p.set_defaults(func=serve)
 
 
@@ -108,6 +109,7 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         metrics=metrics,
         api=api,
         speculation=arguments.speculation(args) if not args.cache_only else None,
+        max_batch=arguments.max_batch(args),
     )
 
 

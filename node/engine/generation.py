@@ -74,6 +74,16 @@ class TokenObserver(Protocol):
 
     def speculative(self, drafted: int, accepted: int) -> None: ...
 
+    # optional (looked up with getattr, so an observer may leave them out):
+    # request(seconds) once per generation at its end; batch(size) per batched decode step
+
+
+def observe_request(observer: TokenObserver | None, seconds: float) -> None:
+    """The generation's whole time, to an observer that wants it (NodeMetrics' `request_seconds`)."""
+    hook = getattr(observer, "request", None)
+    if hook is not None:
+        hook(seconds)
+
 
 @dataclass
 class GenerationSummary:
@@ -402,3 +412,4 @@ class Generator:
         finally:
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
+            observe_request(self.observer, summary.seconds)

@@ -4,7 +4,7 @@ Counts that the store, the caches and the peer table already keep are read from 
 time by one custom collector, so `/metrics` shows exactly the numbers a generation's summary is
 made of and no code path can forget to count. Only what needs one observation per event is
 observed as it happens: the latency histograms (`token_seconds`, `time_to_first_token_seconds`,
-`expert_fetch_seconds{source}`) and the token and speculation counters, through two small hooks —
+`request_seconds`, `expert_fetch_seconds{source}`, and `batch_size` of the batch engine's steps) and the token and speculation counters, through two small hooks —
 the store's `StoreStats.observer` and the model's `token_observer`, both set by node/assembly.py.
 
 Every node has its own `CollectorRegistry`, so several nodes in one process (tests) never collide.
@@ -44,6 +44,10 @@ PREFIX = "expertmesh_"
 TOKEN_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # The first token also pays the prefill: from a tenth of a second to half an hour.
 TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+# A whole request: as long as its first token, and up to its last one (32,768 cold K3 tokens would be days).
+REQUEST_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+# Rows of one batched decode step: 1 up to a few dozen (`serve --max-batch`).
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 # An expert use: microseconds from RAM, milliseconds from SSD or the LAN, seconds from the Hub.
 FETCH_BUCKETS_S = (
     1e-6,
@@ -306,6 +310,19 @@ class NodeMetrics:
             buckets=TTFT_BUCKETS_S,
             registry=self.registry,
         )
+        self.request_seconds = Histogram(
+            PREFIX + "request_seconds",
+            "Time from a request to its last token (or its end): one observation per generation.",
+            buckets=REQUEST_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            PREFIX + "batch_size",
+            "Sequences decoded together in one forward pass of the batch engine (one observation per step; "
+            "node/engine/batching.py).",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
         self.fetch_seconds = Histogram(
             PREFIX + "expert_fetch_seconds",
             "Time to get one used expert from the tier "
@@ -343,6 +360,14 @@ class NodeMetrics:
     def token(self, seconds: float) -> None:
         self.tokens.inc()
         self.token_seconds.observe(seconds)
+
+    def request(self, seconds: float) -> None:
+        """One generation ended, `seconds` after its request."""
+        self.request_seconds.observe(seconds)
+
+    def batch(self, size: int) -> None:
+        """One batched decode step over `size` sequences."""
+        self.batch_size.observe(size)
 
     def speculative(self, drafted: int, accepted: int) -> None:
         """One verify pass: `drafted` tokens checked, `accepted` of them kept."""

@@ -11,10 +11,14 @@ ComputeExperts its compute (node/engine/model_thread.py), where they take turns 
 
 Generate is bounded: a call holds a gRPC worker thread for its whole stream, waiting ones too, so
 unbounded they fill the pool and health checks and Info time out (peers then mark the node down).
-`GenerationSlots` admits one running and a few waiting calls; any more are answered
+`GenerationSlots` admits `max_batch` running and a few waiting calls; any more are answered
 RESOURCE_EXHAUSTED at once, which the coordinator takes as "try another node". A call whose client
 has gone stops at its next token (grpc closes the stream's generator there, and the generator's
 `should_stop` sees the context inactive), and a waiting one leaves the queue.
+
+With `max_batch` 1 each call runs alone on a fresh `Generator` (and may speculate); above 1 the
+running calls share one continuous batch (node/engine/batching.py): each step reads every expert
+the batch routes to once, for all of them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import grpc
 
 from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
 from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
 from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
@@ -57,19 +62,21 @@ SEED_MODULUS = 2**64  # MLX seeds are unsigned 64-bit; the proto's (and OpenAI's
 
 
 class GenerationSlots:
-    """Admission for Generate: one generation runs (the model has one cache) and up to `waiting`
-    more wait for it, in arrival order; `admit` refuses any more at once.
+    """Admission for Generate: `running` generations run at once (1: the model has one cache; more:
+    one continuous batch of that many rows) and up to `waiting` more wait for a place, in arrival
+    order; `admit` refuses any more at once.
 
     Why not let grpc queue them: a waiting call holds a worker thread, so the queue would be the
     thread pool itself, and health checks and Info would wait behind it.
     """
 
-    def __init__(self, waiting: int = DEFAULT_WAITING_GENERATIONS):
-        self.capacity = 1 + max(0, waiting)
+    def __init__(self, waiting: int = DEFAULT_WAITING_GENERATIONS, running: int = 1):
+        self.running = max(1, running)
+        self.capacity = self.running + max(0, waiting)
         self._cond = threading.Condition()
         self._admitted = 0
         self._queue: deque[object] = deque()
-        self._running = False
+        self._running = 0
 
     def fit(self, threads: int) -> None:
         """Admit no more calls than `threads` (the worker threads Generate may hold), one at least."""
@@ -95,11 +102,11 @@ class GenerationSlots:
         with self._cond:
             self._queue.append(ticket)
             try:
-                while self._running or self._queue[0] is not ticket:
+                while self._running >= self.running or self._queue[0] is not ticket:
                     if not still_wanted():
                         return False
                     self._cond.wait(WAIT_POLL_S)
-                self._running = True
+                self._running += 1
                 return True
             finally:
                 self._queue.remove(ticket)
@@ -107,13 +114,13 @@ class GenerationSlots:
 
     def done(self) -> None:
         with self._cond:
-            self._running = False
+            self._running -= 1
             self._cond.notify_all()
 
     def depth(self) -> tuple[int, int]:
         """(running, waiting) now."""
         with self._cond:
-            return int(self._running), len(self._queue)
+            return self._running, len(self._queue)
 
     def in_use(self) -> int:
         """Places taken now: running, waiting, and admitted calls still preparing their prompt."""
@@ -141,12 +148,24 @@ class NodeService(node_pb2_grpc.NodeServicer):
         peers=None,
         speculation: SpeculationConfig | None = None,
         waiting_generations: int = DEFAULT_WAITING_GENERATIONS,
+        max_batch: int = 1,
     ):
         """`speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
         cache cannot roll back generates without it (logged once, here). `waiting_generations`:
-        Generate calls that may wait while one runs (see GenerationSlots)."""
+        Generate calls that may wait while the running ones run (see GenerationSlots).
+        `max_batch`: Generate calls decoded together in one batch (node/engine/batching.py); a
+        batch cannot verify drafts exactly, so a call speculates only when it runs alone (the most
+        common case at home: one person asking), and calls that come while it runs form the batch.
+        A model whose caches mlx-lm cannot batch runs one call at a time (logged once, here)."""
         self.sm = sm
         self.speculation, self._draft = None, None
+        self.batch: BatchEngine | None = None
+        if sm is not None and max_batch > 1:
+            try:
+                self.batch = BatchEngine(sm, max_batch)
+            except BatchingUnsupported as e:
+                logger.warning("generating one request at a time: %s", e)
+                max_batch = 1
         if sm is not None and speculation is not None and speculation.mode != "off":
             try:
                 # one draft model for every request, loaded on the MLX thread where it runs
@@ -160,11 +179,19 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.experts = experts
         self.node_id = node_id
         self.role = "full" if sm is not None else "cache"
-        self.generation_slots = GenerationSlots(waiting_generations)  # one generation at a time: one cache
+        self.generation_slots = GenerationSlots(waiting_generations, running=max_batch if sm is not None else 1)
         # Tokenisers keep "parse special tokens or not" as shared state that each encode sets, and
         # chat encoding switches it per piece: one encode at a time keeps each piece as intended.
         self._tokenize_lock = threading.Lock()
         self._generated = [0, 0.0]  # tokens, seconds of every Generate so far (for Info)
+        self._generated_lock = threading.Lock()  # batched calls end on several threads at once
+        self._route_lock = threading.Lock()
+        self._speculating = False  # a call runs alone with speculation now
+
+    def close(self) -> None:
+        """Stop the batch engine (after the server: no call reaches it any more)."""
+        if self.batch is not None:
+            self.batch.close()
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -325,7 +352,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if not slots.admit():
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this node is busy: one generation runs and {slots.capacity - 1} wait; try another node or later",
+                f"this node is busy: {slots.running} generation(s) run and {slots.capacity - slots.running} wait; "
+                "try another node or later",
             )
         try:
             ids = self._prompt_ids(request, context)
@@ -337,6 +365,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 slots.done()
         finally:
             slots.leave()
+
+    def _take_speculation(self) -> bool:
+        """Whether this call runs alone with speculation (then it must give it back): only while no
+        other call generates or waits, since drafts cannot be verified inside a batch. A call that
+        comes while it runs goes to the batch; the two take turns on the MLX thread."""
+        if self.batch is None or self.speculation is None:
+            return False
+        with self._route_lock:
+            if self._speculating or self.batch.active() or self.generation_slots.in_use() > 1:
+                return False
+            self._speculating = True
+            return True
 
     def _generate(self, request, ids: list[int], context) -> Iterator[node_pb2.GenerateEvent]:
         """Generate's stream once the call's turn has come."""
@@ -350,9 +390,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
         summary = GenerationSummary()
         stats = self.sm.store.stats
         last, t_last, first = stats.snapshot(), time.perf_counter(), True
+        alone = self._take_speculation()
         try:
-            generator = Generator(self.sm, self.speculation, draft_source=self._draft)
-            for t in generator.generate(ids, settings, lambda: not context.is_active(), summary):
+            if self.batch is not None and not alone:
+                tokens = self.batch.generate(ids, settings, lambda: not context.is_active(), summary)
+            else:
+                generator = Generator(self.sm, self.speculation, draft_source=self._draft)
+                tokens = generator.generate(ids, settings, lambda: not context.is_active(), summary)
+            for t in tokens:
                 now, t_now = stats.snapshot(), time.perf_counter()
                 d = _delta(now, last)
                 yield node_pb2.GenerateEvent(
@@ -374,8 +419,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
         except ExpertmeshError as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         finally:
-            self._generated[0] += summary.generated_tokens
-            self._generated[1] += summary.seconds
+            if alone:
+                with self._route_lock:
+                    self._speculating = False
+            with self._generated_lock:
+                self._generated[0] += summary.generated_tokens
+                self._generated[1] += summary.seconds
         spec = summary.speculation
         yield node_pb2.GenerateEvent(
             done=node_pb2.GenerationDone(

@@ -1,0 +1,392 @@
+"""Continuous batching: several generations share every forward pass, so each step asks the store
+once per MoE layer for the union of the batch's experts and computes each expert on all of its
+rows together (engine/blocks.py already does so for any number of rows).
+
+Sequences join and leave between steps. The machinery is mlx-lm's own: every cache of the model
+is merged into its batched form (`KVCache.merge` -> `BatchKVCache` with left padding,
+`ArraysCache.merge` for Kimi's KDA state), rows are added with `extend` and dropped with `filter`,
+exactly as `mlx_lm.generate.BatchGenerator` does. What differs from BatchGenerator, and why:
+
+- a joining request is prefilled alone, in its own cache, then merged into the batch. Its prompt
+  and its first token therefore go through the very steps `Generator._plain` takes (chunks, then
+  the last token alone), so they are what the request would get alone; BatchGenerator prefills
+  several prompts together with right padding instead. Prefill is chunked (`prefill_step` tokens
+  a turn, shared by the joiners), and each turn also runs one decode step of the batch, so a long
+  prompt delays the running conversations by one chunk per step, never by its whole length;
+- no `async_eval` pipelining: every MoE layer synchronises to learn its routing anyway, and
+  computing step n+1 before handing out step n's tokens would cost each finished sequence a
+  forward pass (and its experts) that nobody reads, and each new one a step of time to first token;
+- each row samples with its own sampler, and a seeded one carries its own random key, split as
+  MLX's global key is after `mx.random.seed`: a seeded request samples what it would alone.
+
+Each turn (one decode step plus the joiners' prefill) is one task on the process's MLX thread
+(engine/model_thread.py), so peers' calls keep their turns between steps. Callers' threads only
+wait on their own queue of tokens. Speculative decoding does not run inside a batch: a verify pass
+of k drafts per row would make rows of different lengths in one step, and rolling each row of a
+batched KDA state back to its own accepted prefix is not built. So a node speculates a request
+only while it runs alone (NodeService routes it past the batch: the usual case at home, one person
+asking); requests that come meanwhile form the batch, and the two take turns on the MLX thread.
+
+Equality: greedy tokens in a batch equal the tokens alone in float32 (tests/test_batching.py):
+masked positions add exact zeros, but a row's matmuls run among other rows, so its logits may
+differ from its alone logits in the last bits. In BF16 those last bits are ~1e-2 relative, and a
+near tie between the two best tokens can flip, as it can between any two kernel shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import apply_top_p, make_sampler
+
+from expertmesh.node.config import DEFAULT_MAX_BATCH
+from expertmesh.node.engine.generation import (
+    ContextLengthError,
+    GenerationSummary,
+    SamplingSettings,
+    Token,
+    _TokenBook,
+    observe_request,
+)
+from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.errors import ExpertmeshError
+
+logger = logging.getLogger(__name__)
+
+BATCH_PREFILL_STEP = 256  # prompt tokens per turn while others decode: a turn stays a few steps long
+
+
+class BatchingUnsupported(ExpertmeshError):
+    """The model has a cache mlx-lm cannot batch (no `merge`)."""
+
+
+def check_batchable(model) -> None:
+    """Raises BatchingUnsupported unless every cache of `model` can be merged into a batch."""
+    caches = make_prompt_cache(model)
+    missing = sorted({type(c).__name__ for c in caches if not hasattr(c, "merge")})
+    if missing:
+        raise BatchingUnsupported(f"mlx-lm cannot batch this model's {', '.join(missing)}: one request at a time")
+
+
+class KeyedSampler:
+    """Sampling with a key of its own: `mx.random.seed(s)` then mlx-lm's sampler draws from the
+    global key, split once per draw; this splits its own key the same way, so one seeded request
+    among others draws exactly what it would alone."""
+
+    def __init__(self, settings: SamplingSettings):
+        self.temp, self.top_p = settings.temp, settings.top_p
+        self.key = mx.random.key(settings.seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        self.key, sub = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
+
+
+def make_row_sampler(settings: SamplingSettings) -> Callable[[mx.array], mx.array]:
+    """The sampler of one request: greedy, seeded (its own key), or from the global key."""
+    if settings.temp > 0 and settings.seed is not None:
+        return KeyedSampler(settings)
+    return make_sampler(settings.temp, settings.top_p)
+
+
+@dataclass
+class _Done:
+    error: BaseException | None = None
+
+
+@dataclass
+class _Sequence:
+    """One request inside the engine. Fields past `out` are touched on the MLX thread only."""
+
+    prompt: list[int]
+    settings: SamplingSettings
+    should_stop: Callable[[], bool]
+    summary: GenerationSummary
+    t0: float
+    out: queue.Queue = field(default_factory=queue.Queue)
+    left: bool = False  # the caller stopped reading: drop it at the next turn
+    todo: list[int] = field(default_factory=list)  # prompt tokens not yet fed
+    fed: int = 0  # tokens its cache has seen
+    next_token: int | None = None  # fed at the next decode step
+    cache: list | None = None  # its own cache while it prefills
+    book: _TokenBook | None = None
+    sampler: Callable | None = None
+    before: object = None  # the store's stats when it started
+
+
+class BatchEngine:
+    """Runs every generation of one streamed model in one continuous batch of at most `max_batch`
+    sequences; more wait in arrival order (GenerationSlots in node/rpc/service.py admits no more
+    than that, so the wait here is short)."""
+
+    def __init__(self, sm: StreamedModel, max_batch: int = DEFAULT_MAX_BATCH, prefill_step: int = BATCH_PREFILL_STEP):
+        """Raises BatchingUnsupported when the model's caches cannot be batched."""
+        if max_batch < 1 or prefill_step < 1:
+            raise ValueError("max_batch and prefill_step must be at least 1")
+        model_thread().call(check_batchable, sm.model)
+        self.sm, self.max_batch, self.prefill_step = sm, max_batch, prefill_step
+        self._cond = threading.Condition()
+        self._pending: deque[_Sequence] = deque()
+        self._closing = False
+        # the MLX thread's own state (the driver only reads the sizes between turns)
+        self._prefilling: list[_Sequence] = []
+        self._rows: list[_Sequence] = []
+        self._cache: list | None = None
+        self.steps = 0  # decode steps so far
+        self._thread = threading.Thread(target=self._drive, name="expertmesh-batch", daemon=True)
+        self._thread.start()
+
+    # -- the callers' side --------------------------------------------------------------------
+
+    def generate(
+        self,
+        tokens: list[int],
+        settings: SamplingSettings,
+        should_stop: Callable[[], bool] = lambda: False,
+        summary: GenerationSummary | None = None,
+    ) -> Iterator[Token]:
+        """`Generator.generate` for one request of a fresh conversation, run in the batch.
+
+        Raises:
+            ValueError: no prompt tokens.
+            ContextLengthError: the prompt leaves no room for an answer.
+            ExpertmeshError: what the forward pass raised (a download that failed ...).
+        """
+        if not tokens:
+            raise ValueError("nothing to generate from: the prompt has no tokens")
+        limit = self.sm.max_context
+        if limit is not None and len(tokens) >= limit:
+            raise ContextLengthError(
+                f"the prompt is {len(tokens)} tokens and this model's context is {limit}: "
+                "it leaves no room for an answer; shorten it"
+            )
+        summary = summary if summary is not None else GenerationSummary()
+        seq = _Sequence(list(tokens), settings, should_stop, summary, time.perf_counter())
+        with self._cond:
+            if self._closing:
+                raise ExpertmeshError("the node is stopping: no new generation")
+            self._pending.append(seq)
+            self._cond.notify_all()
+        try:
+            while True:
+                item = seq.out.get()
+                if isinstance(item, _Done):
+                    if item.error is not None:
+                        raise item.error
+                    return
+                yield item
+        finally:
+            with self._cond:
+                seq.left = True
+                self._cond.notify_all()
+
+    def active(self) -> int:
+        """Sequences decoding or prefilling now (read between turns: approximate)."""
+        return len(self._rows) + len(self._prefilling)
+
+    def close(self) -> None:
+        """Stop after the turn running now; generations still in the engine end with an error."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(30.0)
+
+    # -- the driver ---------------------------------------------------------------------------
+
+    def _drive(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and not self._pending and not (self._rows or self._prefilling):
+                    self._cond.wait()
+                if self._closing:
+                    break
+            try:
+                model_thread().call(self._turn)
+            except RuntimeError:  # the MLX thread stopped: the process is exiting
+                break
+            except Exception as e:  # a bug outside a step: no caller may wait forever on it
+                logger.exception("a batch turn failed; its generations end with the error")
+                self._fail_all(e)
+        with self._cond:
+            self._closing = True  # no new generation may wait on a driver that is gone
+        self._fail_all(ExpertmeshError("the node stopped before this generation ended"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every generation in the engine with `error` (between turns only)."""
+        with self._cond:
+            waiting = list(self._pending) + self._prefilling + self._rows
+            self._pending.clear()
+        self._prefilling, self._rows, self._cache = [], [], None
+        for seq in waiting:
+            seq.out.put(_Done(error))
+
+    # -- one turn, on the MLX thread ----------------------------------------------------------
+
+    def _turn(self) -> None:
+        """Joiners' prefill first (a short prompt's first token then waits for no decode step),
+        then one decode step of every row, the rows that just joined included."""
+        self._admit()
+        self._drop_leavers()
+        budget = self.prefill_step
+        while self._prefilling and budget > 0:
+            seq = self._prefilling[0]
+            try:
+                budget -= self._prefill(seq, budget)
+            except Exception as e:  # noqa: BLE001 - only this request fails
+                if seq in self._prefilling:
+                    self._prefilling.remove(seq)
+                self._fail(seq, e)
+        if self._rows:
+            try:
+                self._decode()
+            except Exception as e:  # noqa: BLE001 - every row of the failed step gets it
+                rows, self._rows, self._cache = self._rows, [], None
+                for seq in rows:
+                    self._fail(seq, e)
+
+    def _admit(self) -> None:
+        started = []
+        with self._cond:
+            while self._pending and len(self._rows) + len(self._prefilling) + len(started) < self.max_batch:
+                seq = self._pending.popleft()
+                if not seq.left:
+                    started.append(seq)
+        for seq in started:
+            sm = self.sm
+            seq.todo, seq.cache = list(seq.prompt), make_prompt_cache(sm.model)
+            seq.sampler = make_row_sampler(seq.settings)
+            seq.summary.prompt_tokens = len(seq.prompt)
+            seq.before = sm.store.stats.snapshot()
+            detok = sm.tokenizer.detokenizer  # a copy per caller
+            detok.reset()
+            seq.book = _TokenBook(
+                seq.summary,
+                seq.settings,
+                sm.token_observer,
+                set(sm.tokenizer.eos_token_ids),
+                detok,
+                lambda s=seq: s.left or s.should_stop(),
+                seq.t0,
+            )
+            if sm.token_observer is not None:
+                sm.token_observer.prompt(len(seq.prompt))
+            self._prefilling.append(seq)
+
+    def _drop_leavers(self) -> None:
+        """Rows whose caller left or asked to stop go before the step (their tokens would be for nobody)."""
+        for seq in [s for s in self._prefilling if s.left or s.should_stop()]:
+            self._prefilling.remove(seq)
+            self._finish(seq, "interrupted")
+        keep = [i for i, s in enumerate(self._rows) if not (s.left or s.should_stop())]
+        if len(keep) < len(self._rows):
+            for i, seq in enumerate(self._rows):
+                if i not in keep:
+                    self._finish(seq, "interrupted")
+            self._filter(keep)
+
+    def _decode(self) -> None:
+        """One token for every row: one forward pass over the batch."""
+        rows = self._rows
+        logits = self.sm.model(mx.array([[s.next_token] for s in rows]), cache=self._cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(logprobs)
+        self.steps += 1
+        observe = getattr(self.sm.token_observer, "batch", None)
+        if observe is not None:
+            observe(len(rows))
+        keep = []
+        for i, seq in enumerate(rows):
+            seq.fed += 1
+            if self._emit(seq, logprobs[i : i + 1]):
+                keep.append(i)
+        if len(keep) < len(rows):
+            self._filter(keep)
+
+    def _prefill(self, seq: _Sequence, budget: int) -> int:
+        """Feed up to `budget` of `seq`'s prompt as `Generator._prefill` does (all but the last
+        token in chunks, then the last alone, which gives the first token); returns tokens fed."""
+        model = self.sm.model
+        if len(seq.todo) > 1:
+            n = min(budget, len(seq.todo) - 1)
+            chunk, seq.todo = seq.todo[:n], seq.todo[n:]
+            model(mx.array(chunk)[None], cache=seq.cache)
+            mx.eval([c.state for c in seq.cache])
+            seq.fed += n
+            return n
+        logits = model(mx.array(seq.todo)[None], cache=seq.cache)[:, -1, :]
+        seq.fed, seq.todo = seq.fed + 1, []
+        self._prefilling.remove(seq)
+        if self._emit(seq, logits - mx.logsumexp(logits, keepdims=True)):
+            self._join(seq)
+        return 1
+
+    def _emit(self, seq: _Sequence, logprobs: mx.array) -> bool:
+        """Sample `seq`'s next token from its (1, vocab) log-probabilities and hand it over;
+        whether it goes on (the same stops as `Generator._plain`, in the same order)."""
+        y = seq.sampler(logprobs)
+        mx.eval(y, logprobs)
+        token = seq.book.emit(int(y.item()), logprobs.squeeze(0))
+        if token is None:
+            self._finish(seq, "eos")
+            return False
+        seq.out.put(token)
+        stop = seq.book.stop_after()
+        if stop is not None:
+            self._finish(seq, stop)
+            return False
+        limit = self.sm.max_context
+        if limit is not None and seq.fed + 1 >= limit:
+            self._finish(seq, "context")
+            return False
+        seq.next_token = token.id
+        return True
+
+    def _join(self, seq: _Sequence) -> None:
+        """Merge `seq`'s own cache into the batch's (mlx-lm's merge/extend, left padding)."""
+        merged = [c.merge([c]) for c in seq.cache]
+        seq.cache = None
+        if self._cache is None:
+            self._cache = merged
+        else:
+            for batch, one in zip(self._cache, merged):
+                batch.extend(one)
+        self._rows.append(seq)
+
+    def _filter(self, keep: list[int]) -> None:
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache = None
+            return
+        for c in self._cache:
+            c.filter(keep)
+
+    def _close_summary(self, seq: _Sequence) -> None:
+        summary = seq.summary
+        summary.seconds = time.perf_counter() - seq.t0
+        if seq.before is not None:
+            summary.experts = self.sm.store.stats.since(seq.before)
+        observe_request(self.sm.token_observer, summary.seconds)
+
+    def _finish(self, seq: _Sequence, reason: str) -> None:
+        seq.summary.stop_reason = reason
+        detok = seq.book.detok
+        detok.finalize()
+        seq.summary.trailing_text = detok.last_segment
+        self._close_summary(seq)
+        seq.out.put(_Done())
+
+    def _fail(self, seq: _Sequence, error: BaseException) -> None:
+        logger.debug("a batched generation failed: %s", error)
+        self._close_summary(seq)
+        seq.out.put(_Done(error))
