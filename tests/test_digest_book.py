@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
-from expertmesh.node.store.integrity import DigestBook, Record, format_record, parse_record
+from expertmesh.node.store.integrity import DigestBook, Record, fast_digest, format_record, parse_record, sha256
 
 A = "a" * 64
 B = "b" * 64
@@ -55,3 +55,35 @@ def test_two_processes_share_one_book(tmp_path: Path) -> None:
     mine.replace((3, 3), C)  # until the Hub says otherwise
     assert DigestBook(path).get((3, 3)) == C and mine.replaced == 1
     assert DigestBook(path).verified((3, 3))  # two fresh copies agreed on it
+
+
+F = "0123456789abcdef" * 2  # an xxh3_128
+
+
+def test_the_fast_hash_is_an_optional_field_covered_by_the_crc() -> None:
+    line = format_record((3, 7), A, verified=True, fast=F)
+    assert parse_record(line) == Record((3, 7), A, verified=True, fast=F)
+    assert parse_record(line.replace(F, F[::-1])) is None  # a changed fast hash fails the crc
+    assert parse_record(line.replace(F, F[:-1])) is None  # so does a short one
+    assert parse_record(format_record((3, 7), A, verified=True)) == Record((3, 7), A, verified=True)  # none: fine
+
+
+def test_an_older_book_without_fast_hashes_learns_them_and_a_new_sha256_drops_the_old_one(tmp_path: Path) -> None:
+    path = tmp_path / "digests.tsv"
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    digest = sha256(blob)
+    path.write_text(format_record((1, 1), digest) + format_record((1, 2), B))  # as books were before
+    book = DigestBook(path)
+    assert book.fast((1, 1)) is None
+    assert book.check_local((1, 1), blob)  # checked by its sha256 once, the fast hash learnt then
+    assert book.fast((1, 1)) == fast_digest(blob)
+    again = DigestBook(path)  # and kept in the book for the next process
+    assert again.fast((1, 1)) == fast_digest(blob) and again.get((1, 1)) == digest
+    damaged = bytearray(blob)
+    damaged[len(blob) // 2] ^= 1
+    assert not again.check_local((1, 1), damaged)
+    assert not again.check_local((1, 2), blob)  # no fast hash, wrong sha256: refused, nothing learnt
+    assert again.fast((1, 2)) is None
+    assert not again.check_local((9, 9), blob)  # no record: unverifiable
+    again.replace((1, 1), C)  # another sha256: the fast hash of the old bytes no longer holds
+    assert again.fast((1, 1)) is None and DigestBook(path).fast((1, 1)) is None

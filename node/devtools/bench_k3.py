@@ -16,6 +16,10 @@ peak RSS and CPU time are its own, on the same prompts:
                    top-k experts not held anywhere (no RAM, no disk), the next layer's true routing
                    given as the guess
     warm_disk      the experts of the prompts on disk (an untimed pass first), RAM empty
+    warm_disk_floor  warm_disk with the page cache emptied before each prompt's decode, so every
+                   expert not in RAM is read from the disk itself; judged against the disk's own
+                   floor: the bytes decode read from disk ÷ the bandwidth `cat` or parallel
+                   `preadv` reach on the same files from a cold page cache (devtools/disk_floor.py)
     mlx_lm         mlx-lm with every expert in memory
 
 Decode is measured (after the first token); what the fields count:
@@ -28,6 +32,10 @@ Decode is measured (after the first token); what the fields count:
                                (above 1: wasted guesses, fills, retries)
     peak_rss_bytes             the process's peak resident memory
     node_cpu_s_per_gb          the node process's CPU seconds per GB the Hub sent it
+    disk_wait_over_floor       (warm_disk_floor) seconds layer calls waited for experts read from
+                               disk ÷ the floor's seconds for the same bytes
+    hash_cpu_s_per_gb          (warm_disk_floor) CPU seconds the disk tier's integrity check took
+                               per GB it checked
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -59,6 +68,8 @@ FIELDS = (
     "bytes_moved_over_demanded",
     "peak_rss_bytes",
     "node_cpu_s_per_gb",
+    "disk_wait_over_floor",
+    "hash_cpu_s_per_gb",
 )
 
 
@@ -72,10 +83,15 @@ class Row:
     bytes_moved_over_demanded: float | None = None
     peak_rss_bytes: int | None = None
     node_cpu_s_per_gb: float | None = None
+    disk_wait_over_floor: float | None = None
+    hash_cpu_s_per_gb: float | None = None
     tokens: int = 0
     demanded_bytes: int = 0
     moved_bytes: int = 0
     wait_s: float = 0.0
+    disk_bytes: int = 0
+    disk_wait_s: float = 0.0
+    floor_bytes_per_s: float | None = None
 
 
 # -- the worker: one configuration in its own process -----------------------------------------
@@ -111,6 +127,41 @@ class _Phase:
         }
 
 
+class _DiskWatch:
+    """What the warm-disk floor needs from one node, measured from outside the store: wall seconds
+    of layer calls that read an expert from disk, and the CPU time of the disk tier's check."""
+
+    def __init__(self, store):
+        self.store = store
+        self.wait_s = 0.0
+        self.hash_cpu_s = 0.0
+        self.hash_bytes = 0
+        lock = threading.Lock()  # the fetch threads check at once
+        get, check = store._get, store.chain.digests.check_local
+
+        def timed_get(layer, experts, guess):
+            before = store.stats.uses["disk"]
+            t0 = time.perf_counter()
+            out = get(layer, experts, guess)
+            if store.stats.uses["disk"] != before:
+                self.wait_s += time.perf_counter() - t0
+            return out
+
+        def timed_check(key, blob):
+            t0 = time.thread_time()  # this thread's CPU, not the others'
+            ok = check(key, blob)
+            cpu = time.thread_time() - t0
+            with lock:
+                self.hash_cpu_s += cpu
+                self.hash_bytes += len(blob)
+            return ok
+
+        store._get, store.chain.digests.check_local = timed_get, timed_check
+
+    def result(self) -> dict:
+        return {"disk_wait_s": self.wait_s, "hash_cpu_s": self.hash_cpu_s, "hash_bytes": self.hash_bytes}
+
+
 def _sum(parts: list[dict]) -> dict:
     return {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
 
@@ -134,15 +185,32 @@ def _generate(spec: dict, home: Path, prompt: str) -> dict:
     sm = _open(spec, home)
     try:
         ids = sm.tokenizer.encode(prompt)
-        phase, tokens = None, 0
+        phase, tokens, watch = None, 0, None
         for _ in Generator(sm).generate(ids, SamplingSettings(max_tokens=spec["tokens"])):
             tokens += 1
             if phase is None:
                 sm.store.disk.flush()  # the prefill's writes are not decode's
+                if spec.get("cold_disk"):  # decode reads the disk itself, not the page cache
+                    from expertmesh.node.devtools.disk_floor import drop_page_cache
+
+                    drop_page_cache(_expert_files(home))
+                    watch = _DiskWatch(sm.store)
                 phase = _Phase(sm.store, spec["hub_url"])
-        return {**phase.since(), "tokens": tokens - 1} if phase else {}
+        if phase is None:
+            return {}
+        d = sm.store.stats.since(phase.stats)
+        return {
+            **phase.since(),
+            "tokens": tokens - 1,
+            "disk_bytes": d.bytes["disk"],
+            **(watch.result() if watch else {}),
+        }
     finally:
         sm.close()
+
+
+def _expert_files(home: Path) -> list[str]:
+    return sorted(str(p) for p in (home / "experts").glob("*/*/*/*.bin"))
 
 
 def _replay(spec: dict, home: Path) -> dict:
@@ -206,6 +274,10 @@ def worker(spec: dict) -> dict:
                     shutil.copytree(spec["template"], home)
                 parts.append(_generate(spec, home, prompt))
             out = _sum([p for p in parts if p])
+            if spec.get("cold_disk"):  # the disk's own floor on the same files, cold
+                from expertmesh.node.devtools.disk_floor import floor_bandwidth
+
+                out["floor"] = floor_bandwidth(_expert_files(home))
     out["peak_rss_bytes"] = _peak_rss()
     return out
 
@@ -270,6 +342,8 @@ def _row(name: str, cap: float, link: float, got: dict) -> Row:
     wait = got.get("wait_s", 0.0)
     tokens = max(1, got.get("tokens", 1))
     moved = got.get("moved_bytes", 0)
+    floor_bw = got.get("floor", {}).get("bytes_per_s")
+    disk_floor_s = got.get("disk_bytes", 0) / floor_bw if floor_bw else 0.0
     return Row(
         name,
         cap,
@@ -283,6 +357,11 @@ def _row(name: str, cap: float, link: float, got: dict) -> Row:
         demanded_bytes=got.get("demanded_bytes", 0),
         moved_bytes=moved,
         wait_s=wait,
+        disk_wait_over_floor=got["disk_wait_s"] / disk_floor_s if disk_floor_s else None,
+        hash_cpu_s_per_gb=got["hash_cpu_s"] / (got["hash_bytes"] / 1e9) if got.get("hash_bytes") else None,
+        disk_bytes=got.get("disk_bytes", 0),
+        disk_wait_s=got.get("disk_wait_s", 0.0),
+        floor_bytes_per_s=floor_bw,
     )
 
 
@@ -291,7 +370,15 @@ def run(
     tokens: int = 4,
     link: float = LINK_BYTES_PER_S,
     ttfb: float = TTFB_S,
-    configs: tuple[str, ...] = ("cold", "fair_naive", "deltafin_like", "k3_replay", "warm_disk", "mlx_lm"),
+    configs: tuple[str, ...] = (
+        "cold",
+        "fair_naive",
+        "deltafin_like",
+        "k3_replay",
+        "warm_disk",
+        "warm_disk_floor",
+        "mlx_lm",
+    ),
     progress: Callable[[str], None] = print,
     proportions=None,
     cache: Path | None = None,
@@ -321,6 +408,7 @@ def run(
         "deltafin_like": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1], "fresh_connections": True},
         "k3_replay": {"mode": "replay", "store": {"ram_budget": "0", "disk_budget": "0", "fill": False}},
         "warm_disk": {"mode": "warm", "store": store},
+        "warm_disk_floor": {"mode": "warm", "store": store, "cold_disk": True},
         "mlx_lm": {"mode": "mlx_lm", "store": store},
     }
     rows: list[Row] = []
@@ -369,8 +457,8 @@ def run(
 
 
 def print_table(doc: dict, out=print) -> None:
-    out(f"{'config':<14} {'cap MB/s':>8} {'s/token':>8} {'wait/floor':>10} {'link use':>8} {'moved/dem':>9} "
-        f"{'peak RSS':>10} {'CPU s/GB':>8}")  # fmt: skip
+    out(f"{'config':<15} {'cap MB/s':>8} {'s/token':>8} {'wait/floor':>10} {'link use':>8} {'moved/dem':>9} "
+        f"{'peak RSS':>10} {'CPU s/GB':>8} {'disk/floor':>10} {'hash s/GB':>9}")  # fmt: skip
     for r in doc["configs"]:
 
         def f(v, fmt):
@@ -378,10 +466,14 @@ def print_table(doc: dict, out=print) -> None:
 
         rss = format_size(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else "-"
         out(
-            f"{r['name']:<14} {r['per_connection_bytes_per_s'] / 1e6:>8.1f} {r['s_per_token']:>8.2f} "
+            f"{r['name']:<15} {r['per_connection_bytes_per_s'] / 1e6:>8.1f} {r['s_per_token']:>8.2f} "
             f"{f(r['wait_over_floor'], '.2f'):>10} {f(r['useful_link_use'], '.2f'):>8} "
-            f"{f(r['bytes_moved_over_demanded'], '.2f'):>9} {rss:>10} {f(r['node_cpu_s_per_gb'], '.2f'):>8}"
+            f"{f(r['bytes_moved_over_demanded'], '.2f'):>9} {rss:>10} {f(r['node_cpu_s_per_gb'], '.2f'):>8} "
+            f"{f(r.get('disk_wait_over_floor'), '.2f'):>10} {f(r.get('hash_cpu_s_per_gb'), '.3f'):>9}"
         )
+        if r.get("floor_bytes_per_s"):
+            out(f"{'':<15} read {format_size(r['disk_bytes'])} from disk in {r['disk_wait_s']:.2f} s of waits; "
+                f"the disk's floor {format_size(r['floor_bytes_per_s'])}/s (cat or parallel preadv, cold)")  # fmt: skip
     by = {(r["name"], r["per_connection_bytes_per_s"]): r for r in doc["configs"]}
     for (name, cap), r in by.items():
         if name != "cold":

@@ -1,12 +1,35 @@
-"""The sha256 of every expert, recorded at first fetch, so later copies can be checked.
+"""The digests of every expert, recorded at first fetch, so later copies can be checked.
 
-Upstream publishes a digest per shard, not per byte range, so an expert's digest is taken from
+Upstream publishes a digest per shard, not per byte range, so an expert's sha256 is taken from
 the first bytes that passed the Hub's strict 206 checks, and every copy that comes from anywhere
 but RAM afterwards (the disk cache, a peer) must match it.
 
+Two digests, for two kinds of copy. What crosses a network (the Hub, a peer) is checked against
+the sha256: it is what the Hub and the household vouch for, and a peer's bytes must not be able to
+pass for another expert's. A copy read back from this machine's own disk guards against something
+else: bit rot, a truncated, swapped or overwritten file, never a forger (whoever can write the cache
+can write this book too). For that a fast hash is enough, and sha256 is too slow for it: measured on
+this machine's CPU (a 2-core AMD EPYC VM, `python benchmarks/bench_disk.py --hashes-only`, table in
+docs/benchmarks.md "Warm disk"), in CPU seconds per GB hashed:
+
+    sha256 (hashlib)              0.64   the disk tier's check until now: 0.53x the disk's speed
+    BLAKE3 (blake3, 1 thread)     0.30   cryptographic, parallel; max_threads=AUTO: 0.33 CPU-s, 5.7 GB/s
+    crc32 (zlib)                  0.27
+    crc32c (google-crc32c)        0.07   32 bits: a damaged copy passes 1 time in 4 billion
+    xxh3_128 (xxhash)             0.07   128 bits, 14.7 GB/s on one core
+    xxh3_64 (xxhash)              0.06
+
+Decision: xxh3_128, within the 0.15 CPU-s/GB budget with room to spare (BLAKE3 is twice over it),
+as cheap as crc32c with 96 more bits.
+Its 128 bits make an accidental match of a damaged or swapped file as likely as a sha256 collision
+is for any practical purpose; it is not a defence against a chosen forgery, which the disk copy
+does not need. Its one cost: the xxhash binding holds the interpreter lock (1.2 ms per K3 expert).
+
 Kept as an append-only text file beside the disk cache, one record per line:
-`layer expert sha256 state crc32`, state `u` (unverified: taken from one fetch) or `v` (verified:
-two independent fresh copies from the Hub agreed, store/verify.py), the crc32 (8 hex digits) taken
+`layer expert sha256 state [xxh3_128] crc32`, state `u` (unverified: taken from one fetch) or `v`
+(verified: two independent fresh copies from the Hub agreed, store/verify.py), the xxh3_128 (32 hex
+digits; optional: books written before it have none, and an expert without one is checked once by
+its sha256 on its next disk read, which then records it), the crc32 (8 hex digits) taken
 over the fields before it, so a torn, cut or merged line is recognised and skipped instead of read
 as a record of the wrong expert (a cut inside a layer number would otherwise parse). A line is written before the
 expert's file is published, so a cached file always has its digest; a file whose record was lost
@@ -33,6 +56,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 logger = logging.getLogger(__name__)
 
 DIGESTS_FILENAME = "digests.tsv"
@@ -44,11 +69,21 @@ def sha256(blob: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def fast_digest(blob: bytes | bytearray | memoryview) -> str:
+    """The xxh3_128 of `blob`: the check of a copy read back from the local disk (see the module's docstring)."""
+    return xxhash.xxh3_128(blob).hexdigest()
+
+
+def _is_hex(s: str, n: int) -> bool:
+    return len(s) == n and all(c in "0123456789abcdef" for c in s)
+
+
 @dataclass(frozen=True)
 class Record:
     key: tuple[int, int]
     digest: str
     verified: bool = False
+    fast: str | None = None  # the xxh3_128 of the same bytes, when recorded
     old_format: bool = False  # a line of an earlier format: the book is rewritten in this one
 
 
@@ -56,20 +91,27 @@ def _crc(fields: list[str]) -> str:
     return f"{zlib.crc32(' '.join(fields).encode()):08x}"
 
 
-def format_record(key: tuple[int, int], digest: str, verified: bool = False) -> str:
+def format_record(key: tuple[int, int], digest: str, verified: bool = False, fast: str | None = None) -> str:
     fields = [str(key[0]), str(key[1]), digest, "v" if verified else "u"]
+    if fast is not None:
+        fields.append(fast)
     return " ".join([*fields, _crc(fields)]) + "\n"
 
 
 def parse_record(line: str) -> Record | None:
     """The record of one line, or None if it is not a whole one. Earlier formats are read too:
-    `layer expert sha256` and `layer expert sha256 crc32` (both unverified)."""
+    `layer expert sha256` and `layer expert sha256 crc32` (both unverified), and the current one
+    without its optional xxh3_128."""
     parts = line.split()
-    if len(parts) not in (3, 4, 5) or not (parts[0].isdigit() and parts[1].isdigit()):
+    if len(parts) not in (3, 4, 5, 6) or not (parts[0].isdigit() and parts[1].isdigit()):
         return None
-    if len(parts[2]) != 64 or any(c not in "0123456789abcdef" for c in parts[2]):
+    if not _is_hex(parts[2], 64):
         return None
     key = (int(parts[0]), int(parts[1]))
+    if len(parts) == 6:
+        if parts[3] not in ("u", "v") or not _is_hex(parts[4], 32) or parts[5] != _crc(parts[:5]):
+            return None
+        return Record(key, parts[2], verified=parts[3] == "v", fast=parts[4])
     if len(parts) == 5:
         if parts[3] not in ("u", "v") or parts[4] != _crc(parts[:4]):
             return None
@@ -83,6 +125,7 @@ class DigestBook:
     def __init__(self, path: Path):
         self.path = path
         self._digests: dict[tuple[int, int], str] = {}
+        self._fast: dict[tuple[int, int], str] = {}  # xxh3_128 of the bytes whose sha256 is in _digests
         self._unpersisted: set[tuple[int, int]] = set()
         self._verified: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
@@ -142,7 +185,11 @@ class DigestBook:
                 continue
             key = record.key
             messy |= record.old_format or key in self._digests
+            if self._digests.get(key) != record.digest:
+                self._fast.pop(key, None)  # a fast hash belongs to the bytes of one sha256
             self._digests[key] = record.digest  # the last record of an expert wins
+            if record.fast is not None:
+                self._fast[key] = record.fast
             if record.verified:
                 self._verified.add(key)
             else:
@@ -163,7 +210,7 @@ class DigestBook:
             with open(tmp, "w", encoding="ascii") as f:
                 for key, digest in self._digests.items():
                     if key not in self._unpersisted:
-                        f.write(format_record(key, digest, key in self._verified))
+                        f.write(format_record(key, digest, key in self._verified, self._fast.get(key)))
             os.replace(tmp, self.path)
             self._seen = (os.stat(self.path).st_ino, os.stat(self.path).st_size)
         except OSError as e:
@@ -181,15 +228,43 @@ class DigestBook:
         """Whether `blob` is a good copy of expert `key`: equal to the recorded digest, or, when
         none is recorded yet and `may_record` (bytes that passed a remote source's checks), the
         first copy, whose digest is then recorded. A disk copy without a digest is unverifiable."""
-        return self.check_digest(key, sha256(blob), may_record)
+        return self.check_digest(key, sha256(blob), may_record, blob)
 
-    def check_digest(self, key: tuple[int, int], digest: str, may_record: bool) -> bool:
-        """`check` for a digest already computed."""
+    def check_digest(self, key: tuple[int, int], digest: str, may_record: bool, blob=None) -> bool:
+        """`check` for a sha256 already computed; given the `blob` too, its fast hash is recorded
+        with it (or beside an older record without one) for `check_local`."""
         known = self.get(key)
         if known is None and may_record:
-            self.record(key, digest)
+            self.record(key, digest, fast_digest(blob) if blob is not None else None)
             return True
-        return digest == known
+        if digest != known:
+            return False
+        if blob is not None and key not in self._fast:
+            self._learn_fast(key, digest, fast_digest(blob))
+        return True
+
+    def check_local(self, key: tuple[int, int], blob) -> bool:
+        """Whether `blob`, read back from this machine's disk, is the copy of `key` that was written:
+        its xxh3_128 equal to the recorded one. An expert recorded without one (an older book) is
+        checked by its sha256 once, and its xxh3_128 recorded then. No record: unverifiable, False."""
+        known = self.get(key)
+        if known is None:
+            return False
+        fast = self._fast.get(key)
+        if fast is not None:
+            return fast_digest(blob) == fast
+        if sha256(blob) != known:
+            return False
+        self._learn_fast(key, known, fast_digest(blob))
+        return True
+
+    def fast(self, key: tuple[int, int]) -> str | None:
+        """The recorded xxh3_128 of `key`, if any."""
+        return self._fast.get(key)
+
+    def _learn_fast(self, key: tuple[int, int], digest: str, fast: str) -> None:
+        """Add the fast hash of bytes that matched the sha256 `digest` to the record of `key`."""
+        self._write(key, digest, replace=True, verified=key in self._verified, fast=fast, unless_changed=True)
 
     def verified(self, key: tuple[int, int]) -> bool:
         """Whether the digest of `key` was confirmed by two independent fresh copies from the Hub."""
@@ -199,26 +274,28 @@ class DigestBook:
         """A fresh copy from the Hub agreed with the recorded digest: it is the expert's."""
         digest = self.get(key)
         if digest is not None and key not in self._verified:
-            self._write(key, digest, replace=True, verified=True)
+            self._write(key, digest, replace=True, verified=True, fast=self._fast.get(key))
 
     def persisted(self, key: tuple[int, int]) -> bool:
         """Whether the digest of `key` is on disk: only then may its expert be cached on disk."""
         return key in self._digests and key not in self._unpersisted
 
-    def record(self, key: tuple[int, int], digest: str) -> None:
-        """Remember `digest` for `key` unless one is recorded (here or by another process sharing
-        the book): the first one stays the reference until `replace`d.
+    def record(self, key: tuple[int, int], digest: str, fast: str | None = None) -> None:
+        """Remember `digest` (and `fast`, the xxh3_128 of the same bytes) for `key` unless one is
+        recorded (here or by another process sharing the book): the first one stays the reference
+        until `replace`d.
 
         A failed write (a full or read-only disk) keeps the digest in memory only; `persisted`
         then says no.
         """
-        self._write(key, digest, replace=False, verified=False)
+        self._write(key, digest, replace=False, verified=False, fast=fast)
 
-    def replace(self, key: tuple[int, int], digest: str) -> None:
-        """Make `digest` the reference for `key`: the recorded one was contradicted by fresh
-        copies from the Hub that agreed with each other (store/tier_chain.py)."""
+    def replace(self, key: tuple[int, int], digest: str, fast: str | None = None) -> None:
+        """Make `digest` (and `fast`, the xxh3_128 of the same bytes) the reference for `key`: the
+        recorded one was contradicted by fresh copies from the Hub that agreed with each other
+        (store/tier_chain.py)."""
         old = self.get(key)
-        self._write(key, digest, replace=True, verified=True)  # two fresh copies agreed on it
+        self._write(key, digest, replace=True, verified=True, fast=fast)  # two fresh copies agreed on it
         self.replaced += 1
         logger.warning(
             "expert %s: the recorded sha256 %s… was contradicted by two fresh copies from the Hub that agree; "
@@ -228,7 +305,17 @@ class DigestBook:
             digest[:12],
         )
 
-    def _write(self, key: tuple[int, int], digest: str, replace: bool, verified: bool) -> None:
+    def _write(
+        self,
+        key: tuple[int, int],
+        digest: str,
+        replace: bool,
+        verified: bool,
+        fast: str | None = None,
+        unless_changed: bool = False,
+    ) -> None:
+        """Append a record; `unless_changed`: only while `digest` is still the recorded one (adding
+        a fast hash must not bring back a sha256 another process replaced meanwhile)."""
         with self._lock:
             if not replace and key in self._digests:
                 return
@@ -237,15 +324,29 @@ class DigestBook:
                     self._read_new()  # what other processes recorded meanwhile
                     if not replace and key in self._digests:
                         return
+                    if unless_changed and (self._digests.get(key) != digest or key in self._unpersisted):
+                        return
+                    if self._digests.get(key) != digest:
+                        self._fast.pop(key, None)
                     self._digests[key] = digest
-                    self._append(format_record(key, digest, verified).encode())
+                    if fast is not None:
+                        self._fast[key] = fast
+                    self._append(format_record(key, digest, verified, fast).encode())
                 self._unpersisted.discard(key)
                 if verified:
                     self._verified.add(key)
                 else:
                     self._verified.discard(key)
             except OSError as e:
+                if unless_changed:  # only a fast hash was to be added: kept in RAM, the record stands
+                    if self._digests.get(key) == digest and fast is not None:
+                        self._fast[key] = fast
+                    return
+                if self._digests.get(key) != digest:
+                    self._fast.pop(key, None)
                 self._digests[key] = digest
+                if fast is not None:
+                    self._fast[key] = fast
                 self._unpersisted.add(key)
                 log = logger.warning if self.write_error is None else logger.debug  # once, not per expert
                 self.write_error = e

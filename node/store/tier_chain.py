@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from expertmesh.node.errors import DownloadError
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.store.codec import ExpertCodec, ExpertWeights
-from expertmesh.node.store.integrity import DigestBook, sha256
+from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tiers import RunFetcher, Tier
 from expertmesh.node.store.tiers.disk import DiskCache
@@ -154,16 +154,21 @@ class TierChain:
         """
         if self.digests is None:
             return True
-        digest = sha256(blob)
-        if self.digests.check_digest(key, digest, may_record=not tier.local):
-            return True
+        if tier.local:  # read back from this machine's disk: the fast hash recorded with it (store/integrity.py)
+            digest = None
+            if self.digests.check_local(key, blob):
+                return True
+        else:
+            digest = sha256(blob)
+            if self.digests.check_digest(key, digest, may_record=True, blob=blob):
+                return True
         if contradicting is not None and not tier.local and not tier.household:
             if digest in contradicting:
-                self.digests.replace(key, digest)
+                self.digests.replace(key, digest, fast_digest(blob))
                 return True
             contradicting.add(digest)
         self.stats.record_integrity_failure(tier.source)
-        logger.warning("expert %s from %s failed its sha256 check; discarding that copy", key, tier.source)
+        logger.warning("expert %s from %s failed its integrity check; discarding that copy", key, tier.source)
         tier.discard(self.index.expert(*key))
         return False
 

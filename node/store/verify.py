@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from expertmesh.node.hub.expert_index import ExpertIndex
-from expertmesh.node.store.integrity import DigestBook, sha256
+from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tiers import Tier
 from expertmesh.node.store.tiers.disk import DiskCache
@@ -78,7 +78,7 @@ def verify_experts(
                 report.bytes_fetched += loc.nbytes
                 second = sha256(again)
                 if second == digest:
-                    digests.replace(key, digest)
+                    digests.replace(key, digest, fast_digest(again))
                     disk.discard(loc)
                     disk.put(loc, again, wait=True)
                     report.corrected.append(key)

@@ -10,9 +10,11 @@ first, and such a copy never pushes out one this node owns: an owner keeps what 
 its generations bring in. An expert's bytes are counted against the budget from the moment its write is
 reserved, and its file is renamed into place under the same lock that evicts: a write whose
 reservation was evicted meanwhile drops its temporary file instead of publishing an expert the
-accounting no longer holds, so the published files never exceed the budget. Reads are positional
-reads into a preallocated buffer (`os.preadv`), which release the interpreter lock, so the fetch
-threads read in parallel.
+accounting no longer holds, so the published files never exceed the budget. Reads are several
+aligned positional reads in flight per expert (`os.preadv`, which releases the interpreter lock)
+into page-aligned buffers reused from a pool (store/disk_reads.py), so the fetch threads keep the
+SSD's queue full; the store checks each copy read back against the fast hash recorded when it was
+written (xxh3_128, store/integrity.py), not the sha256, which is kept for copies that cross a network.
 
 Once started, writes leave the fetch path: `put` reserves the expert's room and queues its bytes
 for one writer thread (write-behind), and until the file is published a read is answered from
@@ -42,7 +44,7 @@ from typing import Protocol
 
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
-from expertmesh.node.store.buffers import expert_buffer
+from expertmesh.node.store.disk_reads import DiskReadConfig, DiskReader, WrongSize
 from expertmesh.node.store.integrity import DigestBook
 
 logger = logging.getLogger(__name__)
@@ -75,8 +77,16 @@ class DiskCache:
     local = True
     household = False
 
-    def __init__(self, root: Path, index: ExpertIndex, budget_bytes: int, digests: DigestBook):
+    def __init__(
+        self,
+        root: Path,
+        index: ExpertIndex,
+        budget_bytes: int,
+        digests: DigestBook,
+        reads: DiskReadConfig | None = None,
+    ):
         self.root = root
+        self.reader = DiskReader(reads)
         self.index = index
         self.digests = digests
         self.budget_bytes = budget_bytes
@@ -216,8 +226,9 @@ class DiskCache:
         self.refused = False  # try: the next refusal turns it off again
         return False
 
-    def fetch(self, loc: ExpertLocation, abandon=None) -> bytes | bytearray | None:
-        """The copy on disk (or queued for it); `abandon` is for tiers that move bytes over a link."""
+    def fetch(self, loc: ExpertLocation, abandon=None) -> bytes | bytearray | memoryview | None:
+        """The copy on disk (or queued for it); `abandon` is for tiers that move bytes over a link.
+        A copy read from disk is a pooled buffer, reused once every view of it is gone."""
         key = (loc.layer, loc.expert)
         with self._lock:
             queued = self._pending.get(key)
@@ -227,19 +238,15 @@ class DiskCache:
             if key not in self._files or key in self._writing:
                 return None
             self._touch(key)
-        blob = expert_buffer(loc.nbytes)
         try:
-            got = _pread_into(self._path(*key), blob)
-        except FileNotFoundError:
-            got = -1
+            return self.reader.read(self._path(*key), loc.nbytes)
+        except (FileNotFoundError, WrongSize):
+            pass
         except OSError as e:  # a failing disk: this copy is lost, the other tiers have it
             self.read_errors += 1
             logger.warning("disk cache: could not read expert %s (%s); fetching it elsewhere", key, e.strerror)
-            got = -1
-        if got != loc.nbytes:
-            self._forget(key)
-            return None
-        return blob
+        self._forget(key)
+        return None
 
     def discard(self, loc: ExpertLocation) -> None:
         """Delete a copy that failed its check."""
@@ -267,6 +274,7 @@ class DiskCache:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # another process may keep the cache now
             self._lock_fd = None
+        self.reader.close()
 
     def put(self, loc: ExpertLocation, blob: bytes | bytearray, wait: bool = False) -> None:
         """Keep a copy of a verified expert (its digest must already be persisted); failing to
@@ -411,21 +419,3 @@ class DiskCache:
                 self._pending_bytes -= len(queued)
             with contextlib.suppress(OSError):
                 self._path(*key).unlink(missing_ok=True)
-
-
-def _pread_into(path: Path, buf: bytearray) -> int:
-    """Fill `buf` from the start of `path`; returns the bytes read (less than asked: too short)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        view = memoryview(buf)
-        done = 0
-        while done < len(buf):
-            n = os.preadv(fd, [view[done:]], done)
-            if n == 0:
-                break
-            done += n
-        if done == len(buf) and os.pread(fd, 1, done):  # longer than the expert: not ours
-            return -1
-        return done
-    finally:
-        os.close(fd)
