@@ -23,10 +23,14 @@ import threading
 import weakref
 from collections import defaultdict
 
+from expertmesh.node import constants
+
 MMAP_MIN_BYTES = 1024 * 1024  # smaller buffers come from the allocator, which handles them well
-# idle buffers kept at most: the fetch workers (8) and a few guesses read at once. They are
-# resident memory beside the RAM tier's budget (210 MB of K3 experts); beyond, released ones are unmapped
-POOL_IDLE_BUFFERS = 12
+# idle buffers kept at most: one per fetch worker, the "one expert per fetch worker" the memory
+# budget allows beside the RAM tier (140 MB of K3 experts). Buffers of one size are lent idle ones
+# first, so in-flight and idle buffers together stay within max(peak in flight, this). Beyond it,
+# released buffers are unmapped.
+POOL_IDLE_BUFFERS = constants.EXPERT_FETCH_CONCURRENCY
 
 
 def expert_buffer(nbytes: int) -> bytearray | mmap.mmap:
@@ -98,3 +102,18 @@ class BufferPool:
             self._idle.clear()
             self._idle_count = 0
             self._idle_bytes = 0
+
+
+_shared: BufferPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool() -> BufferPool:
+    """The process's pool for expert bytes: the Hub's and the peers' fetches and the disk's reads
+    lend from one pool, so at most POOL_IDLE_BUFFERS idle buffers stay resident in all, and a
+    buffer a Hub fetch released serves the next disk read."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = BufferPool()
+        return _shared

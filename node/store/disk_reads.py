@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from expertmesh.node.store.buffers import BufferPool
+from expertmesh.node.store.buffers import BufferPool, shared_pool
 
 _F_NOCACHE = getattr(fcntl, "F_NOCACHE", 48)  # macOS; the constant is in fcntl only from Python 3.12 on
 
@@ -87,7 +87,7 @@ class DiskReader:
 
     def __init__(self, config: DiskReadConfig | None = None, pool: BufferPool | None = None):
         self.config = config or DiskReadConfig()
-        self.pool = pool or BufferPool()
+        self.pool = pool or shared_pool()
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False

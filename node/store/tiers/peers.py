@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from expertmesh.node.household.membership import Peer, PeerTable, expert_key
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
-from expertmesh.node.store.buffers import expert_buffer
+from expertmesh.node.store.buffers import shared_pool
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +131,9 @@ class PeerSource:
                 return blob
         return None
 
-    def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> bytearray | None:
+    def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> memoryview | None:
         t0 = time.perf_counter()
-        blob = expert_buffer(loc.nbytes)  # the chunks land in place: no join
+        blob = shared_pool().lend(loc.nbytes)  # the chunks land in place: no join, no fresh pages
         try:
             size, digest, received = None, None, 0
             for chunk in self.client(peer.address).fetch_expert(
