@@ -16,6 +16,9 @@ the same greedy tokens. Targets: remote >= 5x faster than fetch, faster than alo
 bytes per token >= 100x fewer than fetch (shown in raw bytes and as K3 would see them).
 
     python benchmarks/bench_remote.py [--tokens 12] [--time-scale 0.2] [--json out.json]
+
+At K3's real proportions (17.5 MB experts), one process per node and kernel-shaped links instead of
+this scaled emulation: `expertmesh lab` (node/devtools/lab/, docs/lab.md).
 """
 
 from __future__ import annotations

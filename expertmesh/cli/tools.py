@@ -1,4 +1,4 @@
-"""`hub`, `tiny-model`, `bench` and `replay`: a local Hub, test models and measurements."""
+"""`hub`, `tiny-model`, `bench`, `replay` and `lab`: a local Hub, test models and measurements."""
 
 from __future__ import annotations
 
@@ -72,6 +72,32 @@ def add_commands(sub) -> None:
     p.add_argument("--budgets", default="10%,25%,50%", help="experts RAM holds: counts or %% of all experts")
     p.add_argument("--policies", help=f"comma-separated, from {', '.join(RAM_POLICIES)} (default: all)")
     p.set_defaults(func=replay)
+
+    p = sub.add_parser(
+        "lab",
+        help="a household of real processes in network namespaces on tbf-shaped links: alone, fetching and "
+        "remote execution side by side, and the projection to Kimi K3 (see docs/lab.md)",
+    )
+    p.add_argument("--nodes", type=arguments.positive_int, default=4, help="node processes (default %(default)s)")
+    p.add_argument("--layers", type=arguments.positive_int, default=2, help="MoE layers (default %(default)s)")
+    p.add_argument("--experts", type=arguments.positive_int, default=32, help="experts per layer (default %(default)s)")
+    p.add_argument("--top-k", type=arguments.positive_int, default=16, help="experts per token (default %(default)s)")
+    p.add_argument("--tokens", type=arguments.positive_int, default=6, help="tokens per prompt (default %(default)s)")
+    p.add_argument("--lan", default="118MB", help="each node's NIC, bytes/s each way (default %(default)s: 1 GbE)")
+    p.add_argument("--hub-bandwidth", default="100MB", help="the Hub's link, bytes/s (default %(default)s)")
+    p.add_argument(
+        "--hub-ttfb", type=float, default=0.075, help="seconds to the Hub's first byte (default %(default)s)"
+    )
+    p.add_argument(
+        "--scenarios",
+        default="alone_cold,alone_warm_disk,fetch_from_owners,remote,remote_node_dies,remote_node_joins",
+        help="which to run, in order (default %(default)s)",
+    )
+    p.add_argument("--loopback", action="store_true", help="do not use network namespaces even as root")
+    p.add_argument("--metal-compute-s", type=float, help="projection input: seconds of one expert on Metal")
+    p.add_argument("--ssd-bytes-per-s", type=float, help="projection input: a Mac's SSD read bandwidth")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=lab)
 
 
 def hub(args: argparse.Namespace) -> int:
@@ -160,4 +186,42 @@ def replay(args: argparse.Namespace) -> int:
     print(f"{'RAM hit rate':<14}" + "".join(f"{n:>8} ({100 * n / trace.total_experts:.0f}%)" for n in slots))
     for name, rates in table.items():
         print(f"{name:<14}" + "".join(f"{rates[n]:>14.3f}" for n in slots))
+    return 0
+
+
+def lab(args: argparse.Namespace) -> int:
+    from expertmesh.node.devtools.lab.household import SCENARIOS, Lab, LabConfig, print_table
+    from expertmesh.node.sizes import parse_size
+
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown:
+        raise ExpertmeshError(f"--scenarios: unknown {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    try:
+        lan, hub_bw = float(parse_size(args.lan)), float(parse_size(args.hub_bandwidth))
+    except ValueError as e:
+        raise ExpertmeshError(f"--lan/--hub-bandwidth: {e}") from None
+    inputs = {}
+    if args.metal_compute_s is not None:
+        inputs["metal_compute_s"] = args.metal_compute_s
+    if args.ssd_bytes_per_s is not None:
+        inputs["ssd_bytes_per_s"] = args.ssd_bytes_per_s
+    config = LabConfig(
+        nodes=args.nodes,
+        moe_layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        tokens=args.tokens,
+        lan_bytes_per_s=lan,
+        hub_bytes_per_s=hub_bw,
+        hub_ttfb_s=args.hub_ttfb,
+        scenarios=scenarios,
+        namespaces=False if args.loopback else None,
+        projection_inputs=inputs,
+    )
+    doc = Lab(config, progress=lambda m: print(m, file=sys.stderr, flush=True)).run()
+    print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0

@@ -171,8 +171,11 @@ class RemoteExperts:
         List scheduling over the resources a pass keeps busy: this node's disk (reads side by
         side on the store's workers), the Hub link (likewise), and each peer — its link carries
         the experts fetched from it, and its compute runs the experts sent to it after the call's
-        fixed cost (round trip, activations, its queue). Each expert, slowest first, goes where
-        its end time is earliest; a tie stays here. `row_bytes[e]`: bytes of expert e's rows.
+        fixed cost (round trip, activations, its queue). Every expert fetched from a peer also
+        crosses this node's own NIC (`"nic"`), one after another whichever peer sends it: three
+        peers do not make a gigabit port three times faster (docs/lab.md). Each expert, slowest
+        first, goes where its end time is earliest; a tie stays here. `row_bytes[e]`: bytes of
+        expert e's rows.
         """
         placement = Placement()
         computers = self._compute_peers()
@@ -196,15 +199,15 @@ class RemoteExperts:
             holders = [p for p in computers if key in held[p.node_id]]
             owner = self.peers.table.ranked(expert_key(index, layer, e))[0]
             if key in self.disk:
-                fetch = ("here", self._fetch_latency_s("disk", loc.nbytes, stats) / lanes)
+                fetch = ("here", self._fetch_latency_s("disk", loc.nbytes, stats) / lanes, 0.0)
             elif holders or owner is not None:
                 source = holders[0] if holders else owner
                 link = links.get(source.node_id) or self._link(source)
                 # an owner that lacks the expert fetches it from the Hub before sending it
                 hub_first = self._fetch_latency_s("hub", loc.nbytes, stats) if not holders else 0.0
-                fetch = (source.node_id, hub_first + link.transfer_s(loc.nbytes))
+                fetch = (source.node_id, hub_first + link.transfer_s(loc.nbytes), link.transfer_s(loc.nbytes))
             else:
-                fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes, stats) / lanes)
+                fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes, stats) / lanes, 0.0)
             if row_bytes[e] > self.config.max_call_bytes:  # rows too big for one call (a huge prefill): run here
                 todo.append((fetch[1], e, loc.nbytes, fetch, []))
                 continue
@@ -213,8 +216,12 @@ class RemoteExperts:
                 options.append((owner.node_id, True))  # the owner fetches it from the Hub, keeps it, computes it
             todo.append((fetch[1], e, loc.nbytes, fetch, options))
         disk_prior = self._fetch_latency_s("disk", index.expert(layer, experts[0]).nbytes, stats) if experts else 0.0
-        for cost, e, nbytes, (where, _), options in sorted(todo, key=lambda t: -t[0]):
-            best, best_end, remote = where, busy.get(where, 0.0) + cost, None
+        for cost, e, nbytes, (where, _, nic_s), options in sorted(todo, key=lambda t: -t[0]):
+            # a transfer starts when its sender is free and, for its last `nic_s`, our NIC is too
+            fetch_end = busy.get(where, 0.0) + cost
+            if nic_s > 0:
+                fetch_end = max(fetch_end, busy.get("nic", 0.0) + nic_s)
+            best, best_end, remote = where, fetch_end, None
             for node_id, fetches in options:
                 link = links[node_id]
                 start = busy.get(node_id, 0.0) + (0.0 if node_id in called else link.call_start_s(2 * row_bytes[e]))
@@ -224,6 +231,8 @@ class RemoteExperts:
                 if end < best_end:
                     best, best_end, remote = node_id, end, (node_id, fetches)
             busy[best] = best_end
+            if remote is None and nic_s > 0:
+                busy["nic"] = best_end
             if remote is not None:
                 called.add(best)
                 placement.remote[e] = by_id[best]

@@ -1,0 +1,192 @@
+"""One scenario of the lab, in a process of its own: the generating Mac's node, measured.
+
+Run by the lab driver (inside node 0's namespace when namespaces are up) as
+`python -m expertmesh.node.devtools.lab.worker SPEC_JSON`; prints one JSON line. The node is
+built by the same composition root as `expertmesh run`: alone (the Hub only), or with the
+household's nodes — found with zeroconf across the bridge when `spec["cluster"]` is set, else the
+addresses in `spec["peers"]` — fetching their experts (`remote` false) or sending them
+activations (`remote` true). Each call to the placement is tallied, so the lab shows where each
+expert use ran and what the cost model estimated when it chose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+JOIN_WAIT_S = 60.0  # at most this long between prompts for a joining node to be seen (not in decode time)
+
+
+def _hub_bytes(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/_hub/stats", timeout=30) as r:
+        return int(json.load(r)["bytes_served"])
+
+
+def _discover(cluster: str, interface: str, want: int, wait_s: float) -> list[str]:
+    """Addresses of the nodes of `cluster` that zeroconf finds on `interface` (up to `want`, within `wait_s`)."""
+    from expertmesh.node.household.discovery import Browser
+
+    found: dict[str, str] = {}
+    seen_all = threading.Event()
+
+    def seen(name: str, sighting) -> None:
+        if sighting is not None and sighting.ad.cluster == cluster:
+            found[sighting.ad.node_id] = sighting.address
+            if len(found) >= want:
+                seen_all.set()
+
+    browser = Browser(seen, [interface])
+    try:
+        seen_all.wait(wait_s)
+        browser.settle()
+    finally:
+        browser.close()
+    return sorted(found.values())
+
+
+class _Tally:
+    """Wraps RemoteExperts.plan: per node id, the experts placed there, and the last estimates."""
+
+    def __init__(self, remote) -> None:
+        self.placed: Counter = Counter()
+        self.estimates: list[dict[str, float]] = []
+        plan = remote.plan
+
+        def counted(layer, experts, row_bytes):
+            placement = plan(layer, experts, row_bytes)
+            for peer in placement.remote.values():
+                self.placed[peer.node_id] += 1
+            self.placed["here"] += len(experts) - len(placement.remote)
+            if len(self.estimates) < 200:
+                self.estimates.append({k: round(v, 6) for k, v in placement.estimate_s.items()})
+            return placement
+
+        remote.plan = counted
+
+
+def _generate(sm, ids: list[int], tokens: int, on_token=None) -> dict:
+    from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+
+    summary = GenerationSummary()
+    out, before, t_first = [], None, None
+    for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary):
+        out.append(t.id)
+        if before is None:  # decode is measured after the first token
+            before, t_first = sm.store.stats.snapshot(), time.perf_counter()
+        if on_token is not None:
+            on_token(len(out))
+    decode_s = time.perf_counter() - t_first if t_first else 0.0
+    d = sm.store.stats.since(before) if before is not None else sm.store.stats.snapshot()
+    return {"ids": out, "decode_s": decode_s, "decode_tokens": max(0, len(out) - 1), "stats": d}
+
+
+def run(spec: dict) -> dict:
+    from expertmesh.node.assembly import build_node
+    from expertmesh.node.config import HouseholdConfig, NodeConfig, RemoteConfig, RpcConfig, StoreConfig
+    from expertmesh.node.hub import client as hub_client
+
+    home = Path(spec["home"])
+    peers: list[str] = list(spec.get("peers", []))
+    found_by = "static"
+    if spec.get("cluster"):
+        peers = _discover(spec["cluster"], spec["interface"], spec["expect_peers"], spec.get("discovery_wait_s", 10))
+        found_by = "zeroconf"
+    store = StoreConfig(**spec["store"])
+    household, rpc = None, None
+    if spec["mode"] != "alone":
+        remote = RemoteConfig(lan_bandwidth=spec.get("lan_bandwidth", 118e6)) if spec["mode"] == "remote" else None
+        household = HouseholdConfig(secret=spec["secret"], peers=peers, remote=remote)
+        if spec.get("live_discovery"):  # as `serve` does: advertise (owning nothing: no disk) and follow the others
+            household = HouseholdConfig(
+                secret=spec["secret"],
+                discover=True,
+                cluster=spec["cluster"],
+                interface=spec["interface"],
+                remote=remote,
+            )
+            rpc = RpcConfig(host=spec["interface"], port=0)
+            found_by = "zeroconf (live)"
+    out: dict = {"peers": peers, "found_by": found_by}
+    with hub_client.using_endpoint(spec["hub_url"]):
+        if spec.get("warm_first"):  # untimed: the prompts' experts onto this node's disk
+            node = build_node(NodeConfig(spec["repo_id"], home=home, store=store, household=household)).start()
+            for prompt in spec["prompts"]:
+                _generate(node.model, node.model.tokenizer.encode(prompt), spec["tokens"])
+            node.model.store.disk.flush()
+            node.close()
+        node = build_node(NodeConfig(spec["repo_id"], home=home, store=store, household=household, rpc=rpc)).start()
+        try:
+            if rpc is not None:  # wait (bounded) until zeroconf has found the nodes that are up
+                deadline = time.monotonic() + spec.get("discovery_wait_s", 10)
+                while len(node.peers.all()) < spec["expect_peers"] and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                out["peers"] = sorted(p.address for p in node.peers.all())
+            sm = node.model
+            tally = _Tally(node.remote) if node.remote is not None else None
+            _generate(sm, sm.tokenizer.encode(spec["warm_up"]), 3)  # connections, kernels, first estimates
+            kill = spec.get("kill")
+
+            join = spec.get("join")
+
+            def on_token(n: int) -> None:
+                if kill and n == kill["after_token"] and not out.get("killed"):
+                    os.kill(kill["pid"], signal.SIGKILL)
+                    out["killed"] = {"pid": kill["pid"], "after_token": n}
+                if join and n == join["after_token"] and not out.get("join_asked"):
+                    out["join_asked"] = {"after_token": n, "peers": len(node.peers.all())}
+                    print("JOIN", flush=True)  # the lab starts the node now
+
+            if tally is not None:  # what the measured prompts placed, not the warm-up's
+                tally.placed.clear()
+                tally.estimates.clear()
+            hub0 = _hub_bytes(spec["hub_url"])
+            runs = []
+            for i, prompt in enumerate(spec["prompts"]):
+                if i == 1 and out.get("join_asked"):  # the next prompt with the joined node, once zeroconf shows it
+                    t0, before = time.monotonic(), out["join_asked"]["peers"]
+                    while len(node.peers.all()) <= before and time.monotonic() - t0 < JOIN_WAIT_S:
+                        time.sleep(0.2)
+                    out["join_seen_after_s"] = round(time.monotonic() - t0, 2)
+                runs.append(_generate(sm, sm.tokenizer.encode(prompt), spec["tokens"], on_token if i == 0 else None))
+            hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
+            out["peers_at_end"] = len(node.peers.all()) if node.peers is not None else 0
+            if node.remote is not None:
+                out["links"] = {
+                    nid: {"rtt_s": k.rtt_s, "call_s": k.call_s, "service_s": k.service_s, "bandwidth": k.bandwidth}
+                    for nid, k in node.remote.links.items()
+                }
+        finally:
+            node.close()
+    tokens = sum(r["decode_tokens"] for r in runs)
+    sources = list(runs[0]["stats"].uses)
+    uses = {k: sum(r["stats"].uses[k] for r in runs) for k in sources}
+    nbytes = {k: sum(r["stats"].bytes[k] for r in runs) for k in sources}
+    remote = {k: sum(r["stats"].remote[k] for r in runs) for k in runs[0]["stats"].remote}
+    decode_s = sum(r["decode_s"] for r in runs)
+    wait_s = sum(r["stats"].wait_seconds for r in runs)
+    out.update(
+        outputs=[r["ids"] for r in runs],
+        tokens=tokens,
+        decode_s=decode_s,
+        s_per_token=decode_s / max(1, tokens),
+        uses=uses,
+        bytes=nbytes,
+        remote=remote,
+        hub_served_bytes=hub_bytes,  # by the Hub during the prompts: prefill, guesses and decode
+        wait_s=wait_s,
+        placed=dict(tally.placed) if tally else {"here": sum(uses.values())},
+        estimates=tally.estimates[-4:] if tally else [],
+    )
+    return out
+
+
+if __name__ == "__main__":
+    result = run(json.loads(sys.argv[1]))
+    print(json.dumps(result))
