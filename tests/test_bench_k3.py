@@ -5,6 +5,9 @@ The speed figures themselves come from the real-size run in docs/benchmarks.md, 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -18,14 +21,20 @@ CAP = 20e6
 
 
 @pytest.fixture(scope="module")
-def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny model is made once for the module's runs."""
+    return tmp_path_factory.mktemp("bench-k3")
+
+
+@pytest.fixture(scope="module")
+def doc(cache: Path) -> dict:
     got = bench_k3.run(
         [CAP],
         tokens=2,
         configs=("cold", "fair_naive", "k3_replay"),
         progress=lambda _m: None,
         proportions=TINY,
-        cache=tmp_path_factory.mktemp("bench-k3"),
+        cache=cache,
     )
     return json.loads(json.dumps(got))  # what --json writes
 
@@ -65,3 +74,47 @@ def test_the_baseline_moves_only_what_it_demands_at_no_more_than_the_link(doc: d
     assert floor["s_per_token"] == pytest.approx(
         rows["cold"]["demanded_bytes"] / doc["link"]["bytes_per_s"] / rows["cold"]["tokens"]
     )
+
+
+@pytest.mark.e2e
+def test_a_config_runs_over_a_kernel_shaped_link_and_leaves_no_namespace(cache: Path) -> None:
+    from expertmesh.node.devtools.lab import network
+
+    why = network.available()
+    if why:
+        print(f"kernel link not available: {why}")
+        pytest.skip(why)
+    got = json.loads(
+        json.dumps(
+            bench_k3.run(
+                [CAP],
+                tokens=2,
+                configs=("k3_replay",),
+                progress=lambda _m: None,
+                proportions=TINY,
+                cache=cache,
+                kernel_link=True,
+            )
+        )
+    )
+    assert got["link"]["shaped_by"] == "kernel tbf"
+    # read from the Hub's interface while it ran: the link's 100 MB/s, in bits
+    assert "tbf" in got["link"]["hub_qdisc"] and "rate 800Mbit" in got["link"]["hub_qdisc"]
+    (row,) = got["configs"]
+    assert row["name"] == "k3_replay" and set(bench_k3.FIELDS) <= set(row)
+    assert row["tokens"] == 2 and row["demanded_bytes"] > 0 and row["s_per_token"] > 0
+    assert row["demanded_bytes"] % TINY.expert_bytes == 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert f"{network.PREFIX}{os.getpid()}" not in listed
+
+
+def test_a_kernel_link_without_namespaces_fails_clearly_instead_of_falling_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Checked before anything is made or started: the message says why, nothing runs hub-shaped."""
+    from expertmesh.node.devtools.lab import network
+
+    monkeypatch.setattr(network, "available", lambda: "not root: network namespaces need CAP_NET_ADMIN")
+    with pytest.raises(bench_k3.KernelLinkUnavailable, match="not root"):
+        bench_k3.run([CAP], configs=("k3_replay",), proportions=TINY, cache=tmp_path, kernel_link=True)
+    assert not any(tmp_path.iterdir())  # no model made, no hub started

@@ -46,6 +46,18 @@ def add_commands(sub) -> None:
         metavar="B[,B...]",
         help="k3-proportions: the per-connection caps to run at, on a 100 MB/s link (default %(default)s)",
     )
+    p.add_argument(
+        "--kernel-link",
+        action="store_true",
+        help="k3-proportions: the Hub and the workers in network namespaces, the 100 MB/s link a tbf qdisc "
+        "(needs root, ip and tc; the per-connection cap and first-byte delay stay the hub's knobs)",
+    )
+    p.add_argument(
+        "--configs",
+        metavar="NAME[,NAME...]",
+        help="k3-proportions: which configurations to run, in order (default: all of cold, fair_naive, "
+        "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm)",
+    )
     p.add_argument("--tokens", type=int, help="tokens per prompt (default 24; k3-proportions: 4)")
     p.add_argument(
         "--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)"
@@ -145,7 +157,19 @@ def _bench_k3(args: argparse.Namespace) -> int:
         caps = [float(parse_size(c)) for c in args.per_connection_bandwidth.split(",")]
     except ValueError as e:
         raise ExpertmeshError(f"--per-connection-bandwidth: {e}") from None
-    doc = bench_k3.run(caps, tokens=args.tokens or 4, progress=lambda m: print(m, file=sys.stderr))
+    configs = bench_k3.CONFIGS
+    if args.configs:
+        configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+        unknown = [c for c in configs if c not in bench_k3.CONFIGS]
+        if unknown or not configs:
+            raise ExpertmeshError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.CONFIGS)}")
+    doc = bench_k3.run(
+        caps,
+        tokens=args.tokens or 4,
+        configs=configs,
+        progress=lambda m: print(m, file=sys.stderr),
+        kernel_link=args.kernel_link,
+    )
     bench_k3.print_table(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

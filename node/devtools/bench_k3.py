@@ -3,8 +3,12 @@
 A K3-proportioned repo (node/devtools/tiny/k3_proportions.py: 3 MoE layers of 64 experts of
 17,547,264 bytes, top-16) is served by `expertmesh hub` in a process of its own, shaped like a
 home link with its real numbers and no time scale: 100 MB/s in all, a per-connection cap (12.5, 25
-or 100 MB/s), 75 ms to the first byte. Every configuration runs in a process of its own, so its
-peak RSS and CPU time are its own, on the same prompts:
+or 100 MB/s), 75 ms to the first byte. The 100 MB/s are the hub process's own token bucket, or with
+`--kernel-link` (root, ip and tc) a tbf qdisc on the Hub's interface in a network namespace of its
+own, the workers in another (node/devtools/lab/network.py); the per-connection cap and the first
+byte's delay are the hub's knobs either way (tbf cannot cap a connection; netem is unavailable).
+Every configuration runs in a process of its own, so its peak RSS and CPU time are its own, on the
+same prompts:
 
     floor          the bytes decode demanded from the link, divided by its bandwidth: no fetch
                    strategy does better
@@ -45,6 +49,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,11 +60,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import format_size
 
 REPO_ID = "expertmesh/k3-proportions"
 LINK_BYTES_PER_S = 100e6
 TTFB_S = 0.075
+WORKER_NIC_BYTES_PER_S = 1.25e9  # --kernel-link: the workers' NIC, 10 GbE, never the bottleneck
 PROMPTS = ("Count the experts", "Stream the layer", "Fetch once, keep it")
 FIELDS = (
     "s_per_token",
@@ -306,28 +313,44 @@ def _model_dir(cache: Path, repo_id: str, p, progress: Callable[[str], None]) ->
 
 
 class _Hub:
-    """`expertmesh hub` in its own process, shaped like a home link."""
+    """`expertmesh hub` in its own process, shaped like a home link.
 
-    def __init__(self, root: Path, per_connection: float, link: float, ttfb: float):
+    With `net` (a network.LabNetwork) it runs in the namespace of the net's "hub" host and listens on
+    its address; the link's bandwidth is then the tbf qdisc on that host's interface, so the hub is
+    not given `--bandwidth`. The per-connection cap and the first-byte delay stay the hub's own knobs
+    either way: tbf shapes an interface, not a connection, and netem is not available here.
+    """
+
+    def __init__(self, root: Path, per_connection: float, link: float, ttfb: float, net=None):
         cmd = [sys.executable, "-m", "expertmesh", "hub", str(root), "--port", "0"]
-        cmd += ["--bandwidth", str(int(link)), "--per-connection-bandwidth", str(int(per_connection))]
-        cmd += ["--ttfb", str(ttfb)]
+        cmd += ["--per-connection-bandwidth", str(int(per_connection)), "--ttfb", str(ttfb)]
+        if net is None:
+            cmd += ["--bandwidth", str(int(link))]
+        else:
+            cmd = net.hosts["hub"].command([*cmd, "--host", net.hosts["hub"].address])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         m = re.search(r"at (http://\S+)", line)
         if not m:
             self.proc.kill()
+            self.proc.wait(30)
             raise RuntimeError(f"the hub did not start: {line!r}")
         self.url = m.group(1)
 
     def close(self) -> None:
         self.proc.terminate()
-        self.proc.wait(30)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
 
 
-def _run_worker(spec: dict) -> dict:
+def _run_worker(spec: dict, net=None) -> dict:
+    """One config in a process of its own; with `net`, in the namespace of the net's node "n0"."""
+    cmd = [sys.executable, "-m", "expertmesh.node.devtools.bench_k3", json.dumps(spec)]
     r = subprocess.run(
-        [sys.executable, "-m", "expertmesh.node.devtools.bench_k3", json.dumps(spec)],
+        net.hosts["n0"].command(cmd) if net else cmd,
         capture_output=True,
         text=True,
         timeout=3600,
@@ -365,34 +388,91 @@ def _row(name: str, cap: float, link: float, got: dict) -> Row:
     )
 
 
+class KernelLinkUnavailable(ExpertmeshError):
+    """`--kernel-link` asked for where network namespaces cannot be made."""
+
+
+def _require_namespaces() -> None:
+    from expertmesh.node.devtools.lab import network
+
+    why = network.available()
+    if why:
+        raise KernelLinkUnavailable(f"--kernel-link needs network namespaces: {why}")
+
+
+def _kernel_link(link: float, progress: Callable[[str], None]):
+    """The Hub's namespace and one for the workers on the lab's bridge; the Hub's link `link` B/s
+    by tbf both ways, the workers' NIC far faster so that only the Hub's link binds."""
+    from expertmesh.node.devtools.lab import network
+
+    _require_namespaces()
+    removed = network.remove_leftovers()
+    if removed:
+        progress(f"removed leftovers of earlier runs: {', '.join(removed)}")
+    net = network.LabNetwork(1, lan_bytes_per_s=WORKER_NIC_BYTES_PER_S, hub_bytes_per_s=link).up()
+    progress(f"network: the Hub and the workers in namespaces {net.prefix}-hub, {net.prefix}-n0 on a bridge")
+    return net
+
+
+def _pull_in(net, repo_id: str, home: Path, hub_url: str) -> None:
+    """`expertmesh pull` inside the workers' namespace (the driver cannot reach the Hub's address)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPERTMESH_", "HF_"))}
+    env.update(EXPERTMESH_HOME=str(home), HF_ENDPOINT=hub_url)
+    cmd = [sys.executable, "-m", "expertmesh", "pull", repo_id, "--no-progress"]
+    r = subprocess.run(net.hosts["n0"].command(cmd), env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"pull over the kernel link failed:\n{r.stderr[-3000:]}")
+
+
+def _raise_interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def _interrupt_on_signals() -> dict:
+    """SIGTERM and SIGHUP unwind through `run`'s finally as Ctrl-C does (namespaces removed);
+    returns the old handlers. Only the main thread may set handlers: elsewhere, none are set."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s in old:
+        signal.signal(s, _raise_interrupt)
+    return old
+
+
+# every configuration, in the order they run (`expertmesh bench --model k3-proportions --configs`)
+CONFIGS = ("cold", "fair_naive", "deltafin_like", "k3_replay", "warm_disk", "warm_disk_floor", "mlx_lm")
+
+
 def run(
     per_connection: list[float],
     tokens: int = 4,
     link: float = LINK_BYTES_PER_S,
     ttfb: float = TTFB_S,
-    configs: tuple[str, ...] = (
-        "cold",
-        "fair_naive",
-        "deltafin_like",
-        "k3_replay",
-        "warm_disk",
-        "warm_disk_floor",
-        "mlx_lm",
-    ),
+    configs: tuple[str, ...] = CONFIGS,
     progress: Callable[[str], None] = print,
     proportions=None,
     cache: Path | None = None,
+    kernel_link: bool = False,
 ) -> dict:
     """Every configuration at every per-connection cap; returns the JSON document.
 
     `proportions` (k3_proportions.Proportions) defaults to K3's; `cache` (where the model is made
-    and kept) to $EXPERTMESH_HOME/bench.
+    and kept) to $EXPERTMESH_HOME/bench. `kernel_link`: the Hub in one network namespace and every
+    config's worker in another, joined by a bridge, the link a tbf qdisc on the Hub's interface
+    both ways (the lab's network module); every namespace is removed afterwards, also on error,
+    Ctrl-C or SIGTERM.
+
+    Raises:
+        KernelLinkUnavailable: `kernel_link` asked for where namespaces cannot be made (not root,
+            no ip/tc); there is no silent fallback to the hub's own shaping.
     """
     from expertmesh.node import constants
     from expertmesh.node.devtools.tiny import k3_proportions
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.hub.pull import pull
 
+    if kernel_link:
+        _require_namespaces()  # before anything is made or started
     p = proportions or k3_proportions.Proportions()
     repo_id = REPO_ID if p == k3_proportions.Proportions() else f"{REPO_ID}-{p.expert_bytes}"
     cache = cache or constants.expertmesh_home() / "bench"
@@ -412,15 +492,23 @@ def run(
         "mlx_lm": {"mode": "mlx_lm", "store": store},
     }
     rows: list[Row] = []
+    net = None
+    restore = _interrupt_on_signals() if kernel_link else {}
     try:
+        if kernel_link:
+            net = _kernel_link(link, progress)
         for cap in per_connection:
-            hub = _Hub(root.parent.parent, cap, link, ttfb)
+            hub = _Hub(root.parent.parent, cap, link, ttfb, net)
             try:
                 template = work / f"pulled-{int(cap)}"
-                with hub_client.using_endpoint(hub.url):
-                    pull(repo_id, home=template, progress=False)
+                if net is None:
+                    with hub_client.using_endpoint(hub.url):
+                        pull(repo_id, home=template, progress=False)
+                else:  # the Hub is reachable only from inside the bridge
+                    _pull_in(net, repo_id, template, hub.url)
                 progress(
-                    f"link {format_size(link)}/s, {format_size(cap)}/s per connection, first byte {ttfb * 1000:.0f} ms"
+                    f"link {format_size(link)}/s ({'kernel tbf' if net else 'hub process'}), "
+                    f"{format_size(cap)}/s per connection, first byte {ttfb * 1000:.0f} ms"
                 )
                 for name in configs:
                     spec = {
@@ -437,19 +525,30 @@ def run(
                     }
                     progress(f"  {name} ...")
                     t0 = time.perf_counter()
-                    row = _row(name, cap, link, _run_worker(spec))
+                    row = _row(name, cap, link, _run_worker(spec, net))
                     rows.append(row)
                     progress(f"  {name}: {row.s_per_token:.2f} s/token ({time.perf_counter() - t0:.0f} s)")
                 cold = next((r for r in rows if r.name == "cold" and r.per_connection_bytes_per_s == cap), None)
                 if cold and cold.tokens:
                     rows.append(Row("floor", cap, s_per_token=cold.demanded_bytes / link / cold.tokens))
             finally:
-                hub.close()
+                hub.close()  # before the namespaces go: a namespace outlives its deletion while in use
+        qdisc = net.qdiscs("hub").strip() if net else None
     finally:
+        if net is not None:
+            net.down()
         shutil.rmtree(work, ignore_errors=True)
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
     return {
         "model": {"repo": repo_id, **asdict(p), "expert_bytes": p.expert_bytes},
-        "link": {"bytes_per_s": link, "ttfb_s": ttfb},
+        "link": {
+            "bytes_per_s": link,
+            "ttfb_s": ttfb,
+            "shaped_by": "kernel tbf" if kernel_link else "hub process",
+            "per_connection_shaped_by": "hub process",  # tbf shapes an interface, not a connection
+            **({"hub_qdisc": qdisc} if qdisc else {}),
+        },
         "tokens_per_prompt": tokens,
         "load": os.getloadavg(),
         "configs": [asdict(r) for r in rows],
