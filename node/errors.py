@@ -4,6 +4,20 @@ The CLI prints `str(error)` on one line and exits non-zero; it never shows a tra
 for an `ExpertmeshError`.
 """
 
+import traceback
+
+
+def settled(error: BaseException) -> BaseException:
+    """`error` with the locals of its traceback's finished frames cleared, to hand to a future.
+
+    A stored exception keeps its traceback, the traceback every frame it passed, and a frame its
+    locals: an expert's buffer, and often the future that holds the exception (a cycle). Megabytes
+    then live until a full garbage collection, and a pooled buffer never comes back to its pool.
+    The traceback itself (files, lines) stays for whoever logs it.
+    """
+    traceback.clear_frames(error.__traceback__)
+    return error
+
 
 class ExpertmeshError(Exception):
     """Base of every error expertmesh reports to a user."""

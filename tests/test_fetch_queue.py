@@ -3,12 +3,14 @@ before guesses, and a guess that proved wrong gives its link up unless a demand 
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
-from expertmesh.node.errors import Abandoned
+from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.store.fetch_queue import FetchQueue
 from expertmesh.node.store.priority import DEMAND, PREFETCH
 from expertmesh.node.store.tier_chain import Fetched
@@ -96,3 +98,35 @@ def test_a_demand_that_comes_as_a_guess_gives_up_gets_the_expert_not_the_give_up
         assert tier.started == [(1, 1), (1, 1)]  # the demand made a fetch of its own
     finally:
         q.close()
+
+
+class _Bytes:
+    """Stands in for an expert's buffer: what a failed fetch must not keep alive."""
+
+
+def test_a_failed_fetch_keeps_no_buffer_alive_once_its_waiter_has_the_error() -> None:
+    # a fetch that re-raises an error it kept in a local (as a piece's error is re-raised) puts its
+    # frame, and the buffer in it, in a cycle with the error: alive until a full garbage collection
+    freed: list = []
+
+    def failing(key, keep_now: bool = False, abandon=None) -> Fetched:
+        buffer = _Bytes()
+        freed.append(weakref.ref(buffer))
+        errors = [DownloadError(f"{key}: the Hub said no")]
+        for error in errors:
+            raise error
+        return Fetched(weights=buffer, source="hub", seconds=0.0)
+
+    gc.collect()
+    gc.disable()
+    try:
+        q = FetchQueue(failing, lambda keys: [], 1)
+        q.start()
+        fut = q.submit((1, 1), DEMAND)
+        with pytest.raises(DownloadError, match="the Hub said no"):
+            fut.result(timeout=10)
+        q.close()  # the worker's own reference to the future goes with it
+        del fut
+        assert freed and freed[0]() is None, "the failed fetch's buffer outlived every reference to it"
+    finally:
+        gc.enable()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from expertmesh.node.errors import Abandoned
+from expertmesh.node.errors import Abandoned, settled
 from expertmesh.node.store.priority import DEMAND, PREFETCH, fetching_as
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tier_chain import Fetched
@@ -243,7 +243,7 @@ class FetchQueue:
             with fetching_as(priority):
                 return self._fetch_one(key, abandon=abandon), None
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            return None, e
+            return None, settled(e)
 
     def _work_run(self, keys: tuple[ExpertKey, ...]) -> None:
         with self._lock:
@@ -254,7 +254,7 @@ class FetchQueue:
             with fetching_as(DEMAND):
                 results = self._fetch_run(list(keys))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            results = [e] * len(keys)
+            results = [settled(e)] * len(keys)
         with self._lock:
             self._running_demands -= 1
             for key in keys:
@@ -264,7 +264,7 @@ class FetchQueue:
             self.changed.notify_all()
         for fut, result in zip(futs, results):
             if isinstance(result, BaseException):
-                fut.set_exception(result)
+                fut.set_exception(settled(result))
             else:
                 fut.set_result(result)
 

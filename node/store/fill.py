@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from expertmesh.node.errors import Abandoned
+from expertmesh.node.errors import Abandoned, settled
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import FetchQueue
 from expertmesh.node.store.prefetch import Prefetcher
@@ -178,7 +178,7 @@ class IdleFill:
             if not isinstance(result, Abandoned):
                 done.append((key, fut, result))
             elif self.fetches.release_unless_demanded(key):
-                fut.set_exception(result)
+                fut.set_exception(settled(result))
                 with self.fetches.changed:
                     self._retry.append(key)
             else:
@@ -195,7 +195,7 @@ class IdleFill:
         for key, fut, result in zip(run, futs, results):
             if isinstance(result, BaseException):
                 logger.debug("filling expert %s failed: %s", key, result)
-                fut.set_exception(result)
+                fut.set_exception(settled(result))
                 continue
             fut.set_result(result)
             if result.source != "disk" and key not in self.disk:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
 
+from expertmesh.node.errors import settled
+
 DEMAND, PREFETCH, FILL = 0, 1, 2
 _local = threading.local()
 
@@ -68,7 +70,7 @@ class PriorityPool:
             try:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+                fut.set_exception(settled(e))
 
     def shutdown(self) -> None:
         """Fail what is queued (its waiters wake with an error instead of waiting forever), let
