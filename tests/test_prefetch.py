@@ -90,13 +90,38 @@ def test_guesses_go_out_behind_demands_that_outnumber_the_workers(home: Path) ->
 
 def test_a_layer_wanting_more_experts_than_memory_holds_comes_in_groups(home: Path) -> None:
     """A long prompt can route one layer to more experts than the RAM budget holds: they are
-    handed over a group of one per fetch worker at a time, so memory stays within the budget."""
-    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fetch_concurrency=3, fill=False))
+    handed over in groups of half the hold limit (one group computed while the next is fetched),
+    so memory stays within the budget."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fetch_concurrency=4, fill=False))
     try:
         store, layer = sm.store, sm.index.moe_layers[0]
-        assert store.hold_limit() == 3
-        groups = [sorted(g) for g in store.layer_groups(layer, range(8))]
-        assert groups == [[0, 1, 2], [3, 4, 5], [6, 7]]
-        assert [sorted(g) for g in store.layer_groups(layer, range(3))] == [[0, 1, 2]]  # few enough: one group
+        assert store.hold_limit() == 4
+        groups = [sorted(g) for g in store.layer_groups(layer, range(7))]
+        assert groups == [[0, 1], [2, 3], [4, 5], [6]]
+        assert [sorted(g) for g in store.layer_groups(layer, range(4))] == [[0, 1, 2, 3]]  # few enough: one group
+    finally:
+        sm.close()
+
+
+def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path) -> None:
+    """Pipelined groups: the disk or the link works on group n + 1 while group n is computed,
+    instead of idling through every group's compute."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fetch_concurrency=2, fill=False))
+    try:
+        store, layer = sm.store, sm.index.moe_layers[-1]
+        events: list[tuple[str, list[int]]] = []
+        demand = store._demand
+        store._demand = lambda lay, experts: (events.append(("queued", sorted(experts))), demand(lay, experts))[1]
+        for group in store.layer_groups(layer, range(3)):
+            events.append(("computing", sorted(group)))
+        del store._demand
+        assert events == [
+            ("queued", [0]),
+            ("queued", [1]),  # before group [0] is handed over
+            ("computing", [0]),
+            ("queued", [2]),
+            ("computing", [1]),
+            ("computing", [2]),
+        ]
     finally:
         sm.close()

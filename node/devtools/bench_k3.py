@@ -144,12 +144,12 @@ class _DiskWatch:
         self.hash_cpu_s = 0.0
         self.hash_bytes = 0
         lock = threading.Lock()  # the fetch threads check at once
-        get, check = store._get, store.chain.digests.check_local
+        finish, check = store._finish, store.chain.digests.check_local
 
-        def timed_get(layer, experts, guess):
+        def timed_finish(layer, got, waiting):  # every layer call and every group of one ends here
             before = store.stats.uses["disk"]
             t0 = time.perf_counter()
-            out = get(layer, experts, guess)
+            out = finish(layer, got, waiting)
             if store.stats.uses["disk"] != before:
                 self.wait_s += time.perf_counter() - t0
             return out
@@ -163,7 +163,7 @@ class _DiskWatch:
                 self.hash_bytes += len(blob)
             return ok
 
-        store._get, store.chain.digests.check_local = timed_get, timed_check
+        store._finish, store.chain.digests.check_local = timed_finish, timed_check
 
     def result(self) -> dict:
         return {"disk_wait_s": self.wait_s, "hash_cpu_s": self.hash_cpu_s, "hash_bytes": self.hash_bytes}
@@ -474,7 +474,7 @@ def run(
     if kernel_link:
         _require_namespaces()  # before anything is made or started
     p = proportions or k3_proportions.Proportions()
-    repo_id = REPO_ID if p == k3_proportions.Proportions() else f"{REPO_ID}-{p.expert_bytes}"
+    repo_id = REPO_ID if p == k3_proportions.Proportions() else f"{REPO_ID}-{p.moe_layers}x{p.experts}-{p.expert_bytes}"
     cache = cache or constants.expertmesh_home() / "bench"
     root = _model_dir(cache / "hub", repo_id, p, progress)
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-k3-"))

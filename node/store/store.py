@@ -126,16 +126,27 @@ class ExpertStore:
         self, layer: int, experts: Iterable[int], guess: tuple[int, Iterable[int]] | None = None
     ) -> Iterator[dict[int, ExpertWeights]]:
         """The given experts of `layer` a group at a time, where the layer wants more than
-        `hold_limit`: the caller computes each group (and lets its weights go) before the next
-        is fetched. One group, as `get_layer`, otherwise."""
+        `hold_limit`: the caller computes each group (and lets its weights go) before taking the
+        next. One group, as `get_layer`, otherwise.
+
+        The groups are pipelined: the next group's fetches are queued before a group is handed
+        over, so the link or the disk keeps working while the caller computes. Each group is half
+        the hold limit, so the group being computed and the one in flight together stay within it.
+        """
         experts = [int(e) for e in experts]
         self._begin_layer(layer, experts, record=True)
-        if len(experts) <= self.hold_limit():
+        limit = self.hold_limit()
+        if len(experts) <= limit:
             yield self._get(layer, experts, guess)
             return
-        size = self.fetches.workers
-        for i in range(0, len(experts), size):
-            yield self._get(layer, experts[i : i + size], guess if i == 0 else None)
+        size = max(1, limit // 2)
+        groups = [experts[i : i + size] for i in range(0, len(experts), size)]
+        pending = self._start(layer, groups[0], guess)
+        for n in range(len(groups)):
+            current = pending
+            pending = self._start(layer, groups[n + 1], None) if n + 1 < len(groups) else None
+            yield self._finish(layer, *current)
+            del current
 
     def _begin_layer(self, layer: int, experts: list[int], record: bool) -> None:
         """A layer is asked for: generation is on (fill), its routing is traced, its guesses settle."""
@@ -146,6 +157,12 @@ class ExpertStore:
         self.prefetcher.settle(layer, set(experts))
 
     def _get(self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None) -> dict[int, ExpertWeights]:
+        return self._finish(layer, *self._start(layer, experts, guess))
+
+    def _start(
+        self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None
+    ) -> tuple[dict[int, ExpertWeights], dict[int, Future]]:
+        """Take what RAM and the guesses already hold, and queue the rest (then the guess behind them)."""
         out: dict[int, ExpertWeights] = {}
         missing: list[int] = []
         for e in experts:
@@ -164,6 +181,12 @@ class ExpertStore:
         waiting = self._demand(layer, missing)
         if guess is not None:
             self.prefetch(*guess)
+        return out, waiting
+
+    def _finish(
+        self, layer: int, out: dict[int, ExpertWeights], waiting: dict[int, Future]
+    ) -> dict[int, ExpertWeights]:
+        """Wait for the queued experts (timed: the wait is what a token pays for the link or disk)."""
         if waiting:
             t0 = time.perf_counter()
             if self.wait is not None:
