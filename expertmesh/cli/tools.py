@@ -58,6 +58,15 @@ def add_commands(sub) -> None:
         help="k3-proportions: which configurations to run, in order (default: all of cold, fair_naive, "
         "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm)",
     )
+    p.add_argument(
+        "--experts-per-layer",
+        type=arguments.positive_int,
+        help="k3-proportions: routed experts per MoE layer (default 64; K3 has 896, and a decode token misses "
+        "nearly all of its 16 only when a layer has many more than a prompt touches)",
+    )
+    p.add_argument(
+        "--moe-layers", type=arguments.positive_int, help="k3-proportions: MoE layers of the made repo (default 3)"
+    )
     p.add_argument("--tokens", type=int, help="tokens per prompt (default 24; k3-proportions: 4)")
     p.add_argument(
         "--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)"
@@ -163,10 +172,17 @@ def _bench_k3(args: argparse.Namespace) -> int:
         unknown = [c for c in configs if c not in bench_k3.CONFIGS]
         if unknown or not configs:
             raise ExpertmeshError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.CONFIGS)}")
+    from expertmesh.node.devtools.tiny import k3_proportions
+
+    shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers}
+    proportions = k3_proportions.Proportions(**{k: v for k, v in shape.items() if v is not None})
+    if proportions.top_k > proportions.experts:
+        raise ExpertmeshError(f"--experts-per-layer: at least the {proportions.top_k} experts a token uses")
     doc = bench_k3.run(
         caps,
         tokens=args.tokens or 4,
         configs=configs,
+        proportions=proportions,
         progress=lambda m: print(m, file=sys.stderr),
         kernel_link=args.kernel_link,
     )
