@@ -230,12 +230,9 @@ class _StateCollector(Collector):
         )
         verified = unverified = 0
         if disk is not None:
-            for key in disk.held():
-                n = disk.index.expert(*key).nbytes
-                if disk.digests.verified(key):
-                    verified += n
-                else:
-                    unverified += n
+            sizes = disk.held_sizes()
+            verified = sum(n for key, n in sizes.items() if disk.digests.verified(key))
+            unverified = sum(sizes.values()) - verified
         on_disk.add_metric(["verified"], verified)
         on_disk.add_metric(["unverified"], unverified)
         yield from (writing, disk_errors, skipped, replaced, on_disk)

@@ -198,6 +198,12 @@ class DiskCache:
         with self._lock:
             return [k for k in self._files if k not in self._writing]
 
+    def held_sizes(self) -> dict[tuple[int, int], int]:
+        """`held` with each file's size: what a metrics scrape needs without looking every expert
+        up in the index (a K3 disk can hold tens of thousands)."""
+        with self._lock:
+            return {k: n for k, n in self._files.items() if k not in self._writing}
+
     def has_room(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit the budget without evicting anything (warming never evicts)."""
         with self._lock:
