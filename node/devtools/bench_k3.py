@@ -525,7 +525,10 @@ def run(
                     }
                     progress(f"  {name} ...")
                     t0 = time.perf_counter()
-                    row = _row(name, cap, link, _run_worker(spec, net))
+                    try:
+                        row = _row(name, cap, link, _run_worker(spec, net))
+                    finally:  # a cold config's caches can hold GBs: a long run must not fill the disk
+                        shutil.rmtree(spec["work"], ignore_errors=True)
                     rows.append(row)
                     progress(f"  {name}: {row.s_per_token:.2f} s/token ({time.perf_counter() - t0:.0f} s)")
                 cold = next((r for r in rows if r.name == "cold" and r.per_connection_bytes_per_s == cap), None)
@@ -533,6 +536,7 @@ def run(
                     rows.append(Row("floor", cap, s_per_token=cold.demanded_bytes / link / cold.tokens))
             finally:
                 hub.close()  # before the namespaces go: a namespace outlives its deletion while in use
+                shutil.rmtree(work / f"pulled-{int(cap)}", ignore_errors=True)
         qdisc = net.qdiscs("hub").strip() if net else None
     finally:
         if net is not None:
