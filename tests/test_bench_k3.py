@@ -118,3 +118,23 @@ def test_a_kernel_link_without_namespaces_fails_clearly_instead_of_falling_back(
     with pytest.raises(bench_k3.KernelLinkUnavailable, match="not root"):
         bench_k3.run([CAP], configs=("k3_replay",), proportions=TINY, cache=tmp_path, kernel_link=True)
     assert not any(tmp_path.iterdir())  # no model made, no hub started
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--experts-per-layer", "8"], "--experts-per-layer"),  # fewer than the 16 a token routes to
+        (["--configs", "cold,warm_ram"], "warm_ram"),
+        (["--per-connection-bandwidth", "fast"], "--per-connection-bandwidth"),
+    ],
+)
+def test_bad_bench_arguments_fail_before_anything_is_made(
+    args: list[str], named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from expertmesh.cli import main
+
+    monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
+    assert main(["bench", "--model", "k3-proportions", *args]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and named in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # no repo made, nothing downloaded
