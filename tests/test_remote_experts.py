@@ -8,6 +8,8 @@ same rows in the same batch; greedy tokens must be identical."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from pathlib import Path
 
@@ -16,12 +18,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from nodes import joined, serving
+from waiting import wait_until
 
 from expertmesh.node.config import RemoteConfig, StoreConfig
 from expertmesh.node.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
@@ -138,8 +142,8 @@ def test_remote_execution_gives_the_single_node_output(pairs, arch: str) -> None
     assert d.remote["fallback_error"] == d.remote["fallback_bad_output"] == 0
 
 
-def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
-    pair = pairs("kimi_k3")
+def _held_request(pair: Pair) -> tuple[list[int], dict[int, mx.array], node_pb2.ComputeExpertsRequest]:
+    """A ComputeExperts request for up to three experts of the first MoE layer the peer holds."""
     block = pair.me.model.blocks[0]
     layer = block.layer
     held = sorted(e for (lay, e) in pair.peer.index.experts if lay == layer and (lay, e) in pair.peer.disk)[:3]
@@ -151,13 +155,68 @@ def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
         layer=layer,
         experts=[node_pb2.ExpertRows(expert=e, rows=activations.encode(r)) for e, r in rows.items()],
     )
+    return held, rows, request
+
+
+def _compute(pair: Pair, request: node_pb2.ComputeExpertsRequest) -> node_pb2.ComputeExpertsResponse:
     with grpc.insecure_channel(f"127.0.0.1:{pair.running.port}") as channel:
-        response = node_pb2_grpc.NodeStub(channel).ComputeExperts(request, metadata=call_metadata(SECRET), timeout=10)
+        return node_pb2_grpc.NodeStub(channel).ComputeExperts(request, metadata=call_metadata(SECRET), timeout=30)
+
+
+def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
+    pair = pairs("kimi_k3")
+    block = pair.me.model.blocks[0]
+    layer = block.layer
+    held, rows, request = _held_request(pair)
+    response = _compute(pair, request)
     assert [x.expert for x in response.experts] == held and not response.missing
     local = block.compute(pair.me.store.get_layer(layer, held), rows)
     for x in response.experts:
         remote = np.array(activations.decode(x.rows, block.output_dims, rows=rows[x.expert].shape[0]))
         np.testing.assert_allclose(remote, np.array(local[x.expert]), rtol=1e-6, atol=1e-7)
+
+
+def test_a_peer_reports_its_wait_for_the_mlx_thread_apart_from_its_compute(pairs) -> None:
+    """A peer whose MLX thread is busy (its own generation) makes a call wait; that wait is
+    reported apart, so the caller's per-expert service time stays what the experts cost."""
+    pair = pairs("kimi_k3")
+    _held, _rows, request = _held_request(pair)
+    alone = _compute(pair, request)
+    computer, release, hogging = pair.service.computer, threading.Event(), threading.Event()
+
+    def hog() -> None:  # stands for a generation step on the MLX thread
+        hogging.set()
+        release.wait(10)
+
+    hogger = threading.Thread(target=lambda: model_thread().call(hog), daemon=True)
+    hogger.start()
+    assert hogging.wait(10)
+    caller = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        pending = caller.submit(_compute, pair, request)
+        assert wait_until(lambda: computer._running == 1), "the call never reached the peer"
+        time.sleep(0.2)  # the call now waits for the MLX thread
+        release.set()
+        busy = pending.result(timeout=30)
+    finally:
+        release.set()
+        caller.shutdown()
+        hogger.join(10)
+    assert 0 < busy.mlx_wait_seconds <= busy.compute_seconds
+    assert busy.mlx_wait_seconds > alone.mlx_wait_seconds
+    link = LinkEstimate()
+    link.observe_call(busy.compute_seconds + 0.01, busy.compute_seconds, len(busy.experts), 0, busy.mlx_wait_seconds)
+    assert link.service_s == pytest.approx((busy.compute_seconds - busy.mlx_wait_seconds) / len(busy.experts))
+    assert link.mlx_wait_s > 0  # the expected wait goes into the call's start instead
+
+
+def test_a_lying_mlx_wait_is_held_to_what_the_caller_saw() -> None:
+    link = LinkEstimate()
+    link.observe_call(1.0, 0.5, 2, 0, float("nan"))
+    assert link.service_s == pytest.approx(0.25) and link.mlx_wait_s == 0
+    link = LinkEstimate()
+    link.observe_call(1.0, 0.5, 2, 0, 1e9)  # more than the peer's own total: at most all of it
+    assert link.service_s == 0 and link.mlx_wait_s == pytest.approx(0.5 * 0.2)
 
 
 @pytest.mark.parametrize("mode", ["short", "nan", "extra"])

@@ -40,6 +40,7 @@ class ComputeResult:
     missing: list[int]
     seconds: float
     queued: int
+    mlx_wait_seconds: float = 0.0  # the part of `seconds` spent waiting for the MLX thread
 
 
 class ExpertComputer:
@@ -107,8 +108,16 @@ class ExpertComputer:
             if here:
                 weights = store.get_layer(layer, here, record=False)  # bytes and buffers only: no MLX thread needed
                 rows = {x.expert: x.rows for x in request.experts if x.expert in weights}
-                outputs = model_thread().call_for_peer(_run, block, weights, rows)
-            return ComputeResult(outputs, missing, time.perf_counter() - t0, queued)
+                asked = time.perf_counter()
+                started: list[float] = []
+
+                def run() -> list[node_pb2.ExpertRows]:
+                    started.append(time.perf_counter())
+                    return _run(block, weights, rows)
+
+                outputs = model_thread().call_for_peer(run)
+                waited = started[0] - asked
+            return ComputeResult(outputs, missing, time.perf_counter() - t0, queued, waited if here else 0.0)
         finally:
             with self._lock:
                 self._running -= 1

@@ -66,6 +66,7 @@ class LinkEstimate:
     prior_bandwidth: float = DEFAULT_LAN_BANDWIDTH
     call_s: float | None = None  # a ComputeExperts call's time outside the peer: round trip + activations
     service_s: float | None = None  # the peer's own seconds per expert (read + compute)
+    mlx_wait_s: float = 0.0  # what a call waits at the peer for its MLX thread (its own generation, other peers)
     queued: int = 0  # ComputeExperts calls running at the peer when the last one arrived
     last_call_s: float = 0.0
     pinged_at: float = -1e9
@@ -85,17 +86,24 @@ class LinkEstimate:
         if nbytes > 0 and transfer > 0:
             self.measured_bandwidth = _ewma(self.measured_bandwidth, nbytes / transfer)
 
-    def observe_call(self, wall_s: float, server_s: float, n_experts: int, queued: int) -> None:
-        server_s = min(max(0.0, server_s), wall_s)  # the peer's own figure: never trusted beyond what we saw
-        per_expert = server_s / max(1, n_experts)
+    def observe_call(
+        self, wall_s: float, server_s: float, n_experts: int, queued: int, mlx_wait_s: float = 0.0
+    ) -> None:
+        """One ComputeExperts call: `server_s` the peer's own seconds, `mlx_wait_s` the part of them it
+        waited for its MLX thread. The wait is kept apart: a peer busy with its own generation for a
+        moment is not a peer whose experts are slow."""
+        server_s = min(max(0.0, server_s), wall_s)  # the peer's own figures: never trusted beyond what we saw
+        mlx_wait_s = min(max(0.0, mlx_wait_s), server_s)
+        per_expert = (server_s - mlx_wait_s) / max(1, n_experts)
         self.service_s = _ewma(self.service_s, per_expert)
+        self.mlx_wait_s = (1 - EWMA) * self.mlx_wait_s + EWMA * mlx_wait_s
         self.call_s = _ewma(self.call_s, max(0.0, wall_s - server_s))
         self.queued, self.last_call_s = queued, wall_s
 
     def call_start_s(self, activation_bytes: int) -> float:
         """Seconds a call spends outside the peer, plus the wait for the calls queued there."""
         net = self.call_s if self.call_s is not None else self.rtt_s + activation_bytes / self.bandwidth
-        return net + self.queued * self.last_call_s
+        return net + self.mlx_wait_s + self.queued * self.last_call_s
 
     def transfer_s(self, nbytes: int) -> float:
         return nbytes / self.bandwidth
@@ -335,7 +343,13 @@ class RemoteExperts:
                 continue
             received = sum(len(x.rows.data) for x in response.experts)
             link = self.links.get(call.peer.node_id) or self._link(call.peer)
-            link.observe_call(wall, response.compute_seconds, len(got) + len(response.missing), response.queued)
+            link.observe_call(
+                wall,
+                response.compute_seconds,
+                len(got) + len(response.missing),
+                response.queued,
+                response.mlx_wait_seconds,
+            )
             stats.record_remote(
                 calls=1, sent_bytes=call.sent_bytes, received_bytes=received, fallback_missing=len(response.missing)
             )

@@ -298,7 +298,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         except DownloadError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching an expert to compute failed: {e}")
         return node_pb2.ComputeExpertsResponse(
-            experts=result.outputs, missing=result.missing, compute_seconds=result.seconds, queued=result.queued
+            experts=result.outputs,
+            missing=result.missing,
+            compute_seconds=result.seconds,
+            queued=result.queued,
+            mlx_wait_seconds=result.mlx_wait_seconds,
         )
 
     def _check_generate(self, request, context) -> None:

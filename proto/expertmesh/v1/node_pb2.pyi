@@ -245,13 +245,15 @@ class ComputeExpertsRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layer: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., fetch_on_miss: _Optional[bool] = ...) -> None: ...
 
 class ComputeExpertsResponse(_message.Message):
-    __slots__ = ("experts", "missing", "compute_seconds", "queued")
+    __slots__ = ("experts", "missing", "compute_seconds", "queued", "mlx_wait_seconds")
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MLX_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     experts: _containers.RepeatedCompositeFieldContainer[ExpertRows]
     missing: _containers.RepeatedScalarFieldContainer[int]
     compute_seconds: float
     queued: int
-    def __init__(self, experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., missing: _Optional[_Iterable[int]] = ..., compute_seconds: _Optional[float] = ..., queued: _Optional[int] = ...) -> None: ...
+    mlx_wait_seconds: float
+    def __init__(self, experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., missing: _Optional[_Iterable[int]] = ..., compute_seconds: _Optional[float] = ..., queued: _Optional[int] = ..., mlx_wait_seconds: _Optional[float] = ...) -> None: ...
