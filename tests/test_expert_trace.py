@@ -197,7 +197,6 @@ def test_a_dense_model_is_called_dense() -> None:
     ("module", "says"),
     [
         ("nemotron_h", "cannot yet stream the SwitchMLP experts"),
-        ("qwen3_next", "cannot yet load the core of model_type 'qwen3_next'"),
         ("muse_spark", "has a parameter of its own, post_expert_norm.weight"),
     ],
 )
@@ -205,3 +204,15 @@ def test_moe_models_not_streamed_yet_say_why(module: str, says: str, made) -> No
     repo = made(module)
     with pytest.raises(UnsupportedModelError, match=re.escape(says)):
         _index(repo)
+
+
+def test_a_core_sanitize_makes_differently_without_experts_is_marked_for_stand_ins(made) -> None:
+    """qwen3_next shifts its norms only when sanitize sees expert tensors: its index says the core
+    must be sanitized with stand-ins of them, and names every expert tensor whole for that; a model
+    whose sanitize ignores the experts' absence is not marked."""
+    index = _index(made("qwen3_next"))
+    assert index.sanitize_with_experts
+    standins = index.expert_tensors()
+    assert len(standins) == 3 * len(index.experts)  # per-expert gate/up/down, whole
+    assert all(name not in index.core for name in standins)
+    assert not _index(made("qwen3_moe")).sanitize_with_experts

@@ -104,6 +104,37 @@ def test_streams_equal_to_mlx_lm(arch: str, registry_hub, tmp_path: Path) -> Non
     STREAMED[arch] = made[arch].layout.description
 
 
+def test_a_core_sanitize_treats_differently_without_experts_loads_as_mlx_lm_makes_it(registry_hub, tmp_path) -> None:
+    """qwen3_next's sanitize shifts its norms only when it sees expert tensors: the pulled core is
+    loaded with stand-ins of them (ExpertIndex.sanitize_with_experts), in BF16 and when quantised to
+    8 bits, whose saved core is already sanitized and must not be shifted a second time."""
+    repos, made, failed = registry_hub
+    if "qwen3_next" in failed or "qwen3_next" not in ARCHS:
+        pytest.skip(f"no tiny qwen3_next repo with this mlx-lm: {failed.get('qwen3_next', 'not in the registry')}")
+    from mlx.utils import tree_flatten
+
+    ref, _ = mlx_lm.load(str(repos / "qwen3_next"))
+    want = {
+        k: v for k, v in tree_flatten(ref.parameters()) if k.endswith("layernorm.weight") or k == "model.norm.weight"
+    }
+    assert want, "the tiny qwen3_next has no norms to compare"
+    for bits in (16, 8):
+        home = tmp_path / f"core{bits}"
+        pull("registry/qwen3_next", home=home, progress=False, core_bits=bits)
+        sm = open_model("registry/qwen3_next", home=home, store=StoreConfig(ram_budget="50%", fill=False))
+        try:
+            assert sm.index.sanitize_with_experts
+            got = dict(tree_flatten(sm.model.parameters()))
+            for k, v in want.items():
+                assert mx.array_equal(got[k], v.astype(got[k].dtype)).item(), (
+                    f"{bits}-bit core: {k} differs from mlx-lm's"
+                )
+            settings = SamplingSettings(max_tokens=2, temp=0.0)
+            assert len(list(Generator(sm).generate([1, 2, 3], settings, lambda: False, GenerationSummary()))) == 2
+        finally:
+            sm.close()
+
+
 def test_at_least_twelve_architectures_stream() -> None:
     if len(STREAMED) + len(NOT_YET) < len(ARCHS):
         pytest.skip("only part of the registry ran")

@@ -17,6 +17,7 @@ activation rows (k rows of the model width per token) and the outputs.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -217,7 +218,7 @@ def streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
     return sorted((m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)), key=lambda b: b.layer)
 
 
-def _streaming_classes(config: dict):
+def _streaming_classes(config: dict, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None):
     model_class, args_class = model_classes(config)
 
     class StreamingModel(model_class):
@@ -225,18 +226,51 @@ def _streaming_classes(config: dict):
             super().__init__(args)
             install_streaming_blocks(self)
 
+        if expert_standins:
+
+            def sanitize(self, weights):
+                return _sanitize_with_standins(self, super().sanitize, weights, expert_standins)
+
     StreamingModel.__name__ = f"Streaming{model_class.__name__}"
     return StreamingModel, args_class
 
 
-def load_core_model(model_dir: Path) -> tuple[nn.Module, dict, list[StreamingSwitchGLU]]:
+def _sanitize_with_standins(model: nn.Module, sanitize, weights: dict, standins: dict) -> dict:
+    """mlx-lm's sanitize over the core plus lazy zero stand-ins of the expert tensors, for an
+    architecture whose sanitize treats the core differently when they are absent (see
+    hub/expert_index.py, `sanitize_with_experts`). What it makes of the stand-ins is dropped before
+    anything is evaluated, so they cost graph nodes, not memory."""
+    from expertmesh.node.hub.expert_trace import SAFETENSORS_DTYPES
+
+    made = sanitize({**weights, **{n: mx.zeros(shape, SAFETENSORS_DTYPES[d]) for n, (d, shape) in standins.items()}})
+    paths = tuple(b.path + "." for b in streaming_blocks(model))
+    return {k: v for k, v in made.items() if not k.startswith(paths) and k not in standins}
+
+
+def core_standins(index, core_bits: int) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """The stand-ins `load_core_model` needs for this index's core: only while the core is still
+    the upstream one (16 bits); an 8-bit core was saved already sanitized (engine/core_quantization.py)."""
+    return index.expert_tensors() if index.sanitize_with_experts and core_bits == 16 else None
+
+
+def load_core_model(
+    model_dir: Path, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None
+) -> tuple[nn.Module, dict, list[StreamingSwitchGLU]]:
     """mlx-lm's model of a pulled repo with the core in memory and streaming expert blocks.
+
+    `expert_standins` (name -> safetensors dtype, shape) is given for a core still in its upstream
+    form whose architecture's sanitize needs to see the experts (`ExpertIndex.sanitize_with_experts`).
 
     Raises:
         UnsupportedModelError: mlx-lm has no such architecture, or it has no SwitchGLU experts.
     """
     try:
-        model, config = load_model(Path(model_dir), lazy=False, strict=True, get_model_classes=_streaming_classes)
+        model, config = load_model(
+            Path(model_dir),
+            lazy=False,
+            strict=True,
+            get_model_classes=functools.partial(_streaming_classes, expert_standins=expert_standins),
+        )
     except ValueError as e:
         if "not supported" in str(e) or "Model type" in str(e) or "trust_remote_code" in str(e):
             raise UnsupportedModelError(str(e)) from None

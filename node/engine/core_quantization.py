@@ -130,9 +130,11 @@ def quantize_core(model_dir: Path, bits: int = 8, group_sizes: tuple[int, ...] =
 
 
 def _quantize_core(model_dir: Path, bits: int, group_sizes: tuple[int, ...]) -> CoreQuantization:
-    from expertmesh.node.engine.blocks import load_core_model
+    from expertmesh.node.engine.blocks import core_standins, load_core_model
+    from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
 
-    model, _, _ = load_core_model(model_dir)
+    index = ExpertIndex.load(model_dir / INDEX_FILENAME)
+    model, _, _ = load_core_model(model_dir, core_standins(index, 16))  # only a BF16 core is quantised
     before = core_parameter_bytes(model)
     done, kept = quantize_model(model, bits, group_sizes)
     group_size = GROUP_SIZE if GROUP_SIZE in group_sizes else group_sizes[0]

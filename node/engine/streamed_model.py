@@ -65,10 +65,10 @@ def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> Streame
     """
     from mlx_lm.utils import load_tokenizer
 
-    from expertmesh.node.engine.blocks import load_core_model
+    from expertmesh.node.engine.blocks import core_standins, load_core_model
 
     marker = local_models.read_marker(path)
-    model, config, blocks = load_core_model(path)
+    model, config, blocks = load_core_model(path, core_standins(index, marker.get("core_bits", 16)))
     dense_dtype = None
     if not mx.metal.is_available() and _has_dense_experts(index):
         dense_dtype = mx.float32  # MLX's CPU gather_mm computes in float32 only

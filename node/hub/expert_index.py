@@ -143,6 +143,8 @@ class ExpertIndex:
     files: dict[str, int]  # shard name -> size in bytes
     core: dict[str, CoreTensor]
     experts: dict[tuple[int, int], ExpertLocation] = field(repr=False)
+    # mlx-lm's sanitize makes the core right only when it sees the experts' tensors too (qwen3_next)
+    sanitize_with_experts: bool = False
 
     @property
     def moe_layers(self) -> list[int]:
@@ -161,6 +163,19 @@ class ExpertIndex:
 
     def expert(self, layer: int, expert: int) -> ExpertLocation:
         return self.experts[(layer, expert)]
+
+    def expert_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The upstream tensors the experts are made of, whole (name -> dtype, shape): what a
+        checkpoint holds besides the core, for sanitize's stand-ins (`sanitize_with_experts`)."""
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        rows: dict[str, int] = {}
+        for loc in self.experts.values():
+            used = loc.recipe.inputs if loc.recipe is not None else range(len(loc.tensors))
+            for t in (loc.tensors[i] for i in used):
+                out[t.name] = (t.dtype, t.shape)
+                if t.stacked:
+                    rows[t.name] = rows.get(t.name, 0) + 1
+        return {n: (d, (rows[n], *s) if n in rows else s) for n, (d, s) in out.items()}
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -194,6 +209,8 @@ class ExpertIndex:
             "recipes": [[text, list(inputs)] for text, inputs in recipes],
             "experts": experts,
         }
+        if self.sanitize_with_experts:
+            doc["sanitize_with_experts"] = True
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(doc, separators=(",", ":")))
         os.replace(tmp, path)
@@ -228,7 +245,14 @@ class ExpertIndex:
                 )
             recipe = recipes[rest[0]] if rest and rest[0] is not None else None
             experts[(layer, expert)] = ExpertLocation(layer, expert, tensors, recipe)
-        return cls(doc["repo_id"], doc["commit"], {f: n for f, n in doc["files"]}, core, experts)
+        return cls(
+            doc["repo_id"],
+            doc["commit"],
+            {f: n for f, n in doc["files"]},
+            core,
+            experts,
+            sanitize_with_experts=bool(doc.get("sanitize_with_experts", False)),
+        )
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -335,7 +359,9 @@ def build_index(
         experts[key] = ExpertLocation(*key, [slices[i] for i in order], recipe)
     _check_consistent(experts)
     files = {f: size for f, (_, size) in headers.items()}
-    return ExpertIndex(repo_id, commit, files, core, dict(sorted(experts.items())))
+    return ExpertIndex(
+        repo_id, commit, files, core, dict(sorted(experts.items())), sanitize_with_experts=plan.sanitize_with_experts
+    )
 
 
 def _gap_fillers(slices: list[TensorSlice], dropped: dict[tuple[str, int], TensorEntry]) -> list[TensorSlice]:
@@ -360,6 +386,7 @@ def _gap_fillers(slices: list[TensorSlice], dropped: dict[tuple[str, int], Tenso
 class _Plan:
     core: set[str]  # upstream tensors the core's parameters are made of
     experts: dict[tuple[int, int], tuple[list[tuple[str, int | None]], str]]  # inputs, recipe text
+    sanitize_with_experts: bool = False  # see _core_needs_expert_standins
 
 
 def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> _Plan:
@@ -466,37 +493,60 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         dtype, shape = tensors[name]
         if uses > 1 and DTYPE_BYTES[dtype] * _count(shape) > SHARED_INPUT_MAX_BYTES:
             raise UnsupportedModelError(cannot.format(f"{name}, one tensor every expert reads whole"))
-    _check_core_without_experts(model, model_type, tensors, core, core_out)
-    return _Plan(core, experts)
+    expert_inputs = {name for inputs, _ in experts.values() for name, _ in inputs}
+    standins = _core_needs_expert_standins(model, model_type, tensors, core, expert_inputs, core_out, list(blocks))
+    return _Plan(core, experts, standins)
 
 
-def _check_core_without_experts(
-    model: Any, model_type: str | None, tensors: dict[str, tuple[str, tuple[int, ...]]], core: set[str], full: dict
-) -> None:
-    """mlx-lm will sanitize the pulled core without the experts: it must make the same core.
+def _core_needs_expert_standins(
+    model: Any,
+    model_type: str | None,
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    core: set[str],
+    expert_inputs: set[str],
+    full: dict,
+    block_paths: list[str],
+) -> bool:
+    """Whether mlx-lm's sanitize must see the experts' tensors to make the core right.
 
-    Some sanitize methods decide what to do to core tensors from whether expert tensors are
-    present (qwen3_next shifts its norms only then); a core loaded without them would silently
-    differ from mlx-lm's model, so such a model is refused with the reason.
+    The node sanitizes the pulled core without the routed experts. Some sanitize methods decide
+    what to do to core tensors from whether expert tensors are present (qwen3_next shifts its
+    norms and moves its conv weights only when it finds `experts.0.up_proj`); loaded alone, such a
+    core would silently differ from mlx-lm's model. Then the node gives sanitize lazy stand-ins of
+    the expert tensors (never evaluated) and drops what it makes of them (blocks.load_core_model):
+    True here when that makes the same core as the whole checkpoint does, a refusal with the
+    reason when even that does not.
     """
     from expertmesh.node.hub import expert_trace
 
-    try:
-        alone = expert_trace.trace_sanitize(model, {n: tensors[n] for n in core})
-    except expert_trace.Untraceable as e:
-        raise UnsupportedModelError(
-            f"expertmesh cannot yet load the core of model_type {model_type!r} without its routed experts: {e}"
-        ) from None
-    differ = sorted(
-        k
-        for k in set(full) | set(alone)
-        if expert_trace.fingerprint(full.get(k)) != expert_trace.fingerprint(alone.get(k))
-    )
-    if differ:
+    def differ(made: dict) -> list[str]:
+        def core_keys(d: dict) -> set[str]:
+            return {k for k in d if not any(k.startswith(p + ".") for p in block_paths)}
+
+        return sorted(
+            k
+            for k in core_keys(full) | core_keys(made)
+            if expert_trace.fingerprint(full.get(k)) != expert_trace.fingerprint(made.get(k))
+        )
+
+    def traced(names: set[str]) -> dict:
+        try:
+            return expert_trace.trace_sanitize(model, {n: tensors[n] for n in names})
+        except expert_trace.Untraceable as e:
+            raise UnsupportedModelError(
+                f"expertmesh cannot yet load the core of model_type {model_type!r} without its routed experts: {e}"
+            ) from None
+
+    if not differ(traced(core)):
+        return False
+    wrong = differ(traced(core | expert_inputs))
+    if wrong:
         raise UnsupportedModelError(
             f"expertmesh cannot yet load the core of model_type {model_type!r}: mlx-lm's sanitize makes "
-            f"{_sample(differ)} differently when the routed experts are absent, as they are from a pulled core"
+            f"{_sample(wrong)} differently when tensors other than the core and the routed experts are "
+            "absent, as they are from a pulled core"
         )
+    return True
 
 
 def _numbers(path: str) -> list[int]:
