@@ -17,10 +17,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
 from expertmesh.node.devtools.tiny import registry
+from expertmesh.node.engine import mlx_lm_models
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub import safetensors_format
 from expertmesh.node.hub.expert_index import ExpertIndex, build_index
@@ -57,24 +57,22 @@ def _assert_experts_equal_mlx_lm(repo: Path, index: ExpertIndex) -> None:
     model, config = load_model(repo)
     params = dict(tree_flatten(model.parameters()))
     paths = {}
-    for path, module in model.named_modules():
-        if isinstance(module, SwitchGLU):
-            paths[int(re.search(r"layers\.(\d+)\.", path + ".").group(1))] = (path, module)
+    for path, kind in mlx_lm_models.expert_blocks(model).items():
+        module = dict(model.named_modules())[path]
+        paths[mlx_lm_models.layer_number(path)] = (path, module, mlx_lm_models.BLOCK_PROJECTIONS[kind])
     codec = ExpertCodec(
         config.get("quantization"),
-        {layer: path for layer, (path, _) in paths.items()},
-        {
-            layer: {p: getattr(m, p).input_dims for p in ("gate_proj", "up_proj", "down_proj")}
-            for layer, (_, m) in paths.items()
-        },
+        {layer: path for layer, (path, _, _) in paths.items()},
+        {layer: {p: getattr(m, p).input_dims for p in projs} for layer, (_, m, projs) in paths.items()},
     )
     raw = {p.name: p.read_bytes() for p in repo.glob("*.safetensors")}
     assert index.experts
     for (layer, e), loc in index.experts.items():
         weights = codec.decode(loc, b"".join(raw[r.file][r.start : r.end] for r in loc.ranges))
-        path = paths[layer][0]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            got = getattr(weights, proj)
+        path, _, projs = paths[layer]
+        assert sorted(weights.projections) == sorted(projs)
+        for proj in projs:
+            got = weights.projections[proj]
             for kind in ("weight", "scales", "biases", "bias"):
                 want = params.get(f"{path}.{proj}.{kind}")
                 have = getattr(got, kind)
@@ -98,7 +96,18 @@ def test_fixture_experts_decode_to_mlx_lms_parameters(arch: str, tiny_repos: dic
 
 @pytest.mark.parametrize(
     "module",
-    ["deepseek_v3", "gpt_oss", "llama4", "qwen3_5_moe", "granitemoe", "step3p5", "mixtral", "gemma4_text"],
+    [
+        "deepseek_v3",
+        "gpt_oss",
+        "llama4",
+        "qwen3_5_moe",
+        "granitemoe",
+        "step3p5",
+        "mixtral",
+        "gemma4_text",
+        "nemotron_h",  # SwitchMLP: fc1/fc2, no gate
+        "phixtral",  # SwitchMLP with biases, in transformer.h.{l}
+    ],
 )
 def test_every_layout_decodes_to_mlx_lms_parameters(module: str, made) -> None:
     repo = made(module)
@@ -193,17 +202,14 @@ def test_a_dense_model_is_called_dense() -> None:
         build_index("t/dense", "0" * 40, _entries(tensors), {"model_type": "llama"})
 
 
-@pytest.mark.parametrize(
-    ("module", "says"),
-    [
-        ("nemotron_h", "cannot yet stream the SwitchMLP experts"),
-        ("muse_spark", "has a parameter of its own, post_expert_norm.weight"),
-    ],
-)
-def test_moe_models_not_streamed_yet_say_why(module: str, says: str, made) -> None:
-    repo = made(module)
-    with pytest.raises(UnsupportedModelError, match=re.escape(says)):
-        _index(repo)
+def test_a_blocks_own_parameters_beside_its_projections_are_core(made) -> None:
+    """muse_spark keeps a norm under its experts (`experts.post_expert_norm`): one tensor for the
+    layer, not per expert, so it is core and only the projections stream."""
+    repo = made("muse_spark")
+    index = _index(repo)
+    assert any(n.endswith("experts.post_expert_norm.weight") for n in index.core)
+    assert not any("post_expert_norm" in t.name for loc in index.experts.values() for t in loc.tensors)
+    _assert_experts_equal_mlx_lm(repo, index)
 
 
 def test_a_core_sanitize_makes_differently_without_experts_is_marked_for_stand_ins(made) -> None:

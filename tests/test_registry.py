@@ -92,7 +92,12 @@ def test_streams_equal_to_mlx_lm(arch: str, registry_hub, tmp_path: Path) -> Non
         if sm.codec.dense_dtype is not None:  # dense experts on a CPU run in float32: so must the oracle
             ref.set_dtype(sm.codec.dense_dtype)
         ids = tokenizer.encode(PROMPT)
-        expected = _mlx_lm_tokens(ref, tokenizer, ids)
+        try:
+            expected = _mlx_lm_tokens(ref, tokenizer, ids)
+        except RuntimeError as e:  # mlx-lm's own kernels for it (mlx_lm/kernels) exist only on Metal
+            if "Metal" not in str(e) or mx.metal.is_available():
+                raise
+            _not_yet(arch, f"pulls, but mlx-lm itself runs {arch} only on Metal ({e}): untested on this machine")
         summary = GenerationSummary()
         settings = SamplingSettings(max_tokens=MAX_TOKENS, temp=0.0)
         got = [t.id for t in Generator(sm).generate(ids, settings, lambda: False, summary)]

@@ -1,11 +1,11 @@
 """mlx-lm's own model for the architecture, with every expert block streaming from the store.
 
 The model is built by `mlx_lm.utils.load_model` from the local core, with one change: right
-after the architecture's constructor runs, each `SwitchGLU` is swapped for a `StreamingSwitchGLU`
+after the architecture's constructor runs, each `SwitchGLU` (or gate-less `SwitchMLP`) is swapped for a `StreamingExperts`
 that keeps its call signature. The swapped-out blocks' expert weights were never evaluated (MLX
 arrays are lazy), so no routed expert is ever materialised from the repo, and mlx-lm's sanitize,
 quantisation and strict weight loading run unchanged on the core. Anything mlx-lm implements with
-a `SwitchGLU` therefore streams, not just the fixtures.
+a `SwitchGLU` or `SwitchMLP` therefore streams, not just the fixtures.
 
 How expert weights reach the kernel: at a MoE layer the block evaluates the routing (one
 synchronisation per layer), asks the store for the layer's distinct experts in one call, gathers
@@ -18,33 +18,36 @@ activation rows (k rows of the model width per token) and the outputs.
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model
 
-from expertmesh.node.engine.mlx_lm_models import model_classes
+from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS, layer_number, model_classes
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.store.codec import ExpertWeights, ProjectionWeights
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
+class StreamingExperts(nn.Module):
+    """A `SwitchGLU` or `SwitchMLP` whose experts come from an expert store, one layer's set per
+    call; the same call signature, so the architecture's MoE module calls it unchanged."""
 
-class StreamingSwitchGLU(nn.Module):
-    """A `SwitchGLU` whose experts come from an expert store, one layer's set per call."""
-
-    def __init__(self, layer: int, path: str, original: SwitchGLU):
+    def __init__(self, layer: int, path: str, original: SwitchGLU | SwitchMLP):
         super().__init__()
         self.layer = layer
         self.path = path
+        self.kind = "SwitchGLU" if isinstance(original, SwitchGLU) else "SwitchMLP"  # a subclass is its base
+        self.projections = BLOCK_PROJECTIONS[self.kind]
         self.activation = original.activation
-        self.input_dims = {p: getattr(original, p).input_dims for p in ("gate_proj", "up_proj", "down_proj")}
-        self.output_dims = original.down_proj.output_dims
+        for name, member in original.items():  # anything beside the projections stays, as core
+            if name not in self.projections and name != "activation":  # (muse_spark's post_expert_norm)
+                self[name] = member
+        self.input_dims = {p: getattr(original, p).input_dims for p in self.projections}
+        self.output_dims = getattr(original, self.projections[-1]).output_dims
         # Plain attributes (object.__setattr__), not parameters or child modules:
         self._set("_store", None)
         self._set("_next", None)  # (next MoE layer's block, its parent MoE module), for guesses
@@ -68,7 +71,7 @@ class StreamingSwitchGLU(nn.Module):
 
     @property
     def input_width(self) -> int:
-        return self.input_dims["gate_proj"]
+        return self.input_dims[self.projections[0]]
 
     def wants_guesses(self) -> bool:
         return self._next is not None and self._store is not None and self._store.wants_guesses()
@@ -113,12 +116,19 @@ class StreamingSwitchGLU(nn.Module):
     def compute(self, weights: dict[int, ExpertWeights], rows: dict[int, mx.array]) -> dict[int, mx.array]:
         """Each expert's rows through it (lazy): the same kernels whether the rows are this node's
         own or arrived from a peer (ComputeExperts)."""
-        return {e: _expert_forward(weights[e], self.activation, rows[e]) for e in rows}
+        forward = _glu_forward if self.kind == "SwitchGLU" else _mlp_forward
+        return {e: forward(weights[e].projections, self.activation, rows[e]) for e in rows}
 
 
-def _expert_forward(w: ExpertWeights, activation, x: mx.array) -> mx.array:
-    """(n, in) rows through one expert -> (n, out), with the kernels of mlx-lm's quantized layers."""
-    return _project(w.down_proj, activation(_project(w.up_proj, x), _project(w.gate_proj, x)))
+def _glu_forward(w: dict[str, ProjectionWeights], activation, x: mx.array) -> mx.array:
+    """(n, in) rows through one `SwitchGLU` expert -> (n, out), with the kernels of mlx-lm's
+    quantized layers; mlx-lm's activation takes (up, gate)."""
+    return _project(w["down_proj"], activation(_project(w["up_proj"], x), _project(w["gate_proj"], x)))
+
+
+def _mlp_forward(w: dict[str, ProjectionWeights], activation, x: mx.array) -> mx.array:
+    """(n, in) rows through one `SwitchMLP` expert: fc2(act(fc1(x)))."""
+    return _project(w["fc2"], activation(_project(w["fc1"], x)))
 
 
 def _project(p: ProjectionWeights, x: mx.array) -> mx.array:
@@ -151,15 +161,15 @@ def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
         setattr(parent, parts[-1], module)
 
 
-def install_streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
-    """Swap every SwitchGLU of `model` for a streaming block; returns them in layer order."""
+def install_streaming_blocks(model: nn.Module) -> list[StreamingExperts]:
+    """Swap every SwitchGLU and SwitchMLP of `model` for a streaming block; returns them in layer order."""
     blocks = []
     for path, module in list(model.named_modules()):
-        if isinstance(module, SwitchGLU):
-            m = _LAYER_RE.search(path + ".")
-            if m is None:
+        if isinstance(module, (SwitchGLU, SwitchMLP)):
+            layer = layer_number(path)
+            if layer is None:
                 raise UnsupportedModelError(f"expert block {path} is not inside a numbered layer")
-            block = StreamingSwitchGLU(int(m.group(1)), path, module)
+            block = StreamingExperts(layer, path, module)
             _set_module(model, path, block)
             blocks.append(block)
     return sorted(blocks, key=lambda b: b.layer)
@@ -171,7 +181,7 @@ _GUESSING_CLASSES: dict[type, type] = {}
 def _guessing_class(moe_class: type) -> type:
     """`moe_class` whose call first runs the next MoE layer's router on this layer's input.
 
-    Any MoE module that routes and then calls its SwitchGLU works: the next layer's module is
+    Any MoE module that routes and then calls its expert block works: the next layer's module is
     called with its block in predicting mode, so only the router's part of that lazy graph is
     ever evaluated (shared experts and the rest are never computed). The guess is the routing
     that layer would choose for this hidden state, which is usually close to its real input.
@@ -203,7 +213,7 @@ def _module_at(root: nn.Module, path: str) -> nn.Module:
     return node
 
 
-def link_next_layer_guesses(model: nn.Module, blocks: list[StreamingSwitchGLU]) -> None:
+def link_next_layer_guesses(model: nn.Module, blocks: list[StreamingExperts]) -> None:
     """Let each MoE module guess the next MoE layer's experts (see `_guessing_class`)."""
     for block, nxt in zip(blocks, blocks[1:]):
         moe, next_moe = (_module_at(model, b.path.rsplit(".", 1)[0]) for b in (block, nxt))
@@ -214,8 +224,8 @@ def link_next_layer_guesses(model: nn.Module, blocks: list[StreamingSwitchGLU]) 
         block._set("_next", (nxt, next_moe))
 
 
-def streaming_blocks(model: nn.Module) -> list[StreamingSwitchGLU]:
-    return sorted((m for _, m in model.named_modules() if isinstance(m, StreamingSwitchGLU)), key=lambda b: b.layer)
+def streaming_blocks(model: nn.Module) -> list[StreamingExperts]:
+    return sorted((m for _, m in model.named_modules() if isinstance(m, StreamingExperts)), key=lambda b: b.layer)
 
 
 def _streaming_classes(config: dict, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None):
@@ -240,11 +250,12 @@ def _sanitize_with_standins(model: nn.Module, sanitize, weights: dict, standins:
     architecture whose sanitize treats the core differently when they are absent (see
     hub/expert_index.py, `sanitize_with_experts`). What it makes of the stand-ins is dropped before
     anything is evaluated, so they cost graph nodes, not memory."""
+    from expertmesh.node.hub.expert_index import streamed_prefixes
     from expertmesh.node.hub.expert_trace import SAFETENSORS_DTYPES
 
     made = sanitize({**weights, **{n: mx.zeros(shape, SAFETENSORS_DTYPES[d]) for n, (d, shape) in standins.items()}})
-    paths = tuple(b.path + "." for b in streaming_blocks(model))
-    return {k: v for k, v in made.items() if not k.startswith(paths) and k not in standins}
+    streamed = streamed_prefixes({b.path: b.kind for b in streaming_blocks(model)})
+    return {k: v for k, v in made.items() if not k.startswith(streamed) and k not in standins}
 
 
 def core_standins(index, core_bits: int) -> dict[str, tuple[str, tuple[int, ...]]] | None:
@@ -255,14 +266,14 @@ def core_standins(index, core_bits: int) -> dict[str, tuple[str, tuple[int, ...]
 
 def load_core_model(
     model_dir: Path, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None
-) -> tuple[nn.Module, dict, list[StreamingSwitchGLU]]:
+) -> tuple[nn.Module, dict, list[StreamingExperts]]:
     """mlx-lm's model of a pulled repo with the core in memory and streaming expert blocks.
 
     `expert_standins` (name -> safetensors dtype, shape) is given for a core still in its upstream
     form whose architecture's sanitize needs to see the experts (`ExpertIndex.sanitize_with_experts`).
 
     Raises:
-        UnsupportedModelError: mlx-lm has no such architecture, or it has no SwitchGLU experts.
+        UnsupportedModelError: mlx-lm has no such architecture, or it has no SwitchGLU or SwitchMLP experts.
     """
     try:
         model, config = load_model(
@@ -279,7 +290,7 @@ def load_core_model(
     link_next_layer_guesses(model, blocks)
     if not blocks:
         raise UnsupportedModelError(
-            f"{config.get('model_type')}: mlx-lm builds no SwitchGLU expert blocks for this model, so there is "
+            f"{config.get('model_type')}: mlx-lm builds no SwitchGLU or SwitchMLP expert blocks for this model, so there is "
             "nothing to stream (is it a Mixture-of-Experts model?)"
         )
     return model, config, blocks

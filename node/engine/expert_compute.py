@@ -1,6 +1,6 @@
 """The serving side of remote expert execution: run held experts on rows another node sent.
 
-A peer that holds an expert computes it with the same block (`StreamingSwitchGLU.compute`, the
+A peer that holds an expert computes it with the same block (`StreamingExperts.compute`, the
 same kernels and precision the requester would use) on the rows that arrived, so a remotely
 computed expert gives the requester what its own computation would have given. Only experts
 this node holds in RAM or on disk run unless the caller asks as the owner (`fetch_on_miss`); the
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from expertmesh.node.engine.blocks import StreamingSwitchGLU
+from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.rpc import activations
@@ -48,11 +48,11 @@ class ExpertComputer:
 
     def __init__(self, sm: StreamedModel):
         self.sm = sm
-        self.blocks: dict[int, StreamingSwitchGLU] = {b.layer: b for b in sm.blocks}
+        self.blocks: dict[int, StreamingExperts] = {b.layer: b for b in sm.blocks}
         self._running = 0
         self._lock = threading.Lock()
 
-    def check(self, request: node_pb2.ComputeExpertsRequest) -> StreamingSwitchGLU:
+    def check(self, request: node_pb2.ComputeExpertsRequest) -> StreamingExperts:
         """The layer's block, once every part of the request is checked (no MLX: any thread).
 
         Raises:
@@ -124,7 +124,7 @@ class ExpertComputer:
 
 
 def _run(
-    block: StreamingSwitchGLU, weights: dict[int, ExpertWeights], rows: dict[int, node_pb2.Tensor]
+    block: StreamingExperts, weights: dict[int, ExpertWeights], rows: dict[int, node_pb2.Tensor]
 ) -> list[node_pb2.ExpertRows]:
     """On the MLX thread: the rows into MLX, through the experts, and back into messages."""
     x = {e: activations.decode(t, block.input_width) for e, t in rows.items()}

@@ -140,6 +140,13 @@ def build_model(config: dict) -> nn.Module:
         mx.random.seed((hi << 32) | lo)  # a key is the seed's two 32-bit words
 
 
+# The projections of each kind of mlx-lm expert block, in the order they compute.
+BLOCK_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "SwitchGLU": ("gate_proj", "up_proj", "down_proj"),  # down(act(up(x), gate(x)))
+    "SwitchMLP": ("fc1", "fc2"),  # fc2(act(fc1(x))), no gate: phixtral, nemotron_h
+}
+
+
 def expert_blocks(model: nn.Module) -> dict[str, str]:
     """Module path -> `SwitchGLU` or `SwitchMLP`, for every routed-expert block of `model`."""
     out = {}
@@ -149,3 +156,13 @@ def expert_blocks(model: nn.Module) -> dict[str, str]:
         elif isinstance(module, SwitchMLP):
             out[path] = "SwitchMLP"
     return out
+
+
+def layer_number(path: str) -> int | None:
+    """The decoder layer a module path is in: the number after `layers.` (`model.layers.3.mlp`),
+    else the path's first number (phixtral's `transformer.h.0.moe`); None outside any layer."""
+    parts = path.split(".")
+    for i, part in enumerate(parts[1:], 1):
+        if part.isdigit() and parts[i - 1] == "layers":
+            return int(part)
+    return next((int(p) for p in parts if p.isdigit()), None)

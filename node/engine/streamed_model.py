@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from expertmesh.node.engine.blocks import StreamingSwitchGLU
+from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.expert_index import ExpertIndex
@@ -29,7 +29,7 @@ class StreamedModel:
     config: dict
     index: ExpertIndex
     codec: ExpertCodec  # how the blocks' expert bytes become MLX arrays
-    blocks: list[StreamingSwitchGLU]
+    blocks: list[StreamingExperts]
     core_bytes: int
     core_bits: int = 16  # 8: stored and run as MLX 8-bit weights (`pull --core-bits 8`)
     store: object | None = None  # store.store.ExpertStore, once bound

@@ -3,7 +3,7 @@
 An expert is addressed by `(layer, expert)` within a pinned `(repo, commit)`. Which upstream
 tensors make it up is not guessed from names: mlx-lm's own `sanitize` for the architecture is
 traced on stand-ins of the checkpoint's tensors (node/hub/expert_trace.py), so the index learns
-which tensors feed each `SwitchGLU` parameter and how. An expert is then
+which tensors feed each `SwitchGLU` (or `SwitchMLP`) parameter and how. An expert is then
 
 - whole tensors (per-expert checkpoints: `...experts.{e}.{w1,...}`), usually adjacent in one
   shard, so they coalesce into one byte range (K3: one range);
@@ -42,7 +42,6 @@ _READABLE_VERSIONS = (1, 2)
 PARAMETER_KINDS = ("weight", "scales", "biases", "bias")
 # A whole tensor every expert of a layer reads (a per-tensor scale) is copied into each: only if small.
 SHARED_INPUT_MAX_BYTES = 1 << 20
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 # `experts` must be a whole name segment, so `shared_experts` stays in the core.
 _PER_EXPERT_RE = re.compile(
@@ -401,7 +400,7 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         raise UnsupportedModelError(f"{repo_id}: architecture {model_type!r} is not implemented by mlx-lm") from None
     no_experts = f"{repo_id} has no routed experts: expertmesh runs Mixture-of-Experts models only"
     if module not in mlx_lm_models.expert_modules():
-        raise UnsupportedModelError(f"{no_experts} (mlx-lm's {module} builds no SwitchGLU)")
+        raise UnsupportedModelError(f"{no_experts} (mlx-lm's {module} builds no SwitchGLU or SwitchMLP)")
     try:
         model = mlx_lm_models.build_model(config)
     except Exception as e:  # the architecture's own checks of its config
@@ -410,14 +409,8 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         ) from e
     blocks = mlx_lm_models.expert_blocks(model)
     if not blocks:
-        raise UnsupportedModelError(f"{no_experts} (this config of {model_type!r} builds no SwitchGLU)")
+        raise UnsupportedModelError(f"{no_experts} (this config of {model_type!r} builds no SwitchGLU or SwitchMLP)")
     cannot = f"expertmesh cannot yet address experts stored as {{}} in model_type {model_type!r}"
-    for path, kind in sorted(blocks.items(), key=lambda pk: _numbers(pk[0])):
-        if kind != "SwitchGLU":
-            raise UnsupportedModelError(
-                f"expertmesh cannot yet stream the {kind} experts (fc1/fc2, no gate) of model_type "
-                f"{model_type!r} ({path}): only SwitchGLU blocks are swapped for streaming ones"
-            )
     try:
         out = expert_trace.trace_sanitize(model, tensors)
     except expert_trace.Untraceable as e:
@@ -425,11 +418,14 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
             f"expertmesh cannot yet address the experts of model_type {model_type!r}: {e}"
         ) from None
 
+    # Only the projections stream: a block's other parameters (muse_spark keeps a norm under its
+    # experts) are core, which the streaming block keeps as they are (engine/blocks.py).
+    streamed = streamed_prefixes(blocks)
     by_block: dict[str, dict[str, Any]] = {p: {} for p in blocks}
     core_out: dict[str, Any] = {}
     for key, value in out.items():
         path = next((p for p in blocks if key.startswith(p + ".")), None)
-        if path is None:
+        if path is None or not key.startswith(streamed):
             core_out[key] = value
         else:
             by_block[path][key[len(path) + 1 :]] = value
@@ -442,10 +438,10 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
     experts: dict[tuple[int, int], tuple[list[tuple[str, int | None]], str]] = {}
     shared_inputs: dict[str, int] = {}
     for path, targets in sorted(by_block.items(), key=lambda pt: _numbers(pt[0])):
-        m = _LAYER_RE.search(path + ".")
-        if m is None:
+        layer = mlx_lm_models.layer_number(path)
+        if layer is None:
             raise UnsupportedModelError(f"{repo_id}: expert block {path} is not inside a numbered layer")
-        layer = int(m.group(1))
+        projections = mlx_lm_models.BLOCK_PROJECTIONS[blocks[path]]
         if layer in layers:
             raise UnsupportedModelError(f"{repo_id}: layer {layer} has two expert blocks, {layers[layer]} and {path}")
         layers[layer] = path
@@ -455,11 +451,6 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
             raise UnsupportedModelError(cannot.format(stored) + f": nothing in the checkpoint feeds {path}")
         for rel, value in targets.items():
             proj, _, kind = rel.rpartition(".")
-            if proj not in ("gate_proj", "up_proj", "down_proj"):
-                raise UnsupportedModelError(
-                    f"expertmesh cannot yet stream the experts of model_type {model_type!r}: its expert block "
-                    f"{path} has a parameter of its own, {rel}, beyond the gate/up/down projections it streams"
-                )
             if kind not in PARAMETER_KINDS:
                 names = _sample(sorted(expert_trace.leaves_of(value)))
                 raise UnsupportedModelError(cannot.format(f"{names}, which mlx-lm loads as {kind} (of {path}.{proj})"))
@@ -467,7 +458,7 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
                 ops = ", ".join(sorted(set(expert_trace.opaque_ops(value)))) or "an unrecorded operation"
                 names = _sample(sorted(expert_trace.leaves_of(value)))
                 raise UnsupportedModelError(cannot.format(f"{names} (sanitize makes {path}.{rel} with {ops})"))
-        missing = [p for p in ("gate_proj", "up_proj", "down_proj") if f"{p}.weight" not in targets]
+        missing = [p for p in projections if f"{p}.weight" not in targets]
         if missing:
             raise UnsupportedModelError(cannot.format(f"tensors that give {path} no {', '.join(missing)}"))
         shared = sorted(set().union(*(expert_trace.leaves_of(v) for v in targets.values())) & core)
@@ -494,7 +485,7 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         if uses > 1 and DTYPE_BYTES[dtype] * _count(shape) > SHARED_INPUT_MAX_BYTES:
             raise UnsupportedModelError(cannot.format(f"{name}, one tensor every expert reads whole"))
     expert_inputs = {name for inputs, _ in experts.values() for name, _ in inputs}
-    standins = _core_needs_expert_standins(model, model_type, tensors, core, expert_inputs, core_out, list(blocks))
+    standins = _core_needs_expert_standins(model, model_type, tensors, core, expert_inputs, core_out, streamed)
     return _Plan(core, experts, standins)
 
 
@@ -505,7 +496,7 @@ def _core_needs_expert_standins(
     core: set[str],
     expert_inputs: set[str],
     full: dict,
-    block_paths: list[str],
+    streamed: tuple[str, ...],
 ) -> bool:
     """Whether mlx-lm's sanitize must see the experts' tensors to make the core right.
 
@@ -521,7 +512,7 @@ def _core_needs_expert_standins(
 
     def differ(made: dict) -> list[str]:
         def core_keys(d: dict) -> set[str]:
-            return {k for k in d if not any(k.startswith(p + ".") for p in block_paths)}
+            return {k for k in d if not k.startswith(streamed)}
 
         return sorted(
             k
@@ -547,6 +538,14 @@ def _core_needs_expert_standins(
             "absent, as they are from a pulled core"
         )
     return True
+
+
+def streamed_prefixes(blocks: dict[str, str]) -> tuple[str, ...]:
+    """The parameter-name prefixes of what streams: each block's projections (`path.gate_proj.`...),
+    not its other parameters. `blocks`: path -> `SwitchGLU` or `SwitchMLP`."""
+    from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS
+
+    return tuple(f"{p}.{proj}." for p, kind in blocks.items() for proj in BLOCK_PROJECTIONS[kind])
 
 
 def _numbers(path: str) -> list[int]:

@@ -33,12 +33,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub.expert_index import ExpertLocation
 from expertmesh.node.hub.expert_trace import SAFETENSORS_DTYPES
 from expertmesh.node.hub.expert_trace import evaluate as evaluate_recipe
 
-# Upstream projection names -> SwitchGLU's.
+# Upstream projection names -> SwitchGLU's (for an index of format 1, decoded by name).
 PROJECTION_ALIASES = {
     "w1": "gate_proj",
     "w3": "up_proj",
@@ -47,7 +48,7 @@ PROJECTION_ALIASES = {
     "up_proj": "up_proj",
     "down_proj": "down_proj",
 }
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = BLOCK_PROJECTIONS["SwitchGLU"]  # what an expert of a layer the codec was not told of has
 
 _NUMPY_DTYPES = {
     "BOOL": np.bool_,
@@ -98,13 +99,11 @@ class ExpertWeights:
 
     layer: int
     expert: int
-    gate_proj: ProjectionWeights
-    up_proj: ProjectionWeights
-    down_proj: ProjectionWeights
+    projections: dict[str, ProjectionWeights]  # by the block's names: gate_proj/up_proj/down_proj, fc1/fc2
 
     @property
     def nbytes(self) -> int:
-        return self.gate_proj.nbytes + self.up_proj.nbytes + self.down_proj.nbytes
+        return sum(p.nbytes for p in self.projections.values())
 
 
 def tensor_offsets(loc: ExpertLocation) -> dict[str, tuple[int, int]]:
@@ -193,7 +192,8 @@ class ExpertCodec:
         quantization: mlx-lm's resolved `config["quantization"]` (defaults and per-module
             overrides keyed by module path), or None for an unquantised model.
         block_paths: layer -> the module path of that layer's expert block, for the overrides.
-        input_dims: layer -> {projection: input width}, to check the packing we infer.
+        input_dims: layer -> {projection: input width}, in the block's order: which projections an
+            expert of the layer has (`BLOCK_PROJECTIONS`), and the input widths that check the packing we infer.
         dense_dtype: cast unquantised experts to this dtype once, on decode (MLX's CPU
             `gather_mm` takes only float32); None keeps the upstream dtype.
     """
@@ -226,11 +226,11 @@ class ExpertCodec:
                 if loc.recipe is None:
                     raise
                 by_proj = self._from_recipe(loc, view)
-        missing = [p for p in PROJECTIONS if p not in by_proj]
+        wanted = tuple(self.input_dims.get(loc.layer, ())) or PROJECTIONS
+        missing = [p for p in wanted if p not in by_proj]
         if missing:
             raise UnsupportedModelError(f"expert {loc.layer}/{loc.expert} has no {', '.join(missing)} tensors")
-        projections = {p: self._projection(loc.layer, p, by_proj[p]) for p in PROJECTIONS}
-        return ExpertWeights(loc.layer, loc.expert, **projections)
+        return ExpertWeights(loc.layer, loc.expert, {p: self._projection(loc.layer, p, by_proj[p]) for p in wanted})
 
     def _from_recipe(self, loc: ExpertLocation, view: memoryview) -> dict[str, dict[str, _Host]]:
         offsets = loc.blob_offsets()

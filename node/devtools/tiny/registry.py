@@ -199,7 +199,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "minimax": {"rotary_dim": 8},
     "nemotron_h": {
-        "hybrid_override_pattern": "ME",
+        "hybrid_override_pattern": "ME*E",  # mlx-lm reads the cache of an attention (*) layer
         "mamba_num_heads": 4,
         "mamba_head_dim": 16,
         "mamba_proj_bias": False,
@@ -285,6 +285,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "muse_spark": {
         "text_args": "muse_spark.TextArgs",
+        # transformers' config (which loads the tokenizer) checks the audio encoder's width
+        "audio_config": {"out_hidden_size": TINY["hidden_size"]},
         "text": {
             "post_norm_eps": 1e-5,
             "rope_parameters": {"rope_theta": 1e4},
