@@ -14,6 +14,7 @@ The gRPC client is blocking, so `Coordinator.generate` runs on a thread of its o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ import grpc
 from expertmesh.coordinator.api_metrics import ApiMetrics
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_request import ApiError, Ask, generate_request
-from expertmesh.coordinator.request_queue import QueueFull, RequestQueue
+from expertmesh.coordinator.request_queue import LeftQueue, QueueFull, RequestQueue
 from expertmesh.coordinator.stop_sequences import StopScanner
 from expertmesh.node.rpc.client import NodeClient
 
@@ -120,7 +121,11 @@ class Coordinator:
         cancel = cancel or Cancellation()
         tried: set[str] = set()
         busy: set[str] = set()  # nodes that answered RESOURCE_EXHAUSTED: every slot taken
-        with self.queue.slot():
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self.queue.slot(cancelled=lambda: cancel.cancelled))
+            except LeftQueue:
+                return  # the client left while this waited: its place went to the next one
             while True:
                 if cancel.cancelled:  # the client left while this waited for its slot: no generation at all
                     return

@@ -47,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from urllib.parse import urlsplit
 
 import h11
 
@@ -316,6 +317,11 @@ class _Connection(asyncio.Protocol):
             key, text = name.decode("latin-1"), value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
         target = event.target.decode("latin-1")
+        if target[:7].lower() == "http://" or target[:8].lower() == "https://":
+            # absolute-form (RFC 9112 3.2.2, what proxies send): the target's authority replaces Host
+            parts = urlsplit(target)
+            headers["host"] = parts.netloc
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         path, _, query = target.partition("?")
         return Request(
             method=event.method.decode("latin-1"),

@@ -21,7 +21,9 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
+from urllib.parse import unquote
 
 from expertmesh.coordinator.api_access import AccessPolicy
 from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
@@ -36,6 +38,7 @@ RETRY_AFTER_S = 5
 GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _GET_PATHS = ("/v1/models", "/metrics", "/healthz")
+_MODEL_PREFIX = "/v1/models/"  # + a model id, percent-encoded: OpenAI's "retrieve model"
 
 
 def _busy(reason: object) -> ApiError:
@@ -72,6 +75,7 @@ class OpenAIServer:
             coordinator, coordinator.config.max_waiting + GENERATION_THREAD_HEADROOM * per_node
         )
         self._health: asyncio.Future | None = None  # the health round in flight
+        self._parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-parse")
 
     def start(self) -> OpenAIServer:
         """Serve from a background thread (the socket is bound already, so the port is known)."""
@@ -84,6 +88,7 @@ class OpenAIServer:
 
     def stop(self) -> None:
         self.http.stop()
+        self._parser.shutdown(wait=False, cancel_futures=True)
         self.coordinator.close()
 
     # -- routes --------------------------------------------------------------------------------
@@ -95,11 +100,12 @@ class OpenAIServer:
             refusal = self.access.refusal(request, self.port)
             if refusal is not None:
                 raise refusal
-            if request.method == "GET" and path in _GET_PATHS:
-                await self._get(ex, path)
+            model = unquote(path[len(_MODEL_PREFIX) :]) if path.startswith(_MODEL_PREFIX) else None
+            if request.method in ("GET", "HEAD") and (path in _GET_PATHS or model):
+                await self._get(ex, path, model)
             elif request.method == "POST" and path in _GENERATE_PATHS:
                 await self._complete(ex, chat=path == "/v1/chat/completions")
-            elif path in _GET_PATHS or path in _GENERATE_PATHS:
+            elif path in _GET_PATHS or path in _GENERATE_PATHS or model:
                 await self._error(
                     ex, ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {path}")
                 )
@@ -121,13 +127,17 @@ class OpenAIServer:
         elif e.status == HTTPStatus.UNAUTHORIZED:
             headers.append(("WWW-Authenticate", "Bearer"))
         elif e.status == HTTPStatus.METHOD_NOT_ALLOWED:
-            headers.append(("Allow", "POST" if ex.request.path.rstrip("/") in _GENERATE_PATHS else "GET"))
+            headers.append(("Allow", "POST" if ex.request.path.rstrip("/") in _GENERATE_PATHS else "GET, HEAD"))
         await self._json(ex, e.status, e.body(), headers)
 
-    async def _get(self, ex: Exchange, path: str) -> None:
+    async def _get(self, ex: Exchange, path: str, model: str | None = None) -> None:
         c = self.coordinator
-        if path == "/v1/models":
-            now = int(time.time())
+        now = int(time.time())
+        if model is not None:  # /v1/models/{id}, the id percent-decoded (ids hold a "/")
+            if model not in c.config.models():
+                raise ApiError(HTTPStatus.NOT_FOUND, f"the model '{model}' is not served here", code="model_not_found")
+            await self._json(ex, 200, {"id": model, "object": "model", "created": now, "owned_by": "expertmesh"})
+        elif path == "/v1/models":
             models = [{"id": m, "object": "model", "created": now, "owned_by": "expertmesh"} for m in c.config.models()]
             await self._json(ex, 200, {"object": "list", "data": models})
         elif path == "/metrics":
@@ -154,9 +164,11 @@ class OpenAIServer:
         return await asyncio.shield(self._health)  # a probe that leaves does not cancel the others' answer
 
     async def _complete(self, ex: Exchange, chat: bool) -> None:
-        c = self.coordinator
-        body = decode_body(await ex.body())  # on the loop: at most 4 MB, a few tens of ms
-        ask = parse_ask(body, chat, c.config.models(), c.config.default_max_tokens)
+        raw = await ex.body()
+        # Off the loop: a legal 4 MB body of tiny values takes seconds to parse, and every other
+        # connection (streams, /healthz) would wait for it. One parser thread: `json.loads` holds the
+        # GIL while it runs, so parses side by side would stall the loop as long as all of them.
+        ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse, raw, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         generation = self._threads.start(ask, usage)
@@ -167,6 +179,10 @@ class OpenAIServer:
                 await self._whole(ex, ask, rid, generation, usage)
         finally:
             generation.cancel()  # a no-op once it ended; else the client left (or the server stops)
+
+    def _parse(self, raw: bytes, chat: bool) -> Ask:
+        c = self.coordinator
+        return parse_ask(decode_body(raw), chat, c.config.models(), c.config.default_max_tokens, checked=True)
 
     # -- OpenAI's response shapes --------------------------------------------------------------
 

@@ -24,6 +24,11 @@ from expertmesh.v1 import node_pb2
 
 MAX_TOKENS_LIMIT = 32768  # as the node's own limit
 MAX_STOPS = 4  # as OpenAI's
+# A stop is a short marker ("\n\n", "User:"); the scanner's work per token grows with its length.
+MAX_STOP_CHARS = 512
+# Values a body may hold (every key, string and number counts): a long chat is a few thousand; a
+# body of millions of tiny values is an attack on the parser's time, refused before it is walked.
+MAX_VALUES = 200_000
 MAX_DEPTH = 64  # JSON nesting a request needs is about 5 (messages, parts); deeper is an attack
 # The roles a client may send, and the role the chat template sees: `developer` is what OpenAI now
 # calls the system message of its reasoning models, and templates know only `system`.
@@ -98,10 +103,14 @@ def check_json(value: Any) -> None:
     MAX_DEPTH, a float that is not finite, or a string that is not Unicode text.
 
     `parse_ask` calls it too, so a body decoded elsewhere (with plain `json.loads`) is held to the
-    same rules. Iterative: the depth it checks must not cost stack."""
+    same rules. Iterative: the depth it checks must not cost stack; bounded: at most MAX_VALUES values."""
     stack: list[tuple[Any, int]] = [(value, 1)]
+    seen = 0
     while stack:
         item, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise _bad(f"the body holds more than {MAX_VALUES:,} values")
         if isinstance(item, (dict, list)):
             if depth > MAX_DEPTH:
                 raise _bad(f"the body is nested more than {MAX_DEPTH} levels deep")
@@ -131,6 +140,45 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """Fields that change what an answer must contain are refused by name rather than ignored: a
+    client that asked for log probabilities, an echoed prompt, a forced tool call or JSON output
+    would otherwise get an answer without them and fail later, further from the cause. Fields that
+    only tune sampling (penalties, logit_bias) or describe the caller (user, metadata) are ignored."""
+    asked = []
+    if chat:
+        if body.get("logprobs") not in (None, False):
+            asked.append("logprobs")
+        if body.get("top_logprobs") not in (None, 0):
+            asked.append("top_logprobs")
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            asked.append("tool_choice")  # "required" or a named function: a call this server cannot make
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            asked.append("response_format")  # json_object / json_schema: output it cannot guarantee
+        if body.get("audio") is not None:
+            asked.append("audio")
+        if body.get("modalities") not in (None, ["text"]):
+            asked.append("modalities")
+    else:
+        if body.get("logprobs") not in (None, 0):
+            asked.append("logprobs")
+        if body.get("echo") not in (None, False):
+            asked.append("echo")
+        if body.get("best_of") not in (None, 1):
+            asked.append("best_of")
+        if body.get("suffix") not in (None, ""):
+            asked.append("suffix")
+    if asked:
+        names = ", ".join(f"'{a}'" for a in asked)
+        raise _bad(
+            f"{names} {'is' if len(asked) == 1 else 'are'} not supported here: expertmesh answers with generated "
+            "text only",
+            param=asked[0],
+            code="unsupported_parameter",
+        )
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
@@ -190,11 +238,15 @@ def _message(i: int, m: Any) -> dict[str, str]:
     return {"role": ROLES[role], "content": content}
 
 
-def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int) -> Ask:
-    """Check a request body the way the OpenAI API does, with a message that says what is wrong."""
+def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int, *, checked: bool = False) -> Ask:
+    """Check a request body the way the OpenAI API does, with a message that says what is wrong.
+
+    `checked`: the body came from `decode_body`, which ran `check_json` already."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
-    check_json(body)
+    if not checked:
+        check_json(body)
+    _refuse_unsupported(body, chat)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required: one of " + ", ".join(models), param="model")
@@ -231,6 +283,8 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int)
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise _bad(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise _bad(f"a stop sequence may be at most {MAX_STOP_CHARS} characters long", param="stop")
     ask.stop = stops
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):

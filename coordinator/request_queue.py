@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -16,6 +17,15 @@ from contextlib import contextmanager
 
 class QueueFull(Exception):
     pass
+
+
+class LeftQueue(Exception):
+    """The request was cancelled (its client left) while it waited: it gave its place up."""
+
+
+# How often a waiting request looks again without being woken: whether its client left, and how
+# many slots there are (a full node that joins adds slots without notifying the queue).
+RECHECK_S = 0.25
 
 
 class RequestQueue:
@@ -28,8 +38,12 @@ class RequestQueue:
         self._cond = threading.Condition()
 
     @contextmanager
-    def slot(self, timeout_s: float | None = None):
-        """Hold one generation slot for the block; raises QueueFull when too many already wait."""
+    def slot(self, timeout_s: float | None = None, cancelled: Callable[[], bool] = lambda: False):
+        """Hold one generation slot for the block.
+
+        Raises QueueFull when too many already wait (or none came within `timeout_s`), LeftQueue
+        when `cancelled()` turns true while waiting: a client that left must not keep a place
+        that a client still there would get a 429 for."""
         with self._cond:
             if self._running < max(1, self._slots()) and not self._waiting:
                 self._running += 1
@@ -38,15 +52,18 @@ class RequestQueue:
                     raise QueueFull(f"{len(self._waiting)} requests are already waiting")
                 ticket = next(self._tickets)
                 self._waiting.append(ticket)
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
                 try:
-                    ok = self._cond.wait_for(
-                        lambda: self._waiting[0] == ticket and self._running < max(1, self._slots()), timeout_s
-                    )
+                    while not (self._waiting[0] == ticket and self._running < max(1, self._slots())):
+                        if cancelled():
+                            raise LeftQueue("the request was cancelled while it waited for a slot")
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise QueueFull(f"no generation slot within {timeout_s:.0f} s")
+                        self._cond.wait(RECHECK_S if left is None else min(RECHECK_S, left))
                 finally:
                     self._waiting.remove(ticket)
                     self._cond.notify_all()
-                if not ok:
-                    raise QueueFull(f"no generation slot within {timeout_s:.0f} s")
                 self._running += 1
         try:
             yield

@@ -15,6 +15,7 @@ class StopScanner:
         """The text that is now safe to send after `piece` arrived ('' once stopped)."""
         if self.stopped:
             return ""
+        unsent = len(self._text) - self._sent + len(piece)  # only unsent text can start a stop
         self._text += piece
         hits = [i for i in (self._text.find(s, max(0, self._sent - len(s))) for s in self.stops) if i >= 0]
         if hits:
@@ -23,7 +24,7 @@ class StopScanner:
         else:
             end = len(self._text)
             for s in self.stops:  # hold back a tail that is a prefix of a stop string
-                for n in range(min(len(s) - 1, len(self._text)), 0, -1):
+                for n in range(min(len(s) - 1, unsent), 0, -1):
                     if s.startswith(self._text[-n:]):
                         end = min(end, len(self._text) - n)
                         break

@@ -236,3 +236,86 @@ def test_parse_ask_holds_a_body_decoded_elsewhere_to_the_same_rules() -> None:
     assert ask.max_tokens == 3 and ask.seed == -1 and ask.top_p == 0
     ok = decode_body(json.dumps({**base, "seed": -1}).encode())
     assert ok["seed"] == -1
+
+
+@pytest.mark.parametrize(
+    "path, extra, named",
+    [
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"tool_choice": "required", "tools": []}, "tool_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ],
+)
+def test_fields_that_change_what_an_answer_holds_are_refused_by_name(
+    api: OpenAIServer, path: str, extra: dict, named: str
+) -> None:
+    """Ignored, they gave answers without the log probabilities, echo or JSON asked for, and the
+    client failed later (`choice.logprobs.content` on None)."""
+    base = {"model": REPO_ID, "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    status, answer = _post(api, json.dumps({**base, **extra}).encode(), path)
+    assert status == 400, answer
+    assert answer["error"]["param"] == named and answer["error"]["code"] == "unsupported_parameter"
+    harmless = {"presence_penalty": 0.5, "user": "u1", "metadata": {"k": "v"}, "tool_choice": "auto", "logprobs": False}
+    if "chat" not in path:
+        harmless = {"presence_penalty": 0.5, "user": "u1", "echo": False, "best_of": 1}
+    assert _post(api, json.dumps({**base, **harmless}).encode(), path)[0] == 200
+
+
+def test_a_model_is_retrieved_by_its_id(client: openai.OpenAI) -> None:
+    """`client.models.retrieve` sends the id percent-encoded (`expertmesh%2Ftiny-kimi_k3`)."""
+    assert client.models.retrieve(REPO_ID).id == REPO_ID
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("someone/else")
+
+
+def _raw(api: OpenAIServer, request: bytes) -> bytes:
+    with socket.create_connection((api.host, api.port), timeout=30) as s:
+        s.sendall(request)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_head_is_answered_wherever_get_is(api: OpenAIServer) -> None:
+    host = f"{api.host}:{api.port}".encode()
+    for path in (b"/healthz", b"/v1/models"):
+        reply = _raw(api, b"HEAD " + path + b" HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.split()[1] == b"200", head
+        assert body == b""
+
+
+def test_an_absolute_form_target_is_served_as_its_path(api: OpenAIServer) -> None:
+    """RFC 9112 3.2.2: a server must accept `GET http://host/path` (what a client behind a proxy
+    configuration may send); the target's authority stands for Host."""
+    url = f"http://{api.host}:{api.port}/v1/models".encode()
+    reply = _raw(
+        api, b"GET " + url + b" HTTP/1.1\r\nHost: " + url[7:].split(b"/")[0] + b"\r\nConnection: close\r\n\r\n"
+    )
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"200", head
+    assert json.loads(body)["data"][0]["id"] == REPO_ID
+
+
+def test_request_bodies_are_parsed_off_the_event_loop(api: OpenAIServer, client: openai.OpenAI, monkeypatch) -> None:
+    """A legal 4 MB body of tiny values took seconds to parse on the loop, and every stream and
+    /healthz waited for it: parsing runs on a worker thread, not the loop's."""
+    import threading
+
+    threads: list[threading.Thread] = []
+    parse = OpenAIServer._parse
+
+    def watched(self, raw: bytes, chat: bool):
+        threads.append(threading.current_thread())
+        return parse(self, raw, chat)
+
+    monkeypatch.setattr(OpenAIServer, "_parse", watched)
+    _chat(client, [{"role": "user", "content": "hi"}], max_tokens=1)
+    assert threads and threads[0] is not api.http._thread, threads
