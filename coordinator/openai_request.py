@@ -293,6 +293,8 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _bad("'stream_options' must be an object", param="stream_options")
+    if options is not None and not ask.stream:  # as OpenAI and vLLM answer: usage then comes in the body
+        raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
     ask.include_usage = bool((options or {}).get("include_usage"))
     return ask
 

@@ -319,3 +319,14 @@ def test_request_bodies_are_parsed_off_the_event_loop(api: OpenAIServer, client:
     monkeypatch.setattr(OpenAIServer, "_parse", watched)
     _chat(client, [{"role": "user", "content": "hi"}], max_tokens=1)
     assert threads and threads[0] is not api.http._thread, threads
+
+
+def test_stream_options_without_streaming_is_a_400() -> None:
+    """As OpenAI answers: usage of a whole answer comes in its body, so the option means nothing."""
+    base = {"model": REPO_ID, "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ApiError, match="only with 'stream': true") as e:
+        parse_ask({**base, "stream_options": {"include_usage": True}}, True, [REPO_ID], 256)
+    assert e.value.param == "stream_options"
+    assert parse_ask(
+        {**base, "stream": True, "stream_options": {"include_usage": True}}, True, [REPO_ID], 256
+    ).include_usage
