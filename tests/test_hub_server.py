@@ -204,3 +204,140 @@ def test_a_read_that_may_give_up_stops_mid_transfer_but_finishes_what_is_nearly_
         threading.Timer(0.05, flag.set).start()
         assert reader.read_into(remote, 0, small, buf, abandon=flag.is_set) == small  # nearly done: finished
         assert bytes(buf[:small]) == (bytes(range(256)) * (32 * 1024))[:small]
+
+
+def _raw(port: int, method: str, path: str, headers: dict | None = None, body: bytes = b"") -> tuple[int, bytes]:
+    """One request with exactly these headers (httpx2 would fix a bad Content-Length itself)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for k, v in (headers or {}).items():
+            conn.putheader(k, v)
+        conn.endheaders(body or None)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_hub_routes_need_the_token_never_show_it_and_cannot_drop_it(hub_root: Path) -> None:
+    from expertmesh.node.devtools.local_hub import HubKnobs
+
+    token = "hf_secret_test_token"
+    auth = {"Authorization": f"Bearer {token}"}
+    with HubServer(hub_root, knobs=HubKnobs(required_token=token)) as server:
+        for method, path in [
+            ("GET", "/_hub/knobs"),
+            ("GET", "/_hub/stats"),
+            ("GET", "/_hub/health"),
+            ("POST", "/_hub/knobs"),
+            ("POST", "/_hub/stats/reset"),
+        ]:
+            assert httpx2.request(method, f"{server.url}{path}", json={}).status_code == 401, path
+            wrong = {"Authorization": "Bearer hf_wrong"}
+            assert httpx2.request(method, f"{server.url}{path}", json={}, headers=wrong).status_code == 401, path
+        r = httpx2.get(f"{server.url}/_hub/knobs", headers=auth)
+        assert r.status_code == 200 and token not in r.text and r.json()["token_required"] is True
+        for doc in ({"required_token": None}, {"required_token": "other"}):
+            r = httpx2.post(f"{server.url}/_hub/knobs", json=doc, headers=auth)
+            assert r.status_code == 400 and token not in r.text
+        assert server.knobs.required_token == token
+        assert httpx2.get(f"{server.url}/api/models/{REPO}").status_code == 401
+        assert httpx2.get(f"{server.url}/api/models/{REPO}", headers=auth).status_code == 200
+        r = httpx2.post(f"{server.url}/_hub/knobs", json={"ttfb_s": 0.0}, headers=auth)
+        assert r.status_code == 200 and token not in r.text
+
+
+@pytest.mark.parametrize("length", ["-5", "abc", "1e3", "99999999999999999999", "0x10"])
+def test_a_bad_content_length_gets_a_400(hub: HubServer, length: str) -> None:
+    status, _ = _raw(hub.port, "POST", "/_hub/knobs", {"Content-Length": length})
+    assert status == 400
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"ttfb_s": "1"},
+        {"ttfb_s": -1},
+        {"bandwidth_bytes_per_s": True},
+        {"seed": 1.5},
+        {"faults": [{"kind": "bogus"}]},
+        {"faults": [{"kind": "503", "rate": "x"}]},
+        {"faults": "503"},
+        {"no_such_knob": 1},
+        [1, 2],
+    ],
+)
+def test_malformed_knobs_get_a_400_and_change_nothing(hub: HubServer, doc: object) -> None:
+    before = dict(hub.knobs.public())
+    r = httpx2.post(f"{hub.url}/_hub/knobs", json=doc)
+    assert r.status_code == 400
+    assert hub.knobs.public() == before
+
+
+def test_cdn_urls_are_signed_by_the_hub_and_expire(
+    tiny_repos: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A private repo (`.hub_private`) is served only through a CDN URL the Hub signed after the
+    token check: a forged, altered or expired URL gets a 403, and a malformed one never a traceback."""
+    import base64
+    import json
+    import shutil
+    import urllib.parse
+
+    from expertmesh.node.hub import client as hub_client
+
+    repo = tmp_path / "hub" / "expertmesh" / "tiny-kimi_k3"
+    shutil.copytree(tiny_repos["kimi_k3"], repo)
+    (repo / ".hub_commit").write_text("0123456789abcdef0123456789abcdef01234567")  # a public upstream commit
+    (repo / ".hub_private").write_text("hf_private")
+    name = "model-00001-of-00003.safetensors"
+    original = (repo / name).read_bytes()
+
+    def cdn(doc: object) -> str:
+        return base64.urlsafe_b64encode(json.dumps(doc).encode()).decode()
+
+    with HubServer(tmp_path / "hub") as server:
+        commit = server.repos[REPO].commit
+        rng = {"Range": "bytes=0-1023"}
+        assert httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=rng).status_code == 401
+        forged = f"{server.url}/_cdn/{cdn([REPO, commit, name])}?expires=99999999999"
+        assert httpx2.get(forged, headers=rng).status_code == 403
+        assert httpx2.get(forged + "&sig=" + "0" * 64, headers=rng).status_code == 403
+
+        auth = {**rng, "Authorization": "Bearer hf_private"}
+        location = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
+        r = httpx2.get(location, headers=rng)  # no token: the signature is the credential
+        assert r.status_code == 206 and r.content == original[:1024]
+        url = urllib.parse.urlparse(location)
+        query = urllib.parse.parse_qs(url.query)
+        other = f"{server.url}/_cdn/{cdn([REPO, commit, 'config.json'])}?{url.query}"
+        assert httpx2.get(other, headers=rng).status_code == 403  # the signature covers the file
+        later = location.replace(f"expires={query['expires'][0]}", f"expires={int(query['expires'][0]) + 1000}")
+        assert httpx2.get(later, headers=rng).status_code == 403  # ...and the expiry
+
+        server.knobs.cdn_url_ttl_s = -10
+        expired = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
+        r = httpx2.get(expired, headers=rng)
+        assert r.status_code == 403 and "expired" in r.headers["x-error-message"]
+        server.knobs.cdn_url_ttl_s = 3600.0
+
+        for token in (cdn([[], "x", "y"]), cdn({"a": 1}), cdn([REPO, commit]), "!!notbase64", "YWJj"):
+            expires = str(int(time.time()) + 100)
+            sig = server._cdn_mac(token, expires)  # even a URL the Hub signed must decode to three strings
+            assert server.cdn_verify(token, {"expires": [expires], "sig": [sig]}) == "bad signature"
+            if token[0] != "!":
+                assert httpx2.get(f"{server.url}/_cdn/{token}?expires={expires}&sig={sig}").status_code == 403
+        for query in ({}, {"expires": ["x"], "sig": ["y"]}, {"expires": ["1" * 40], "sig": [""]}):
+            assert server.cdn_verify(cdn([REPO, commit, name]), query) == "bad signature"
+
+        # the real client: huggingface_hub resolves with the token, then follows the signed URL
+        monkeypatch.setenv("HF_TOKEN", "hf_private")
+        path = hf_hub_download(REPO, name, cache_dir=tmp_path / "dl", endpoint=server.url, token="hf_private")
+        assert Path(path).read_bytes() == original
+        with hub_client.using_endpoint(server.url):
+            reader = hub_client.RangeReader()
+            data = reader.read(hub_client.RemoteFile(REPO, commit, name), 100, 5000)
+        assert data == original[100:5000]

@@ -5,7 +5,8 @@ it through `HF_ENDPOINT`. It answers what that client uses — `/api/models/{rep
 `HEAD`/`GET /{repo}/resolve/{rev}/{path}` with `Range` (206 + `Content-Range`, 416), the
 commit and linked-size/etag headers, and the 302 to a signed CDN-like URL for large files —
 and it can behave like a CDN over a home link (bandwidth, time to first byte, faults), with
-knobs settable at run time (`POST /_hub/knobs`) and counters of what it served (`GET /_hub/stats`).
+knobs settable at run time (`POST /_hub/knobs`) and counters of what it served (`GET /_hub/stats`);
+with `--require-token`, those `/_hub/*` routes need the token too, and never show it.
 
 `DIR/{namespace}/{name}/` is a repo; its commit sha is a hash of its files' names, sizes and
 contents (large files by their size and their first and last MiB), or the 40 hex digits in
@@ -25,11 +26,13 @@ import argparse
 import base64
 import fnmatch
 import hashlib
+import hmac
 import json
 import logging
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import threading
@@ -49,6 +52,7 @@ _CHUNK = 256 * 1024  # bytes read and sent at a time: bounded memory per connect
 _SMALL_HASH_BYTES = 64 * 1024 * 1024  # files up to this size are hashed when first asked; larger ones in the background
 _EDGE_BYTES = 1024 * 1024  # a large file enters the commit by its size and its first and last MiB
 DIGESTS_FILE = Path(".hub_cache") / "digests.json"
+MAX_BODY_BYTES = 1024 * 1024  # a POST body (knobs, paths-info) larger than this is refused
 # cut: half the body, then the connection closes; stall: half the body, then silence for
 # `stall_s`; wrong_range: a Content-Range one byte off; wrong_bytes: the right headers, flipped bytes
 FAULT_KINDS = ("429", "503", "500", "cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
@@ -78,13 +82,68 @@ class HubKnobs:
     faults: list[Fault] = field(default_factory=list)
 
     def update(self, doc: dict) -> None:
+        """Set knobs from a `POST /_hub/knobs` body, all or none. `required_token` is fixed when
+        the Hub starts: a request may not change or drop the token that guards it.
+
+        Raises:
+            ValueError: an unknown knob, `required_token`, or a value of the wrong type.
+        """
+        if not isinstance(doc, dict):
+            raise ValueError("the knobs must be a JSON object")
+        new: dict = {}
         for k, v in doc.items():
+            if k == "required_token":
+                raise ValueError("required_token is set when the Hub starts (--require-token), not at run time")
             if k == "faults":
-                self.faults = [Fault(**f) for f in v]
+                if not isinstance(v, list):
+                    raise ValueError("faults must be a list of objects")
+                new[k] = [_fault_from(f) for f in v]
+            elif k == "seed":
+                if type(v) is not int:
+                    raise ValueError("seed must be an integer")
+                new[k] = v
             elif k in self.__dataclass_fields__:
-                setattr(self, k, v)
+                new[k] = _non_negative(k, v)
             else:
                 raise ValueError(f"unknown knob {k!r}")
+        for k, v in new.items():
+            setattr(self, k, v)
+
+    def public(self) -> dict:
+        """The knobs as `GET /_hub/knobs` shows them: whether a token is required, never the token."""
+        doc = asdict(self)
+        del doc["required_token"]
+        doc["token_required"] = bool(self.required_token)
+        return doc
+
+
+def _non_negative(name: str, value: object) -> float:
+    if type(value) not in (int, float) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be a non-negative number")
+    return float(value)
+
+
+def _fault_from(doc: object) -> Fault:
+    """A Fault from JSON, every field of its type (a bad one would fail later, inside a request)."""
+    if not isinstance(doc, dict) or doc.get("kind") not in FAULT_KINDS:
+        raise ValueError(f"a fault is an object with a kind in {', '.join(FAULT_KINDS)}")
+    fault = Fault(doc["kind"])
+    for k, v in doc.items():
+        if k == "kind":
+            continue
+        if k == "path_glob":
+            if not isinstance(v, str):
+                raise ValueError("a fault's path_glob must be a string")
+            fault.path_glob = v
+        elif k == "count":
+            if type(v) is not int or v < 0:
+                raise ValueError("a fault's count must be a non-negative integer")
+            fault.count = v
+        elif k in ("rate", "retry_after_s", "stall_s"):
+            setattr(fault, k, _non_negative(f"a fault's {k}", v))
+        else:
+            raise ValueError(f"unknown fault setting {k!r}")
+    return fault
 
 
 @dataclass
@@ -277,6 +336,7 @@ class HubServer:
         self.repos = _scan(self.root)
         self.digests = _Digests(self.root)
         self.knobs = knobs or HubKnobs()
+        self._cdn_key = secrets.token_bytes(32)  # signs CDN URLs; a restart voids the URLs handed out
         self.stats_ = _Stats()
         self.link = TokenBucket()
         self.rng = random.Random(self.knobs.seed)
@@ -287,6 +347,38 @@ class HubServer:
         self.host, self.port = self.httpd.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
         self._thread: threading.Thread | None = None
+
+    def cdn_url(self, repo_id: str, commit: str, name: str) -> str:
+        """A CDN URL for one file, valid for `cdn_url_ttl_s`: its path names the file, its query
+        the expiry and an HMAC-SHA256 of both under this process's random key, so only URLs this
+        Hub handed out (to a client that passed `/resolve/`'s token check) are served."""
+        token = base64.urlsafe_b64encode(json.dumps([repo_id, commit, name]).encode()).decode()
+        expires = str(int(time.time() + self.knobs.cdn_url_ttl_s))
+        return f"{self.url}/_cdn/{token}?expires={expires}&sig={self._cdn_mac(token, expires)}"
+
+    def _cdn_mac(self, token: str, expires: str) -> str:
+        return hmac.new(self._cdn_key, f"{token}|{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def cdn_verify(self, token: str, query: dict) -> tuple[str, str, str] | str:
+        """`(repo_id, commit, name)` of a valid, unexpired CDN URL, else why it is refused.
+
+        The signature is checked (in constant time) before the token is decoded, and the decoded
+        values are checked for their types anyway: a request can make this fail, never raise.
+        """
+        expires, sig = query.get("expires", [""])[0], query.get("sig", [""])[0]
+        if not (expires.isascii() and expires.isdigit() and len(expires) <= 12):
+            return "bad signature"
+        if not hmac.compare_digest(sig.encode(), self._cdn_mac(token, expires).encode()):
+            return "bad signature"
+        if time.time() > int(expires):
+            return "Request has expired"
+        try:
+            doc = json.loads(base64.urlsafe_b64decode(token))
+        except ValueError:  # binascii.Error, bad JSON and bad UTF-8 are ValueErrors
+            return "bad signature"
+        if not (isinstance(doc, list) and len(doc) == 3 and all(isinstance(x, str) for x in doc)):
+            return "bad signature"
+        return doc[0], doc[1], doc[2]
 
     def start(self) -> HubServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="expertmesh-hub", daemon=True)
@@ -383,7 +475,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not wanted:
             return True
         auth = self.headers.get("Authorization", "")
-        if auth == f"Bearer {wanted}":
+        if hmac.compare_digest(auth.encode(), f"Bearer {wanted}".encode()):
             return True
         if auth:
             self._error(401, None, "Invalid credentials in Authorization header")
@@ -408,21 +500,46 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self.do_GET()
 
+    def _body(self) -> bytes | None:
+        """The request body, or None after answering 400 for a Content-Length that is not a
+        decimal number of at most MAX_BODY_BYTES (the connection then closes: its body is unread)."""
+        text = self.headers.get("Content-Length") or "0"
+        if not (text.isascii() and text.isdigit()) or int(text) > MAX_BODY_BYTES:
+            self.close_connection = True
+            self._error(400, None, f"bad Content-Length {text[:20]!r}")
+            return None
+        return self.rfile.read(int(text))
+
+    def _hub_route_authorized(self) -> bool:
+        """The `/_hub/*` routes (knobs, stats) need the Hub's token whenever one is set."""
+        return self._authorized(None)
+
     def do_POST(self) -> None:
         url = urlparse(self.path)
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if url.path == "/_hub/knobs":
+        body = self._body()
+        if body is None:
+            return
+        path = unquote(url.path)
+        if path.startswith("/_hub/") and not self._hub_route_authorized():
+            return
+        if path == "/_hub/knobs":
             try:
                 self.hub.knobs.update(json.loads(body or b"{}"))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError) as e:  # JSON errors are ValueErrors too
                 return self._error(400, None, str(e))
-            return self._send(200, json.dumps(asdict(self.hub.knobs)).encode())
-        if m := re.match(r"^/api/models/([^/]+/[^/]+)/paths-info/([^/]+)$", unquote(url.path)):
+            return self._send(200, json.dumps(self.hub.knobs.public()).encode())
+        if m := re.match(r"^/api/models/([^/]+/[^/]+)/paths-info/([^/]+)$", path):
             ctype = self.headers.get("Content-Type", "")
-            form = json.loads(body) if "json" in ctype else {k: v for k, v in parse_qs(body.decode()).items()}
-            paths = form.get("paths", [])
-            return self._tree(m.group(1), m.group(2), "", [paths] if isinstance(paths, str) else paths)
-        if url.path == "/_hub/stats/reset":
+            try:
+                form = json.loads(body) if "json" in ctype else dict(parse_qs(body.decode()))
+            except ValueError:  # bad JSON, or bytes that are not UTF-8
+                return self._error(400, None, "malformed paths-info request")
+            paths = form.get("paths", []) if isinstance(form, dict) else None
+            paths = [paths] if isinstance(paths, str) else paths
+            if not isinstance(paths, list) or not all(isinstance(x, str) for x in paths):
+                return self._error(400, None, "paths must be a list of strings")
+            return self._tree(m.group(1), m.group(2), "", paths)
+        if path == "/_hub/stats/reset":
             with self.hub.stats_.lock:
                 self.hub.stats_.reset()
             return self._send(200, b"{}")
@@ -431,10 +548,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         url = urlparse(self.path)
         path = unquote(url.path)
+        if path.startswith("/_hub/") and not self._hub_route_authorized():
+            return
         if path == "/_hub/stats":
             return self._send(200, json.dumps(self.hub.stats()).encode())
         if path == "/_hub/knobs":
-            return self._send(200, json.dumps(asdict(self.hub.knobs)).encode())
+            return self._send(200, json.dumps(self.hub.knobs.public()).encode())
         if path == "/_hub/health":
             return self._send(200, b'{"status":"ok"}')
         self._await_first_byte()
@@ -573,14 +692,12 @@ class _Handler(BaseHTTPRequestHandler):
         common = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
         if _is_lfs(name, f):
             sha = self.hub.digests.id_of(f)
-            token = base64.urlsafe_b64encode(json.dumps([repo_id, repo.commit, name]).encode()).decode()
-            expires = int(time.time() + self.hub.knobs.cdn_url_ttl_s)
             headers = {
                 **common,
                 "ETag": f'"{sha}"',
                 "X-Linked-Etag": f'"{sha}"',
                 "X-Linked-Size": str(f.size),
-                "Location": f"{self.hub.url}/_cdn/{token}?expires={expires}",
+                "Location": self.hub.cdn_url(repo_id, repo.commit, name),
             }
             with self.hub.stats_.lock:
                 self.hub.stats_.redirects += 1
@@ -590,16 +707,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve_file(key, f, {**common, "ETag": f'"{etag}"'})
 
     def _cdn(self, token: str, query: dict) -> None:
-        try:
-            repo_id, commit, name = json.loads(base64.urlsafe_b64decode(token))
-            expires = float(query.get("expires", ["0"])[0])
-        except (ValueError, TypeError):
+        """A signed URL this Hub issued (`HubServer.cdn_url`), before it expires; nothing else."""
+        signed = self.hub.cdn_verify(token, query)
+        if isinstance(signed, str):
             self._count(None)
-            return self._error(403, None, "bad signature")
+            return self._error(403, None, signed)
+        repo_id, commit, name = signed
         key = f"{repo_id}/{name}"
         self._count(key)
-        if time.time() > expires:
-            return self._error(403, None, "Request has expired")
         if fault := self.hub.pick_fault(key, ("429", "503", "500")):
             return self._fault_status(fault)
         repo = self.hub.repos.get(repo_id)

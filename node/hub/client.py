@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+# What a Hub commit id is: a git sha-1. It becomes a folder name, so nothing else is accepted.
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # A read that may give its link up does so only while at least this much is left: finishing a
 # nearly done transfer costs the link less than throwing its bytes away and asking again.
@@ -235,7 +237,20 @@ def resolve_commit(repo_id: str, revision: str | None = None) -> str:
     info = _api_call(lambda: HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision), repo_id, revision)
     if not info.sha:
         raise DownloadError(f"{endpoint()} did not report a commit sha for {repo_id}@{revision or 'main'}")
+    # The sha names the model's folder (local_models.model_dir): anything but a git commit id
+    # (an absolute path, `..`) is a broken or hostile answer, never a path to write to.
+    if not isinstance(info.sha, str) or not COMMIT_RE.fullmatch(info.sha):
+        raise DownloadError(
+            f"{endpoint()} reported {_shown(info.sha)} as the commit of {repo_id}@{revision or 'main'}, "
+            "which is not a 40-hex-digit commit sha"
+        )
     return info.sha
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """A value from the network, quoted and cut short, for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def list_files(repo_id: str, commit: str) -> list[str]:
@@ -509,9 +524,10 @@ class RangeReader:
             if length is not None and int(length) != got_end - got_start:
                 raise _Retryable("Content-Length disagrees with Content-Range")
             want = got_end - got_start
-            if out is None:
-                out = memoryview(bytearray(want))  # allocated once the server said how much comes
-            body, n = out[:want], 0
+            # Without `out`, the buffer grows with the bytes that arrive: a Content-Range is only a
+            # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
+            grown = bytearray() if out is None else None
+            body, n = (None if out is None else out[:want]), 0
             abandon = getattr(self._call, "abandon", None)
             deadline = getattr(self._call, "deadline", None)
             window_start, window_n = asked_at, 0  # the first window counts the wait for the first byte, as curl's
@@ -522,7 +538,10 @@ class RangeReader:
                     raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
                 if n + len(chunk) > want:
                     raise _Retryable("more bytes than the range")
-                body[n : n + len(chunk)] = chunk
+                if grown is not None:
+                    grown += chunk
+                else:
+                    body[n : n + len(chunk)] = chunk
                 n += len(chunk)
                 if n == want:
                     continue  # complete: the stream ends next, and its connection goes back to the pool
@@ -534,7 +553,10 @@ class RangeReader:
                     window_start, window_n = now, n
             if n != want:
                 raise _Retryable(f"connection ended after {n} of {want} bytes")
-            return (body.obj if len(body.obj) == want else body), None if total == "*" else int(total)
+            size = None if total == "*" else int(total)
+            if grown is not None:
+                return grown, size
+            return (body.obj if len(body.obj) == want else body), size
         if status == 200:
             # The server ignored Range: never read (let alone store) a whole shard.
             raise _Retryable("the server ignored the Range header (200 instead of 206)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ from expertmesh.node.errors import NotPulledError
 
 COMPLETE_MARKER = "pull_complete.json"
 INDEX_MARKER = "index_complete.json"  # `pull --index-only`: the expert index without the core
-_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+_SHA_RE = re.compile(r"[0-9a-f]{40}")
+logger = logging.getLogger(__name__)
 
 
 def repo_folder(repo_id: str) -> str:
@@ -39,10 +41,21 @@ def model_root(home: Path, repo_id: str) -> Path:
 
 
 def model_dir(home: Path, repo_id: str, commit: str) -> Path:
+    """The folder of `repo_id` at `commit`, which must be a commit sha: it names a folder, and a
+    commit that came from a Hub or a ref file could otherwise be an absolute path or `..`."""
+    if not is_commit(commit):
+        raise ValueError(f"{commit!r:.60} is not a 40-hex-digit commit sha")
     return model_root(home, repo_id) / commit
 
 
+def is_commit(text: object) -> bool:
+    """Whether `text` is a commit sha as the Hub gives them (40 lowercase hex digits)."""
+    return isinstance(text, str) and _SHA_RE.fullmatch(text) is not None
+
+
 def record_ref(home: Path, repo_id: str, revision: str, commit: str) -> None:
+    if not is_commit(commit):
+        raise ValueError(f"{commit!r:.60} is not a 40-hex-digit commit sha")
     refs = model_root(home, repo_id) / "refs"
     refs.mkdir(parents=True, exist_ok=True)
     path = refs / revision.replace("/", "--")
@@ -58,10 +71,13 @@ def is_complete(path: Path) -> bool:
 def _local_commit(home: Path, repo_id: str, revision: str) -> Path | None:
     """The folder `revision` (a sha, or a ref recorded at pull time) points to, if known."""
     root = model_root(home, repo_id)
-    commit = revision if _SHA_RE.match(revision) else None
+    commit = revision if is_commit(revision) else None
     ref = root / "refs" / revision.replace("/", "--")
     if commit is None and ref.is_file():
         commit = ref.read_text().strip()
+        if not is_commit(commit):  # a damaged (or planted) ref: pulling again writes it afresh
+            logger.warning("ignoring %s: it holds %r, not a commit sha", ref, commit[:60])
+            return None
     return root / commit if commit else None
 
 
@@ -158,7 +174,7 @@ def pulled_models(home: Path, repo_id: str | None = None) -> list[PulledModel]:
         for ref in sorted((root / "refs").glob("*")):
             with contextlib.suppress(OSError):
                 refs.setdefault(ref.read_text().strip(), []).append(ref.name.replace("--", "/"))
-        for path in sorted(p for p in root.glob("*") if p.is_dir() and _SHA_RE.match(p.name)):
+        for path in sorted(p for p in root.glob("*") if p.is_dir() and is_commit(p.name)):
             out.append(_describe(path, repo_id or repo_from_folder(root.name), refs.get(path.name, [])))
     return out
 

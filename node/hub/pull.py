@@ -20,7 +20,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from tqdm.auto import tqdm
 
@@ -68,7 +68,7 @@ class _Part:
         return self.end - self.start
 
     def path(self, parts_dir: Path) -> Path:
-        return parts_dir / self.shard / f"{self.start:015d}-{self.end:015d}.part"
+        return _inside(parts_dir, parts_dir / self.shard / f"{self.start:015d}-{self.end:015d}.part")
 
 
 def pull(
@@ -223,9 +223,14 @@ def _fetch_small_files(repo_id: str, commit: str, files: list[str], target: Path
     for filename in wanted:
         hub_client.download_file(RemoteFile(repo_id, commit, filename), target)
     try:
-        return json.loads((target / "config.json").read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads((target / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UnsupportedModelError(f"{repo_id}: config.json is not valid JSON ({e})") from None
+    except RecursionError:  # `[[[[...` nested past Python's recursion limit
+        raise UnsupportedModelError(f"{repo_id}: config.json is nested too deeply") from None
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{repo_id}: config.json is not a JSON object")
+    return config
 
 
 def _build_index(
@@ -234,12 +239,8 @@ def _build_index(
     """The expert index from the shards' headers; the config picks the architecture whose sanitize tells
     experts from the core."""
     if UPSTREAM_INDEX in files:
-        raw, _ = reader.read_with_size(RemoteFile(repo_id, commit, UPSTREAM_INDEX), 0, 1 << 62)
-        try:
-            weight_map = json.loads(raw)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UnsupportedModelError(f"{repo_id}: {UPSTREAM_INDEX} has no weight_map") from None
-        shards = sorted(set(weight_map.values()))
+        weight_map = _read_weight_map(repo_id, commit, reader)
+        shards = _shard_names(repo_id, weight_map, files)
     elif SINGLE_FILE in files:
         shards = [SINGLE_FILE]
     else:
@@ -251,7 +252,173 @@ def _build_index(
                 pool.map(lambda s: hub_client.read_safetensors_header(reader, RemoteFile(repo_id, commit, s)), shards),
             )
         )
+    check_config_sizes(repo_id, config, headers)
     return build_index(repo_id, commit, headers, config)
+
+
+# model.safetensors.index.json is read whole, so its size is bounded first. Kimi K3's is about
+# 50-80 MB (82,432 experts × 6-9 tensors, ~100 bytes a line): four times that still fits.
+MAX_WEIGHT_MAP_BYTES = 256 * 1024 * 1024
+
+
+def _read_weight_map(repo_id: str, commit: str, reader: RangeReader) -> dict:
+    """The `weight_map` of the upstream index, read with a bound: one byte past the cap is asked
+    for, so a file over it is recognised (by its size or its length) without being read whole."""
+    remote = RemoteFile(repo_id, commit, UPSTREAM_INDEX)
+    raw, size = reader.read_with_size(remote, 0, MAX_WEIGHT_MAP_BYTES + 1)
+    if len(raw) > MAX_WEIGHT_MAP_BYTES or (size is not None and size > MAX_WEIGHT_MAP_BYTES):
+        raise UnsupportedModelError(
+            f"{repo_id}: {UPSTREAM_INDEX} is {size or len(raw):,} bytes, more than the "
+            f"{MAX_WEIGHT_MAP_BYTES:,} expertmesh reads of it"
+        )
+    try:
+        weight_map = json.loads(raw)["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError):
+        raise UnsupportedModelError(f"{repo_id}: {UPSTREAM_INDEX} has no weight_map") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UnsupportedModelError(f"{repo_id}: the weight_map of {UPSTREAM_INDEX} is not a table of tensors")
+    return weight_map
+
+
+def _shard_names(repo_id: str, weight_map: dict, files: list[str]) -> list[str]:
+    """The shards the weight_map names, sorted, each checked by `_shard_name` (once per name, not
+    once per tensor: K3's map has half a million entries and 96 names).
+
+    Raises:
+        UnsupportedModelError: a value that is not a string, or a name `_shard_name` refuses.
+    """
+    names = set()
+    for value in weight_map.values():
+        if not isinstance(value, str):
+            raise UnsupportedModelError(
+                f"{repo_id}: {UPSTREAM_INDEX} names the shard {_shown(value)}, which is not a file name"
+            )
+        names.add(value)
+    listed = set(files)
+    return sorted(_shard_name(repo_id, name, listed) for name in names)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """A value from the Hub, quoted and cut short, for a one-line error."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shard_name(repo_id: str, name: str, listed: set[str]) -> str:
+    """A weight_map value, if it can safely name a shard: it becomes a path under the model's
+    folder (the core shard, its parts), so only a plain relative name of a `.safetensors` file the
+    repo lists is accepted; never an absolute path, `..`, a backslash or a hidden name (nor one
+    that could stand for `pull_complete.json` or the parts folder).
+
+    Raises:
+        UnsupportedModelError: naming the refused value.
+    """
+    refuse = f"{repo_id}: {UPSTREAM_INDEX} names the shard {_shown(name)}, "
+    parts = PurePosixPath(name).parts
+    if (
+        not name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith("/")
+        or any(p.startswith(".") for p in parts)  # `..`, `.`, and hidden names
+        or "/".join(parts) != name
+        or not name.endswith(".safetensors")
+    ):
+        raise UnsupportedModelError(refuse + "which is not a plain relative .safetensors file name")
+    if name not in listed:
+        raise UnsupportedModelError(refuse + "which is not a file of the repository")
+    return name
+
+
+def _inside(folder: Path, path: Path) -> Path:
+    """`path`, once it is certain to lie under `folder`: the second guard, after `_shard_name`,
+    that no name from the Hub makes pull write or delete outside the model's folder."""
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise UnsupportedModelError(f"refusing to write {path}: it is outside {folder}")
+    return path
+
+
+# Sizes mlx-lm builds a module, a parameter or a list entry for, one per layer or per expert,
+# from config.json alone: bounded before the model is built (expert_index._plan), as a config of a
+# million layers would cost ~160 GB of module tree. Vision and audio towers are not built by
+# mlx-lm, so their settings are left to their own loaders.
+LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts")
+MAX_LAYERS = 4096
+MAX_EXPERTS = 1 << 16
+_NOT_BUILT = ("vision", "audio")
+_EXPERT_SEGMENTS = ("experts", "switch_mlp")
+
+
+def check_config_sizes(repo_id: str, config: dict, headers: dict[str, tuple[dict, int]]) -> None:
+    """Refuse a config whose layer or expert counts exceed what the shards hold (or a sane cap).
+
+    The shards' headers are what the model really is: its layers are the numbers of `layers.N`
+    in the tensor names (found as mlx_lm_models.layer_number finds them, so `h.N` and `blocks.N`
+    count too), its experts the numbers after `experts.` or, for stacked experts, their tensors'
+    first axis. A count the config gives beyond those would only make mlx-lm build modules that
+    nothing fills, at ~160 KB and ~0.6 ms of Python per decoder layer.
+
+    Raises:
+        UnsupportedModelError: saying which count, what the shards hold, and the cap.
+    """
+    layers, experts = _sizes_in_headers(headers)
+    for where, key, value in _counts(config):
+        if key in LAYER_COUNT_KEYS:
+            cap, held, what = MAX_LAYERS, layers, "layers"
+        elif key in EXPERT_COUNT_KEYS:
+            cap, held, what = MAX_EXPERTS, experts, "experts per layer"
+        else:
+            continue
+        if value > cap or (held is not None and value > held):
+            holds = f"the shards hold {held}" if held is not None else "the shards name none"
+            raise UnsupportedModelError(
+                f"{repo_id}: config.json sets {where}{key} = {value}, but {holds} {what} "
+                f"(expertmesh builds at most {cap}): the config does not describe these weights"
+            )
+
+
+def _counts(config: dict, where: str = "", depth: int = 0):
+    """`(path, key, number)` for every numeric setting of `config` and of the sub-configs mlx-lm
+    builds (`text_config`...), bounded in depth."""
+    for key, value in config.items():
+        if isinstance(value, dict) and depth < 4 and not any(w in key for w in _NOT_BUILT):
+            yield from _counts(value, f"{where}{key}.", depth + 1)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield where, key, value
+
+
+def _sizes_in_headers(headers: dict[str, tuple[dict, int]]) -> tuple[int | None, int | None]:
+    """The layers and the experts per layer the shards' tensor names and shapes show (None: none)."""
+    layers = experts = None
+    for tensors, _ in headers.values():
+        for entry in tensors.values():
+            parts = entry.name.split(".")
+            layer = _layer_of(parts)
+            if layer is not None and (layers is None or layer >= layers):
+                layers = layer + 1
+            for i, part in enumerate(parts[:-1]):
+                if part not in _EXPERT_SEGMENTS:
+                    continue
+                after = parts[i + 1]
+                n = int(after) + 1 if _is_number(after) else (entry.shape[0] if entry.shape else None)
+                if n is not None and (experts is None or n > experts):
+                    experts = n
+                break
+    return layers, experts
+
+
+def _is_number(part: str) -> bool:
+    return part.isascii() and part.isdigit()  # `"²".isdigit()` is True, and `int("²")` fails
+
+
+def _layer_of(parts: list[str]) -> int | None:
+    """The layer a tensor name is in, as mlx_lm_models.layer_number finds it for a module path:
+    the number after `layers`, else the name's first number."""
+    for i, part in enumerate(parts[1:], 1):
+        if _is_number(part) and parts[i - 1] == "layers":
+            return int(part)
+    return next((int(p) for p in parts if _is_number(p)), None)
 
 
 MIN_PART_BYTES = 1024 * 1024
@@ -350,7 +517,8 @@ def _assemble_core(index: ExpertIndex, parts: list[_Part], parts_dir: Path, targ
     weight_map = {}
     for shard in sorted({t.file for t in index.core.values()}):
         tensors = sorted((t for t in index.core.values() if t.file == shard), key=lambda t: t.start)
-        out = target / shard
+        out = _inside(target, target / shard)
+        out.parent.mkdir(parents=True, exist_ok=True)  # a shard in a folder of the repo
         header = safetensors_format.encode_header((t.name, t.dtype, t.shape, t.nbytes) for t in tensors)
         if not _shard_is_complete(out, tensors):
             tmp = out.with_name(out.name + ".tmp")

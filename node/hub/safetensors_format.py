@@ -71,38 +71,83 @@ def header_length(prefix: bytes) -> int:
 def parse_header(header: bytes, file_size: int | None = None) -> tuple[dict[str, TensorEntry], dict]:
     """Parse the JSON header (without its 8-byte length) into entries with absolute offsets.
 
+    The header comes from the network: every value is checked for its type before it is used,
+    so a malformed one is a `SafetensorsFormatError` (which callers report as "not a valid
+    safetensors file"), never a TypeError from deep inside, and no tensor can claim bytes that
+    another tensor, the header or the space past the file holds.
+
     Returns:
         `(tensors by name, the `__metadata__` dict)`.
 
     Raises:
-        SafetensorsFormatError: malformed JSON, unknown dtype, sizes that disagree with the
-            shape, or offsets past `file_size`.
+        SafetensorsFormatError: malformed JSON, unknown dtype, dimensions or offsets that are not
+            non-negative integers, sizes that disagree with the shape, tensors that overlap, or
+            offsets past `file_size`.
     """
     try:
         raw = json.loads(header)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SafetensorsFormatError(f"header is not JSON: {e}") from None
+    except RecursionError:  # `[[[[...` nested past Python's recursion limit
+        raise SafetensorsFormatError("header is nested too deeply") from None
     if not isinstance(raw, dict):
         raise SafetensorsFormatError("header is not a JSON object")
     metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SafetensorsFormatError("__metadata__ is not a JSON object")
     base = 8 + len(header)
     tensors: dict[str, TensorEntry] = {}
     for name, info in raw.items():
-        try:
-            dtype, shape, (a, b) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsFormatError(f"tensor {name!r} has a malformed entry") from None
-        if dtype not in DTYPE_BYTES:
-            raise SafetensorsFormatError(f"tensor {name!r} has unknown dtype {dtype!r}")
-        count = 1
-        for d in shape:
-            count *= d
-        if b - a != count * DTYPE_BYTES[dtype] or a < 0:
-            raise SafetensorsFormatError(f"tensor {name!r}: offsets disagree with its shape")
+        dtype, shape, (a, b) = _checked_entry(name, info)
         if file_size is not None and base + b > file_size:
-            raise SafetensorsFormatError(f"tensor {name!r} extends past the end of the file")
+            raise SafetensorsFormatError(f"tensor {_shown(name)} extends past the end of the file")
         tensors[name] = TensorEntry(name, dtype, shape, base + a, base + b)
+    _check_disjoint(tensors.values())
     return tensors, metadata
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """A value from a header, quoted and cut short: an error message stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_count(x: object) -> bool:
+    """A non-negative JSON integer (a bool is an int to Python, not to the format)."""
+    return type(x) is int and x >= 0
+
+
+def _checked_entry(name: str, info: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """`(dtype, shape, (start, end))` of one header entry, relative to the data section."""
+    if not isinstance(info, dict):
+        raise SafetensorsFormatError(f"tensor {_shown(name)} has a malformed entry")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise SafetensorsFormatError(f"tensor {_shown(name)} has unknown dtype {_shown(dtype)}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise SafetensorsFormatError(
+            f"tensor {_shown(name)}: shape {_shown(shape)} is not a list of non-negative integers"
+        )
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(x) for x in offsets):
+        raise SafetensorsFormatError(
+            f"tensor {_shown(name)}: data_offsets {_shown(offsets)} is not a pair of non-negative integers"
+        )
+    a, b = offsets
+    count = 1
+    for d in shape:
+        count *= d
+    if b - a != count * DTYPE_BYTES[dtype]:
+        raise SafetensorsFormatError(f"tensor {_shown(name)}: offsets disagree with its shape")
+    return dtype, tuple(shape), (a, b)
+
+
+def _check_disjoint(entries: Iterable[TensorEntry]) -> None:
+    """No two tensors share a byte: sorted by start, each starts at or after the one before ends."""
+    previous: TensorEntry | None = None
+    for e in sorted(entries, key=lambda e: (e.start, e.end)):
+        if previous is not None and e.start < previous.end:
+            raise SafetensorsFormatError(f"tensors {_shown(previous.name)} and {_shown(e.name)} overlap")
+        previous = e
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
