@@ -3,7 +3,9 @@
 Busy is the coordinator's own count of generations it has in flight on each node: a node runs
 one generation at a time, so that count is exactly its queue as far as this coordinator knows.
 Nodes come from a fixed list (the embedded node, `--peer`s) and from the PeerTable that zeroconf
-keeps, so a Mac that joins the household starts taking requests without a restart.
+keeps, so a Mac that joins the household starts taking requests without a restart. That table
+holds only nodes that proved they know the household secret (node/rpc/proof.py): an advertisement
+alone never gets users' prompts sent to a node.
 """
 
 from __future__ import annotations

@@ -201,6 +201,7 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         ExpertmeshError: the parts asked for do not fit together (e.g. gRPC without a secret).
     """
     from expertmesh.node.household.node_id import load_or_create_node_id
+    from expertmesh.node.rpc.proof import valid_node_id
     from expertmesh.node.store.served import ServedExperts
     from expertmesh.node.store.tiers.hub import HubSource
 
@@ -211,6 +212,10 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         raise ExpertmeshError("a cache peer serves expert bytes only: it needs gRPC")
     # a node alone needs no identity (and writes none: `run` on a full or read-only home still runs)
     node_id = config.node_id or (load_or_create_node_id(home) if config.household is not None else "local")
+    if config.household is not None and not valid_node_id(node_id):  # peers refuse it in every proof
+        raise ExpertmeshError(
+            f"the node id {node_id[:80]!r} cannot join a household: use 1 to 64 of the letters, digits, '.', '_' and '-'"
+        )
     marker: dict = {}
     if config.cache_only:
         path = local_models.find_index(home, config.repo_id, config.revision)
@@ -329,7 +334,7 @@ def _join_household(node: Node, household: HouseholdConfig) -> None:
             node.peers.add(describe_peer(address, household.secret, household.tls_ca))
         except grpc.RpcError as e:
             raise EndpointUnreachableError(
-                f"peer {address} did not answer Info ({e.code().name.lower()}): "
+                f"peer {address} did not answer Prove ({e.code().name.lower()}): "
                 "is it running, and is the household secret the same?"
             ) from None
     if (household.peers or household.discover) and not node.config.cache_only:
@@ -428,6 +433,10 @@ def _build_rpc(node: Node, service_class, interceptors) -> None:
         )
     except OSError as e:
         raise ExpertmeshError(f"cannot serve gRPC on {rpc.host}:{rpc.port}: {e}") from None
+    from expertmesh.node.rpc.proof import Prover
+
+    advertised = [h for h in (household.interface, rpc.host) if h and h not in ("0.0.0.0", "::", "")]
+    node.service.prover = Prover(household.secret, node.rpc.port, advertised)  # answers Prove for peers
 
 
 def _build_api(node: Node) -> None:
@@ -491,7 +500,8 @@ def _advertise(node: Node):
         metrics_port=node.metrics_server.port if node.metrics_server is not None else 0,
         compute=node.model is not None,
     )
-    return Discovery(node.peers, ad, address, [household.interface] if household.interface else None)
+    interfaces = [household.interface] if household.interface else None
+    return Discovery(node.peers, ad, address, interfaces, secret=household.secret, tls_ca=household.tls_ca)
 
 
 def lan_address() -> str:

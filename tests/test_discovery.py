@@ -1,6 +1,8 @@
-"""Zeroconf on loopback: nodes of one cluster find each other by advertisement alone, leave when
-they stop, ignore other clusters, report a duplicate id — and a generation takes experts from a
-node found that way."""
+"""Zeroconf on loopback: nodes of one cluster find each other by advertisement and proof, leave
+when they stop, ignore other clusters, report a duplicate id — and a generation takes experts from a
+node found that way. An advertisement is only a hint: a stranger that advertises in the cluster, a
+relay of a member's proof, another name claiming a member's id and hostile TXT values never get a
+stranger into the table (nor the secret sent to it), and a flood of names costs no threads."""
 
 from __future__ import annotations
 
@@ -10,17 +12,29 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
+from fake_nodes import Forger, Relay, member, stranger
 from nodes import serve_command
 from waiting import wait_until
-from zeroconf import ServiceInfo, Zeroconf
+from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf
+from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
 
+from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.household.discovery import Advertisement, Discovery
+from expertmesh.node.household.discovery import (
+    RESOLVE_WORKERS,
+    SERVICE_TYPE,
+    Advertisement,
+    Browser,
+    Discovery,
+    parse_service,
+)
 from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.hub.local_models import find_pulled
@@ -33,53 +47,238 @@ LOOPBACK = ["127.0.0.1"]
 # must not see each other's nodes on the shared loopback multicast
 RUN = f"{os.getpid()}"
 CLUSTER, E2E_CLUSTER = f"test-cluster-{RUN}", f"zc-e2e-{RUN}"
+SECRET = "discovery-test-secret"
 
 
-def _discovery(node_id: str, cluster: str = CLUSTER, port: int = 1000, compute: bool = True) -> Discovery:
+def _discovery(
+    node_id: str, cluster: str = CLUSTER, port: int = 1000, compute: bool = True, disk: int = 10**9
+) -> Discovery:
     table = PeerTable(self_id=node_id, self_weight=1.0)
     return Discovery(
-        table, Advertisement(node_id, cluster, "full", port, 10**9, compute=compute), "127.0.0.1", LOOPBACK
+        table,
+        Advertisement(node_id, cluster, "full", port, disk, compute=compute),
+        "127.0.0.1",
+        LOOPBACK,
+        secret=SECRET,
     )
 
 
-def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
-    a, b = _discovery("node-a"), _discovery("node-b", port=1001, compute=False)
-    other = _discovery("node-x", f"elsewhere-{RUN}", 1002)
+@contextmanager
+def _advertised(name: str, port: int, properties: dict):
+    """An advertisement of SERVICE_TYPE under `name` on loopback, as anyone on the LAN can make one."""
+    zc = Zeroconf(interfaces=LOOPBACK)
+    info = ServiceInfo(
+        SERVICE_TYPE,
+        f"{name}.{SERVICE_TYPE}",
+        port=port,
+        addresses=[socket.inet_aton("127.0.0.1")],
+        properties=properties,
+        server=f"{name}.local.",
+    )
+    zc.register_service(info)
     try:
-        assert wait_until(lambda: "node-b" in a.table.peers and "node-a" in b.table.peers)
-        assert a.table.peers["node-b"].address == "127.0.0.1:1001" and a.table.peers["node-b"].weight == 10**9
-        # whether a node computes experts for others travels in the advertisement
-        assert b.table.peers["node-a"].compute and not a.table.peers["node-b"].compute
-        time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
-        assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
-        b.close()
-        assert wait_until(lambda: "node-b" not in a.table.peers)
+        yield
     finally:
-        for d in (a, other):
-            d.close()
+        zc.unregister_service(info)
+        zc.close()
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
+    # the members' proofs differ from what they advertise: the table believes the proofs
+    with (
+        member(SECRET, "node-a", disk_budget_bytes=3 * 10**9, compute=True) as node_a,
+        member(SECRET, "node-b", disk_budget_bytes=2 * 10**9, compute=False) as node_b,
+    ):
+        a = _discovery("node-a", port=node_a.port, compute=False, disk=10)
+        b = _discovery("node-b", port=node_b.port, compute=True, disk=10)
+        other = _discovery("node-x", f"elsewhere-{RUN}", 1002)
+        try:
+            assert wait_until(lambda: "node-b" in a.table.peers and "node-a" in b.table.peers)
+            assert a.table.peers["node-b"].address == node_b.address and a.table.peers["node-b"].weight == 2 * 10**9
+            # whether a node computes experts for others comes from its proof
+            assert b.table.peers["node-a"].compute and not a.table.peers["node-b"].compute
+            assert b.table.peers["node-a"].weight == 3 * 10**9
+            time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
+            assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
+            b.close()
+            assert wait_until(lambda: "node-b" not in a.table.peers)
+        finally:
+            for d in (a, other):
+                d.close()
 
 
 def test_a_duplicate_node_id_is_reported_not_joined() -> None:
     a = _discovery("same-id")
     try:  # a second advertiser of the same id under another name, as a copied home folder makes
-        zc = Zeroconf(interfaces=LOOPBACK)
-        info = ServiceInfo(
-            "_expertmesh._tcp.local.",
-            "copied-home._expertmesh._tcp.local.",
-            port=2000,
-            addresses=[socket.inet_aton("127.0.0.1")],
-            properties=Advertisement("same-id", CLUSTER, "full", 2000, 1).properties(),
-            server="copied.local.",
-        )
-        zc.register_service(info)
-        try:
+        with _advertised("copied-home", 2000, Advertisement("same-id", CLUSTER, "full", 2000, 1).properties()):
             assert wait_until(lambda: a.duplicates > 0)
             assert "same-id" not in a.table.peers
-        finally:
-            zc.unregister_service(info)
-            zc.close()
     finally:
         a.close()
+
+
+@pytest.mark.parametrize("servicer", [None, Forger()], ids=["silent", "forger"])
+def test_a_stranger_advertising_in_the_cluster_is_not_joined_and_never_sent_the_secret(servicer) -> None:
+    """An advertisement claiming the most disk and compute: the stranger is asked to prove itself
+    (with no secret in the call), cannot, and stays out of the table and the API's node pool."""
+    observer = _discovery("observer")
+    try:
+        with stranger(servicer) as (address, recorder):
+            claims = Advertisement("stranger", CLUSTER, "full", _port(address), 2**62 - 1, compute=True)
+            with _advertised("stranger", _port(address), claims.properties()):
+                assert wait_until(recorder.proved), "the stranger was never asked to prove itself"
+                assert wait_until(lambda: observer.unproven > 0)
+                observer.settle()
+                assert observer.table.all() == []
+                assert NodePool.following([], observer.table).addresses() == []
+            assert recorder.secrets() == []
+    finally:
+        observer.close()
+
+
+@pytest.mark.parametrize("rewrite", [False, True], ids=["as-dialed", "rewritten"])
+def test_a_stranger_relaying_a_members_proof_is_not_joined(rewrite: bool) -> None:
+    """A stranger advertises a member's id at its own address and passes the Prove it is asked on
+    to the member: the member refuses to sign for the stranger's address, or signs for its own
+    address, which is not the one the observer dialed."""
+    observer = _discovery("observer")
+    try:
+        with member(SECRET, "node-m") as node_m, stranger(Relay(node_m.address, rewrite)) as (address, recorder):
+            claims = Advertisement("node-m", CLUSTER, "full", _port(address), 10**9, compute=True)
+            with _advertised("relay", _port(address), claims.properties()):
+                assert wait_until(recorder.proved) and wait_until(lambda: observer.unproven > 0)
+                observer.settle()
+                assert observer.table.all() == []
+            assert recorder.secrets() == []
+    finally:
+        observer.close()
+
+
+def test_another_name_can_neither_take_over_nor_remove_a_peer() -> None:
+    observer = _discovery("observer")
+    try:
+        with member(SECRET, "node-a") as node_a, stranger() as (elsewhere, recorder):
+            a = _discovery("node-a", port=node_a.port)
+            try:
+                assert wait_until(lambda: "node-a" in observer.table.peers)
+                # another name claims node-a's id: at another address, then at node-a's own address
+                # (where the proof would even check): both are ignored
+                for name, port in (("hijack", _port(elsewhere)), ("hijack-same", node_a.port)):
+                    claims = Advertisement("node-a", CLUSTER, "full", port, 2**62 - 1, compute=True).properties()
+                    before = observer.claims
+                    with _advertised(name, port, claims):
+                        assert wait_until(lambda before=before: observer.claims > before)
+                        assert observer.table.peers["node-a"].address == node_a.address
+                    time.sleep(1.0)  # the claim's removal has arrived: it removes nothing
+                    assert observer.table.peers["node-a"].address == node_a.address
+                assert recorder.calls == []  # nobody even asked the hijacker
+            finally:
+                a.close()
+            assert wait_until(lambda: "node-a" not in observer.table.peers)  # its own removal does
+    finally:
+        observer.close()
+
+
+def test_only_the_owning_name_updates_or_removes_a_peer(monkeypatch) -> None:
+    """The bookkeeping alone, every proof made to succeed: a claim by another name changes nothing,
+    and a member's own name (`<id>.` + SERVICE_TYPE) takes its id back from a name that got it first."""
+    import expertmesh.node.household.discovery as discovery
+    from expertmesh.node.household.discovery import Sighting
+    from expertmesh.node.household.membership import Peer
+
+    monkeypatch.setattr(discovery, "prove_peer", lambda address, secret, tls_ca=None: Peer("peer-a", address, 5.0))
+    d = Discovery(PeerTable("me", 1.0), Advertisement("me", CLUSTER, "full", 1, 1), None, LOOPBACK, secret=SECRET)
+    try:
+        ad = Advertisement("peer-a", CLUSTER, "full", 7000, 1)
+        d._changed(f"first.{SERVICE_TYPE}", Sighting("192.0.2.20", ad))
+        d._changed(f"other.{SERVICE_TYPE}", Sighting("192.0.2.66", ad))
+        assert d.table.peers["peer-a"].address == "192.0.2.20:7000" and d.claims == 1
+        d._changed(f"other.{SERVICE_TYPE}", None)
+        assert "peer-a" in d.table.peers
+        d._changed(f"peer-a.{SERVICE_TYPE}", Sighting("192.0.2.21", ad))  # its own name
+        assert d.table.peers["peer-a"].address == "192.0.2.21:7000"
+        d._changed(f"first.{SERVICE_TYPE}", None)
+        assert "peer-a" in d.table.peers
+        d._changed(f"peer-a.{SERVICE_TYPE}", None)
+        assert "peer-a" not in d.table.peers
+    finally:
+        d.close()
+
+
+def test_hostile_txt_values_are_refused_without_raising() -> None:
+    def parsed(**props):
+        info = ServiceInfo(
+            SERVICE_TYPE,
+            f"odd.{SERVICE_TYPE}",
+            port=5000,
+            addresses=[socket.inet_aton("127.0.0.1")],
+            properties={"node_id": "odd", "cluster": CLUSTER, **props},
+        )
+        return parse_service(info)
+
+    assert parsed().ad.node_id == "odd"
+    for digits in ("²", "١٢٣", "9" * 200, "-1", "+7", " 7", "7 "):  # only ASCII digits are numbers
+        assert parsed(disk=digits, proto=digits, metrics=digits).ad.disk_budget_bytes == 0
+    assert parsed(disk="123").ad.disk_budget_bytes == 123
+    for node_id in ("", "x\npeer y joined", "a b", "é", "x" * 65, "a/b"):
+        assert parsed(node_id=node_id) is None  # cannot forge a log line
+    assert parsed(node_id="A-z_0.9").ad.node_id == "A-z_0.9"
+    assert parsed(role="admin") is None and parsed(role="cache").ad.role == "cache"
+    assert parsed(node_id=b"\xff\xfe") is None
+
+
+def test_a_failing_advertisement_does_not_stop_the_resolvers() -> None:
+    """Hostile advertisements first (a TXT value that used to raise in parsing, more failing
+    callbacks than there are workers): an advertisement after them is still resolved."""
+    seen: list[str] = []
+
+    def on_change(name: str, sighting) -> None:
+        if sighting is not None and sighting.ad.cluster == CLUSTER:
+            seen.append(sighting.ad.node_id)
+            if sighting.ad.node_id.startswith("raiser"):
+                raise RuntimeError("a callback that fails")
+
+    browser = Browser(on_change, LOOPBACK)
+    try:
+        bad = {"node_id": "odd", "cluster": CLUSTER, "disk": "²"}
+        raisers = [
+            Advertisement(f"raiser{i}", CLUSTER, "full", 3000, 1).properties() for i in range(RESOLVE_WORKERS + 1)
+        ]
+        with _advertised("odd", 3000, bad):
+            for i, props in enumerate(raisers):
+                with _advertised(f"raiser{i}", 3000, props):
+                    assert wait_until(lambda i=i: f"raiser{i}" in seen)
+            with _advertised("later", 3001, Advertisement("later", CLUSTER, "full", 3001, 1).properties()):
+                assert wait_until(lambda: "later" in seen)
+        assert "odd" in seen  # "²" is read as no disk, not as an exception
+    finally:
+        browser.close()
+
+
+def test_a_flood_of_advertised_names_starts_no_thread_per_name() -> None:
+    browser = Browser(lambda name, sighting: None, LOOPBACK)
+    flooder = Zeroconf(interfaces=LOOPBACK)
+    peak = 0
+    try:
+        time.sleep(0.5)
+        for batch in range(0, 300, 100):  # names that never resolve, 100 to a packet
+            out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+            for i in range(batch, batch + 100):
+                name = f"flood{RUN}-{i}.{SERVICE_TYPE}"
+                out.add_answer_at_time(DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 4500, name), 0)
+            flooder.send(out)
+        for _ in range(60):  # 3 s: names that never resolve keep their resolver busy that long
+            peak = max(peak, sum(t.name == "zeroconf-resolve" for t in threading.enumerate()))
+            time.sleep(0.05)
+    finally:
+        flooder.close()
+        browser.close()
+    assert peak <= RESOLVE_WORKERS
+    assert getattr(browser, "dropped", 0) > 0  # the flood did arrive: beyond the queue's bound, names were dropped
 
 
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:

@@ -5,6 +5,8 @@ expert's key (weight = the node's disk budget), so ownership spreads in proporti
 moves little when a node comes or goes. There is no central directory: every node computes the
 owner from its own peer table, which zeroconf (household/discovery.py), `--peer` addresses and
 gRPC health checks keep in step. A peer that errs is skipped for a while and counted by reason.
+A node enters the table only once it has proven it knows the household secret (`prove_peer`),
+with the attributes it signed: an advertisement alone is never enough.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.rpc.client import NodeClient
+from expertmesh.node.rpc.proof import PROVE_DEADLINE_S, prove
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,10 @@ class PeerTable:
             if old is None or old.weight != peer.weight:
                 self.version += 1
             self.peers[peer.node_id] = peer
+
+    def get(self, node_id: str) -> Peer | None:
+        with self._lock:
+            return self.peers.get(node_id)
 
     def remove(self, node_id: str) -> None:
         with self._lock:
@@ -144,8 +151,20 @@ class ExpertOwnership:
         return self.table.keeps(expert_key(self.index, *key))
 
 
-def describe_peer(address: str, secret: str, tls_ca: bytes | None = None) -> Peer:
-    """Ask a node at `address` who it is (for a static `--peer`). Raises grpc.RpcError."""
+def prove_peer(address: str, secret: str, tls_ca: bytes | None = None, timeout: float = PROVE_DEADLINE_S) -> Peer:
+    """The node at `address` as it proves itself (rpc/proof.py): only a node that knows the
+    household secret gets into a table, and with the id, role, weight and compute flag it signed.
+    No call to it carries the secret before this returns.
+
+    Raises:
+        ProofError: no valid proof (another secret, a forgery, a relay), or an unusable address.
+        grpc.RpcError: it did not answer Prove (down, not a node, or it refused the address).
+    """
     with NodeClient(address, secret, tls_ca) as client:
-        info = client.info()
-    return Peer(info.node_id, address, float(info.disk_budget_bytes), info.role, compute=info.compute)
+        identity = prove(client, secret, timeout)
+    return Peer(identity.node_id, address, float(identity.disk_budget_bytes), identity.role, compute=identity.compute)
+
+
+def describe_peer(address: str, secret: str, tls_ca: bytes | None = None) -> Peer:
+    """Who the node at `address` is (for a static `--peer`), proven as `prove_peer` proves it."""
+    return prove_peer(address, secret, tls_ca)

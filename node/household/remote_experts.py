@@ -324,9 +324,10 @@ class RemoteExperts:
             except grpc.RpcError as e:
                 deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 reason = "deadline" if deadline else "error"
-                self.peers.table.penalise(
-                    call.peer, "compute_deadline" if deadline else f"compute_{e.code().name.lower()}"
-                )
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
+                    self.peers.penalise(
+                        call.peer, "compute_deadline" if deadline else f"compute_{e.code().name.lower()}"
+                    )
                 stats.record_remote(**{f"fallback_{reason}": len(asked)})
                 failed.extend(asked)
                 continue
@@ -337,7 +338,7 @@ class RemoteExperts:
                 logger.warning(
                     "peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, e
                 )
-                self.peers.table.penalise(call.peer, "bad_output")
+                self.peers.penalise(call.peer, "bad_output")
                 stats.record_remote(fallback_bad_output=len(asked))
                 failed.extend(asked)
                 continue

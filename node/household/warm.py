@@ -21,7 +21,9 @@ import grpc
 
 from expertmesh.node.household.membership import expert_key, rendezvous_score
 from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.rpc.admission import is_busy
 from expertmesh.node.rpc.client import NodeClient, ask_info, model_key
+from expertmesh.node.rpc.inventory import layer_sizes
 from expertmesh.node.store.tiers.peers import FETCH_DEADLINE_S
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,8 @@ logger = logging.getLogger(__name__)
 ExpertKey = tuple[int, int]
 DEFAULT_CONCURRENCY = 4  # keep requests in flight per node: the owner's Hub link, not the LAN, is the limit
 GIVE_UP_AFTER_ERRORS = 5  # consecutive failures before a node is left out of this warm
+BUSY_RETRIES = 4  # a busy node is asked again after 0.5, 1, 2 and 4 s before it counts as a failure
+BUSY_WAIT_S = 0.5
 
 
 def warm_order(index: ExpertIndex, uses: Counter | None = None) -> list[ExpertKey]:
@@ -123,15 +127,26 @@ def warm(
     lock = threading.Lock()
     counts = [0, 0]
 
+    def keep(client: NodeClient, key: ExpertKey) -> None:
+        """Ask the node to keep `key`; a node that is busy (rpc/admission.py) is asked again a few
+        times, waiting longer each time. Raises grpc.RpcError."""
+        for attempt in range(BUSY_RETRIES + 1):
+            try:
+                for _ in client.fetch_expert(model, *key, FETCH_DEADLINE_S, fetch_on_miss=True, keep_only=True):
+                    pass
+                return
+            except grpc.RpcError as e:
+                if not is_busy(e) or attempt == BUSY_RETRIES or stop.wait(BUSY_WAIT_S * 2**attempt):
+                    raise
+
     def one(node: NodeWarm, client: NodeClient, key: ExpertKey) -> None:
         if stop.is_set() or node.full or node.unreachable:
             return
         try:
-            for _ in client.fetch_expert(model, *key, FETCH_DEADLINE_S, fetch_on_miss=True, keep_only=True):
-                pass
+            keep(client, key)
         except grpc.RpcError as e:
             with lock:
-                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not is_busy(e):
                     node.full = True
                     return
                 node.errors[e.code().name.lower()] += 1
@@ -153,12 +168,13 @@ def warm(
             progress(*done)
 
     clients, queues = [], []
+    sizes = layer_sizes(index)
     for n in nodes:
         node = results[n.node_id]
         client = NodeClient(n.address, secret, tls_ca)
         clients.append(client)
         try:
-            held = client.inventory(model)
+            held = client.inventory(model, sizes)
         except grpc.RpcError as e:
             node.unreachable = f"inventory: {e.code().name.lower()}"
             continue

@@ -6,7 +6,9 @@ never appears in a log line or an error message: the errors below name the file 
 secret came from, never its value.
 
 Without TLS (tls.py) the secret travels in clear with every call, like everything else on the LAN;
-it keeps out the neighbours' software, not someone who can watch the network.
+it keeps out the neighbours' software, not someone who can watch the network. A node sends it only
+to peers that first proved they know it (Prove, proof.py), so advertising on zeroconf does not get
+it; only TLS keeps it from a man in the middle.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from expertmesh.node.errors import ExpertmeshError
 
 SECRET_METADATA_KEY = "x-expertmesh-secret"
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # what a load balancer or a peer table may ask freely
+# Prove (rpc/proof.py) is open: a caller asks it before it may send the secret. It answers only a
+# proof over what the caller sent and what zeroconf advertises anyway (id, role, disk, compute).
+_OPEN_METHODS = ("/expertmesh.v1.Node/Prove",)
 # The statuses that mean "this node does not take that secret", as opposed to "it did not answer":
 # a node refuses with UNAUTHENTICATED; PERMISSION_DENIED is what a proxy in front may answer.
 REFUSED_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
@@ -114,7 +119,8 @@ class SecretInterceptor(grpc.ServerInterceptor):
         self._refuse_stream = grpc.unary_stream_rpc_method_handler(refuse)
 
     def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(_OPEN_SERVICES):
+        method = handler_call_details.method
+        if method.startswith(_OPEN_SERVICES) or method in _OPEN_METHODS:
             return continuation(handler_call_details)
         given = dict(handler_call_details.invocation_metadata or ()).get(SECRET_METADATA_KEY, "")
         if hmac.compare_digest(given.encode(), self._secret):

@@ -8,13 +8,15 @@ caller's to decide.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.inventory import inventory_keys
+from expertmesh.node.rpc.proof import PROVE_DEADLINE_S, ProofError, prove
 from expertmesh.node.rpc.tls import open_channel
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
@@ -24,16 +26,6 @@ HEALTH_DEADLINE_S = 2.0
 
 def model_key(repo_id: str, commit: str) -> node_pb2.ModelKey:
     return node_pb2.ModelKey(repo_id=repo_id, commit=commit)
-
-
-def inventory_keys(inv: node_pb2.InventoryResponse) -> set[tuple[int, int]]:
-    """The (layer, expert) keys an InventoryResponse's bitmaps mark as held (a short bitmap holds nothing beyond its end)."""
-    return {
-        (lb.layer, e)
-        for lb in inv.layers
-        for e in range(min(lb.num_experts, 8 * len(lb.bits)))
-        if lb.bits[e // 8] >> (e % 8) & 1
-    }
 
 
 class NodeClient:
@@ -48,10 +40,15 @@ class NodeClient:
     def info(self, timeout: float = INFO_DEADLINE_S) -> node_pb2.InfoResponse:
         return self._stub.Info(node_pb2.InfoRequest(), metadata=self._metadata, timeout=timeout)
 
-    def inventory(self, model: node_pb2.ModelKey, timeout: float = INFO_DEADLINE_S) -> set[tuple[int, int]]:
-        """The experts of `model` the node's disk holds."""
+    def inventory(
+        self, model: node_pb2.ModelKey, sizes: Mapping[int, int], timeout: float = INFO_DEADLINE_S
+    ) -> set[tuple[int, int]]:
+        """The experts of `model` the node's disk holds, read against `sizes` (experts per MoE
+        layer, rpc/inventory.py's `layer_sizes` of the model's index): bitmaps that do not fit
+        the model are dropped, so a peer cannot make this node hold more keys than the model has."""
         request = node_pb2.InventoryRequest(model=model)
-        return inventory_keys(self._stub.GetInventory(request, metadata=self._metadata, timeout=timeout))
+        answer = self._stub.GetInventory(request, metadata=self._metadata, timeout=timeout)
+        return inventory_keys(answer, sizes, source=f"node {self.address}")
 
     def fetch_expert(
         self,
@@ -77,6 +74,11 @@ class NodeClient:
     def generate(self, request: node_pb2.GenerateRequest, timeout: float):
         """Generate's stream of events; `cancel()` on it stops the node's generation."""
         return self._stub.Generate(request, metadata=self._metadata, timeout=timeout)
+
+    def prove(self, nonce: bytes, dialed: str, timeout: float = PROVE_DEADLINE_S) -> node_pb2.ProveResponse:
+        """The node's proof that it knows the household secret (rpc/proof.py). This call carries no
+        secret: it is how a caller finds out whether the node may be sent it."""
+        return self._stub.Prove(node_pb2.ProveRequest(nonce=nonce, dialed=dialed), timeout=timeout)
 
     def health(self, timeout: float = HEALTH_DEADLINE_S) -> int:
         """The node's standard gRPC health status (open to all: no secret needed)."""
@@ -108,12 +110,17 @@ class NodeAnswer:
 
 
 def ask_info(addresses: Iterable[str], secret: str, tls_ca: bytes | None = None) -> list[NodeAnswer]:
-    """Info of every node at `addresses`, one at a time (`status`, `peers`, `warm`)."""
+    """Info of every node at `addresses`, one at a time (`status`, `peers`, `warm`, `run`), asked
+    only once the node has proven it knows the secret (rpc/proof.py): zeroconf's addresses may be
+    anyone's. A node without a valid proof is answered as one that refused the secret."""
     out = []
     for address in addresses:
         with NodeClient(address, secret, tls_ca) as client:
             try:
+                prove(client, secret)
                 out.append(NodeAnswer(address, client.info()))
+            except ProofError:
+                out.append(NodeAnswer(address, error=grpc.StatusCode.UNAUTHENTICATED.name.lower()))
             except grpc.RpcError as e:
                 out.append(NodeAnswer(address, error=e.code().name.lower()))
     return out

@@ -6,7 +6,9 @@ and the port is known (port 0 picks a free one) before anything advertises it; `
 
 Every call runs on one of `max_workers` threads, and a streaming Generate keeps its thread to the
 end. The service's generation slots (rpc/service.py) are fitted to leave RESERVED_WORKERS threads
-to everything else, so health checks and Info are answered however many generations are asked for.
+to everything else, and its peer-call slots (FetchExpert and ComputeExperts, rpc/admission.py) get
+what Generate and the reserve leave, so health checks, Info and GetInventory are answered however
+many generations, expert fetches and computations are asked for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # chunks are 1 MiB; anything far larger is a bad client
-RESERVED_WORKERS = 4  # threads Generate never holds: health, Info, inventory, expert fetches
+RESERVED_WORKERS = 4  # threads neither Generate nor peers' fetches and computations hold: health, Info, inventory
 
 
 class NodeServer:
@@ -46,6 +48,11 @@ class NodeServer:
         slots = getattr(servicer, "generation_slots", None)
         if slots is not None:
             slots.fit(max_workers - RESERVED_WORKERS)
+        peer_calls = getattr(servicer, "peer_call_slots", None)
+        if peer_calls is not None:
+            # a cache peer (no model) refuses Generate at once: no thread goes to it
+            generating = slots.capacity if slots is not None and getattr(servicer, "sm", None) is not None else 0
+            peer_calls.fit(max_workers - RESERVED_WORKERS - generating)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
         self.server = grpc.server(
             self.executor, interceptors=[SecretInterceptor(secret), *interceptors], options=options

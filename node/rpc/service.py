@@ -14,7 +14,10 @@ unbounded they fill the pool and health checks and Info time out (peers then mar
 `GenerationSlots` admits `max_batch` running and a few waiting calls; any more are answered
 RESOURCE_EXHAUSTED at once, which the coordinator takes as "try another node". A call whose client
 has gone stops at its next token (grpc closes the stream's generator there, and the generator's
-`should_stop` sees the context inactive), and a waiting one leaves the queue.
+`should_stop` sees the context inactive), and a waiting one leaves the queue. FetchExpert and
+ComputeExperts, which also hold a thread for long (an owner's Hub fetch, a turn on the MLX
+thread), share the peer-call slots that rpc/server.py sizes from what Generate and the reserve
+leave; beyond them, RESOURCE_EXHAUSTED at once too (rpc/admission.py).
 
 With `max_batch` 1 each call runs alone on a fresh `Generator` (and may speculate); above 1 the
 running calls share one continuous batch (node/engine/batching.py): each step reads every expert
@@ -23,6 +26,8 @@ the batch routes to once, for all of them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import threading
@@ -42,6 +47,9 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
+from expertmesh.node.rpc.admission import BUSY, CallSlots
+from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
+from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
 from expertmesh.node.store.integrity import sha256
 from expertmesh.node.store.served import ServedExperts
 from expertmesh.node.store.stats import SOURCES
@@ -140,6 +148,8 @@ def _version() -> str:
 class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
+    prover: Prover | None = None  # answers Prove; set by node/assembly.py once the port is known
+
     def __init__(
         self,
         sm: StreamedModel | None,
@@ -180,6 +190,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.node_id = node_id
         self.role = "full" if sm is not None else "cache"
         self.generation_slots = GenerationSlots(waiting_generations, running=max_batch if sm is not None else 1)
+        # FetchExpert and ComputeExperts together (rpc/admission.py); rpc/server.py sizes them
+        self.peer_call_slots = CallSlots()
         # Tokenisers keep "parse special tokens or not" as shared state that each encode sets, and
         # chat encoding switches it per piece: one encode at a time keeps each piece as intended.
         self._tokenize_lock = threading.Lock()
@@ -232,18 +244,48 @@ class NodeService(node_pb2_grpc.NodeServicer):
             compute=self.computer is not None,
         )
 
+    def Prove(self, request, context) -> node_pb2.ProveResponse:
+        """Open to all (rpc/auth.py): this node's signed identity, for a caller that dialed one of
+        its own addresses (rpc/proof.py), and nothing else."""
+        if self.prover is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not prove itself")
+        identity = Identity(
+            self.node_id,
+            self.role,
+            self.experts.disk.budget_bytes,
+            self.computer is not None,
+            constants.PROTOCOL_VERSION,
+        )
+        try:
+            return self.prover.answer(request, identity)
+        except ProofRefused as e:
+            context.abort(e.code, str(e))
+
     def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
         self._check_model(request.model, context)
-        index, disk = self.experts.index, self.experts.disk
-        layers = []
-        for layer in index.moe_layers:
-            n = 1 + max(e for (lay, e) in index.experts if lay == layer)
-            bits = bytearray((n + 7) // 8)
-            for e in range(n):
-                if (layer, e) in disk:
-                    bits[e // 8] |= 1 << (e % 8)
-            layers.append(node_pb2.LayerBitmap(layer=layer, num_experts=n, bits=bytes(bits)))
+        layers = encode_inventory(self._layer_sizes, self.experts.disk)
         return node_pb2.InventoryResponse(model=self._model_key(), layers=layers)
+
+    @functools.cached_property
+    def _layer_sizes(self) -> dict[int, int]:
+        """Experts per MoE layer, counted once: counting per call cost O(layers x experts) of
+        GIL-held time on a gRPC thread (0.2 s at K3's size), and any member may ask at will."""
+        return layer_sizes(self.experts.index)
+
+    @contextlib.contextmanager
+    def _peer_call(self, context) -> Iterator[None]:
+        """Hold one of the peer-call slots for the call's whole life, or refuse it at once with
+        RESOURCE_EXHAUSTED when every one is taken (rpc/admission.py says why)."""
+        slots = self.peer_call_slots
+        if not slots.enter():
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{BUSY}: {slots.capacity} expert fetches and computations for peers run; ask another node or the Hub",
+            )
+        try:
+            yield
+        finally:
+            slots.leave()
 
     def FetchExpert(self, request, context) -> Iterator[node_pb2.ExpertChunk]:
         key = request.key
@@ -254,6 +296,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{self.experts.repo_id} has no expert {key.expert} in layer {key.layer}",
             )
+        with self._peer_call(context):
+            yield from self._fetch_expert(request, loc, context)
+
+    def _fetch_expert(self, request, loc, context) -> Iterator[node_pb2.ExpertChunk]:
+        """FetchExpert once admitted: the held copy, or (`fetch_on_miss`) the owner's fetch."""
+        key = request.key
         if request.keep_only:
             yield self._keep(loc, context)
             return
@@ -291,12 +339,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if self.computer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it serves expert bytes only")
         self._check_model(request.model, context)
-        try:
-            result = self.computer.compute(request)
-        except ComputeRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except DownloadError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching an expert to compute failed: {e}")
+        with self._peer_call(context):
+            try:
+                result = self.computer.compute(request)
+            except ComputeRequestError as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except DownloadError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching an expert to compute failed: {e}")
         return node_pb2.ComputeExpertsResponse(
             experts=result.outputs,
             missing=result.missing,

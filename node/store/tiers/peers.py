@@ -5,23 +5,33 @@ if it lacks it, keeps it and serves it, so each expert crosses the internet once
 if this node is the owner, the store goes to the Hub itself. After the owner, only peers whose
 inventories list the expert are asked. Everything a peer sends is checked (size, its digest, and
 then the store's recorded digest): a peer that errs, times out or lies is skipped for a while
-and counted by reason. Each peer's gRPC health is checked in the background, so a peer that
-comes back is used again at once.
+and counted by reason, longer each time it does it again. A peer that answers "busy"
+(RESOURCE_EXHAUSTED: its admission is full) is not skipped: it is asked again after a short,
+growing pause for up to BUSY_WAIT_S, since an owner is busy while it fetches for the household and
+going to the Hub instead would download the expert twice; only then is the next one asked.
+
+Each peer's gRPC health is checked in the background: a peer skipped because its health check
+failed is used again as soon as it answers SERVING. A skip for a failed call is not lifted by
+health: a peer whose disk or Hub link hangs still answers its health check, and lifting its skip
+would make every miss it owns wait the whole deadline again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from expertmesh.node.household.membership import Peer, PeerTable, expert_key
+from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable, expert_key
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
+from expertmesh.node.rpc.inventory import layer_sizes
 from expertmesh.node.store.buffers import shared_pool
 
 logger = logging.getLogger(__name__)
@@ -30,6 +40,42 @@ FETCH_DEADLINE_S = 30.0  # for one expert from one peer, the owner's Hub fetch i
 INVENTORY_TTL_S = 30.0  # how long a peer's inventory is trusted before it is asked again
 HEALTH_EVERY_S = 10.0  # every peer's gRPC health is checked this often
 HEALTH_DEADLINE_S = 2.0
+MAX_SKIP_S = 300.0  # a peer that keeps failing calls is skipped 30, 60, 120, 240, then 300 s
+STRIKES_KEPT_S = MAX_SKIP_S  # a peer's failed calls are forgotten this long after its last skip ends
+BUSY_WAIT_S = 2.0  # how long a busy peer is asked again before the next one (or the Hub) is
+BUSY_PAUSES_S = (0.02, 0.05, 0.1, 0.2, 0.4)  # between those asks (the last one repeats)
+_BUSY = object()  # `_fetch_from`'s answer when the peer refused as busy
+
+
+@dataclass(frozen=True)
+class SkipPolicy:
+    """How long a peer is skipped after a failed call: `first_s`, doubled for each failure that
+    follows within `kept_s` of the previous skip's end, at most `max_s`."""
+
+    first_s: float = SKIP_AFTER_ERROR_S
+    max_s: float = MAX_SKIP_S
+    kept_s: float = STRIKES_KEPT_S
+
+    def skip_s(self, strikes: int) -> float:
+        """The skip after the `strikes`-th failure in a row (1: the first)."""
+        return min(self.max_s, self.first_s * 2 ** min(max(0, strikes - 1), 32))
+
+
+def health_reason(reason: str) -> bool:
+    """Whether a skip's reason is a failed health check (lifted when health is SERVING again)."""
+    return reason.startswith("health_") or reason == "not_serving"
+
+
+@dataclass
+class _Skips:
+    """One peer's skips as this tier set them: the reason of the last, when its last skip for a
+    failed call ends, when its last skip for a failed health check ends, and how many call skips
+    came one after another (each doubles the next, up to MAX_SKIP_S)."""
+
+    reason: str = ""
+    call_until: float = -math.inf
+    health_until: float = -math.inf
+    strikes: int = 0
 
 
 class PeerSource:
@@ -46,8 +92,10 @@ class PeerSource:
         secret: str,
         deadline_s: float = FETCH_DEADLINE_S,
         tls_ca: bytes | None = None,
+        skips: SkipPolicy = SkipPolicy(),
     ):
         self.index = index
+        self.skip_policy = skips
         self.table = table
         self.secret = secret
         self.tls_ca = tls_ca
@@ -56,6 +104,8 @@ class PeerSource:
         self._clients: dict[str, NodeClient] = {}
         self._last_server: dict[tuple[int, int], Peer] = {}
         self._inventories: dict[str, tuple[float, set[tuple[int, int]]]] = {}  # node id -> (when, held keys)
+        self._sizes = layer_sizes(index)  # what a peer's inventory is read against
+        self._skips: dict[str, _Skips] = {}  # node id -> why and until when it is skipped
         self._lock = threading.Lock()
         # called as transfer_observer(peer, nbytes, seconds) after each expert that came from a
         # peer: how remote execution measures each peer's bandwidth
@@ -81,7 +131,9 @@ class PeerSource:
             known = self._inventories.get(peer.node_id)
         if known is None or now - known[0] > INVENTORY_TTL_S:
             try:
-                held = self.client(peer.address).inventory(self._model, timeout=min(timeout, INFO_DEADLINE_S))
+                held = self.client(peer.address).inventory(
+                    self._model, self._sizes, timeout=min(timeout, INFO_DEADLINE_S)
+                )
             except grpc.RpcError:
                 return None
             known = (now, held)
@@ -125,13 +177,32 @@ class PeerSource:
                 break
             if n > 0 and not self._holds(peer, (loc.layer, loc.expert), left):
                 continue
-            blob = self._fetch_from(peer, loc, owner=(n == 0), timeout=left)
+            blob = self._fetch_patiently(peer, loc, n == 0, deadline, abandon)
             if blob is not None:
                 self._last_server[(loc.layer, loc.expert)] = peer
                 return blob
         return None
 
-    def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float) -> memoryview | None:
+    def _fetch_patiently(
+        self, peer: Peer, loc: ExpertLocation, owner: bool, deadline: float, abandon
+    ) -> memoryview | None:
+        """`_fetch_from`, asked again while the peer answers busy, for up to BUSY_WAIT_S (within
+        `deadline`, and not once the caller abandons the fetch)."""
+        give_up = min(deadline, time.monotonic() + BUSY_WAIT_S)
+        for ask in range(1000):  # bounded by `give_up` long before
+            blob = self._fetch_from(peer, loc, owner, timeout=deadline - time.monotonic())
+            if blob is not _BUSY:
+                return blob
+            pause = BUSY_PAUSES_S[min(ask, len(BUSY_PAUSES_S) - 1)]
+            if time.monotonic() + pause >= give_up or (abandon is not None and abandon()):
+                break
+            time.sleep(pause)
+        logger.debug("peer %s stayed busy for %s; asking the next", peer.node_id, loc)
+        return None
+
+    def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float):
+        """The expert's checked bytes from `peer`, None when it failed (skipped) or missed, or
+        `_BUSY` when it refused for now."""
         t0 = time.perf_counter()
         blob = shared_pool().lend(loc.nbytes)  # the chunks land in place: no join, no fresh pages
         try:
@@ -142,21 +213,24 @@ class PeerSource:
                 if size is None:
                     size, digest = chunk.size, chunk.sha256
                 if received + len(chunk.data) > loc.nbytes:
-                    self.table.penalise(peer, "oversized")
+                    self.penalise(peer, "oversized")
                     return None
                 blob[received : received + len(chunk.data)] = chunk.data
                 received += len(chunk.data)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND and not owner:
                 return None  # an honest miss
-            self.table.penalise(peer, e.code().name.lower())
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return _BUSY  # its admission is full: it works, so it is not skipped
+            self.penalise(peer, e.code().name.lower())
             return None
         if size != loc.nbytes or received != loc.nbytes:
-            self.table.penalise(peer, "wrong_size")
+            self.penalise(peer, "wrong_size")
             return None
         if hashlib.sha256(blob).hexdigest() != digest:
-            self.table.penalise(peer, "bad_digest")
+            self.penalise(peer, "bad_digest")
             return None
+        self._forgive(peer)
         if self.transfer_observer is not None:
             self.transfer_observer(peer, len(blob), time.perf_counter() - t0)
         return blob
@@ -165,27 +239,88 @@ class PeerSource:
         """The store found these bytes disagree with the digest it recorded: the peer lied."""
         peer = self._last_server.pop((loc.layer, loc.expert), None)
         if peer is not None:
-            self.table.penalise(peer, "bad_bytes")
+            self.penalise(peer, "bad_bytes")
+
+    # -- skips --------------------------------------------------------------------------------
+
+    def penalise(self, peer: Peer, reason: str) -> None:
+        """Skip `peer` after a call to it failed (`reason`: a gRPC status name, or what was wrong
+        with its answer), counted by reason in the table.
+
+        The skip follows `skip_policy`: 30 s at first, doubled for each failure that follows
+        soon after the last skip, up to 300 s, so a peer that hangs costs a miss the whole
+        deadline every few minutes at most, not every half minute. Failures while it is already
+        skipped (calls that were in flight) count as one. Health checks do not lift these skips.
+        """
+        policy, now = self.skip_policy, time.monotonic()
+        with self._lock:
+            skips = self._skips.setdefault(peer.node_id, _Skips())
+            if now >= skips.call_until:  # a new failure, not another call of the one skipped
+                recent = skips.strikes > 0 and now - skips.call_until < policy.kept_s
+                skips.strikes = skips.strikes + 1 if recent else 1
+            skip_s = policy.skip_s(skips.strikes)
+            skips.reason, skips.call_until = reason, max(skips.call_until, now + skip_s)
+            until, strikes = skips.call_until, skips.strikes
+        self.table.penalise(peer, reason)  # counts it (and skips it for the table's first 30 s)
+        peer.skip_until = until
+        if strikes > 1:
+            logger.warning("peer %s failed %d times in a row: skipping it for %.0f s", peer.node_id, strikes, skip_s)
+
+    def _penalise_health(self, peer: Peer, reason: str) -> None:
+        """Skip `peer` because its health check failed: lifted as soon as it is SERVING again."""
+        self.table.penalise(peer, reason)
+        with self._lock:
+            skips = self._skips.setdefault(peer.node_id, _Skips())
+            skips.reason, skips.health_until = reason, peer.skip_until
+
+    def _lifted_by_health(self, peer: Peer) -> bool:
+        """Whether `peer`'s skip may end now that its health is SERVING: only when a failed health
+        check set it and no failed call has skipped it since (a skip this tier did not set, as by
+        a direct PeerTable.penalise, lasts its own time too)."""
+        with self._lock:
+            skips = self._skips.get(peer.node_id)
+            return (
+                skips is not None
+                and health_reason(skips.reason)
+                and time.monotonic() >= skips.call_until
+                and peer.skip_until <= skips.health_until
+            )
+
+    def _forgive(self, peer: Peer) -> None:
+        """A call to `peer` went well: its next failure is a first one again."""
+        with self._lock:
+            skips = self._skips.get(peer.node_id)
+            if skips is not None:
+                skips.strikes = 0
+
+    def skip_reason(self, peer: Peer) -> str:
+        """Why `peer` is skipped now ('' when it is live, or this tier did not skip it)."""
+        with self._lock:
+            skips = self._skips.get(peer.node_id)
+        return skips.reason if skips is not None and not peer.live else ""
 
     # -- health -------------------------------------------------------------------------------
 
     def check_health(self) -> None:
         """Ask every known peer's standard health service once: one that is not SERVING (or does
-        not answer in HEALTH_DEADLINE_S) is skipped, and a skipped one that is SERVING again is
-        used again at once; a compute peer's inventory is refreshed here when stale, so remote
+        not answer in HEALTH_DEADLINE_S) is skipped, and one skipped for that which is SERVING
+        again is used again at once (a skip for a failed call lasts its own time, see
+        `penalise`); a compute peer's inventory is refreshed here when stale, so remote
         execution's placement reads it without a call. Generation never waits for this."""
         for peer in self.table.all():
             try:
                 status = self.client(peer.address).health(HEALTH_DEADLINE_S)
             except grpc.RpcError as e:
                 if peer.live:
-                    self.table.penalise(peer, f"health_{e.code().name.lower()}")
+                    self._penalise_health(peer, f"health_{e.code().name.lower()}")
                 continue
             if status != health_pb2.HealthCheckResponse.SERVING:
                 if peer.live:
-                    self.table.penalise(peer, "not_serving")
+                    self._penalise_health(peer, "not_serving")
                 continue
             if not peer.live:
+                if not self._lifted_by_health(peer):
+                    continue  # skipped for a failed call: that skip runs its course
                 self.table.restore(peer)
             if peer.compute:
                 self.inventory(peer)  # asked again when stale, here rather than in a generation's layer

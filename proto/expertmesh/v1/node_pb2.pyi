@@ -257,3 +257,27 @@ class ComputeExpertsResponse(_message.Message):
     queued: int
     mlx_wait_seconds: float
     def __init__(self, experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., missing: _Optional[_Iterable[int]] = ..., compute_seconds: _Optional[float] = ..., queued: _Optional[int] = ..., mlx_wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ProveRequest(_message.Message):
+    __slots__ = ("nonce", "dialed")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    DIALED_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    dialed: str
+    def __init__(self, nonce: _Optional[bytes] = ..., dialed: _Optional[str] = ...) -> None: ...
+
+class ProveResponse(_message.Message):
+    __slots__ = ("node_id", "role", "disk_budget_bytes", "compute", "protocol_version", "mac")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: str
+    disk_budget_bytes: int
+    compute: bool
+    protocol_version: int
+    mac: bytes
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., disk_budget_bytes: _Optional[int] = ..., compute: _Optional[bool] = ..., protocol_version: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...

@@ -59,6 +59,11 @@ class NodeStub:
                 request_serializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsRequest.SerializeToString,
                 response_deserializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsResponse.FromString,
                 _registered_method=True)
+        self.Prove = channel.unary_unary(
+                '/expertmesh.v1.Node/Prove',
+                request_serializer=expertmesh_dot_v1_dot_node__pb2.ProveRequest.SerializeToString,
+                response_deserializer=expertmesh_dot_v1_dot_node__pb2.ProveResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -107,6 +112,20 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prove(self, request, context):
+        """Prove this node knows the household secret without sending it: open to all, no secret in the
+        call. The answer is what the node is and an HMAC, keyed by the secret, over the caller's nonce,
+        the address the caller dialed and those attributes. A caller checks it before it sends this
+        node anything that carries the secret, and believes the attributes of the proof, not a zeroconf
+        advertisement. INVALID_ARGUMENT for a nonce that is not 32 bytes; PERMISSION_DENIED when
+        `dialed` is not one of this node's own addresses (so another host cannot relay a caller's
+        challenge here and pass the answer off as its own). Only TLS protects against an active man in
+        the middle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +153,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ComputeExperts,
                     request_deserializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsRequest.FromString,
                     response_serializer=expertmesh_dot_v1_dot_node__pb2.ComputeExpertsResponse.SerializeToString,
+            ),
+            'Prove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prove,
+                    request_deserializer=expertmesh_dot_v1_dot_node__pb2.ProveRequest.FromString,
+                    response_serializer=expertmesh_dot_v1_dot_node__pb2.ProveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +295,33 @@ class Node:
             '/expertmesh.v1.Node/ComputeExperts',
             expertmesh_dot_v1_dot_node__pb2.ComputeExpertsRequest.SerializeToString,
             expertmesh_dot_v1_dot_node__pb2.ComputeExpertsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/expertmesh.v1.Node/Prove',
+            expertmesh_dot_v1_dot_node__pb2.ProveRequest.SerializeToString,
+            expertmesh_dot_v1_dot_node__pb2.ProveResponse.FromString,
             options,
             channel_credentials,
             insecure,
