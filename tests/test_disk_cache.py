@@ -226,3 +226,34 @@ def test_a_refusing_disk_is_tried_again_later_and_a_failing_read_is_fetched_else
     monkeypatch.setattr(disk_cache.os, "preadv", eio)
     assert cache.fetch(locs[(1, 1)]) is None and cache.read_errors == 1 and (1, 1) not in cache
     cache.close()
+
+
+def test_opening_the_cache_deletes_only_names_it_writes(tmp_path: Path) -> None:
+    """A layer folder linked to another disk holds the user's files too: opening the cache once
+    deleted everything in it that was not `N.bin` (found by an audit). Only the cache's own names
+    are deleted now (debris of a write, a file of the wrong size), and a folder where an expert's
+    file belongs is reported, not removed."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "my-notes.txt").write_text("mine")
+    (outside / f"3.bin.1.2{TMP_SUFFIX}").write_bytes(b"debris of a write")
+    (outside / "4.bin").write_bytes(b"short")  # the cache's name, the wrong size
+    root = tmp_path / "cache"
+    root.mkdir()
+    (root / "1").symlink_to(outside, target_is_directory=True)
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("also mine")
+    (outside / "5.bin").mkdir()
+    (outside / "5.bin" / "inside.txt").write_text("in a folder named like an expert")
+
+    cache, _, _ = _cache(tmp_path, count=8, budget_experts=8)
+
+    assert (outside / "my-notes.txt").read_text() == "mine"
+    assert (root / "notes" / "readme.txt").read_text() == "also mine"
+    assert not (outside / f"3.bin.1.2{TMP_SUFFIX}").exists() and not (outside / "4.bin").exists()
+    assert (outside / "5.bin" / "inside.txt").exists()
+    assert [p.name for p in cache.stray_folders] == ["5.bin"]
+    assert len(cache) == 0
+    from expertmesh.node.store.maintenance import expert_files
+
+    assert (1, 5) not in expert_files(root)  # `ls` and `cache` counted the folder as an expert

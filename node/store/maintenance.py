@@ -24,6 +24,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,9 @@ def expert_files(root: Path) -> dict[Key, Path]:
     out = {}
     with contextlib.suppress(OSError):
         for path in root.glob("*/*.bin"):
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, OSError):
+                if not stat.S_ISREG(path.lstat().st_mode):  # a folder or a link is no expert the cache wrote
+                    continue
                 out[(int(path.parent.name), int(path.stem))] = path
     return out
 
@@ -145,6 +148,7 @@ class VerifyReport:
     bad: list[tuple[Key, str]] = field(default_factory=list)  # deleted: (key, why)
     dropped_at_open: list[Key] = field(default_factory=list)  # wrong size or no recorded digest: deleted
     unverified: int = 0  # good files whose digest came from one fetch (`expertmesh verify` asks the Hub)
+    stray_folders: list[Path] = field(default_factory=list)  # folders where an expert's file belongs: left
 
     @property
     def deleted(self) -> int:
@@ -164,7 +168,9 @@ def verify(home: Path, repo_id: str, commit: str, progress: Callable[[int], None
     before = set(expert_files(cache_dir(home, repo_id, commit)))
     with kept_cache(home, repo_id, commit) as disk:
         held = disk.held()
-        report.dropped_at_open = sorted(before - set(held))
+        report.stray_folders = list(disk.stray_folders)
+        strays = {(int(p.parent.name), int(p.name.split(".")[0])) for p in report.stray_folders}
+        report.dropped_at_open = sorted(before - set(held) - strays)
         files = expert_files(disk.root)
         for key in held:
             loc = disk.index.expert(*key)

@@ -36,6 +36,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -50,6 +51,9 @@ from expertmesh.node.store.integrity import DigestBook
 logger = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
+# The names the cache writes in a layer's folder: `{expert}.bin`, and `{expert}.bin.{pid}.{thread}.tmp`
+# while one is written. Nothing else there is ever deleted.
+_OWN_NAME = re.compile(r"\d+\.bin(?:(?:\.\d+)*" + re.escape(TMP_SUFFIX) + ")?")
 LOCK_FILENAME = ".lock"
 DISK_RETRY_S = 60.0  # a disk that refused a write, or a cache another process keeps, is tried again after this
 WRITE_BEHIND_EXPERTS = 2  # queued writes at most (an SSD drains them in milliseconds); `put` waits beyond
@@ -106,6 +110,7 @@ class DiskCache:
         self.nbytes = 0
         self.evictions = 0
         self.write_errors = 0
+        self.stray_folders: list[Path] = []  # folders where an expert's file belongs, left for the user
         self.read_errors = 0
         self.refused = False  # the disk refused a write, or another process keeps the cache: nothing is written
         self.refusals = 0  # times the disk refused (metrics)
@@ -158,14 +163,22 @@ class DiskCache:
         return self.root / str(layer) / f"{expert}.bin"
 
     def _recover(self) -> None:
-        """Delete debris of interrupted writes, files of the wrong size or without a digest; list the rest."""
+        """Delete debris of interrupted writes, files of the wrong size or without a digest; list the rest.
+
+        Only names this cache writes are ever deleted (`{layer}/{expert}.bin` and its temporary
+        names): a layer folder may be a link someone made to another disk, and what else it holds
+        is theirs. A folder where an expert's file belongs is reported, not removed."""
         found = []
         for path in self.root.glob("*/*"):
             try:
-                if path.is_dir():
-                    logger.warning("disk cache: ignoring the stray folder %s", path)
+                if not path.parent.name.isdigit() or not _OWN_NAME.fullmatch(path.name):
+                    logger.warning("disk cache: leaving %s alone: the cache writes no such name", path)
                     continue
-                if path.name.endswith(TMP_SUFFIX) or not path.name.endswith(".bin"):
+                if path.is_dir() and not path.is_symlink():
+                    self.stray_folders.append(path)
+                    logger.warning("disk cache: a folder is where an expert's file belongs (%s): remove it", path)
+                    continue
+                if path.name.endswith(TMP_SUFFIX):
                     path.unlink()
                     continue
                 key = (int(path.parent.name), int(path.stem))
