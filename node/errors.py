@@ -60,3 +60,7 @@ class NotPulledError(ExpertmeshError):
 
 class SpeculationError(ExpertmeshError):
     """Speculative decoding cannot be set up as asked (a bad mode, draft model or cache)."""
+
+
+class DamagedModelError(ExpertmeshError):
+    """A pulled model's local files cannot be loaded (cut, garbled): `pull` checks and repairs them."""

@@ -271,3 +271,35 @@ def test_a_core_of_few_large_spans_is_split_so_every_connection_has_work() -> No
     parts = _plan_parts(ExpertIndex("x/y", "0" * 40, {"s1.safetensors": big}, core, {}))
     assert len(parts) >= PARTS_PER_CORE and all(MIN_PART_BYTES <= p.nbytes <= 64 * 1024**2 for p in parts)
     assert parts[0].start == 0 and parts[-1].end == big and all(a.end == b.start for a, b in zip(parts, parts[1:]))
+
+
+@pytest.mark.parametrize("damage", ["core", "config", "marker"])
+def test_a_damaged_local_copy_is_named_at_load_and_repaired_by_pull(
+    hub: HubServer, tmp_path: Path, damage: str
+) -> None:
+    """A cut core shard (a disk error, an interrupted copy or restore), a garbled config or marker:
+    `run` died with a traceback and `pull` said "already pulled" (found by an audit). Loading now
+    names the damage and the repair; `pull` finds it by sizes and parsing and fetches again."""
+    from expertmesh.node.assembly import open_model
+    from expertmesh.node.config import StoreConfig
+    from expertmesh.node.errors import DamagedModelError
+
+    _reset(hub)
+    repo_id = "expertmesh/tiny-kimi_k3"
+    first = pull(repo_id, home=tmp_path, progress=False)
+    index = ExpertIndex.load(first.path / INDEX_FILENAME)
+    if damage == "core":
+        shard = first.path / sorted({t.file for t in index.core.values()})[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    elif damage == "config":
+        (first.path / "config.json").write_text('{"model_type": "kimi')
+    else:
+        (first.path / "pull_complete.json").write_bytes(b"\xff\xfe not json")
+    with pytest.raises(DamagedModelError, match="expertmesh pull"):
+        open_model(repo_id, home=tmp_path, store=StoreConfig(fill=False)).close()
+    again = pull(repo_id, home=tmp_path, progress=False)
+    assert not again.already_complete
+    if damage == "core":
+        assert again.fetched_bytes > 0
+    open_model(repo_id, home=tmp_path, store=StoreConfig(fill=False)).close()
+    assert pull(repo_id, home=tmp_path, progress=False).already_complete

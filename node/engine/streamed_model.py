@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from expertmesh.node.engine.blocks import StreamingExperts
-from expertmesh.node.errors import UnsupportedModelError
+from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.store.codec import ExpertCodec
@@ -67,8 +67,16 @@ def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> Streame
 
     from expertmesh.node.engine.blocks import core_standins, load_core_model
 
-    marker = local_models.read_marker(path)
-    model, config, blocks = load_core_model(path, core_standins(index, marker.get("core_bits", 16)))
+    try:
+        marker = local_models.read_marker(path)
+        model, config, blocks = load_core_model(path, core_standins(index, marker.get("core_bits", 16)))
+    except (OSError, ValueError, RuntimeError) as e:  # a cut or garbled core, config or marker
+        if isinstance(e, RuntimeError) and "safetensors" not in str(e):
+            raise  # MLX's own failures (memory, a kernel) are not a damaged file
+        raise DamagedModelError(
+            f"the local copy of {repo_id} in {path} is damaged ({type(e).__name__}: {str(e)[:200]}): "
+            f"`expertmesh pull {repo_id}` repairs it"
+        ) from None
     dense_dtype = None
     if not mx.metal.is_available() and _has_dense_experts(index):
         dense_dtype = mx.float32  # MLX's CPU gather_mm computes in float32 only
@@ -87,7 +95,13 @@ def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> Streame
         raise UnsupportedModelError(
             f"{repo_id}: the index has experts for layers {missing} that the model does not route"
         )
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except (OSError, ValueError) as e:
+        raise DamagedModelError(
+            f"the tokenizer of {repo_id} in {path} cannot be loaded ({type(e).__name__}: {str(e)[:200]}): "
+            f"`expertmesh pull {repo_id}` repairs a damaged one"
+        ) from None
     return StreamedModel(
         repo_id,
         index.commit,

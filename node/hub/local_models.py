@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from expertmesh.node.errors import NotPulledError
+from expertmesh.node.errors import DamagedModelError, NotPulledError
 
 COMPLETE_MARKER = "pull_complete.json"
 INDEX_MARKER = "index_complete.json"  # `pull --index-only`: the expert index without the core
@@ -118,7 +118,14 @@ def find_index(home: Path, repo_id: str, revision: str | None = None) -> Path:
 
 
 def read_marker(path: Path) -> dict:
-    return json.loads((path / COMPLETE_MARKER).read_text())
+    """The completed pull's record. Raises DamagedModelError when it is not one (`pull` repairs it)."""
+    try:
+        doc = json.loads((path / COMPLETE_MARKER).read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise DamagedModelError(f"{path / COMPLETE_MARKER} is damaged ({e}): `expertmesh pull` repairs it") from None
+    if not isinstance(doc, dict):
+        raise DamagedModelError(f"{path / COMPLETE_MARKER} is damaged: `expertmesh pull` repairs it")
+    return doc
 
 
 # -- what a home holds (`expertmesh ls`, `rm`, `cache`) ---------------------------------------
@@ -195,7 +202,7 @@ def _describe(path: Path, repo_id: str, refs: list[str]) -> PulledModel:
             index = ExpertIndex.load(path / INDEX_FILENAME)
             model.state = "index"
             model.expert_count, model.expert_bytes = len(index.experts), index.expert_bytes
-    except (OSError, ValueError, KeyError, TypeError):  # a damaged marker or index: shown as unfinished
+    except (OSError, ValueError, KeyError, TypeError, DamagedModelError):  # a damaged marker or index: unfinished
         model.state = "partial"
     return model
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -27,11 +28,14 @@ from tqdm.auto import tqdm
 from expertmesh.node import constants
 from expertmesh.node.engine.core_quantization import CoreBitsError, check_core_bits, quantize_core
 from expertmesh.node.engine.mlx_lm_models import check_supported
-from expertmesh.node.errors import DownloadError, InsufficientDiskError, UnsupportedModelError
+from expertmesh.node.errors import DamagedModelError, DownloadError, InsufficientDiskError, UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub import local_models, safetensors_format
 from expertmesh.node.hub.client import RangeReader, RemoteFile
 from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex, build_index, coalesce
+from expertmesh.node.sizes import format_size
+
+logger = logging.getLogger(__name__)
 
 UPSTREAM_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -101,6 +105,14 @@ def pull(
     target = local_models.model_dir(home, repo_id, commit)
     if core_bits is not None:
         check_core_bits(core_bits)
+    if local_models.is_complete(target) and (damage := local_damage(target)) is not None:
+        # a disk error, a cut copy or restore: what `run` would die on. Pull it again: only what is
+        # missing or fails the checks is fetched (a damaged file is removed first).
+        logger.warning("%s @ %s: %s: pulling it again", repo_id, commit[:12], damage.reason)
+        core_bits = core_bits or damage.core_bits
+        remake = list(target.glob("*.safetensors")) if damage.core_bits not in (None, 16) else []
+        for path in (*damage.files, *remake, target / local_models.COMPLETE_MARKER):  # an 8-bit core is made anew
+            path.unlink(missing_ok=True)
     if local_models.is_complete(target):
         local_models.record_ref(home, repo_id, revision or "main", commit)
         result = _result_from_marker(target, time.monotonic() - t0)
@@ -469,13 +481,9 @@ def _check_disk(target: Path, needed: int) -> None:
     free = shutil.disk_usage(target).free
     if free < needed + constants.DISK_HEADROOM_BYTES:
         raise InsufficientDiskError(
-            f"pulling needs {_gb(needed)} plus {_gb(constants.DISK_HEADROOM_BYTES)} headroom, "
-            f"but {target.anchor or target} has {_gb(free)} free"
+            f"pulling needs {format_size(needed)} plus {format_size(constants.DISK_HEADROOM_BYTES)} headroom, "
+            f"but the disk of {target} has {format_size(free)} free"
         )
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 def _fetch_parts(
@@ -543,6 +551,46 @@ def _shard_is_complete(path: Path, tensors: list) -> bool:
     return {n: (e.dtype, e.shape, e.nbytes) for n, e in local.items()} == {
         t.name: (t.dtype, t.shape, t.nbytes) for t in tensors
     }
+
+
+@dataclass
+class Damage:
+    reason: str
+    files: list[Path]  # to remove before pulling again
+    core_bits: int | None  # what the marker said, to pull the same core again
+
+
+def local_damage(target: Path) -> Damage | None:
+    """What is wrong with a complete pull's files, found cheaply: the marker, the JSON files and
+    the index parse, and every safetensors file holds the bytes its header says (no hashing)."""
+    core_bits = None
+    try:
+        marker = local_models.read_marker(target)
+        core_bits = int(marker.get("core_bits", 16)) if isinstance(marker, dict) else None
+        if not isinstance(marker, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError, TypeError, DamagedModelError) as e:
+        return Damage(f"{local_models.COMPLETE_MARKER} is unreadable ({e})", [], None)
+    wanted = None if core_bits == 16 else core_bits
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", UPSTREAM_INDEX):
+        path = target / name
+        try:
+            if path.exists():
+                json.loads(path.read_bytes())
+        except (OSError, ValueError, RecursionError) as e:
+            return Damage(f"{name} is damaged ({type(e).__name__})", [path], wanted)
+    try:
+        ExpertIndex.load(target / INDEX_FILENAME)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, UnsupportedModelError) as e:
+        return Damage(f"{INDEX_FILENAME} is damaged ({type(e).__name__})", [target / INDEX_FILENAME], wanted)
+    for path in sorted(target.rglob("*.safetensors")):
+        if _PARTS in path.relative_to(target).parts:
+            continue
+        try:
+            safetensors_format.read_header(path)
+        except (OSError, safetensors_format.SafetensorsFormatError) as e:
+            return Damage(f"{path.relative_to(target)} is damaged ({e})", [path], wanted)
+    return None
 
 
 def _write_atomic(path: Path, text: str) -> None:
