@@ -28,6 +28,7 @@ import grpc
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_until
 
 from expertmesh.coordinator.api_metrics import LABELS as API_LABELS
 from expertmesh.node.assembly import Node, build_node
@@ -584,4 +585,45 @@ def test_linger_stops_at_its_bound_when_nobody_scrapes() -> None:
         assert server.linger(0) is False
         assert "expertmesh_tokens_generated_total" in _scrape(server.url)  # served until stopped
     finally:
+        server.stop()
+
+
+def test_idle_connections_to_metrics_cannot_take_a_thread_each() -> None:
+    """/metrics needs no key and `serve` listens on the LAN: 400 connections that sent half a
+    request held 400 threads for ever (found by an audit). Now at most METRICS_CONNECTIONS are
+    served at once (the rest are closed at once), and a scrape is answered once they go."""
+    import threading
+
+    from expertmesh.node.observability.metrics import METRICS_CONNECTIONS
+
+    def answered() -> bool:
+        try:
+            return "expertmesh_tokens_generated_total" in _scrape(server.url)
+        except OSError:  # closed at once while every slot is still taken
+            return False
+
+    server = NodeMetrics(MetricsSources()).serve("127.0.0.1", 0)
+    idle = []
+    try:
+
+        def serving() -> int:  # the server's threads, one per connection it serves
+            return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+        base = serving()  # other servers' connections in this process (earlier tests' scrapes)
+        for _ in range(METRICS_CONNECTIONS + 40):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and nothing more
+            idle.append(s)
+        most = 0
+        for _ in range(40):  # 2 s of samples (the old server held all 72, for ever)
+            most = max(most, serving() - base)
+            time.sleep(0.05)
+        assert 0 < most <= METRICS_CONNECTIONS, most
+        for s in idle:
+            s.close()
+        idle.clear()
+        assert wait_until(answered, timeout_s=30)
+    finally:
+        for s in idle:
+            s.close()
         server.stop()

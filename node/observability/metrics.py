@@ -394,11 +394,42 @@ class NodeMetrics:
         return MetricsServer(server, thread, host, server.server_port, scrapes)
 
 
+# /metrics needs no key and listens where gRPC does (the LAN, for `serve`): a thread per connection
+# is bounded, and a connection that sends nothing is dropped, so idle sockets cannot exhaust a node.
+METRICS_CONNECTIONS = 32  # a household's Prometheus and a few curls at once
+METRICS_READ_TIMEOUT_S = 10.0
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a stuck scraper never holds the process
 
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):  # every slot taken: this one is closed at once
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        logger.debug("metrics: a connection from %s failed", client_address, exc_info=True)  # not a traceback on stderr
+
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_READ_TIMEOUT_S  # StreamRequestHandler puts it on the socket
+
     def log_message(self, format: str, *args) -> None:
         pass  # one line per scrape on stderr would bury the summary
 
