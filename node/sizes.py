@@ -23,6 +23,9 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_SIZE_BYTES = 2.0**63  # sizes are byte counts that must fit the int64 of a proto field
+
+
 def parse_size(text: str) -> int:
     """Bytes in `text`; decimal units (MB) are powers of 10, binary ones (MiB, M) of 1024.
 
@@ -32,7 +35,11 @@ def parse_size(text: str) -> int:
     m = _SIZE_RE.match(str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r} is not a size (examples: 512MB, 2GiB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not value < MAX_SIZE_BYTES:  # inf (a number of 400 digits) and NaN fail too
+        shown = str(text).strip()
+        raise ValueError(f"{shown[:40]!r}{'...' if len(shown) > 40 else ''} is larger than any disk or memory")
+    return int(value)
 
 
 def format_size(n: float) -> str:

@@ -155,3 +155,57 @@ def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, home: Pat
     assert set(rows) == {"lru", "lfu", "arc", "freq_oracle", "belady"}
     assert all(0 <= v <= rows["belady"][i] + 1e-9 for name, vals in rows.items() for i, v in enumerate(vals))
     assert _run(["replay", str(tmp_path / "missing.jsonl")], _env(home)).stderr.startswith("error:")
+
+
+def test_local_problems_are_one_line_without_a_traceback(home: Path, tmp_path: Path) -> None:
+    """Found by an audit of the CLI: each of these ended in a Python traceback."""
+    env = _env(home)
+    empty = _run(["run", REPO_ID, "", "--no-discovery"], env)
+    assert empty.returncode == 1 and "nothing to generate" in empty.stderr and "Traceback" not in empty.stderr
+    into_a_folder = _run(["run", REPO_ID, "hi", "--trace", str(tmp_path), "--no-discovery"], env)
+    assert into_a_folder.returncode != 0 and "Traceback" not in into_a_folder.stderr
+    assert "cannot write the routing trace" in into_a_folder.stderr
+
+
+def test_text_that_is_not_utf8_and_a_closed_stdin_are_input_not_crashes(hub: HubServer, home: Path) -> None:
+    """Python keeps bytes that are not UTF-8 as lone surrogates, which the tokenizer refused with a
+    TypeError; a chat started with stdin closed (`0<&-`) read from None."""
+    env = _env(home, hub)
+    prompt = subprocess.run(
+        [*CLI, "run", REPO_ID, os.fsdecode(b"caf\xff"), "--max-tokens", "2", "--no-discovery"],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert prompt.returncode == 0 and b"Traceback" not in prompt.stderr, prompt.stderr[-500:]
+    piped = subprocess.run(
+        [*CLI, "chat", REPO_ID, "--max-tokens", "2", "--no-discovery"],
+        env=env,
+        input=b"\xff\xfe caf\xe9\n",
+        capture_output=True,
+        timeout=300,
+    )
+    assert piped.returncode == 0 and b"Traceback" not in piped.stderr, piped.stderr[-500:]
+    closed = subprocess.run(
+        [*CLI, "chat", REPO_ID, "--no-discovery"], env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=300
+    )
+    assert closed.returncode == 0 and b"Traceback" not in closed.stderr
+
+
+def test_a_reader_that_leaves_ends_run_quietly(hub: HubServer, home: Path) -> None:
+    """`run ... | head -c 1`: two tracebacks and an 'MLX thread has stopped' before; now a quiet
+    exit with the status a shell gives a command killed by SIGPIPE."""
+    proc = subprocess.Popen(
+        [*CLI, "run", REPO_ID, "def f():", "--max-tokens", "200", "--no-discovery", "--speculate", "off"],
+        env=_env(home, hub),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        proc.stdout.read(1)
+        proc.stdout.close()  # the reader leaves after one byte
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 141 and b"Traceback" not in err, err[-800:]

@@ -60,6 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: what was fetched is kept; run the same command again to resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader left (`| head`): end quietly, as `cat` does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 141
+    except OSError as e:  # the home, a trace file, a port: the system's own words, and where
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        if args.verbose:
+            raise
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +41,104 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
     return n
+
+
+def whole_number(text: str) -> int:
+    """0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got {text!r}")
+    return n
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (a free one) to 65535: checked here, before anything binds or loads."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
+    return n
+
+
+def _finite(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return x
+
+
+def seconds(text: str) -> float:
+    """A duration: finite and not negative."""
+    x = _finite(text)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds of at least 0, got {text!r}")
+    return x
+
+
+def temperature(text: str) -> float:
+    """0 (greedy) to 2, as the OpenAI API allows."""
+    x = _finite(text)
+    if not 0 <= x <= 2:
+        raise argparse.ArgumentTypeError(f"expected a temperature from 0 to 2, got {text!r}")
+    return x
+
+
+def probability(text: str) -> float:
+    """0 to 1 (top-p mass; a fraction)."""
+    x = _finite(text)
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
+    return x
+
+
+def seed_number(text: str) -> int:
+    """A 64-bit integer, negative ones too (as the OpenAI API takes it)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or not -(2**63) <= n < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a 64-bit whole number, got {text!r}")
+    return n
+
+
+def peer_address(text: str) -> str:
+    """A node's HOST:PORT (or [v6]:PORT), checked now: a port left out was reported as a wrong secret."""
+    from expertmesh.node.rpc.proof import split_address
+
+    try:
+        split_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (a node's address is HOST:PORT, e.g. 192.168.1.20:50051)") from None
+    return text
+
+
+_REPO_URL = re.compile(r"https?://(?:www\.)?(?:huggingface\.co|hf\.co)/(?P<repo>[^/?#]+/[^/?#]+)(?:[/?#].*)?")
+
+
+def repo_id(text: str) -> str:
+    """A Hugging Face repo id (namespace/name), checked as the Hub checks it, before anything is
+    fetched or looked up: a path such as `../x` is never a repo."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if m := _REPO_URL.fullmatch(text.strip()):  # a repo's page pasted from the browser
+        text = m["repo"]
+    try:
+        validate_repo_id(text)
+    except HFValidationError as e:
+        raise argparse.ArgumentTypeError(str(e).split("\n")[0]) from None
+    if "/" not in text:
+        raise argparse.ArgumentTypeError(f"expected a repo id of the form namespace/name, got {text!r}")
+    return text
 
 
 # -- flag groups ----------------------------------------------------------------------------
@@ -84,6 +184,7 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
     """How a generating node uses the household: `--peer`s and remote expert execution."""
     p.add_argument(
         "--peer",
+        type=peer_address,
         action="append",
         default=[],
         metavar="HOST:PORT",
@@ -115,7 +216,7 @@ def add_discovery_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--discovery-wait",
-        type=float,
+        type=seconds,
         default=DISCOVERY_WAIT_S,
         metavar="S",
         help="seconds to listen for the household's nodes before loading the model (default %(default)s); "
@@ -128,8 +229,10 @@ def add_household_lookup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="home")
     p.add_argument("--interface", metavar="IP", help="browse on this address only")
     p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
-    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT")
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for advertisements (default %(default)s)")
+    p.add_argument("--peer", type=peer_address, action="append", default=[], metavar="HOST:PORT")
+    p.add_argument(
+        "--wait", type=seconds, default=3.0, help="seconds to listen for advertisements (default %(default)s)"
+    )
     add_secret_arguments(p)
     add_tls_ca_argument(p)
 
@@ -162,7 +265,7 @@ def add_tls_ca_argument(p: argparse.ArgumentParser) -> None:
 def add_metrics_arguments(p: argparse.ArgumentParser, default: int | None) -> None:
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=default,
         metavar="N",
         help="serve Prometheus /metrics on port N (0 picks a free one and prints it)"
@@ -177,13 +280,15 @@ def add_sampling_arguments(
 ) -> None:
     """Sampling flags; a command with other defaults (`demo`) passes them here, so --help shows them."""
     p.add_argument(
-        "--max-tokens", type=int, default=max_tokens, help="tokens to generate at most (default %(default)s)"
+        "--max-tokens", type=positive_int, default=max_tokens, help="tokens to generate at most (default %(default)s)"
     )
-    p.add_argument("--temp", type=float, default=temp, help="sampling temperature; 0 is greedy (default %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument(
+        "--temp", type=temperature, default=temp, help="sampling temperature, 0 to 2; 0 is greedy (default %(default)s)"
+    )
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass, 0 to 1 (default 1: off)")
     p.add_argument(
         "--seed",
-        type=int,
+        type=seed_number,
         default=seed,
         help="random seed: the same seed gives the same text"
         + (" (default %(default)s)" if seed is not None else " (default: a fresh one)"),

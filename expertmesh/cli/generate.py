@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def add_commands(sub) -> None:
     p = sub.add_parser("run", help="generate text from a prompt on a pulled model")
-    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id of a pulled model")
     p.add_argument("prompt", help="the prompt (raw text, no chat template)")
     arguments.add_store_arguments(p)
     arguments.add_peer_arguments(p)
@@ -28,7 +28,7 @@ def add_commands(sub) -> None:
     arguments.add_metrics_arguments(p, default=None)
     p.add_argument(
         "--metrics-linger",
-        type=float,
+        type=arguments.seconds,
         default=RUN_METRICS_LINGER_S,
         metavar="S",
         help="after generating, keep /metrics up until it is scraped once more, at most S seconds, so "
@@ -37,7 +37,7 @@ def add_commands(sub) -> None:
     p.set_defaults(func=run)
 
     p = sub.add_parser("chat", help="chat with a pulled model (its chat template, multi-turn)")
-    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id of a pulled model")
     p.add_argument("--system", help="system prompt")
     arguments.add_store_arguments(p)
     arguments.add_peer_arguments(p)
@@ -79,7 +79,7 @@ def _generate_once(node, prompt: str, args: argparse.Namespace) -> None:
     from expertmesh.node.engine.generation import GenerationSummary, Generator
 
     sm = node.model
-    tokens = sm.tokenizer.encode(prompt)
+    tokens = sm.tokenizer.encode(as_text(prompt))
     summary = GenerationSummary()
     with ctrl_c_stops(StopFlag()) as flag:
         generator = Generator(sm, arguments.speculation(args))
@@ -142,13 +142,21 @@ def chat(args: argparse.Namespace) -> int:
 def read_line(prompt: str) -> str:
     """`input`, but with the prompt on stderr when stdout is not a terminal: `chat ... > reply.txt`
     then keeps only the replies, and the person typing still sees where to type."""
+    if sys.stdin is None:  # started with stdin closed (`0<&-`, some launchers): nothing to read
+        raise EOFError
     if sys.stdout.isatty():
-        return input(prompt)
+        return as_text(input(prompt))
     print(prompt, end="", file=sys.stderr, flush=True)
     line = sys.stdin.readline()
     if not line:
         raise EOFError
-    return line.rstrip("\n")
+    return as_text(line.rstrip("\n"))
+
+
+def as_text(text: str) -> str:
+    """`text` as valid Unicode: bytes that were not UTF-8 (Python keeps them as lone surrogates
+    when it decodes stdin or argv) become U+FFFD, which the tokenizer takes, instead of an error."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _mark_used(node) -> None:

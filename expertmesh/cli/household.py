@@ -32,7 +32,7 @@ def add_commands(sub) -> None:
     p.set_defaults(func=status)
 
     p = sub.add_parser("warm", help="every node keeps the experts it owns, most used first, into free disk budget")
-    p.add_argument("repo", help="a model pulled here (`pull --index-only` is enough)")
+    p.add_argument("repo", type=arguments.repo_id, help="a model pulled here (`pull --index-only` is enough)")
     p.add_argument("--revision", default=None)
     p.add_argument(
         "--trace",
@@ -41,7 +41,12 @@ def add_commands(sub) -> None:
         metavar="FILE",
         help="routing traces (`run --trace`) that rank experts by use (repeatable)",
     )
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight per node (default %(default)s)")
+    p.add_argument(
+        "--concurrency",
+        type=arguments.positive_int,
+        default=4,
+        help="requests in flight per node (default %(default)s)",
+    )
     arguments.add_household_lookup_arguments(p)
     p.set_defaults(func=warm)
 
@@ -60,7 +65,9 @@ def add_commands(sub) -> None:
     p.add_argument("--cluster", default="home")
     p.add_argument("--interface", metavar="IP", help="browse on this address only")
     p.add_argument("--once", action="store_true", help="listen for --wait seconds, write the file and exit")
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen with --once (default %(default)s)")
+    p.add_argument(
+        "--wait", type=arguments.seconds, default=3.0, help="seconds to listen with --once (default %(default)s)"
+    )
     p.set_defaults(func=prometheus_targets)
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from expertmesh.cli import arguments
 from expertmesh.node import constants
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import format_size, parse_budget
@@ -21,17 +22,17 @@ from expertmesh.node.sizes import format_size, parse_budget
 
 def add_commands(sub) -> None:
     p = sub.add_parser("ls", help="pulled models: core size, experts cached on disk, last used")
-    p.add_argument("repo", nargs="?", help="only this repo id")
+    p.add_argument("repo", nargs="?", type=arguments.repo_id, help="only this repo id")
     p.set_defaults(func=ls)
 
     p = sub.add_parser("rm", help="remove a pulled model: its core and its expert cache (asks first)")
-    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id of a pulled model")
     p.add_argument("--revision", help="only this revision (a name pinned at pull time, or a commit sha); default all")
     p.add_argument("-y", "--yes", action="store_true", help="delete without asking (needed when stdin is no terminal)")
     p.set_defaults(func=rm)
 
     p = sub.add_parser("cache", help="the expert cache by model; --verify its files, --prune it to a size")
-    p.add_argument("repo", nargs="?", help="only this repo id's cache")
+    p.add_argument("repo", nargs="?", type=arguments.repo_id, help="only this repo id's cache")
     p.add_argument("--revision", help="only this revision of REPO (a name pinned at pull time, or a commit sha)")
     p.add_argument(
         "--verify",
@@ -52,14 +53,16 @@ def add_commands(sub) -> None:
     )
     defaults = serve_defaults()
     p.add_argument("--host", default=defaults["host"], help="the address `serve` binds gRPC on (default %(default)s)")
-    p.add_argument("--port", type=int, default=defaults["port"], help="serve's gRPC port (default %(default)s)")
+    p.add_argument(
+        "--port", type=arguments.port, default=defaults["port"], help="serve's gRPC port (default %(default)s)"
+    )
     p.add_argument("--http-host", default=defaults["http_host"], help="the API's address (default %(default)s)")
     p.add_argument(
-        "--http-port", type=int, default=defaults["http_port"], help="serve's API port (default %(default)s)"
+        "--http-port", type=arguments.port, default=defaults["http_port"], help="serve's API port (default %(default)s)"
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=arguments.port,
         default=defaults["metrics_port"],
         help="serve's /metrics port (default %(default)s: a free one)",
     )
@@ -68,7 +71,9 @@ def add_commands(sub) -> None:
     )
     p.add_argument("--interface", metavar="IP", help="browse on this address only")
     p.add_argument("--no-discovery", dest="discover", action="store_false", help="do not look for the household")
-    p.add_argument("--wait", type=float, default=3.0, help="seconds to listen for the household (default %(default)s)")
+    p.add_argument(
+        "--wait", type=arguments.seconds, default=3.0, help="seconds to listen for the household (default %(default)s)"
+    )
     p.set_defaults(func=doctor)
 
 
@@ -256,6 +261,12 @@ def _verify(home: Path, repo: str | None, commit: str | None) -> int:
             print(f"  deleted expert {expert} of layer {layer}: {why}")
         if report.dropped_at_open:
             print(f"  deleted {len(report.dropped_at_open)} file(s) of the wrong size or with no recorded sha256")
+        if report.stray_folders:
+            print(
+                f"  {len(report.stray_folders)} folder(s) where an expert's file belongs, left alone: remove them "
+                f"(first: {report.stray_folders[0]})"
+            )
+            status = 1
         if report.unverified:
             print(
                 f"  {report.unverified} good ones match a digest from one fetch only: "

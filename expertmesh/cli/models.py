@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import argparse
 
+from expertmesh.cli import arguments
 from expertmesh.node import constants
 from expertmesh.node.sizes import format_size
 
 
 def add_commands(sub) -> None:
     p = sub.add_parser("pull", help="download a model's core and expert index (never its experts)")
-    p.add_argument("repo", help="Hugging Face repo id, e.g. moonshotai/Kimi-K3")
+    p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id, e.g. moonshotai/Kimi-K3")
     p.add_argument("--revision", help="branch, tag or commit sha (default: main)")
-    p.add_argument("--concurrency", type=int, default=constants.PULL_CONCURRENCY, help="range requests in flight")
+    p.add_argument(
+        "--concurrency",
+        type=arguments.positive_int,
+        default=constants.PULL_CONCURRENCY,
+        help="range requests in flight",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--index-only", action="store_true", help="only the expert index (for `serve --cache-only`)")
     p.add_argument(
@@ -29,7 +35,7 @@ def add_commands(sub) -> None:
         "verify",
         help="check the experts on disk against fresh copies from the Hub (replaces any a damaged first fetch left)",
     )
-    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id of a pulled model")
     p.add_argument("--revision", help="branch, tag or commit sha (default: what is pulled)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=verify)

@@ -14,10 +14,13 @@ from expertmesh.node.config import ApiConfig, HouseholdConfig, MetricsConfig, No
 
 def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="run a node: the gRPC node service for a pulled model")
-    p.add_argument("repo", help="Hugging Face repo id of a pulled model")
+    p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id of a pulled model")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default all interfaces)")
     p.add_argument(
-        "--port", type=int, default=constants.DEFAULT_NODE_PORT, help="0 picks a free port (default %(default)s)"
+        "--port",
+        type=arguments.port,
+        default=constants.DEFAULT_NODE_PORT,
+        help="0 picks a free port (default %(default)s)",
     )
     p.add_argument("--cluster", default="home", help="zeroconf cluster name: nodes join their own cluster only")
     p.add_argument("--interface", metavar="IP", help="advertise and browse on this address only")
@@ -39,7 +42,7 @@ def add_commands(sub) -> None:
     p.add_argument("--http-host", default="127.0.0.1", help="the OpenAI-compatible API's address (default %(default)s)")
     p.add_argument(
         "--http-port",
-        type=int,
+        type=arguments.port,
         default=8000,
         metavar="N",
         help="the OpenAI-compatible API's port (default %(default)s; 0 picks a free one)",
@@ -47,7 +50,7 @@ def add_commands(sub) -> None:
     p.add_argument("--no-http", dest="http_port", action="store_const", const=None, help="no HTTP API")
     p.add_argument(
         "--max-waiting",
-        type=int,
+        type=arguments.whole_number,
         default=16,
         metavar="N",
         help="requests that may wait for a generation slot before the API answers 429 (default %(default)s)",
@@ -62,7 +65,7 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--http-max-connections",
-        type=int,
+        type=arguments.positive_int,
         default=4096,
         metavar="N",
         help="API connections open at once, at most half the open-file limit; beyond, the one idle longest "

@@ -29,9 +29,17 @@ def stream_text(tokens: Iterator[Token], summary: GenerationSummary, out: TextIO
         if summary.trailing_text:
             out.write(summary.trailing_text)
             parts.append(summary.trailing_text)
+    except BrokenPipeError:  # `run ... | head`: the reader left, so generation stops here, quietly
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()  # ends the generator now, while the MLX thread it runs on is alive
+        raise
     finally:
-        out.write("\n")  # also before an error message, which then starts its own line
-        out.flush()
+        try:
+            out.write("\n")  # also before an error message, which then starts its own line
+            out.flush()
+        except BrokenPipeError:
+            pass
     return "".join(parts)
 
 

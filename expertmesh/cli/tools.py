@@ -20,7 +20,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("hub", help="serve a folder of model repos over the Hugging Face Hub protocol")
     p.add_argument("dir", help="folder holding NAMESPACE/NAME/ repo folders")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--port", type=arguments.port, default=0, help="0 picks a free port")
     from expertmesh.node.devtools.local_hub import add_knob_arguments
 
     add_knob_arguments(p)
@@ -67,9 +67,12 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--moe-layers", type=arguments.positive_int, help="k3-proportions: MoE layers of the made repo (default 3)"
     )
-    p.add_argument("--tokens", type=int, help="tokens per prompt (default 24; k3-proportions: 4)")
+    p.add_argument("--tokens", type=arguments.positive_int, help="tokens per prompt (default 24; k3-proportions: 4)")
     p.add_argument(
-        "--naive-tokens", type=int, default=8, help="tokens of the slow naive run, on the first prompt (0 skips it)"
+        "--naive-tokens",
+        type=arguments.whole_number,
+        default=8,
+        help="tokens of the slow naive run, on the first prompt (0 skips it)",
     )
     p.add_argument(
         "--time-scale",
@@ -77,7 +80,9 @@ def add_commands(sub) -> None:
         default=constants.BENCH_TIME_SCALE,
         help="emulated link seconds per K3 second (default %(default)s)",
     )
-    p.add_argument("--ram-fraction", type=float, default=0.25, help="RAM budget as a fraction of all experts")
+    p.add_argument(
+        "--ram-fraction", type=arguments.probability, default=0.25, help="RAM budget as a fraction of all experts"
+    )
     p.add_argument(
         "--hub-connections",
         type=arguments.positive_int,
@@ -124,7 +129,10 @@ def add_commands(sub) -> None:
 def hub(args: argparse.Namespace) -> int:
     from expertmesh.node.devtools.local_hub import knobs_from_args, serve_forever_cli
 
-    serve_forever_cli(Path(args.dir), args.host, args.port, knobs_from_args(args))
+    root = Path(args.dir)
+    if not root.is_dir():  # it would serve an empty Hub, and every pull would say "no such repository"
+        raise ExpertmeshError(f"{root} is not a folder: give the folder that holds NAMESPACE/NAME/ repo folders")
+    serve_forever_cli(root, args.host, args.port, knobs_from_args(args))
     return 0
 
 

@@ -50,6 +50,7 @@ from mlx_lm.sample_utils import apply_top_p, make_sampler
 from expertmesh.node.config import DEFAULT_MAX_BATCH
 from expertmesh.node.engine.generation import (
     ContextLengthError,
+    EmptyPromptError,
     GenerationSummary,
     SamplingSettings,
     Token,
@@ -164,7 +165,7 @@ class BatchEngine:
             ExpertmeshError: what the forward pass raised (a download that failed ...).
         """
         if not tokens:
-            raise ValueError("nothing to generate from: the prompt has no tokens")
+            raise EmptyPromptError("nothing to generate from: the prompt has no tokens")
         limit = self.sm.max_context
         if limit is not None and len(tokens) >= limit:
             raise ContextLengthError(

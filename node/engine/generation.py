@@ -44,7 +44,15 @@ from expertmesh.node.store.stats import SOURCES, StoreStats
 PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the same numerics
 
 
-class ContextLengthError(ExpertmeshError):
+class PromptError(ExpertmeshError):
+    """A prompt no generation can start from: said to the user in one line (a 400 over the API)."""
+
+
+class ContextLengthError(PromptError):
+    pass
+
+
+class EmptyPromptError(PromptError):
     pass
 
 
@@ -188,7 +196,7 @@ class _TokenBook:
 
     def stop_after(self) -> str | None:
         """Why generation stops after the token just yielded, if it does."""
-        if self.summary.generated_tokens == self.settings.max_tokens:
+        if self.summary.generated_tokens >= self.settings.max_tokens:  # >=: a max_tokens of 0 stops too
             return "length"
         if self.should_stop():
             return "interrupted"
@@ -381,7 +389,7 @@ class Generator:
     ) -> Iterator[Token]:
         """`generate`'s steps, on the MLX thread."""
         if not tokens:
-            raise ValueError("nothing to generate from: the prompt has no tokens")
+            raise EmptyPromptError("nothing to generate from: the prompt has no tokens")
         limit = self.sm.max_context
         if limit is not None and len(self.history) + len(tokens) >= limit:
             raise ContextLengthError(

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.store.policies import POLICIES, belady_hit_rate, frequency_oracle_hit_rate, hit_rate
 
@@ -25,8 +26,11 @@ class TraceWriter:
 
     def __init__(self, path: Path, index: ExpertIndex):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")
+        except OSError as e:  # a directory, a read-only place: said before the model loads
+            raise ExpertmeshError(f"cannot write the routing trace to {self.path}: {e.strerror or e}") from None
         layers = index.moe_layers
         experts = {str(layer): sum(1 for (lay, _) in index.experts if lay == layer) for layer in layers}
         self._write({"trace": 1, "repo": index.repo_id, "commit": index.commit, "experts_per_layer": experts})

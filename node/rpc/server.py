@@ -62,9 +62,14 @@ class NodeServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{host}:{port}"
-        bound = self.server.add_secure_port(address, tls) if tls is not None else self.server.add_insecure_port(address)
+        try:
+            bound = (
+                self.server.add_secure_port(address, tls) if tls is not None else self.server.add_insecure_port(address)
+            )
+        except RuntimeError:  # grpc's "Failed to bind": no such host, an address not of this machine
+            bound = 0
         if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+            raise OSError(f"cannot listen on {address}: is it an address of this machine, and is the port free?")
         self.host, self.port = host, bound
 
     @property
