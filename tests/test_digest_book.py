@@ -87,3 +87,17 @@ def test_an_older_book_without_fast_hashes_learns_them_and_a_new_sha256_drops_th
     assert not again.check_local((9, 9), blob)  # no record: unverifiable
     again.replace((1, 1), C)  # another sha256: the fast hash of the old bytes no longer holds
     assert again.fast((1, 1)) is None and DigestBook(path).fast((1, 1)) is None
+
+
+def test_a_folder_where_the_book_belongs_is_moved_aside(tmp_path: Path) -> None:
+    """A digest book that is a folder made every `run` refuse to start (found by an audit): it
+    is moved aside and a new book begins, so the cache works again and nothing is deleted."""
+    path = tmp_path / "digests.tsv"
+    path.mkdir()
+    (path / "kept.txt").write_text("someone's")
+    book = DigestBook(path)
+    book.record((1, 2), "ab" * 32)
+    assert book.get((1, 2)) == "ab" * 32
+    assert path.is_file()
+    [aside] = tmp_path.glob("digests.tsv.not-a-book.*")
+    assert (aside / "kept.txt").read_text() == "someone's"

@@ -51,6 +51,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -167,6 +168,14 @@ class DigestBook:
                 f.seek(offset)
                 data = f.read()
         except FileNotFoundError:
+            self._seen = (0, 0)
+            return False
+        except IsADirectoryError:  # not a book: moved aside, and the cache starts a new one
+            aside = self.path.with_name(f"{self.path.name}.not-a-book.{int(time.time())}")
+            os.replace(self.path, aside)
+            logger.warning(
+                "%s was a folder, not the digest book: moved it to %s and started a new book", self.path, aside
+            )
             self._seen = (0, 0)
             return False
         lines = data.split(b"\n")
