@@ -33,81 +33,59 @@ def budget(text: str) -> str:
     return text
 
 
-def positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return n
-
-
-def whole_number(text: str) -> int:
-    """0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got {text!r}")
-    return n
-
-
-def port(text: str) -> int:
-    """A TCP port, 0 (a free one) to 65535: checked here, before anything binds or loads."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
-    return n
-
-
-def _finite(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        x = math.nan
-    if not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return x
-
-
-def seconds(text: str) -> float:
-    """A duration: finite and not negative."""
-    x = _finite(text)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"expected seconds of at least 0, got {text!r}")
-    return x
-
-
-def temperature(text: str) -> float:
-    """0 (greedy) to 2, as the OpenAI API allows."""
-    x = _finite(text)
-    if not 0 <= x <= 2:
-        raise argparse.ArgumentTypeError(f"expected a temperature from 0 to 2, got {text!r}")
-    return x
-
-
-def probability(text: str) -> float:
-    """0 to 1 (top-p mass; a fraction)."""
-    x = _finite(text)
-    if not 0 <= x <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}")
-    return x
-
-
-def seed_number(text: str) -> int:
-    """A 64-bit integer, negative ones too (as the OpenAI API takes it)."""
+def _int_in(text: str, lo: int, hi: int | None, what: str) -> int:
+    """`text` as a whole number in [lo, hi] (hi None: no bound), or argparse's error saying `what`."""
     try:
         n = int(text)
     except ValueError:
         n = None
-    if n is None or not -(2**63) <= n < 2**63:
-        raise argparse.ArgumentTypeError(f"expected a 64-bit whole number, got {text!r}")
+    if n is None or n < lo or (hi is not None and n > hi):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return n
+
+
+def _float_in(text: str, lo: float, hi: float, what: str) -> float:
+    """`text` as a finite number in [lo, hi] (NaN and infinities never pass), or argparse's error."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and lo <= x <= hi):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return x
+
+
+def positive_int(text: str) -> int:
+    return _int_in(text, 1, None, "a whole number of at least 1")
+
+
+def whole_number(text: str) -> int:
+    return _int_in(text, 0, None, "a whole number of at least 0")
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (a free one) to 65535: checked here, before anything binds or loads."""
+    return _int_in(text, 0, 65535, "a port from 0 to 65535")
+
+
+def seed_number(text: str) -> int:
+    """A 64-bit integer, negative ones too (as the OpenAI API takes it)."""
+    return _int_in(text, -(2**63), 2**63 - 1, "a 64-bit whole number")
+
+
+def seconds(text: str) -> float:
+    """A duration: finite and not negative."""
+    return _float_in(text, 0.0, math.inf, "a finite number of seconds, at least 0")
+
+
+def temperature(text: str) -> float:
+    """0 (greedy) to 2, as the OpenAI API allows."""
+    return _float_in(text, 0.0, 2.0, "a temperature from 0 to 2")
+
+
+def probability(text: str) -> float:
+    """0 to 1 (top-p mass; a fraction)."""
+    return _float_in(text, 0.0, 1.0, "a number from 0 to 1")
 
 
 def peer_address(text: str) -> str:
