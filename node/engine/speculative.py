@@ -19,11 +19,20 @@ This module owns the parts that do not touch the Generator's loop:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 from mlx_lm.sample_utils import apply_top_p
 
 from expertmesh.node.config import SpeculationConfig
@@ -112,7 +121,8 @@ class ModelDraft:
     """A small mlx-lm model proposing tokens one at a time; its cache follows the context.
 
     Its cache is kept between calls and trimmed to the common prefix with the new context, so it
-    feeds each context token once plus the rejected drafts it regenerates.
+    feeds each context token once plus the rejected drafts it regenerates; a cache that cannot
+    trim now (a recurrent state, a wrapped sliding window) starts again from the context.
     """
 
     name = "draft"
@@ -121,8 +131,13 @@ class ModelDraft:
         self.model = model
         self.vocab_size = vocab_size
         self.cache = make_prompt_cache(model)
-        self.trimmable = all(c.is_trimmable() for c in self.cache)
         self.fed: list[int] = []
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether its cache can trim back now: asked each time, not once, since a sliding
+        window trims only until it wraps."""
+        return all(c.is_trimmable() for c in self.cache)
 
     @classmethod
     def load(cls, repo_or_path: str, tokenizer, home: Path | None = None) -> ModelDraft:
@@ -311,56 +326,99 @@ class DraftController:
 
 # -- exact rollback ----------------------------------------------------------------------------
 
+# Caches whose `trim` undoes the last tokens exactly at any length: their keys and values are
+# kept whole (a chunked cache drops its front only before a pass, never what a trim gives back).
+_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache)
+
+
+def _hold(value):
+    """`value` as it is now, for later: an MLX array is held through a fresh graph node, so a
+    layer writing into the live array in place (`keys[..., i:j, :] = ...`) cannot change it."""
+    if isinstance(value, mx.array):
+        return mx.stop_gradient(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_hold(v) for v in value)
+    return value
+
+
+def _save(cache):
+    """What puts `cache` back as it is now; None where a trim does it exactly."""
+    if isinstance(cache, _ALWAYS_TRIMMABLE):
+        return None
+    if isinstance(cache, CacheList):
+        return [_save(c) for c in cache.caches]
+    if isinstance(cache, ArraysCache):
+        return [_hold(a) for a in cache.cache]
+    return {k: _hold(v) for k, v in vars(cache).items()}
+
+
+def _undo(cache, saved, fed: int) -> None:
+    """Take the last pass's `fed` tokens out of `cache`: trimmed, or restored from `saved`."""
+    if isinstance(cache, CacheList):
+        for c, s in zip(cache.caches, saved):
+            _undo(c, s, fed)
+    elif saved is None:
+        cache.trim(fed)
+    elif isinstance(cache, ArraysCache):
+        cache.cache = list(saved)
+    else:
+        vars(cache).clear()
+        vars(cache).update(saved)
+
+
+def _restorable(cache) -> bool:
+    if isinstance(cache, CacheList):
+        return all(_restorable(c) for c in cache.caches)
+    return isinstance(cache, (_ALWAYS_TRIMMABLE, ArraysCache)) or hasattr(cache, "__dict__")
+
 
 @dataclass
 class CacheRollback:
     """Undo the last pass's tokens in an mlx-lm prompt cache, exactly.
 
-    Attention caches (KVCache and the other trimmable ones) are trimmed with mlx-lm's `trim`:
-    the keys and values of the rejected positions are dropped, nothing is recomputed. A
-    recurrent state (ArraysCache: K3's KDA conv and delta-rule state) has folded every token in
-    and cannot be trimmed; its arrays are kept from before the pass (MLX arrays are immutable
-    and the layers replace the list's entries, so keeping references is free) and restored.
-    Then the accepted tokens are *not* re-fed in a pass of their own: they lead the next pass
-    (`[accepted..., next, new drafts...]`), so a rejection costs no extra forward pass, only
-    wider rows in the next one. Restoring the state and recomputing is exact by construction;
-    the alternative, recording the state after every position inside the KDA kernel, needs
-    changes to mlx-lm's model code.
+    When every layer's cache can trim now (KVCache always; a sliding window's RotatingKVCache
+    only while it has not wrapped), mlx-lm's `trim` drops the rejected positions and nothing is
+    recomputed. Otherwise — a recurrent state (ArraysCache: K3's KDA, Mamba, linear attention)
+    has folded every token in; a sliding window that has wrapped has overwritten the positions
+    the rejected tokens pushed out; deepseek_v41's LayerCache compresses closed groups — every
+    such cache is put back as it was before the pass (`snapshot` holds its arrays: MLX arrays
+    are immutable once held through a fresh node, so holding costs no copy) and the
+    always-trimmable ones are trimmed by the whole pass. The accepted tokens are then *not*
+    re-fed in a pass of their own: they lead the next pass (`[accepted..., next, new drafts...]`),
+    so a rejection costs no extra forward pass, only wider rows in the next one. Restoring the
+    state and recomputing is exact by construction; the alternative, recording the state after
+    every position inside each layer, needs changes to mlx-lm's model code.
     """
 
     cache: list
-    saved: list[list | None] = field(default_factory=list)
+    saved: list | None = None
 
     @property
     def exact_trim(self) -> bool:
         return all(c.is_trimmable() for c in self.cache)
 
     def snapshot(self) -> None:
-        self.saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self.cache]
+        """Remember the cache before a pass that carries drafts."""
+        self.saved = [_save(c) for c in self.cache]
 
     def keep(self, fed: int, keep: int) -> int:
         """After a pass of `fed` tokens keep the first `keep`; returns how many stay in the cache
-        (`keep` when every layer trims, else 0: the state is as before the pass)."""
+        (`keep` when every layer trims, else 0: the cache is as before the pass)."""
+        saved, self.saved = self.saved, None  # what it holds is for this pass only
         if keep == fed:
             return keep
         if self.exact_trim:
             trim_prompt_cache(self.cache, fed - keep)
             return keep
-        for c, saved in zip(self.cache, self.saved):
-            if saved is not None:
-                c.cache = list(saved)
-            elif c.is_trimmable():
-                c.trim(fed)
-            else:
-                raise SpeculationError(
-                    f"cannot roll back a {type(c).__name__}: speculation is not "
-                    "supported for this model (use --speculate off)"
-                )
+        if saved is None:
+            raise SpeculationError("a pass with drafts ran without a snapshot of the cache to roll back to")
+        for c, held in zip(self.cache, saved):
+            _undo(c, held, fed)
         return 0
 
 
 def check_rollback_supported(cache: list) -> None:
     """Raises SpeculationError if some layer's cache can be neither trimmed nor restored."""
     for c in cache:
-        if not (c.is_trimmable() or isinstance(c, ArraysCache)):
+        if not _restorable(c):
             raise SpeculationError(f"speculation cannot roll back a {type(c).__name__} cache; use --speculate off")
