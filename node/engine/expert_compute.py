@@ -126,8 +126,13 @@ class ExpertComputer:
 def _run(
     block: StreamingExperts, weights: dict[int, ExpertWeights], rows: dict[int, node_pb2.Tensor]
 ) -> list[node_pb2.ExpertRows]:
-    """On the MLX thread: the rows into MLX, through the experts, and back into messages."""
+    """On the MLX thread: the rows into MLX, through the experts, and back into messages.
+
+    Outputs go back in the dtype the rows came in, which is what the requester checks
+    (household/remote_experts.py): an expert held in another precision than the caller's
+    activations (a node that runs BF16 experts in float32 on a CPU, asked by a BF16 one)
+    would otherwise answer in its own dtype and every answer would be refused as malformed."""
     x = {e: activations.decode(t, block.input_width) for e, t in rows.items()}
-    out = block.compute(weights, x)
+    out = {e: y.astype(x[e].dtype) for e, y in block.compute(weights, x).items()}
     mx.eval(list(out.values()))
     return [node_pb2.ExpertRows(expert=e, rows=activations.encode(out[e])) for e in rows]
