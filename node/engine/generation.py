@@ -38,7 +38,7 @@ from expertmesh.node.engine.speculative import (
     make_draft_source,
 )
 from expertmesh.node.engine.streamed_model import StreamedModel
-from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
 from expertmesh.node.store.stats import SOURCES, StoreStats
 
 PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the same numerics
@@ -84,6 +84,19 @@ class TokenObserver(Protocol):
 
     # optional (looked up with getattr, so an observer may leave them out):
     # request(seconds) once per generation at its end; batch(size) per batched decode step
+
+
+def backend_error(error: BaseException, model_type: str | None) -> BaseException:
+    """What to tell the user about an error a forward pass raised: mlx-lm runs a few
+    architectures (muse_spark ...) with kernels of its own that exist only on Metal, and on a
+    machine without it MLX raises a bare RuntimeError from deep inside the model; that becomes
+    one clear UnsupportedModelError. Any other error is returned as it is."""
+    if isinstance(error, RuntimeError) and "Metal" in str(error) and not mx.metal.is_available():
+        return UnsupportedModelError(
+            f"mlx-lm runs {model_type or 'this model'} with kernels of its own that need a Metal GPU, "
+            f"and this machine has none ({error}): run it on a Mac with Apple silicon"
+        )
+    return error
 
 
 def observe_request(observer: TokenObserver | None, seconds: float) -> None:
@@ -279,10 +292,10 @@ class Generator:
         current token) plus k drafts, and yields the accepted drafts and one token more.
 
         Invariant between passes: the cache holds exactly `self.history` and `todo` follows it.
-        With every cache trimmable `todo` is just the current token; after a rejection on a
-        recurrent model it also carries the accepted tokens (see CacheRollback). When generation
-        ends the cache holds what the plain path's would: all but the last token yielded, or
-        after an EOS all of them.
+        With every cache trimmable `todo` is just the current token; after a rejection while
+        some cache cannot trim (a recurrent state, a sliding window that has wrapped) it also
+        carries the accepted tokens (see CacheRollback). When generation ends the cache holds
+        what the plain path's would: all but the last token yielded, or after an EOS all of them.
         """
         summary, settings = book.summary, book.settings
         stats = summary.speculation = SpeculationStats()
@@ -411,10 +424,16 @@ class Generator:
             summary, settings, self.observer, set(self.sm.tokenizer.eos_token_ids), detok, should_stop, t0
         )
         try:
-            if self.speculation is not None:
-                yield from self._speculative(tokens, book, sampler)
-            else:
-                yield from self._plain(tokens, book, sampler)
+            try:
+                if self.speculation is not None:
+                    yield from self._speculative(tokens, book, sampler)
+                else:
+                    yield from self._plain(tokens, book, sampler)
+            except RuntimeError as e:
+                clear = backend_error(e, self.sm.config.get("model_type"))
+                if clear is e:
+                    raise
+                raise clear from None
             detok.finalize()
             summary.trailing_text = detok.last_segment
         finally:
