@@ -27,6 +27,14 @@ batched KDA state back to its own accepted prefix is not built. So a node specul
 only while it runs alone (NodeService routes it past the batch: the usual case at home, one person
 asking); requests that come meanwhile form the batch, and the two take turns on the MLX thread.
 
+Expert uses in a batch: a request's `GenerationSummary.experts` counts, by source, the experts its
+own tokens routed to — per MoE layer of every forward pass it took part in, each under the source
+that served the step — so its total is what it counts alone (where its prompt is fed in the same
+chunks: a prompt longer than `prefill_step` routes per chunk). The store fetches a step's
+union once: an expert two rows share is one fetch and one use in each of their summaries, so
+summaries of a batch add up to more than the node's counters. The other counters of the summary
+(prefetched guesses, remote calls, waits) are the node's over the request's lifetime.
+
 Equality: greedy tokens in a batch equal the tokens alone in float32 (tests/test_batching.py):
 masked positions add exact zeros, but a row's matmuls run among other rows, so its logits may
 differ from its alone logits in the last bits. In BF16 those last bits are ~1e-2 relative, and a
@@ -44,10 +52,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
+from expertmesh.node.engine.blocks import expert_uses_by_row
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     EmptyPromptError,
@@ -55,11 +64,13 @@ from expertmesh.node.engine.generation import (
     SamplingSettings,
     Token,
     _TokenBook,
+    backend_error,
     observe_request,
 )
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.store.stats import StoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +81,18 @@ class BatchingUnsupported(ExpertmeshError):
     """The model has a cache mlx-lm cannot batch (no `merge`)."""
 
 
+def _unmergeable(cache) -> set[str]:
+    """The kinds of cache in `cache` mlx-lm cannot merge into a batch (inside a CacheList too:
+    its `merge` merges each of its caches, and fails on the first that cannot)."""
+    if isinstance(cache, CacheList):
+        return set().union(*(_unmergeable(c) for c in cache.caches))
+    return set() if hasattr(cache, "merge") else {type(cache).__name__}
+
+
 def check_batchable(model) -> None:
     """Raises BatchingUnsupported unless every cache of `model` can be merged into a batch."""
     caches = make_prompt_cache(model)
-    missing = sorted({type(c).__name__ for c in caches if not hasattr(c, "merge")})
+    missing = sorted(set().union(*(_unmergeable(c) for c in caches)))
     if missing:
         raise BatchingUnsupported(f"mlx-lm cannot batch this model's {', '.join(missing)}: one request at a time")
 
@@ -124,6 +143,7 @@ class _Sequence:
     book: _TokenBook | None = None
     sampler: Callable | None = None
     before: object = None  # the store's stats when it started
+    uses: StoreStats = field(default_factory=StoreStats)  # the experts its own tokens routed to
 
 
 class BatchEngine:
@@ -299,7 +319,8 @@ class BatchEngine:
     def _decode(self) -> None:
         """One token for every row: one forward pass over the batch."""
         rows = self._rows
-        logits = self.sm.model(mx.array([[s.next_token] for s in rows]), cache=self._cache)[:, -1, :]
+        with expert_uses_by_row([s.uses for s in rows]):
+            logits = self.sm.model(mx.array([[s.next_token] for s in rows]), cache=self._cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
         self.steps += 1
@@ -321,11 +342,13 @@ class BatchEngine:
         if len(seq.todo) > 1:
             n = min(budget, len(seq.todo) - 1)
             chunk, seq.todo = seq.todo[:n], seq.todo[n:]
-            model(mx.array(chunk)[None], cache=seq.cache)
-            mx.eval([c.state for c in seq.cache])
+            with expert_uses_by_row([seq.uses]):
+                model(mx.array(chunk)[None], cache=seq.cache)
+                mx.eval([c.state for c in seq.cache])
             seq.fed += n
             return n
-        logits = model(mx.array(seq.todo)[None], cache=seq.cache)[:, -1, :]
+        with expert_uses_by_row([seq.uses]):
+            logits = model(mx.array(seq.todo)[None], cache=seq.cache)[:, -1, :]
         seq.fed, seq.todo = seq.fed + 1, []
         self._prefilling.remove(seq)
         if self._emit(seq, logits - mx.logsumexp(logits, keepdims=True)):
@@ -376,7 +399,10 @@ class BatchEngine:
         summary = seq.summary
         summary.seconds = time.perf_counter() - seq.t0
         if seq.before is not None:
-            summary.experts = self.sm.store.stats.since(seq.before)
+            experts = self.sm.store.stats.since(seq.before)
+            own = seq.uses.snapshot()  # the request's own expert uses, not its batch's (module docstring)
+            experts.uses, experts.bytes, experts.fetch_seconds = own.uses, own.bytes, own.fetch_seconds
+            summary.experts = experts
         observe_request(self.sm.token_observer, summary.seconds)
 
     def _finish(self, seq: _Sequence, reason: str) -> None:
@@ -390,4 +416,4 @@ class BatchEngine:
     def _fail(self, seq: _Sequence, error: BaseException) -> None:
         logger.debug("a batched generation failed: %s", error)
         self._close_summary(seq)
-        seq.out.put(_Done(error))
+        seq.out.put(_Done(backend_error(error, self.sm.config.get("model_type"))))

@@ -17,7 +17,10 @@ activation rows (k rows of the model width per token) and the outputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,6 +33,23 @@ from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS, layer_number
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.store.codec import ExpertWeights, ProjectionWeights
+from expertmesh.node.store.stats import StoreStats, tapped
+
+_by_row = threading.local()  # the ledgers of the rows of the forward pass running on this thread
+
+
+@contextlib.contextmanager
+def expert_uses_by_row(ledgers: list[StoreStats]) -> Iterator[None]:
+    """While inside, every expert block called on this thread also counts, in `ledgers[r]`, the
+    experts the tokens of batch row r routed to, each under the source that served it to the
+    layer (engine/batching.py: a batched request's own expert uses). Rows are the leading
+    dimension of the model's input, in order."""
+    before = getattr(_by_row, "ledgers", None)
+    _by_row.ledgers = ledgers
+    try:
+        yield
+    finally:
+        _by_row.ledgers = before
 
 
 class StreamingExperts(nn.Module):
@@ -99,25 +119,51 @@ class StreamingExperts(nn.Module):
         ends = [*starts[1:].tolist(), len(order)]
         experts = experts.tolist()
         rows = {e: x_rows[start:end] for e, start, end in zip(experts, starts.tolist(), ends)}
-        if self._remote is not None:  # some experts may run on the peers that hold them
-            out = self._remote.run(self, experts, rows, next_guess)
-        else:
-            out = {}
-            groups = store.layer_groups(self.layer, experts, guess=next_guess)
-            for n, weights in enumerate(groups):
-                part = self.compute(weights, {e: rows[e] for e in weights})
-                if n or len(weights) < len(experts):  # more experts than memory holds: compute
-                    mx.eval(list(part.values()))  # this group now, so its weights can go
-                out.update(part)
-                del weights
+        ledgers = getattr(_by_row, "ledgers", None)
+        served: dict[int, tuple[str, int, float]] = {}
+
+        def tap(key, source: str, nbytes: int, seconds: float) -> None:
+            if key is not None and key[0] == self.layer:
+                served[key[1]] = (source, nbytes, seconds)
+
+        with tapped(tap) if ledgers is not None else contextlib.nullcontext():
+            out = self._run(store, experts, rows, next_guess)
+        if ledgers is not None:
+            _count_by_row(ledgers, flat, served)
         y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
         return y.reshape(*indices.shape, y.shape[-1])
+
+    def _run(self, store, experts: list[int], rows: dict[int, mx.array], next_guess) -> dict[int, mx.array]:
+        """Each routed expert's output for its rows (lazy), computed here or on peers."""
+        if self._remote is not None:  # some experts may run on the peers that hold them
+            return self._remote.run(self, experts, rows, next_guess)
+        out = {}
+        groups = store.layer_groups(self.layer, experts, guess=next_guess)
+        for n, weights in enumerate(groups):
+            part = self.compute(weights, {e: rows[e] for e in weights})
+            if n or len(weights) < len(experts):  # more experts than memory holds: compute
+                mx.eval(list(part.values()))  # this group now, so its weights can go
+            out.update(part)
+            del weights
+        return out
 
     def compute(self, weights: dict[int, ExpertWeights], rows: dict[int, mx.array]) -> dict[int, mx.array]:
         """Each expert's rows through it (lazy): the same kernels whether the rows are this node's
         own or arrived from a peer (ComputeExperts)."""
         forward = _glu_forward if self.kind == "SwitchGLU" else _mlp_forward
         return {e: forward(weights[e].projections, self.activation, rows[e]) for e in rows}
+
+
+def _count_by_row(ledgers: list[StoreStats], flat: np.ndarray, served: dict[int, tuple[str, int, float]]) -> None:
+    """Count in each row's ledger the distinct experts its tokens routed to (`flat`: the layer's
+    routing, row after row). An expert the store did not serve here ran on a peer (`remote`).
+    A routing that does not split into the rows (no architecture does so) counts the whole
+    layer's experts for every row rather than guessing."""
+    per_row, extra = divmod(len(flat), len(ledgers))
+    for r, ledger in enumerate(ledgers):
+        mine = flat if extra else flat[r * per_row : (r + 1) * per_row]
+        for e in np.unique(mine).tolist():
+            ledger.record(*served.get(e, ("remote", 0, 0.0)))
 
 
 def _glu_forward(w: dict[str, ProjectionWeights], activation, x: mx.array) -> mx.array:

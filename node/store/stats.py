@@ -5,7 +5,8 @@ failures, the fate of prefetched guesses and of remote execution. Summaries, `In
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, commit)
@@ -67,13 +68,16 @@ class StoreStats:
         with self._lock:
             self.integrity_failures[source] += 1
 
-    def record(self, source: str, nbytes: int, seconds: float = 0.0) -> None:
+    def record(self, source: str, nbytes: int, seconds: float = 0.0, key: ExpertKey | None = None) -> None:
         with self._lock:
             self.uses[source] += 1
             self.bytes[source] += nbytes
             self.fetch_seconds[source] += seconds
         if self.observer is not None:
             self.observer(source, nbytes, seconds)
+        tap = getattr(_taps, "tap", None)
+        if tap is not None:
+            tap(key, source, nbytes, seconds)
 
     def snapshot(self) -> StoreStats:
         with self._lock:
@@ -104,3 +108,19 @@ class StoreStats:
     @property
     def total_uses(self) -> int:
         return sum(self.uses.values())
+
+
+_taps = threading.local()
+
+
+@contextmanager
+def tapped(tap: Callable[[ExpertKey | None, str, int, float], None]) -> Iterator[None]:
+    """Also hand every use recorded on this thread to `tap(key, source, nbytes, seconds)` while
+    inside: how a batch (engine/batching.py) learns which source served each expert its rows
+    routed to, without counting what other threads (peers' calls) record meanwhile."""
+    before = getattr(_taps, "tap", None)
+    _taps.tap = tap
+    try:
+        yield
+    finally:
+        _taps.tap = before

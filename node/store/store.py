@@ -171,7 +171,7 @@ class ExpertStore:
             weights = self.ram.get(key)
             if weights is not None:
                 out[e] = weights
-                self.stats.record("ram", self.index.expert(layer, e).nbytes, time.perf_counter() - t0)
+                self.stats.record("ram", self.index.expert(layer, e).nbytes, time.perf_counter() - t0, key)
                 continue
             staged = self.prefetcher.take(key)
             if staged is not None:
@@ -217,7 +217,7 @@ class ExpertStore:
         return {key[1]: fut for key, fut in waiting.items()}
 
     def _use(self, key: ExpertKey, fetched: Fetched) -> ExpertWeights:
-        self.stats.record(fetched.source, self.index.expert(*key).nbytes, fetched.seconds)
+        self.stats.record(fetched.source, self.index.expert(*key).nbytes, fetched.seconds, key)
         self.ram.put(key, fetched.weights)
         return fetched.weights
 
