@@ -471,7 +471,9 @@ def _build_api(node: Node) -> None:
             models=lambda: [repo_id],
             tls_ca=household.tls_ca,
             max_waiting=api.max_waiting,
-            generations_per_node=max(1, node.config.max_batch),
+            # what this node's Generate really runs at once: 1 where mlx-lm cannot batch the model
+            # (more would be refused there and answered 429 instead of waiting in the API's queue)
+            generations_per_node=_generations_at_once(node),
         ),
         pool,
     )
@@ -483,6 +485,15 @@ def _build_api(node: Node) -> None:
     if node.metrics is not None:
         # the API's counts on the node's /metrics too: the port that is advertised and scraped
         node.metrics.registry.register(coordinator.metrics)
+
+
+def _generations_at_once(node: Node) -> int:
+    """Generate calls the API may send this node at once: its service's running slots when it
+    generates itself, else the configured batch (a coordinator of other nodes only)."""
+    service = node.service
+    if node.model is not None and service is not None:
+        return service.generation_slots.running
+    return max(1, node.config.max_batch)
 
 
 def _advertise(node: Node):
