@@ -8,6 +8,12 @@ generation at any moment: the HTTP server cancels when its client goes away, and
 node's Generate call (a gRPC stream) makes the node stop within a token, instead of generating for
 nobody (issue 22).
 
+An answer is finished only by the node's GenerationDone with a reason it finishes for (eos,
+length, context). A stream that ends without one, one the node cancelled, or one whose node died
+(UNAVAILABLE) or hung (node/rpc/call_watch.py) is a cut answer: before any text went to the client the ask
+moves to another node, after it the client gets a 502 error, never a finish_reason that says the
+answer is whole. The failed node is ranked last for a while (node_pool.py).
+
 The gRPC client is blocking, so `Coordinator.generate` runs on a thread of its own
 (generation_threads.py); everything here is thread-safe.
 """
@@ -28,6 +34,7 @@ from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_request import ApiError, Ask, generate_request
 from expertmesh.coordinator.request_queue import LeftQueue, QueueFull, RequestQueue
 from expertmesh.coordinator.stop_sequences import StopScanner
+from expertmesh.node.rpc.call_watch import QUIET_S, CallWatch
 from expertmesh.node.rpc.client import NodeClient
 
 logger = logging.getLogger(__name__)
@@ -52,6 +59,8 @@ class CoordinatorConfig:
     default_max_tokens: int = 256
     # generations each full node runs at once (its `--max-batch`): the queue's slots are this per node
     generations_per_node: int = 1
+    # a node's stream silent this long has its health asked; not SERVING: the node is given up (node/rpc/call_watch.py)
+    node_quiet_s: float = QUIET_S
 
 
 class Cancellation:
@@ -83,12 +92,19 @@ _NODE_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
     grpc.StatusCode.NOT_FOUND: HTTPStatus.NOT_FOUND,
 }
+# GenerationDone.stop_reason -> finish_reason; any other reason ("interrupted": the node stopped
+# without being asked) is a cut answer, never reported to the user as a finished one
+_FINISHED = {"eos": "stop", "length": "length", "context": "length"}
 _TRY_ANOTHER = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
+
+
+class _Cut(Exception):
+    """The node's stream ended without a whole answer (no GenerationDone, or one it did not finish)."""
 
 
 class Coordinator:
@@ -102,6 +118,7 @@ class Coordinator:
         self.metrics = ApiMetrics(self.queue.depth)
         self._clients: dict[str, NodeClient] = {}
         self._lock = threading.Lock()
+        self.watch = CallWatch(lambda address, timeout_s: self._client(address).serving(timeout_s), config.node_quiet_s)
 
     def _client(self, address: str) -> NodeClient:
         """One client per node, kept open: a request then costs no connection set-up."""
@@ -140,19 +157,24 @@ class Coordinator:
                     )
                 address = candidates[0]
                 tried.add(address)
-                with self.pool.using(address):
+                with contextlib.ExitStack() as attempt:
+                    attempt.enter_context(self.pool.using(address))
                     call = self._client(address).generate(generate_request(ask), GENERATE_DEADLINE_S)
                     cancel.attach(call)
+                    watched = attempt.enter_context(self.watch.watching(address, call))
                     scanner = StopScanner(ask.stop)
-                    started = False
+                    counted = usage["completion_tokens"]
+                    started = False  # text went to the client: from here a failure cannot move to another node
                     try:
                         for event in call:
+                            watched.heard()
                             if event.HasField("token"):
-                                started = True
+                                self.pool.answered(address)
                                 usage["completion_tokens"] += 1
                                 usage["prompt_tokens"] = usage["prompt_tokens"] or event.token.prompt_tokens
                                 text = scanner.feed(event.token.text)
                                 if text:
+                                    started = True
                                     yield text
                                 if scanner.stopped:
                                     call.cancel()
@@ -160,40 +182,53 @@ class Coordinator:
                                     return
                             else:
                                 done = event.done
+                                reason = _FINISHED.get(done.stop_reason)
+                                if reason is None and not cancel.cancelled:
+                                    raise _Cut(
+                                        f"the node ended the generation early ({done.stop_reason or 'no reason'})"
+                                    )
                                 usage["prompt_tokens"] = done.prompt_tokens
                                 tail = scanner.feed(done.trailing_text) + scanner.finish()
                                 if tail:
                                     yield tail
-                                yield Finish("stop" if scanner.stopped or done.stop_reason == "eos" else "length")
+                                yield Finish("stop" if scanner.stopped or reason != "length" else "length")
                                 return
-                        yield Finish("length")
+                        if not cancel.cancelled:  # an OK status without GenerationDone: not a whole answer
+                            raise _Cut("the node's stream ended before its generation was done")
+                        yield Finish("stop")
                         return
-                    except grpc.RpcError as e:
-                        if e.code() == grpc.StatusCode.CANCELLED:
-                            yield Finish("stop")
-                            return
-                        if not started and e.code() in _TRY_ANOTHER:
-                            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                                busy.add(address)
-                            logger.warning(
-                                "node %s failed before its first token (%s); trying another",
-                                address,
-                                e.code().name.lower(),
-                            )
+                    except _Cut as e:
+                        self.pool.failed(address)
+                        if not started:
+                            logger.warning("node %s failed before its first token (%s); trying another", address, e)
+                            usage["completion_tokens"] = counted
                             continue
-                        if not started and e.code() in _NODE_ERRORS:
-                            raise ApiError(
-                                _NODE_ERRORS[e.code()], e.details() or "the node refused the request"
-                            ) from None
+                        raise ApiError(HTTPStatus.BAD_GATEWAY, str(e), type_="server_error") from None
+                    except grpc.RpcError as e:
+                        code = e.code()
+                        if code == grpc.StatusCode.CANCELLED and cancel.cancelled and not watched.hung:
+                            yield Finish("stop")  # our own cancel: the client left, nobody reads this
+                            return
+                        # CANCELLED otherwise came from the node (it stopped) or from the watch (it hung)
+                        what = "stopped answering" if watched.hung else code.name.lower()
+                        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and code not in _NODE_ERRORS:
+                            self.pool.failed(address)
+                        if not started and (watched.hung or code in (*_TRY_ANOTHER, grpc.StatusCode.CANCELLED)):
+                            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                                busy.add(address)
+                            logger.warning("node %s failed before its first token (%s); trying another", address, what)
+                            usage["completion_tokens"] = counted
+                            continue
+                        if not started and code in _NODE_ERRORS:
+                            raise ApiError(_NODE_ERRORS[code], e.details() or "the node refused the request") from None
                         raise ApiError(
-                            HTTPStatus.BAD_GATEWAY,
-                            f"the node failed mid-generation: {e.code().name.lower()}",
-                            type_="server_error",
+                            HTTPStatus.BAD_GATEWAY, f"the node failed mid-generation: {what}", type_="server_error"
                         ) from None
                     finally:
                         call.cancel()  # no-op when finished; stops the node when the client went away
 
     def close(self) -> None:
+        self.watch.close()
         with self._lock:
             for client in self._clients.values():
                 client.close()

@@ -6,21 +6,32 @@ Nodes come from a fixed list (the embedded node, `--peer`s) and from the PeerTab
 keeps, so a Mac that joins the household starts taking requests without a restart. That table
 holds only nodes that proved they know the household secret (node/rpc/proof.py): an advertisement
 alone never gets users' prompts sent to a node.
+
+A node whose call just failed (refused the connection, stopped answering, cut a stream) goes to the
+back of the ranking for FAILED_LAST_S, so the next request goes to a live node instead of finding
+the dead one first again; it is still tried when every other node is busy or gone, and its first
+token after that clears the mark. (A fixed `--peer` that died cannot leave the list, only its front.)
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+FAILED_LAST_S = 30.0  # a node whose call failed is ranked last this long (or until it answers again)
 
 
 @dataclass
 class NodePool:
     static: list[str] = field(default_factory=list)  # host:port of full nodes always used
     discovered: Callable[[], list[str]] = lambda: []  # more full nodes, e.g. from a PeerTable
+    failed_last_s: float = FAILED_LAST_S
     _busy: dict[str, int] = field(default_factory=dict)
+    _failed: dict[str, float] = field(default_factory=dict)  # address -> when its last call failed (monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -34,10 +45,24 @@ class NodePool:
         return list(seen)
 
     def ranked(self, exclude: set[str] = frozenset()) -> list[str]:
-        """Full nodes, least busy first; ties keep the configured order (stable)."""
+        """Full nodes, least busy first, those that failed within `failed_last_s` last; ties keep
+        the configured order (stable)."""
         with self._lock:
             nodes = [a for a in self.addresses() if a not in exclude]
-            return sorted(nodes, key=lambda a: self._busy.get(a, 0))
+            now = time.monotonic()
+            return sorted(
+                nodes, key=lambda a: (now - self._failed.get(a, -math.inf) < self.failed_last_s, self._busy.get(a, 0))
+            )
+
+    def failed(self, address: str) -> None:
+        """A call to `address` failed: rank it last for a while."""
+        with self._lock:
+            self._failed[address] = time.monotonic()
+
+    def answered(self, address: str) -> None:
+        """`address` answered (a token came): it is ranked by its load alone again."""
+        with self._lock:
+            self._failed.pop(address, None)
 
     @contextmanager
     def using(self, address: str):

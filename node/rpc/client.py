@@ -80,13 +80,18 @@ class NodeClient:
         secret: it is how a caller finds out whether the node may be sent it."""
         return self._stub.Prove(node_pb2.ProveRequest(nonce=nonce, dialed=dialed), timeout=timeout)
 
-    def health(self, timeout: float = HEALTH_DEADLINE_S) -> int:
-        """The node's standard gRPC health status (open to all: no secret needed)."""
-        return health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+    def health(self, timeout: float = HEALTH_DEADLINE_S, wait_for_ready: bool = False) -> int:
+        """The node's standard gRPC health status (open to all: no secret needed).
 
-    def serving(self, timeout: float = HEALTH_DEADLINE_S) -> bool:
+        `wait_for_ready`: while the channel waits to reconnect to a node that was down (tls.py's
+        backoff), wait for it within `timeout` instead of failing at once, so a node that was
+        just restarted is seen as back by the first check, not a later one."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        return stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=wait_for_ready).status
+
+    def serving(self, timeout: float = HEALTH_DEADLINE_S, wait_for_ready: bool = False) -> bool:
         try:
-            return self.health(timeout) == health_pb2.HealthCheckResponse.SERVING
+            return self.health(timeout, wait_for_ready) == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
 
