@@ -325,8 +325,8 @@ class RemoteExperts:
                 deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 reason = "deadline" if deadline else "error"
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
-                    self.peers.penalise(
-                        call.peer, "compute_deadline" if deadline else f"compute_{e.code().name.lower()}"
+                    self.peers.penalise_call(
+                        call.peer, e.code(), "compute_deadline" if deadline else f"compute_{e.code().name.lower()}"
                     )
                 stats.record_remote(**{f"fallback_{reason}": len(asked)})
                 failed.extend(asked)

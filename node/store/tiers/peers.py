@@ -10,6 +10,13 @@ and counted by reason, longer each time it does it again. A peer that answers "b
 growing pause for up to BUSY_WAIT_S, since an owner is busy while it fetches for the household and
 going to the Hub instead would download the expert twice; only then is the next one asked.
 
+A peer that hangs (SIGSTOP, a frozen Mac) keeps its connections open, so a fetch from it would wait
+its whole deadline: a fetch that hears nothing for PEER_QUIET_S has the peer's health asked at once
+(node/rpc/call_watch.py), and a peer that does not answer it is given up within seconds: its
+fetches in flight are cancelled and it is skipped as a failed health check. So is a peer whose
+fetch failed UNAVAILABLE and whose health check fails too (its process is gone): it is used again
+as soon as it is restarted and answers SERVING.
+
 Each peer's gRPC health is checked in the background: a peer skipped because its health check
 failed is used again as soon as it answers SERVING. A skip for a failed call is not lifted by
 health: a peer whose disk or Hub link hangs still answers its health check, and lifting its skip
@@ -30,6 +37,7 @@ from grpc_health.v1 import health_pb2
 
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable, expert_key
 from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.rpc.call_watch import CallWatch
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
 from expertmesh.node.rpc.inventory import layer_sizes
 from expertmesh.node.store.buffers import shared_pool
@@ -40,6 +48,8 @@ FETCH_DEADLINE_S = 30.0  # for one expert from one peer, the owner's Hub fetch i
 INVENTORY_TTL_S = 30.0  # how long a peer's inventory is trusted before it is asked again
 HEALTH_EVERY_S = 10.0  # every peer's gRPC health is checked this often
 HEALTH_DEADLINE_S = 2.0
+PEER_QUIET_S = 2.0  # a fetch silent this long has its peer's health asked (an owner's Hub fetch may be)
+HUNG = "health_hung"  # the skip reason of a peer that went quiet mid-fetch and failed its health check
 MAX_SKIP_S = 300.0  # a peer that keeps failing calls is skipped 30, 60, 120, 240, then 300 s
 STRIKES_KEPT_S = MAX_SKIP_S  # a peer's failed calls are forgotten this long after its last skip ends
 BUSY_WAIT_S = 2.0  # how long a busy peer is asked again before the next one (or the Hub) is
@@ -93,6 +103,7 @@ class PeerSource:
         deadline_s: float = FETCH_DEADLINE_S,
         tls_ca: bytes | None = None,
         skips: SkipPolicy = SkipPolicy(),
+        quiet_s: float = PEER_QUIET_S,
     ):
         self.index = index
         self.skip_policy = skips
@@ -112,6 +123,9 @@ class PeerSource:
         self.transfer_observer = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
+        self.watch = CallWatch(
+            lambda address, timeout_s: self.client(address).serving(timeout_s), quiet_s, HEALTH_DEADLINE_S
+        )
 
     def client(self, address: str) -> NodeClient:
         """The kept-open client of the node at `address`."""
@@ -205,25 +219,32 @@ class PeerSource:
         `_BUSY` when it refused for now."""
         t0 = time.perf_counter()
         blob = shared_pool().lend(loc.nbytes)  # the chunks land in place: no join, no fresh pages
+        call = self.client(peer.address).fetch_expert(self._model, loc.layer, loc.expert, timeout, fetch_on_miss=owner)
         try:
             size, digest, received = None, None, 0
-            for chunk in self.client(peer.address).fetch_expert(
-                self._model, loc.layer, loc.expert, timeout, fetch_on_miss=owner
-            ):
-                if size is None:
-                    size, digest = chunk.size, chunk.sha256
-                if received + len(chunk.data) > loc.nbytes:
-                    self.penalise(peer, "oversized")
-                    return None
-                blob[received : received + len(chunk.data)] = chunk.data
-                received += len(chunk.data)
+            with self.watch.watching(peer.address, call) as watched:
+                for chunk in call:
+                    watched.heard()
+                    if size is None:
+                        size, digest = chunk.size, chunk.sha256
+                    if received + len(chunk.data) > loc.nbytes:
+                        self.penalise(peer, "oversized")
+                        return None
+                    blob[received : received + len(chunk.data)] = chunk.data
+                    received += len(chunk.data)
         except grpc.RpcError as e:
+            if watched.hung:  # it failed its health check: skipped until it answers SERVING again
+                if peer.live:
+                    self._penalise_health(peer, HUNG, counted_as="hung")
+                return None
             if e.code() == grpc.StatusCode.NOT_FOUND and not owner:
                 return None  # an honest miss
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return _BUSY  # its admission is full: it works, so it is not skipped
-            self.penalise(peer, e.code().name.lower())
+            self.penalise_call(peer, e.code(), e.code().name.lower())
             return None
+        finally:
+            call.cancel()  # a no-op once the stream ended; frees the peer when this gave up early
         if size != loc.nbytes or received != loc.nbytes:
             self.penalise(peer, "wrong_size")
             return None
@@ -266,9 +287,24 @@ class PeerSource:
         if strikes > 1:
             logger.warning("peer %s failed %d times in a row: skipping it for %.0f s", peer.node_id, strikes, skip_s)
 
-    def _penalise_health(self, peer: Peer, reason: str) -> None:
-        """Skip `peer` because its health check failed: lifted as soon as it is SERVING again."""
-        self.table.penalise(peer, reason)
+    def penalise_call(self, peer: Peer, code: grpc.StatusCode, reason: str) -> None:
+        """Skip `peer` after a call to it failed with `code`, counted as `reason`.
+
+        A call that found the peer UNAVAILABLE while its health check fails too means its process
+        is gone (killed, crashed, its Mac asleep), not a call that failed on a live peer: it is
+        skipped like a failed health check, so it is back as soon as it is restarted and answers
+        SERVING, instead of after a skip that doubled with every miss while it was down. Any
+        other failure is `penalise`d."""
+        if code == grpc.StatusCode.UNAVAILABLE and not self.client(peer.address).serving(HEALTH_DEADLINE_S):
+            if peer.live:
+                self._penalise_health(peer, f"health_{reason}", counted_as=reason)
+            return
+        self.penalise(peer, reason)
+
+    def _penalise_health(self, peer: Peer, reason: str, counted_as: str | None = None) -> None:
+        """Skip `peer` because its health check failed: lifted as soon as it is SERVING again.
+        `counted_as`: the reason the table counts, when a failed call is what found it."""
+        self.table.penalise(peer, counted_as or reason)
         with self._lock:
             skips = self._skips.setdefault(peer.node_id, _Skips())
             skips.reason, skips.health_until = reason, peer.skip_until
@@ -308,8 +344,8 @@ class PeerSource:
         `penalise`); a compute peer's inventory is refreshed here when stale, so remote
         execution's placement reads it without a call. Generation never waits for this."""
         for peer in self.table.all():
-            try:
-                status = self.client(peer.address).health(HEALTH_DEADLINE_S)
+            try:  # a skipped peer may just have been restarted: wait out the channel's reconnect backoff
+                status = self.client(peer.address).health(HEALTH_DEADLINE_S, wait_for_ready=not peer.live)
             except grpc.RpcError as e:
                 if peer.live:
                     self._penalise_health(peer, f"health_{e.code().name.lower()}")
@@ -339,6 +375,7 @@ class PeerSource:
         self._prober.start()
 
     def close(self) -> None:
+        self.watch.close()
         self._stop.set()
         if self._prober is not None:
             self._prober.join(HEALTH_DEADLINE_S + 1)
