@@ -46,6 +46,7 @@ since it last looked, so it neither duplicates their records nor contradicts the
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import logging
@@ -62,6 +63,8 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 DIGESTS_FILENAME = "digests.tsv"
+# a write refused for these is the disk tier's warning (store/tiers/disk.py), not the book's
+_DISK_REFUSES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 LOCK_SUFFIX = ".lock"
 
 
@@ -357,9 +360,13 @@ class DigestBook:
                 if fast is not None:
                     self._fast[key] = fast
                 self._unpersisted.add(key)
-                log = logger.warning if self.write_error is None else logger.debug  # once, not per expert
+                # once, not per expert; a disk that refuses (full, read-only) is the disk tier's one
+                # warning already (it stops writing when the book cannot be written), not a second one
+                quiet = self.write_error is not None or e.errno in _DISK_REFUSES
                 self.write_error = e
-                log("could not record the digest of expert %s (%s): it stays in RAM only", key, e.strerror)
+                (logger.debug if quiet else logger.warning)(
+                    "could not record the digest of expert %s (%s): it stays in RAM only", key, e.strerror
+                )
 
     def _append(self, line: bytes) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
@@ -367,8 +374,15 @@ class DigestBook:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 line = b"\n" + line  # never onto a torn tail: that record is lost, this one is not
-            if os.write(fd, line) != len(line):  # one write: lines never interleave
-                raise OSError(28, "short write")
+            try:
+                if os.write(fd, line) != len(line):  # one write: lines never interleave
+                    raise OSError(errno.ENOSPC, "No space left on device (a short write)")
+            except OSError:
+                # a full disk took part of the record: cut it off again (the book's lock is ours), so
+                # no half-written record stays behind to be skipped, warned about and compacted later
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
+                raise
             self._seen = (os.fstat(fd).st_ino, size + len(line))
         finally:
             os.close(fd)
