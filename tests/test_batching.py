@@ -258,6 +258,9 @@ def test_generate_calls_at_once_share_steps_and_each_gets_mlx_lm_tokens(node, or
     for (prompt, n), events in zip(prompts, streams):
         assert [e.token.id for e in events if e.HasField("token")] == oracle.tokens("kimi_k3", prompt, n)
         assert events[-1].done.generated_tokens == len(events) - 1
+        # each token's expert uses are its own rows', not its batch's: they add up to the request's
+        per_token = sum(e.token.expert_uses for e in events if e.HasField("token"))
+        assert per_token == sum(events[-1].done.expert_uses.values()) > 0
     steps_now, sizes_now = _metric(node, "expertmesh_batch_size_count"), _metric(node, "expertmesh_batch_size_sum")
     assert steps_now > steps and (sizes_now - sizes) / (steps_now - steps) > 1.0  # rows shared steps
     assert _metric(node, "expertmesh_request_seconds_count") == requests + len(prompts)

@@ -193,7 +193,9 @@ class BatchEngine:
                 "it leaves no room for an answer; shorten it"
             )
         summary = summary if summary is not None else GenerationSummary()
-        seq = _Sequence(list(tokens), settings, should_stop, summary, time.perf_counter())
+        if summary.routed is None:
+            summary.routed = StoreStats()
+        seq = _Sequence(list(tokens), settings, should_stop, summary, time.perf_counter(), uses=summary.routed)
         with self._cond:
             if self._closing:
                 raise ExpertmeshError("the node is stopping: no new generation")

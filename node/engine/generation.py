@@ -116,6 +116,9 @@ class GenerationSummary:
     trailing_text: str = ""  # text the detokenizer held back until the end (a split character)
     experts: StoreStats = field(default_factory=StoreStats)
     speculation: SpeculationStats | None = None  # None: generated without speculation
+    # a batched request's own expert uses, counted as its passes run (engine/batching.py), so
+    # Generate can tell each token's uses apart from its batch's; None: the node's counters are its
+    routed: StoreStats | None = None
 
     @property
     def decode_seconds(self) -> float:

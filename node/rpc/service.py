@@ -52,7 +52,7 @@ from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
 from expertmesh.node.store.integrity import sha256
 from expertmesh.node.store.served import ServedExperts
-from expertmesh.node.store.stats import SOURCES
+from expertmesh.node.store.stats import SOURCES, StoreStats
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -441,11 +441,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
             seed=request.seed % SEED_MODULUS if request.HasField("seed") else None,
         )
         summary = GenerationSummary()
-        stats = self.sm.store.stats
-        last, t_last, first = stats.snapshot(), time.perf_counter(), True
         alone = self._take_speculation()
+        batched = self.batch is not None and not alone
+        if batched:  # its tokens' expert uses are its own rows', not the whole step's
+            summary.routed = StoreStats()
+        stats = summary.routed if batched else self.sm.store.stats
+        last, t_last, first = stats.snapshot(), time.perf_counter(), True
         try:
-            if self.batch is not None and not alone:
+            if batched:
                 tokens = self.batch.generate(ids, settings, lambda: not context.is_active(), summary)
             else:
                 generator = Generator(self.sm, self.speculation, draft_source=self._draft)
