@@ -242,6 +242,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             generation_seconds=self._generated[1],
             ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0,
             compute=self.computer is not None,
+            # what an API in front of it may send at once (coordinator/node_pool.py)
+            generation_slots=self.generation_slots.running if self.sm is not None else 0,
         )
 
     def Prove(self, request, context) -> node_pb2.ProveResponse:
