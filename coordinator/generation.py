@@ -1,7 +1,8 @@
 """Routing one validated ask to the household's full nodes, as a stream of text pieces.
 
-Each generation waits for a slot in the bounded FIFO queue (request_queue.py; `generations_per_node`
-slots per full node: its batch), goes to the least busy full node, and moves to another node if the
+Each generation waits for a slot in the bounded FIFO queue (request_queue.py; as many slots as the
+full nodes run generations at once, each node's own count from its Info, node_pool.py), goes to
+the least busy full node with a free slot, and moves to another node if the
 first fails before its first token. Stop sequences are applied here, on the streamed text, and
 the node's generation is cancelled at the stop. A `Cancellation` lets another thread stop a
 generation at any moment: the HTTP server cancels when its client goes away, and cancelling the
@@ -57,7 +58,7 @@ class CoordinatorConfig:
     tls_ca: bytes | None = None
     max_waiting: int = 16  # requests that may wait for a slot before the API answers 429
     default_max_tokens: int = 256
-    # generations each full node runs at once (its `--max-batch`): the queue's slots are this per node
+    # generations a full node runs at once until its Info says its own (node_pool.py)
     generations_per_node: int = 1
     # a node's stream silent this long has its health asked; not SERVING: the node is given up (node/rpc/call_watch.py)
     node_quiet_s: float = QUIET_S
@@ -113,11 +114,12 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, pool: NodePool):
         self.config = config
         self.pool = pool
-        per_node = max(1, config.generations_per_node)
-        self.queue = RequestQueue(lambda: per_node * len(pool.addresses()), config.max_waiting)
+        pool.default_slots = max(1, config.generations_per_node)  # until a node's Info says its own
+        self.queue = RequestQueue(pool.slots, config.max_waiting)
         self.metrics = ApiMetrics(self.queue.depth)
         self._clients: dict[str, NodeClient] = {}
         self._lock = threading.Lock()
+        self._learning = threading.Lock()  # one request at a time asks new nodes their slots
         self.watch = CallWatch(lambda address, timeout_s: self._client(address).serving(timeout_s), config.node_quiet_s)
 
     def _client(self, address: str) -> NodeClient:
@@ -126,6 +128,22 @@ class Coordinator:
             if address not in self._clients:
                 self._clients[address] = NodeClient(address, self.config.secret, self.config.tls_ca)
             return self._clients[address]
+
+    def _learn_slots(self, address: str) -> None:
+        """Ask a node how many generations it runs at once; one that does not answer keeps the
+        default and is asked again after SLOTS_ASKED_S."""
+        try:
+            self.pool.learn_slots(address, self._client(address).info(HEALTH_DEADLINE_S).generation_slots)
+        except grpc.RpcError as e:
+            logger.debug("node %s did not say its generation slots: %s", address, e.code().name.lower())
+
+    def _learn_new_nodes(self) -> None:
+        """Before a request takes its place in the queue: the slots of nodes not heard from yet,
+        so the queue's size is the household's (a node that joined, or the first requests).
+        Requests arriving meanwhile wait for the answer rather than queue on the default."""
+        with self._learning:
+            for address in self.pool.to_ask():
+                self._learn_slots(address)
 
     def healthy_nodes(self) -> list[str]:
         return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
@@ -138,6 +156,7 @@ class Coordinator:
         cancel = cancel or Cancellation()
         tried: set[str] = set()
         busy: set[str] = set()  # nodes that answered RESOURCE_EXHAUSTED: every slot taken
+        self._learn_new_nodes()
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(self.queue.slot(cancelled=lambda: cancel.cancelled))
@@ -216,6 +235,7 @@ class Coordinator:
                         if not started and (watched.hung or code in (*_TRY_ANOTHER, grpc.StatusCode.CANCELLED)):
                             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                                 busy.add(address)
+                                self._learn_slots(address)  # it may have restarted with another --max-batch
                             logger.warning("node %s failed before its first token (%s); trying another", address, what)
                             usage["completion_tokens"] = counted
                             continue

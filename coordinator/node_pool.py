@@ -11,6 +11,12 @@ A node whose call just failed (refused the connection, stopped answering, cut a 
 back of the ranking for FAILED_LAST_S, so the next request goes to a live node instead of finding
 the dead one first again; it is still tried when every other node is busy or gone, and its first
 token after that clears the mark. (A fixed `--peer` that died cannot leave the list, only its front.)
+
+Each node runs as many generations at once as its own `--max-batch` allows (1 where mlx-lm cannot
+batch its model), which it tells in Info (`generation_slots`); the pool keeps what each said
+(`learn_slots`), so the API's queue has as many slots as the household has (`slots`), and a node
+with a free slot is tried before one that would refuse ("busy") and turn a wait into a 429.
+A node that has not said yet counts for `default_slots`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 FAILED_LAST_S = 30.0  # a node whose call failed is ranked last this long (or until it answers again)
+SLOTS_ASKED_S = 30.0  # a node that did not say its generation slots is asked again after this
 
 
 @dataclass
@@ -30,6 +37,9 @@ class NodePool:
     static: list[str] = field(default_factory=list)  # host:port of full nodes always used
     discovered: Callable[[], list[str]] = lambda: []  # more full nodes, e.g. from a PeerTable
     failed_last_s: float = FAILED_LAST_S
+    default_slots: int = 1  # generations a node runs at once until its Info says
+    _slots: dict[str, int] = field(default_factory=dict)  # address -> its Info's generation_slots
+    _asked: dict[str, float] = field(default_factory=dict)  # address -> when its slots were last asked
     _busy: dict[str, int] = field(default_factory=dict)
     _failed: dict[str, float] = field(default_factory=dict)  # address -> when its last call failed (monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -50,9 +60,37 @@ class NodePool:
         with self._lock:
             nodes = [a for a in self.addresses() if a not in exclude]
             now = time.monotonic()
-            return sorted(
-                nodes, key=lambda a: (now - self._failed.get(a, -math.inf) < self.failed_last_s, self._busy.get(a, 0))
-            )
+
+            def rank(a: str) -> tuple[bool, bool, int]:
+                recently_failed = now - self._failed.get(a, -math.inf) < self.failed_last_s
+                busy = self._busy.get(a, 0)
+                return recently_failed, busy >= self._slots.get(a, self.default_slots), busy
+
+            return sorted(nodes, key=rank)
+
+    def learn_slots(self, address: str, slots: int) -> None:
+        """`address` runs `slots` generations at once (its Info); 0 (an older node) is ignored."""
+        if slots > 0:
+            with self._lock:
+                self._slots[address] = slots
+
+    def to_ask(self) -> list[str]:
+        """Nodes whose generation slots are not known and were not asked within SLOTS_ASKED_S;
+        they are marked asked now (so concurrent requests ask each node once)."""
+        addresses, now = self.addresses(), time.monotonic()
+        with self._lock:
+            due = [
+                a for a in addresses if a not in self._slots and now - self._asked.get(a, -math.inf) >= SLOTS_ASKED_S
+            ]
+            for a in due:
+                self._asked[a] = now
+            return due
+
+    def slots(self) -> int:
+        """Generations the household's full nodes run at once: the API queue's slots."""
+        addresses = self.addresses()
+        with self._lock:
+            return sum(self._slots.get(a, self.default_slots) for a in addresses)
 
     def failed(self, address: str) -> None:
         """A call to `address` failed: rank it last for a while."""
