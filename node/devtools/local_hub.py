@@ -56,6 +56,15 @@ MAX_BODY_BYTES = 1024 * 1024  # a POST body (knobs, paths-info) larger than this
 # cut: half the body, then the connection closes; stall: half the body, then silence for
 # `stall_s`; wrong_range: a Content-Range one byte off; wrong_bytes: the right headers, flipped bytes
 FAULT_KINDS = ("429", "503", "500", "cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
+# A connection that sends no request (or reads none of its answer) this long is closed. Without it a
+# client that forgets a keep-alive connection holds one of the Hub's threads and descriptors until
+# the Hub stops: a household mirror runs for weeks. Clients reopen closed idle connections (the
+# real Hub's CDN closes them too).
+IDLE_TIMEOUT_S = 60.0
+# Distinct (file, byte range) pairs `/_hub/stats` counts one by one; beyond, a range not yet seen
+# is counted in `ranges_untracked` only, so a long-lived mirror's memory stays bounded (K3 has
+# 82,432 experts; at most four pieces each come close to this only with many clients' pieces).
+MAX_TRACKED_RANGES = 100_000
 
 
 @dataclass
@@ -289,7 +298,21 @@ class _Stats:
         self.bytes_served = 0
         self.connections = 0
         self.faults: dict[str, int] = {}
-        self.files: dict[str, dict] = {}
+        self.files: dict[str, dict] = {}  # only files that exist: a request for any name cannot grow it
+        self.tracked_ranges = 0
+        self.ranges_untracked = 0  # ranges served beyond MAX_TRACKED_RANGES distinct ones
+
+    def count_range(self, key: str, first: int, last: int) -> None:
+        """One more answer of bytes `first`..`last` of `key` (under `lock`)."""
+        ranges = self.file(key)["ranges"]
+        r = (first, last)
+        if r in ranges:
+            ranges[r] += 1
+        elif self.tracked_ranges < MAX_TRACKED_RANGES:
+            ranges[r] = 1
+            self.tracked_ranges += 1
+        else:
+            self.ranges_untracked += 1
 
     def file(self, key: str) -> dict:
         return self.files.setdefault(key, {"requests": 0, "bytes": 0, "ranges": {}})
@@ -315,6 +338,7 @@ class _Stats:
                 "peak_waiting": self.peak_waiting,
                 "faults": dict(self.faults),
                 "files": files,
+                "ranges_untracked": self.ranges_untracked,
             }
 
 
@@ -328,9 +352,10 @@ class HubServer:
         port: int = 0,
         knobs: HubKnobs | None = None,
         hash_in_background: bool = True,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ):
         """`hash_in_background`: start hashing large files' sha256 when serving starts (tests turn
-        it off to see the provisional ids)."""
+        it off to see the provisional ids). `idle_timeout_s`: see IDLE_TIMEOUT_S."""
         self.root = Path(root)
         self.hash_in_background = hash_in_background
         self.repos = _scan(self.root)
@@ -341,7 +366,8 @@ class HubServer:
         self.link = TokenBucket()
         self.rng = random.Random(self.knobs.seed)
         self.fault_lock = threading.Lock()
-        handler = type("Handler", (_Handler,), {"hub": self})
+        # `timeout` is the socket's: a request line, header or send waiting longer ends the connection
+        handler = type("Handler", (_Handler,), {"hub": self, "timeout": idle_timeout_s})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
@@ -436,8 +462,8 @@ class _Handler(BaseHTTPRequestHandler):
     def handle(self) -> None:
         try:
             super().handle()
-        except (ConnectionResetError, BrokenPipeError):
-            pass  # the client hung up (a cancelled fetch, a closed keep-alive connection): nothing to report
+        except (ConnectionResetError, BrokenPipeError, TimeoutError):
+            pass  # the client hung up (a cancelled fetch, a closed keep-alive connection) or went silent
 
     def setup(self) -> None:
         super().setup()
@@ -678,10 +704,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _resolve(self, repo_id: str, rev: str, name: str) -> None:
         key = f"{repo_id}/{name}"
-        self._count(key)
+        repo = self.hub.repos.get(repo_id)
+        self._count(key if repo is not None and name in repo.files else None)  # a missing name: no entry
         if fault := self.hub.pick_fault(key, ("429", "503", "500")):
             return self._fault_status(fault)
-        repo = self.hub.repos.get(repo_id)
         if repo is None:
             return self._error(404, "RepoNotFound", "Repository not found")
         if not self._authorized(repo) or not self._revision(repo, rev):
@@ -791,16 +817,14 @@ class _Handler(BaseHTTPRequestHandler):
                     if not n:
                         break  # the file shrank under us: the client sees a short body and retries
                     sent += n
-        except (ConnectionResetError, BrokenPipeError):
-            self.close_connection = True  # the client went away (a cancelled fetch): nothing to report
+        except (ConnectionResetError, BrokenPipeError, TimeoutError):
+            self.close_connection = True  # the client went away (a cancelled fetch) or stopped reading
             return
         finally:
             with self.hub.stats_.lock:
                 self.hub.stats_.bytes_served += sent
-                entry = self.hub.stats_.file(key)
-                entry["bytes"] += sent
-                r = (start, start + sent - 1)
-                entry["ranges"][r] = entry["ranges"].get(r, 0) + 1
+                self.hub.stats_.file(key)["bytes"] += sent
+                self.hub.stats_.count_range(key, start, start + sent - 1)
                 self.hub.stats_.sending -= 1
                 self.hub.stats_.settled.notify_all()
         if limit < length:
