@@ -20,37 +20,66 @@ from expertmesh.node.store.policies import POLICIES, belady_hit_rate, frequency_
 
 logger = logging.getLogger(__name__)
 
+# A trace is for `replay`: a few thousand tokens tell which policy to run. A `serve --trace` left on
+# for weeks would otherwise fill the disk (Kimi K3: 92 lines, about 8 kB, per token), so recording
+# stops at this size, with one warning; the file stays a valid trace.
+MAX_TRACE_BYTES = 1 << 30
+
 
 class TraceWriter:
-    """Appends one line per MoE layer call; a new pass starts when the layer number goes down."""
+    """Appends one line per MoE layer call; a new pass starts when the layer number goes down.
 
-    def __init__(self, path: Path, index: ExpertIndex):
+    Recording stops, with one warning, at `max_bytes` or at the first failed write (a full or
+    failing disk): a trace is an observation, and never the reason a generation fails."""
+
+    def __init__(self, path: Path, index: ExpertIndex, max_bytes: int = MAX_TRACE_BYTES):
         self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.written = 0  # bytes in the file
+        self.stopped: str | None = None  # why recording stopped
+        layers = index.moe_layers
+        experts = {str(layer): sum(1 for (lay, _) in index.experts if lay == layer) for layer in layers}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "w", encoding="utf-8")
-        except OSError as e:  # a directory, a read-only place: said before the model loads
+            self._write({"trace": 1, "repo": index.repo_id, "commit": index.commit, "experts_per_layer": experts})
+        except OSError as e:  # a directory, a read-only place, a full disk: said before the model loads
             raise ExpertmeshError(f"cannot write the routing trace to {self.path}: {e.strerror or e}") from None
-        layers = index.moe_layers
-        experts = {str(layer): sum(1 for (lay, _) in index.experts if lay == layer) for layer in layers}
-        self._write({"trace": 1, "repo": index.repo_id, "commit": index.commit, "experts_per_layer": experts})
         self._lock = threading.Lock()
         self._pass = -1
         self._last_layer: int | None = None
 
     def _write(self, obj: dict) -> None:
-        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        line = json.dumps(obj, separators=(",", ":")) + "\n"
+        self._file.write(line)
         self._file.flush()  # a killed run keeps every pass so far
+        self.written += len(line)
 
     def record(self, layer: int, experts: list[int]) -> None:
         with self._lock:
+            if self.stopped is not None:
+                return
             if self._last_layer is None or layer <= self._last_layer:
                 self._pass += 1
             self._last_layer = layer
-            self._write({"pass": self._pass, "layer": layer, "experts": sorted(int(e) for e in experts)})
+            line = {"pass": self._pass, "layer": layer, "experts": sorted(int(e) for e in experts)}
+            try:
+                self._write(line)
+            except (OSError, ValueError) as e:  # ValueError: the file was closed
+                self._stop(f"writing it failed ({getattr(e, 'strerror', None) or e})")
+                return
+            if self.written >= self.max_bytes:
+                self._stop(f"it reached {self.max_bytes} bytes")
+
+    def _stop(self, why: str) -> None:
+        self.stopped = why
+        logger.warning("the routing trace %s stops here: %s", self.path, why)
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as e:  # the last flush failed: what was written stays
+            logger.warning("closing the routing trace %s failed: %s", self.path, e.strerror or e)
 
 
 @dataclass
