@@ -35,6 +35,7 @@ from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_request import ApiError, Ask, generate_request
 from expertmesh.coordinator.request_queue import LeftQueue, QueueFull, RequestQueue
 from expertmesh.coordinator.stop_sequences import StopScanner
+from expertmesh.node.constants import CONTEXT_LENGTH_EXCEEDED, REASON_METADATA_KEY
 from expertmesh.node.rpc.call_watch import QUIET_S, CallWatch
 from expertmesh.node.rpc.client import NodeClient
 
@@ -102,6 +103,17 @@ _TRY_ANOTHER = (
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION,
 )
+
+
+def _refusal(e: grpc.RpcError, status: HTTPStatus, chat: bool) -> ApiError:
+    """The node's refusal in OpenAI's shape: a prompt too long for the model's context (the
+    node says so in its trailing metadata) is OpenAI's 400 `context_length_exceeded` on
+    `messages` or `prompt`, the code clients look for to shorten a conversation and retry."""
+    reasons = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+    error = ApiError(status, e.details() or "the node refused the request")
+    if reasons.get(REASON_METADATA_KEY) == CONTEXT_LENGTH_EXCEEDED:
+        error.code, error.param = CONTEXT_LENGTH_EXCEEDED, "messages" if chat else "prompt"
+    return error
 
 
 class _Cut(Exception):
@@ -240,7 +252,7 @@ class Coordinator:
                             usage["completion_tokens"] = counted
                             continue
                         if not started and code in _NODE_ERRORS:
-                            raise ApiError(_NODE_ERRORS[code], e.details() or "the node refused the request") from None
+                            raise _refusal(e, _NODE_ERRORS[code], ask.chat) from None
                         raise ApiError(
                             HTTPStatus.BAD_GATEWAY, f"the node failed mid-generation: {what}", type_="server_error"
                         ) from None

@@ -90,3 +90,8 @@ SECRET_FILENAME = "secret"  # in EXPERTMESH_HOME, owner-only
 DEFAULT_NODE_PORT = 7433
 # The version of proto/expertmesh/v1 this node speaks, in Info and in its zeroconf advertisement.
 PROTOCOL_VERSION = 1
+
+# Trailing metadata of a refused Generate call saying why, for a caller to act on without reading
+# the message (the API answers OpenAI's `context_length_exceeded` code from it).
+REASON_METADATA_KEY = "expertmesh-reason"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

@@ -42,7 +42,13 @@ from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
 from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
 from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
-from expertmesh.node.engine.generation import GenerationSummary, Generator, PromptError, SamplingSettings
+from expertmesh.node.engine.generation import (
+    ContextLengthError,
+    GenerationSummary,
+    Generator,
+    PromptError,
+    SamplingSettings,
+)
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
@@ -471,6 +477,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 first = False
                 last, t_last = now, t_now
         except PromptError as e:  # too long for the context, or no tokens at all
+            if isinstance(e, ContextLengthError):  # a reason a caller can act on without reading the text
+                context.set_trailing_metadata(((constants.REASON_METADATA_KEY, constants.CONTEXT_LENGTH_EXCEEDED),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except DownloadError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
