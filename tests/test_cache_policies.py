@@ -66,3 +66,22 @@ def test_zero_slots_hold_nothing() -> None:
 def test_an_unknown_policy_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="lru"):
         RamCache(1000, policy="fifo")
+
+
+def test_lfu_memory_stays_bounded_by_its_slots_over_a_long_run_and_decides_as_before() -> None:
+    """A long-lived node makes millions of expert uses: LFU's bookkeeping must stay in proportion to
+    the experts it holds (its lazy heap kept an entry per use until the next ageing), and dropping
+    stale entries must not change a single eviction."""
+    from expertmesh.node.store.policies import LFUAged
+
+    class Uncompacted(LFUAged):
+        def _compact(self) -> None:
+            pass
+
+    rng = random.Random(3)  # a skewed trace: hot experts hit again and again, a long tail of cold ones
+    trace = [(rng.randrange(4), min(int(rng.expovariate(0.05)), 639)) for _ in range(60_000)]
+    bounded, reference = LFUAged(100, ageing_period=10**9), Uncompacted(100, ageing_period=10**9)
+    for key in trace:
+        assert bounded.access(key) == reference.access(key)
+        assert len(bounded._heap) <= 2 * len(bounded) + 65
+    assert len(reference._heap) > 10 * len(bounded._heap)  # what it was before: an entry per use

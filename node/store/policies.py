@@ -72,6 +72,19 @@ class LFUAged:
         self._resident[key] = entry
         self._serial += 1
         heapq.heappush(self._heap, (*entry, self._serial, key))
+        if len(self._heap) > 2 * len(self._resident) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the heap's stale entries. Every hit pushes a fresh entry and leaves the old one
+        to be skipped when it surfaces, and only ageing (every `ageing_period` uses: 64 budgets)
+        used to rebuild the heap, so a node's heap grew by an entry per expert use between ageings
+        (K3 at a 20k-expert budget: ~1.3 M entries, hundreds of MB; with a small model's budget the
+        ageing never came and `serve` grew for ever). Rebuilt when stale entries outnumber live
+        ones, the cost per use stays constant on average, and the order of live entries (hence
+        every eviction) is unchanged."""
+        self._heap = [e for e in self._heap if self._resident.get(e[3]) == (e[0], e[1])]
+        heapq.heapify(self._heap)
 
     def _age(self) -> None:
         self._counts = {k: c // 2 for k, c in self._counts.items() if c // 2 or k in self._resident}
