@@ -149,15 +149,28 @@ class Coordinator:
         except grpc.RpcError as e:
             logger.debug("node %s did not say its generation slots: %s", address, e.code().name.lower())
 
+    def _forget_departed(self) -> None:
+        """Close the clients of nodes that left the household, once none of their calls runs:
+        an API that runs for weeks sees nodes come and go on new addresses."""
+        current, busy = set(self.pool.addresses()), self.pool.busy()
+        with self._lock:
+            gone = [a for a in self._clients if a not in current and not busy.get(a)]
+            clients = [self._clients.pop(a) for a in gone]
+        for client in clients:
+            client.close()
+        self.pool.forget(gone)
+
     def _learn_new_nodes(self) -> None:
         """Before a request takes its place in the queue: the slots of nodes not heard from yet,
         so the queue's size is the household's (a node that joined, or the first requests).
         Requests arriving meanwhile wait for the answer rather than queue on the default."""
         with self._learning:
+            self._forget_departed()
             for address in self.pool.to_ask():
                 self._learn_slots(address)
 
     def healthy_nodes(self) -> list[str]:
+        self._forget_departed()
         return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
 
     def generate(self, ask: Ask, usage: dict, cancel: Cancellation | None = None) -> Iterator[str | Finish]:

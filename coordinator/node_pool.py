@@ -86,6 +86,16 @@ class NodePool:
                 self._asked[a] = now
             return due
 
+    def forget(self, addresses: list[str]) -> None:
+        """Drop what is kept of nodes that left the household (none of whose calls runs)."""
+        with self._lock:
+            for a in addresses:
+                if not self._busy.get(a):
+                    self._busy.pop(a, None)
+                    self._failed.pop(a, None)
+                    self._slots.pop(a, None)
+                    self._asked.pop(a, None)
+
     def slots(self) -> int:
         """Generations the household's full nodes run at once: the API queue's slots."""
         addresses = self.addresses()

@@ -252,3 +252,46 @@ def test_a_failing_trace_disk_stops_the_trace_not_the_generation(tmp_path: Path)
     writer.record(2, [3])
     assert writer.stopped is not None and "No space left" in writer.stopped
     writer.close()
+
+
+def test_nodes_that_leave_the_household_leave_no_client_or_entry_behind_in_the_api() -> None:
+    """Nodes come and go on new addresses for weeks (DHCP, restarts): the API keeps a client, a
+    load count and a slot count only for nodes still in the household."""
+    from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig
+    from expertmesh.coordinator.node_pool import NodePool
+
+    members: list[str] = []
+    coordinator = Coordinator(CoordinatorConfig(secret="s", models=lambda: ["m"]), NodePool([], lambda: list(members)))
+    try:
+        for n in range(20):  # each visitor is asked its health (/healthz) and its slots, then leaves
+            members[:] = [f"127.0.0.1:{1 + n}"]  # nothing listens there: the calls fail at once
+            coordinator.healthy_nodes()
+            coordinator._learn_new_nodes()
+        members.clear()
+        coordinator.healthy_nodes()
+        assert coordinator._clients == {}
+        assert coordinator.pool.busy() == {} and coordinator.pool._asked == {} and coordinator.pool._failed == {}
+    finally:
+        coordinator.close()
+
+
+def test_peers_that_leave_the_table_leave_no_channel_or_entry_behind(tmp_path: Path) -> None:
+    from expertmesh.node.household.membership import Peer, PeerTable
+    from expertmesh.node.store.tiers.peers import PeerSource
+
+    table = PeerTable(self_id="me", self_weight=1.0)
+    source = PeerSource(SimpleNamespace(repo_id="r", commit="c" * 40, experts={}), table, "s")
+    try:
+        for n in range(20):
+            peer = Peer(f"visitor-{n}", f"127.0.0.1:{1 + n}", weight=1.0)
+            table.add(peer)
+            source.check_health()  # nobody listens: each visitor is skipped for its failed health
+            table.remove(peer.node_id)
+        stay = Peer("stays", "127.0.0.1:999", weight=1.0)
+        table.add(stay)
+        source.check_health()
+        assert set(source._clients) == {stay.address}
+        assert set(source._skips) <= {stay.node_id}  # a health skip ends once the peer is gone
+        assert set(source._inventories) <= {stay.node_id}
+    finally:
+        source.close()

@@ -360,6 +360,27 @@ class PeerSource:
                 self.table.restore(peer)
             if peer.compute:
                 self.inventory(peer)  # asked again when stale, here rather than in a generation's layer
+        self.forget_departed()
+
+    def forget_departed(self) -> None:
+        """Drop what is kept for peers that left the table: their channels (closed), inventories,
+        and skips once their strikes are forgotten (a peer back before keeps its backoff; a
+        health skip means nothing once it is gone: a returning peer is checked afresh).
+        A long-lived node sees peers come and go on new addresses (DHCP, restarts); without this
+        each left a channel and its entries behind for good."""
+        peers = self.table.all()
+        ids, addresses = {p.node_id for p in peers}, {p.address for p in peers}
+        now = time.monotonic()
+        with self._lock:
+            gone = [a for a in self._clients if a not in addresses]
+            clients = [self._clients.pop(a) for a in gone]
+            for node_id in [i for i in self._inventories if i not in ids]:
+                del self._inventories[node_id]
+            for node_id, skips in list(self._skips.items()):
+                if node_id not in ids and now >= skips.call_until + self.skip_policy.kept_s:
+                    del self._skips[node_id]
+        for client in clients:
+            client.close()
 
     def start_health_checks(self, every_s: float = HEALTH_EVERY_S) -> None:
         """Check every peer's health every `every_s` seconds until `close`."""
