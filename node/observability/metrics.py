@@ -86,6 +86,7 @@ PEER_ERROR_REASONS = (
     "bad_digest",
     "bad_bytes",
     "oversized",
+    "hung",  # went quiet mid-fetch and failed its health check (node/rpc/call_watch.py)
 )
 HUB_ERROR_REASONS = ("retried", "slow")
 DISK_ERROR_KINDS = ("write", "read", "refused")
