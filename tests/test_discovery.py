@@ -6,6 +6,7 @@ stranger into the table (nor the secret sent to it), and a flood of names costs 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -91,8 +92,9 @@ def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
     # the members' proofs differ from what they advertise: the table believes the proofs
     with (
         member(SECRET, "node-a", disk_budget_bytes=3 * 10**9, compute=True) as node_a,
-        member(SECRET, "node-b", disk_budget_bytes=2 * 10**9, compute=False) as node_b,
+        contextlib.ExitStack() as node_b_server,
     ):
+        node_b = node_b_server.enter_context(member(SECRET, "node-b", disk_budget_bytes=2 * 10**9, compute=False))
         a = _discovery("node-a", port=node_a.port, compute=False, disk=10)
         b = _discovery("node-b", port=node_b.port, compute=True, disk=10)
         other = _discovery("node-x", f"elsewhere-{RUN}", 1002)
@@ -104,11 +106,44 @@ def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
             assert b.table.peers["node-a"].weight == 3 * 10**9
             time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
             assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
-            b.close()
+            b.close()  # node-b leaves as a node does: its goodbye, then its gRPC server stops
+            node_b_server.close()
             assert wait_until(lambda: "node-b" not in a.table.peers)
+            assert a.forged_goodbyes == 0
         finally:
             for d in (a, other):
                 d.close()
+
+
+def _goodbye(name: str) -> None:
+    """An mDNS goodbye (a PTR record with TTL 0) for `name`, as anyone on the LAN can send."""
+    sender = Zeroconf(interfaces=LOOPBACK)
+    try:
+        out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+        out.add_answer_at_time(DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 0, name), 0)
+        sender.send(out)
+    finally:
+        sender.close()
+
+
+def test_a_forged_goodbye_does_not_remove_a_member_that_is_still_there(monkeypatch) -> None:
+    import expertmesh.node.household.discovery as discovery
+
+    monkeypatch.setattr(discovery, "GOODBYE_CHECKS_S", (0.3, 0.6, 1.2, 2.4))  # 4.5 s, not 7.5
+    observer = _discovery("observer")
+    try:
+        with member(SECRET, "node-a") as node_a:
+            a = _discovery("node-a", port=node_a.port)
+            try:
+                assert wait_until(lambda: "node-a" in observer.table.peers)
+                _goodbye(f"node-a.{SERVICE_TYPE}")  # node-a's advertisement goes on, and so does node-a
+                assert wait_until(lambda: observer.forged_goodbyes == 1)
+                assert observer.table.peers["node-a"].address == node_a.address
+            finally:
+                a.close()
+        assert wait_until(lambda: "node-a" not in observer.table.peers), observer.forged_goodbyes  # its leaving is seen
+    finally:
+        observer.close()
 
 
 def test_a_duplicate_node_id_is_reported_not_joined() -> None:
@@ -178,7 +213,7 @@ def test_another_name_can_neither_take_over_nor_remove_a_peer() -> None:
                 assert recorder.calls == []  # nobody even asked the hijacker
             finally:
                 a.close()
-            assert wait_until(lambda: "node-a" not in observer.table.peers)  # its own removal does
+        assert wait_until(lambda: "node-a" not in observer.table.peers)  # its own leaving does
     finally:
         observer.close()
 
@@ -203,8 +238,8 @@ def test_only_the_owning_name_updates_or_removes_a_peer(monkeypatch) -> None:
         assert d.table.peers["peer-a"].address == "192.0.2.21:7000"
         d._changed(f"first.{SERVICE_TYPE}", None)
         assert "peer-a" in d.table.peers
-        d._changed(f"peer-a.{SERVICE_TYPE}", None)
-        assert "peer-a" not in d.table.peers
+        d._changed(f"peer-a.{SERVICE_TYPE}", None)  # and its goodbye removes it once it is gone
+        assert wait_until(lambda: "peer-a" not in d.table.peers)
     finally:
         d.close()
 

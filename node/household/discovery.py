@@ -23,10 +23,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from zeroconf import EventLoopBlocked, IPVersion, ServiceBrowser, ServiceInfo, ServiceListener, Zeroconf
+from zeroconf import (
+    DNSOutgoing,
+    DNSQuestion,
+    EventLoopBlocked,
+    IPVersion,
+    ServiceBrowser,
+    ServiceInfo,
+    ServiceListener,
+    Zeroconf,
+)
+from zeroconf.const import _CLASS_IN, _FLAGS_QR_QUERY, _TYPE_PTR
 
 from expertmesh.node import constants
 from expertmesh.node.household.membership import Peer, PeerTable, prove_peer
+from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.rpc.proof import ROLES, ProofError, valid_node_id
 
 logger = logging.getLogger(__name__)
@@ -37,6 +48,11 @@ RESOLVE_TIMEOUT_MS = 3000
 RESOLVE_WORKERS = 4  # threads that resolve (and prove) advertisements, however many names arrive
 MAX_PENDING = 256  # names waiting for a worker; more are dropped (a flood of invented names)
 SETTLE_LIMIT_S = 10.0  # the longest `settle` waits
+# After a goodbye for a member's name, the pauses before each check that it really left. mDNS
+# goodbyes carry no proof (anyone on the LAN can send one for any name), so a member that still
+# proves itself and says SERVING through all of them stays; a node that leaves stops its gRPC
+# server within a second or two of its goodbye (assembly.py: discovery, then rpc).
+GOODBYE_CHECKS_S = (0.5, 1.0, 2.0, 4.0)
 _MAX_NOTED = 1024  # (name, address) pairs whose failure was logged, kept to log each once
 _DIGITS = re.compile(r"[0-9]{1,20}")  # ASCII only: \d and str.isdigit() take other scripts' digits
 
@@ -294,6 +310,9 @@ class Discovery:
         self._names: dict[str, str] = {}  # service name -> the node id it proved
         self._owners: dict[str, str] = {}  # node id -> the service name that owns it
         self._proving: dict[str, object] = {}  # service name -> the proof under way for it
+        self._leaving: set[str] = set()  # names whose goodbye is being checked
+        self._stopping = threading.Event()
+        self.forged_goodbyes = 0  # goodbyes for a member that went on proving itself
         self._noted: OrderedDict[tuple[str, str], None] = OrderedDict()  # failures logged once
         self.browser = Browser(self._changed, zc=self._zc)
 
@@ -398,19 +417,87 @@ class Discovery:
         return None
 
     def _withdrawn(self, name: str) -> None:
+        """A goodbye (or an expired record) for `name`: its peer leaves the table once a check
+        finds it gone (`_confirm_leaving`, on a thread of its own: zeroconf's must not wait)."""
         with self._lock:
             self._proving.pop(name, None)
-            node_id = self._names.pop(name, None)
+            node_id = self._names.get(name)
             if node_id is None or self._owners.get(node_id) != name:
+                self._names.pop(name, None)
                 return
-            del self._owners[node_id]
-            self.table.remove(node_id)
+            peer = self.table.get(node_id)
+            if peer is None or self._secret is None:
+                self._forget(name, node_id, None)
+                return
+            if name in self._leaving or self._stopping.is_set():
+                return
+            self._leaving.add(name)
+        threading.Thread(
+            target=self._confirm_leaving, args=(name, node_id, peer.address), name="zeroconf-goodbye", daemon=True
+        ).start()
+
+    def _confirm_leaving(self, name: str, node_id: str, address: str) -> None:
+        """Remove the peer as soon as it stops proving itself or serving; keep it if it never does
+        within GOODBYE_CHECKS_S (a forged goodbye)."""
+        try:
+            for pause_s in GOODBYE_CHECKS_S:
+                if self._stopping.wait(pause_s):
+                    return
+                if not self._still_here(address, node_id):
+                    with self._lock:
+                        self._forget(name, node_id, address)
+                    return
+            self.forged_goodbyes += 1
+            self._ask_for_advertisements()
+            self._note_once(
+                name,
+                address,
+                "a goodbye for peer %s arrived, but it still proves itself at %s: kept (a forged goodbye?)",
+                node_id,
+                address,
+            )
+        finally:
+            with self._lock:
+                self._leaving.discard(name)
+
+    def _ask_for_advertisements(self) -> None:
+        """Ask the LAN who offers SERVICE_TYPE: the goodbye took the member's record out of
+        zeroconf's cache, and without it being seen again its real leaving later would go unseen."""
+        out = DNSOutgoing(_FLAGS_QR_QUERY)
+        out.add_question(DNSQuestion(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN))
+        try:
+            self._zc.send(out)
+        except Exception as e:  # noqa: BLE001 - zeroconf closing meanwhile: nothing to ask for
+            logger.debug("asking for advertisements failed: %s", e)
+
+    def _still_here(self, address: str, node_id: str) -> bool:
+        try:
+            peer = prove_peer(address, self._secret, self._tls_ca)
+            if peer.node_id != node_id:
+                return False
+            with NodeClient(address, self._secret, self._tls_ca) as client:
+                return client.serving()  # NOT_SERVING: a node in its graceful shutdown
+        except (ProofError, grpc.RpcError):
+            return False
+
+    def _forget(self, name: str, node_id: str, address: str | None) -> None:
+        """Under _lock: `name` and its peer leave, if `name` still owns it (and, given `address`,
+        the peer is still there: one that came back elsewhere meanwhile is not removed)."""
+        if self._names.get(name) != node_id or self._owners.get(node_id) != name:
+            return
+        peer = self.table.get(node_id)
+        if address is not None and peer is not None and peer.address != address:
+            return
+        del self._names[name]
+        del self._owners[node_id]
+        self.table.remove(node_id)
         logger.info("peer %s left", node_id)
 
     def settle(self) -> None:
         self.browser.settle()
 
     def close(self) -> None:
+        self._stopping.set()
         self.browser.close()
         if self._info is not None:
             self._zc.unregister_service(self._info)
