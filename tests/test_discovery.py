@@ -463,3 +463,31 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
         assert all(n == 1 for n in expert_ranges.values()), expert_ranges  # each expert crossed the Hub once
     finally:
         _stop(procs)
+
+
+def test_prometheus_targets_given_the_secret_list_only_nodes_that_prove_it(tmp_path: Path) -> None:
+    """An advertisement is anyone's to make: with the household secret, `prometheus-targets` lists
+    a member (with the id and role it proves) and not a stranger advertising in the cluster."""
+    import json
+
+    from expertmesh.node.observability.prometheus_targets import TargetsWatcher
+
+    path = tmp_path / "nodes.json"
+    watcher = TargetsWatcher(path, CLUSTER, LOOPBACK, secret=SECRET)
+    try:
+        with member(SECRET, "node-m", role="cache") as node_m, stranger() as (elsewhere, recorder):
+            ads = {
+                "node-m": Advertisement("node-m", CLUSTER, "full", node_m.port, 1, metrics_port=9101),
+                "posing": Advertisement("posing", CLUSTER, "full", _port(elsewhere), 1, metrics_port=9102),
+            }
+            with _advertised("node-m", node_m.port, ads["node-m"].properties()):
+                with _advertised("posing", _port(elsewhere), ads["posing"].properties()):
+                    assert wait_until(lambda: watcher.unproven >= 1 and watcher.targets())
+                    time.sleep(0.5)  # both resolved and settled
+                    groups = json.loads(path.read_text())
+        assert [g["labels"]["node_id"] for g in groups] == ["node-m"]
+        assert groups[0]["labels"]["node_role"] == "cache"  # the proof's role, not the advertisement's
+        assert groups[0]["targets"] == ["127.0.0.1:9101"]
+        assert recorder.proved() and recorder.secrets() == []  # asked to prove, never sent the secret
+    finally:
+        watcher.close()

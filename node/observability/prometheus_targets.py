@@ -12,6 +12,11 @@ target's and renames the metric's to `exported_<name>`, so `expertmesh_peers{rol
 the peers a node sees) would show the scraping node's own role instead. `honor_labels: true` would
 fix that the other way round, but then a metric label could overwrite the target's identity;
 distinct names keep both. tests/test_metrics.py checks the two sets stay disjoint.
+
+An advertisement is anyone's to make, so given the household secret the watcher lists a node only
+once it proves it knows the secret (rpc/proof.py, as household/discovery.py joins peers), with the
+id and role of its proof: a stranger on the LAN cannot add scrape targets or pose as a member in
+the dashboards. Without a secret the advertisements are taken as they are (and the CLI says so).
 """
 
 from __future__ import annotations
@@ -20,16 +25,22 @@ import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from expertmesh.node.household.discovery import Browser, Sighting
+from expertmesh.node.household.membership import Peer, prove_peer
+from expertmesh.node.rpc.proof import ProofError
 
 logger = logging.getLogger(__name__)
 
 # The labels each target gets, besides Prometheus' own `job` and `instance`; disjoint from every
 # label of observability/metrics.py and coordinator/api_metrics.py (METRIC_LABELS there).
 TARGET_LABELS = ("node_id", "node_role", "node_cluster")
+_MAX_NOTED = 1024  # (name, address) pairs whose refusal was logged
 
 
 @dataclass(frozen=True)
@@ -64,11 +75,24 @@ class TargetsWatcher:
 
     Args:
         interfaces: addresses to browse on (None: every interface).
+        secret: the household secret: only nodes that prove they know it are listed.
+        tls_ca: the household CA, when the nodes serve TLS (rpc/tls.py).
     """
 
-    def __init__(self, path: Path, cluster: str, interfaces: list[str] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        cluster: str,
+        interfaces: list[str] | None = None,
+        secret: str | None = None,
+        tls_ca: bytes | None = None,
+    ):
         self.path = path
         self.cluster = cluster
+        self._secret = secret
+        self._tls_ca = tls_ca
+        self.unproven = 0  # advertisements whose node did not prove it knows the secret
+        self._noted: OrderedDict[tuple[str, str], None] = OrderedDict()  # refusals logged once
         self._targets: dict[str, MetricsTarget] = {}  # service name -> target
         self._lock = threading.Lock()
         self.changed = threading.Event()  # set after each rewrite (tests, `--once`)
@@ -83,8 +107,33 @@ class TargetsWatcher:
         target = None
         if sighting is not None and sighting.ad.cluster == self.cluster and sighting.ad.metrics_port:
             ad = sighting.ad
-            target = MetricsTarget(f"{sighting.host}:{ad.metrics_port}", ad.node_id, ad.role, self.cluster)
-        self._set(name, target)  # None: gone, another cluster, or a node that serves no metrics
+            node_id, role = ad.node_id, ad.role
+            if self._secret is not None:
+                proven = self._proven(name, sighting)
+                node_id, role = (proven.node_id, proven.role) if proven is not None else (None, None)
+            if node_id is not None:
+                target = MetricsTarget(f"{sighting.host}:{ad.metrics_port}", node_id, role, self.cluster)
+        self._set(name, target)  # None: gone, another cluster, unproven, or a node that serves no metrics
+
+    def _proven(self, name: str, sighting: Sighting) -> Peer | None:
+        """The advertised node as it proves itself at its gRPC address, or None (logged)."""
+        try:
+            peer = prove_peer(sighting.address, self._secret, self._tls_ca)
+        except (ProofError, grpc.RpcError) as e:
+            why = "its proof does not check" if isinstance(e, ProofError) else "it did not answer Prove"
+        else:
+            if peer.node_id == sighting.ad.node_id:
+                return peer
+            why = f"it proved another id ({peer.node_id})"
+        self.unproven += 1
+        with self._lock:
+            first = (name, sighting.address) not in self._noted
+            self._noted[(name, sighting.address)] = None
+            if len(self._noted) > _MAX_NOTED:
+                self._noted.popitem(last=False)
+        if first:  # once per name and address: a hostile advertiser cannot fill the log
+            logger.warning("not listing %r at %s: %s", name, sighting.address, why)
+        return None
 
     def _set(self, name: str, target: MetricsTarget | None) -> None:
         with self._lock:
