@@ -204,10 +204,17 @@ def add_discovery_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_household_lookup_arguments(p: argparse.ArgumentParser) -> None:
     """How a command that joins no household finds its nodes (see `find_household`)."""
-    p.add_argument("--cluster", default="home")
+    p.add_argument("--cluster", default="home", help="the household's zeroconf cluster (default %(default)s)")
     p.add_argument("--interface", metavar="IP", help="browse on this address only")
     p.add_argument("--no-discovery", dest="discover", action="store_false", help="only the --peer addresses")
-    p.add_argument("--peer", type=peer_address, action="append", default=[], metavar="HOST:PORT")
+    p.add_argument(
+        "--peer",
+        type=peer_address,
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a node to ask besides those zeroconf finds (repeatable)",
+    )
     p.add_argument(
         "--wait", type=seconds, default=3.0, help="seconds to listen for advertisements (default %(default)s)"
     )
@@ -249,7 +256,11 @@ def add_metrics_arguments(p: argparse.ArgumentParser, default: int | None) -> No
         help="serve Prometheus /metrics on port N (0 picks a free one and prints it)"
         + ("; default 0" if default == 0 else "; default: not served"),
     )
-    p.add_argument("--metrics-host", help="address for /metrics (default: the same as --host, else 127.0.0.1)")
+    p.add_argument(
+        "--metrics-host",
+        help="address for /metrics (default: "
+        + ("--host's, so the household's Prometheus can scrape it)" if default == 0 else "127.0.0.1)"),
+    )
     p.add_argument("--no-metrics", dest="metrics_port", action="store_const", const=None, help="do not serve /metrics")
 
 

@@ -33,7 +33,7 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("warm", help="every node keeps the experts it owns, most used first, into free disk budget")
     p.add_argument("repo", type=arguments.repo_id, help="a model pulled here (`pull --index-only` is enough)")
-    p.add_argument("--revision", default=None)
+    p.add_argument("--revision", default=None, help="branch, tag or commit sha (default: what was pulled from main)")
     p.add_argument(
         "--trace",
         action="append",
@@ -62,7 +62,7 @@ def add_commands(sub) -> None:
         "prometheus-targets", help="keep a Prometheus file_sd file in step with the nodes zeroconf finds"
     )
     p.add_argument("file", help="the targets file (e.g. deploy/prometheus/targets/nodes.json), replaced atomically")
-    p.add_argument("--cluster", default="home")
+    p.add_argument("--cluster", default="home", help="the household's zeroconf cluster (default %(default)s)")
     p.add_argument("--interface", metavar="IP", help="browse on this address only")
     p.add_argument("--once", action="store_true", help="listen for --wait seconds, write the file and exit")
     p.add_argument(

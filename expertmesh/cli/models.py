@@ -17,7 +17,7 @@ def add_commands(sub) -> None:
         "--concurrency",
         type=arguments.positive_int,
         default=constants.PULL_CONCURRENCY,
-        help="range requests in flight",
+        help="range requests in flight to the Hub (default %(default)s)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--index-only", action="store_true", help="only the expert index (for `serve --cache-only`)")

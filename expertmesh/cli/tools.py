@@ -19,7 +19,7 @@ TINY_ARCHS = ("kimi_k3", "deepseek_v3", "qwen3_moe", "mlx_qwen3_moe")
 def add_commands(sub) -> None:
     p = sub.add_parser("hub", help="serve a folder of model repos over the Hugging Face Hub protocol")
     p.add_argument("dir", help="folder holding NAMESPACE/NAME/ repo folders")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=arguments.port, default=0, help="0 picks a free port")
     from expertmesh.node.devtools.local_hub import add_knob_arguments
 
@@ -28,8 +28,13 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("tiny-model", help="write a tiny MoE repo in an upstream layout (tests, demos)")
     p.add_argument("out", help="folder to write the repo into (replaced)")
-    p.add_argument("--arch", required=True, choices=TINY_ARCHS)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--arch",
+        required=True,
+        choices=TINY_ARCHS,
+        help="the upstream layout: Moonshot's K3, Kimi-K2-Thinking, Qwen3-MoE, or an mlx_lm.convert output",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random weights' seed: the same seed, the same repo (default 0)")
     p.set_defaults(func=tiny_model)
 
     p = sub.add_parser("bench", help="naive, cold, warm-disk, warm-RAM and mlx-lm side by side on an emulated link")
@@ -72,7 +77,7 @@ def add_commands(sub) -> None:
         "--naive-tokens",
         type=arguments.whole_number,
         default=8,
-        help="tokens of the slow naive run, on the first prompt (0 skips it)",
+        help="tokens of the slow naive run, on the first prompt (0 skips it; default %(default)s)",
     )
     p.add_argument(
         "--time-scale",
@@ -81,7 +86,10 @@ def add_commands(sub) -> None:
         help="emulated link seconds per K3 second (default %(default)s)",
     )
     p.add_argument(
-        "--ram-fraction", type=arguments.probability, default=0.25, help="RAM budget as a fraction of all experts"
+        "--ram-fraction",
+        type=arguments.probability,
+        default=0.25,
+        help="RAM budget as a fraction of all experts (default %(default)s)",
     )
     p.add_argument(
         "--hub-connections",
@@ -95,7 +103,9 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser("replay", help="hit rates of each RAM policy and of the offline optimum on a trace")
     p.add_argument("trace", help="a file written by `run --trace`")
-    p.add_argument("--budgets", default="10%,25%,50%", help="experts RAM holds: counts or %% of all experts")
+    p.add_argument(
+        "--budgets", default="10%,25%,50%", help="experts RAM holds: counts or %% of all experts (default %(default)s)"
+    )
     p.add_argument("--policies", help=f"comma-separated, from {', '.join(RAM_POLICIES)} (default: all)")
     p.set_defaults(func=replay)
 
