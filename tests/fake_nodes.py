@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.node import constants
-from expertmesh.node.rpc.auth import SECRET_METADATA_KEY
+from expertmesh.node.rpc.auth import AUTH_METADATA_KEY
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
 from expertmesh.node.rpc.server import NodeServer
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -21,16 +21,17 @@ from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 @dataclass
 class Recorder(grpc.ServerInterceptor):
-    """Every call a server got, before any handler: (method, the secret it carried or "")."""
+    """Every call a server got, before any handler: (method, the credential it carried or "")."""
 
     calls: list[tuple[str, str]] = field(default_factory=list)
 
     def intercept_service(self, continuation, handler_call_details):
         md = dict(handler_call_details.invocation_metadata or ())
-        self.calls.append((handler_call_details.method, md.get(SECRET_METADATA_KEY, "")))
+        self.calls.append((handler_call_details.method, md.get(AUTH_METADATA_KEY, "")))
         return continuation(handler_call_details)
 
-    def secrets(self) -> list[str]:
+    def credentials(self) -> list[str]:
+        """What each call carried in the auth metadata (nothing, for a caller that keeps to the rules)."""
         return [s for _, s in self.calls if s]
 
     def proved(self) -> bool:

@@ -170,7 +170,7 @@ def test_a_stranger_advertising_in_the_cluster_is_not_joined_and_never_sent_the_
                 observer.settle()
                 assert observer.table.all() == []
                 assert NodePool.following([], observer.table).addresses() == []
-            assert recorder.secrets() == []
+            assert recorder.credentials() == []
     finally:
         observer.close()
 
@@ -188,7 +188,7 @@ def test_a_stranger_relaying_a_members_proof_is_not_joined(rewrite: bool) -> Non
                 assert wait_until(recorder.proved) and wait_until(lambda: observer.unproven > 0)
                 observer.settle()
                 assert observer.table.all() == []
-            assert recorder.secrets() == []
+            assert recorder.credentials() == []
     finally:
         observer.close()
 
@@ -488,6 +488,6 @@ def test_prometheus_targets_given_the_secret_list_only_nodes_that_prove_it(tmp_p
         assert [g["labels"]["node_id"] for g in groups] == ["node-m"]
         assert groups[0]["labels"]["node_role"] == "cache"  # the proof's role, not the advertisement's
         assert groups[0]["targets"] == ["127.0.0.1:9101"]
-        assert recorder.proved() and recorder.secrets() == []  # asked to prove, never sent the secret
+        assert recorder.proved() and recorder.credentials() == []  # asked to prove, never sent the secret
     finally:
         watcher.close()

@@ -99,7 +99,7 @@ def test_a_stranger_relaying_a_members_proof_is_refused(member, rewrite: bool) -
             prove_peer(relay, SECRET)
         if not rewrite:
             assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert recorder.proved() and recorder.secrets() == []
+        assert recorder.proved() and recorder.credentials() == []
 
 
 def test_a_static_peer_that_cannot_prove_itself_gets_no_secret(hub: HubServer, tmp_path: Path) -> None:
@@ -108,7 +108,7 @@ def test_a_static_peer_that_cannot_prove_itself_gets_no_secret(hub: HubServer, t
     with stranger(Forger()) as (address, recorder):
         with pytest.raises(ExpertmeshError):
             serving(REPO_ID, tmp_path, SECRET, node_id="joiner", cache_only=True, peers=[address])
-        assert recorder.proved() and recorder.secrets() == []
+        assert recorder.proved() and recorder.credentials() == []
 
 
 @pytest.mark.parametrize("node_id", ["two words", "x" * 65, "line\nbreak", "ünïcode"])
@@ -128,7 +128,7 @@ def test_the_cli_asks_info_only_of_nodes_that_prove_themselves(member) -> None:
         answers = {a.address: a for a in ask_info([address, forger], SECRET)}
         assert answers[address].info.node_id == "member"
         assert answers[forger].info is None and answers[forger].error == "unauthenticated"
-        assert recorder.proved() and recorder.secrets() == []
+        assert recorder.proved() and recorder.credentials() == []
 
 
 def test_a_proof_binds_every_field() -> None:

@@ -157,7 +157,7 @@ def serve(args: argparse.Namespace) -> int:
         print(node.describe())
         if not args.tls_cert and not _loopback(args.host):
             print(
-                f"gRPC on {args.host} is plain TCP: the household secret and the experts cross the LAN in clear; "
+                f"gRPC on {args.host} is plain TCP: prompts, answers and experts cross the LAN in clear; "
                 "beyond a trusted home network serve with --tls-cert/--tls-key (README: Security)",
                 file=sys.stderr,
             )

@@ -1,28 +1,37 @@
-"""The household secret on every gRPC call but health checks.
+"""The household secret behind every gRPC call but health checks and Prove.
 
-A call without the right secret is refused with UNAUTHENTICATED before any handler runs, so it
-learns nothing about the node or its cache. The comparison takes constant time, and the secret
-never appears in a log line or an error message: the errors below name the file or variable a
-secret came from, never its value.
-
-Without TLS (tls.py) the secret travels in clear with every call, like everything else on the LAN;
-it keeps out the neighbours' software, not someone who can watch the network. A node sends it only
-to peers that first proved they know it (Prove, proof.py), so advertising on zeroconf does not get
-it; only TLS keeps it from a man in the middle.
+A call without a credential made with the right secret is refused with UNAUTHENTICATED before any
+handler runs, so it learns nothing about the node or its cache. The secret itself never crosses
+the network: each call carries a fresh credential, `v1:<unix time>:<nonce>:<HMAC>`, an HMAC-SHA256
+under a key derived from the secret by scrypt (proof.py's, then one more HMAC step for this use)
+over the time and a random nonce. Someone who watches a plain-TCP LAN therefore learns no secret,
+and a credential they copy is good for CALL_CREDENTIAL_WINDOW_S only; TLS (tls.py) also hides
+the calls themselves. The comparison takes constant time, and neither the secret nor a credential
+appears in a log line or an error message: the errors below name the file or variable a secret came
+from, never its value. A node sends credentials only to peers that first proved they know the
+secret (Prove, proof.py), so advertising on zeroconf does not get even those.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import hmac
 import os
 import secrets
+import time
 from pathlib import Path
 
 import grpc
 
 from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.rpc.proof import prove_key
 
-SECRET_METADATA_KEY = "x-expertmesh-secret"
+AUTH_METADATA_KEY = "x-expertmesh-auth"
+# A credential's time may be this far from the node's clock, either way: the household's Macs keep
+# their clocks by NTP; `expertmesh doctor` checks this one's. A copied credential lives this long.
+CALL_CREDENTIAL_WINDOW_S = 300
+_CALL_DOMAIN = b"expertmesh call v1"
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # what a load balancer or a peer table may ask freely
 # Prove (rpc/proof.py) is open: a caller asks it before it may send the secret. It answers only a
 # proof over what the caller sent and what zeroconf advertises anyway (id, role, disk, compute).
@@ -55,7 +64,7 @@ def check_secret(secret: str, source: str) -> str:
     if not all(" " <= c <= "~" for c in secret):
         raise SecretError(
             f"the household secret from {source} holds characters other than printable ASCII, "
-            "which gRPC metadata cannot carry (`expertmesh secret --create` makes a usable one)"
+            "which every Mac of the household must read alike (`expertmesh secret --create` makes a usable one)"
         )
     return secret
 
@@ -102,28 +111,60 @@ def load_or_create_secret(path: Path) -> tuple[str, bool]:
     return secret, True
 
 
+@functools.lru_cache(maxsize=4)
+def _call_key(secret: str) -> bytes:
+    """The credentials' HMAC key: derived from proof.py's scrypt key (computed once per process),
+    kept apart from the proofs' own by its domain."""
+    return hmac.new(prove_key(secret), _CALL_DOMAIN, hashlib.sha256).digest()
+
+
+def _credential_mac(key: bytes, stamp: str, nonce: str) -> str:
+    return hmac.new(key, b"|".join((_CALL_DOMAIN, stamp.encode(), nonce.encode())), hashlib.sha256).hexdigest()
+
+
 def call_metadata(secret: str) -> tuple[tuple[str, str], ...]:
-    return ((SECRET_METADATA_KEY, secret),)
+    """The metadata of one call: a fresh credential made with `secret` (never the secret)."""
+    stamp, nonce = str(int(time.time())), secrets.token_hex(16)
+    return ((AUTH_METADATA_KEY, f"v1:{stamp}:{nonce}:{_credential_mac(_call_key(secret), stamp, nonce)}"),)
+
+
+def check_credential(key: bytes, credential: str, now: float) -> str | None:
+    """Why `credential` is refused (None: it is good): made with another secret, or malformed, or
+    (made with this one) at a time too far from `now` — a clock set wrong says so, not "no secret"."""
+    parts = credential.split(":")
+    if len(parts) != 4 or parts[0] != "v1" or not parts[1].isascii() or not parts[1].isdigit() or len(parts[1]) > 12:
+        return "a valid household secret is required"
+    _, stamp, nonce, mac = parts
+    if not hmac.compare_digest(mac.encode(), _credential_mac(key, stamp, nonce).encode()):
+        return "a valid household secret is required"
+    skew = int(stamp) - now
+    if abs(skew) > CALL_CREDENTIAL_WINDOW_S:
+        return (
+            f"the caller's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} this node's "
+            f"(at most {CALL_CREDENTIAL_WINDOW_S} s are allowed): set both clocks right"
+        )
+    return None
 
 
 class SecretInterceptor(grpc.ServerInterceptor):
     def __init__(self, secret: str):
         if not secret:
             raise ValueError("a household secret must not be empty")
-        self._secret = secret.encode()
-
-        def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid household secret is required")
-
-        self._refuse_unary = grpc.unary_unary_rpc_method_handler(refuse)
-        self._refuse_stream = grpc.unary_stream_rpc_method_handler(refuse)
+        self._key = _call_key(secret)
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(_OPEN_SERVICES) or method in _OPEN_METHODS:
             return continuation(handler_call_details)
-        given = dict(handler_call_details.invocation_metadata or ()).get(SECRET_METADATA_KEY, "")
-        if hmac.compare_digest(given.encode(), self._secret):
+        given = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
+        why = check_credential(self._key, given if isinstance(given, str) else "", time.time())
+        if why is None:
             return continuation(handler_call_details)
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
         handler = continuation(handler_call_details)
-        return self._refuse_stream if handler is not None and handler.response_streaming else self._refuse_unary
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
