@@ -491,3 +491,19 @@ def test_prometheus_targets_given_the_secret_list_only_nodes_that_prove_it(tmp_p
         assert recorder.proved() and recorder.credentials() == []  # asked to prove, never sent the secret
     finally:
         watcher.close()
+
+
+def test_prometheus_targets_warns_when_it_has_no_secret_to_check_nodes_with(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from expertmesh.cli import main
+
+    monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("EXPERTMESH_SECRET", raising=False)
+    args = ["prometheus-targets", str(tmp_path / "nodes.json"), "--once", "--wait", "0.2", "--cluster", CLUSTER]
+    assert main(args) == 0
+    assert "unproven" in capsys.readouterr().err
+    monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "unproven" not in err and SECRET not in err

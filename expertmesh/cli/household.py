@@ -68,6 +68,8 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--wait", type=arguments.seconds, default=3.0, help="seconds to listen with --once (default %(default)s)"
     )
+    arguments.add_secret_arguments(p)
+    arguments.add_tls_ca_argument(p)
     p.set_defaults(func=prometheus_targets)
 
 
@@ -232,7 +234,17 @@ def prometheus_targets(args: argparse.Namespace) -> int:
     """Keep a Prometheus file_sd file in step with the metrics ports the cluster's nodes advertise."""
     from expertmesh.node.observability.prometheus_targets import TargetsWatcher
 
-    watcher = TargetsWatcher(Path(args.file), args.cluster, [args.interface] if args.interface else None)
+    given = arguments.given_secret(args)  # a flag or variable that names an unusable secret is an error
+    home = arguments.home_secret_path()
+    secret = given[0] if given is not None else (arguments.known_secret(args)[0] if home.exists() else None)
+    if secret is None:
+        print(
+            "warning: no household secret here (--secret-file, EXPERTMESH_SECRET or the home's): every node "
+            "advertising in the cluster is listed on its word, unproven",
+            file=sys.stderr,
+        )
+    interfaces = [args.interface] if args.interface else None
+    watcher = TargetsWatcher(Path(args.file), args.cluster, interfaces, secret, arguments.tls_ca(args))
     print(
         f"keeping {args.file} in step with the nodes of cluster {args.cluster!r}"
         + ("" if args.once else "; Ctrl-C stops"),
