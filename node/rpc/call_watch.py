@@ -7,13 +7,20 @@ Generate, half a minute for a peer's FetchExpert. Quiet alone proves nothing: a 
 takes minutes, and an owner fetching an expert from the Hub sends nothing until it has it. So when
 a watched call has heard nothing for `quiet_s`, its node's standard health service is asked (a
 separate, tiny call the node answers from its gRPC threads whatever its model or its Hub link is
-doing); a node that does not answer SERVING within `health_deadline_s` is taken as hung, and its
-quiet calls are marked so and cancelled. The caller turns that into its fallback: the coordinator
-tries another node or ends the answer with a clear error, the peers tier skips the peer and asks
-the next tier.
+doing); a node that fails `strikes` such checks in a row (none answered SERVING within
+`health_deadline_s`) is taken as hung, and its calls that heard nothing all that while are marked
+so and cancelled. The caller turns that into its fallback: the coordinator tries another node or
+ends the answer with a clear error, the peers tier skips the peer and asks the next tier.
+
+Why more than one strike for the coordinator: a live node can miss one check, since a Mac that
+swaps under a model larger than its RAM, or a loaded machine, stalls for seconds; giving up its
+call after one missed check cut a user's answer short with a 502 although the node went on a
+moment later. Two checks `quiet_s` apart tell a stall from a hang; a hang costs `quiet_s` and a
+check more. The peers tier keeps one strike: giving up a peer costs one expert from the next tier,
+never an answer, and a token waits on it.
 
 One daemon thread watches every call of its owner; it starts with the first call and asks each
-quiet node at most once per `quiet_s`.
+quiet node at most once per `quiet_s`. Nothing is kept of a node no watched call waits on.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 QUIET_S = 5.0  # a call silent this long has its node's health asked
 HEALTH_DEADLINE_S = 3.0
+STRIKES = 2  # failed health checks in a row that give a node up (see the module docstring)
 
 
 @dataclass(eq=False)  # hashed by identity: kept in a set while watched
@@ -55,13 +63,17 @@ class CallWatch:
         serving: Callable[[str, float], bool],
         quiet_s: float = QUIET_S,
         health_deadline_s: float = HEALTH_DEADLINE_S,
+        strikes: int = STRIKES,
     ):
         """`serving(address, timeout_s)`: whether the node answers its health check SERVING."""
         self._serving = serving
         self.quiet_s = quiet_s
         self.health_deadline_s = health_deadline_s
+        self.strikes = max(1, strikes)
         self._calls: set[Watched] = set()
         self._asked: dict[str, float] = {}  # address -> when its health was last asked
+        # address -> when each of its last failed checks in a row was asked (at most `strikes`)
+        self._failed: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,18 +94,37 @@ class CallWatch:
                 self._calls.discard(watched)
 
     def check(self) -> None:
-        """One round: ask the health of every node with a quiet call (not asked within `quiet_s`)."""
+        """One round: ask the health of every node with a quiet call (not asked within `quiet_s`);
+        give up the calls to a node that failed `strikes` checks in a row and that heard nothing
+        since before the first of them."""
         now = time.monotonic()
         with self._lock:
+            watched = {w.address for w in self._calls}
+            for address in [a for a in self._asked if a not in watched]:  # no call waits on it any more
+                del self._asked[address]
+                self._failed.pop(address, None)
             quiet = {w.address for w in self._calls if now - w.heard_at >= self.quiet_s and not w.hung}
             due = [a for a in quiet if now - self._asked.get(a, -self.quiet_s) >= self.quiet_s]
             for address in due:
                 self._asked[address] = now
         for address in due:
-            if self._serving(address, self.health_deadline_s):
-                continue
+            serving = self._serving(address, self.health_deadline_s)
             with self._lock:
-                hung = [w for w in self._calls if w.address == address and now - w.heard_at >= self.quiet_s]
+                if serving:
+                    self._failed.pop(address, None)
+                    continue
+                failed = self._failed.setdefault(address, [])
+                failed.append(now)
+                del failed[: -self.strikes]
+                if len(failed) < self.strikes:
+                    logger.info("node %s went quiet and missed a health check: asking again", address)
+                    continue
+                since = failed[0]  # when the first of the failed checks in a row was asked
+                hung = [
+                    w
+                    for w in self._calls
+                    if w.address == address and not w.hung and w.heard_at <= since and now - w.heard_at >= self.quiet_s
+                ]
                 for w in hung:
                     w.hung = True
             if hung:

@@ -123,8 +123,9 @@ class PeerSource:
         self.transfer_observer = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
+        # one strike: a peer given up costs one expert from the next tier, and a token waits on it
         self.watch = CallWatch(
-            lambda address, timeout_s: self.client(address).serving(timeout_s), quiet_s, HEALTH_DEADLINE_S
+            lambda address, timeout_s: self.client(address).serving(timeout_s), quiet_s, HEALTH_DEADLINE_S, strikes=1
         )
 
     def client(self, address: str) -> NodeClient:
