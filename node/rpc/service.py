@@ -93,9 +93,12 @@ class GenerationSlots:
         self._running = 0
 
     def fit(self, threads: int) -> None:
-        """Admit no more calls than `threads` (the worker threads Generate may hold), one at least."""
+        """Admit no more calls than `threads` (the worker threads Generate may hold), one at least;
+        no more run at once than are admitted, so Info's `generation_slots` (what an API sends
+        this node at once) is what it runs, not a `--max-batch` its threads cannot reach."""
         with self._cond:
             self.capacity = max(1, min(self.capacity, threads))
+            self.running = min(self.running, self.capacity)
 
     def admit(self) -> bool:
         """Take a place (running or waiting); False when every place is taken. Pair with `leave`."""
