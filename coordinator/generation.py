@@ -25,6 +25,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 GENERATE_DEADLINE_S = 3600.0  # a cold Kimi K3 token can take minutes; a whole answer, up to this
 HEALTH_DEADLINE_S = 3.0
+ASKING_THREADS = 8  # Info calls to nodes at once (new nodes' generation slots)
 
 
 @dataclass
@@ -61,7 +63,8 @@ class CoordinatorConfig:
     default_max_tokens: int = 256
     # generations a full node runs at once until its Info says its own (node_pool.py)
     generations_per_node: int = 1
-    # a node's stream silent this long has its health asked; not SERVING: the node is given up (node/rpc/call_watch.py)
+    # a node's stream silent this long has its health asked; not SERVING twice in a row: the node
+    # is given up (node/rpc/call_watch.py)
     node_quiet_s: float = QUIET_S
 
 
@@ -132,6 +135,7 @@ class Coordinator:
         self._clients: dict[str, NodeClient] = {}
         self._lock = threading.Lock()
         self._learning = threading.Lock()  # one request at a time asks new nodes their slots
+        self._asking = futures.ThreadPoolExecutor(ASKING_THREADS, thread_name_prefix="api-info")  # Info calls
         self.watch = CallWatch(lambda address, timeout_s: self._client(address).serving(timeout_s), config.node_quiet_s)
 
     def _client(self, address: str) -> NodeClient:
@@ -148,6 +152,8 @@ class Coordinator:
             self.pool.learn_slots(address, self._client(address).info(HEALTH_DEADLINE_S).generation_slots)
         except grpc.RpcError as e:
             logger.debug("node %s did not say its generation slots: %s", address, e.code().name.lower())
+        except ValueError:  # its channel was closed under the call: the node just left
+            logger.debug("node %s left while it was asked its generation slots", address)
 
     def _forget_departed(self) -> None:
         """Close the clients of nodes that left the household, once none of their calls runs:
@@ -163,11 +169,18 @@ class Coordinator:
     def _learn_new_nodes(self) -> None:
         """Before a request takes its place in the queue: the slots of nodes not heard from yet,
         so the queue's size is the household's (a node that joined, or the first requests).
-        Requests arriving meanwhile wait for the answer rather than queue on the default."""
+        Requests arriving meanwhile wait for the answer rather than queue on the default.
+
+        New nodes are asked all at once, so a request waits one Info deadline at most, not one
+        per node; a node that did not answer before (hung, or down) is asked again in the
+        background, so it does not hold every request for its deadline each SLOTS_ASKED_S."""
         with self._learning:
             self._forget_departed()
-            for address in self.pool.to_ask():
-                self._learn_slots(address)
+            first, again = self.pool.to_ask()
+            asked = [self._asking.submit(self._learn_slots, address) for address in first]
+            for address in again:
+                self._asking.submit(self._learn_slots, address)
+            futures.wait(asked)
 
     def healthy_nodes(self) -> list[str]:
         self._forget_departed()
@@ -274,6 +287,7 @@ class Coordinator:
 
     def close(self) -> None:
         self.watch.close()
+        self._asking.shutdown(wait=False, cancel_futures=True)  # a running Info ends with its channel, below
         with self._lock:
             for client in self._clients.values():
                 client.close()

@@ -74,17 +74,19 @@ class NodePool:
             with self._lock:
                 self._slots[address] = slots
 
-    def to_ask(self) -> list[str]:
-        """Nodes whose generation slots are not known and were not asked within SLOTS_ASKED_S;
-        they are marked asked now (so concurrent requests ask each node once)."""
+    def to_ask(self) -> tuple[list[str], list[str]]:
+        """Nodes whose generation slots are not known and were not asked within SLOTS_ASKED_S, as
+        (never asked, asked before without an answer); they are marked asked now (so concurrent
+        requests ask each node once)."""
         addresses, now = self.addresses(), time.monotonic()
         with self._lock:
             due = [
                 a for a in addresses if a not in self._slots and now - self._asked.get(a, -math.inf) >= SLOTS_ASKED_S
             ]
+            first = [a for a in due if a not in self._asked]
             for a in due:
                 self._asked[a] = now
-            return due
+            return first, [a for a in due if a not in first]
 
     def forget(self, addresses: list[str]) -> None:
         """Drop what is kept of nodes that left the household (none of whose calls runs)."""

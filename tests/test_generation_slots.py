@@ -91,3 +91,82 @@ def test_an_older_node_that_says_nothing_counts_for_the_configured_batch() -> No
         assert pool.ranked() == ["b:2", "a:1"]  # b has its one slot free, a has one of three left
     with pool.using("a:1"), pool.using("b:2"):
         assert pool.ranked() == ["a:1", "b:2"]  # b is full: a's free slots first despite equal load
+
+
+def test_a_node_says_only_the_generations_its_threads_let_it_run(pulled_home, hub, tmp_path) -> None:
+    """A `--max-batch` beyond the gRPC threads Generate may hold (16 workers less the reserve: 12)
+    runs no more than those at once; an Info that said the batch had the API send it more, and
+    the extra requests were refused (429) instead of waiting in the API's queue."""
+    from expertmesh.node.assembly import build_node
+    from expertmesh.node.config import HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
+    from expertmesh.node.rpc.client import NodeClient
+
+    repo_id = "expertmesh/tiny-kimi_k3"
+    pulled_home("kimi_k3", tmp_path)
+    config = NodeConfig(
+        repo_id,
+        home=tmp_path,
+        node_id="wide",
+        store=StoreConfig(prefetch=False, fill=False),
+        household=HouseholdConfig(secret="s"),
+        rpc=RpcConfig(host="127.0.0.1", port=0, max_workers=16),
+        max_batch=16,
+    )
+    with build_node(config).start() as served, NodeClient(served.rpc.address, "s") as client:
+        slots = served.service.generation_slots
+        assert slots.capacity < 16  # the threads bound it
+        assert client.info(IO_TIMEOUT_S).generation_slots == min(slots.running, slots.capacity)
+
+
+class _Hung(node_pb2_grpc.NodeServicer):
+    """A node that never answers Info (stopped, frozen), held until the test ends (its caller's
+    deadline ends each call on the caller's side). `others_waiting`: at the start of each of its
+    Info calls, whether an Info call to the other hung node was still waiting then."""
+
+    def __init__(self, released: threading.Event, calls: list[grpc.ServicerContext]) -> None:
+        self.released, self.calls = released, calls  # `calls`: every hung node's Info calls
+        self.infos: list[grpc.ServicerContext] = []
+        self.others_waiting: list[bool] = []
+        self.asked = threading.Event()
+
+    def Info(self, request, context):
+        self.others_waiting.append(any(c.is_active() for c in self.calls if c not in self.infos))
+        self.infos.append(context)
+        self.calls.append(context)
+        self.asked.set()
+        self.released.wait(IO_TIMEOUT_S)
+        return node_pb2.InfoResponse()
+
+    def Generate(self, request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
+
+
+def test_hung_nodes_hold_a_request_for_one_info_deadline_once_not_each_and_every_time(monkeypatch) -> None:
+    """Two nodes that never answer Info: the API asked one after the other (the first requests
+    waited 3 s per hung node) and asked again every SLOTS_ASKED_S, holding every request meanwhile."""
+    from expertmesh.coordinator import node_pool
+
+    monkeypatch.setattr(node_pool, "SLOTS_ASKED_S", 0.0)  # every request finds them due again
+    released, calls = threading.Event(), []
+    first, second = _Hung(released, calls), _Hung(released, calls)
+    try:
+        with (
+            fake_node(_OneAtATime(slots=2), workers=8) as (good, _),
+            fake_node(first, workers=4) as (hung_1, _),
+            fake_node(second, workers=4) as (hung_2, _),
+        ):
+            pool = NodePool([good, hung_1, hung_2])
+            coordinator = Coordinator(CoordinatorConfig(secret="s", models=lambda: ["m"]), pool)
+            try:
+                assert _answer(coordinator) == "one at a time"  # after the first Info answers
+                assert len(first.infos) == len(second.infos) == 1
+                # asked at once: the one asked second found the other still waiting
+                assert (first.others_waiting + second.others_waiting).count(True) == 1
+                first.asked.clear()
+                assert _answer(coordinator) == "one at a time"
+                assert first.asked.wait(IO_TIMEOUT_S)  # asked again, in the background:
+                assert first.infos[-1].is_active()  # the answer came while that Info still waited
+            finally:
+                coordinator.close()
+    finally:
+        released.set()
