@@ -121,8 +121,11 @@ class ModelDraft:
     """A small mlx-lm model proposing tokens one at a time; its cache follows the context.
 
     Its cache is kept between calls and trimmed to the common prefix with the new context, so it
-    feeds each context token once plus the rejected drafts it regenerates; a cache that cannot
-    trim now (a recurrent state, a wrapped sliding window) starts again from the context.
+    feeds each context token once plus the rejected drafts it regenerates. A cache that cannot
+    trim now (a recurrent state, a sliding window that has wrapped) is put back as it was before
+    the last drafts (held as CacheRollback holds the model's), then fed what the context added;
+    started again from the context, it fed the whole context at every rejection (a draft with a
+    128-token window, such as gpt-oss-20b's, re-read a long conversation per proposal).
     """
 
     name = "draft"
@@ -132,6 +135,8 @@ class ModelDraft:
         self.vocab_size = vocab_size
         self.cache = make_prompt_cache(model)
         self.fed: list[int] = []
+        # (tokens the cache held, what puts it back so) before the last proposal's drafts were fed
+        self._mark: tuple[int, list] | None = None
 
     @property
     def trimmable(self) -> bool:
@@ -177,9 +182,14 @@ class ModelDraft:
             if a != b:
                 break
             common += 1
+        mark, self._mark = self._mark, None
         if common < len(self.fed):
             if self.trimmable:
                 trim_prompt_cache(self.cache, len(self.fed) - common)
+            elif mark is not None and mark[0] <= common:
+                for c, held in zip(self.cache, mark[1]):
+                    _undo(c, held, len(self.fed) - mark[0])
+                common = mark[0]
             else:
                 self.cache, common = make_prompt_cache(self.model), 0
             self.fed = self.fed[:common]
@@ -192,6 +202,8 @@ class ModelDraft:
 
     def propose(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
         logits = self._sync(context)
+        if k > 1:  # drafts will be fed: remember the cache as it holds the context (see the class)
+            self._mark = (len(self.fed), [_save(c) for c in self.cache])
         tokens: list[int] = []
         probs: list[mx.array] | None = None if temp == 0 else []
         for i in range(k):
@@ -207,7 +219,7 @@ class ModelDraft:
         return Draft(tokens, probs)
 
     def close(self) -> None:
-        self.cache = []
+        self.cache, self._mark = [], None
 
 
 def make_draft_source(cfg: SpeculationConfig, tokenizer):
