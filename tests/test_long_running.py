@@ -149,16 +149,26 @@ def test_requests_of_every_kind_leave_no_thread_connection_or_generation_behind(
         assert wait_until(settled, timeout_s=30), (api.http.open_connections, api._threads.running)
         return codes
 
-    rounds(2)  # warm-up: the pools' threads (gRPC, the parser, the loop's executor) exist from here on
-    threads_before = threading.active_count()
+    rounds(2)  # warm-up: the pools' threads (the parser, the loop's executor) exist from here on
+    threads_before = _unpooled_threads()
     codes = rounds(6)
     assert {200, 400, 404, 429} <= set(codes)  # every kind happened
-    assert wait_until(lambda: threading.active_count() <= threads_before, timeout_s=30), (
-        threading.active_count(),
-        threads_before,
+    assert wait_until(lambda: len(_unpooled_threads()) <= len(threads_before), timeout_s=30), sorted(
+        set(_unpooled_threads()) - set(threads_before)
     )
     series = [line for line in _metrics(port).splitlines() if line.startswith("expertmesh_api_responses_total")]
     assert len(series) <= 8  # per endpoint and code: 404s for 6 distinct paths are one "other" series
+
+
+# Thread pools of a bounded size that start a worker when they first run that many calls at once:
+# the node's gRPC server (16 workers) and the API's Info calls. A warm-up cannot be sure to have
+# reached their peak, and a worker one of them adds later is no leak (the test failed now and then
+# on a second `grpc_` worker).
+_BOUNDED_POOLS = ("grpc_", "api-info_")
+
+
+def _unpooled_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if not t.name.startswith(_BOUNDED_POOLS)]
 
 
 def _metrics(port: int) -> str:
