@@ -86,6 +86,11 @@ def household_secret() -> str | None:
     return os.environ.get("EXPERTMESH_SECRET") or None
 
 
+def household_tls_ca() -> str | None:
+    """Where the household's TLS certificate is, from `EXPERTMESH_TLS_CA` (rpc/tls.py reads it)."""
+    return os.environ.get("EXPERTMESH_TLS_CA") or None
+
+
 SECRET_FILENAME = "secret"  # in EXPERTMESH_HOME, owner-only
 DEFAULT_NODE_PORT = 7433
 # The version of proto/expertmesh/v1 this node speaks, in Info and in its zeroconf advertisement.

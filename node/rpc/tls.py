@@ -14,15 +14,14 @@ experts from the LAN, the secret decides who may ask.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import grpc
 
+from expertmesh.node import constants
 from expertmesh.node.errors import ExpertmeshError
 
 TLS_NAME = "expertmesh"  # the name household certificates carry (CN and subjectAltName)
-TLS_CA_ENV = "EXPERTMESH_TLS_CA"
 
 
 class TlsConfigError(ExpertmeshError):
@@ -46,7 +45,7 @@ def server_credentials(cert: str | Path, key: str | Path) -> grpc.ServerCredenti
 
 def load_ca(path: str | Path | None = None) -> bytes | None:
     """The household CA for outgoing calls: `path`, else $EXPERTMESH_TLS_CA, else None (plain TCP)."""
-    path = path or os.environ.get(TLS_CA_ENV)
+    path = path or constants.household_tls_ca()
     return _read_pem(path, "CA certificate") if path else None
 
 
