@@ -93,8 +93,10 @@ def household_tls_ca() -> str | None:
 
 SECRET_FILENAME = "secret"  # in EXPERTMESH_HOME, owner-only
 DEFAULT_NODE_PORT = 7433
-# The version of proto/expertmesh/v1 this node speaks, in Info and in its zeroconf advertisement.
-PROTOCOL_VERSION = 1
+# The version of proto/expertmesh/v1 this node speaks, in Info, in its proof and in its zeroconf
+# advertisement; nodes of another version are not joined (household/membership.py says why).
+# 2: calls carry a credential made with the secret, not the secret itself (node/rpc/auth.py).
+PROTOCOL_VERSION = 2
 
 # Trailing metadata of a refused Generate call saying why, for a caller to act on without reading
 # the message (the API answers OpenAI's `context_length_exceeded` code from it).

@@ -52,10 +52,15 @@ class _Member(node_pb2_grpc.NodeServicer):
 
 @contextlib.contextmanager
 def member(
-    secret: str, node_id: str, role: str = "full", disk_budget_bytes: int = 10**9, compute: bool = True
+    secret: str,
+    node_id: str,
+    role: str = "full",
+    disk_budget_bytes: int = 10**9,
+    compute: bool = True,
+    protocol_version: int = constants.PROTOCOL_VERSION,
 ) -> Iterator[NodeServer]:
     """A member of the household: behind the secret, it answers Prove with `node_id` and these attributes."""
-    servicer = _Member(Identity(node_id, role, disk_budget_bytes, compute, constants.PROTOCOL_VERSION))
+    servicer = _Member(Identity(node_id, role, disk_budget_bytes, compute, protocol_version))
     server = NodeServer(servicer, secret, host="127.0.0.1", port=0, max_workers=8)
     servicer.prover = Prover(secret, server.port)
     server.start()

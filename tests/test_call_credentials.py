@@ -51,15 +51,29 @@ def test_calls_carry_a_fresh_credential_never_the_secret(node, monkeypatch) -> N
 
 
 def test_a_wrong_secret_or_the_bare_secret_is_refused(node) -> None:
-    for metadata in (
-        call_metadata("another-secret"),
-        ((AUTH_METADATA_KEY, SECRET),),
-        (("x-expertmesh-secret", SECRET),),
-    ):
+    for metadata in (call_metadata("another-secret"), ((AUTH_METADATA_KEY, SECRET),)):
         with pytest.raises(grpc.RpcError) as e:
             _info(node.address, metadata)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert e.value.details() == "a valid household secret is required"
+
+
+def test_a_node_of_the_previous_protocol_is_told_to_upgrade_not_that_its_secret_is_wrong(node) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        _info(node.address, (("x-expertmesh-secret", SECRET),))  # what protocol 1 sent
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "same expertmesh release" in e.value.details() and SECRET not in e.value.details()
+
+
+def test_a_member_of_another_protocol_is_not_joined_and_says_why() -> None:
+    from fake_nodes import member
+
+    from expertmesh.node.household.membership import prove_peer
+    from expertmesh.node.rpc.proof import ProofError
+
+    with member(SECRET, "old-mac", protocol_version=1) as old:
+        with pytest.raises(ProofError, match="speaks protocol 1 and this one 2"):
+            prove_peer(old.address, SECRET)
 
 
 def test_a_copied_credential_is_refused_once_its_window_is_over_and_says_the_clocks_differ(node, monkeypatch) -> None:

@@ -19,9 +19,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from expertmesh.node import constants
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.rpc.client import NodeClient
-from expertmesh.node.rpc.proof import PROVE_DEADLINE_S, prove
+from expertmesh.node.rpc.proof import PROVE_DEADLINE_S, ProofError, prove
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,11 @@ def prove_peer(address: str, secret: str, tls_ca: bytes | None = None, timeout: 
     """
     with NodeClient(address, secret, tls_ca) as client:
         identity = prove(client, secret, timeout)
+    if identity.protocol_version != constants.PROTOCOL_VERSION:  # its calls and ours would be refused
+        raise ProofError(
+            f"the node at {address} ({identity.node_id}) speaks protocol {identity.protocol_version} and this one "
+            f"{constants.PROTOCOL_VERSION}: run the same expertmesh release on every Mac of the household"
+        )
     return Peer(identity.node_id, address, float(identity.disk_budget_bytes), identity.role, compute=identity.compute)
 
 

@@ -32,6 +32,7 @@ AUTH_METADATA_KEY = "x-expertmesh-auth"
 # their clocks by NTP; `expertmesh doctor` checks this one's. A copied credential lives this long.
 CALL_CREDENTIAL_WINDOW_S = 300
 _CALL_DOMAIN = b"expertmesh call v1"
+_OLD_SECRET_METADATA_KEY = "x-expertmesh-secret"  # protocol 1's: the secret itself (never read, only noticed)
 _OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # what a load balancer or a peer table may ask freely
 # Prove (rpc/proof.py) is open: a caller asks it before it may send the secret. It answers only a
 # proof over what the caller sent and what zeroconf advertises anyway (id, role, disk, compute).
@@ -156,8 +157,14 @@ class SecretInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(_OPEN_SERVICES) or method in _OPEN_METHODS:
             return continuation(handler_call_details)
-        given = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA_KEY, "")
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = metadata.get(AUTH_METADATA_KEY, "")
         why = check_credential(self._key, given if isinstance(given, str) else "", time.time())
+        if why is not None and not given and _OLD_SECRET_METADATA_KEY in metadata:
+            why = (
+                "the caller sent the household secret itself, as expertmesh releases of protocol 1 did: "
+                "run the same expertmesh release on every Mac of the household"
+            )
         if why is None:
             return continuation(handler_call_details)
 
