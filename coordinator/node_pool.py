@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 FAILED_LAST_S = 30.0  # a node whose call failed is ranked last this long (or until it answers again)
+MAX_NODE_SLOTS = 256  # the most generation slots a node's Info is believed for
 SLOTS_ASKED_S = 30.0  # a node that did not say its generation slots is asked again after this
 
 
@@ -71,8 +72,8 @@ class NodePool:
     def learn_slots(self, address: str, slots: int) -> None:
         """`address` runs `slots` generations at once (its Info); 0 (an older node) is ignored."""
         if slots > 0:
-            with self._lock:
-                self._slots[address] = slots
+            with self._lock:  # a node's word, bounded: a node admits no more calls than it has threads
+                self._slots[address] = min(slots, MAX_NODE_SLOTS)
 
     def to_ask(self) -> tuple[list[str], list[str]]:
         """Nodes whose generation slots are not known and were not asked within SLOTS_ASKED_S, as

@@ -15,7 +15,7 @@ import grpc
 from fake_nodes import fake_node
 
 from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
-from expertmesh.coordinator.node_pool import NodePool
+from expertmesh.coordinator.node_pool import MAX_NODE_SLOTS, NodePool
 from expertmesh.coordinator.openai_request import Ask
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
@@ -85,6 +85,9 @@ def test_an_older_node_that_says_nothing_counts_for_the_configured_batch() -> No
     assert pool.slots() == 6
     pool.learn_slots("b:2", 1)
     assert pool.slots() == 4
+    pool.learn_slots("a:1", 2**32 - 1)  # a node's Info is its word, held to what any node could run
+    assert pool.slots() == MAX_NODE_SLOTS + 1
+    pool.learn_slots("a:1", 3)
     with pool.using("b:2"):  # b is full: a, with room, comes first although it was listed first anyway
         assert pool.ranked()[0] == "a:1"
     with pool.using("a:1"), pool.using("a:1"):
