@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,23 +32,17 @@ from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS, layer_number
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.store.codec import ExpertWeights, ProjectionWeights
-from expertmesh.node.store.stats import StoreStats, tapped
+from expertmesh.node.store.stats import StoreStats, tapped, thread_value
 
 _by_row = threading.local()  # the ledgers of the rows of the forward pass running on this thread
 
 
-@contextlib.contextmanager
-def expert_uses_by_row(ledgers: list[StoreStats]) -> Iterator[None]:
+def expert_uses_by_row(ledgers: list[StoreStats]):
     """While inside, every expert block called on this thread also counts, in `ledgers[r]`, the
     experts the tokens of batch row r routed to, each under the source that served it to the
     layer (engine/batching.py: a batched request's own expert uses). Rows are the leading
     dimension of the model's input, in order."""
-    before = getattr(_by_row, "ledgers", None)
-    _by_row.ledgers = ledgers
-    try:
-        yield
-    finally:
-        _by_row.ledgers = before
+    return thread_value(_by_row, "ledgers", ledgers)
 
 
 class StreamingExperts(nn.Module):

@@ -114,13 +114,18 @@ _taps = threading.local()
 
 
 @contextmanager
-def tapped(tap: Callable[[ExpertKey | None, str, int, float], None]) -> Iterator[None]:
-    """Also hand every use recorded on this thread to `tap(key, source, nbytes, seconds)` while
-    inside: how a batch (engine/batching.py) learns which source served each expert its rows
-    routed to, without counting what other threads (peers' calls) record meanwhile."""
-    before = getattr(_taps, "tap", None)
-    _taps.tap = tap
+def thread_value(local: threading.local, name: str, value: object) -> Iterator[None]:
+    """`local.<name>` is `value` on this thread while inside, and what it was afterwards."""
+    before = getattr(local, name, None)
+    setattr(local, name, value)
     try:
         yield
     finally:
-        _taps.tap = before
+        setattr(local, name, before)
+
+
+def tapped(tap: Callable[[ExpertKey | None, str, int, float], None]):
+    """Also hand every use recorded on this thread to `tap(key, source, nbytes, seconds)` while
+    inside: how a batch (engine/batching.py) learns which source served each expert its rows
+    routed to, without counting what other threads (peers' calls) record meanwhile."""
+    return thread_value(_taps, "tap", tap)
