@@ -92,6 +92,14 @@ class _Cut(node_pb2_grpc.NodeServicer):
         # "ends": an OK status with no GenerationDone at all
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """Kill a test's process, stopped (SIGSTOP) or not, and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()
+    proc.wait(timeout=30)
+
+
 @contextlib.contextmanager
 def _node_process(pause_s: float = 0.2) -> Iterator[tuple[subprocess.Popen, str]]:
     """A slow full node in its own process: (the process, its address); killed whatever happens."""
@@ -102,10 +110,7 @@ def _node_process(pause_s: float = 0.2) -> Iterator[tuple[subprocess.Popen, str]
         assert address, "the full node process did not start"
         yield proc, address
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait(timeout=30)
+        _end(proc)
 
 
 def _api(addresses: list[str]) -> OpenAIServer:
@@ -236,10 +241,7 @@ def _cache_peer(home: Path, hub: HubServer, port: int = 0) -> Iterator[tuple[sub
         assert address is not None, "the cache peer never said where it serves"
         yield proc, address
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait(timeout=30)
+        _end(proc)
 
 
 @pytest.mark.e2e
