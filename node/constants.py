@@ -96,7 +96,8 @@ DEFAULT_NODE_PORT = 7433
 # The version of proto/expertmesh/v1 this node speaks, in Info, in its proof and in its zeroconf
 # advertisement; nodes of another version are not joined (household/membership.py says why).
 # 2: calls carry a credential made with the secret, not the secret itself (node/rpc/auth.py).
-PROTOCOL_VERSION = 2
+# 3: the credential names its call's method, and a node accepts each one once (v2 credentials).
+PROTOCOL_VERSION = 3
 
 # Trailing metadata of a refused Generate call saying why, for a caller to act on without reading
 # the message (the API answers OpenAI's `context_length_exceeded` code from it).

@@ -31,7 +31,7 @@ from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.batching import BatchEngine, make_row_sampler
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 ARCHS = ["kimi_k3", "deepseek_v3", "qwen3_moe"]  # KDA state + MLA; MLA; plain attention, BF16 experts
@@ -239,7 +239,7 @@ def _generate(stub, prompt: str, max_tokens: int, **fields):
     request = node_pb2.GenerateRequest(
         model=node_pb2.ModelKey(repo_id=REPO_ID), prompt=prompt, max_tokens=max_tokens, **fields
     )
-    return stub.Generate(request, metadata=call_metadata(SECRET), timeout=IO_TIMEOUT_S)
+    return stub.Generate(request, metadata=call_metadata(SECRET, node_method("Generate")), timeout=IO_TIMEOUT_S)
 
 
 def _metric(node, name: str) -> float:

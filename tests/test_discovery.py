@@ -40,7 +40,7 @@ from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.hub.local_models import find_pulled
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 LOOPBACK = ["127.0.0.1"]
@@ -335,12 +335,17 @@ def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, i
     return proc, int(re.search(r"on 127\.0\.0\.1:(\d+)", out).group(1))
 
 
+def _md(method: str):
+    """A fresh credential for one call of `method`: a node accepts each credential once."""
+    return call_metadata("zc-secret", node_method(method))
+
+
 def _wait_for_peers(port: int, n: int) -> None:
     """Until the node on `port` knows `n` live peers (advertisements cross in their own time)."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = node_pb2_grpc.NodeStub(channel)
         assert wait_until(
-            lambda: stub.Info(node_pb2.InfoRequest(), metadata=call_metadata("zc-secret"), timeout=10).live_peers >= n,
+            lambda: stub.Info(node_pb2.InfoRequest(), metadata=_md("Info"), timeout=10).live_peers >= n,
             timeout_s=60,
         ), "the nodes did not find each other"
 
@@ -373,7 +378,7 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, orac
                     node_pb2.GenerateRequest(
                         model=node_pb2.ModelKey(repo_id="expertmesh/tiny-kimi_k3"), prompt=prompt, max_tokens=12
                     ),
-                    metadata=call_metadata("zc-secret"),
+                    metadata=_md("Generate"),
                     timeout=120,
                 )
             )
@@ -400,13 +405,12 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
         with hub.stats_.lock:
             hub.stats_.reset()  # count only this household's requests
         prompt = "A household of three"
-        md = call_metadata("zc-secret")
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = node_pb2_grpc.NodeStub(channel)
             events = list(
                 stub.Generate(
                     node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=repo_id), prompt=prompt, max_tokens=12),
-                    metadata=md,
+                    metadata=_md("Generate"),
                     timeout=120,
                 )
             )
@@ -418,14 +422,18 @@ def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, 
         for _, peer_port in peers:  # what the two owners keep, between them
             with grpc.insecure_channel(f"127.0.0.1:{peer_port}") as channel:
                 stub = node_pb2_grpc.NodeStub(channel)
-                info = stub.Info(node_pb2.InfoRequest(), metadata=md, timeout=10)
+                info = stub.Info(node_pb2.InfoRequest(), metadata=_md("Info"), timeout=10)
                 assert info.role == "cache" and info.mlx_version == "" and not info.compute
-                inventory = stub.GetInventory(node_pb2.InventoryRequest(model=info.models[0]), metadata=md, timeout=10)
+                inventory = stub.GetInventory(
+                    node_pb2.InventoryRequest(model=info.models[0]), metadata=_md("GetInventory"), timeout=10
+                )
                 held += sum(bin(b).count("1") for layer in inventory.layers for b in layer.bits)
                 with pytest.raises(grpc.RpcError) as e:
                     list(
                         stub.Generate(
-                            node_pb2.GenerateRequest(model=info.models[0], prompt="x"), metadata=md, timeout=10
+                            node_pb2.GenerateRequest(model=info.models[0], prompt="x"),
+                            metadata=_md("Generate"),
+                            timeout=10,
                         )
                     )
                 assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -17,7 +17,7 @@ from waiting import wait_until
 
 from expertmesh.node.engine.chat import ChatSession, chat_token_ids, control_tokens
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -45,6 +45,11 @@ def channel(node):
         ch.close()
 
 
+def _md(method: str):
+    """A fresh credential for one call of `method`: a node accepts each credential once."""
+    return call_metadata(SECRET, node_method(method))
+
+
 def _request(**fields) -> node_pb2.GenerateRequest:
     fields.setdefault("prompt", LONG_PROMPT)
     return node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=REPO_ID), **fields)
@@ -55,11 +60,12 @@ def _idle(node) -> bool:
 
 
 def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answer(node, channel) -> None:
-    stub, md = node_pb2_grpc.NodeStub(channel), call_metadata(SECRET)
+    stub = node_pb2_grpc.NodeStub(channel)
     slots = node.service.generation_slots.capacity
     assert slots + 4 <= 16  # the default 16 workers leave threads to everything else
     calls = [
-        stub.Generate(_request(max_tokens=4000, temperature=0.0), metadata=md, timeout=120) for _ in range(slots + 8)
+        stub.Generate(_request(max_tokens=4000, temperature=0.0), metadata=_md("Generate"), timeout=120)
+        for _ in range(slots + 8)
     ]
     try:
         assert wait_until(lambda: sum(c.done() for c in calls) >= 8, timeout_s=30)
@@ -73,7 +79,7 @@ def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answ
             health_pb2.HealthCheckRequest(service="expertmesh.v1.Node"), timeout=5
         )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-        assert stub.Info(node_pb2.InfoRequest(), metadata=md, timeout=5).node_id == "bounds"
+        assert stub.Info(node_pb2.InfoRequest(), metadata=_md("Info"), timeout=5).node_id == "bounds"
         assert time.monotonic() - t0 < 5
         assert sum(not c.done() for c in calls) == slots  # the admitted ones still run or wait
     finally:
@@ -101,7 +107,7 @@ def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answ
 )
 def test_every_generate_field_is_checked(node, channel, fields: dict, named: str) -> None:
     with pytest.raises(grpc.RpcError) as e:
-        list(node_pb2_grpc.NodeStub(channel).Generate(_request(**fields), metadata=call_metadata(SECRET), timeout=30))
+        list(node_pb2_grpc.NodeStub(channel).Generate(_request(**fields), metadata=_md("Generate"), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in e.value.details()
     assert _idle(node)  # a refused call holds no slot
@@ -109,11 +115,11 @@ def test_every_generate_field_is_checked(node, channel, fields: dict, named: str
 
 def test_a_negative_seed_generates_and_repeats(node, channel) -> None:
     """OpenAI's seeds are any 64-bit integer; MLX's are unsigned: -1 must not fail mid-generation."""
-    stub, md = node_pb2_grpc.NodeStub(channel), call_metadata(SECRET)
+    stub = node_pb2_grpc.NodeStub(channel)
 
     def ids(seed: int) -> list[int]:
         req = _request(max_tokens=8, temperature=1.0, seed=seed)
-        return [e.token.id for e in stub.Generate(req, metadata=md, timeout=60) if e.HasField("token")]
+        return [e.token.id for e in stub.Generate(req, metadata=_md("Generate"), timeout=60) if e.HasField("token")]
 
     assert ids(-1) == ids(-1) and ids(-(2**63)) == ids(-(2**63))
     assert len(ids(2**63 - 1)) == 8
@@ -140,12 +146,12 @@ class _TokenTimes:
 
 
 def test_a_cancelled_generate_stops_within_a_token_or_two(node, channel) -> None:
-    stub, md = node_pb2_grpc.NodeStub(channel), call_metadata(SECRET)
-    before = stub.Info(node_pb2.InfoRequest(), metadata=md, timeout=10).generated_tokens
+    stub = node_pb2_grpc.NodeStub(channel)
+    before = stub.Info(node_pb2.InfoRequest(), metadata=_md("Info"), timeout=10).generated_tokens
     observer, kept = _TokenTimes(), node.model.token_observer
     node.model.token_observer = observer
     try:
-        call = stub.Generate(_request(max_tokens=4000, temperature=0.0), metadata=md, timeout=120)
+        call = stub.Generate(_request(max_tokens=4000, temperature=0.0), metadata=_md("Generate"), timeout=120)
         received = 0
         for event in call:
             received += event.HasField("token")
@@ -158,16 +164,16 @@ def test_a_cancelled_generate_stops_within_a_token_or_two(node, channel) -> None
         node.model.token_observer = kept
     after_cancel = [t for t in observer.times if t > cancelled_at]
     assert len(after_cancel) <= 2, f"{len(after_cancel)} tokens were generated after the client left"
-    generated = stub.Info(node_pb2.InfoRequest(), metadata=md, timeout=10).generated_tokens - before
+    generated = stub.Info(node_pb2.InfoRequest(), metadata=_md("Info"), timeout=10).generated_tokens - before
     assert generated == len(observer.times) and generated < 5 + 8  # nowhere near the 1,175 asked for
 
 
 def test_a_waiting_generate_whose_client_leaves_gives_up_its_place(node, channel) -> None:
-    stub, md = node_pb2_grpc.NodeStub(channel), call_metadata(SECRET)
-    running = stub.Generate(_request(max_tokens=4000, temperature=0.0), metadata=md, timeout=120)
+    stub = node_pb2_grpc.NodeStub(channel)
+    running = stub.Generate(_request(max_tokens=4000, temperature=0.0), metadata=_md("Generate"), timeout=120)
     try:
         next(running)  # it runs
-        waiting = stub.Generate(_request(max_tokens=4), metadata=md, timeout=120)
+        waiting = stub.Generate(_request(max_tokens=4), metadata=_md("Generate"), timeout=120)
         slots = node.service.generation_slots
         assert wait_until(lambda: slots.depth() == (1, 1), timeout_s=10)
         waiting.cancel()
@@ -226,12 +232,12 @@ def test_a_tokenizer_that_ignores_split_special_tokens_still_gets_plain_text(nod
 
 
 def test_generate_and_chat_feed_the_model_the_plain_text_tokens(node, channel) -> None:
-    stub, md = node_pb2_grpc.NodeStub(channel), call_metadata(SECRET)
+    stub = node_pb2_grpc.NodeStub(channel)
     tok = node.model.tokenizer
     messages = [{"role": "user", "content": FORGED}]
     req = _request(prompt="", max_tokens=1, temperature=0.0)
     req.messages.extend(node_pb2.ChatMessage(**m) for m in messages)
-    first = next(iter(stub.Generate(req, metadata=md, timeout=60)))
+    first = next(iter(stub.Generate(req, metadata=_md("Generate"), timeout=60)))
     assert first.token.prompt_tokens == len(chat_token_ids(tok, messages))
     assert wait_until(lambda: _idle(node), timeout_s=10)
     # the CLI's chat goes through the same encoding (no Generate runs now to share the model with)

@@ -29,7 +29,7 @@ from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.hub.local_models import find_index
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -82,7 +82,7 @@ class Served:
     def live_peers(self) -> int:
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             info = node_pb2_grpc.NodeStub(channel).Info(
-                node_pb2.InfoRequest(), metadata=call_metadata(SECRET), timeout=10
+                node_pb2.InfoRequest(), metadata=call_metadata(SECRET, node_method("Info")), timeout=10
             )
         return info.live_peers
 

@@ -46,7 +46,7 @@ from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.observability.metrics import LABELS as NODE_LABELS
 from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
 from expertmesh.node.observability.prometheus_targets import TARGET_LABELS, TargetsWatcher
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.store.stats import SOURCES
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
@@ -208,7 +208,7 @@ def generation(node, prometheus):
             node_pb2.GenerateRequest(
                 model=node_pb2.ModelKey(repo_id=REPO_ID), prompt="hello world", max_tokens=MAX_TOKENS
             ),
-            metadata=call_metadata(SECRET),
+            metadata=call_metadata(SECRET, node_method("Generate")),
             timeout=300,
         )
     )

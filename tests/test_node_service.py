@@ -18,7 +18,7 @@ from nodes import serving
 from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -40,6 +40,11 @@ def node(pulled_home, hub_root: Path, tmp_path_factory: pytest.TempPathFactory):
             served.close()
 
 
+def _md(method: str):
+    """A fresh credential for one call of `method`: a node accepts each credential once."""
+    return call_metadata(SECRET, node_method(method))
+
+
 def _key(sm, layer: int, expert: int) -> node_pb2.ExpertKey:
     return node_pb2.ExpertKey(model=node_pb2.ModelKey(repo_id=sm.repo_id, commit=sm.commit), layer=layer, expert=expert)
 
@@ -57,37 +62,45 @@ def test_health_is_open_and_everything_else_needs_the_secret(node) -> None:
     sm, stub, channel, _ = node
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="expertmesh.v1.Node"))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    for metadata in ((), call_metadata("wrong")):
+    for credential in (lambda method: (), lambda method: call_metadata("wrong", node_method(method))):
         with pytest.raises(grpc.RpcError) as e:
-            stub.Info(node_pb2.InfoRequest(), metadata=metadata, timeout=10)
+            stub.Info(node_pb2.InfoRequest(), metadata=credential("Info"), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert sm.repo_id not in e.value.details()  # learns nothing about the node
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.FetchExpert(node_pb2.FetchExpertRequest(key=_key(sm, 1, 0)), metadata=metadata, timeout=10))
+            key = _key(sm, 1, 0)
+            list(stub.FetchExpert(node_pb2.FetchExpertRequest(key=key), metadata=credential("FetchExpert"), timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    info = stub.Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET), timeout=10)
+    info = stub.Info(node_pb2.InfoRequest(), metadata=_md("Info"), timeout=10)
     assert info.role == "full" and info.node_id == "n1" and info.models[0].commit == sm.commit
     assert SECRET not in str(info)
 
 
 def test_fetch_expert_is_exact_and_verified_and_fills_the_inventory(node, tiny_repos: dict[str, Path]) -> None:
     sm, stub, _, _ = node
-    md = call_metadata(SECRET)
     layer = sm.index.moe_layers[-1]
     loc = sm.index.expert(layer, 7)
     with pytest.raises(grpc.RpcError) as e:  # not held, and not asked to fetch it
-        list(stub.FetchExpert(node_pb2.FetchExpertRequest(key=_key(sm, layer, 7)), metadata=md, timeout=10))
+        list(
+            stub.FetchExpert(
+                node_pb2.FetchExpertRequest(key=_key(sm, layer, 7)), metadata=_md("FetchExpert"), timeout=10
+            )
+        )
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     chunks = list(
         stub.FetchExpert(
-            node_pb2.FetchExpertRequest(key=_key(sm, layer, 7), fetch_on_miss=True), metadata=md, timeout=30
+            node_pb2.FetchExpertRequest(key=_key(sm, layer, 7), fetch_on_miss=True),
+            metadata=_md("FetchExpert"),
+            timeout=30,
         )
     )
     data = b"".join(c.data for c in chunks)
     assert chunks[0].size == len(data) == loc.nbytes
     assert chunks[0].sha256 == hashlib.sha256(data).hexdigest()
     assert data == _upstream_bytes(tiny_repos["kimi_k3"], loc)
-    inventory = stub.GetInventory(node_pb2.InventoryRequest(model=_key(sm, 0, 0).model), metadata=md, timeout=10)
+    inventory = stub.GetInventory(
+        node_pb2.InventoryRequest(model=_key(sm, 0, 0).model), metadata=_md("GetInventory"), timeout=10
+    )
     bitmap = next(b for b in inventory.layers if b.layer == layer)
     assert bitmap.bits[7 // 8] & (1 << (7 % 8))  # the owner kept what it fetched
     assert [b.layer for b in inventory.layers] == sm.index.moe_layers
@@ -95,7 +108,6 @@ def test_fetch_expert_is_exact_and_verified_and_fills_the_inventory(node, tiny_r
 
 def test_bad_requests_get_clear_statuses(node) -> None:
     sm, stub, _, _ = node
-    md = call_metadata(SECRET)
     cases = [
         (_key(sm, 999, 0), grpc.StatusCode.INVALID_ARGUMENT),
         (
@@ -109,12 +121,18 @@ def test_bad_requests_get_clear_statuses(node) -> None:
     ]
     for key, code in cases:
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.FetchExpert(node_pb2.FetchExpertRequest(key=key, fetch_on_miss=True), metadata=md, timeout=10))
+            list(
+                stub.FetchExpert(
+                    node_pb2.FetchExpertRequest(key=key, fetch_on_miss=True), metadata=_md("FetchExpert"), timeout=10
+                )
+            )
         assert e.value.code() == code, key
     with pytest.raises(grpc.RpcError) as e:
         list(
             stub.Generate(
-                node_pb2.GenerateRequest(model=_key(sm, 0, 0).model, prompt="hi", top_p=2.0), metadata=md, timeout=10
+                node_pb2.GenerateRequest(model=_key(sm, 0, 0).model, prompt="hi", top_p=2.0),
+                metadata=_md("Generate"),
+                timeout=10,
             )
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -125,7 +143,7 @@ def test_generate_streams_mlx_lm_tokens_with_a_summary(node, oracle) -> None:
     sm, stub, _, _ = node
     prompt = "The household shares"
     request = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=sm.repo_id), prompt=prompt, max_tokens=12)
-    events = list(stub.Generate(request, metadata=call_metadata(SECRET), timeout=120))
+    events = list(stub.Generate(request, metadata=_md("Generate"), timeout=120))
     tokens = [e.token.id for e in events if e.HasField("token")]
     done = events[-1].done
     expected = oracle.tokens("kimi_k3", prompt, 12)
@@ -154,9 +172,7 @@ def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(n
             request = node_pb2.GenerateRequest(
                 model=node_pb2.ModelKey(repo_id=sm.repo_id), prompt=prompt, max_tokens=24
             )
-            events = list(
-                node_pb2_grpc.NodeStub(channel).Generate(request, metadata=call_metadata(SECRET), timeout=120)
-            )
+            events = list(node_pb2_grpc.NodeStub(channel).Generate(request, metadata=_md("Generate"), timeout=120))
     finally:
         speculating.close()
     expected = oracle.tokens("kimi_k3", prompt, 24)
@@ -226,7 +242,7 @@ def test_serve_creates_a_secret_says_where_it_is_and_stops_on_sigterm(hub_root: 
         assert "`expertmesh secret` shows it" in "".join(lines)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             info = node_pb2_grpc.NodeStub(channel).Info(
-                node_pb2.InfoRequest(), metadata=call_metadata(secret), timeout=30
+                node_pb2.InfoRequest(), metadata=call_metadata(secret, node_method("Info")), timeout=30
             )
         assert info.role == "full"
         api = re.search(r"OpenAI-compatible API on (\S+)", "".join(lines)).group(1)  # the embedded coordinator

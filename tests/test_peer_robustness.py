@@ -22,7 +22,7 @@ from expertmesh.node.household.warm import WarmNode, warm
 from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.hub.local_models import find_index
 from expertmesh.node.rpc.admission import BUSY
-from expertmesh.node.rpc.auth import SecretInterceptor, call_metadata
+from expertmesh.node.rpc.auth import SecretInterceptor, call_metadata, node_method
 from expertmesh.node.rpc.client import NodeClient, model_key
 from expertmesh.node.rpc.inventory import bitmap_bytes, inventory_keys, layer_sizes
 from expertmesh.node.rpc.server import RESERVED_WORKERS
@@ -287,15 +287,15 @@ def test_get_inventory_counts_the_layers_once(node) -> None:
             return super().__iter__()
 
     model, sizes = model_key(index.repo_id, index.commit), layer_sizes(index)
-    request, md = node_pb2.InventoryRequest(model=model), call_metadata(SECRET)
+    request = node_pb2.InventoryRequest(model=model)
     kept = index.experts
     index.experts = Counting(kept)
     try:
         with grpc.insecure_channel(node.rpc.address) as channel:
             stub = node_pb2_grpc.NodeStub(channel)
-            first = stub.GetInventory(request, metadata=md, timeout=10)
+            first = stub.GetInventory(request, metadata=call_metadata(SECRET, node_method("GetInventory")), timeout=10)
             walks[0] = 0
-            again = stub.GetInventory(request, metadata=md, timeout=10)
+            again = stub.GetInventory(request, metadata=call_metadata(SECRET, node_method("GetInventory")), timeout=10)
     finally:
         index.experts = kept
     assert walks[0] == 0

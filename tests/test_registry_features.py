@@ -53,7 +53,7 @@ from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 ARCHS = ("gpt_oss", "mimo_v2_flash", "deepseek_v41", "nemotron_h", "llama4", "phixtral", "muse_spark")
@@ -310,7 +310,9 @@ def test_a_model_mlx_lm_cannot_batch_serves_its_calls_one_at_a_time(homes) -> No
                 request = node_pb2.GenerateRequest(
                     model=node_pb2.ModelKey(repo_id=f"registry/{arch}"), prompt=prompt, max_tokens=n
                 )
-                events = stub.Generate(request, metadata=call_metadata(SECRET), timeout=IO_TIMEOUT_S)
+                events = stub.Generate(
+                    request, metadata=call_metadata(SECRET, node_method("Generate")), timeout=IO_TIMEOUT_S
+                )
                 return [e.token.id for e in events if e.HasField("token")]
 
             with ThreadPoolExecutor(len(prompts)) as pool:

@@ -29,7 +29,7 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.rpc.service import NodeService
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
@@ -160,7 +160,9 @@ def _held_request(pair: Pair) -> tuple[list[int], dict[int, mx.array], node_pb2.
 
 def _compute(pair: Pair, request: node_pb2.ComputeExpertsRequest) -> node_pb2.ComputeExpertsResponse:
     with grpc.insecure_channel(f"127.0.0.1:{pair.running.port}") as channel:
-        return node_pb2_grpc.NodeStub(channel).ComputeExperts(request, metadata=call_metadata(SECRET), timeout=30)
+        return node_pb2_grpc.NodeStub(channel).ComputeExperts(
+            request, metadata=call_metadata(SECRET, node_method("ComputeExperts")), timeout=30
+        )
 
 
 def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
@@ -296,7 +298,7 @@ def test_compute_requests_are_checked(pairs) -> None:
         stub = node_pb2_grpc.NodeStub(channel)
         for what, request in bad_requests.items():
             with pytest.raises(grpc.RpcError) as e:
-                stub.ComputeExperts(request, metadata=call_metadata(SECRET), timeout=10)
+                stub.ComputeExperts(request, metadata=call_metadata(SECRET, node_method("ComputeExperts")), timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
         ok = node_pb2.ComputeExpertsRequest(
             model=model, layer=block.layer, experts=[node_pb2.ExpertRows(expert=0, rows=good)]
@@ -308,9 +310,9 @@ def test_compute_requests_are_checked(pairs) -> None:
             model=node_pb2.ModelKey(repo_id=model.repo_id, commit="0" * 40), layer=block.layer, experts=ok.experts
         )
         with pytest.raises(grpc.RpcError) as e:
-            stub.ComputeExperts(other, metadata=call_metadata(SECRET), timeout=10)
+            stub.ComputeExperts(other, metadata=call_metadata(SECRET, node_method("ComputeExperts")), timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
-        info = stub.Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET), timeout=10)
+        info = stub.Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET, node_method("Info")), timeout=10)
         assert info.compute and info.role == "full"
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expertmesh.node.rpc.auth import call_metadata
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.rpc.inventory import inventory_keys
 from expertmesh.node.rpc.proof import PROVE_DEADLINE_S, ProofError, prove
 from expertmesh.node.rpc.tls import open_channel
@@ -37,8 +37,12 @@ class NodeClient:
         self._stub = node_pb2_grpc.NodeStub(self.channel)
         self._secret = secret
 
+    def _credential(self, method: str) -> tuple[tuple[str, str], ...]:
+        """A fresh credential for one call of `method` (a node accepts each credential once)."""
+        return call_metadata(self._secret, node_method(method))
+
     def info(self, timeout: float = INFO_DEADLINE_S) -> node_pb2.InfoResponse:
-        return self._stub.Info(node_pb2.InfoRequest(), metadata=call_metadata(self._secret), timeout=timeout)
+        return self._stub.Info(node_pb2.InfoRequest(), metadata=self._credential("Info"), timeout=timeout)
 
     def inventory(
         self, model: node_pb2.ModelKey, sizes: Mapping[int, int], timeout: float = INFO_DEADLINE_S
@@ -47,7 +51,7 @@ class NodeClient:
         layer, rpc/inventory.py's `layer_sizes` of the model's index): bitmaps that do not fit
         the model are dropped, so a peer cannot make this node hold more keys than the model has."""
         request = node_pb2.InventoryRequest(model=model)
-        answer = self._stub.GetInventory(request, metadata=call_metadata(self._secret), timeout=timeout)
+        answer = self._stub.GetInventory(request, metadata=self._credential("GetInventory"), timeout=timeout)
         return inventory_keys(answer, sizes, source=f"node {self.address}")
 
     def fetch_expert(
@@ -65,15 +69,15 @@ class NodeClient:
             fetch_on_miss=fetch_on_miss,
             keep_only=keep_only,
         )
-        return self._stub.FetchExpert(request, metadata=call_metadata(self._secret), timeout=timeout)
+        return self._stub.FetchExpert(request, metadata=self._credential("FetchExpert"), timeout=timeout)
 
     def compute_experts(self, request: node_pb2.ComputeExpertsRequest, timeout: float) -> grpc.Future:
         """ComputeExperts in flight: remote execution sends a layer's calls to all peers at once."""
-        return self._stub.ComputeExperts.future(request, metadata=call_metadata(self._secret), timeout=timeout)
+        return self._stub.ComputeExperts.future(request, metadata=self._credential("ComputeExperts"), timeout=timeout)
 
     def generate(self, request: node_pb2.GenerateRequest, timeout: float):
         """Generate's stream of events; `cancel()` on it stops the node's generation."""
-        return self._stub.Generate(request, metadata=call_metadata(self._secret), timeout=timeout)
+        return self._stub.Generate(request, metadata=self._credential("Generate"), timeout=timeout)
 
     def prove(self, nonce: bytes, dialed: str, timeout: float = PROVE_DEADLINE_S) -> node_pb2.ProveResponse:
         """The node's proof that it knows the household secret (rpc/proof.py). This call carries no
