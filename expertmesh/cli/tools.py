@@ -72,6 +72,12 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--moe-layers", type=arguments.positive_int, help="k3-proportions: MoE layers of the made repo (default 3)"
     )
+    p.add_argument(
+        "--router",
+        choices=("balanced", "raw"),
+        help="k3-proportions: balanced (default: selection biases even out the experts' load, as K3's training "
+        "does) or raw (the random router, which keeps choosing the same experts)",
+    )
     p.add_argument("--tokens", type=arguments.positive_int, help="tokens per prompt (default 24; k3-proportions: 4)")
     p.add_argument(
         "--naive-tokens",
@@ -192,7 +198,7 @@ def _bench_k3(args: argparse.Namespace) -> int:
             raise ExpertmeshError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.CONFIGS)}")
     from expertmesh.node.devtools.tiny import k3_proportions
 
-    shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers}
+    shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}
     proportions = k3_proportions.Proportions(**{k: v for k, v in shape.items() if v is not None})
     if proportions.top_k > proportions.experts:
         raise ExpertmeshError(f"--experts-per-layer: at least the {proportions.top_k} experts a token uses")

@@ -99,6 +99,8 @@ class Row:
     disk_bytes: int = 0
     disk_wait_s: float = 0.0
     floor_bytes_per_s: float | None = None
+    # the fate of guesses and fills while measured (stats.PREFETCH_OUTCOMES): where moved bytes went
+    prefetch: dict[str, int] | None = None
 
 
 # -- the worker: one configuration in its own process -----------------------------------------
@@ -131,6 +133,7 @@ class _Phase:
             "moved_bytes": _hub_bytes(self.hub_url) - self.hub,
             "cpu_s": time.process_time() - self.cpu,
             "wall_s": time.perf_counter() - self.wall,
+            **{f"prefetch_{k}": v for k, v in d.prefetch.items()},
         }
 
 
@@ -296,12 +299,16 @@ def _model_dir(cache: Path, repo_id: str, p, progress: Callable[[str], None]) ->
     from expertmesh.node.devtools.tiny import k3_proportions
 
     repo = cache / repo_id
-    if not (repo / "config.json").is_file():
+    made = repo.with_name(repo.name + ".made.json")  # what the repo was made as (beside it, not served)
+    wanted = json.dumps({"maker": k3_proportions.MAKER_VERSION, **asdict(p)}, sort_keys=True)
+    if not (repo / "config.json").is_file() or not made.is_file() or made.read_text() != wanted:
         progress(f"making {repo_id}: {p.moe_layers} MoE layers of {p.experts} experts of {p.expert_bytes:,} bytes")
         staging = repo.with_name(repo.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         k3_proportions.build(staging, 0, p)
+        shutil.rmtree(repo, ignore_errors=True)  # made by another maker: its router or shape differ
         staging.rename(repo)
+        made.write_text(wanted)
     from expertmesh.node.devtools.local_hub import HubServer
 
     hub = HubServer(repo.parent.parent)  # its shards' sha256 now, once, so the hub's hasher never competes with a run
@@ -385,6 +392,7 @@ def _row(name: str, cap: float, link: float, got: dict) -> Row:
         disk_bytes=got.get("disk_bytes", 0),
         disk_wait_s=got.get("disk_wait_s", 0.0),
         floor_bytes_per_s=floor_bw,
+        prefetch={k.removeprefix("prefetch_"): v for k, v in got.items() if k.startswith("prefetch_")} or None,
     )
 
 
@@ -475,6 +483,7 @@ def run(
         _require_namespaces()  # before anything is made or started
     p = proportions or k3_proportions.Proportions()
     repo_id = REPO_ID if p == k3_proportions.Proportions() else f"{REPO_ID}-{p.moe_layers}x{p.experts}-{p.expert_bytes}"
+    repo_id += "-raw-router" if p.router == "raw" else ""
     cache = cache or constants.expertmesh_home() / "bench"
     root = _model_dir(cache / "hub", repo_id, p, progress)
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-k3-"))
@@ -574,6 +583,8 @@ def print_table(doc: dict, out=print) -> None:
             f"{f(r['bytes_moved_over_demanded'], '.2f'):>9} {rss:>10} {f(r['node_cpu_s_per_gb'], '.2f'):>8} "
             f"{f(r.get('disk_wait_over_floor'), '.2f'):>10} {f(r.get('hash_cpu_s_per_gb'), '.3f'):>9}"
         )
+        if r.get("prefetch") and r["moved_bytes"]:
+            out(f"{'':<15} guesses and fill: " + ", ".join(f"{k} {v}" for k, v in r["prefetch"].items()))
         if r.get("floor_bytes_per_s"):
             out(f"{'':<15} read {format_size(r['disk_bytes'])} from disk in {r['disk_wait_s']:.2f} s of waits; "
                 f"the disk's floor {format_size(r['floor_bytes_per_s'])}/s (cat or parallel preadv, cold)")  # fmt: skip

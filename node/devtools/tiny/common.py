@@ -95,6 +95,34 @@ CoreFn = Callable[[str, mx.array, dict[str, mx.array]], list[Tensor]]
 ExpertsFn = Callable[[dict[str, mx.array], int], list[Tensor]]
 
 
+def _layer_groups(params: dict[str, mx.array]) -> dict[str, list[str]]:
+    """Core tensor names by where they are written: "head", "layerN", "tail"."""
+    layer_re = re.compile(r"model\.layers\.(\d+)\.")
+    groups: dict[str, list[str]] = {"head": [], "tail": []}
+    for name in params:
+        if ".switch_mlp." in name:
+            continue
+        m = layer_re.match(name)
+        group = f"layer{m.group(1)}" if m else ("head" if name.startswith("model.embed_tokens") else "tail")
+        groups.setdefault(group, []).append(name)
+    return groups
+
+
+def add_noise(params: dict[str, mx.array], num_layers: int, seed: int) -> dict[str, mx.array]:
+    """`params` with noise on norms and selection biases, so that they are not all ones or zeros
+    (that hides bugs). A maker that must see the written weights before writing them (to
+    calibrate something on them) adds it itself and writes with `noise=False`."""
+    key = mx.random.key(seed + 7919)
+    groups = _layer_groups(params)
+    out = dict(params)
+    for group in ("head", *(f"layer{i}" for i in range(num_layers)), "tail"):
+        for name in groups.get(group, []):
+            key, sub = mx.random.split(key)
+            if name.endswith(("norm.weight", "layernorm.weight", "e_score_correction_bias")):
+                out[name] = perturb(params[name], 0.1, sub)
+    return out
+
+
 def write_layered_repo(
     out: Path,
     params: dict[str, mx.array],
@@ -104,33 +132,24 @@ def write_layered_repo(
     experts_fn: ExpertsFn,
     seed: int,
     layers_per_shard: int = 2,
+    noise: bool = True,
 ) -> None:
     """Shard a model the way large upstream checkpoints are: by layers.
 
     Shard 1 starts with the embeddings; each layer's core tensors are followed by its
     experts; the last shard ends with the final norm and the LM head. `params` use mlx-lm
     names without any wrapper prefix; `core_fn` turns one of them into upstream tensors
-    (or none, when another tensor already carried it); norms and biases get noise first.
+    (or none, when another tensor already carried it); norms and biases get noise first
+    (`add_noise`) unless `noise` is False.
     """
-    key = mx.random.key(seed + 7919)
-    layer_re = re.compile(r"model\.layers\.(\d+)\.")
-    groups: dict[str, list[str]] = {"head": [], "tail": []}
-    for name in params:
-        if ".switch_mlp." in name:
-            continue
-        m = layer_re.match(name)
-        group = f"layer{m.group(1)}" if m else ("head" if name.startswith("model.embed_tokens") else "tail")
-        groups.setdefault(group, []).append(name)
+    groups = _layer_groups(params)
+    if noise:
+        params = add_noise(params, num_layers, seed)
 
     def core(group: str) -> list[Tensor]:
-        nonlocal key
         tensors = []
         for name in groups.get(group, []):
-            a = params[name]
-            key, sub = mx.random.split(key)
-            if name.endswith(("norm.weight", "layernorm.weight", "e_score_correction_bias")):
-                a = perturb(a, 0.1, sub)
-            tensors += core_fn(name, a, params)
+            tensors += core_fn(name, params[name], params)
         return tensors
 
     shards = [Shard() for _ in range((num_layers + layers_per_shard - 1) // layers_per_shard)]

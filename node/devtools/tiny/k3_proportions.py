@@ -7,7 +7,9 @@ K3-sized — a 3584-wide latent space and an intermediate size of 3072 make one 
 measures moving experts, not computing a 114 GB core on a CPU. The expert weights are random
 mxfp4 codes with scales chosen so activations stay finite (mlx-lm's initialisers would need tens
 of GB of float32 first); the core is mlx-lm's own initialisation, in float32 by default because
-MLX's CPU quantized matmul is far slower on BF16 activations.
+MLX's CPU quantized matmul is far slower on BF16 activations. The routers are balanced as a trained
+K3's are (router_balance.py): a raw random router keeps choosing the same experts, so a decode
+layer would find most of its experts already fetched, a regime K3 never runs in.
 
 `build(out, ...)` writes the full-size model; `build_small` a variant with ~1.6 MB experts for
 tests, so they exercise multi-MB experts and pieces within CI's time.
@@ -21,12 +23,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
-from expertmesh.node.devtools.tiny import kimi_k3
+from expertmesh.node.devtools.tiny import kimi_k3, router_balance
 from expertmesh.node.devtools.tiny.common import (
     LazyBytes,
     Tensor,
+    add_noise,
     write_generation_config,
     write_json,
     write_layered_repo,
@@ -38,6 +41,7 @@ from expertmesh.node.engine.mlx_lm_models import model_classes
 K3_LATENT = 3584  # routed_expert_hidden_size
 K3_INTERMEDIATE = 3072  # moe_intermediate_size
 MXFP4_GROUP = 32
+MAKER_VERSION = 2  # 2: balanced routers; a cached repo of another version is made again
 # e8m0 scale exponents: 2^(s - 127). Random fp4 codes (|v| <= 6) over a 3584-wide input give
 # outputs of about sqrt(3584) * 3 * 2^(s - 127); s around 119 keeps them near 1.
 SCALE_EXPONENTS = (118, 121)
@@ -52,6 +56,7 @@ class Proportions:
     intermediate: int = K3_INTERMEDIATE
     hidden: int = 256  # the core's width: small, so the core is not what a bench measures
     core_dtype: str = "float32"  # or "bfloat16", K3's own
+    router: str = "balanced"  # selection biases even out the experts' load, as K3's training does; or "raw"
 
     @property
     def expert_bytes(self) -> int:
@@ -86,13 +91,22 @@ def config(p: Proportions) -> dict:
     return cfg
 
 
-def _core_parameters(cfg: dict, seed: int) -> dict[str, mx.array]:
-    """mlx-lm's initialisation of everything but the routed experts (never materialised)."""
+def _core_parameters(cfg: dict, seed: int, p: Proportions) -> dict[str, mx.array]:
+    """mlx-lm's initialisation of everything but the routed experts (never materialised), with the
+    noise every tiny model's norms get, the routers' selection biases then balanced on exactly
+    those weights unless `p.router` is "raw"."""
+    if p.router not in ("balanced", "raw"):
+        raise ValueError(f"router must be 'balanced' or 'raw', not {p.router!r}")
     model_class, args_class = model_classes(cfg)
     mx.random.seed(seed)
     model: nn.Module = model_class(args_class.from_dict(cfg))
-    params = {k.removeprefix("language_model."): v for k, v in tree_flatten(model.parameters())}
-    params = {k: v for k, v in params.items() if ".switch_mlp." not in k}
+    prefix = "language_model."
+    params = {k.removeprefix(prefix): v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
+    params = add_noise(params, cfg["text_config"]["num_hidden_layers"], seed)
+    if p.router == "balanced":
+        model.update(tree_unflatten([(prefix + k, v) for k, v in params.items()]))
+        router_balance.balance_routers(model, kimi_k3.VOCAB_SIZE, p.top_k, seed)
+        params = {k.removeprefix(prefix): v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
     mx.eval(params)
     return params
 
@@ -134,7 +148,7 @@ def build(out: Path, seed: int = 0, proportions: Proportions = Proportions()) ->
     """Write a K3-proportioned repo into `out` (experts are `proportions.expert_bytes` each)."""
     p = proportions
     cfg = config(p)
-    params = _core_parameters(cfg, seed)
+    params = _core_parameters(cfg, seed, p)
     dtype = mx.float32 if p.core_dtype == "float32" else mx.bfloat16
 
     def core(name: str, a: mx.array, all_params: dict[str, mx.array]) -> list[Tensor]:
@@ -146,7 +160,7 @@ def build(out: Path, seed: int = 0, proportions: Proportions = Proportions()) ->
 
     layers = 1 + p.moe_layers
     out.mkdir(parents=True, exist_ok=True)
-    write_layered_repo(out, params, layers, list(range(1, layers)), core, _experts(p, seed), seed)
+    write_layered_repo(out, params, layers, list(range(1, layers)), core, _experts(p, seed), seed, noise=False)
     write_json(out / "config.json", cfg)
     write_generation_config(out, write_tokenizer_files(out, kimi_k3.VOCAB_SIZE))
     write_readme(
@@ -154,7 +168,8 @@ def build(out: Path, seed: int = 0, proportions: Proportions = Proportions()) ->
         "kimi_k3",
         seed,
         f"K3-proportioned: {p.moe_layers} MoE layers of {p.experts} experts of {p.expert_bytes:,} bytes, "
-        f"top-{p.top_k}, random mxfp4 experts, a {p.core_dtype} core of hidden size {p.hidden}.",
+        f"top-{p.top_k}, random mxfp4 experts, a {p.core_dtype} core of hidden size {p.hidden}, "
+        f"{'routers balanced as a trained K3' if p.router == 'balanced' else 'raw random routers'}.",
     )
     return out
 

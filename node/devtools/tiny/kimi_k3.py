@@ -200,16 +200,11 @@ def _build(out: Path, cfg: dict, seed: int, note: str) -> None:
 def write_weights(out: Path, params: dict[str, mx.array], cfg: dict) -> None:
     """Write given mlx-lm parameters (trained ones, say) as this layout's shards, exactly.
 
-    Unlike `build`, norms and biases are written as given: `write_layered_repo` hands each core
-    function a noised copy, and this one reads the original from `params` instead. `cfg` is a
-    `config()`-shaped dict; its layer and expert counts must be this layout's.
+    Unlike `build`, norms and biases are written as given (no noise). `cfg` is a `config()`-shaped
+    dict; its layer and expert counts must be this layout's.
     """
     text = cfg["text_config"]
     if (text["num_hidden_layers"], text["num_experts"]) != (NUM_LAYERS, NUM_EXPERTS):
         raise ValueError(f"this layout has {NUM_LAYERS} layers of {NUM_EXPERTS} experts")
-
-    def exact(name: str, _noised: mx.array, params: dict[str, mx.array]) -> list[Tensor]:
-        return _core_tensors(name, params[name], params)
-
     moe_layers = list(range(text["first_k_dense_replace"], NUM_LAYERS))
-    write_layered_repo(out, params, NUM_LAYERS, moe_layers, exact, _expert_tensors, seed=0)
+    write_layered_repo(out, params, NUM_LAYERS, moe_layers, _core_tensors, _expert_tensors, seed=0, noise=False)
