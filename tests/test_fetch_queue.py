@@ -130,3 +130,69 @@ def test_a_failed_fetch_keeps_no_buffer_alive_once_its_waiter_has_the_error() ->
         assert freed and freed[0]() is None, "the failed fetch's buffer outlived every reference to it"
     finally:
         gc.enable()
+
+
+def _started_while(tier: _SlowTier, key, fut, other) -> bool:
+    """Whether `key` started before `other` (a future) was done."""
+    while not other.done():
+        with tier.lock:
+            if key in tier.started:
+                return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.mark.parametrize("proven", [False, True])
+def test_a_guess_starts_beside_demands_in_flight_only_once_guesses_have_proven_right(proven: bool) -> None:
+    """Bytes in flight share the link: a wrong guess started in a layer's tail slows its last
+    demanded pieces. So while guesses are unproven, a free worker holds its guess until the
+    demands in flight are done, and then fetches it (the link a layer's compute leaves idle)."""
+    tier = _SlowTier(steps=20)
+    q = FetchQueue(tier.fetch, tier.fetch_run, 2, stale=lambda key: False, may_share=lambda: proven)
+    q.start()
+    try:
+        demand = q.submit((1, 0), DEMAND)  # one worker fetches it; the other is free
+        time.sleep(0.01)
+        guess = q.submit((2, 0), PREFETCH)
+        assert _started_while(tier, (2, 0), guess, demand) is proven
+        guess.result(timeout=10)  # held back, not dropped
+    finally:
+        q.close()
+
+
+def test_a_held_guess_gives_its_worker_to_a_demand_that_comes_meanwhile() -> None:
+    tier = _SlowTier(steps=20)
+    q = FetchQueue(tier.fetch, tier.fetch_run, 2, stale=lambda key: False, may_share=lambda: False)
+    q.start()
+    try:
+        first = q.submit((1, 0), DEMAND)
+        time.sleep(0.01)
+        guess = q.submit((2, 0), PREFETCH)  # the free worker takes it and holds it
+        time.sleep(0.02)
+        second = q.submit((1, 1), DEMAND)
+        assert _started_while(tier, (1, 1), second, first)  # not behind the held guess
+        for f in (first, second, guess):
+            f.result(timeout=10)
+        assert tier.started.index((2, 0)) == 2  # the guess went last
+    finally:
+        q.close()
+
+
+def test_a_held_guess_that_a_demand_comes_for_is_fetched_once_as_the_demand() -> None:
+    tier = _SlowTier(steps=10)
+    q = FetchQueue(tier.fetch, tier.fetch_run, 3, stale=lambda key: False, may_share=lambda: False)
+    q.start()
+    try:
+        first = q.submit((1, 0), DEMAND)
+        time.sleep(0.01)
+        guess = q.submit((2, 0), PREFETCH)  # held by a free worker while (1, 0) is fetched
+        time.sleep(0.01)
+        demand = q.submit((2, 0), DEMAND)  # the third worker takes the demand's own entry
+        assert demand is guess
+        assert demand.result(timeout=10).source == "hub"
+        first.result(timeout=10)
+        time.sleep(0.1)  # a second fetch of (2, 0), if the held entry made one, starts by now
+        assert tier.started.count((2, 0)) == 1
+        assert q.in_flight_count() == 0
+    finally:
+        q.close()

@@ -10,12 +10,16 @@ waits on it for the link to be free instead of polling.
 
 A fetch nobody waits for gives its link up to demands: a guess the pass proved wrong (`stale`)
 is abandoned mid-transfer, and so is a fill (store/fill.py) while a demand waits — unless a demand
-has since come for that very expert, which is then fetched to the end.
+has since come for that very expert, which is then fetched to the end. A guess does not even start
+while demands are being fetched, unless guesses have proven right (`may_share`): the pool takes
+demands first, but bytes in flight share the link, and a wrong guess started in a layer's tail
+slows its last demanded pieces. Held back, it uses only the link the layer's compute leaves idle.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -28,7 +32,11 @@ from expertmesh.node.store.priority import DEMAND, PREFETCH, fetching_as
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tier_chain import Fetched
 
+logger = logging.getLogger(__name__)
+
 CLOSE_TIMEOUT_S = 10.0
+# A guess held back while demands are fetched starts anyway after this long (a bound, not a policy).
+GUESS_HOLD_MAX_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,13 @@ class FetchQueue:
         workers: int,
         finished: Callable[[ExpertKey, Fetched | None], None] | None = None,
         stale: Callable[[ExpertKey], bool] | None = None,
+        may_share: Callable[[], bool] | None = None,
     ):
-        """`stale(key)`: a guess no pass wants any more (the prefetcher knows)."""
+        """`stale(key)`: a guess no pass wants any more (the prefetcher knows); `may_share()`: whether
+        guesses may start while demands are being fetched (None: always)."""
         self._fetch_one = fetch_one
         self._stale = stale
+        self._may_share = may_share
         self._fetch_run = fetch_run
         self._finished = finished
         self.workers = max(1, workers)
@@ -199,6 +210,8 @@ class FetchQueue:
                 if key in self._started or key not in self._inflight:
                     self.changed.notify_all()
                     continue  # a duplicate entry of a guess that a demand moved up
+                if priority == PREFETCH and (self._hold_guess(key) or key in self._started):
+                    continue  # put back behind a demand, or left to its demand's own entry
                 self._started.add(key)
                 fut = self._inflight[key]
                 self._running_demands += priority == DEMAND
@@ -222,6 +235,37 @@ class FetchQueue:
                 fut.set_exception(error)
             else:
                 fut.set_result(fetched)
+
+    def _hold_guess(self, key: ExpertKey) -> bool:
+        """Under the lock: wait while demands are being fetched, unless guesses may share the link
+        or this guess's pass has come (then the fetch gives up at once). True when this entry is
+        done with: a demand was queued meanwhile (the guess went back in the queue behind it), or
+        one came for this very expert (its own queue entry fetches it, as a demand)."""
+        deadline = time.monotonic() + GUESS_HOLD_MAX_S
+        while self._running_demands or self._queued_demands:
+            if key in self._demanded:
+                return True
+            if self._queued_demands:  # this worker is wanted for a demand
+                self._queue.put((PREFETCH, next(self._seq), key))
+                self.changed.notify_all()
+                return True
+            if self._asks_to_go(key):
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.changed.wait(left)
+        return False
+
+    def _asks_to_go(self, key: ExpertKey) -> bool:
+        """Whether guesses may share the link, or this one's pass has come. The callbacks run on a
+        fetch worker under the queue's lock: if one fails the guess goes, rather than the worker
+        dying and leaving every later demand waiting for a future nobody resolves."""
+        try:
+            return bool((self._may_share is not None and self._may_share()) or (self._stale and self._stale(key)))
+        except Exception:  # logged; the fetch itself decides the rest
+            logger.exception("a held guess's check failed; fetching it")
+            return True
 
     def _leave(self, key: ExpertKey, priority: int) -> None:
         """`key` is no longer in flight (called under the lock)."""

@@ -70,7 +70,12 @@ class ExpertStore:
         self.coalesce = coalesce
         self._expert_bytes = max((loc.nbytes for loc in index.experts.values()), default=1)
         self.fetches = FetchQueue(
-            chain.fetch, chain.fetch_run, workers, finished=self._arrived, stale=lambda key: self.prefetcher.stale(key)
+            chain.fetch,
+            chain.fetch_run,
+            workers,
+            finished=self._arrived,
+            stale=lambda key: self.prefetcher.stale(key),
+            may_share=lambda: self.prefetcher.proven(),
         )
         self.prefetcher = Prefetcher(self.fetches, ram, self.stats, enabled=prefetch, expert_bytes=self._expert_bytes)
         self.fill = None
