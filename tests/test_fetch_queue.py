@@ -142,19 +142,21 @@ def _started_while(tier: _SlowTier, key, fut, other) -> bool:
     return False
 
 
-@pytest.mark.parametrize("proven", [False, True])
-def test_a_guess_starts_beside_demands_in_flight_only_once_guesses_have_proven_right(proven: bool) -> None:
+@pytest.mark.parametrize("proven", [False, True, None])
+def test_a_guess_starts_beside_demands_in_flight_only_once_guesses_have_proven_right(proven: bool | None) -> None:
     """Bytes in flight share the link: a wrong guess started in a layer's tail slows its last
     demanded pieces. So while guesses are unproven, a free worker holds its guess until the
-    demands in flight are done, and then fetches it (the link a layer's compute leaves idle)."""
+    demands in flight are done, and then fetches it (the link a layer's compute leaves idle).
+    A queue not told whether guesses have proven right (None) never holds one."""
     tier = _SlowTier(steps=20)
-    q = FetchQueue(tier.fetch, tier.fetch_run, 2, stale=lambda key: False, may_share=lambda: proven)
+    may_share = None if proven is None else (lambda: proven)
+    q = FetchQueue(tier.fetch, tier.fetch_run, 2, stale=lambda key: False, may_share=may_share)
     q.start()
     try:
         demand = q.submit((1, 0), DEMAND)  # one worker fetches it; the other is free
         time.sleep(0.01)
         guess = q.submit((2, 0), PREFETCH)
-        assert _started_while(tier, (2, 0), guess, demand) is proven
+        assert _started_while(tier, (2, 0), guess, demand) is (proven is not False)
         guess.result(timeout=10)  # held back, not dropped
     finally:
         q.close()
@@ -195,4 +197,60 @@ def test_a_held_guess_that_a_demand_comes_for_is_fetched_once_as_the_demand() ->
         assert tier.started.count((2, 0)) == 1
         assert q.in_flight_count() == 0
     finally:
+        q.close()
+
+
+def test_a_held_guess_whose_expert_a_demand_fetched_meanwhile_is_dropped() -> None:
+    """The scheduler may wake a held guess's worker only after a demand for its very expert came,
+    was fetched by another worker and left the books: the entry must then be dropped, not started
+    (an expert no longer in flight), which would kill the worker and leave the expert marked as
+    started, so that a later demand for it waits forever."""
+    gate = threading.Event()
+    demand_done, hold_over = threading.Event(), threading.Event()
+
+    def fetch(key, keep_now: bool = False, abandon=None) -> Fetched:
+        if key == (1, 0):
+            gate.wait(10)  # keeps a demand running while the guess is held
+        return Fetched(weights=None, source="hub", seconds=0.0)
+
+    q = FetchQueue(fetch, lambda keys: [fetch(k) for k in keys], 3, stale=lambda key: False, may_share=lambda: False)
+    real_wait, real_hold, late = q.changed.wait, q._hold_guess, []
+
+    def late_wake(timeout=None) -> bool:  # Condition.wait, woken after the demand came and went
+        if late:
+            return real_wait(timeout)
+        late.append(True)
+        q._lock.release()
+        try:
+            demand_done.wait(10)
+        finally:
+            q._lock.acquire()
+        return True
+
+    def hold(key) -> bool:
+        try:
+            return real_hold(key)
+        finally:
+            hold_over.set()
+
+    q.changed.wait, q._hold_guess = late_wake, hold
+    q.start()
+    try:
+        first = q.submit((1, 0), DEMAND)
+        q.submit((2, 0), PREFETCH)
+        for _ in range(1000):  # until the guess's worker holds it
+            if late:
+                break
+            time.sleep(0.01)
+        assert late, "the guess was never held"
+        q.submit((2, 0), DEMAND).result(timeout=10)  # fetched by the third worker
+        demand_done.set()
+        gate.set()
+        first.result(timeout=10)
+        assert hold_over.wait(10)
+        assert q.submit((2, 0), DEMAND).result(timeout=10).source == "hub"  # a new fetch, not a lost one
+        assert q.in_flight_count() == 0 and all(t.is_alive() for t in q._threads)
+    finally:
+        gate.set()
+        demand_done.set()
         q.close()

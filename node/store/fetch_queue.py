@@ -210,8 +210,10 @@ class FetchQueue:
                 if key in self._started or key not in self._inflight:
                     self.changed.notify_all()
                     continue  # a duplicate entry of a guess that a demand moved up
-                if priority == PREFETCH and (self._hold_guess(key) or key in self._started):
-                    continue  # put back behind a demand, or left to its demand's own entry
+                if priority == PREFETCH and (
+                    self._hold_guess(key) or key in self._started or key not in self._inflight
+                ):
+                    continue  # put back behind a demand, or left to its demand's own entry (or fetched by it already)
                 self._started.add(key)
                 fut = self._inflight[key]
                 self._running_demands += priority == DEMAND
@@ -262,7 +264,7 @@ class FetchQueue:
         fetch worker under the queue's lock: if one fails the guess goes, rather than the worker
         dying and leaving every later demand waiting for a future nobody resolves."""
         try:
-            return bool((self._may_share is not None and self._may_share()) or (self._stale and self._stale(key)))
+            return bool(self._may_share is None or self._may_share() or (self._stale and self._stale(key)))
         except Exception:  # logged; the fetch itself decides the rest
             logger.exception("a held guess's check failed; fetching it")
             return True
