@@ -142,6 +142,15 @@ def _started_while(tier: _SlowTier, key, fut, other) -> bool:
     return False
 
 
+def _guess_beside_a_demand(tier: _SlowTier, workers: int, may_share) -> tuple[FetchQueue, object, object]:
+    """A started queue with demand (1, 0) being fetched and then guess (2, 0) submitted."""
+    q = FetchQueue(tier.fetch, tier.fetch_run, workers, stale=lambda key: False, may_share=may_share)
+    q.start()
+    demand = q.submit((1, 0), DEMAND)  # one worker fetches it; the others are free
+    time.sleep(0.01)
+    return q, demand, q.submit((2, 0), PREFETCH)
+
+
 @pytest.mark.parametrize("proven", [False, True, None])
 def test_a_guess_starts_beside_demands_in_flight_only_once_guesses_have_proven_right(proven: bool | None) -> None:
     """Bytes in flight share the link: a wrong guess started in a layer's tail slows its last
@@ -149,13 +158,8 @@ def test_a_guess_starts_beside_demands_in_flight_only_once_guesses_have_proven_r
     demands in flight are done, and then fetches it (the link a layer's compute leaves idle).
     A queue not told whether guesses have proven right (None) never holds one."""
     tier = _SlowTier(steps=20)
-    may_share = None if proven is None else (lambda: proven)
-    q = FetchQueue(tier.fetch, tier.fetch_run, 2, stale=lambda key: False, may_share=may_share)
-    q.start()
+    q, demand, guess = _guess_beside_a_demand(tier, 2, None if proven is None else (lambda: proven))
     try:
-        demand = q.submit((1, 0), DEMAND)  # one worker fetches it; the other is free
-        time.sleep(0.01)
-        guess = q.submit((2, 0), PREFETCH)
         assert _started_while(tier, (2, 0), guess, demand) is (proven is not False)
         guess.result(timeout=10)  # held back, not dropped
     finally:
@@ -164,12 +168,8 @@ def test_a_guess_starts_beside_demands_in_flight_only_once_guesses_have_proven_r
 
 def test_a_held_guess_gives_its_worker_to_a_demand_that_comes_meanwhile() -> None:
     tier = _SlowTier(steps=20)
-    q = FetchQueue(tier.fetch, tier.fetch_run, 2, stale=lambda key: False, may_share=lambda: False)
-    q.start()
+    q, first, guess = _guess_beside_a_demand(tier, 2, lambda: False)  # the free worker holds the guess
     try:
-        first = q.submit((1, 0), DEMAND)
-        time.sleep(0.01)
-        guess = q.submit((2, 0), PREFETCH)  # the free worker takes it and holds it
         time.sleep(0.02)
         second = q.submit((1, 1), DEMAND)
         assert _started_while(tier, (1, 1), second, first)  # not behind the held guess
@@ -182,12 +182,8 @@ def test_a_held_guess_gives_its_worker_to_a_demand_that_comes_meanwhile() -> Non
 
 def test_a_held_guess_that_a_demand_comes_for_is_fetched_once_as_the_demand() -> None:
     tier = _SlowTier(steps=10)
-    q = FetchQueue(tier.fetch, tier.fetch_run, 3, stale=lambda key: False, may_share=lambda: False)
-    q.start()
+    q, first, guess = _guess_beside_a_demand(tier, 3, lambda: False)  # held while (1, 0) is fetched
     try:
-        first = q.submit((1, 0), DEMAND)
-        time.sleep(0.01)
-        guess = q.submit((2, 0), PREFETCH)  # held by a free worker while (1, 0) is fetched
         time.sleep(0.01)
         demand = q.submit((2, 0), DEMAND)  # the third worker takes the demand's own entry
         assert demand is guess
