@@ -138,3 +138,26 @@ def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path
         ]
     finally:
         sm.close()
+
+
+def test_a_peers_call_for_a_layer_leaves_this_nodes_guesses_for_it_alone(home: Path) -> None:
+    """A peer's ComputeExperts asks this node's store for a layer while this node may be
+    generating too: that is not this node's pass, so its staged guesses for the layer stay, and
+    are used when its own pass comes."""
+    sm = open_model(
+        REPO_ID, home=home, store=StoreConfig(ram_budget="1MB", disk_budget="0", fetch_concurrency=2, fill=False)
+    )
+    try:
+        store = sm.store
+        layer = sm.index.moe_layers[1]
+        _judge_good_guesses(store, layer, [20, 21, 22, 23])
+        before = store.stats.snapshot()
+        store.prefetch(layer, [10, 11])
+        assert wait_until(lambda: store.prefetcher.in_flight == 0), "the guesses were never fetched"
+        store.get_layer(layer, [12], record=False, own_pass=False)  # what ComputeExperts does
+        store.get_layer(layer, [10, 11])  # this node's own pass
+        d = store.stats.since(before)
+        assert d.prefetch["issued"] == 2
+        assert d.prefetch["used"] == 2 and d.prefetch["ready"] == 2 and d.prefetch["wasted"] == 0
+    finally:
+        sm.close()

@@ -106,7 +106,8 @@ class ExpertComputer:
             missing = [x.expert for x in request.experts if x.expert not in here]
             outputs: list[node_pb2.ExpertRows] = []
             if here:
-                weights = store.get_layer(layer, here, record=False)  # bytes and buffers only: no MLX thread needed
+                # bytes and buffers only: no MLX thread needed; a peer's call, not this node's pass
+                weights = store.get_layer(layer, here, record=False, own_pass=False)
                 rows = {x.expert: x.rows for x in request.experts if x.expert in weights}
                 asked = time.perf_counter()
                 started: list[float] = []

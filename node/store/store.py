@@ -111,15 +111,18 @@ class ExpertStore:
         experts: Iterable[int],
         guess: tuple[int, Iterable[int]] | None = None,
         record: bool = True,
+        own_pass: bool = True,
     ) -> dict[int, ExpertWeights]:
         """The given experts of `layer`, fetching the ones not in RAM concurrently.
 
         `guess` = (next layer, its likely experts) is prefetched behind this layer's demands.
         `record`: trace this call as the layer's routing (False when the caller traced the whole
-        routing itself and asks for a part of it, as remote execution does).
+        routing itself and asks for a part of it, as remote execution does). `own_pass`: False for
+        a peer's ComputeExperts call, which is not this node's pass of the layer, so this node's
+        guesses for it are neither judged by it nor dropped.
         """
         experts = [int(e) for e in experts]
-        self._begin_layer(layer, experts, record)
+        self._begin_layer(layer, experts, record, own_pass)
         return self._get(layer, experts, guess)
 
     def hold_limit(self) -> int:
@@ -153,13 +156,14 @@ class ExpertStore:
             yield self._finish(layer, *current)
             del current
 
-    def _begin_layer(self, layer: int, experts: list[int], record: bool) -> None:
+    def _begin_layer(self, layer: int, experts: list[int], record: bool, own_pass: bool = True) -> None:
         """A layer is asked for: generation is on (fill), its routing is traced, its guesses settle."""
         if self.fill is not None:
             self.fill.touch()
         if self.trace is not None and record:
             self.trace.record(layer, experts)
-        self.prefetcher.settle(layer, set(experts))
+        if own_pass:
+            self.prefetcher.settle(layer, set(experts))
 
     def _get(self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None) -> dict[int, ExpertWeights]:
         return self._finish(layer, *self._start(layer, experts, guess))
