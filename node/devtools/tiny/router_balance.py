@@ -76,15 +76,14 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def balance_routers(model: nn.Module, vocab_size: int, top_k: int, seed: int = 0) -> list[float]:
+def balance_routers(model: nn.Module, vocab_size: int, top_k: int, seed: int = 0) -> None:
     """Set every MoE block's `e_score_correction_bias` so its experts share the load evenly.
 
-    Returns each layer's load imbalance afterwards on the calibration tokens (the busiest expert's
-    load over the mean). The model's modules are put back as they were; only the biases change.
+    The model's modules are put back as they were; only the biases change.
     """
     blocks = moe_blocks(model)
     if not blocks:
-        return []
+        return
     experts = blocks[0].e_score_correction_bias.shape[0]
     sequences = max(4, -(-CHOICES_PER_EXPERT * experts // (top_k * CALIBRATION_LENGTH)))
     tokens = mx.array(np.random.default_rng(seed).integers(0, vocab_size, (sequences, CALIBRATION_LENGTH)))
@@ -98,12 +97,6 @@ def balance_routers(model: nn.Module, vocab_size: int, top_k: int, seed: int = 0
     finally:
         for b, (router, routed) in zip(blocks, kept):
             b.gate, b.switch_mlp = router, routed
-    imbalance = []
     for b, raw in zip(blocks, seen):
         scores = np.array(mx.sigmoid(raw.astype(mx.float32)).reshape(-1, raw.shape[-1]))
-        bias = even_bias(scores, top_k)
-        b.e_score_correction_bias = mx.array(bias)
-        chosen = np.argpartition(-(scores + bias), top_k - 1, axis=1)[:, :top_k]
-        load = np.bincount(chosen.ravel(), minlength=scores.shape[1])
-        imbalance.append(float(load.max() / load.mean()))
-    return imbalance
+        b.e_score_correction_bias = mx.array(even_bias(scores, top_k))
