@@ -16,7 +16,7 @@ request that arrives while a long generation runs in the batch, against the same
 Regimes: warm_ram (every expert already in the RAM tier) and warm_disk (as `expertmesh bench`
 defines it: a new node for each configuration, the experts on its disk, its RAM tier empty). Models: the tiny and the wide random
 Kimi K3 (warm RAM); the trained demo model and Kimi K3's proportions (warm disk; K3's proportions
-in the SMALL variant of node/devtools/tiny/k3_proportions.py, ~1.6 MB experts, unless `--k3-full`:
+in the SMALL variant of expertmesh/devtools/tiny/k3_proportions.py, ~1.6 MB experts, unless `--k3-full`:
 17.5 MB experts, 3.4 GB written first).
 
     python benchmarks/bench_batching.py [--tokens 32] [--models tiny,wide,demo,k3] [--json out.json]
@@ -34,9 +34,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.batching import BatchEngine
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
@@ -80,22 +80,22 @@ class Config:
 
 def _write_repo(model: str, hub_dir: Path, k3_full: bool) -> str:
     if model == "tiny":
-        from expertmesh.node.devtools.tiny import make_tiny_model
+        from expertmesh.devtools.tiny import make_tiny_model
 
         make_tiny_model(hub_dir / "expertmesh/tiny-kimi_k3", "kimi_k3", seed=0)
         return "expertmesh/tiny-kimi_k3"
     if model == "wide":
-        from expertmesh.node.devtools.tiny.kimi_k3 import build_wide
+        from expertmesh.devtools.tiny.kimi_k3 import build_wide
 
         (hub_dir / "expertmesh/wide-kimi_k3").mkdir(parents=True)
         build_wide(hub_dir / "expertmesh/wide-kimi_k3", seed=0)
         return "expertmesh/wide-kimi_k3"
     if model == "demo":
-        from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
+        from expertmesh.devtools.tiny.demo_model import REPO_ID, make_demo_model
 
         make_demo_model(hub_dir / REPO_ID)
         return REPO_ID
-    from expertmesh.node.devtools.tiny import k3_proportions
+    from expertmesh.devtools.tiny import k3_proportions
 
     repo_id = "expertmesh/k3-proportions"
     (hub_dir / repo_id).mkdir(parents=True)

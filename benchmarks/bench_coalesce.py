@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from expertmesh.node.devtools.bench import run_bench
+from expertmesh.devtools.bench import run_bench
 
 MODES = {"runs": True, "one_by_one": False}
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from expertmesh.devtools.bench import run_bench
 from expertmesh.node import constants
-from expertmesh.node.devtools.bench import run_bench
 from expertmesh.node.store.tiers.hub import DEFAULT_PIECES_PER_EXPERT
 
 Setting = tuple[int, int]  # (connections, pieces per expert)

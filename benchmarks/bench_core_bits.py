@@ -23,13 +23,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model, windows
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model, windows
-from expertmesh.node.engine.core_quantization import core_parameter_bytes
+from expertmesh.node.engine.core_quantization import core_parameter_bytes, pull_with_core_bits
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub.pull import pull
 
 MARGIN = 0.05  # a "clear" position: BF16's top token leads the second by this much probability
 
@@ -45,7 +44,7 @@ def run(n_windows: int) -> dict:
         with HubServer(work / "hub") as hub, hub_client.using_endpoint(hub.url):
             models = {}
             for bits in (16, 8):
-                r = pull(REPO_ID, home=work / f"h{bits}", progress=False, core_bits=bits)
+                r = pull_with_core_bits(REPO_ID, home=work / f"h{bits}", progress=False, core_bits=bits)
                 models[bits] = (
                     open_model(REPO_ID, home=work / f"h{bits}", store=StoreConfig(ram_budget="100%")),
                     r,

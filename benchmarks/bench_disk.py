@@ -37,8 +37,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from expertmesh.node.devtools.disk_floor import drop_page_cache
-from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, TensorSlice
+from expertmesh.devtools.disk_floor import drop_page_cache
+from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation, TensorSlice
 from expertmesh.node.sizes import format_size, parse_size
 from expertmesh.node.store.buffers import BufferPool
 from expertmesh.node.store.disk_reads import DiskReadConfig, DiskReader
@@ -87,7 +87,7 @@ def hash_costs(size: int, rounds: int = 20) -> dict[str, dict[str, float]]:
 
 def _check_and_copy_to_mlx(blob) -> None:
     """The rest of a warm read's path: the fast check, then the one copy the codec makes (buffer
-    to MLX array, store/codec.py's `_to_mx`)."""
+    to MLX array, model/codec.py's `_to_mx`)."""
     import mlx.core as mx
     import numpy as np
 

@@ -21,10 +21,10 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.sample_utils import make_sampler
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import make_tiny_model
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import make_tiny_model
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull

@@ -20,10 +20,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings, _bench_repo, _run_prompts
+from expertmesh.devtools.local_hub import HubKnobs, HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings, _bench_repo, _run_prompts
-from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.store import fill as idle_fill

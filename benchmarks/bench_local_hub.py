@@ -1,7 +1,7 @@
 """`expertmesh hub` at real size: concurrent range reads from a multi-GB shard, without and with a cap.
 
 A household mirror serves K3's 2.4 GB shards to a dozen connections at once. This runs the hub in
-a process of its own over the K3-proportioned repo (node/devtools/tiny/k3_proportions.py, made and
+a process of its own over the K3-proportioned repo (expertmesh/devtools/tiny/k3_proportions.py, made and
 kept under $EXPERTMESH_HOME/bench/hub by `expertmesh bench --model k3-proportions`, or here) and
 reads 12 ranges of 4.4 MB (a K3 expert's quarter: one piece) at once from its largest shard, over
 keep-alive connections, twice: with no bandwidth cap (what the hub itself can serve) and with the
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import httpx2
 
+from expertmesh.devtools.bench_k3 import REPO_ID, _model_dir
+from expertmesh.devtools.tiny import k3_proportions
 from expertmesh.node import constants
-from expertmesh.node.devtools.bench_k3 import REPO_ID, _model_dir
-from expertmesh.node.devtools.tiny import k3_proportions
 from expertmesh.node.sizes import parse_size
 
 PIECE = 17_547_264 // 4

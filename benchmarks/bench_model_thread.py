@@ -33,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from expertmesh.node.assembly import build_node
+from expertmesh.assembly import build_node
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import k3_proportions
 from expertmesh.node.config import NodeConfig, StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import k3_proportions
-from expertmesh.node.engine.expert_compute import ExpertComputer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.household.expert_compute import ExpertComputer
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.v1 import node_pb2

@@ -19,10 +19,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny.demo_model import DEMO_DIR, HELDOUT_FILE, REPO_ID, make_demo_model
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull

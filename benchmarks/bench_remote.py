@@ -3,7 +3,7 @@
 A household on one machine: a full node N and two compute peers P1, P2 that together hold every
 expert of the trained demo model (each the experts it owns, as `expertmesh warm` spreads them),
 all in this process with real gRPC on loopback. Links are emulated with K3's proportions scaled
-to the demo model (see node/devtools/link_emulation.py and node/devtools/bench.py): gigabit Ethernet between the
+to the demo model (see expertmesh/devtools/link_emulation.py and expertmesh/devtools/bench.py): gigabit Ethernet between the
 nodes (118 MB/s, 1 ms round trip; an activation row charged so that its ratio to an expert is
 K3's), a 12.5 MB/s Hub link, both sped up by `--time-scale`.
 
@@ -18,7 +18,7 @@ bytes per token >= 100x fewer than fetch (shown in raw bytes and as K3 would see
     python benchmarks/bench_remote.py [--tokens 12] [--time-scale 0.2] [--json out.json]
 
 At K3's real proportions (17.5 MB experts), one process per node and kernel-shaped links instead of
-this scaled emulation: `expertmesh lab` (node/devtools/lab/, docs/lab.md).
+this scaled emulation: `expertmesh lab` (expertmesh/devtools/lab/, docs/lab.md).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from expertmesh.node.assembly import build_node, open_model
+from expertmesh.assembly import build_node, open_model
+from expertmesh.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings
+from expertmesh.devtools.link_emulation import LanInterceptor, k3_lan
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny.demo_model import REPO_ID, make_demo_model
 from expertmesh.node.config import HouseholdConfig, NodeConfig, RemoteConfig, RpcConfig, StoreConfig
-from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, PROMPTS, LinkSettings
-from expertmesh.node.devtools.link_emulation import LanInterceptor, k3_lan
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.household.warm import describe_nodes, warm, warm_order
 from expertmesh.node.hub import client as hub_client

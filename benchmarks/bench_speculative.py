@@ -15,7 +15,7 @@ prose) it measures, greedy, every expert already in RAM:
 Every prompt generates `--tokens` tokens (end-of-text is ignored unless `--stop-at-eos`): a
 tiny greedy model then falls into loops, which flatters n-grams on prose too; the first tokens,
 before any loop, are in `--stop-at-eos`'s run. `draft` drafts with the demo's draft model
-(node/devtools/tiny/draft/: a 2-layer dense Llama distilled from the demo, about a fifth of its cost per
+(expertmesh/devtools/tiny/draft/: a 2-layer dense Llama distilled from the demo, about a fifth of its cost per
 token); `self` drafts with the demo model itself, loaded by mlx-lm: the upper bound of a draft
 model's acceptance, at a draft cost no real draft model has. Targets (issue 7): passes/token
 <= 0.6 on repetitive prompts, >= 1.5x faster under (b).
@@ -33,10 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny.demo_model import DRAFT_DIR, REPO_ID, make_demo_model
 from expertmesh.node.config import SpeculationConfig, StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny.demo_model import DRAFT_DIR, REPO_ID, make_demo_model
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull

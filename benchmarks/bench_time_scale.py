@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from expertmesh.devtools.bench import run_bench
 from expertmesh.node import constants
-from expertmesh.node.devtools.bench import run_bench
 
 
 def run(scale: float, tokens: int) -> dict[str, float]:

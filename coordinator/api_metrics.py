@@ -3,7 +3,7 @@ Nodes export the expert and token metrics (node/observability/metrics.py); these
 front door is doing — how often people are turned away (429) or failed (5xx).
 
 They are on the API's `/metrics`, and a node that serves both the API and `/metrics` registers
-them on its node registry too (node/assembly.py): that is the port the node advertises and
+them on its node registry too (expertmesh/assembly.py): that is the port the node advertises and
 `expertmesh prometheus-targets` lists, so Prometheus finds them without a target of their own."""
 
 from __future__ import annotations

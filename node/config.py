@@ -1,4 +1,4 @@
-"""Everything a node is made from, as plain dataclasses: what `build_node` (node/assembly.py) reads.
+"""Everything a node is made from, as plain dataclasses: what `build_node` (expertmesh/assembly.py) reads.
 
 The CLI turns its flags into these; tests and benchmarks write them directly. Objects that are
 not settings (an injected Hub reader, a servicer class) are keyword arguments of `build_node`,

@@ -75,9 +75,9 @@ MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 # not the link, bounds the bench on 2 cores (docs/benchmarks.md, benchmarks/bench_time_scale.py).
 BENCH_TIME_SCALE = 0.2
 
-# The built-in demo model (node/devtools/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
+# The built-in demo model (expertmesh/devtools/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
 DEMO_REPO = "expertmesh/demo-kimi-k3"
-# Its draft model for `--speculate draft` (node/devtools/tiny/draft/), published next to it.
+# Its draft model for `--speculate draft` (expertmesh/devtools/tiny/draft/), published next to it.
 DEMO_DRAFT_REPO = "expertmesh/demo-kimi-k3-draft"
 
 

@@ -1,6 +1,6 @@
 """Train the demo model: a tiny Kimi K3 (mlx-lm's own architecture) on Python stdlib docstrings.
 
-Run once; it writes what `node/devtools/tiny/demo_model.py` needs into node/devtools/tiny/demo/:
+Run once; it writes what `expertmesh/devtools/tiny/demo_model.py` needs into expertmesh/devtools/tiny/demo/:
 
     weights.safetensors    trained parameters, mlx-lm names (bf16; A_log, dt_bias, bias in f32)
     tokenizer.json         byte-level BPE trained on the same text (tokenizer_config.json: ChatML)
@@ -37,9 +37,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from expertmesh.node.devtools.tiny import demo_model
-from expertmesh.node.devtools.tiny.tokenizer import save_tokenizer, train_tokenizer
-from expertmesh.node.engine.mlx_lm_models import model_classes
+from expertmesh.devtools.tiny import demo_model
+from expertmesh.devtools.tiny.tokenizer import save_tokenizer, train_tokenizer
+from expertmesh.node.model.mlx_lm_models import model_classes
 
 STDLIB = Path("/usr/lib/python3.11")
 # Not PSF-licensed, per /usr/share/doc/python3.11/copyright ("Files with other licenses"), or not

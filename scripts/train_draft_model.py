@@ -6,7 +6,7 @@ token. Nothing else has the demo's 1024-token vocabulary, so this trains one: ml
 demo model predicts. The loss is KL(demo || draft) of the next-token distributions on the demo's
 own training windows (the same docstrings, tokenizer and windows, by the demo script's functions);
 agreeing with the demo, not with the text, is what gets a draft accepted. Run once; it writes the
-folder `node/devtools/tiny/demo_model.py` publishes as the draft repo into node/devtools/tiny/draft/:
+folder `expertmesh/devtools/tiny/demo_model.py` publishes as the draft repo into expertmesh/devtools/tiny/draft/:
 
     config.json, model.safetensors    mlx-lm's llama, bf16, tied embeddings
     tokenizer.json, tokenizer_config.json   the demo's, byte for byte
@@ -45,9 +45,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from tokenizers import Tokenizer
 
-from expertmesh.node.devtools.tiny import demo_model
-from expertmesh.node.devtools.tiny.common import write_json
-from expertmesh.node.engine.mlx_lm_models import model_classes
+from expertmesh.devtools.tiny import demo_model
+from expertmesh.devtools.tiny.common import write_json
+from expertmesh.node.model.mlx_lm_models import model_classes
 
 
 def draft_config(hidden: int, layers: int, intermediate: int, heads: int) -> dict:
@@ -306,7 +306,7 @@ Trained by `{cmd}` (run from the project root), once, on
 
 The demo model's training data, extracted by the demo's own functions (`scripts/train_demo_model.py`,
 imported): docstrings of the Python 3.11 standard library, **PSF License Version 2**; see
-`node/devtools/tiny/demo/PROVENANCE.md` for sources, exclusions and PSF's notice, retained as the licence asks:
+`expertmesh/devtools/tiny/demo/PROVENANCE.md` for sources, exclusions and PSF's notice, retained as the licence asks:
 "Copyright (c) 2001, 2002, 2003, 2004, 2005, 2006, 2007, 2008, 2009, 2010, 2011, 2012, 2013, 2014,
 2015, 2016, 2017, 2018, 2019, 2020, 2021, 2022, 2023 Python Software Foundation; All Rights Reserved".
 sha256 of the extracted text: `{corpus_sha}` (checked equal to the demo's). The same

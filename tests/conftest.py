@@ -12,8 +12,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import ARCHS, make_tiny_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import ARCHS, make_tiny_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from expertmesh.node.assembly import Node, build_node
+from expertmesh.assembly import Node, build_node
 from expertmesh.node.config import (
     HouseholdConfig,
     MetricsConfig,

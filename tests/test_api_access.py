@@ -16,11 +16,11 @@ from pathlib import Path
 import openai
 import pytest
 
+from expertmesh.assembly import build_node
 from expertmesh.coordinator.api_access import AccessPolicy, KeyRing, api_keys_path, ensure_api_key
 from expertmesh.coordinator.http_server import Request
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
-from expertmesh.node.assembly import build_node
 from expertmesh.node.config import ApiConfig, HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
 
 REPO_ID = "expertmesh/tiny-kimi_k3"

@@ -15,9 +15,10 @@ import grpc
 import pytest
 from waiting import wait_until
 
+from expertmesh.assembly import build_node, open_model
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
-from expertmesh.node.assembly import build_node, open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import (
     HouseholdConfig,
     MetricsConfig,
@@ -27,7 +28,6 @@ from expertmesh.node.config import (
     SpeculationConfig,
     StoreConfig,
 )
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.batching import BatchEngine, make_row_sampler
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
@@ -385,7 +385,7 @@ def test_a_call_alone_speculates_and_calls_together_batch(
 
 
 def test_max_batch_one_runs_one_call_at_a_time_with_speculation(node) -> None:
-    from expertmesh.node.rpc.service import NodeService
+    from expertmesh.node.service import NodeService
 
     alone = NodeService(node.model, "a", node.experts, speculation=SpeculationConfig(mode="ngram"), max_batch=1)
     assert alone.batch is None and alone.speculation is not None and alone.generation_slots.running == 1

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.devtools import bench_k3
-from expertmesh.node.devtools.tiny import k3_proportions
+from expertmesh.devtools import bench_k3
+from expertmesh.devtools.tiny import k3_proportions
 
 # many experts, few routed: decode keeps meeting experts the prompt did not touch (the baseline has
 # no fill to fetch them ahead); a cold node's fill may still have fetched all of them first
@@ -78,7 +78,7 @@ def test_the_baseline_moves_only_what_it_demands_at_no_more_than_the_link(doc: d
 
 @pytest.mark.e2e
 def test_a_config_runs_over_a_kernel_shaped_link_and_leaves_no_namespace(cache: Path) -> None:
-    from expertmesh.node.devtools.lab import network
+    from expertmesh.devtools.lab import network
 
     why = network.available()
     if why:
@@ -112,7 +112,7 @@ def test_a_kernel_link_without_namespaces_fails_clearly_instead_of_falling_back(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Checked before anything is made or started: the message says why, nothing runs hub-shaped."""
-    from expertmesh.node.devtools.lab import network
+    from expertmesh.devtools.lab import network
 
     monkeypatch.setattr(network, "available", lambda: "not root: network namespaces need CAP_NET_ADMIN")
     with pytest.raises(bench_k3.KernelLinkUnavailable, match="not root"):

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from expertmesh.node.devtools import bench_k3
-from expertmesh.node.devtools.tiny import k3_proportions
+from expertmesh.devtools import bench_k3
+from expertmesh.devtools.tiny import k3_proportions
 
 TINY = k3_proportions.Proportions(moe_layers=2, experts=16, top_k=4, latent=256, intermediate=256, hidden=64)
 

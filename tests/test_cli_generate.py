@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.devtools.local_hub import HubServer
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 pytestmark = pytest.mark.e2e  # every test here runs the `expertmesh` command in its own process
@@ -93,8 +93,8 @@ def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(hub: HubServer, home: Path) -> None:
     """A real SIGINT in the middle of a real reply: the reply stops, the next turn continues the cache."""
+    from expertmesh.assembly import open_model
     from expertmesh.cli.terminal import chat_loop
-    from expertmesh.node.assembly import open_model
     from expertmesh.node.engine.chat import ChatSession
     from expertmesh.node.engine.generation import Generator, SamplingSettings
 

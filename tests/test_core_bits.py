@@ -11,10 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from expertmesh.assembly import open_model
 from expertmesh.cli import main
-from expertmesh.node.assembly import open_model
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.engine.core_quantization import group_size_for
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.node.engine.core_quantization import group_size_for, pull_with_core_bits
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
 
@@ -34,7 +34,7 @@ def homes(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[int,
     out = {}
     for bits in (16, 8):
         out[bits] = tmp_path_factory.mktemp(f"core{bits}")
-        pull(REPO_ID, home=out[bits], progress=False, core_bits=bits)
+        pull_with_core_bits(REPO_ID, home=out[bits], progress=False, core_bits=bits)
     return out
 
 

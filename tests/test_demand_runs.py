@@ -12,10 +12,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import Fault, HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import Fault, HubServer
-from expertmesh.node.hub.expert_index import run_ranges
+from expertmesh.node.model.expert_index import run_ranges
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 RUN, LONE = [0, 1, 2], 5

@@ -15,17 +15,17 @@ import huggingface_hub.constants as hf_constants
 import mlx.core as mx
 import pytest
 
+from expertmesh.assembly import open_model
 from expertmesh.cli import main
-from expertmesh.node.assembly import open_model
-from expertmesh.node.config import SpeculationConfig, StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny.demo_model import (
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny.demo_model import (
     DRAFT_DIR,
     DRAFT_REPO_ID,
     REPO_ID,
     make_demo_model,
     make_draft_model,
 )
+from expertmesh.node.config import SpeculationConfig, StoreConfig
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import ModelDraft

@@ -11,8 +11,8 @@ import mlx_lm
 import pytest
 from safetensors import safe_open
 
-from expertmesh.node.devtools.tiny import demo_model
-from expertmesh.node.devtools.tiny.demo_model import make_demo_model
+from expertmesh.devtools.tiny import demo_model
+from expertmesh.devtools.tiny.demo_model import make_demo_model
 
 
 def _digests(folder: Path) -> dict[str, str]:

@@ -27,7 +27,7 @@ from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf
 from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
 
 from expertmesh.coordinator.node_pool import NodePool
-from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.household.discovery import (
     RESOLVE_WORKERS,
     SERVICE_TYPE,
@@ -37,9 +37,9 @@ from expertmesh.node.household.discovery import (
     parse_service,
 )
 from expertmesh.node.household.membership import PeerTable
-from expertmesh.node.hub.expert_index import ExpertIndex
 from expertmesh.node.hub.local_models import find_pulled
 from expertmesh.node.hub.pull import pull
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation, TensorSlice
+from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation, TensorSlice
 from expertmesh.node.store.integrity import DigestBook, sha256
 from expertmesh.node.store.tiers import disk as disk_cache
 from expertmesh.node.store.tiers.disk import TMP_SUFFIX, DiskCache

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, format_record, parse_record, sha256
@@ -168,7 +168,7 @@ def test_a_damaged_first_fetch_is_found_by_verify_and_corrected(
     `expertmesh verify` asks the Hub again, two fresh copies agree against the record, and the
     record and the file are replaced: the output is the clean one from then on."""
     from expertmesh.cli import main
-    from expertmesh.node.devtools.local_hub import Fault
+    from expertmesh.devtools.local_hub import Fault
 
     hub.knobs.faults = [Fault("wrong_bytes", count=1)]  # the first expert response after the pull
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from expertmesh.node.devtools.tiny import k3_proportions
+from expertmesh.devtools.tiny import k3_proportions
 from expertmesh.node.store.buffers import MMAP_MIN_BYTES, BufferPool
 from expertmesh.node.store.disk_reads import DiskReadConfig, DiskReader, WrongSize, pieces
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import gpt_oss
 
-from expertmesh.node.devtools.tiny.registry import tiny_config
+from expertmesh.devtools.tiny.registry import tiny_config
 from expertmesh.node.engine.speculative import ModelDraft
 
 K = 4

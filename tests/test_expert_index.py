@@ -10,8 +10,8 @@ import pytest
 from safetensors import safe_open
 
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.hub import safetensors_format
-from expertmesh.node.hub.expert_index import ExpertIndex, build_index
+from expertmesh.node.model import safetensors_format
+from expertmesh.node.model.expert_index import ExpertIndex, build_index
 
 
 def _local_index(repo: Path) -> ExpertIndex:

@@ -1,4 +1,4 @@
-"""The expert index learns experts from mlx-lm's sanitize, traced (node/hub/expert_trace.py).
+"""The expert index learns experts from mlx-lm's sanitize, traced (node/model/expert_trace.py).
 
 Each expert, decoded from its byte ranges alone, must equal mlx-lm's own parameter slice bit for
 bit, in every encoding: per-expert BF16, FP8 with block scales, compressed-tensors mxfp4 and int4,
@@ -19,12 +19,11 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from expertmesh.node.devtools.tiny import registry
-from expertmesh.node.engine import mlx_lm_models
+from expertmesh.devtools.tiny import registry
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.hub import safetensors_format
-from expertmesh.node.hub.expert_index import ExpertIndex, build_index
-from expertmesh.node.store.codec import ExpertCodec
+from expertmesh.node.model import mlx_lm_models, safetensors_format
+from expertmesh.node.model.codec import ExpertCodec
+from expertmesh.node.model.expert_index import ExpertIndex, build_index
 
 
 def _headers(repo: Path) -> dict:

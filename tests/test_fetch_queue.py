@@ -11,30 +11,33 @@ import weakref
 import pytest
 
 from expertmesh.node.errors import Abandoned, DownloadError
+from expertmesh.node.fetching import DEMAND as DEMAND_CTX
+from expertmesh.node.fetching import FetchContext, Priority
 from expertmesh.node.store.fetch_queue import FetchQueue
-from expertmesh.node.store.priority import DEMAND, PREFETCH
 from expertmesh.node.store.tier_chain import Fetched
+
+DEMAND, PREFETCH = Priority.DEMAND, Priority.PREFETCH
 
 
 class _SlowTier:
-    """Takes `steps` x 5 ms per expert, asking `abandon` between steps, as the Hub tier does between chunks."""
+    """Takes `steps` x 5 ms per expert, asking `ctx.abandon` between steps, as the Hub tier does between chunks."""
 
     def __init__(self, steps: int = 40):
         self.steps = steps
         self.started: list = []
         self.lock = threading.Lock()
 
-    def fetch(self, key, keep_now: bool = False, abandon=None) -> Fetched:
+    def fetch(self, key, keep_now: bool = False, ctx: FetchContext = DEMAND_CTX) -> Fetched:
         with self.lock:
             self.started.append(key)
         for _ in range(self.steps):
-            if abandon is not None and abandon():
+            if ctx.should_abandon():
                 raise Abandoned(f"{key} gave up")
             time.sleep(0.005)
         return Fetched(weights=None, source="hub", seconds=0.0)
 
-    def fetch_run(self, keys, keep_now: bool = False, abandon=None) -> list:
-        return [self.fetch(k, keep_now, abandon) for k in keys]
+    def fetch_run(self, keys, keep_now: bool = False, ctx: FetchContext = DEMAND_CTX) -> list:
+        return [self.fetch(k, keep_now, ctx) for k in keys]
 
 
 def _queue(tier: _SlowTier, stale: set, workers: int = 1) -> FetchQueue:
@@ -109,7 +112,7 @@ def test_a_failed_fetch_keeps_no_buffer_alive_once_its_waiter_has_the_error() ->
     # frame, and the buffer in it, in a cycle with the error: alive until a full garbage collection
     freed: list = []
 
-    def failing(key, keep_now: bool = False, abandon=None) -> Fetched:
+    def failing(key, keep_now: bool = False, ctx: FetchContext = DEMAND_CTX) -> Fetched:
         buffer = _Bytes()
         freed.append(weakref.ref(buffer))
         errors = [DownloadError(f"{key}: the Hub said no")]
@@ -204,7 +207,7 @@ def test_a_held_guess_whose_expert_a_demand_fetched_meanwhile_is_dropped() -> No
     gate = threading.Event()
     demand_done, hold_over = threading.Event(), threading.Event()
 
-    def fetch(key, keep_now: bool = False, abandon=None) -> Fetched:
+    def fetch(key, keep_now: bool = False, ctx: FetchContext = DEMAND_CTX) -> Fetched:
         if key == (1, 0):
             gate.wait(10)  # keeps a demand running while the guess is held
         return Fetched(weights=None, source="hub", seconds=0.0)

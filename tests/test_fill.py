@@ -8,12 +8,12 @@ from pathlib import Path
 
 from waiting import wait_until
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
-from expertmesh.node.hub.expert_index import run_ranges
 from expertmesh.node.hub.pull import pull
+from expertmesh.node.model.expert_index import run_ranges
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "Fill the disk while the link is idle"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import Fault, HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import Fault, HubServer
 from expertmesh.node.engine.blocks import load_core_model
 from expertmesh.node.engine.generation import ContextLengthError, GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel

@@ -100,7 +100,7 @@ def test_a_node_says_only_the_generations_its_threads_let_it_run(pulled_home, hu
     """A `--max-batch` beyond the gRPC threads Generate may hold (16 workers less the reserve: 12)
     runs no more than those at once; an Info that said the batch had the API send it more, and
     the extra requests were refused (429) instead of waiting in the API's queue."""
-    from expertmesh.node.assembly import build_node
+    from expertmesh.assembly import build_node
     from expertmesh.node.config import HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
     from expertmesh.node.rpc.client import NodeClient
 

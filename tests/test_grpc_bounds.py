@@ -247,7 +247,7 @@ def test_generate_and_chat_feed_the_model_the_plain_text_tokens(node, channel) -
 
 
 def test_slots_admit_their_capacity_and_fit_the_threads() -> None:
-    from expertmesh.node.rpc.service import GenerationSlots
+    from expertmesh.node.service import GenerationSlots
 
     slots = GenerationSlots(waiting=3)
     assert [slots.admit() for _ in range(5)] == [True, True, True, True, False]

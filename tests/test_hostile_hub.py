@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.errors import DownloadError, NotPulledError, UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub import local_models, safetensors_format
+from expertmesh.node.hub import local_models
 from expertmesh.node.hub import pull as pull_module
 from expertmesh.node.hub.pull import pull
+from expertmesh.node.model import safetensors_format
 
 REPO = "expertmesh/tiny-kimi_k3"
 SHARD = "model-00001-of-00003.safetensors"
@@ -291,7 +292,7 @@ def test_config_counts_beyond_the_shards_are_refused_before_the_model_is_built(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from expertmesh.node.engine import mlx_lm_models
+    from expertmesh.node.model import mlx_lm_models
 
     root = _own_hub(tiny_repos, tmp_path, arch)
     config_path = root / "expertmesh" / f"tiny-{arch}" / "config.json"

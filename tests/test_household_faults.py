@@ -29,11 +29,11 @@ import pytest
 from fake_nodes import fake_node
 from nodes import joined
 
+from expertmesh.assembly import open_model
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
-from expertmesh.node.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, parse_record

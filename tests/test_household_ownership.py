@@ -25,10 +25,10 @@ from nodes import serve_command
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.hub.local_models import find_index
 from expertmesh.node.hub.pull import pull
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.assembly import open_model
 from expertmesh.cli import build_parser
 from expertmesh.cli.arguments import store_config
-from expertmesh.node.assembly import open_model
-from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.client import RangeReader

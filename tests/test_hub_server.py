@@ -15,8 +15,9 @@ import pytest
 from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
 from huggingface_hub import errors as hf_errors
 
-from expertmesh.node.devtools.link_emulation import TokenBucket, reserve_together
-from expertmesh.node.devtools.local_hub import Fault, HubServer
+from expertmesh.devtools.link_emulation import TokenBucket, reserve_together
+from expertmesh.devtools.local_hub import Fault, HubServer
+from expertmesh.node.fetching import FetchContext
 
 REPO = "expertmesh/tiny-kimi_k3"
 
@@ -133,7 +134,7 @@ def test_cli_serves_and_stops(hub_root: Path) -> None:
 def test_fault_flags_parse_or_fail_clearly() -> None:
     import argparse
 
-    from expertmesh.node.devtools.local_hub import parse_fault
+    from expertmesh.devtools.local_hub import parse_fault
 
     f = parse_fault("cut:count=2,path=*.safetensors")
     assert (f.kind, f.count, f.path_glob) == ("cut", 2, "*.safetensors")
@@ -147,7 +148,7 @@ def test_a_large_file_is_served_by_range_and_hashed_once(tmp_path: Path, monkeyp
     """A mirror of a multi-GB checkpoint: start-up and range reads never read whole files, a large
     file's sha256 is computed once (in the background) and kept across restarts, and until then
     its ETag is a provisional id that huggingface_hub still accepts."""
-    from expertmesh.node.devtools import local_hub
+    from expertmesh.devtools import local_hub
 
     repo = tmp_path / "hub" / "big" / "model"
     repo.mkdir(parents=True)
@@ -197,21 +198,23 @@ def test_a_read_that_may_give_up_stops_mid_transfer_but_finishes_what_is_nearly_
         flag = threading.Event()
         threading.Timer(0.2, flag.set).start()
         with pytest.raises(Abandoned):
-            reader.read_into(remote, 0, want, buf, abandon=flag.is_set)
+            reader.read_into(remote, 0, want, buf, FetchContext(abandon=flag.is_set))
         assert hub.stats()["bytes_served"] < want // 2  # it stopped, it did not finish
         small = hub_client.ABANDON_MIN_LEFT_BYTES * 9 // 10
         flag.clear()
         threading.Timer(0.05, flag.set).start()
-        assert reader.read_into(remote, 0, small, buf, abandon=flag.is_set) == small  # nearly done: finished
+        assert (
+            reader.read_into(remote, 0, small, buf, FetchContext(abandon=flag.is_set)) == small
+        )  # nearly done: finished
         assert bytes(buf[:small]) == (bytes(range(256)) * (32 * 1024))[:small]
         # asked to give up before it starts: a small read is not worth giving up either (a small
         # model's guesses and fills were all thrown away so, and the demo's cold decode kept the
         # link 0.75 busy instead of 0.95); a big one asks nothing of the Hub
         flag.set()
         served = hub.stats()["bytes_served"]
-        assert reader.read_into(remote, 0, small, buf, abandon=flag.is_set) == small
+        assert reader.read_into(remote, 0, small, buf, FetchContext(abandon=flag.is_set)) == small
         with pytest.raises(Abandoned):
-            reader.read_into(remote, 0, want, buf, abandon=flag.is_set)
+            reader.read_into(remote, 0, want, buf, FetchContext(abandon=flag.is_set))
         assert hub.stats()["bytes_served"] == served + small
 
 
@@ -232,7 +235,7 @@ def _raw(port: int, method: str, path: str, headers: dict | None = None, body: b
 
 
 def test_hub_routes_need_the_token_never_show_it_and_cannot_drop_it(hub_root: Path) -> None:
-    from expertmesh.node.devtools.local_hub import HubKnobs
+    from expertmesh.devtools.local_hub import HubKnobs
 
     token = "hf_secret_test_token"
     auth = {"Authorization": f"Bearer {token}"}

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.errors import DownloadError
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub.expert_index import run_ranges
+from expertmesh.node.model.expert_index import run_ranges
 from expertmesh.node.store.tier_chain import Fetched
 from expertmesh.node.store.tiers.hub import split_ranges
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from expertmesh.node.devtools.bench import K3_EXPERT_BYTES, K3_LINK, LinkSettings
-from expertmesh.node.hub.expert_index import ByteRange
+from expertmesh.devtools.bench import K3_EXPERT_BYTES, K3_LINK, LinkSettings
+from expertmesh.node.model.expert_index import ByteRange
 from expertmesh.node.store.tiers.hub import split_ranges
 
 

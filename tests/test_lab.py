@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.devtools.lab import network, projection
-from expertmesh.node.devtools.lab.household import Lab, LabConfig
+from expertmesh.devtools.lab import network, projection
+from expertmesh.devtools.lab.household import Lab, LabConfig
 
 NEEDS_NAMESPACES = network.available()
 

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.assembly import open_model
 from expertmesh.cli import main
-from expertmesh.node.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.household.discovery import Advertisement, Discovery
 from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.sizes import format_size
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 from expertmesh.node.store.tiers.disk import cache_dir

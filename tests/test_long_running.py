@@ -28,8 +28,8 @@ from nodes import api_server, serving
 from waiting import wait_until
 
 from expertmesh.coordinator.openai_api import OpenAIServer
-from expertmesh.node.devtools import local_hub
-from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.devtools import local_hub
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.observability.routing_trace import TraceWriter, read_trace
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -287,7 +287,7 @@ def test_nodes_that_leave_the_household_leave_no_client_or_entry_behind_in_the_a
 
 def test_peers_that_leave_the_table_leave_no_channel_or_entry_behind(tmp_path: Path) -> None:
     from expertmesh.node.household.membership import Peer, PeerTable
-    from expertmesh.node.store.tiers.peers import PeerSource
+    from expertmesh.node.household.peers_tier import PeerSource
 
     table = PeerTable(self_id="me", self_weight=1.0)
     source = PeerSource(SimpleNamespace(repo_id="r", commit="c" * 40, experts={}), table, "s")

@@ -15,14 +15,14 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from expertmesh.assembly import build_node
 from expertmesh.node import constants
-from expertmesh.node.assembly import build_node
 from expertmesh.node.config import NodeConfig, StoreConfig
 from expertmesh.node.engine import streamed_model
 from expertmesh.node.engine.memory import CoreTooLargeError, DeviceMemory, plan_memory
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 
 GiB, MiB = 1024**3, 1024**2
 ARCH = "kimi_k3"

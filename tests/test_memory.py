@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import k3_proportions
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import k3_proportions
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -24,7 +24,7 @@ RAM_EXPERTS, WORKERS = 2, 4
 _PROBE = r"""
 import json, sys
 from pathlib import Path
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 spec = json.loads(sys.argv[1])

@@ -30,8 +30,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import wait_until
 
+from expertmesh.assembly import Node, build_node
 from expertmesh.coordinator.api_metrics import LABELS as API_LABELS
-from expertmesh.node.assembly import Node, build_node
 from expertmesh.node.config import (
     ApiConfig,
     HouseholdConfig,

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nodes import serving
 
-from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.auth import call_metadata, node_method

@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from nodes import serving
 
+from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
 from expertmesh.node.config import RemoteConfig, SpeculationConfig, StoreConfig
-from expertmesh.node.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import Draft
 from expertmesh.node.rpc.client import NodeClient, model_key
-from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.service import NodeService
 from expertmesh.v1 import node_pb2
 
 SECRET = "one-mlx-thread"

@@ -37,8 +37,8 @@ def test_every_package_folder_is_listed_and_every_listed_package_exists() -> Non
 
 def test_the_data_files_the_code_opens_ship_with_it() -> None:
     data = SETUPTOOLS["package-data"]
-    for folder in ("demo", "draft"):  # node/devtools/tiny/demo_model.py opens both
-        package = f"expertmesh.node.devtools.tiny.{folder}"
+    for folder in ("demo", "draft"):  # expertmesh/devtools/tiny/demo_model.py opens both
+        package = f"expertmesh.devtools.tiny.{folder}"
         assert package in SETUPTOOLS["packages"] and data[package] == ["*"], folder
         assert any(_folder_of(package).iterdir()), folder
     assert "*.proto" in data["expertmesh.v1"]

@@ -12,9 +12,9 @@ import pytest
 from fake_nodes import Forger, Relay, stranger
 from nodes import serving
 
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node import constants
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.household.membership import prove_peer
 from expertmesh.node.hub.pull import pull

@@ -18,15 +18,15 @@ from nodes import serving
 from waiting import wait_until
 
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable
+from expertmesh.node.household.peers_tier import PeerSource, SkipPolicy
 from expertmesh.node.household.warm import WarmNode, warm
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.hub.local_models import find_index
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.rpc.admission import BUSY
 from expertmesh.node.rpc.auth import SecretInterceptor, call_metadata, node_method
 from expertmesh.node.rpc.client import NodeClient, model_key
 from expertmesh.node.rpc.inventory import bitmap_bytes, inventory_keys, layer_sizes
 from expertmesh.node.rpc.server import RESERVED_WORKERS
-from expertmesh.node.store.tiers.peers import PeerSource, SkipPolicy
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 REPO_ID = "expertmesh/tiny-kimi_k3"

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from nodes import joined, serving
 
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.household.membership import Peer, PeerTable, rendezvous_score
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.service import NodeService
 from expertmesh.v1 import node_pb2
 
 REPO_ID = "expertmesh/tiny-kimi_k3"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from waiting import wait_until
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.store.prefetch import MIN_JUDGED, PREFETCH_WINDOW

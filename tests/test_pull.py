@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.devtools.local_hub import Fault, HubServer
-from expertmesh.node.devtools.tiny import ARCHS
+from expertmesh.devtools.local_hub import Fault, HubServer
+from expertmesh.devtools.tiny import ARCHS
 from expertmesh.node.errors import AuthError, EndpointUnreachableError, ModelNotFoundError, UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub import safetensors_format
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.hub.pull import pull
+from expertmesh.node.model import safetensors_format
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 
 
 def _reset(hub: HubServer, faults: list[Fault] | None = None) -> None:
@@ -230,7 +230,7 @@ def test_disk_space_is_checked_first(
 
 
 def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: HubServer, tmp_path: Path) -> None:
-    from expertmesh.node.assembly import build_node, open_model
+    from expertmesh.assembly import build_node, open_model
     from expertmesh.node.config import NodeConfig, StoreConfig
     from expertmesh.node.errors import NotPulledError
     from expertmesh.node.hub import local_models
@@ -263,8 +263,8 @@ def test_pull_keeps_its_requests_in_flight(hub: HubServer, tmp_path: Path) -> No
 
 
 def test_a_core_of_few_large_spans_is_split_so_every_connection_has_work() -> None:
-    from expertmesh.node.hub.expert_index import ExpertIndex, TensorSlice
     from expertmesh.node.hub.pull import MIN_PART_BYTES, PARTS_PER_CORE, _plan_parts
+    from expertmesh.node.model.expert_index import ExpertIndex, TensorSlice
 
     big = 3 * 1024**3  # one span of 3 GB, as a K3 layer's core can be
     core = {"a": TensorSlice("a", "U8", (big,), "s1.safetensors", 0, big)}
@@ -280,7 +280,7 @@ def test_a_damaged_local_copy_is_named_at_load_and_repaired_by_pull(
     """A cut core shard (a disk error, an interrupted copy or restore), a garbled config or marker:
     `run` died with a traceback and `pull` said "already pulled" (found by an audit). Loading now
     names the damage and the repair; `pull` finds it by sizes and parsing and fetches again."""
-    from expertmesh.node.assembly import open_model
+    from expertmesh.assembly import open_model
     from expertmesh.node.config import StoreConfig
     from expertmesh.node.errors import DamagedModelError
 

@@ -1,8 +1,8 @@
 """Every Mixture-of-Experts architecture of the installed mlx-lm, streamed against mlx-lm itself.
 
 For each mlx-lm model module that builds a `SwitchGLU` or `SwitchMLP` (read from mlx-lm's source,
-node/engine/mlx_lm_models.py), a tiny repo in an upstream layout is made
-(node/devtools/tiny/registry.py), pulled through a local Hub and streamed: its greedy tokens must
+node/model/mlx_lm_models.py), a tiny repo in an upstream layout is made
+(expertmesh/devtools/tiny/registry.py), pulled through a local Hub and streamed: its greedy tokens must
 equal `mlx_lm.stream_generate` on the whole repo. An architecture that cannot be streamed yet is
 skipped with the precise reason — what `pull` says, or why no tiny repo exists — so
 `pytest -rs tests/test_registry.py` prints them. The last test checks that README.md lists exactly
@@ -24,15 +24,16 @@ import mlx_lm
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import registry
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import registry
+from expertmesh.node.engine.core_quantization import pull_with_core_bits
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.mlx_lm_models import expert_modules
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
+from expertmesh.node.model.mlx_lm_models import expert_modules
 
 ARCHS = list(expert_modules())
 PROMPT = "hello experts"
@@ -125,7 +126,7 @@ def test_a_core_sanitize_treats_differently_without_experts_loads_as_mlx_lm_make
     assert want, "the tiny qwen3_next has no norms to compare"
     for bits in (16, 8):
         home = tmp_path / f"core{bits}"
-        pull("registry/qwen3_next", home=home, progress=False, core_bits=bits)
+        pull_with_core_bits("registry/qwen3_next", home=home, progress=False, core_bits=bits)
         sm = open_model("registry/qwen3_next", home=home, store=StoreConfig(ram_budget="50%", fill=False))
         try:
             assert sm.index.sanitize_with_experts

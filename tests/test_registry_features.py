@@ -1,6 +1,6 @@
 """The features beyond plain generation — speculation, batching, peers' compute, the 8-bit core —
 on architectures beyond the three tiny fixtures: one representative of each kind of cache and
-expert block, made by the registry (node/devtools/tiny/registry.py) in its upstream layout.
+expert block, made by the registry (expertmesh/devtools/tiny/registry.py) in its upstream layout.
 
 | arch         | caches                                  | experts                                 |
 |--------------|-----------------------------------------|-----------------------------------------|
@@ -38,20 +38,20 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
 from nodes import joined, serving
 
-from expertmesh.node.assembly import build_node, open_model
+from expertmesh.assembly import build_node, open_model
+from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import registry
 from expertmesh.node.config import ApiConfig, HouseholdConfig, NodeConfig, RemoteConfig, RpcConfig, StoreConfig
-from expertmesh.node.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import registry
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported, check_batchable
-from expertmesh.node.engine.expert_compute import ExpertComputer
+from expertmesh.node.engine.core_quantization import pull_with_core_bits
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import Draft, ModelDraft, SpeculationConfig
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import UnsupportedModelError
+from expertmesh.node.household.expert_compute import ExpertComputer
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -84,7 +84,7 @@ def homes(registry_hub: Path, tmp_path_factory: pytest.TempPathFactory):
     def get(arch: str, core_bits: int = 16, copy: bool = False) -> Path:
         if (arch, core_bits) not in pulled:
             home = tmp_path_factory.mktemp(f"home-{arch}-{core_bits}")
-            pull(f"registry/{arch}", home=home, progress=False, core_bits=core_bits)
+            pull_with_core_bits(f"registry/{arch}", home=home, progress=False, core_bits=core_bits)
             pulled[arch, core_bits] = home
         if not copy:
             return pulled[arch, core_bits]

@@ -10,10 +10,10 @@ from nodes import serving
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from expertmesh.node.assembly import build_node
+from expertmesh.assembly import build_node
+from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import HouseholdConfig, MetricsConfig, NodeConfig, RemoteConfig, StoreConfig
-from expertmesh.node.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.sizes import format_size

@@ -20,17 +20,17 @@ import pytest
 from nodes import joined, serving
 from waiting import wait_until
 
+from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import ARCHS
 from expertmesh.node.config import RemoteConfig, StoreConfig
-from expertmesh.node.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata, node_method
-from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.service import NodeService
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SECRET = "remote-test-secret"
@@ -347,9 +347,9 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
 def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Path, monkeypatch) -> None:
     """The CLI's wiring: `--peer` attaches remote execution (a compute peer was described as one);
     `--remote-compute off` leaves every expert to be fetched."""
+    from expertmesh.assembly import build_node
     from expertmesh.cli import build_parser
     from expertmesh.cli.generate import node_config
-    from expertmesh.node.assembly import build_node
 
     pair = pairs("kimi_k3")
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))

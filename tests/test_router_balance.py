@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from expertmesh.node.devtools import bench_k3
-from expertmesh.node.devtools.tiny import k3_proportions, kimi_k3
-from expertmesh.node.devtools.tiny.router_balance import even_bias
+from expertmesh.devtools import bench_k3
+from expertmesh.devtools.tiny import k3_proportions, kimi_k3
+from expertmesh.devtools.tiny.router_balance import even_bias
 
 SHAPE = dict(moe_layers=2, experts=64, top_k=8, latent=128, intermediate=128, hidden=64)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from expertmesh.assembly import Node, build_node
 from expertmesh.cli import build_parser, main
 from expertmesh.cli.generate import node_config
-from expertmesh.node.assembly import Node, build_node
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.errors import SpeculationError
 from expertmesh.node.hub import local_models
 

@@ -28,7 +28,7 @@ from nodes import serve_command
 from waiting import wait_until
 
 from expertmesh.cli import main
-from expertmesh.node.devtools.local_hub import HubServer
+from expertmesh.devtools.local_hub import HubServer
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 CLI = [sys.executable, "-m", "expertmesh"]

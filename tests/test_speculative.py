@@ -18,10 +18,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from expertmesh.assembly import open_model
 from expertmesh.cli import main
-from expertmesh.node.assembly import open_model
+from expertmesh.devtools.tiny import ARCHS
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.tiny import ARCHS
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import (
@@ -278,7 +278,7 @@ def test_drafted_and_accepted_reach_the_prometheus_counter(models) -> None:
     ids = sm.tokenizer.encode(PROMPT)
     plain, _, _ = _run(Generator(sm), ids)
     metrics = NodeMetrics(MetricsSources(sm.store.stats, sm.store.ram, sm.disk))
-    sm.token_observer, sm.store.stats.observer = metrics, metrics.observe_fetch  # as node/assembly.py does
+    sm.token_observer, sm.store.stats.observer = metrics, metrics.observe_fetch  # as expertmesh/assembly.py does
     try:
         _, _, summary = _run(Generator(sm, SPEC, draft_source=_Scripted(len(ids), plain, _vocab(sm))), ids)
     finally:

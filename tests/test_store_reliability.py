@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import Fault, HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import Fault, HubServer
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull

@@ -11,8 +11,8 @@ import mlx_lm
 import pytest
 from safetensors import safe_open
 
-from expertmesh.node.devtools.tiny import ARCHS, make_tiny_model
-from expertmesh.node.hub.expert_index import classify
+from expertmesh.devtools.tiny import ARCHS, make_tiny_model
+from expertmesh.node.model.expert_index import classify
 
 
 def _digest(folder: Path) -> str:

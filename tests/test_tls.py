@@ -15,13 +15,13 @@ from cryptography.x509.oid import NameOID
 from nodes import serving
 
 from expertmesh.cli import main
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import RpcConfig, StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.household.membership import PeerTable, describe_peer
+from expertmesh.node.household.peers_tier import PeerSource
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.rpc.tls import TLS_NAME
-from expertmesh.node.store.tiers.peers import PeerSource
 from expertmesh.v1 import node_pb2
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"

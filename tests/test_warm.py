@@ -12,11 +12,11 @@ import pytest
 from nodes import serving
 
 from expertmesh.cli import main
+from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
 from expertmesh.node.household.warm import WarmNode, owners, warm, warm_order
 from expertmesh.node.hub.pull import pull
-from expertmesh.node.rpc.service import NodeService
+from expertmesh.node.service import NodeService
 
 REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "warm-test-secret"
@@ -113,7 +113,7 @@ class _CountingService(NodeService):
 
 def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: HubServer, tmp_path: Path) -> None:
     from expertmesh.node.household.membership import Peer, PeerTable, expert_key, rendezvous_score
-    from expertmesh.node.store.tiers.peers import PeerSource
+    from expertmesh.node.household.peers_tier import PeerSource
 
     made = []
     try:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from expertmesh.node.assembly import open_model
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.devtools.tiny import k3_proportions
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.devtools.local_hub import HubServer
-from expertmesh.node.devtools.tiny import k3_proportions
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.store import integrity, tier_chain

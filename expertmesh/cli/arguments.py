@@ -461,28 +461,10 @@ def find_household(args: argparse.Namespace):
     for address in args.peer:
         table.add(Peer(address, address, 0.0))
     if args.discover:
+        from expertmesh.node.household.lookup import browse
+
         browse(table, args.cluster, args.interface, args.wait)
     return table
-
-
-def browse(table, cluster: str, interface: str | None, seconds: float) -> None:
-    """Add to `table` (a PeerTable) the nodes of `cluster` that advertise within `seconds`."""
-    import threading
-
-    from expertmesh.node.household.discovery import Browser
-    from expertmesh.node.household.membership import Peer
-
-    def seen(name: str, sighting) -> None:
-        if sighting is not None and sighting.ad.cluster == cluster:
-            ad = sighting.ad
-            table.add(Peer(ad.node_id, sighting.address, float(ad.disk_budget_bytes), ad.role, compute=ad.compute))
-
-    browser = Browser(seen, [interface] if interface else None)
-    try:
-        threading.Event().wait(seconds)
-        browser.settle()
-    finally:
-        browser.close()
 
 
 def generating_household(args: argparse.Namespace) -> HouseholdConfig | None:
@@ -517,31 +499,25 @@ def generating_household(args: argparse.Namespace) -> HouseholdConfig | None:
 
 def _discovered_nodes(args: argparse.Namespace, secret: str) -> list[str]:
     """Addresses of the cluster's nodes that answer Info with `secret` and serve `args.repo`."""
-    from expertmesh.node.household.membership import PeerTable
+    from expertmesh.node.household.lookup import nodes_serving
     from expertmesh.node.household.node_id import NODE_ID_FILENAME
-    from expertmesh.node.rpc.auth import refused
-    from expertmesh.node.rpc.client import ask_info
 
     try:
         own = (constants.expertmesh_home() / NODE_ID_FILENAME).read_text().strip()
     except OSError:
         own = "expertmesh-cli"
-    table = PeerTable(self_id=own, self_weight=0.0)  # our own `serve` on this home is this node, not a peer
     try:
-        browse(table, args.cluster, args.interface, args.discovery_wait)
+        found = nodes_serving(
+            args.repo, args.cluster, args.interface, args.discovery_wait, secret, tls_ca(args), own, tuple(args.peer)
+        )
     except OSError as e:
         print(f"zeroconf could not browse ({e.strerror or e}); use --peer HOST:PORT", file=sys.stderr)
         return []
-    addresses = sorted(p.address for p in table.all() if p.address not in args.peer)
-    out = []
-    for answer in ask_info(addresses, secret, tls_ca(args)):
-        if answer.info is None:
-            why = "refused the household secret" if refused(answer.error) else f"did not answer ({answer.error})"
-            print(f"household: skipping {answer.address}: it {why}", file=sys.stderr)
-        elif not any(m.repo_id == args.repo for m in answer.info.models):
-            print(f"household: skipping {answer.address}: it serves another model", file=sys.stderr)
-        else:
-            out.append(answer.address)
-    if out:
-        print(f"household: {len(out)} node(s) found in cluster {args.cluster!r}: {', '.join(out)}", file=sys.stderr)
-    return out
+    for address, why in found.skipped:
+        print(f"household: skipping {address}: it {why}", file=sys.stderr)
+    if found.addresses:
+        print(
+            f"household: {len(found.addresses)} node(s) found in cluster {args.cluster!r}: {', '.join(found.addresses)}",
+            file=sys.stderr,
+        )
+    return found.addresses

@@ -88,7 +88,7 @@ def _generate_once(node, prompt: str, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from expertmesh.node.assembly import build_node
+    from expertmesh.assembly import build_node
 
     arguments.speculation(args)  # a bad --speculate/--draft fails before the model loads
     config = node_config(args, metrics=True)
@@ -123,8 +123,8 @@ def _linger(server: MetricsServer, seconds: float) -> None:
 
 
 def chat(args: argparse.Namespace) -> int:
+    from expertmesh.assembly import build_node
     from expertmesh.cli.terminal import chat_loop
-    from expertmesh.node.assembly import build_node
     from expertmesh.node.engine.chat import ChatSession
     from expertmesh.node.engine.generation import Generator
 
@@ -170,9 +170,9 @@ def _mark_used(node) -> None:
 def demo(args: argparse.Namespace) -> int:
     """Make (or reuse) the demo model, serve it from a local Hub inside this process, pull it and
     generate with experts fetched from that Hub on demand."""
-    from expertmesh.node.assembly import build_node
-    from expertmesh.node.devtools.local_hub import HubServer
-    from expertmesh.node.devtools.tiny.demo_model import make_demo_model, make_draft_model
+    from expertmesh.assembly import build_node
+    from expertmesh.devtools.local_hub import HubServer
+    from expertmesh.devtools.tiny.demo_model import make_demo_model, make_draft_model
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.hub.pull import pull
 

@@ -148,7 +148,7 @@ def warm(args: argparse.Namespace) -> int:
     from expertmesh.node import constants
     from expertmesh.node.household import warm as warming
     from expertmesh.node.hub import local_models
-    from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+    from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
     from expertmesh.node.observability.routing_trace import read_trace
     from expertmesh.node.rpc.client import ask_info
 

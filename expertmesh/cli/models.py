@@ -46,7 +46,7 @@ def verify(args: argparse.Namespace) -> int:
     (node/store/verify.py); exits 1 if any stayed undecided or could not be fetched."""
     from tqdm.auto import tqdm
 
-    from expertmesh.node.assembly import build_node
+    from expertmesh.assembly import build_node
     from expertmesh.node.config import NodeConfig
     from expertmesh.node.errors import ExpertmeshError
     from expertmesh.node.store.verify import unverified_on_disk, verify_experts
@@ -79,9 +79,9 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
-    from expertmesh.node.hub.pull import pull as pull_model
+    from expertmesh.node.engine.core_quantization import pull_with_core_bits
 
-    result = pull_model(
+    result = pull_with_core_bits(
         args.repo,
         revision=args.revision,
         progress=not args.no_progress,

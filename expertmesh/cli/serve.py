@@ -138,7 +138,7 @@ def _tell_how_to_join(secret: str, repo: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from expertmesh.node.assembly import build_node
+    from expertmesh.assembly import build_node
 
     secret, created = arguments.secret(args)
     node = build_node(node_config(args, secret))

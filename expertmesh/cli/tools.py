@@ -21,7 +21,7 @@ def add_commands(sub) -> None:
     p.add_argument("dir", help="folder holding NAMESPACE/NAME/ repo folders")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=arguments.port, default=0, help="0 picks a free port")
-    from expertmesh.node.devtools.local_hub import add_knob_arguments
+    from expertmesh.devtools.local_hub import add_knob_arguments
 
     add_knob_arguments(p)
     p.set_defaults(func=hub)
@@ -42,7 +42,7 @@ def add_commands(sub) -> None:
         "--model",
         default="demo",
         help="demo (the trained demo model), tiny-ARCH, wide-kimi_k3 (a wider random K3), or k3-proportions "
-        "(17.5 MB experts, the Hub in its own process, no time scale: see node/devtools/bench_k3.py) "
+        "(17.5 MB experts, the Hub in its own process, no time scale: see expertmesh/devtools/bench_k3.py) "
         "(default %(default)s)",
     )
     p.add_argument(
@@ -143,7 +143,7 @@ def add_commands(sub) -> None:
 
 
 def hub(args: argparse.Namespace) -> int:
-    from expertmesh.node.devtools.local_hub import knobs_from_args, serve_forever_cli
+    from expertmesh.devtools.local_hub import knobs_from_args, serve_forever_cli
 
     root = Path(args.dir)
     if not root.is_dir():  # it would serve an empty Hub, and every pull would say "no such repository"
@@ -153,7 +153,7 @@ def hub(args: argparse.Namespace) -> int:
 
 
 def tiny_model(args: argparse.Namespace) -> int:
-    from expertmesh.node.devtools.tiny import make_tiny_model
+    from expertmesh.devtools.tiny import make_tiny_model
 
     out = make_tiny_model(Path(args.out), args.arch, args.seed)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
@@ -162,7 +162,7 @@ def tiny_model(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from expertmesh.node.devtools.bench import print_table, run_bench, write_json
+    from expertmesh.devtools.bench import print_table, run_bench, write_json
 
     if args.model == "k3-proportions":
         return _bench_k3(args)
@@ -183,7 +183,7 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def _bench_k3(args: argparse.Namespace) -> int:
-    from expertmesh.node.devtools import bench_k3
+    from expertmesh.devtools import bench_k3
     from expertmesh.node.sizes import parse_size
 
     try:
@@ -196,7 +196,7 @@ def _bench_k3(args: argparse.Namespace) -> int:
         unknown = [c for c in configs if c not in bench_k3.CONFIGS]
         if unknown or not configs:
             raise ExpertmeshError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.CONFIGS)}")
-    from expertmesh.node.devtools.tiny import k3_proportions
+    from expertmesh.devtools.tiny import k3_proportions
 
     shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}
     proportions = k3_proportions.Proportions(**{k: v for k, v in shape.items() if v is not None})
@@ -254,7 +254,7 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def lab(args: argparse.Namespace) -> int:
-    from expertmesh.node.devtools.lab.household import SCENARIOS, Lab, LabConfig, print_table
+    from expertmesh.devtools.lab.household import SCENARIOS, Lab, LabConfig, print_table
     from expertmesh.node.sizes import parse_size
 
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())

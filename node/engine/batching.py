@@ -148,7 +148,7 @@ class _Sequence:
 
 class BatchEngine:
     """Runs every generation of one streamed model in one continuous batch of at most `max_batch`
-    sequences; more wait in arrival order (GenerationSlots in node/rpc/service.py admits no more
+    sequences; more wait in arrival order (GenerationSlots in node/service.py admits no more
     than that, so the wait here is short)."""
 
     def __init__(self, sm: StreamedModel, max_batch: int = DEFAULT_MAX_BATCH, prefill_step: int = BATCH_PREFILL_STEP):

@@ -28,10 +28,10 @@ import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import load_model
 
-from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS, layer_number, model_classes
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.store.codec import ExpertWeights, ProjectionWeights
+from expertmesh.node.model.codec import ExpertWeights, ProjectionWeights
+from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS, layer_number, model_classes
 from expertmesh.node.store.stats import StoreStats, tapped, thread_value
 
 _by_row = threading.local()  # the ledgers of the rows of the forward pass running on this thread
@@ -287,10 +287,10 @@ def _streaming_classes(config: dict, expert_standins: dict[str, tuple[str, tuple
 def _sanitize_with_standins(model: nn.Module, sanitize, weights: dict, standins: dict) -> dict:
     """mlx-lm's sanitize over the core plus lazy zero stand-ins of the expert tensors, for an
     architecture whose sanitize treats the core differently when they are absent (see
-    hub/expert_index.py, `sanitize_with_experts`). What it makes of the stand-ins is dropped before
+    model/expert_index.py, `sanitize_with_experts`). What it makes of the stand-ins is dropped before
     anything is evaluated, so they cost graph nodes, not memory."""
-    from expertmesh.node.hub.expert_index import streamed_prefixes
-    from expertmesh.node.hub.expert_trace import SAFETENSORS_DTYPES
+    from expertmesh.node.model.expert_index import streamed_prefixes
+    from expertmesh.node.model.expert_trace import SAFETENSORS_DTYPES
 
     made = sanitize({**weights, **{n: mx.zeros(shape, SAFETENSORS_DTYPES[d]) for n, (d, shape) in standins.items()}})
     streamed = streamed_prefixes({b.path: b.kind for b in streaming_blocks(model)})

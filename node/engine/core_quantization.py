@@ -31,6 +31,7 @@ expert packing keeps being read from the expert tensors themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.mla import MultiLinear
 
 from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.hub.pull import PullResult, pull, write_marker
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 
 CORE_BITS = (16, 8)  # 16: the upstream precision (BF16), as pulled
 GROUP_SIZES = (128, 64, 32)  # the widest that divides a layer's input width is used
@@ -131,7 +134,6 @@ def quantize_core(model_dir: Path, bits: int = 8, group_sizes: tuple[int, ...] =
 
 def _quantize_core(model_dir: Path, bits: int, group_sizes: tuple[int, ...]) -> CoreQuantization:
     from expertmesh.node.engine.blocks import core_standins, load_core_model
-    from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
 
     index = ExpertIndex.load(model_dir / INDEX_FILENAME)
     model, _, _ = load_core_model(model_dir, core_standins(index, 16))  # only a BF16 core is quantised
@@ -172,3 +174,55 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+# Core tensors that say the upstream core is quantised already: MLX's scales, FP8 and
+# compressed-tensors' scales, packed integer or 8-bit float weights.
+_QUANTISED_SUFFIXES = (".scales", ".weight_scale", ".weight_scale_inv", ".weight_packed")
+_QUANTISED_DTYPES = ("U32", "I32", "U8", "I8", "F8_E4M3", "F8_E5M2")
+
+
+def refuse_requantising(repo_id: str, index: ExpertIndex, core_bits: int | None) -> None:
+    """`--core-bits 8` on a core published quantised (an mlx-lm conversion, an FP8 checkpoint) would
+    make nothing smaller, and recording 8 bits would say otherwise: refuse before anything is fetched."""
+    if core_bits in (None, 16):
+        return
+    sign = next(
+        (t for t in index.core.values() if t.name.endswith(_QUANTISED_SUFFIXES) or t.dtype in _QUANTISED_DTYPES), None
+    )
+    if sign is not None:
+        raise CoreBitsError(
+            f"{repo_id}'s core is already quantised as published (it has {sign.name}, {sign.dtype}): --core-bits "
+            f"{core_bits} would not make it smaller; pull it without --core-bits"
+        )
+
+
+def pull_with_core_bits(repo_id: str, core_bits: int | None = None, **pull_args) -> PullResult:
+    """`pull` (node/hub/pull.py), then the core quantised to `core_bits` where asked: what
+    `expertmesh pull --core-bits` runs. None keeps what is pulled (16, the upstream BF16, if new);
+    a quantised core that `pull` found damaged and pulled anew is quantised again.
+
+    The marker is rewritten only once the quantised core is in place, so an interrupted
+    quantisation leaves a complete BF16 pull that the next run quantises.
+
+    Raises:
+        CoreBitsError: a `core_bits` other than one of CORE_BITS, a core published quantised
+            already (refused before its bytes are fetched), or 16 for a core stored in 8 bits.
+        and what `pull` raises.
+    """
+    if core_bits is not None:
+        check_core_bits(core_bits)
+    result = pull(repo_id, check_index=lambda index: refuse_requantising(repo_id, index, core_bits), **pull_args)
+    wanted = core_bits or result.repaired_core_bits
+    if wanted is None or wanted == result.core_bits or result.core_bytes == 0:  # as pulled, or --index-only
+        return result
+    if result.core_bits != 16:
+        raise CoreBitsError(
+            f"{repo_id} @ {result.commit[:12]} is pulled with a {result.core_bits}-bit core; the BF16 core "
+            f"is no longer here: delete {result.path} and pull again"
+        )
+    refuse_requantising(repo_id, ExpertIndex.load(result.path / INDEX_FILENAME), wanted)
+    q = quantize_core(result.path, wanted)  # the BF16 core is here: quantise it in place
+    result = dataclasses.replace(result, core_bits=wanted, core_bytes=q.core_bytes_after, already_complete=False)
+    write_marker(result.path, result)
+    return result

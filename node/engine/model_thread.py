@@ -7,7 +7,7 @@ thread"). So every MLX graph of the process is built and evaluated here — load
 generated token (speculation's drafts and verify passes included), peers' ComputeExperts, the
 8-bit core quantisation — and other threads hand their work over with `call` and wait for it.
 Threads that only move bytes (fetch workers, gRPC, the Hub pool) never evaluate: experts are
-decoded into MLX arrays straight from buffers (node/store/codec.py), which encodes no GPU work.
+decoded into MLX arrays straight from buffers (node/model/codec.py), which encodes no GPU work.
 It is one thread per process, not per node, so an in-process household (tests, benchmarks)
 follows the same rule a Mac needs.
 

@@ -1,5 +1,5 @@
 """A pulled model ready to generate: mlx-lm's model with the core in memory and every expert
-block streaming from the store (engine/blocks.py). node/assembly.py loads it on the MLX thread
+block streaming from the store (engine/blocks.py). expertmesh/assembly.py loads it on the MLX thread
 (node/engine/model_thread.py), builds the store around its codec, then binds the blocks to that
 store. Its memory — the RAM tier, MLX's buffer cache, wiring — is planned in engine/memory.py."""
 
@@ -15,8 +15,8 @@ import mlx.nn as nn
 from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.expert_index import ExpertIndex
-from expertmesh.node.store.codec import ExpertCodec
+from expertmesh.node.model.codec import ExpertCodec
+from expertmesh.node.model.expert_index import ExpertIndex
 
 
 @dataclass

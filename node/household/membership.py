@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from expertmesh.node import constants
-from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.rpc.proof import PROVE_DEADLINE_S, ProofError, prove
 

@@ -40,9 +40,9 @@ import mlx.core as mx
 from expertmesh.node.config import RemoteConfig
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
+from expertmesh.node.household.peers_tier import PeerSource
 from expertmesh.node.rpc import activations
 from expertmesh.node.store.store import ExpertStore
-from expertmesh.node.store.tiers.peers import PeerSource
 from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`expertmesh warm`: an idle household fills its disks with the experts each node owns.
 
-Every expert has one owner (node/store/tiers/peers.py: weighted rendezvous over disk budgets). Warming asks
+Every expert has one owner (node/household/peers_tier.py: weighted rendezvous over disk budgets). Warming asks
 each owner to keep its experts — FetchExpert with `keep_only`, so the owner fetches a missing
 expert from the Hub once and no bytes cross the LAN — most used first, into free disk budget
 only: a warm never evicts what use has cached, and a node whose budget is full stops being asked.
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from expertmesh.node.household.membership import expert_key, rendezvous_score
-from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.household.peers_tier import FETCH_DEADLINE_S
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.admission import is_busy
 from expertmesh.node.rpc.client import NodeClient, ask_info, model_key
 from expertmesh.node.rpc.inventory import layer_sizes
-from expertmesh.node.store.tiers.peers import FETCH_DEADLINE_S
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,9 @@ from huggingface_hub.utils import build_hf_headers, get_session
 
 from expertmesh.node import constants
 from expertmesh.node.errors import Abandoned, AuthError, DownloadError, EndpointUnreachableError, ModelNotFoundError
-from expertmesh.node.hub import safetensors_format
-from expertmesh.node.hub.safetensors_format import TensorEntry
+from expertmesh.node.fetching import DEMAND, Deadline, FetchContext
+from expertmesh.node.model import safetensors_format
+from expertmesh.node.model.safetensors_format import TensorEntry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,34 +71,6 @@ def _read_bodies_in_larger_pieces() -> None:
 
 
 _read_bodies_in_larger_pieces()
-
-
-class Deadline:
-    """The time one fetch may spend asking the Hub, shared by all its requests: its pieces on
-    separate connections and every retry of each.
-
-    The clock starts with the fetch's first request, not when the fetch is queued: a guess that
-    waits behind demands for a connection must not spend its budget waiting.
-    """
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self._ends: float | None = None
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        """Start the clock, if no request of this fetch started it yet."""
-        with self._lock:
-            if self._ends is None:
-                self._ends = time.monotonic() + self.seconds
-
-    def left(self) -> float:
-        """Seconds left (the whole budget before the first request)."""
-        ends = self._ends
-        return self.seconds if ends is None else max(0.0, ends - time.monotonic())
-
-    def passed(self) -> bool:
-        return self._ends is not None and time.monotonic() >= self._ends
 
 
 class _Retryable(Exception):
@@ -311,7 +284,6 @@ class RangeReader:
             0  # responses given up for arriving below the floor (each also a retry or the last failure)
         )
         self._cancelled = threading.Event()
-        self._call = threading.local()  # the read in progress on this thread: its `abandon` and `deadline`
 
     @property
     def read_timeout_s(self) -> float:
@@ -347,19 +319,18 @@ class RangeReader:
         start: int,
         end: int,
         out: memoryview,
-        abandon: Callable[[], bool] | None = None,
-        deadline: Deadline | None = None,
+        ctx: FetchContext = DEMAND,
     ) -> int:
         """`read`, straight into `out` (at least `end - start` bytes): the bytes land once, where
         they are used. Returns how many were written (fewer only at the end of the file).
 
-        `abandon()` is asked before the request and between chunks: when it says so, the read
-        stops and raises Abandoned (not retried). `deadline`: the budget of the fetch this read
-        is part of; once it passed, no attempt starts and the one in progress stops.
+        `ctx.abandon()` is asked before the request and between chunks: when it says so, the read
+        stops and raises Abandoned (not retried). `ctx.deadline`: the budget of the fetch this
+        read is part of; once it passed, no attempt starts and the one in progress stops.
         """
         if len(out) < end - start:
             raise ValueError(f"a buffer of {len(out)} bytes for a range of {end - start}")
-        return len(self.read_with_size(remote, start, end, out, abandon, deadline)[0])
+        return len(self.read_with_size(remote, start, end, out, ctx)[0])
 
     def read_with_size(
         self,
@@ -367,8 +338,7 @@ class RangeReader:
         start: int,
         end: int,
         out: memoryview | None = None,
-        abandon: Callable[[], bool] | None = None,
-        deadline: Deadline | None = None,
+        ctx: FetchContext = DEMAND,
     ) -> tuple[bytearray | memoryview, int | None]:
         """`read` (into `out` if given), plus the file's total size from the `Content-Range`
         (None if the server hides it)."""
@@ -376,22 +346,18 @@ class RangeReader:
             raise ValueError(f"empty range {start}-{end}")
         # a range under ABANDON_MIN_LEFT_BYTES is fetched whatever `abandon` says, as a nearly done
         # one is finished: giving it up saves the link less than asking for it again costs
-        if abandon is not None and end - start >= ABANDON_MIN_LEFT_BYTES and abandon():
+        if end - start >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
             raise Abandoned(f"{remote}: bytes {start}-{end - 1} given up before asking")
-        self._call.abandon, self._call.deadline = abandon, deadline
-        try:
-            return retrying(
-                lambda: self._read_once(remote, start, end, out),
-                f"{remote}: bytes {start}-{end - 1}",
-                self.max_retries,
-                self.backoff_base_s,
-                self.backoff_max_s,
-                on_retry=self._count_retry,
-                cancelled=self._cancelled,
-                deadline=deadline,
-            )
-        finally:
-            self._call.abandon = self._call.deadline = None
+        return retrying(
+            lambda: self._read_once(remote, start, end, out, ctx),
+            f"{remote}: bytes {start}-{end - 1}",
+            self.max_retries,
+            self.backoff_base_s,
+            self.backoff_max_s,
+            on_retry=self._count_retry,
+            cancelled=self._cancelled,
+            deadline=ctx.deadline,
+        )
 
     def _count_retry(self) -> None:
         self.retries += 1
@@ -410,7 +376,7 @@ class RangeReader:
             wait_s=0,
         )
 
-    def _location(self, remote: RemoteFile) -> tuple[str, bool]:
+    def _location(self, remote: RemoteFile, ctx: FetchContext) -> tuple[str, bool]:
         """The URL to ask, and whether it is a remembered CDN location."""
         for _ in range(2):
             with self._lock:
@@ -421,13 +387,8 @@ class RangeReader:
                 if first is None:  # this read resolves it; `_resolved` lets the others go
                     self._resolving[remote] = threading.Event()
                     break
-            first.wait(self._time_left(self.timeout_s))  # then the remembered location, or ask ourselves
+            first.wait(ctx.time_left(self.timeout_s))  # then the remembered location, or ask ourselves
         return hf_hub_url(remote.repo_id, remote.filename, revision=remote.commit, endpoint=self.endpoint), False
-
-    def _time_left(self, seconds: float) -> float:
-        """`seconds`, cut to what the current read's deadline leaves (never 0: httpx2 reads 0 as no wait)."""
-        deadline = getattr(self._call, "deadline", None)
-        return seconds if deadline is None else max(0.001, min(seconds, deadline.left()))
 
     def _resolved(self, remote: RemoteFile) -> None:
         with self._lock:
@@ -452,16 +413,16 @@ class RangeReader:
             self._locations.pop(remote, None)
 
     def _read_once(
-        self, remote: RemoteFile, start: int, end: int, out: memoryview | None
+        self, remote: RemoteFile, start: int, end: int, out: memoryview | None, ctx: FetchContext
     ) -> tuple[bytearray | memoryview, int | None]:
-        url, is_cdn = self._location(remote)
+        url, is_cdn = self._location(remote, ctx)
         headers = build_hf_headers(headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
         if is_cdn:  # signed CDN URLs must not receive the Hub token
             headers.pop("authorization", None)
             headers.pop("Authorization", None)
         try:
             with self._session() as session:
-                return self._read_redirected(session, remote, url, headers, is_cdn, start, end, out)
+                return self._read_redirected(session, remote, url, headers, is_cdn, start, end, out, ctx)
         finally:
             if not is_cdn:
                 self._resolved(remote)  # no redirect came (a small file, an error): the others ask themselves
@@ -481,11 +442,12 @@ class RangeReader:
         start: int,
         end: int,
         out: memoryview | None,
+        ctx: FetchContext,
     ) -> tuple[bytearray | memoryview, int | None]:
         for _ in range(5):  # redirects
             # connecting and sending within the per-request timeout; each read within the speed
             # window too (silence that long is below any floor); none past the fetch's deadline
-            timeout = httpx2.Timeout(self._time_left(self.timeout_s), read=self._time_left(self.read_timeout_s))
+            timeout = httpx2.Timeout(ctx.time_left(self.timeout_s), read=ctx.time_left(self.read_timeout_s))
             asked_at = time.monotonic()
             try:
                 with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=timeout) as r:
@@ -495,10 +457,11 @@ class RangeReader:
                         headers.pop("authorization", None)
                         headers.pop("Authorization", None)
                         continue
-                    return self._check_body(r, remote, start, end, is_cdn, out, asked_at)
+                    return self._check_body(r, remote, start, end, is_cdn, out, asked_at, ctx)
             except httpx2.TransportError as e:
-                deadline = getattr(self._call, "deadline", None)
-                raise _Retryable(f"{type(e).__name__}", cut_short=deadline is not None and deadline.passed()) from None
+                raise _Retryable(
+                    f"{type(e).__name__}", cut_short=ctx.deadline is not None and ctx.deadline.passed()
+                ) from None
         raise _Retryable("too many redirects")
 
     def _check_body(
@@ -510,6 +473,7 @@ class RangeReader:
         is_cdn: bool,
         out: memoryview | None,
         asked_at: float,
+        ctx: FetchContext,
     ) -> tuple[bytearray | memoryview, int | None]:
         """The body of a strict 206 into `out`; raises `_Retryable` for anything else worth another
         try: a wrong or short answer, or one that arrives too slowly (`_too_slow`)."""
@@ -530,13 +494,12 @@ class RangeReader:
             # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
             grown = bytearray() if out is None else None
             body, n = (None if out is None else out[:want]), 0
-            abandon = getattr(self._call, "abandon", None)
-            deadline = getattr(self._call, "deadline", None)
+            deadline = ctx.deadline
             window_start, window_n = asked_at, 0  # the first window counts the wait for the first byte, as curl's
             for chunk in r.iter_bytes():
                 if self._cancelled.is_set():
                     raise DownloadError(f"{remote}: cancelled")
-                if abandon is not None and want - n >= ABANDON_MIN_LEFT_BYTES and abandon():
+                if want - n >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
                     raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
                 if n + len(chunk) > want:
                     raise _Retryable("more bytes than the range")

@@ -197,7 +197,7 @@ def _describe(path: Path, repo_id: str, refs: list[str]) -> PulledModel:
             model.core_bits = int(doc.get("core_bits", 16))
             model.expert_count, model.expert_bytes = doc.get("expert_count"), doc.get("expert_bytes")
         elif (path / INDEX_MARKER).is_file():
-            from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+            from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 
             index = ExpertIndex.load(path / INDEX_FILENAME)
             model.state = "index"

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -26,13 +27,13 @@ from pathlib import Path, PurePosixPath
 from tqdm.auto import tqdm
 
 from expertmesh.node import constants
-from expertmesh.node.engine.core_quantization import CoreBitsError, check_core_bits, quantize_core
-from expertmesh.node.engine.mlx_lm_models import check_supported
 from expertmesh.node.errors import DamagedModelError, DownloadError, InsufficientDiskError, UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub import local_models, safetensors_format
+from expertmesh.node.hub import local_models
 from expertmesh.node.hub.client import RangeReader, RemoteFile
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex, build_index, coalesce
+from expertmesh.node.model import safetensors_format
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex, build_index, coalesce
+from expertmesh.node.model.mlx_lm_models import check_supported
 from expertmesh.node.sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class PullResult:
     retries: int
     already_complete: bool = False
     core_bits: int = 16  # 8: the core was stored as MLX 8-bit weights (node/engine/core_quantization.py)
+    # the bits of a quantised core this pull found damaged and pulled anew in BF16: its caller
+    # quantises it again (node/engine/core_quantization.py, `pull_with_core_bits`)
+    repaired_core_bits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,51 +87,40 @@ def pull(
     concurrency: int = constants.PULL_CONCURRENCY,
     reader: RangeReader | None = None,
     index_only: bool = False,
-    core_bits: int | None = None,
+    check_index: Callable[[ExpertIndex], None] | None = None,
 ) -> PullResult:
     """Pull the core and expert index of `repo_id` at `revision` (default `main`).
 
     `index_only` pulls the config, tokenizer and expert index but not the core: all a cache peer
-    (`serve --cache-only`) needs to fetch and serve experts. `core_bits` 8 stores the core as MLX
-    8-bit weights (`--core-bits 8`); None keeps what is pulled (16, the upstream BF16, if new).
+    (`serve --cache-only`) needs to fetch and serve experts. The core is pulled as published;
+    quantising it is a step above this one (node/engine/core_quantization.py). `check_index` is
+    shown the expert index before any core byte is fetched, and may refuse the model by raising.
 
     Raises:
         ModelNotFoundError, AuthError, EndpointUnreachableError: from the endpoint.
         UnsupportedModelError: an architecture mlx-lm lacks, or a model without routed experts.
         InsufficientDiskError: the core does not fit on the disk.
         DownloadError: a range kept failing after its retries.
-        CoreBitsError: a `core_bits` other than 16 or 8, or 16 for a core already stored in 8 bits.
+        whatever `check_index` raises.
     """
     t0 = time.monotonic()
     home = home or constants.expertmesh_home()
     reader = reader or RangeReader()
     commit = hub_client.resolve_commit(repo_id, revision)
     target = local_models.model_dir(home, repo_id, commit)
-    if core_bits is not None:
-        check_core_bits(core_bits)
+    repaired_core_bits = None
     if local_models.is_complete(target) and (damage := local_damage(target)) is not None:
         # a disk error, a cut copy or restore: what `run` would die on. Pull it again: only what is
-        # missing or fails the checks is fetched (a damaged file is removed first).
+        # missing or fails the checks is fetched (a damaged file is removed first). A quantised
+        # core is derived from the BF16 one, so it is pulled anew and its caller quantises it again.
         logger.warning("%s @ %s: %s: pulling it again", repo_id, commit[:12], damage.reason)
-        core_bits = core_bits or damage.core_bits
+        repaired_core_bits = damage.core_bits
         remake = list(target.glob("*.safetensors")) if damage.core_bits not in (None, 16) else []
-        for path in (*damage.files, *remake, target / local_models.COMPLETE_MARKER):  # an 8-bit core is made anew
+        for path in (*damage.files, *remake, target / local_models.COMPLETE_MARKER):
             path.unlink(missing_ok=True)
     if local_models.is_complete(target):
         local_models.record_ref(home, repo_id, revision or "main", commit)
-        result = _result_from_marker(target, time.monotonic() - t0)
-        if core_bits is None or core_bits == result.core_bits:
-            return result
-        _refuse_requantising(repo_id, ExpertIndex.load(target / INDEX_FILENAME), core_bits)
-        if result.core_bits != 16:
-            raise CoreBitsError(
-                f"{repo_id} @ {commit[:12]} is pulled with a {result.core_bits}-bit core; the BF16 core "
-                f"is no longer here: delete {target} and pull again"
-            )
-        q = quantize_core(target, core_bits)  # the BF16 core is here: quantise it in place
-        result.core_bits, result.core_bytes, result.already_complete = core_bits, q.core_bytes_after, False
-        _write_marker(target, result)
-        return result
+        return _result_from_marker(target, time.monotonic() - t0)
 
     target.mkdir(parents=True, exist_ok=True)
     files = hub_client.list_files(repo_id, commit)
@@ -135,7 +128,8 @@ def pull(
     model_type = check_supported(config, repo_id)
 
     index = _build_index(repo_id, commit, files, reader, concurrency, config)
-    _refuse_requantising(repo_id, index, core_bits)
+    if check_index is not None:
+        check_index(index)
     if index_only:
         index.save(target / INDEX_FILENAME)
         result = PullResult(
@@ -179,48 +173,24 @@ def pull(
 
     _assemble_core(index, parts, parts_dir, target)
     index.save(target / INDEX_FILENAME)
-    stored_core_bytes = index.core_bytes
-    if core_bits not in (None, 16):
-        stored_core_bytes = quantize_core(target, core_bits).core_bytes_after
     shutil.rmtree(parts_dir, ignore_errors=True)
     result = PullResult(
         repo_id=repo_id,
         commit=commit,
         path=target,
         model_type=model_type,
-        core_bytes=stored_core_bytes,
+        core_bytes=index.core_bytes,
         fetched_bytes=sum(p.nbytes for p in missing),
         expert_count=len(index.experts),
         expert_bytes=index.expert_bytes,
         moe_layers=len(index.moe_layers),
         seconds=time.monotonic() - t0,
         retries=reader.retries,
-        core_bits=core_bits or 16,
+        repaired_core_bits=repaired_core_bits,
     )
-    _write_marker(target, result)
+    write_marker(target, result)
     local_models.record_ref(home, repo_id, revision or "main", commit)
     return result
-
-
-# Core tensors that say the upstream core is quantised already: MLX's scales, FP8 and
-# compressed-tensors' scales, packed integer or 8-bit float weights.
-_QUANTISED_SUFFIXES = (".scales", ".weight_scale", ".weight_scale_inv", ".weight_packed")
-_QUANTISED_DTYPES = ("U32", "I32", "U8", "I8", "F8_E4M3", "F8_E5M2")
-
-
-def _refuse_requantising(repo_id: str, index: ExpertIndex, core_bits: int | None) -> None:
-    """`--core-bits 8` on a core published quantised (an mlx-lm conversion, an FP8 checkpoint) would
-    make nothing smaller, and recording 8 bits would say otherwise: refuse before anything is fetched."""
-    if core_bits in (None, 16):
-        return
-    sign = next(
-        (t for t in index.core.values() if t.name.endswith(_QUANTISED_SUFFIXES) or t.dtype in _QUANTISED_DTYPES), None
-    )
-    if sign is not None:
-        raise CoreBitsError(
-            f"{repo_id}'s core is already quantised as published (it has {sign.name}, {sign.dtype}): --core-bits "
-            f"{core_bits} would not make it smaller; pull it without --core-bits"
-        )
 
 
 def _fetch_small_files(repo_id: str, commit: str, files: list[str], target: Path) -> dict:
@@ -599,8 +569,9 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_marker(target: Path, r: PullResult) -> None:
-    doc = {k: v for k, v in r.__dict__.items() if k not in ("path", "already_complete")}
+def write_marker(target: Path, r: PullResult) -> None:
+    """Mark the pull at `target` complete, as `r` describes it (written last, atomically)."""
+    doc = {k: v for k, v in r.__dict__.items() if k not in ("path", "already_complete", "repaired_core_bits")}
     _write_atomic(target / local_models.COMPLETE_MARKER, json.dumps(doc, indent=1))
 
 

@@ -5,7 +5,7 @@ time by one custom collector, so `/metrics` shows exactly the numbers a generati
 made of and no code path can forget to count. Only what needs one observation per event is
 observed as it happens: the latency histograms (`token_seconds`, `time_to_first_token_seconds`,
 `request_seconds`, `expert_fetch_seconds{source}`, and `batch_size` of the batch engine's steps) and the token and speculation counters, through two small hooks —
-the store's `StoreStats.observer` and the model's `token_observer`, both set by node/assembly.py.
+the store's `StoreStats.observer` and the model's `token_observer`, both set by expertmesh/assembly.py.
 
 Every node has its own `CollectorRegistry`, so several nodes in one process (tests) never collide.
 A node with the API registers the coordinator's collector (coordinator/api_metrics.py) here too, so
@@ -280,7 +280,7 @@ class _StateCollector(Collector):
 class NodeMetrics:
     """One node's registry: the state collector, the token counters and the latency histograms.
 
-    node/assembly.py makes it the store's and the model's observer, then serves it on `/metrics`.
+    expertmesh/assembly.py makes it the store's and the model's observer, then serves it on `/metrics`.
     """
 
     def __init__(self, src: MetricsSources):

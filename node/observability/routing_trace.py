@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expertmesh.node.errors import ExpertmeshError
-from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.policies import POLICIES, belady_hit_rate, frequency_oracle_hit_rate, hit_rate
 
 logger = logging.getLogger(__name__)

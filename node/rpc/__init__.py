@@ -1,3 +1,4 @@
-"""The gRPC contract's two ends: the node service (service.py) behind its server (server.py), and
-NodeClient (client.py) for calls to other nodes; the household secret (auth.py), TLS (tls.py) and
-activation tensors on the wire (activations.py)."""
+"""The gRPC wire between nodes: the server (server.py) and NodeClient (client.py) for calls to other
+nodes; call credentials made with the household secret (auth.py, replay_cache.py), peer proof
+(proof.py), TLS (tls.py), activation tensors (activations.py) and inventories (inventory.py). The
+node service behind the server is node/service.py, a layer above, since it calls the engine."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from expertmesh.v1 import node_pb2
 
 if TYPE_CHECKING:
-    from expertmesh.node.hub.expert_index import ExpertIndex
+    from expertmesh.node.model.expert_index import ExpertIndex
 
 logger = logging.getLogger(__name__)
 

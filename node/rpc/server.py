@@ -5,7 +5,7 @@ The port is bound when the server is made, so a taken port fails while the node 
 and the port is known (port 0 picks a free one) before anything advertises it; `start` serves.
 
 Every call runs on one of `max_workers` threads, and a streaming Generate keeps its thread to the
-end. The service's generation slots (rpc/service.py) are fitted to leave RESERVED_WORKERS threads
+end. The service's generation slots (node/service.py) are fitted to leave RESERVED_WORKERS threads
 to everything else, and its peer-call slots (FetchExpert and ComputeExperts, rpc/admission.py) get
 what Generate and the reserve leave, so health checks, Info and GetInventory are answered however
 many generations, expert fetches and computations are asked for.

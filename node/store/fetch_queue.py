@@ -2,7 +2,7 @@
 
 There is one future per expert in flight: whoever asks for an expert that is already being
 fetched waits for that fetch, and a demand for a queued guess moves it ahead. Entries are taken
-demands first, then guesses (store/priority.py); idle-link fill claims its experts outside the
+demands first, then guesses (node/fetching.py); idle-link fill claims its experts outside the
 queue, so a demand for one of them joins the fill instead of fetching it twice.
 
 `changed` is notified whenever the demand work or the experts in flight change: idle-link fill
@@ -28,9 +28,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from expertmesh.node.errors import Abandoned, settled
-from expertmesh.node.store.priority import DEMAND, PREFETCH, fetching_as
+from expertmesh.node.fetching import FetchContext, Priority
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tier_chain import Fetched
+
+DEMAND, PREFETCH = Priority.DEMAND, Priority.PREFETCH
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ class FetchQueue:
     """Fetches experts with `workers` threads, at most once each at a time.
 
     Args:
-        fetch_one: fetches one expert (TierChain.fetch; it takes `abandon`).
+        fetch_one: fetches one expert (TierChain.fetch; it takes a `ctx`, node/fetching.py).
         fetch_run: fetches a run of adjacent experts, one result or exception each (TierChain.fetch_run).
         finished: called with (key, result or None) when a queued fetch ends, before its waiters
             wake: the prefetcher stages guesses that nobody demanded yet.
@@ -59,7 +61,7 @@ class FetchQueue:
     def __init__(
         self,
         fetch_one: Callable[..., Fetched],
-        fetch_run: Callable[[list[ExpertKey]], list[Fetched | BaseException]],
+        fetch_run: Callable[..., list[Fetched | BaseException]],
         workers: int,
         finished: Callable[[ExpertKey, Fetched | None], None] | None = None,
         stale: Callable[[ExpertKey], bool] | None = None,
@@ -286,8 +288,7 @@ class FetchQueue:
                 return key not in self._demanded and self._stale(key)
 
         try:
-            with fetching_as(priority):
-                return self._fetch_one(key, abandon=abandon), None
+            return self._fetch_one(key, ctx=FetchContext(Priority(priority), abandon)), None
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             return None, settled(e)
 
@@ -297,8 +298,7 @@ class FetchQueue:
             self._running_demands += 1
             futs = [self._inflight[key] for key in keys]
         try:
-            with fetching_as(DEMAND):
-                results = self._fetch_run(list(keys))
+            results = self._fetch_run(list(keys), ctx=FetchContext(Priority.DEMAND))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             results = [settled(e)] * len(keys)
         with self._lock:

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 
 from expertmesh.node.errors import Abandoned, settled
-from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.fetching import FetchContext, Priority
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import FetchQueue
 from expertmesh.node.store.prefetch import Prefetcher
-from expertmesh.node.store.priority import FILL, fetching_as
 from expertmesh.node.store.runs import fill_run
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tier_chain import Fetched, TierChain
@@ -145,12 +145,10 @@ class IdleFill:
                     continue
                 futs = self.fetches.claim(run)
                 self._reserved += sum(self.index.expert(*k).nbytes for k in run)  # held until on disk
-            with fetching_as(FILL):
-                # "kept" below must be known, so the disk write comes first; and a fill gives its
-                # link up to any demand but one for these very experts
-                results = self.chain.fetch_run(
-                    run, keep_now=True, abandon=lambda run=run: self._yield_to_demand(run), decode=False
-                )
+            # "kept" below must be known, so the disk write comes first; and a fill gives its link
+            # up to any demand but one for these very experts
+            ctx = FetchContext(Priority.FILL, abandon=lambda run=run: self._yield_to_demand(run))
+            results = self.chain.fetch_run(run, keep_now=True, ctx=ctx, decode=False)
             with self.fetches.changed:
                 self._reserved -= sum(self.index.expert(*k).nbytes for k in run)
             run, futs, results = self._finish_abandoned(run, futs, results)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 from expertmesh.node.store.tiers import disk as disk_tier
 from expertmesh.node.store.tiers.disk import LOCK_FILENAME, DiskCache, cache_dir

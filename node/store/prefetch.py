@@ -24,8 +24,8 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
+from expertmesh.node.fetching import Priority
 from expertmesh.node.store.fetch_queue import FetchQueue
-from expertmesh.node.store.priority import PREFETCH
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tier_chain import Fetched
 from expertmesh.node.store.tiers.ram import RamCache
@@ -107,7 +107,7 @@ class Prefetcher:
                 self._guessed.add(key)
                 self._prefetching.add(key)
             self.stats.record_prefetch("issued")
-            self.fetches.submit(key, PREFETCH)
+            self.fetches.submit(key, Priority.PREFETCH)
 
     def stale(self, key: ExpertKey) -> bool:
         """A guess whose pass has come and did not want it: its fetch may give the link up."""

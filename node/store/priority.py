@@ -1,8 +1,9 @@
-"""Which kind of fetch the calling thread is doing, so a shared connection pool serves demands first.
+"""A pool of threads that runs what it is given in priority order: the Hub's connections serve
+demands' pieces first.
 
-The store's threads say what they fetch — a demanded expert, a guess, an idle-link fill — and the
-Hub tier's pool of connections takes queued pieces in that order. Without it the pool is first in,
-first out, and a demand that arrives after a burst of fills waits behind every fill piece queued.
+Without it a shared pool is first in, first out, and a demand that arrives after a burst of fills
+waits behind every fill piece queued. The priority is the fetch's own (`FetchContext.priority`,
+node/fetching.py), passed with each call.
 """
 
 from __future__ import annotations
@@ -12,27 +13,8 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 
 from expertmesh.node.errors import settled
-
-DEMAND, PREFETCH, FILL = 0, 1, 2
-_local = threading.local()
-
-
-def current() -> int:
-    return getattr(_local, "priority", DEMAND)
-
-
-@contextmanager
-def fetching_as(priority: int):
-    """Fetches made by this thread inside the block are queued with `priority`."""
-    before = current()
-    _local.priority = priority
-    try:
-        yield
-    finally:
-        _local.priority = before
 
 
 class PriorityPool:
@@ -53,11 +35,12 @@ class PriorityPool:
             for t in self._threads:
                 t.start()
 
-    def submit(self, fn: Callable, *args, priority: int | None = None) -> Future:
+    def submit(self, fn: Callable, *args, priority: int) -> Future:
+        """Run `fn(*args)` once every call of a lower `priority` queued before it has started."""
         if not self._started or self._closed:
             raise RuntimeError("the pool is not running: nothing would run what is submitted")
         fut: Future = Future()
-        self._queue.put((current() if priority is None else priority, next(self._seq), fn, args, fut))
+        self._queue.put((int(priority), next(self._seq), fn, args, fut))
         return fut
 
     def _run(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from expertmesh.node.hub.expert_index import ExpertIndex, run_ranges
+from expertmesh.node.model.expert_index import ExpertIndex, run_ranges
 from expertmesh.node.store.stats import ExpertKey
 
 

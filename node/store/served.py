@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from expertmesh.node.errors import DownloadError
-from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.store.integrity import DigestBook
 from expertmesh.node.store.stats import StoreStats
 from expertmesh.node.store.tiers import Tier

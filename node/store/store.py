@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
-from expertmesh.node.hub.expert_index import ExpertIndex
-from expertmesh.node.store.codec import ExpertWeights
+from expertmesh.node.model.codec import ExpertWeights
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import CLOSE_TIMEOUT_S, FetchQueue
 from expertmesh.node.store.fill import IdleFill
 from expertmesh.node.store.prefetch import Prefetcher

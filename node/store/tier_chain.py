@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from expertmesh.node.errors import DownloadError
-from expertmesh.node.hub.expert_index import ExpertIndex
-from expertmesh.node.store.codec import ExpertCodec, ExpertWeights
+from expertmesh.node.fetching import DEMAND, FetchContext
+from expertmesh.node.model.codec import ExpertCodec, ExpertWeights
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tiers import RunFetcher, Tier
@@ -67,13 +67,11 @@ class TierChain:
         self.digests = digests
         self.runs = runs
 
-    def fetch(
-        self, key: ExpertKey, keep_now: bool = False, abandon: Callable[[], bool] | None = None, decode: bool = True
-    ) -> Fetched:
+    def fetch(self, key: ExpertKey, keep_now: bool = False, ctx: FetchContext = DEMAND, decode: bool = True) -> Fetched:
         """The expert from the nearest tier with a good copy. Bytes from beyond this machine are
         queued for the disk (written behind), or written before returning with `keep_now`.
-        `abandon`: a fetch nobody waits for gives up its link to a demand when it says so
-        (Abandoned, not an error of a tier).
+        `ctx`: whom the fetch serves; one nobody waits for gives up its link to a demand when
+        `ctx.abandon()` says so (Abandoned, not an error of a tier).
 
         Raises:
             DownloadError: no tier gave a good copy, or one gave the wrong number of bytes.
@@ -83,7 +81,7 @@ class TierChain:
             contradicting: set[str] = set()  # digests of this tier's copies that failed the check
             for _ in range(1 if tier.local else 1 + INTEGRITY_RETRIES):
                 t0 = time.perf_counter()
-                blob = tier.fetch(loc, abandon)
+                blob = tier.fetch(loc, ctx)
                 if blob is None:
                     break
                 if len(blob) != loc.nbytes:  # a tier must never hand over a partial expert
@@ -110,7 +108,7 @@ class TierChain:
         self,
         keys: list[ExpertKey],
         keep_now: bool = False,
-        abandon: Callable[[], bool] | None = None,
+        ctx: FetchContext = DEMAND,
         decode: bool = True,
     ) -> list[Fetched | BaseException]:
         """Each expert of a run, fetched as one request when there are several; an expert whose
@@ -124,7 +122,7 @@ class TierChain:
         t0 = time.perf_counter()
         if runs is not None:
             try:
-                blobs = runs.fetch_run([self.index.expert(*k) for k in keys], abandon)
+                blobs = runs.fetch_run([self.index.expert(*k) for k in keys], ctx)
             except Exception as e:  # noqa: BLE001 - handed to each demand that joined (Abandoned too)
                 return [e] * len(keys)
         seconds = (time.perf_counter() - t0) / len(keys)
@@ -138,7 +136,7 @@ class TierChain:
                     else:
                         out.append(Fetched(None, runs.source, seconds, blob))
                 else:
-                    out.append(self.fetch(key, keep_now, abandon, decode))
+                    out.append(self.fetch(key, keep_now, ctx, decode))
             except BaseException as e:  # noqa: BLE001 - handed to a demand that joined, if any
                 out.append(e)
         return out

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from expertmesh.node.hub.expert_index import ExpertIndex
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tiers import Tier

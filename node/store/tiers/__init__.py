@@ -8,9 +8,10 @@ A tier declares what it can do, so the store never singles one out by name:
     household     its copies come from the household, whose owners keep them: a node writes one to
                   its disk only if it owns that expert (the household keeps one copy of each, and a
                   copy of another's expert never takes the room of one's own)
-    fetch(loc, abandon)
+    fetch(loc, ctx)
                   the expert's upstream bytes (its ranges concatenated), or None if it lacks them;
-                  a tier that moves bytes over a link stops when `abandon()` says so (Abandoned)
+                  `ctx` (node/fetching.py) says whom the fetch serves: a tier that moves bytes over
+                  a link stops when `ctx.abandon()` says so (Abandoned)
     discard(loc)  a copy it gave failed its digest: delete it (disk), blame its sender (peers)
     close()       stop its threads and connections
 
@@ -20,10 +21,10 @@ A tier that can also fetch experts lying back to back in a shard as one request 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
-from expertmesh.node.hub.expert_index import ExpertLocation
+from expertmesh.node.fetching import DEMAND, FetchContext
+from expertmesh.node.model.expert_index import ExpertLocation
 
 
 class Tier(Protocol):
@@ -31,7 +32,7 @@ class Tier(Protocol):
     local: bool
     household: bool
 
-    def fetch(self, loc: ExpertLocation, abandon: Callable[[], bool] | None = None) -> bytes | bytearray | None: ...
+    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> bytes | bytearray | memoryview | None: ...
 
     def discard(self, loc: ExpertLocation) -> None: ...
 
@@ -47,4 +48,6 @@ class RunFetcher(Tier, Protocol):
     @property
     def run_bytes(self) -> int: ...
 
-    def fetch_run(self, locs: list[ExpertLocation], abandon: Callable[[], bool] | None = None) -> list[bytes]: ...
+    def fetch_run(
+        self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND
+    ) -> list[bytes | bytearray | memoryview]: ...

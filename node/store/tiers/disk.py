@@ -43,8 +43,9 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Protocol
 
+from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.store.disk_reads import DiskReadConfig, DiskReader, WrongSize
 from expertmesh.node.store.integrity import DigestBook
 
@@ -245,8 +246,8 @@ class DiskCache:
         self.refused = False  # try: the next refusal turns it off again
         return False
 
-    def fetch(self, loc: ExpertLocation, abandon=None) -> bytes | bytearray | memoryview | None:
-        """The copy on disk (or queued for it); `abandon` is for tiers that move bytes over a link.
+    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> bytes | bytearray | memoryview | None:
+        """The copy on disk (or queued for it); `ctx` is for tiers that move bytes over a link.
         A copy read from disk is a pooled buffer, reused once every view of it is gone."""
         key = (loc.layer, loc.expert)
         with self._lock:

@@ -5,7 +5,7 @@ link gives each connection a fraction of its bandwidth (12.5 of 100 MB/s is typi
 layer needing fewer experts than there are connections would otherwise leave most of the link
 idle; pieces keep every connection busy. Pieces are not made smaller than `min_piece_bytes`,
 since each request pays the time to first byte. Queued pieces are taken demands first, then
-guesses, then idle-link fills (node/store/priority.py).
+guesses, then idle-link fills (the fetch's `FetchContext`, node/fetching.py).
 
 Idle-link fill asks for runs of experts that lie back to back in a shard as one request
 (`fetch_run`): each request pays its time to first byte once, which is what a small expert's
@@ -13,7 +13,7 @@ transfer is mostly made of. A run stops growing at `run_bytes`, the size of a re
 already fills every piece, so K3's 17.5 MB experts are never run together.
 
 A Hub that only drips or stalls ends each fetch in one error within a bound: the pieces of an
-expert or of a run share one `Deadline` (node/hub/client.py, `HUB_FETCH_DEADLINE_S` from the
+expert or of a run share one `Deadline` (node/fetching.py, `HUB_FETCH_DEADLINE_S` from the
 first request), and pieces still queued when it passes are cancelled. The experts of a run whose
 request failed are not asked for again one by one (store/tier_chain.py): the run had the budget
 of one fetch, and asking again per expert would multiply it by the run's length.
@@ -21,18 +21,14 @@ of one fetch, and asking again per expert would multiply it by the run's length.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future, wait
-from typing import TYPE_CHECKING
 
 from expertmesh.node import constants
 from expertmesh.node.errors import Abandoned, DownloadError
-from expertmesh.node.hub.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
+from expertmesh.node.fetching import DEMAND, Deadline, FetchContext
+from expertmesh.node.model.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
 from expertmesh.node.store.buffers import expert_buffer, shared_pool
 from expertmesh.node.store.priority import PriorityPool
-
-if TYPE_CHECKING:  # the client (and huggingface_hub) is imported when a tier is made, not with this module
-    from expertmesh.node.hub.client import Deadline
 
 DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
 DEFAULT_PIECES_PER_EXPERT = constants.HUB_PIECES_PER_EXPERT
@@ -82,27 +78,28 @@ class HubSource:
     def start(self) -> None:
         self._pool.start()
 
-    def _read_into(self, r: ByteRange, out: memoryview, abandon: Callable[[], bool] | None, deadline: Deadline) -> None:
+    def _read_into(self, r: ByteRange, out: memoryview, ctx: FetchContext) -> None:
         from expertmesh.node.hub.client import RemoteFile
 
         remote = RemoteFile(self.index.repo_id, self.index.commit, r.file)
-        got = self.reader.read_into(remote, r.start, r.end, out, abandon, deadline)
+        got = self.reader.read_into(remote, r.start, r.end, out, ctx)
         if got != r.nbytes:
             raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {got}")
 
-    def _read_pieces(self, pieces: list[ByteRange], into: memoryview, abandon: Callable[[], bool] | None) -> None:
+    def _read_pieces(self, pieces: list[ByteRange], into: memoryview, ctx: FetchContext) -> None:
         """Each piece into its place in `into`, on the pool's connections (one piece: here), all
-        within one `Deadline`."""
+        within one `Deadline`, queued at the fetch's priority."""
         deadline = self.reader.deadline()
+        ctx = ctx.with_deadline(deadline)
         offsets, off = [], 0
         for p in pieces:
             offsets.append(off)
             off += p.nbytes
         if len(pieces) == 1:
-            self._read_into(pieces[0], into[: pieces[0].nbytes], abandon, deadline)
+            self._read_into(pieces[0], into[: pieces[0].nbytes], ctx)
             return
         futures = [
-            self._pool.submit(self._read_into, p, into[o : o + p.nbytes], abandon, deadline)
+            self._pool.submit(self._read_into, p, into[o : o + p.nbytes], ctx, priority=ctx.priority)
             for p, o in zip(pieces, offsets)
         ]
         _await_pieces(futures, deadline)  # every piece ends (an abandoned one at once) before the buffer goes
@@ -113,13 +110,13 @@ class HubSource:
         if len(ran) < len(futures):
             raise DownloadError(f"pieces not asked for: the {deadline.seconds:g} s to fetch them had passed")
 
-    def fetch(self, loc: ExpertLocation, abandon: Callable[[], bool] | None = None) -> memoryview:
+    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> memoryview:
         """The expert's bytes, its pieces read on separate connections straight into one buffer
         lent by the process's pool (a fresh mapping's page faults cost 20 ms per K3 expert)."""
         blob = shared_pool().lend(loc.nbytes)
         try:
             pieces = split_ranges(loc.ranges, self.pieces_per_expert, self.min_piece_bytes)
-            self._read_pieces(pieces, blob, abandon)
+            self._read_pieces(pieces, blob, ctx)
         except Abandoned:
             raise
         except DownloadError as e:
@@ -134,9 +131,7 @@ class HubSource:
         """The largest run worth one request: beyond it, pieces on separate connections pay more."""
         return self.pieces_per_expert * self.min_piece_bytes
 
-    def fetch_run(
-        self, locs: list[ExpertLocation], abandon: Callable[[], bool] | None = None
-    ) -> list[bytes | bytearray | memoryview]:
+    def fetch_run(self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND) -> list[bytes | bytearray | memoryview]:
         """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges into
         one buffer; an expert of one range is a view of it, not a copy.
 
@@ -148,7 +143,7 @@ class HubSource:
         buffer = expert_buffer(sum(m.nbytes for m in merged))
         view = memoryview(buffer)
         try:
-            self._read_pieces(split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes), view, abandon)
+            self._read_pieces(split_ranges(merged, self.pieces_per_expert, self.min_piece_bytes), view, ctx)
         except Abandoned:
             raise
         except DownloadError as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from expertmesh.node.store.codec import ExpertWeights
+from expertmesh.node.model.codec import ExpertWeights
 from expertmesh.node.store.policies import DEFAULT_POLICY, make_policy
 from expertmesh.node.store.stats import ExpertKey
 

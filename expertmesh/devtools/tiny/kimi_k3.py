@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from expertmesh.node.devtools.tiny.common import (
+from expertmesh.devtools.tiny.common import (
     Tensor,
     fold_kv_b,
     init_parameters,
@@ -24,7 +24,7 @@ from expertmesh.node.devtools.tiny.common import (
     write_layered_repo,
     write_readme,
 )
-from expertmesh.node.devtools.tiny.tokenizer import write_tokenizer_files
+from expertmesh.devtools.tiny.tokenizer import write_tokenizer_files
 
 NUM_LAYERS = 6
 NUM_EXPERTS = 32

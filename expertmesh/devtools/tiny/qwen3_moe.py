@@ -7,7 +7,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from expertmesh.node.devtools.tiny.common import (
+from expertmesh.devtools.tiny.common import (
     Tensor,
     init_parameters,
     tensor,
@@ -16,7 +16,7 @@ from expertmesh.node.devtools.tiny.common import (
     write_layered_repo,
     write_readme,
 )
-from expertmesh.node.devtools.tiny.tokenizer import write_tokenizer_files
+from expertmesh.devtools.tiny.tokenizer import write_tokenizer_files
 
 NUM_LAYERS = 4
 NUM_EXPERTS = 32

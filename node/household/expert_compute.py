@@ -23,8 +23,8 @@ import mlx.core as mx
 from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.model.codec import ExpertWeights
 from expertmesh.node.rpc import activations
-from expertmesh.node.store.codec import ExpertWeights
 from expertmesh.v1 import node_pb2
 
 MAX_ROWS_PER_CALL = 1 << 16  # prefill of thousands of tokens times k experts fits; more is a bad caller

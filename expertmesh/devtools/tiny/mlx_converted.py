@@ -13,8 +13,8 @@ from pathlib import Path
 
 import mlx_lm
 
-from expertmesh.node.devtools.tiny import qwen3_moe
-from expertmesh.node.devtools.tiny.common import write_readme
+from expertmesh.devtools.tiny import qwen3_moe
+from expertmesh.devtools.tiny.common import write_readme
 
 
 def build(out: Path, seed: int) -> None:

@@ -724,7 +724,7 @@ def encode_expert(targets: dict[str, Sym]) -> tuple[list[tuple[str, int | None]]
     return list(inputs), json.dumps(doc, separators=(",", ":"))
 
 
-# An array on its way to MLX, as the codec holds it (node/store/codec.py): numpy values and the MLX
+# An array on its way to MLX, as the codec holds it (node/model/codec.py): numpy values and the MLX
 # dtype they become. A bfloat16 is held widened to float32 (exact), numpy having no bfloat16.
 Host = tuple[Any, mx.Dtype]
 
@@ -748,7 +748,7 @@ def evaluate(recipe: dict[str, Any], inputs: list[Host]) -> dict[str, Host]:
     """Apply a recipe (parsed JSON) to an expert's input arrays, in numpy, exactly as MLX computes
     the same operations: rounding to bfloat16 and float16 after each operation that makes one,
     MLX's type promotion (recorded in the recipe), fp8 decoded by its definition. Nothing runs in
-    MLX, so a fetch worker encodes no MLX work (see node/store/codec.py)."""
+    MLX, so a fetch worker encodes no MLX work (see node/model/codec.py)."""
 
     def ev(n: Any) -> Any:
         op = n[0]

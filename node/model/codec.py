@@ -15,7 +15,7 @@ in-memory model computes:
 These are the same conversions the architectures' `sanitize` methods apply to whole stacked
 tensors; doing them per expert is what lets an expert be fetched alone. An index of format 2
 no longer needs this table: each expert carries its `Recipe`, the operations mlx-lm's own
-sanitize applies to its tensors (node/hub/expert_trace.py), replayed here in numpy; the table
+sanitize applies to its tensors (node/model/expert_trace.py), replayed here in numpy; the table
 is how an index of format 1 is still decoded, by tensor name.
 
 Decoding runs on the store's fetch workers, so it evaluates nothing in MLX: the conversions (bit
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.hub.expert_index import ExpertLocation
-from expertmesh.node.hub.expert_trace import SAFETENSORS_DTYPES
-from expertmesh.node.hub.expert_trace import evaluate as evaluate_recipe
+from expertmesh.node.model.expert_index import ExpertLocation
+from expertmesh.node.model.expert_trace import SAFETENSORS_DTYPES
+from expertmesh.node.model.expert_trace import evaluate as evaluate_recipe
+from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS
 
 # Upstream projection names -> SwitchGLU's (for an index of format 1, decoded by name).
 PROJECTION_ALIASES = {
@@ -214,7 +214,9 @@ class ExpertCodec:
         """The expert's kernel arrays. Raises UnsupportedModelError for an unknown encoding."""
         view = memoryview(blob)
         if loc.recipe is not None and not _plain(loc):
-            by_proj = self._from_recipe(loc, view)  # what mlx-lm's sanitize makes of these bytes (hub/expert_trace.py)
+            by_proj = self._from_recipe(
+                loc, view
+            )  # what mlx-lm's sanitize makes of these bytes (model/expert_trace.py)
         else:
             # an index of format 1, or a recipe that only takes tensors as they are stored: by
             # name. Measured on the K3 layout (tests/test_memory.py's probe): peak RSS 10.5-11

@@ -6,7 +6,7 @@ the same flags, with devtools/link_emulation.py's `LanInterceptor` in front of i
 token bucket of `LAN_BYTES_PER_S` each way and a round trip per call, in the node's process. It is
 an emulation, and the lab says so; the namespaces are the real thing.
 
-    python -m expertmesh.node.devtools.lab.member LAN_BYTES_PER_S RTT_S SERVE_ARGS...
+    python -m expertmesh.cli.lab_member LAN_BYTES_PER_S RTT_S SERVE_ARGS...
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import threading
 
 
 def main(argv: list[str]) -> int:
+    from expertmesh.assembly import build_node
     from expertmesh.cli import arguments, serve
-    from expertmesh.node.assembly import build_node
-    from expertmesh.node.devtools.link_emulation import LanEmulation, LanInterceptor
+    from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor
 
     lan = LanEmulation(bandwidth=float(argv[0]), rtt_s=float(argv[1]))
     parser = argparse.ArgumentParser(prog="expertmesh-lab-member")

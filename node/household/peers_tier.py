@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
+from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable, expert_key
-from expertmesh.node.hub.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.rpc.call_watch import CallWatch
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
 from expertmesh.node.rpc.inventory import layer_sizes
@@ -177,7 +178,7 @@ class PeerSource:
 
     # -- the tier -----------------------------------------------------------------------------
 
-    def fetch(self, loc: ExpertLocation, abandon=None) -> bytearray | None:
+    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> bytearray | None:
         """The expert from the household, or None: the caller goes to the Hub (this node owns it, or
         no peer could serve it in time)."""
         ranked = self.table.ranked(expert_key(self.index, loc.layer, loc.expert))
@@ -192,14 +193,14 @@ class PeerSource:
                 break
             if n > 0 and not self._holds(peer, (loc.layer, loc.expert), left):
                 continue
-            blob = self._fetch_patiently(peer, loc, n == 0, deadline, abandon)
+            blob = self._fetch_patiently(peer, loc, n == 0, deadline, ctx)
             if blob is not None:
                 self._last_server[(loc.layer, loc.expert)] = peer
                 return blob
         return None
 
     def _fetch_patiently(
-        self, peer: Peer, loc: ExpertLocation, owner: bool, deadline: float, abandon
+        self, peer: Peer, loc: ExpertLocation, owner: bool, deadline: float, ctx: FetchContext
     ) -> memoryview | None:
         """`_fetch_from`, asked again while the peer answers busy, for up to BUSY_WAIT_S (within
         `deadline`, and not once the caller abandons the fetch)."""
@@ -209,7 +210,7 @@ class PeerSource:
             if blob is not _BUSY:
                 return blob
             pause = BUSY_PAUSES_S[min(ask, len(BUSY_PAUSES_S) - 1)]
-            if time.monotonic() + pause >= give_up or (abandon is not None and abandon()):
+            if time.monotonic() + pause >= give_up or ctx.should_abandon():
                 break
             time.sleep(pause)
         logger.debug("peer %s stayed busy for %s; asking the next", peer.node_id, loc)

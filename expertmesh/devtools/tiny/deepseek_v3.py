@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from expertmesh.node.devtools.tiny.common import (
+from expertmesh.devtools.tiny.common import (
     Tensor,
     fold_kv_b,
     init_parameters,
@@ -23,7 +23,7 @@ from expertmesh.node.devtools.tiny.common import (
     write_layered_repo,
     write_readme,
 )
-from expertmesh.node.devtools.tiny.tokenizer import write_tokenizer_files
+from expertmesh.devtools.tiny.tokenizer import write_tokenizer_files
 
 NUM_LAYERS = 5
 NUM_EXPERTS = 32

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from expertmesh.node.devtools.lab import network, projection
+from expertmesh.devtools.lab import network, projection
 from expertmesh.node.sizes import format_size
 
 SCENARIOS = ("alone_cold", "alone_warm_disk", "fetch_from_owners", "remote", "remote_node_dies", "remote_node_joins")
@@ -81,7 +81,7 @@ class LabConfig:
     projection_inputs: dict = field(default_factory=dict)  # overrides of ProjectionInputs' assumed inputs
 
     def proportions(self):
-        from expertmesh.node.devtools.tiny.k3_proportions import Proportions
+        from expertmesh.devtools.tiny.k3_proportions import Proportions
 
         return Proportions(
             moe_layers=self.moe_layers,
@@ -235,8 +235,8 @@ class Lab:
         return "loopback"
 
     def _run_all(self) -> dict:
+        from expertmesh.devtools import bench_k3
         from expertmesh.node import constants
-        from expertmesh.node.devtools import bench_k3
 
         c = self.config
         mode = self._setup_network()
@@ -308,7 +308,7 @@ class Lab:
             ip = self._address(f"n{i}")
             argv = [*self._cli(), "serve"]
             if self.net is None:  # loopback: the node's LAN port emulated in its process
-                argv = [sys.executable, "-m", "expertmesh.node.devtools.lab.member", str(c.lan_bytes_per_s)]
+                argv = [sys.executable, "-m", "expertmesh.cli.lab_member", str(c.lan_bytes_per_s)]
                 argv.append(str(LOOPBACK_RTT_S))
             argv += [repo_id, "--host", ip, "--port", "0", "--cluster", self.cluster]
             argv += ["--interface", ip, "--no-http", "--no-metrics", "--no-fill", "--no-prefetch"]
@@ -360,7 +360,7 @@ class Lab:
                 self._stop_node(nodes[-1])
                 spec.update(live_discovery=True, expect_peers=len(nodes) - 1)
                 spec["join"] = {"after_token": c.kill_after_token}
-        argv = [sys.executable, "-m", "expertmesh.node.devtools.lab.worker", json.dumps(spec)]
+        argv = [sys.executable, "-m", "expertmesh.devtools.lab.worker", json.dumps(spec)]
         if "join" in spec:
             out = self._run_joining(argv, self._env(home, hub_url), nodes[-1])
         else:

@@ -42,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
-from expertmesh.node.devtools.link_emulation import TokenBucket, take_together
+from expertmesh.devtools.link_emulation import TokenBucket, take_together
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import parse_size
 

@@ -1,6 +1,6 @@
 """A Kimi K3 whose experts have K3's real size, for benchmarks: speed at the proportions users have.
 
-The layout is Moonshot's (node/devtools/tiny/kimi_k3.py): layer 0 dense, then MoE layers of
+The layout is Moonshot's (expertmesh/devtools/tiny/kimi_k3.py): layer 0 dense, then MoE layers of
 mxfp4 experts, each expert's six tensors contiguous, shards of two layers. Only the experts are
 K3-sized — a 3584-wide latent space and an intermediate size of 3072 make one expert
 17,547,264 bytes, as in K3 — while the core stays small (hidden size 256), so a benchmark
@@ -25,8 +25,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from expertmesh.node.devtools.tiny import kimi_k3, router_balance
-from expertmesh.node.devtools.tiny.common import (
+from expertmesh.devtools.tiny import kimi_k3, router_balance
+from expertmesh.devtools.tiny.common import (
     LazyBytes,
     Tensor,
     add_noise,
@@ -35,8 +35,8 @@ from expertmesh.node.devtools.tiny.common import (
     write_layered_repo,
     write_readme,
 )
-from expertmesh.node.devtools.tiny.tokenizer import write_tokenizer_files
-from expertmesh.node.engine.mlx_lm_models import model_classes
+from expertmesh.devtools.tiny.tokenizer import write_tokenizer_files
+from expertmesh.node.model.mlx_lm_models import model_classes
 
 K3_LATENT = 3584  # routed_expert_hidden_size
 K3_INTERMEDIATE = 3072  # moe_intermediate_size

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx2
 
+from expertmesh.devtools.local_hub import HubKnobs, HubServer
 from expertmesh.node import constants
-from expertmesh.node.devtools.local_hub import HubKnobs, HubServer
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.sizes import format_size
@@ -132,18 +132,18 @@ class ConfigResult:
 def _bench_repo(model: str, hub_dir: Path) -> str:
     """Write the bench model into the Hub folder; returns its repo id."""
     if model == "demo":
-        from expertmesh.node.devtools.tiny.demo_model import REPO_ID, make_demo_model
+        from expertmesh.devtools.tiny.demo_model import REPO_ID, make_demo_model
 
         make_demo_model(hub_dir / REPO_ID)
         return REPO_ID
     if model == "wide-kimi_k3":
-        from expertmesh.node.devtools.tiny.kimi_k3 import build_wide
+        from expertmesh.devtools.tiny.kimi_k3 import build_wide
 
         repo_id = "expertmesh/wide-kimi_k3"
         (hub_dir / repo_id).mkdir(parents=True)
         build_wide(hub_dir / repo_id, seed=0)
         return repo_id
-    from expertmesh.node.devtools.tiny import make_tiny_model
+    from expertmesh.devtools.tiny import make_tiny_model
 
     arch = model.removeprefix("tiny-")
     repo_id = f"expertmesh/tiny-{arch}"
@@ -244,7 +244,7 @@ def run_bench(
     """
     import mlx_lm
 
-    from expertmesh.node.assembly import open_model
+    from expertmesh.assembly import open_model
     from expertmesh.node.config import StoreConfig
     from expertmesh.node.hub.pull import pull
 

@@ -15,7 +15,7 @@ How a repo is made, without a hand-written maker per architecture:
   under the names the makers use, stacked fused gate/up `(E, 2·I, H)`, its transpose,
   granite's `input_linear`, gpt-oss's mxfp4 blocks, FP8 with block scales) that mlx-lm's
   sanitize turns into exactly the model's parameters — checked by tracing sanitize on the
-  layout's names and shapes (node/hub/expert_trace.py), never by trying a load. Values are
+  layout's names and shapes (node/model/expert_trace.py), never by trying a load. Values are
   random with the scale of a trained layer (1/√fan-in); mlx-lm's load of the repo is the
   oracle, so what sanitize does to them needs no inverse here.
 """
@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from expertmesh.node.devtools.tiny.common import (
+from expertmesh.devtools.tiny.common import (
     Shard,
     Tensor,
     init_parameters,
@@ -45,9 +45,8 @@ from expertmesh.node.devtools.tiny.common import (
     write_readme,
     write_shards,
 )
-from expertmesh.node.devtools.tiny.tokenizer import write_tokenizer_files
-from expertmesh.node.engine import mlx_lm_models
-from expertmesh.node.hub import expert_trace
+from expertmesh.devtools.tiny.tokenizer import write_tokenizer_files
+from expertmesh.node.model import expert_trace, mlx_lm_models
 
 VOCAB_SIZE = 448
 NUM_EXPERTS = 8

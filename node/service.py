@@ -3,7 +3,7 @@
 It answers for the one model it serves: what it is (Info), which experts its disk holds
 (GetInventory), an expert's verified upstream bytes (FetchExpert, fetching from the Hub on a
 miss when asked, as an owner does), experts run on a peer's activations (ComputeExperts, see
-node/engine/expert_compute.py) and generation (Generate). Requests are validated before anything is
+node/household/expert_compute.py) and generation (Generate). Requests are validated before anything is
 read; a bad key is INVALID_ARGUMENT or NOT_FOUND, never an exception in a log.
 
 No MLX work runs on gRPC's threads: Generate hands each token to the process's MLX thread and
@@ -41,7 +41,6 @@ from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
 from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
-from expertmesh.node.engine.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     GenerationSummary,
@@ -53,6 +52,7 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
+from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.rpc.admission import BUSY, CallSlots
 from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
@@ -157,7 +157,7 @@ def _version() -> str:
 class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
-    prover: Prover | None = None  # answers Prove; set by node/assembly.py once the port is known
+    prover: Prover | None = None  # answers Prove; set by expertmesh/assembly.py once the port is known
 
     def __init__(
         self,

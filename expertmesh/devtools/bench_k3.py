@@ -1,11 +1,11 @@
 """`expertmesh bench --model k3-proportions`: the fetch path at Kimi K3's real proportions, honestly.
 
-A K3-proportioned repo (node/devtools/tiny/k3_proportions.py: 3 MoE layers of 64 experts of
+A K3-proportioned repo (expertmesh/devtools/tiny/k3_proportions.py: 3 MoE layers of 64 experts of
 17,547,264 bytes, top-16) is served by `expertmesh hub` in a process of its own, shaped like a
 home link with its real numbers and no time scale: 100 MB/s in all, a per-connection cap (12.5, 25
 or 100 MB/s), 75 ms to the first byte. The 100 MB/s are the hub process's own token bucket, or with
 `--kernel-link` (root, ip and tc) a tbf qdisc on the Hub's interface in a network namespace of its
-own, the workers in another (node/devtools/lab/network.py); the per-connection cap and the first
+own, the workers in another (expertmesh/devtools/lab/network.py); the per-connection cap and the first
 byte's delay are the hub's knobs either way (tbf cannot cap a connection; netem is unavailable).
 Every configuration runs in a process of its own, so its peak RSS and CPU time are its own, on the
 same prompts:
@@ -177,12 +177,12 @@ def _sum(parts: list[dict]) -> dict:
 
 
 def _open(spec: dict, home: Path):
-    from expertmesh.node.assembly import open_model
+    from expertmesh.assembly import open_model
     from expertmesh.node.config import StoreConfig
 
     reader = None
     if spec.get("fresh_connections"):
-        from expertmesh.node.devtools.bench import FreshConnectionReader
+        from expertmesh.devtools.bench import FreshConnectionReader
 
         reader = FreshConnectionReader()
     return open_model(spec["repo_id"], home=home, store=StoreConfig(**spec["store"]), hub_reader=reader)
@@ -201,7 +201,7 @@ def _generate(spec: dict, home: Path, prompt: str) -> dict:
             if phase is None:
                 sm.store.disk.flush()  # the prefill's writes are not decode's
                 if spec.get("cold_disk"):  # decode reads the disk itself, not the page cache
-                    from expertmesh.node.devtools.disk_floor import drop_page_cache
+                    from expertmesh.devtools.disk_floor import drop_page_cache
 
                     drop_page_cache(_expert_files(home))
                     watch = _DiskWatch(sm.store)
@@ -285,7 +285,7 @@ def worker(spec: dict) -> dict:
                 parts.append(_generate(spec, home, prompt))
             out = _sum([p for p in parts if p])
             if spec.get("cold_disk"):  # the disk's own floor on the same files, cold
-                from expertmesh.node.devtools.disk_floor import floor_bandwidth
+                from expertmesh.devtools.disk_floor import floor_bandwidth
 
                 out["floor"] = floor_bandwidth(_expert_files(home))
     out["peak_rss_bytes"] = _peak_rss()
@@ -296,7 +296,7 @@ def worker(spec: dict) -> dict:
 
 
 def _model_dir(cache: Path, repo_id: str, p, progress: Callable[[str], None]) -> Path:
-    from expertmesh.node.devtools.tiny import k3_proportions
+    from expertmesh.devtools.tiny import k3_proportions
 
     repo = cache / repo_id
     made = repo.with_name(repo.name + ".made.json")  # what the repo was made as (beside it, not served)
@@ -309,7 +309,7 @@ def _model_dir(cache: Path, repo_id: str, p, progress: Callable[[str], None]) ->
         shutil.rmtree(repo, ignore_errors=True)  # made by another maker: its router or shape differ
         staging.rename(repo)
         made.write_text(wanted)
-    from expertmesh.node.devtools.local_hub import HubServer
+    from expertmesh.devtools.local_hub import HubServer
 
     hub = HubServer(repo.parent.parent)  # its shards' sha256 now, once, so the hub's hasher never competes with a run
     if any(hub.digests.get(f) is None for f in hub.large_files()):
@@ -355,7 +355,7 @@ class _Hub:
 
 def _run_worker(spec: dict, net=None) -> dict:
     """One config in a process of its own; with `net`, in the namespace of the net's node "n0"."""
-    cmd = [sys.executable, "-m", "expertmesh.node.devtools.bench_k3", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "expertmesh.devtools.bench_k3", json.dumps(spec)]
     r = subprocess.run(
         net.hosts["n0"].command(cmd) if net else cmd,
         capture_output=True,
@@ -401,7 +401,7 @@ class KernelLinkUnavailable(ExpertmeshError):
 
 
 def _require_namespaces() -> None:
-    from expertmesh.node.devtools.lab import network
+    from expertmesh.devtools.lab import network
 
     why = network.available()
     if why:
@@ -411,7 +411,7 @@ def _require_namespaces() -> None:
 def _kernel_link(link: float, progress: Callable[[str], None]):
     """The Hub's namespace and one for the workers on the lab's bridge; the Hub's link `link` B/s
     by tbf both ways, the workers' NIC far faster so that only the Hub's link binds."""
-    from expertmesh.node.devtools.lab import network
+    from expertmesh.devtools.lab import network
 
     _require_namespaces()
     removed = network.remove_leftovers()
@@ -474,8 +474,8 @@ def run(
         KernelLinkUnavailable: `kernel_link` asked for where namespaces cannot be made (not root,
             no ip/tc); there is no silent fallback to the hub's own shaping.
     """
+    from expertmesh.devtools.tiny import k3_proportions
     from expertmesh.node import constants
-    from expertmesh.node.devtools.tiny import k3_proportions
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.hub.pull import pull
 

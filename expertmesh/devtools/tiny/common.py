@@ -17,8 +17,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from expertmesh.node.engine.mlx_lm_models import model_classes
-from expertmesh.node.hub import safetensors_format
+from expertmesh.node.model import safetensors_format
+from expertmesh.node.model.mlx_lm_models import model_classes
 
 _DTYPES = {
     mx.bfloat16: ("BF16", mx.uint16),

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from expertmesh.node.devtools.tiny import deepseek_v3, kimi_k3, mlx_converted, qwen3_moe
+from expertmesh.devtools.tiny import deepseek_v3, kimi_k3, mlx_converted, qwen3_moe
 
 ARCHS: dict[str, Callable[[Path, int], None]] = {
     "kimi_k3": kimi_k3.build,

@@ -4,7 +4,7 @@ The random-weight fixtures (`node.tiny.kimi_k3`) route almost uniformly and gene
 This one was trained (by `scripts/train_demo_model.py`, once; see `demo/PROVENANCE.md`) on
 English docstrings of Python's standard library, so it writes text and, with no balancing loss,
 routes with the skew of a real model: some experts are hot, many are cold. Its weights, tokenizer
-and provenance are committed in `node/devtools/tiny/demo/`; `make_demo_model` turns them into a Hub repo
+and provenance are committed in `expertmesh/devtools/tiny/demo/`; `make_demo_model` turns them into a Hub repo
 with the same tensor names, mxfp4 routed experts and shards as the fixture, byte for byte the
 same every time. Its draft model for speculative decoding (a tiny dense Llama distilled from it,
 `draft/`) is published next to it by `make_draft_model`.
@@ -21,9 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from expertmesh.devtools.tiny import kimi_k3
+from expertmesh.devtools.tiny.common import write_json
 from expertmesh.node import constants
-from expertmesh.node.devtools.tiny import kimi_k3
-from expertmesh.node.devtools.tiny.common import write_json
 
 DEMO_DIR = Path(__file__).with_name("demo")
 WEIGHTS_FILE = "weights.safetensors"
@@ -72,7 +72,7 @@ def write_repo(out: Path, params: dict[str, mx.array], demo_dir: Path = DEMO_DIR
         "Training text: Copyright (c) 2001, 2002, 2003, 2004, 2005, 2006, 2007, 2008, 2009, 2010, 2011,\n"
         "2012, 2013, 2014, 2015, 2016, 2017, 2018, 2019, 2020, 2021, 2022, 2023 Python Software\n"
         "Foundation; All Rights Reserved. Sources, licence and training: expertmesh's\n"
-        "node/devtools/tiny/demo/PROVENANCE.md.\n"
+        "expertmesh/devtools/tiny/demo/PROVENANCE.md.\n"
     )
 
 

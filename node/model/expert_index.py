@@ -2,7 +2,7 @@
 
 An expert is addressed by `(layer, expert)` within a pinned `(repo, commit)`. Which upstream
 tensors make it up is not guessed from names: mlx-lm's own `sanitize` for the architecture is
-traced on stand-ins of the checkpoint's tensors (node/hub/expert_trace.py), so the index learns
+traced on stand-ins of the checkpoint's tensors (node/model/expert_trace.py), so the index learns
 which tensors feed each `SwitchGLU` (or `SwitchMLP`) parameter and how. An expert is then
 
 - whole tensors (per-expert checkpoints: `...experts.{e}.{w1,...}`), usually adjacent in one
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.hub.safetensors_format import DTYPE_BYTES, TensorEntry
+from expertmesh.node.model.safetensors_format import DTYPE_BYTES, TensorEntry
 
 INDEX_FILENAME = "expert_index.json"
 FORMAT_VERSION = 2  # 2: recipes; an index of format 1 (name-based experts) still loads
@@ -390,8 +390,7 @@ class _Plan:
 
 def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> _Plan:
     """Which tensors are core and which feed each expert, from mlx-lm's sanitize traced."""
-    from expertmesh.node.engine import mlx_lm_models
-    from expertmesh.node.hub import expert_trace
+    from expertmesh.node.model import expert_trace, mlx_lm_models
 
     model_type = config.get("model_type")
     try:
@@ -508,7 +507,7 @@ def _core_needs_expert_standins(
     True here when that makes the same core as the whole checkpoint does, a refusal with the
     reason when even that does not.
     """
-    from expertmesh.node.hub import expert_trace
+    from expertmesh.node.model import expert_trace
 
     def differ(made: dict) -> list[str]:
         def core_keys(d: dict) -> set[str]:
@@ -543,7 +542,7 @@ def _core_needs_expert_standins(
 def streamed_prefixes(blocks: dict[str, str]) -> tuple[str, ...]:
     """The parameter-name prefixes of what streams: each block's projections (`path.gate_proj.`...),
     not its other parameters. `blocks`: path -> `SwitchGLU` or `SwitchMLP`."""
-    from expertmesh.node.engine.mlx_lm_models import BLOCK_PROJECTIONS
+    from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS
 
     return tuple(f"{p}.{proj}." for p, kind in blocks.items() for proj in BLOCK_PROJECTIONS[kind])
 

@@ -36,7 +36,7 @@ from expertmesh.node.config import HouseholdConfig, NodeConfig, StoreConfig
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import EndpointUnreachableError, ExpertmeshError
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.sizes import format_size, parse_budget
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
 from expertmesh.node.store.stats import StoreStats
@@ -50,14 +50,14 @@ if TYPE_CHECKING:
     from expertmesh.node.engine.streamed_model import StreamedModel
     from expertmesh.node.household.discovery import Discovery
     from expertmesh.node.household.membership import PeerTable
+    from expertmesh.node.household.peers_tier import PeerSource
     from expertmesh.node.household.remote_experts import RemoteExperts
     from expertmesh.node.observability.metrics import MetricsServer, NodeMetrics
     from expertmesh.node.rpc.server import NodeServer
-    from expertmesh.node.rpc.service import NodeService
+    from expertmesh.node.service import NodeService
     from expertmesh.node.store.served import ServedExperts
     from expertmesh.node.store.store import ExpertStore
     from expertmesh.node.store.tiers.hub import HubSource
-    from expertmesh.node.store.tiers.peers import PeerSource
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
     Args:
         hub_reader: the Hub client (hub/client.py's RangeReader) to use instead of a new one:
             tests inject faults with it, the bench a naive client.
-        service_class: the gRPC servicer class (default rpc/service.py's NodeService); tests
+        service_class: the gRPC servicer class (default node/service.py's NodeService); tests
             subclass it to make a peer misbehave.
         interceptors: extra gRPC server interceptors (devtools/link_emulation.py's LAN).
 
@@ -339,7 +339,7 @@ def _join_household(node: Node, household: HouseholdConfig) -> None:
             ) from None
     if (household.peers or household.discover) and not node.config.cache_only:
         # a cache peer follows the household (for the API's view) but fetches from the Hub only
-        from expertmesh.node.store.tiers.peers import PeerSource
+        from expertmesh.node.household.peers_tier import PeerSource
 
         node.peer_tier = PeerSource(node.index, node.peers, household.secret, tls_ca=household.tls_ca)
 
@@ -402,7 +402,7 @@ def _build_metrics(node: Node) -> None:
 
 def _build_rpc(node: Node, service_class, interceptors) -> None:
     from expertmesh.node.rpc.server import NodeServer
-    from expertmesh.node.rpc.service import NodeService
+    from expertmesh.node.service import NodeService
 
     rpc, household = node.config.rpc, node.config.household
     tls = None

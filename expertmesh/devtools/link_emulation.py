@@ -1,5 +1,5 @@
 """A slower link than loopback, for benchmarks: bytes per second shared by everyone using it, and a
-round-trip delay. The local Hub (node/devtools/local_hub.py) and a node's gRPC service (`LanInterceptor`
+round-trip delay. The local Hub (expertmesh/devtools/local_hub.py) and a node's gRPC service (`LanInterceptor`
 in front of it) use it, so a bench on one machine sees the household's network, not the kernel's memcpy."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One scenario of the lab, in a process of its own: the generating Mac's node, measured.
 
 Run by the lab driver (inside node 0's namespace when namespaces are up) as
-`python -m expertmesh.node.devtools.lab.worker SPEC_JSON`; prints one JSON line. The node is
+`python -m expertmesh.devtools.lab.worker SPEC_JSON`; prints one JSON line. The node is
 built by the same composition root as `expertmesh run`: alone (the Hub only), or with the
 household's nodes — found with zeroconf across the bridge when `spec["cluster"]` is set, else the
 addresses in `spec["peers"]` — fetching their experts (`remote` false) or sending them
@@ -88,7 +88,7 @@ def _generate(sm, ids: list[int], tokens: int, on_token=None) -> dict:
 
 
 def run(spec: dict) -> dict:
-    from expertmesh.node.assembly import build_node
+    from expertmesh.assembly import build_node
     from expertmesh.node.config import HouseholdConfig, NodeConfig, RemoteConfig, RpcConfig, StoreConfig
     from expertmesh.node.hub import client as hub_client
 

@@ -1,0 +1,83 @@
+"""What one fetch of an expert is for, passed from the store down the tiers to the range reader.
+
+A fetch is made for a demand (a token waits for it), a guess of the next layer, or idle-link fill,
+and the parts below the store treat them differently: the Hub's connection pool serves demands'
+pieces first, a guess or a fill gives its connection up when a demand needs the link
+(`abandon`), and every request of one Hub fetch shares one time budget (`Deadline`). The store
+says so once, in a `FetchContext`, and each layer passes it on as an argument; nothing is read
+from the thread a fetch happens to run on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Priority(IntEnum):
+    """Lower is served first."""
+
+    DEMAND = 0  # a token waits for it
+    PREFETCH = 1  # a guess of the next layer's experts
+    FILL = 2  # idle-link fill onto the disk
+
+
+class Deadline:
+    """The time one fetch may spend asking the Hub, shared by all its requests: its pieces on
+    separate connections and every retry of each.
+
+    The clock starts with the fetch's first request, not when the fetch is queued: a guess that
+    waits behind demands for a connection must not spend its budget waiting.
+    """
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._ends: float | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the clock, if no request of this fetch started it yet."""
+        with self._lock:
+            if self._ends is None:
+                self._ends = time.monotonic() + self.seconds
+
+    def left(self) -> float:
+        """Seconds left (the whole budget before the first request)."""
+        ends = self._ends
+        return self.seconds if ends is None else max(0.0, ends - time.monotonic())
+
+    def passed(self) -> bool:
+        return self._ends is not None and time.monotonic() >= self._ends
+
+
+@dataclass(frozen=True)
+class FetchContext:
+    """What a fetch is for and what bounds it.
+
+    Attributes:
+        priority: whom the fetch serves; the Hub's pool takes pieces in this order.
+        abandon: asked between the chunks of a transfer; True gives the link up (`Abandoned`).
+            None: the fetch runs to its end (a demand's).
+        deadline: the budget every request of this fetch shares; the Hub tier sets it per fetch.
+    """
+
+    priority: Priority = Priority.DEMAND
+    abandon: Callable[[], bool] | None = None
+    deadline: Deadline | None = None
+
+    def should_abandon(self) -> bool:
+        return self.abandon is not None and self.abandon()
+
+    def with_deadline(self, deadline: Deadline) -> FetchContext:
+        return dataclasses.replace(self, deadline=deadline)
+
+    def time_left(self, seconds: float) -> float:
+        """`seconds`, cut to what the deadline leaves (never 0: httpx2 reads 0 as no wait)."""
+        return seconds if self.deadline is None else max(0.001, min(seconds, self.deadline.left()))
+
+
+DEMAND = FetchContext()  # a demanded fetch with no bound of its own: what a plain call makes
