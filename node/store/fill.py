@@ -17,6 +17,7 @@ nothing (a full file system) costs at most one expert per fill thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -147,7 +148,7 @@ class IdleFill:
                 continue
             # "kept" below must be known, so the disk write comes first; and a fill gives its link
             # up to any demand but one for these very experts
-            ctx = FetchContext(Priority.FILL, abandon=lambda run=run: self.flights.fill_yields(run))
+            ctx = FetchContext(Priority.FILL, abandon=functools.partial(self.flights.fill_yields, run))
             results = self.chain.fetch_run(run, keep_now=True, ctx=ctx, decode=False)
             run, futs, results = self._finish_abandoned(run, futs, results)
             demanded = self.flights.release_fill(run)
@@ -175,6 +176,7 @@ class IdleFill:
                 with self._lock:
                     self._retry.append(key)
             else:
+                fetched: Fetched | BaseException
                 try:
                     fetched = self.chain.fetch(key, keep_now=True)
                 except BaseException as e:  # noqa: BLE001 - handed to the demand that waits

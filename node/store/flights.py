@@ -109,7 +109,7 @@ class Work:
 class Flights:
     """The records of the experts in flight, and every change to them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)  # fetch workers wait here for work
         self._changed = threading.Condition(self._lock)  # idle-link fill waits here for the link

@@ -45,7 +45,7 @@ class GuessAccuracy:
     a lock of its own that is taken last (fetch workers ask `at_least` under the book's lock).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._judged: deque[bool] = deque(maxlen=PREFETCH_WINDOW)  # the last guessed experts: demanded?
         self._right = 0
