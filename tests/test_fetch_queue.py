@@ -100,19 +100,17 @@ def test_a_wrong_guess_gives_its_link_up_and_a_wanted_one_does_not() -> None:
         q.close()
 
 
-def test_a_wrong_guess_still_queued_is_dropped_without_a_fetch() -> None:
+def test_a_held_guess_its_pass_did_not_want_starts_at_once_and_gives_up() -> None:
     tier = _Tier()
-    flights, q = _queue(tier)
+    flights, q, first = _guess_beside_a_demand(tier, 2, lambda: False)
     try:
-        gate = tier.gate((1, 0))
-        first = _demand(flights, (1, 0))  # the one worker waits at the gate
-        _guess(flights, (2, 0))
+        assert wait_until(lambda: flights.state((2, 0)) is State.HELD)
         flights.settle(2, {5})
-        assert not flights.holds((2, 0))  # dropped at once: no record, so no fetch can ever start
-        gate.set()
-        first.result(timeout=10)
-        assert flights.in_flight_count() == 0 and not tier.has_started((2, 0))
+        assert wait_until(lambda: (2, 0) in tier.gave_up)  # not held until the demand is over
+        assert not first.done()
+        assert wait_until(lambda: not flights.holds((2, 0)))
     finally:
+        tier.gates[(1, 0)].set()
         q.close()
 
 
@@ -203,7 +201,8 @@ def test_a_demand_queued_when_the_queue_closes_fails_at_once() -> None:
     flights, q = _queue(tier)
     gate = tier.gate((1, 0))
     try:
-        first = _demand(flights, (1, 0))  # the one worker waits at the gate
+        first = _demand(flights, (1, 0))
+        assert wait_until(lambda: tier.has_started((1, 0)))  # the one worker waits at the gate
         queued = _demand(flights, (1, 1))
         closing = threading.Thread(target=q.close)
         closing.start()

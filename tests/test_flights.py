@@ -9,6 +9,7 @@ from waiting import wait_until
 
 from expertmesh.node.errors import Abandoned
 from expertmesh.node.fetching import Priority
+from expertmesh.node.store import flights as flights_module
 from expertmesh.node.store.flights import Flights, Guessed, State
 from expertmesh.node.store.tier_chain import Fetched
 
@@ -86,13 +87,23 @@ def test_a_guess_its_pass_did_not_want_gives_up_unless_a_demand_waits() -> None:
     assert not flights.fetched((4, 0), None, Abandoned("gave up just before"))  # fetched again, for the demand
 
 
-def test_a_wrong_guess_still_queued_is_dropped_and_its_future_says_so() -> None:
+def test_a_held_guess_goes_once_its_pass_has_come(monkeypatch) -> None:
+    """Wanted, its demand is coming; wasted, it gives its link up as soon as it starts (or, small,
+    costs less fetched than fetched again later): neither waits for the demands to end."""
+    monkeypatch.setattr(flights_module, "GUESS_HOLD_MAX_S", 1e9)  # held means held until the demands end
     flights = Flights()
+    flights.demand([(1, 0)])
+    assert _start(flights) == ((1, 0),)  # a demand being fetched
     flights.guess((5, 0), budget=8)
-    flights.demand([(5, 1)])
+    taken: list = []
+    worker = threading.Thread(target=lambda: taken.append(flights.next_work(may_share=lambda: False)), daemon=True)
+    worker.start()
+    assert wait_until(lambda: flights.state((5, 0)) is State.HELD)
     assert flights.settle(5, {1}) == (0, 1)
-    assert not flights.holds((5, 0))
-    assert _fetch_next(flights) == ((5, 1),)  # only the demand is left to fetch
+    worker.join(10)
+    assert not worker.is_alive(), "the guess its pass did not want was still held"
+    assert taken[0].keys == ((5, 0),) and flights.stale((5, 0))
+    flights.close()
 
 
 def test_a_guess_whose_pass_wanted_it_stays_staged_until_taken() -> None:

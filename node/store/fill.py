@@ -75,6 +75,7 @@ class IdleFill:
         self._memory_cap = max(1, threads) * max((loc.nbytes for loc in index.experts.values()), default=0)
         self._active_until = -1.0  # monotonic; one float, rebound whole by `touch`
         self._closing = threading.Event()
+        self._exhausted = threading.Event()  # `done`, for whoever may not take the fill's lock
         self._threads = [
             threading.Thread(target=self._loop, name=f"expert-fill-{i}", daemon=True) for i in range(threads)
         ]
@@ -86,16 +87,32 @@ class IdleFill:
     def touch(self) -> None:
         """A generation asked for a layer: the link may be filled while it is otherwise idle."""
         self._active_until = time.monotonic() + FILL_ACTIVE_S
-        self.flights.notify()
+        if not self._exhausted.is_set():
+            self.flights.notify()
 
     @property
     def done(self) -> bool:
         """Whether nothing is left to fill (every expert held or tried, or the disk's budget full)."""
         with self._lock:
-            return self._next >= len(self._order) and not self._retry
+            return self._is_done()
+
+    def _is_done(self) -> bool:
+        return self._next >= len(self._order) and not self._retry
 
     def _active_until_s(self) -> float:
         return self._active_until
+
+    def _stopping(self) -> bool:
+        """Asked under the book's lock, so it reads events only: the fill's own lock is taken before
+        the book's, never inside it."""
+        return self._closing.is_set() or self._exhausted.is_set()
+
+    def _note_done(self) -> None:
+        """Under the fill's lock, after its order or retries changed."""
+        if self._is_done():
+            self._exhausted.set()
+        else:
+            self._exhausted.clear()
 
     def _wanted(self, key: ExpertKey) -> bool:
         """Neither held, nor being fetched, nor someone else's to hold."""
@@ -132,14 +149,17 @@ class IdleFill:
         it meanwhile (it is tried again later), None when nothing is left to fill."""
         with self._lock:
             run = self._next_run()
-            if not run:
-                return None
-            futs = self.flights.claim_fill(run, [self.index.expert(*k).nbytes for k in run], self._memory_cap)
+            futs = (
+                self.flights.claim_fill(run, [self.index.expert(*k).nbytes for k in run], self._memory_cap)
+                if run
+                else []
+            )
             self._retry[:0] = run[len(futs) :]
-            return run[: len(futs)], futs
+            self._note_done()
+            return (run[: len(futs)], futs) if run else None
 
     def _loop(self) -> None:
-        while self.flights.wait_for_idle_link(self._memory_cap, self._active_until_s, self._closing.is_set):
+        while self.flights.wait_for_idle_link(self._memory_cap, self._active_until_s, self._stopping):
             claimed = self._claim()
             if claimed is None:
                 return  # everything is held, or the budget is full
@@ -175,6 +195,7 @@ class IdleFill:
                 fut.set_exception(settled(result))
                 with self._lock:
                     self._retry.append(key)
+                    self._note_done()
             else:
                 fetched: Fetched | BaseException
                 try:
@@ -200,6 +221,7 @@ class IdleFill:
         if not kept:
             with self._lock:  # the disk did not keep it (a full file system): more fills would be wasted
                 self._next, self._retry = len(self._order), []
+                self._note_done()
             logger.warning("the disk cache did not keep a filled expert; idle-link fill stops")
             return False
         with self._lock:

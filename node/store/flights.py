@@ -14,9 +14,10 @@ The rules kept here:
 - demands are taken before guesses, each in the order they came; a demand for a queued guess moves
   it ahead, and one for an expert being fetched (a guess, a run, a fill) joins that fetch;
 - while demands are being fetched, a guess is held back unless guesses may share the link (they
-  have proven right), or until GUESS_HOLD_MAX_S; a demand that comes meanwhile gets the worker;
-- a guess its pass did not want is dropped while still queued, and gives its link up mid-transfer
-  (`stale`) unless a demand came for it, which it is then fetched to the end for;
+  have proven right) or its pass has come, or until GUESS_HOLD_MAX_S; a demand that comes
+  meanwhile gets the worker;
+- a guess its pass did not want gives its link up (`stale`) unless a demand came for it, which it
+  is then fetched to the end for;
 - guesses outstanding (in flight, or arrived and waiting for their pass) stay within the budget
   the prefetcher gives;
 - fills start only while the link is idle (no demand queued or fetched, no guess in flight) and
@@ -94,6 +95,26 @@ class Flight:
         return self.guess is Guess.WASTED and not self.demanded
 
 
+@dataclass
+class _Tally:
+    """Counts over the records that the waiters' conditions read, kept as records change (each
+    condition is then one look, not a walk over every record)."""
+
+    demands: int = 0  # in flight for a demand, queued or being fetched by the queue
+    demands_fetching: int = 0
+    guesses_in_flight: int = 0
+    staged: int = 0  # arrived guesses not yet taken
+    fill_bytes: int = 0
+
+    def add(self, rec: Flight, sign: int) -> None:
+        flying, demand = rec.state in IN_FLIGHT, rec.priority is Priority.DEMAND
+        self.demands += sign * (flying and demand)
+        self.demands_fetching += sign * (rec.state is State.FETCHING and demand)
+        self.guesses_in_flight += sign * (flying and rec.guess is not None)
+        self.staged += sign * (rec.staged is not None)
+        self.fill_bytes += sign * rec.fill_bytes
+
+
 @dataclass(frozen=True)
 class Work:
     """What a fetch worker is given: one expert, or a run of adjacent demanded experts."""
@@ -112,8 +133,10 @@ class Flights:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)  # fetch workers wait here for work
-        self._changed = threading.Condition(self._lock)  # idle-link fill waits here for the link
+        # idle-link fill waits here for the link; notified when it may have become idle
+        self._changed = threading.Condition(self._lock)
         self._records: dict[ExpertKey, Flight] = {}
+        self._tally = _Tally()
         self._queue: list[tuple[int, int, tuple[ExpertKey, ...]]] = []  # (priority, seq, keys)
         self._seq = itertools.count()
         self._closed = False
@@ -136,18 +159,18 @@ class Flights:
 
     def guesses_in_flight(self) -> int:
         with self._lock:
-            return self._guesses_in_flight()
+            return self._tally.guesses_in_flight
 
     def fill_bytes(self) -> int:
         """Bytes reserved by the fills in flight."""
         with self._lock:
-            return self._fill_bytes()
+            return self._tally.fill_bytes
 
     @property
     def demand_busy(self) -> bool:
         """Whether any demand is queued or being fetched by the queue."""
         with self._lock:
-            return self._demand_busy()
+            return bool(self._tally.demands)
 
     def stale(self, key: ExpertKey) -> bool:
         """Whether `key`'s guess may give its link up (the queue's `abandon` for a guess)."""
@@ -184,14 +207,13 @@ class Flights:
                             continue
                         seq = next(self._seq)
                         for key in run:
-                            rec = self._add(key, State.QUEUED, Priority.DEMAND, seq)
-                            rec.demanded, rec.run = True, tuple(run)
-                            out[key] = rec.future
+                            out[key] = self._add(
+                                key, State.QUEUED, Priority.DEMAND, seq, demanded=True, run=tuple(run)
+                            ).future
                         self._push(Priority.DEMAND, seq, tuple(run))
                 for key in keys:
                     if key not in out:
                         out[key] = self._demand_one(key)
-                self._changed.notify_all()
         for fut in closed:
             fut.set_exception(DownloadError("the expert store is closed: nothing fetches any more"))
         return out
@@ -199,19 +221,19 @@ class Flights:
     def _demand_one(self, key: ExpertKey) -> Future:
         rec = self._records.get(key)
         if rec is None:
-            rec = self._add(key, State.QUEUED, Priority.DEMAND, next(self._seq))
-            rec.demanded = True
+            rec = self._add(key, State.QUEUED, Priority.DEMAND, next(self._seq), demanded=True)
             self._push(Priority.DEMAND, rec.seq, (key,))
             return rec.future
         if rec.state is State.ARRIVED:
             if rec.staged is not None:  # arrived since the caller looked: its future holds it
-                rec.staged = None
+                self._set(rec, staged=None)
                 self._forget_if_over(rec)
                 return rec.future
-            rec.future, rec.state = Future(), State.QUEUED  # a guess whose fetch failed: fetched anew
+            rec.future = Future()  # a guess whose fetch failed: fetched anew
+            self._set(rec, state=State.QUEUED)
         rec.demanded = True
         if rec.state in WAITING and rec.priority is not Priority.DEMAND:  # a queued guess moves ahead
-            rec.state, rec.priority, rec.seq, rec.held_since = State.QUEUED, Priority.DEMAND, next(self._seq), None
+            self._set(rec, state=State.QUEUED, priority=Priority.DEMAND, seq=next(self._seq), held_since=None)
             self._push(Priority.DEMAND, rec.seq, (key,))
         return rec.future
 
@@ -223,13 +245,10 @@ class Flights:
         with self._lock:
             if self._closed or key in self._records:
                 return Guessed.HELD_ALREADY
-            outstanding = self._guesses_in_flight() + sum(rec.staged is not None for rec in self._records.values())
-            if outstanding >= budget:
+            if self._tally.guesses_in_flight + self._tally.staged >= budget:
                 return Guessed.NO_ROOM
-            rec = self._add(key, State.QUEUED, Priority.PREFETCH, next(self._seq))
-            rec.guess = Guess.PENDING
+            rec = self._add(key, State.QUEUED, Priority.PREFETCH, next(self._seq), guess=Guess.PENDING)
             self._push(Priority.PREFETCH, rec.seq, (key,))
-            self._changed.notify_all()
             return Guessed.ISSUED
 
     def take(self, key: ExpertKey) -> Fetched | None:
@@ -238,16 +257,17 @@ class Flights:
             rec = self._records.get(key)
             if rec is None or rec.staged is None:
                 return None
-            fetched, rec.staged = rec.staged, None
+            fetched = rec.staged
+            self._set(rec, staged=None)
             self._forget_if_over(rec)
             return fetched
 
     def settle(self, layer: int, demanded: set[int]) -> tuple[int, int]:
         """`layer`'s pass has come and wants `demanded`: its pending guesses are used or wasted.
-        A wasted guess that arrived is let go, and one still queued is dropped (nobody waits for
-        it); one being fetched gives its link up. Returns (used, wasted)."""
+        A wasted guess that arrived is let go; one in flight gives its link up when it can (a
+        queued one is no longer held back, so it starts and gives up at once, or is fetched
+        where finishing costs less than fetching again). Returns (used, wasted)."""
         used = wasted = 0
-        dropped: list[Future] = []
         with self._lock:
             for rec in [r for r in self._records.values() if r.key[0] == layer and r.guess is not None]:
                 if rec.guess is not Guess.PENDING:  # judged by an earlier pass: wanted, never taken
@@ -255,21 +275,16 @@ class Flights:
                         self._forget(rec)
                     continue
                 if rec.key[1] in demanded:
-                    rec.guess = Guess.USED
+                    self._set(rec, guess=Guess.USED)
                     used += 1
                     self._forget_if_over(rec)
                     continue
-                rec.guess, rec.staged = Guess.WASTED, None
+                self._set(rec, guess=Guess.WASTED, staged=None)
                 wasted += 1
                 if rec.state is State.ARRIVED:
                     self._forget(rec)
-                elif rec.state in WAITING and not rec.demanded:
-                    self._forget(rec)
-                    dropped.append(rec.future)
-            self._work_ready.notify_all()  # a held guess may have gone
-            self._changed.notify_all()
-        for fut in dropped:
-            fut.set_exception(Abandoned("a guess its pass did not want, dropped before it started"))
+            if self._queue:  # a held guess may go now
+                self._work_ready.notify()
         return used, wasted
 
     # -- the fetch workers --------------------------------------------------------------------
@@ -293,19 +308,21 @@ class Flights:
                         self._work_ready.wait(hold_s)
                         continue
                 heapq.heappop(self._queue)
+                if self._queue:  # the next entry may be for another worker: one more looks
+                    self._work_ready.notify()
                 for key in keys:
-                    rec = self._records[key]
-                    rec.state, rec.held_since = State.FETCHING, None
+                    self._set(self._records[key], state=State.FETCHING, held_since=None)
                 return Work(keys, Priority(priority))
             return None
 
     def _hold(self, rec: Flight, may_share: Callable[[], bool] | None) -> float:
-        """Seconds the guess `rec` is to wait yet (0: it starts)."""
-        if not self._demands_fetching() or _shares(may_share):
+        """Seconds the guess `rec` is to wait yet (0: it starts). One whose pass has come is not
+        held: a demand comes for it at once, or it gives up as soon as it starts."""
+        if rec.guess is not Guess.PENDING or not self._tally.demands_fetching or _shares(may_share):
             return 0.0
         now = time.monotonic()
         if rec.held_since is None:
-            rec.state, rec.held_since = State.HELD, now
+            self._set(rec, state=State.HELD, held_since=now)
         return max(0.0, rec.held_since + GUESS_HOLD_MAX_S - now)
 
     def fetched(self, key: ExpertKey, fetched: Fetched | None, error: BaseException | None) -> bool:
@@ -315,12 +332,12 @@ class Flights:
         with self._lock:
             rec = self._records[key]
             if isinstance(error, Abandoned) and rec.demanded:
-                rec.priority = Priority.DEMAND
+                self._set(rec, priority=Priority.DEMAND)
                 return False
             fut = rec.future
             wanted_later = rec.guess is Guess.PENDING or (rec.guess is Guess.USED and not rec.demanded)
             if wanted_later and (error is None or rec.guess is Guess.PENDING):
-                rec.state, rec.staged, rec.demanded, rec.priority = State.ARRIVED, fetched, False, Priority.PREFETCH
+                self._set(rec, state=State.ARRIVED, staged=fetched, demanded=False, priority=Priority.PREFETCH)
             else:
                 self._forget(rec)
             self._fetch_ended()
@@ -330,17 +347,19 @@ class Flights:
     def fetched_run(self, keys: tuple[ExpertKey, ...], results: list[Fetched | BaseException]) -> None:
         """A run's fetch ended: one result or error per expert, handed to its waiters."""
         with self._lock:
-            futs = [self._records.pop(key).future for key in keys]
+            recs = [self._records[key] for key in keys]
+            for rec in recs:
+                self._forget(rec)
             self._fetch_ended()
-        for fut, result in zip(futs, results):
+        for rec, result in zip(recs, results):
             if isinstance(result, BaseException):
-                _resolve(fut, None, result)
+                _resolve(rec.future, None, result)
             else:
-                _resolve(fut, result, None)
+                _resolve(rec.future, result, None)
 
     def _fetch_ended(self) -> None:
-        if self._queue:  # a held guess may start now, or an entry waits for this worker
-            self._work_ready.notify_all()
+        if self._queue:  # a held guess may start now (the worker that takes it wakes the next)
+            self._work_ready.notify()
         self._changed.notify_all()
 
     # -- idle-link fill -----------------------------------------------------------------------
@@ -369,22 +388,22 @@ class Flights:
             for key, n in zip(keys, nbytes):
                 if key in self._records:
                     break
-                rec = self._add(key, State.FETCHING, Priority.FILL, next(self._seq))
-                rec.fill_bytes = max(1, n)
-                futs.append(rec.future)
-            self._changed.notify_all()
+                futs.append(self._add(key, State.FETCHING, Priority.FILL, next(self._seq), fill_bytes=max(1, n)).future)
         return futs
 
     def fill_yields(self, keys: list[ExpertKey]) -> bool:
         """Whether a fill of `keys` should give its link up: a demand waits, and not for one of them."""
         with self._lock:
-            return self._demand_busy() and not any(self._records[k].demanded for k in keys if k in self._records)
+            return bool(self._tally.demands) and not any(self._records[k].demanded for k in keys if k in self._records)
 
     def release_fill(self, keys: list[ExpertKey]) -> set[ExpertKey]:
         """The fill of `keys` is over (its futures are the fill's to resolve); returns those a
         demand waits for. Final: from here on a demand makes a fetch of its own."""
         with self._lock:
-            demanded = {key for key in keys if self._records.pop(key).demanded}
+            recs = [self._records[key] for key in keys]
+            for rec in recs:
+                self._forget(rec)
+            demanded = {rec.key for rec in recs if rec.demanded}
             self._changed.notify_all()
             return demanded
 
@@ -392,9 +411,10 @@ class Flights:
         """Let go of a fill that gave its link up, unless a demand came for it meanwhile (then the
         fill keeps it and fetches it for that demand)."""
         with self._lock:
-            if self._records[key].demanded:
+            rec = self._records[key]
+            if rec.demanded:
                 return False
-            del self._records[key]
+            self._forget(rec)
             self._changed.notify_all()
             return True
 
@@ -416,13 +436,22 @@ class Flights:
 
     # -- under the lock -----------------------------------------------------------------------
 
-    def _add(self, key: ExpertKey, state: State, priority: Priority, seq: int) -> Flight:
-        rec = Flight(key, state, priority, seq)
+    def _add(self, key: ExpertKey, state: State, priority: Priority, seq: int, **fields) -> Flight:
+        rec = Flight(key, state, priority, seq, **fields)
         self._records[key] = rec
+        self._tally.add(rec, 1)
         return rec
+
+    def _set(self, rec: Flight, **fields) -> None:
+        """Change `rec`'s fields: every change a count depends on goes through here."""
+        self._tally.add(rec, -1)
+        for name, value in fields.items():
+            setattr(rec, name, value)
+        self._tally.add(rec, 1)
 
     def _forget(self, rec: Flight) -> None:
         del self._records[rec.key]
+        self._tally.add(rec, -1)
 
     def _forget_if_over(self, rec: Flight) -> None:
         """An arrived guess that is judged and taken (or let go) needs no record."""
@@ -444,20 +473,9 @@ class Flights:
             heapq.heappop(self._queue)
         return None
 
-    def _demands_fetching(self) -> bool:
-        return any(r.state is State.FETCHING and r.priority is Priority.DEMAND for r in self._records.values())
-
-    def _demand_busy(self) -> bool:
-        return any(r.state in IN_FLIGHT and r.priority is Priority.DEMAND for r in self._records.values())
-
-    def _guesses_in_flight(self) -> int:
-        return sum(r.state in IN_FLIGHT and r.guess is not None for r in self._records.values())
-
-    def _fill_bytes(self) -> int:
-        return sum(r.fill_bytes for r in self._records.values())
-
     def _link_idle(self, cap_bytes: int) -> bool:
-        return not self._demand_busy() and not self._guesses_in_flight() and self._fill_bytes() < cap_bytes
+        t = self._tally
+        return not t.demands and not t.guesses_in_flight and t.fill_bytes < cap_bytes
 
 
 def _shares(may_share: Callable[[], bool] | None) -> bool:
