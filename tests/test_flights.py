@@ -3,14 +3,15 @@ change may do (the workers that make the fetches are tests/test_fetch_queue.py's
 
 from __future__ import annotations
 
+import random
 import threading
 
 from waiting import wait_until
 
-from expertmesh.node.errors import Abandoned
+from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.fetching import Priority
 from expertmesh.node.store import flights as flights_module
-from expertmesh.node.store.flights import Flights, Guessed, State
+from expertmesh.node.store.flights import Flights, Guessed, State, Work
 from expertmesh.node.store.tier_chain import Fetched
 
 ARRIVED = Fetched(weights=None, source="hub", seconds=0.0)
@@ -168,3 +169,74 @@ def test_settling_is_per_layer_and_demands_are_never_guesses() -> None:
     assert flights.state((1, 0)) is State.QUEUED and flights.state((2, 0)) is State.QUEUED
     work = flights.next_work()
     assert work is not None and work.priority is Priority.DEMAND
+
+
+def _next(flights: Flights) -> Work:
+    work = flights.next_work(may_share=lambda: True)
+    assert work is not None
+    return work
+
+
+def test_the_counts_the_waiters_read_come_back_to_nothing_after_any_mix_of_changes() -> None:
+    """A random walk through every change the book allows (demands, guesses, runs, fills, give-ups,
+    failures, passes), then everything drained: every count the fill and the workers wait on must
+    be back to nothing, or a fill would never start again, or a guess never be issued."""
+    rng = random.Random(35)
+    flights = Flights()
+    keys = [(layer, e) for layer in range(3) for e in range(6)]
+    fetching: list[Work] = []  # what "workers" have started
+    filling: list = []
+
+    def queued() -> bool:
+        return any(flights.state(k) in (State.QUEUED, State.HELD) for k in keys)
+
+    def finish(work: Work) -> None:
+        if work.is_run:
+            flights.fetched_run(work.keys, [ARRIVED] * len(work.keys))
+            return
+        key = work.keys[0]
+        if work.priority is Priority.PREFETCH and flights.stale(key):  # gives up
+            if rng.random() < 0.5:
+                flights.demand([key])  # as a demand comes for it
+            if not flights.fetched(key, None, Abandoned("gave up")):
+                assert flights.fetched(key, ARRIVED, None)  # fetched again, for that demand
+            return
+        outcome = rng.choice([ARRIVED, ARRIVED, DownloadError("no")])
+        fetched, error = (outcome, None) if isinstance(outcome, Fetched) else (None, outcome)
+        assert flights.fetched(key, fetched, error)
+
+    for _ in range(3000):
+        op = rng.choices(range(9), weights=[10, 2, 20, 30, 30, 15, 15, 5, 15])[0]
+        key = rng.choice(keys)
+        if op == 0:
+            flights.demand([key])
+        elif op == 1:
+            flights.demand(keys[6:10], plan=lambda free: [free])
+        elif op == 2:
+            flights.guess(key, budget=4)
+        elif op == 3 and queued():
+            fetching.append(_next(flights))
+        elif op == 4 and fetching:
+            finish(fetching.pop(rng.randrange(len(fetching))))
+        elif op == 5:
+            futs = flights.claim_fill([key], [7], cap_bytes=50)
+            filling += [key] if futs else []
+        elif op == 6 and filling:
+            k = filling.pop(rng.randrange(len(filling)))
+            if rng.random() < 0.5 or not flights.release_fill_unless_demanded(k):
+                flights.release_fill([k])
+        elif op == 7:
+            flights.settle(key[0], {e for e in range(6) if rng.random() < 0.5})
+        elif op == 8:
+            flights.take(key)
+        assert flights.guesses_in_flight() <= flights.in_flight_count()
+    while fetching or queued():
+        finish(fetching.pop() if fetching else _next(flights))
+    flights.release_fill(filling)
+    for layer in range(3):
+        flights.settle(layer, set())
+    assert flights.in_flight_count() == 0 and not any(flights.holds(k) for k in keys)
+    assert flights.guesses_in_flight() == 0 and flights.fill_bytes() == 0 and not flights.demand_busy
+    assert flights.claim_fill([(9, 9)], [7], cap_bytes=50)  # the link is idle again
+    flights.release_fill([(9, 9)])
+    assert all(flights.guess((8, e), budget=4) is Guessed.ISSUED for e in range(4))  # the budget is whole again
