@@ -88,9 +88,9 @@ def test_a_guess_its_pass_did_not_want_gives_up_unless_a_demand_waits() -> None:
     assert not flights.fetched((4, 0), None, Abandoned("gave up just before"))  # fetched again, for the demand
 
 
-def test_a_held_guess_goes_once_its_pass_has_come(monkeypatch) -> None:
-    """Wanted, its demand is coming; wasted, it gives its link up as soon as it starts (or, small,
-    costs less fetched than fetched again later): neither waits for the demands to end."""
+def test_a_held_guess_its_pass_did_not_want_goes_at_once(monkeypatch) -> None:
+    """It gives its link up as soon as it starts (or, small, costs less fetched than fetched again
+    later): it does not wait for the demands to end."""
     monkeypatch.setattr(flights_module, "GUESS_HOLD_MAX_S", 1e9)  # held means held until the demands end
     flights = Flights()
     flights.demand([(1, 0)])
@@ -104,6 +104,33 @@ def test_a_held_guess_goes_once_its_pass_has_come(monkeypatch) -> None:
     worker.join(10)
     assert not worker.is_alive(), "the guess its pass did not want was still held"
     assert taken[0].keys == ((5, 0),) and flights.stale((5, 0))
+    flights.close()
+
+
+def test_a_held_guess_its_pass_wanted_waits_for_its_demand_and_goes_as_a_demand(monkeypatch) -> None:
+    """Its demand comes right after the pass judged it: started before, it would be fetched at a
+    guess's priority, behind every demanded piece, while a token waits for it."""
+    monkeypatch.setattr(flights_module, "GUESS_HOLD_MAX_S", 1e9)
+    flights = Flights()
+    flights.demand([(1, 0)])
+    assert _start(flights) == ((1, 0),)
+    flights.guess((5, 1), budget=8)
+    taken: list = []
+    asked = threading.Semaphore(0)  # released each time the worker weighs holding the guess
+
+    def may_share() -> bool:
+        asked.release()
+        return False
+
+    worker = threading.Thread(target=lambda: taken.append(flights.next_work(may_share)), daemon=True)
+    worker.start()
+    assert asked.acquire(timeout=10) and flights.state((5, 1)) is State.HELD
+    assert flights.settle(5, {1}) == (1, 0)
+    assert asked.acquire(timeout=10), "the worker did not weigh the guess again once its pass came"
+    assert flights.state((5, 1)) is State.HELD
+    flights.demand([(5, 1)])
+    worker.join(10)
+    assert not worker.is_alive() and taken[0].keys == ((5, 1),) and taken[0].priority is Priority.DEMAND
     flights.close()
 
 

@@ -14,7 +14,7 @@ The rules kept here:
 - demands are taken before guesses, each in the order they came; a demand for a queued guess moves
   it ahead, and one for an expert being fetched (a guess, a run, a fill) joins that fetch;
 - while demands are being fetched, a guess is held back unless guesses may share the link (they
-  have proven right) or its pass has come, or until GUESS_HOLD_MAX_S; a demand that comes
+  have proven right) or its pass did not want it, or until GUESS_HOLD_MAX_S; a demand that comes
   meanwhile gets the worker;
 - a guess its pass did not want gives its link up (`stale`) unless a demand came for it, which it
   is then fetched to the end for;
@@ -316,9 +316,10 @@ class Flights:
             return None
 
     def _hold(self, rec: Flight, may_share: Callable[[], bool] | None) -> float:
-        """Seconds the guess `rec` is to wait yet (0: it starts). One whose pass has come is not
-        held: a demand comes for it at once, or it gives up as soon as it starts."""
-        if rec.guess is not Guess.PENDING or not self._tally.demands_fetching or _shares(may_share):
+        """Seconds the guess `rec` is to wait yet (0: it starts). One its pass did not want is not
+        held: it gives up as soon as it starts (a wanted one waits for its demand to move it ahead,
+        so that it is fetched at a demand's priority)."""
+        if rec.guess is Guess.WASTED or not self._tally.demands_fetching or _shares(may_share):
             return 0.0
         now = time.monotonic()
         if rec.held_since is None:
