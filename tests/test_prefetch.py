@@ -22,7 +22,6 @@ from expertmesh.node.store.flights import Flights
 from expertmesh.node.store.prefetch import MIN_JUDGED, PREFETCH_WINDOW, Prefetcher
 from expertmesh.node.store.stats import StoreStats
 from expertmesh.node.store.tier_chain import Fetched
-from expertmesh.node.store.tiers.ram import RamCache
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
@@ -177,6 +176,16 @@ def test_a_peers_call_for_a_layer_leaves_this_nodes_guesses_for_it_alone(home: P
         sm.close()
 
 
+class _EmptyRam:
+    """The RAM tier as the prefetcher sees it: room for a few experts, none held yet."""
+
+    def slots(self, expert_bytes: int) -> int:
+        return 8
+
+    def __contains__(self, key) -> bool:
+        return False
+
+
 def test_a_right_guess_keeps_its_link_between_its_pass_and_its_demand() -> None:
     """A pass judges its guesses first and asks for its experts right after. A guess still in
     flight that the pass wants must not give its link up in between (a demand has not joined it
@@ -194,7 +203,7 @@ def test_a_right_guess_keeps_its_link_between_its_pass_and_its_demand() -> None:
         return Fetched(weights=None, source="hub", seconds=0.0)
 
     flights = Flights()
-    prefetcher = Prefetcher(flights, RamCache(1 << 20), StoreStats(), workers=2)
+    prefetcher = Prefetcher(flights, _EmptyRam(), StoreStats(), workers=2)
     q = FetchQueue(flights, fetch, lambda keys, ctx=DEMAND: [fetch(k) for k in keys], 2, may_share=prefetcher.proven)
     q.start()
     try:
