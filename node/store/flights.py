@@ -321,10 +321,12 @@ class Flights:
         so that it is fetched at a demand's priority)."""
         if rec.guess is Guess.WASTED or not self._tally.demands_fetching or _shares(may_share):
             return 0.0
-        now = time.monotonic()
+        now = held_since = time.monotonic()
         if rec.held_since is None:
             self._set(rec, state=State.HELD, held_since=now)
-        return max(0.0, rec.held_since + GUESS_HOLD_MAX_S - now)
+        else:
+            held_since = rec.held_since
+        return max(0.0, held_since + GUESS_HOLD_MAX_S - now)
 
     def fetched(self, key: ExpertKey, fetched: Fetched | None, error: BaseException | None) -> bool:
         """`key`'s fetch by a worker ended. False when it is to be fetched again, for a demand that
