@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent import futures
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -186,7 +186,7 @@ class Coordinator:
         self._forget_departed()
         return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
 
-    def generate(self, ask: Ask, usage: dict, cancel: Cancellation | None = None) -> Iterator[str | Finish]:
+    def generate(self, ask: Ask, usage: dict, cancel: Cancellation | None = None) -> Generator[str | Finish]:
         """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive.
 
         Raises QueueFull when too many requests wait already, ApiError when no node can answer.

@@ -44,7 +44,7 @@ import logging
 import socket
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import urlsplit
@@ -112,7 +112,7 @@ def _phrase(status: int) -> str:
         return ""
 
 
-def _raw_response(status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> bytes:
+def _raw_response(status: int, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> bytes:
     """A whole response that closes the connection, written without h11: for refusals made
     where h11 cannot send (before a request head, or after a protocol error)."""
     lines = [f"HTTP/1.1 {status} {_phrase(status)}", "Server: expertmesh"]
@@ -179,7 +179,7 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.limits = server.limits
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before any other call
         self.task: asyncio.Task | None = None
         self.client = "?"
         self.local_address = ""
@@ -195,7 +195,8 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a stream server's connections are
         self.transport = transport
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
@@ -407,7 +408,7 @@ class _Connection(asyncio.Protocol):
             else:
                 raise ClientGone
 
-    async def send(self, event: object) -> None:
+    async def send(self, event: h11.Event) -> None:
         if self.lost:
             raise ClientGone
         data = self.h11.send(event)
@@ -423,7 +424,7 @@ class _Connection(asyncio.Protocol):
             if self.lost:
                 raise ClientGone
 
-    def refuse(self, status: int, message: str, headers: list[tuple[str, str]] = (), record: bool = True) -> None:
+    def refuse(self, status: int, message: str, headers: Sequence[tuple[str, str]] = (), record: bool = True) -> None:
         """Answer an error outside h11 and close the connection (the answer is flushed first)."""
         if record:
             self.server.record("", status)

@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ class NodePool:
         seen.update(dict.fromkeys(self.discovered()))
         return list(seen)
 
-    def ranked(self, exclude: set[str] = frozenset()) -> list[str]:
+    def ranked(self, exclude: AbstractSet[str] = frozenset()) -> list[str]:
         """Full nodes, least busy first, those that failed within `failed_last_s` last; ties keep
         the configured order (stable)."""
         with self._lock:

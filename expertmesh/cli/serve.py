@@ -145,9 +145,8 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with node:
-        print(
-            f"{node.role} node {node.node_id} serving {node.repo_id} @ {node.commit[:12]} on {args.host}:{node.rpc.port}"
-        )
+        port = node.rpc.port if node.rpc is not None else args.port  # serve always makes its gRPC server
+        print(f"{node.role} node {node.node_id} serving {node.repo_id} @ {node.commit[:12]} on {args.host}:{port}")
         if node.metrics_server is not None:
             print(f"metrics on {node.metrics_server.url}", file=sys.stderr)
         if node.discovery is not None:

@@ -98,6 +98,10 @@ class Recipe:
         return json.loads(self.text)
 
 
+# An expert's upstream bytes, its ranges concatenated: what the tiers move, check and keep.
+ExpertBytes = bytes | bytearray | memoryview
+
+
 @dataclass
 class ExpertLocation:
     layer: int
@@ -390,6 +394,8 @@ class _Plan:
 
 def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> _Plan:
     """Which tensors are core and which feed each expert, from mlx-lm's sanitize traced."""
+    # imported when an index is built, not when one is read: mlx-lm takes about a second to import,
+    # and `status`, `ls` and the cache peer read indexes without ever computing
     from expertmesh.node.model import expert_trace, mlx_lm_models
 
     model_type = config.get("model_type")
@@ -469,16 +475,16 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
                 f"{repo_id}: layer {layer}: expert parameters disagree on the number of experts"
             )
         (n,) = counts
-        for e in range(n):
+        for expert in range(n):
             try:
-                selected = {rel: expert_trace.select(v, 0, e) for rel, v in targets.items()}
+                selected = {rel: expert_trace.select(v, 0, expert) for rel, v in targets.items()}
                 inputs, text = expert_trace.encode_expert(selected)
             except expert_trace.Unaddressable as err:
                 raise UnsupportedModelError(cannot.format(err)) from None
             for name, row in inputs:
                 if row is None:
                     shared_inputs[name] = shared_inputs.get(name, 0) + 1
-            experts[(layer, e)] = (inputs, text)
+            experts[(layer, expert)] = (inputs, text)
     for name, uses in shared_inputs.items():
         dtype, shape = tensors[name]
         if uses > 1 and DTYPE_BYTES[dtype] * _count(shape) > SHARED_INPUT_MAX_BYTES:
@@ -507,7 +513,7 @@ def _core_needs_expert_standins(
     True here when that makes the same core as the whole checkpoint does, a refusal with the
     reason when even that does not.
     """
-    from expertmesh.node.model import expert_trace
+    from expertmesh.node.model import expert_trace  # imported when needed, as in `_plan`
 
     def differ(made: dict) -> list[str]:
         def core_keys(d: dict) -> set[str]:
@@ -542,7 +548,7 @@ def _core_needs_expert_standins(
 def streamed_prefixes(blocks: dict[str, str]) -> tuple[str, ...]:
     """The parameter-name prefixes of what streams: each block's projections (`path.gate_proj.`...),
     not its other parameters. `blocks`: path -> `SwitchGLU` or `SwitchMLP`."""
-    from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS
+    from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS  # imported when needed, as in `_plan`
 
     return tuple(f"{p}.{proj}." for p, kind in blocks.items() for proj in BLOCK_PROJECTIONS[kind])
 
@@ -553,9 +559,9 @@ def _numbers(path: str) -> list[int]:
 
 
 def _parameter_names(model: Any) -> set[str]:
-    from mlx.utils import tree_flatten
+    from expertmesh.node.model import mlx_lm_models  # imported when needed, as in `_plan`
 
-    return {k for k, _ in tree_flatten(model.parameters())}
+    return set(mlx_lm_models.flat_parameters(model))
 
 
 def _count(shape: tuple[int, ...]) -> int:

@@ -60,6 +60,8 @@ from pathlib import Path
 
 import xxhash
 
+from expertmesh.node.model.expert_index import ExpertBytes
+
 logger = logging.getLogger(__name__)
 
 DIGESTS_FILENAME = "digests.tsv"
@@ -68,12 +70,12 @@ _DISK_REFUSES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 LOCK_SUFFIX = ".lock"
 
 
-def sha256(blob: bytes | bytearray | memoryview) -> str:
+def sha256(blob: ExpertBytes) -> str:
     """hashlib releases the interpreter lock on large buffers, so fetch threads hash in parallel."""
     return hashlib.sha256(blob).hexdigest()
 
 
-def fast_digest(blob: bytes | bytearray | memoryview) -> str:
+def fast_digest(blob: ExpertBytes) -> str:
     """The xxh3_128 of `blob`: the check of a copy read back from the local disk (see the module's docstring)."""
     return xxhash.xxh3_128(blob).hexdigest()
 
@@ -255,7 +257,7 @@ class DigestBook:
             self._learn_fast(key, digest, fast_digest(blob))
         return True
 
-    def check_local(self, key: tuple[int, int], blob) -> bool:
+    def check_local(self, key: tuple[int, int], blob: ExpertBytes) -> bool:
         """Whether `blob`, read back from this machine's disk, is the copy of `key` that was written:
         its xxh3_128 equal to the recorded one. An expert recorded without one (an older book) is
         checked by its sha256 once, and its xxh3_128 recorded then. No record: unverifiable, False."""

@@ -26,7 +26,7 @@ from concurrent.futures import Future, wait
 from expertmesh.node import constants
 from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.fetching import DEMAND, Deadline, FetchContext
-from expertmesh.node.model.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
+from expertmesh.node.model.expert_index import ByteRange, ExpertBytes, ExpertIndex, ExpertLocation, run_ranges
 from expertmesh.node.store.buffers import expert_buffer, shared_pool
 from expertmesh.node.store.priority import PriorityPool
 
@@ -131,7 +131,7 @@ class HubSource:
         """The largest run worth one request: beyond it, pieces on separate connections pay more."""
         return self.pieces_per_expert * self.min_piece_bytes
 
-    def fetch_run(self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND) -> list[bytes | bytearray | memoryview]:
+    def fetch_run(self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND) -> list[ExpertBytes]:
         """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges into
         one buffer; an expert of one range is a view of it, not a copy.
 
