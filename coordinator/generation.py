@@ -7,7 +7,7 @@ first fails before its first token. Stop sequences are applied here, on the stre
 the node's generation is cancelled at the stop. A `Cancellation` lets another thread stop a
 generation at any moment: the HTTP server cancels when its client goes away, and cancelling the
 node's Generate call (a gRPC stream) makes the node stop within a token, instead of generating for
-nobody (issue 22).
+nobody.
 
 An answer is finished only by the node's GenerationDone with a reason it finishes for (eos,
 length, context). A stream that ends without one, one the node cancelled, or one whose node died

@@ -1,10 +1,9 @@
 """The API's HTTP/1.1 server: one asyncio event loop for every connection, h11 for the protocol.
 
-Why not the standard library's ThreadingHTTPServer, as before: a thread per connection and no
-limit at all. Issue 22 found 2,027 idle connections exhausting the node's file descriptors (then
-gRPC clients got UNAVAILABLE), `Content-Length: -1` skipping the body cap, a short body holding a
-thread forever, chunked bodies parsed as a second request, and 30 simultaneous requests meeting a
-listen backlog of 5 (17 connection resets).
+Why not the standard library's ThreadingHTTPServer: a thread per connection and no limit at all,
+so idle connections exhaust the node's file descriptors (and then its gRPC clients fail), a
+negative `Content-Length` skips the body cap, a short body holds a thread forever, a chunked body
+is parsed as a second request, and a burst of requests meets a listen backlog of 5.
 
 Why asyncio and h11 rather than uvicorn or aiohttp: an idle connection here costs a socket and a
 few kB of memory, no thread. h11 is the HTTP/1.1 state machine uvicorn itself uses: pure

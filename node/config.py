@@ -133,10 +133,9 @@ class SpeculationConfig:
             raise SpeculationError(f"draft length must be in 1..{self.max_draft}, not {self.initial_draft}")
 
 
-# `serve --max-batch`'s default, by benchmarks/bench_batching.py (figures in docs/batching.md): on
-# the project's 2-core CPU machine 4 rows gave 1.5-3x one request's tokens/s (tiny model warm in RAM,
-# demo model warm on disk) with each request near half its speed alone; 8 rows gave about 3.5x with
-# each request below half. A household rarely has more than 4 conversations at once.
+# `serve --max-batch`'s default, chosen by benchmarks/bench_batching.py (figures in docs/batching.md):
+# 4 rows multiply throughput while each request keeps about half its speed alone, more rows slow each
+# request further for little gain, and a household rarely has more than 4 conversations at once.
 DEFAULT_MAX_BATCH = 4
 
 

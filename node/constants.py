@@ -1,8 +1,11 @@
-"""Every environment variable and default of expertmesh, read in one place.
+"""Every environment variable of expertmesh, read in one place, and the defaults that users set
+with flags or that several modules share.
 
 huggingface_hub reads `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` itself (node/hub/client.py
-asks it, at call time); everything of expertmesh's own is here, so the rest of the code never
-touches `os.environ`.
+asks it, at call time); everything of expertmesh's own is read here, so the rest of the code never
+touches `os.environ`. A tuning value that one module alone uses lives in that module, beside the
+code it tunes, stated once; why each default is what it is lives beside it, and the figures that
+chose it in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -77,12 +77,11 @@ class LFUAged:
 
     def _compact(self) -> None:
         """Drop the heap's stale entries. Every hit pushes a fresh entry and leaves the old one
-        to be skipped when it surfaces, and only ageing (every `ageing_period` uses: 64 budgets)
-        used to rebuild the heap, so a node's heap grew by an entry per expert use between ageings
-        (K3 at a 20k-expert budget: ~1.3 M entries, hundreds of MB; with a small model's budget the
-        ageing never came and `serve` grew for ever). Rebuilt when stale entries outnumber live
-        ones, the cost per use stays constant on average, and the order of live entries (hence
-        every eviction) is unchanged."""
+        to be skipped when it surfaces; ageing (every `ageing_period` uses) alone would let the heap
+        grow by an entry per expert use between ageings, without bound where ageing never comes (a
+        small model's budget). Rebuilt when stale entries outnumber live ones, the cost per use
+        stays constant on average, and the order of live entries (hence every eviction) is
+        unchanged."""
         self._heap = [e for e in self._heap if self._resident.get(e[3]) == (e[0], e[1])]
         heapq.heapify(self._heap)
 
