@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import errno
+import functools
 import json
 import os
 import platform
@@ -188,6 +189,14 @@ def _changes(planned: PlannedModel) -> str:
     return ("to hold the core whole: " + ", or ".join(changes)) if changes else ""
 
 
+@functools.cache
+def _k3_sizes():
+    """K3's sizes, computed once per process (its model takes a second to build and probe)."""
+    from expertmesh.node.engine.model_sizes import ModelSizes, kimi_k3_config
+
+    return ModelSizes(kimi_k3_config())
+
+
 @dataclass
 class PlannedModel:
     planner: object  # engine/model_sizes.py's Planner
@@ -216,7 +225,7 @@ def plan_model(
     """
     from expertmesh.node.engine.core_quantization import check_core_format, format_name
     from expertmesh.node.engine.memory import device_memory, mac
-    from expertmesh.node.engine.model_sizes import K3_EXPERT_BYTES, ModelSizes, Planner, kimi_k3_config
+    from expertmesh.node.engine.model_sizes import K3_EXPERT_BYTES, ModelSizes, Planner
     from expertmesh.node.engine.model_thread import model_thread
     from expertmesh.node.engine.streamed_core import file_layout
     from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
@@ -225,7 +234,7 @@ def plan_model(
     device = mac(memory) if memory is not None else device_memory()
     machine = f"a {memory / 1024**3:g} GB Mac" if memory is not None else "this machine"
     if model.lower() in ("k3", "kimi-k3", "moonshotai/kimi-k3"):
-        sizes = ModelSizes(kimi_k3_config())
+        sizes = _k3_sizes()
         layout = model_thread().call(sizes.layout, bits or 16, recipe)
         planner = Planner("moonshotai/Kimi-K3", sizes, device, K3_EXPERT_BYTES, layout, core_bits=bits or 16)
         title, computed = f"K3 on {machine} (computed from its shape, not measured)", True

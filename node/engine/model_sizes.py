@@ -8,7 +8,8 @@ cast to the config's dtype, and the core quantised as `pull --core-bits` would
 (node/engine/core_quantization.py), lazily: its bytes are then a sum of shapes. The context is
 measured the same way: a forward pass of 256 and of 512 tokens is built, not computed, on
 mlx-lm's own prompt cache (`make_prompt_cache`), and each cache's state is read by its shapes —
-KV caches grow per token, linear-attention states and sliding windows do not beyond their size.
+KV caches grow per token (in their `step`s of tokens), linear-attention states and sliding
+windows do not beyond their size.
 So the plan knows what a model needs before a byte of it is downloaded, for this machine or any
 other (`expertmesh doctor --plan`), and `run` plans with the same numbers.
 
@@ -128,9 +129,11 @@ class ModelSizes:
             self._context = self._probe()
         if not self._context:
             return None
-        return int(
-            sum(const + per_token * (min(tokens, cap) if cap else tokens) for const, per_token, cap in self._context)
-        )
+        total = 0.0
+        for const, per_token, cap, step in self._context:
+            n = -(-tokens // step) * step  # a KV cache grows in steps of tokens
+            total += const + per_token * (min(n, cap) if cap else n)
+        return int(total)
 
     def _probe(self) -> tuple:
         from mlx_lm.models.cache import make_prompt_cache
@@ -145,16 +148,16 @@ class ModelSizes:
             for n in PROBE_TOKENS:
                 cache = make_prompt_cache(model)
                 model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
-                sizes.append([(_state_bytes(c), getattr(c, "max_size", None)) for c in cache])
+                sizes.append([(_state_bytes(c), getattr(c, "max_size", None), getattr(c, "step", 1)) for c in cache])
         except Exception as e:  # noqa: BLE001 - an architecture the probe cannot drive: said, not fatal
             logger.warning("the context's memory could not be computed for this model (%s: %s)", type(e).__name__, e)
             return ()
         (a, b) = sizes
         span = PROBE_TOKENS[1] - PROBE_TOKENS[0]
         out = []
-        for (x, cap), (y, _) in zip(a, b):
+        for (x, cap, step), (y, _, _) in zip(a, b):
             per_token = max(0, y - x) / span
-            out.append((x - per_token * PROBE_TOKENS[0], per_token, cap))
+            out.append((x - per_token * PROBE_TOKENS[0], per_token, cap, step if isinstance(step, int) else 1))
         return tuple(out)
 
 
