@@ -98,3 +98,22 @@ def test_a_prompt_beyond_max_context_is_one_clear_line(home: Path, hub: HubServe
     assert "error:" in err and "--max-context" in err and "Traceback" not in err
     assert main([*argv, "--max-context", "64"]) == 0
     assert "context 64" in capsys.readouterr().err  # the plan counted 64 tokens of context
+
+
+def test_run_prints_its_plan_and_what_a_streamed_core_read(home: Path, hub: HubServer, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("EXPERTMESH_HOME", str(home))
+    argv = [
+        "run",
+        REPO_ID,
+        "stream the core",
+        "--no-discovery",
+        "--no-fill",
+        "--max-tokens",
+        "3",
+        "--core-budget",
+        "25%",
+    ]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "memory on this machine: core bf16" in err and "streamed from the SSD within" in err
+    assert "within --core-budget" in err and "core streamed from the SSD:" in err and "a token" in err

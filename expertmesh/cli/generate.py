@@ -111,17 +111,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_plan(node) -> None:
-    """The node's memory plan in one line (and how to hold a streamed core whole), on stderr."""
+    """The node's memory plan in one line and, for a streamed core, the changes that would hold it
+    whole (node/doctor.py's `plan_model`), on stderr."""
+    from expertmesh.node.doctor import plan_model
+
     plan = node.memory
     if plan is None:
         return
-    print(f"memory: {plan.parts()}", file=sys.stderr)
-    if plan.streamed:
-        print(
-            "  the core does not fit beside the context and the buffers: it is read from the SSD every token "
-            "(`expertmesh doctor --plan REPO` says what would hold it whole)",
-            file=sys.stderr,
-        )
+    print(f"memory on this machine: {plan.parts()}", file=sys.stderr)
+    if not plan.streamed:
+        return
+    config = node.config
+    if config.core_budget is not None:
+        print("  the core is read from the SSD every token, within --core-budget", file=sys.stderr)
+        return
+    planned = plan_model(
+        config.home or constants.expertmesh_home(),
+        config.repo_id,
+        revision=node.commit,
+        max_context=config.max_context,
+        ram_budget=config.store.ram_budget,
+    )
+    changes = planned.planner.changes()
+    print(
+        "  the core is read from the SSD every token"
+        + (f"; to hold it whole: {', or '.join(changes)}" if changes else ": no fewer bits would hold it whole here"),
+        file=sys.stderr,
+    )
 
 
 def _linger(server: MetricsServer, seconds: float) -> None:

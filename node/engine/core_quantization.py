@@ -12,9 +12,11 @@ Which layers get which bits, and why:
                          divides its input width: 8.25 bits a weight at 128, so 128 where the
                          width allows and 32 only where nothing wider fits (the latent MoE's
                          32-wide `routed_expert_up_proj`, MLA's `unembed_out`)
-    --core-bits 4        every quantised layer 4-bit in groups of 64 (32 where 64 does not
-                         divide), mlx-lm's default for 4 bits: 4.5 bits a weight; groups of 128
-                         would save 0.25 bit a weight and cost more error than the 8-bit core's
+    --core-bits 4        every quantised layer 4-bit in groups of 64, mlx-lm's default for 4
+                         bits: 4.5 bits a weight; groups of 128 would save 0.25 bit a weight and
+                         cost more error than the 8-bit core's, and a layer 64 does not divide
+                         stays BF16, as in mlx-lm's conversion (4 bits in groups of 32 would add
+                         the error of both)
     --core-quant RECIPE  mlx-lm's recipe (after llama.cpp's Q4_K_M): the output head (`lm_head`)
                          and, in the first and last eighth of the layers and every third layer
                          between, the value projections (`v_proj`, `v_a_proj`, `v_b_proj`) and
@@ -23,9 +25,12 @@ Which layers get which bits, and why:
 What stays in full precision, whatever the bits:
     norms, biases, KDA's decay/conv parameters   not Linear/Embedding layers: not quantised
     the router (`...mlp.gate`, `router`)         a small layer whose scores pick the experts; an
-                                                 error there changes which experts run (mlx-lm's
-                                                 recipes give it 8 bits where the architecture
-                                                 asks; here it keeps the upstream precision)
+                                                 error there changes which experts run. Below 8
+                                                 bits it gets what the architecture's own
+                                                 `quant_predicate` asks of mlx-lm for it (8 bits in
+                                                 groups of 64 for K3 and Qwen3-MoE: the bytes of
+                                                 mlx-lm's conversion), never the low bits; where it
+                                                 asks nothing, and in an 8-bit core, it stays BF16
     what the architecture's `quant_predicate` vetoes (K3's `*res_proj`, read as a vector)
     layers whose input width no group size divides (16-wide KDA `f_b_proj`/`g_b_proj`, MLA's
     `embed_q`): mlx-lm skips them too
@@ -63,6 +68,7 @@ from mlx_lm.models.mla import MultiLinear
 
 from expertmesh.node import constants
 from expertmesh.node.engine import core_replacement
+from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import PullResult, pull
@@ -73,7 +79,7 @@ CORE_BITS = (16, 8, 4)  # 16: the upstream precision (BF16), as pulled
 RECIPES = tuple(QUANT_RECIPES)  # mlx-lm's mixed recipes: mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6
 DEFAULT_RECIPE = "mixed_4_6"
 _GROUP_SIZES = {8: (128, 64, 32)}  # by bits; the widest that divides a layer's input width is used
-_LOW_BIT_GROUP_SIZES = (64, 32)  # mlx-lm's default group for 2-6 bits first
+_LOW_BIT_GROUP_SIZES = (64,)  # mlx-lm's default group for 2-6 bits (a narrower group would add error)
 GROUP_SIZE = 64  # the top-level default written into a config that names no quantisation
 SHARD_BYTES = 1 << 30  # quantised bytes evaluated and written at once
 _ROUTER_NAMES = ("gate", "router")
@@ -165,9 +171,9 @@ def quantize_model(model: nn.Module, bits: int = 8, recipe: str | None = None) -
     path -> bits, kept layer paths).
 
     The architecture's own `quant_predicate` (mlx-lm's, e.g. K3 keeps `*res_proj`, whose weight is
-    read as a vector, not multiplied) can only veto a layer; routers stay unquantised even where
-    mlx-lm would give them 8 bits. A recipe decides each layer's bits (mlx-lm's builder, called
-    on this model), the layer's width its group.
+    read as a vector, not multiplied) vetoes layers, and below 8 bits gives routers the 8 bits it
+    asks for them; otherwise routers stay unquantised. A recipe decides each other layer's bits
+    (mlx-lm's builder, called on this model), the layer's width its group.
 
     Raises:
         CoreBitsError: the recipe cannot be applied to this architecture (mlx-lm's builder refuses it).
@@ -176,7 +182,7 @@ def quantize_model(model: nn.Module, bits: int = 8, recipe: str | None = None) -
     by_recipe = None
     if recipe is not None:
         try:
-            by_recipe = mixed_quant_predicate_builder(recipe, model, GROUP_SIZE)
+            by_recipe = mixed_quant_predicate_builder(recipe, _AsMlxLmBuildsIt(model), GROUP_SIZE)
         except (ValueError, AttributeError, TypeError) as e:
             raise CoreBitsError(
                 f"mlx-lm's recipe {recipe} does not apply to this model ({e}): use --core-bits"
@@ -187,9 +193,15 @@ def quantize_model(model: nn.Module, bits: int = 8, recipe: str | None = None) -
     def predicate(path: str, module: nn.Module) -> bool | dict:
         if not isinstance(module, _LAYERS):
             return False
+        asked = arch_predicate(path, module) if arch_predicate is not None else True
+        if is_router(path) and bits < 8 and isinstance(asked, dict) and asked.get("bits", 0) >= 8:
+            width, group = module.weight.shape[-1], asked.get("group_size", GROUP_SIZE)
+            if hasattr(module, "to_quantized") and width % group == 0:  # what mlx-lm's own conversion gives it
+                done[path] = asked["bits"]
+                return {"group_size": group, "bits": asked["bits"], "mode": asked.get("mode", "affine")}
         layer_bits = by_recipe(path, module)["bits"] if by_recipe is not None else bits
         sizes = group_sizes(layer_bits)
-        ok = quantizable(path, module, sizes) and (arch_predicate is None or arch_predicate(path, module) is not False)
+        ok = quantizable(path, module, sizes) and asked is not False
         if not ok:
             kept.append(path)
             return False
@@ -198,6 +210,24 @@ def quantize_model(model: nn.Module, bits: int = 8, recipe: str | None = None) -
 
     nn.quantize(model, class_predicate=predicate)
     return done, kept
+
+
+class _AsMlxLmBuildsIt:
+    """The model as mlx-lm's recipe builder reads it: its modules and the expert blocks' own
+    projections (`switch_mlp.down_proj`), which mlx-lm builds and `run` swaps for streaming blocks.
+    The builder only looks for where a layer's number sits in a `down_proj` path and counts the
+    layers, so a core without a dense `down_proj` (Qwen3-MoE's) takes a recipe as mlx-lm's model does."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers = model.layers
+
+    def named_modules(self) -> list[tuple[str, nn.Module]]:
+        out = list(self.model.named_modules())
+        for path, m in list(out):
+            if isinstance(m, StreamingExperts):
+                out += [(f"{path}.{p}", m) for p in m.projections]
+        return out
 
 
 def quantize_core(model_dir: Path, bits: int = 8, recipe: str | None = None) -> CoreQuantization:

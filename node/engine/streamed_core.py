@@ -16,9 +16,10 @@ Mac: the core is loaded lazily (MLX reads a tensor only when it is evaluated), a
                 token's first streamed layers.
 
 Reads are shaped like the disk tier's (node/store/disk_reads.py): each tensor is cut into pieces
-read by positional `os.preadv` (which releases the interpreter lock) on a pool of threads, into
-buffers lent by a pool of their own (node/store/buffers.py), and made into MLX arrays there (a
-copy from the buffer, no graph: nothing to evaluate off the MLX thread). The page cache is told
+read at once by positional `os.preadv` (which releases the interpreter lock) on a pool of threads,
+into a buffer lent by a pool of its own (node/store/buffers.py), and made into an MLX array there
+(a copy from the buffer, no graph: nothing to evaluate off the MLX thread). A layer's tensors are
+read one after another, so a layer in flight holds its arrays so far and one tensor's buffer. The page cache is told
 to forget what was read (`posix_fadvise(DONTNEED)`, macOS's `F_NOCACHE`): a core that does not fit
 in memory would only push out what does.
 
@@ -62,7 +63,7 @@ from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.core_quantization import is_router
 from expertmesh.node.engine.memory import CoreLayout, StreamSplit, stream_split
 from expertmesh.node.engine.model_thread import model_thread
-from expertmesh.node.errors import DamagedModelError, UnsupportedModelError, settled
+from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.model import expert_trace, safetensors_format
 from expertmesh.node.model.codec import read_host, to_mx
 from expertmesh.node.model.mlx_lm_models import layer_number
@@ -132,7 +133,9 @@ class StreamedCore:
         self.stats = CoreStreamStats()
         self._fds = [_open(p) for p in files]
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="core-read")
-        self._buffers = BufferPool(max_idle_buffers=2 * threads)
+        # one reader per layer in flight, each one tensor at a time: what memory the reads take is bounded
+        self._layer_pool = ThreadPoolExecutor(1 + split.ahead, thread_name_prefix="core-layer")
+        self._buffers = BufferPool(max_idle_buffers=1 + split.ahead)
         self._held = layout.resident_bytes  # bytes of core arrays this object holds or reads now
         self._lock = threading.Lock()
         self._closed = False
@@ -197,63 +200,30 @@ class StreamedCore:
         layer.future = self.read(layer)
 
     def read(self, layer: _Layer) -> Future:
-        """Read a layer's parameters on the pool; the future's result maps each to its array."""
-        done: Future = Future()
-        out: dict[str, mx.array] = {}
-        remaining = [len(layer.params)]
-        lock = threading.Lock()
-        if not layer.params:
-            done.set_result(out)
-            return done
+        """Read a layer's parameters; the future's result maps each to its array."""
+        return self._layer_pool.submit(self._read_layer, layer)
 
-        def finish(param: _Param, views: list[memoryview] | None, error: BaseException | None) -> None:
-            if error is None:
-                try:
-                    out[param.rel] = self._make(param, views)
-                except Exception as e:  # noqa: BLE001 - handed to the layer's future
-                    error = e
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if error is not None and not done.done():
-                done.set_exception(settled(error))
-            elif last and not done.done():
-                with self.stats.lock:
-                    self.stats.read_bytes += layer.read_bytes
-                    self.stats.layers_read += 1
-                done.set_result(out)
-
+    def _read_layer(self, layer: _Layer) -> dict[str, mx.array]:
+        """One tensor after another, each in pieces read at once on the pool: a layer in flight
+        holds its arrays so far and one tensor's buffer, never a second copy of the layer."""
+        out = {}
         for param in layer.params:
-            self._read_param(param, finish)
-        return done
-
-    def _read_param(self, param: _Param, finish) -> None:
-        views = [self._buffers.lend(t.nbytes) if t.nbytes else memoryview(bytearray(0)) for t in param.inputs]
-        jobs = [(t, v, s, e) for t, v in zip(param.inputs, views) for s, e in pieces(t.nbytes, _fanout(t.nbytes), 4096)]
-        left = [len(jobs)]
-        errors: list[BaseException] = []
-        lock = threading.Lock()
-
-        def one(t: _Tensor, view: memoryview, s: int, e: int) -> None:
-            try:
-                _read_piece(self._fds[t.fd_index], view, t.start, s, e)
-            except BaseException as exc:  # noqa: BLE001 - reported once the param's pieces are done
-                errors.append(exc)
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                finish(param, views, errors[0] if errors else None)
-
-        if not jobs:
-            finish(param, views, None)
-            return
-        for job in jobs:
-            try:
-                self._pool.submit(one, *job)
-            except RuntimeError as exc:  # the pool is shut down: the node is closing
-                errors.append(exc)
-                one(*job[:2], 0, 0)
+            views = [self._buffers.lend(t.nbytes) if t.nbytes else memoryview(bytearray(0)) for t in param.inputs]
+            reads = [
+                self._pool.submit(_read_piece, self._fds[t.fd_index], view, t.start, s, e)
+                for t, view in zip(param.inputs, views)
+                for s, e in pieces(t.nbytes, _fanout(t.nbytes), 4096)
+            ]
+            for r in reads:  # every piece finished before the buffer can go back, even after an error
+                r.exception()
+            for r in reads:
+                r.result()
+            out[param.rel] = self._make(param, views)
+            del views, reads
+        with self.stats.lock:
+            self.stats.read_bytes += layer.read_bytes
+            self.stats.layers_read += 1
+        return out
 
     @staticmethod
     def _make(param: _Param, views: list[memoryview]) -> mx.array:
@@ -285,6 +255,7 @@ class StreamedCore:
         if self._closed:
             return
         self._closed = True
+        self._layer_pool.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for fd in self._fds:
             with contextlib.suppress(OSError):
