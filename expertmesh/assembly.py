@@ -225,17 +225,15 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         raise ExpertmeshError(
             f"the node id {node_id[:80]!r} cannot join a household: use 1 to 64 of the letters, digits, '.', '_' and '-'"
         )
-    marker: dict = {}
     if config.cache_only:
         path = local_models.find_index(home, config.repo_id, config.revision)
     else:
         path = local_models.find_pulled(home, config.repo_id, config.revision)
         finish_replacement(path)  # a quantisation a crash cut short is completed before anything reads the core
-        marker = local_models.read_marker(path)
     index = ExpertIndex.load(path / INDEX_FILENAME)
 
     root = cache_dir(home, config.repo_id, index.commit)
-    memory = None if config.cache_only else plan_node_memory(config, index, marker, path)  # refused before loading
+    memory = None if config.cache_only else plan_node_memory(config, index, home)  # refused before loading
     ram_bytes = memory.ram_tier_bytes if memory is not None else 0
     disk_bytes = disk_budget(config.store, root)
     digests = DigestBook(root / DIGESTS_FILENAME)
@@ -295,47 +293,27 @@ def open_model(
 # -- the parts ------------------------------------------------------------------------------
 
 
-def plan_node_memory(config: NodeConfig, index: ExpertIndex, marker: dict, path: Path) -> MemoryPlan:
+def plan_node_memory(config: NodeConfig, index: ExpertIndex, home: Path) -> MemoryPlan:
     """A full node's memory from this machine (node/engine/memory.py): the core as pulled (held
-    whole, or streamed), the context at `config.max_context`, the RAM tier, the buffers.
+    whole, or streamed), the context at `config.max_context`, the RAM tier, the buffers — the plan
+    `doctor --plan` prints for the same model (node/doctor.py).
 
     Raises:
         CoreTooLargeError: the core does not fit, not even streamed.
         ValueError: a `ram_budget` or `core_budget` that is neither a size nor a percentage.
     """
-    from expertmesh.node.engine.core_quantization import format_name
-    from expertmesh.node.engine.memory import device_memory, plan_memory
-    from expertmesh.node.engine.model_sizes import ModelSizes
-    from expertmesh.node.engine.streamed_core import file_layout
+    from expertmesh.node.doctor import plan_model
 
-    bits = marker.get("core_bits", 16)
-    layout = file_layout(path, format_name(bits, marker.get("core_quant")))
-    sizes = ModelSizes(_read_config(path))
-    context = model_thread().call(sizes.context_bytes, config.max_context)  # a lazy forward pass, built where MLX runs
-    return plan_memory(
-        config.store.ram_budget,
-        device_memory(),
-        core_bytes=layout.core_bytes,
-        expert_bytes=max((loc.nbytes for loc in index.experts.values()), default=0),
-        fetch_workers=config.store.fetch_concurrency,
-        repo_id=config.repo_id,
-        core_bits=bits,
-        layout=layout,
-        context_bytes=context or 0,
+    planned = plan_model(
+        home,
+        config.repo_id,
+        revision=index.commit,
         max_context=config.max_context,
+        ram_budget=config.store.ram_budget,
         core_budget=config.core_budget,
+        fetch_workers=config.store.fetch_concurrency,
     )
-
-
-def _read_config(path: Path) -> dict:
-    import json
-
-    from expertmesh.node.errors import DamagedModelError
-
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise DamagedModelError(f"{path / 'config.json'} cannot be read ({e}): `expertmesh pull` repairs it") from None
+    return planned.planner.plan()
 
 
 def disk_budget(cfg: StoreConfig, cache_root: Path) -> int:

@@ -215,6 +215,7 @@ def plan_model(
     core_quant: str | None = None,
     ram_budget: str = constants.DEFAULT_RAM_BUDGET,
     core_budget: str | None = None,
+    fetch_workers: int = constants.EXPERT_FETCH_CONCURRENCY,
 ) -> PlannedModel:
     """The memory plan of `model` ("k3", or a repo id pulled here) on this machine or on a Mac of
     `memory` bytes, with the core at `core_bits`/`core_quant` (default: as pulled; BF16 for K3).
@@ -253,6 +254,7 @@ def plan_model(
         planner = Planner(model, sizes, device, expert, layout, core_bits=bits or pulled[0], pulled_bits=pulled[0])
         title = f"{model} on {machine}" + (" (its core computed at those bits, not measured)" if computed else "")
     planner.max_context, planner.ram_budget, planner.core_budget = max_context, ram_budget, core_budget
+    planner.fetch_workers = fetch_workers
     model_thread().call(sizes.context_bytes, max_context)  # probed once, where MLX runs
     return PlannedModel(planner, title, computed)
 
