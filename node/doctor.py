@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expertmesh.node import constants
-from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.errors import DamagedModelError, ExpertmeshError
 from expertmesh.node.hub import local_models
 from expertmesh.node.sizes import format_size
 
@@ -222,6 +222,7 @@ def plan_model(
 
     Raises:
         NotPulledError: a repo id that is not pulled here.
+        DamagedModelError: its local files cannot be read (`pull` repairs them).
         CoreBitsError: a bad `core_bits`/`core_quant`.
     """
     from expertmesh.node.engine.core_quantization import check_core_format, format_name
@@ -242,14 +243,19 @@ def plan_model(
     else:
         path = local_models.find_pulled(home, model, revision)
         marker = local_models.read_marker(path)
-        index = ExpertIndex.load(path / INDEX_FILENAME)
-        sizes = ModelSizes(json.loads((path / "config.json").read_text()))
         pulled = (marker.get("core_bits", 16), marker.get("core_quant"))
         computed = bits is not None and (bits, recipe) != pulled
+        try:
+            index = ExpertIndex.load(path / INDEX_FILENAME)
+            sizes = ModelSizes(json.loads((path / "config.json").read_text()))
+            layout = file_layout(path, format_name(*pulled)) if not computed else None
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a cut shard, a garbled config or index
+            raise DamagedModelError(
+                f"the local copy of {model} in {path} is damaged ({type(e).__name__}: {str(e)[:200]}): "
+                f"`expertmesh pull {model}` repairs it"
+            ) from None
         if computed:
             layout = model_thread().call(sizes.layout, bits, recipe)
-        else:
-            layout = file_layout(path, format_name(*pulled))
         expert = max((loc.nbytes for loc in index.experts.values()), default=0)
         planner = Planner(model, sizes, device, expert, layout, core_bits=bits or pulled[0], pulled_bits=pulled[0])
         title = f"{model} on {machine}" + (" (its core computed at those bits, not measured)" if computed else "")
