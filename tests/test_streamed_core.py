@@ -89,6 +89,8 @@ def test_a_budget_that_holds_more_pins_the_first_layers_and_reads_less(homes) ->
     split = core.split
     assert 0 < split.pinned < len(core.layout.layer_bytes)
     assert split.read_bytes_per_token == sum(core.layout.layer_bytes[split.pinned :])  # 4-bit: read as held
+    # the read ahead wraps around to the first streamed layer, never to a pinned one
+    assert core.stats.peak_held_bytes <= max(plan.core_held_bytes, split.held_bytes)
     assert (
         summary.core_read_bytes
         <= (2 + TOKENS) * split.read_bytes_per_token

@@ -139,7 +139,9 @@ class StreamedCore:
         self._held = layout.resident_bytes  # bytes of core arrays this object holds or reads now
         self._lock = threading.Lock()
         self._closed = False
-        self._streamed = [n for n in order if not layers[n].pinned]
+        for n in order[: split.pinned]:  # read once by `stream_core`, kept for good
+            layers[n].pinned = True
+        self._streamed = order[split.pinned :]  # read ahead of each other, wrapping past the pinned ones
 
     # -- on the MLX thread, around each streamed layer's call ------------------------------------
 
@@ -468,7 +470,6 @@ def stream_core(
     core = StreamedCore(layers, order, files, layout, split, budget_bytes)
     for n in order[: split.pinned]:  # read once, kept for good
         lay = layers[n]
-        lay.pinned = True
         arrays = core.read(lay).result()
         lay.module.update(tree_unflatten(list(core.install(lay, arrays).items())))
         mx.eval(lay.module.parameters())
