@@ -163,3 +163,10 @@ class NodeConfig:
     # Generate calls decoded together in one batch (node/engine/batching.py); 1: one at a time, as
     # before batching. A call speculates only while it runs alone. `serve` defaults to DEFAULT_MAX_BATCH.
     max_batch: int = 1
+    # tokens a conversation may hold (`--max-context`): the KV cache / linear-attention state the
+    # memory plan counts, and the limit generation enforces; at most the model's own context
+    max_context: int = constants.DEFAULT_MAX_CONTEXT
+    # the core's memory (`--core-budget`: a size, or a % of the core): below the core's size it is
+    # streamed from the SSD within it (node/engine/streamed_core.py); None: held whole where it
+    # fits, else streamed within what the plan leaves it
+    core_budget: str | None = None

@@ -73,6 +73,9 @@ EXPERT_FETCH_CONCURRENCY = 8
 DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
 DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
+# tokens a conversation may hold unless `--max-context` says otherwise: the memory plan counts its KV
+# cache / linear-attention state, and a model's own maximum (a million tokens for K3) would not fit a Mac
+DEFAULT_MAX_CONTEXT = 32768
 
 # `expertmesh bench`: emulated link seconds per K3 second; below 0.1 the emulated Hub's own CPU,
 # not the link, bounds the bench on 2 cores (docs/benchmarks.md, benchmarks/bench_time_scale.py).

@@ -15,7 +15,9 @@ from expertmesh.assembly import open_model
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
+from expertmesh.node.doctor import plan_model
 from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.engine.memory import DeviceMemory
 from expertmesh.node.household.discovery import Advertisement, Discovery
 from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.hub import client as hub_client
@@ -291,11 +293,20 @@ def test_doctor_fails_on_a_taken_port_and_an_unreachable_hub(home: Path, hub: Hu
     assert lines["clock"].startswith("warn")
 
 
-def test_doctor_fails_when_the_core_does_not_fit_the_memory(home: Path, hub: HubServer, capsys, monkeypatch) -> None:
-    monkeypatch.setattr("expertmesh.node.doctor.physical_memory", lambda: 100_000)
-    assert main(_doctor("--no-discovery")) == 1
-    line = _lines(capsys.readouterr().out)["memory"]
-    assert line.startswith("fail") and REPO_ID in line and "--core-bits 8" in line
+def test_doctor_warns_of_a_streamed_core_and_fails_one_that_cannot_stream(
+    home: Path, hub: HubServer, capsys, monkeypatch
+) -> None:
+    big = max((m for m in local_models.pulled_models(home) if m.state == "complete"), key=lambda m: m.core_bytes)
+    plan = plan_model(home, big.repo_id).planner.plan()  # this machine: the core fits whole
+    assert plan.fits
+    fixed = plan.context_bytes + plan.in_flight_bytes  # what comes before the core
+    for room, status, words in ((plan.core_bytes // 2, "warn", "streamed"), (1000, "fail", "even streamed")):
+        machine = DeviceMemory(10 * (fixed + room), fixed + room)
+        monkeypatch.setattr("expertmesh.node.engine.memory.device_memory", lambda m=machine: m)
+        assert main(_doctor("--no-discovery")) == (1 if status == "fail" else 0)
+        line = _lines(capsys.readouterr().out)["memory"]
+        assert line.startswith(status) and big.repo_id in line and words in line, line
+    assert "to hold the core whole" in line and "--max-context" in line  # the change that makes it fit
 
 
 def test_doctor_sees_the_household(home: Path, hub: HubServer, capsys, monkeypatch) -> None:

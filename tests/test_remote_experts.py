@@ -24,9 +24,11 @@ from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.devtools.tiny import ARCHS
 from expertmesh.node.config import RemoteConfig, StoreConfig
+from expertmesh.node.engine.core_quantization import quantize_core
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
+from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata, node_method
@@ -362,3 +364,34 @@ def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Pa
         with build_node(node_config(args)) as node:
             assert all(p.compute for p in node.peers.all())  # Info said so
             assert all((b._remote is not None) == bound for b in node.model.blocks), flag
+
+
+def test_nodes_with_different_core_bits_serve_each_others_experts(hub: HubServer, oracle, tmp_path: Path) -> None:
+    """A peer that runs a 4-bit core (`pull --core-bits 4`) holds the same expert bytes as one that
+    runs the BF16 core: a BF16 node fetches them from it, or has it compute them (ComputeExperts),
+    and generates exactly its single-node tokens (mlx-lm's, on the BF16 core)."""
+    repo = "expertmesh/tiny-kimi_k3"
+    pull(repo, home=tmp_path / "peer", progress=False)
+    quantize_core(local_models.find_pulled(tmp_path / "peer", repo), 4)
+    lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))
+    peer = serving(repo, tmp_path / "peer", SECRET, node_id="peer-q4", interceptors=[lan])
+    try:
+        assert peer.model.core_bits == 4
+        _generate(peer)  # its own tokens (another core's): the experts they route to land on its disk
+        loc = next(iter(peer.index.experts.values()))
+        lan.lan = k3_lan(loc.nbytes, peer.model.blocks[0].input_width * 4, TIME_SCALE)
+        pull(repo, home=tmp_path / "me", progress=False)
+        expected = oracle.tokens("kimi_k3", PROMPT, TOKENS)
+        store = StoreConfig(prefetch=False, disk_budget="0", ram_budget="0")
+        for remote, source in ((None, "peer"), (RemoteConfig(deadline_floor_s=0.5), "remote")):
+            me = joined(repo, tmp_path / "me", SECRET, [peer.rpc.address], node_id=f"me-{source}", store=store,
+                        remote=remote)  # fmt: skip
+            try:
+                assert me.model.core_bits == 16
+                before = me.store.stats.snapshot()
+                assert _generate(me) == expected, f"experts by {source}"
+                assert me.store.stats.since(before).uses[source] > 0
+            finally:
+                me.close()
+    finally:
+        peer.close()

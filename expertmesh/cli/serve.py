@@ -73,6 +73,7 @@ def add_commands(sub) -> None:
     )
     arguments.add_metrics_arguments(p, default=0)
     arguments.add_store_arguments(p)
+    arguments.add_memory_arguments(p)
     arguments.add_peer_arguments(p)
     arguments.add_speculation_arguments(p)
     arguments.add_batch_arguments(p)
@@ -113,6 +114,8 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         api=api,
         speculation=arguments.speculation(args) if not args.cache_only else None,
         max_batch=arguments.max_batch(args),
+        max_context=args.max_context,
+        core_budget=args.core_budget,
     )
 
 

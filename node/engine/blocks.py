@@ -304,12 +304,14 @@ def core_standins(index, core_bits: int) -> dict[str, tuple[str, tuple[int, ...]
 
 
 def load_core_model(
-    model_dir: Path, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    model_dir: Path, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None, lazy: bool = False
 ) -> tuple[nn.Module, dict, list[StreamingExperts]]:
     """mlx-lm's model of a pulled repo with the core in memory and streaming expert blocks.
 
     `expert_standins` (name -> safetensors dtype, shape) is given for a core still in its upstream
     form whose architecture's sanitize needs to see the experts (`ExpertIndex.sanitize_with_experts`).
+    `lazy` leaves the core's parameters unevaluated: MLX reads each from its file when it is
+    first evaluated (quantising shard by shard, a core streamed layer by layer).
 
     Raises:
         UnsupportedModelError: mlx-lm has no such architecture, or it has no SwitchGLU or SwitchMLP experts.
@@ -317,7 +319,7 @@ def load_core_model(
     try:
         model, config = load_model(
             Path(model_dir),
-            lazy=False,
+            lazy=lazy,
             strict=True,
             get_model_classes=functools.partial(_streaming_classes, expert_standins=expert_standins),
         )

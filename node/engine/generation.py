@@ -119,6 +119,12 @@ class GenerationSummary:
     # a batched request's own expert uses, counted as its passes run (engine/batching.py), so
     # Generate can tell each token's uses apart from its batch's; None: the node's counters are its
     routed: StoreStats | None = None
+    core_read_bytes: int = 0  # core bytes read from the SSD by this generation (a streamed core)
+
+    @property
+    def core_read_bytes_per_token(self) -> float:
+        """Core bytes read per forward pass that made a token: what a streamed core costs a token."""
+        return self.core_read_bytes / max(1, self.generated_tokens)
 
     @property
     def decode_seconds(self) -> float:
@@ -168,9 +174,21 @@ class GenerationSummary:
                 f"{format_size(rc['received_bytes'])} received; "
                 f"fetched here instead: {fell or 'none'}"
             )
+        if self.core_read_bytes:
+            out.append(
+                f"core streamed from the SSD: {format_size(self.core_read_bytes)} read, "
+                f"{format_size(self.core_read_bytes_per_token)} a token"
+            )
         if self.speculation is not None:
             out.append(self.speculation.line())
         return out
+
+
+def _context_source(sm: StreamedModel) -> str:
+    """Where the context limit comes from, when it is `--max-context` rather than the model's own."""
+    if sm.context_limit is not None and (sm.model_context is None or sm.context_limit < sm.model_context):
+        return " (--max-context; its memory is what the plan counted)"
+    return ""
 
 
 class _TokenBook:
@@ -410,7 +428,7 @@ class Generator:
         if limit is not None and len(self.history) + len(tokens) >= limit:
             raise ContextLengthError(
                 f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
-                f"context is {limit}: it leaves no room for an answer; shorten it"
+                f"context is {limit}{_context_source(self.sm)}: it leaves no room for an answer; shorten it"
             )
         summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
@@ -420,6 +438,7 @@ class Generator:
         detok = self.sm.tokenizer.detokenizer
         detok.reset()
         before = self.sm.store.stats.snapshot()
+        core_before = self.sm.core_read_bytes()
         t0 = time.perf_counter()
         if self.observer is not None:
             self.observer.prompt(len(tokens))
@@ -442,4 +461,5 @@ class Generator:
         finally:
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
+            summary.core_read_bytes = self.sm.core_read_bytes() - core_before
             observe_request(self.observer, summary.seconds)

@@ -57,7 +57,8 @@ class PullResult:
     seconds: float
     retries: int
     already_complete: bool = False
-    core_bits: int = 16  # 8: the core was stored as MLX 8-bit weights (node/engine/core_quantization.py)
+    core_bits: int = 16  # 8, 4...: the core was stored as MLX quantised weights (node/engine/core_quantization.py)
+    core_quant: str | None = None  # mlx-lm's mixed recipe it was quantised with (core_bits: its low bits)
     # the bits of a quantised core this pull found damaged and pulled anew in BF16: its caller
     # quantises it again (node/engine/core_quantization.py, `pull_with_core_bits`)
     repaired_core_bits: int | None = None

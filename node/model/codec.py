@@ -132,7 +132,8 @@ _Host = tuple[np.ndarray, mx.Dtype]
 _MX_DTYPES = {**SAFETENSORS_DTYPES, "F64": mx.float32}
 
 
-def _read(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> _Host:
+def read_host(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> _Host:
+    """A tensor's bytes in `blob` as host values (BF16 widened to float32) and the MLX dtype they become."""
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is None:
         raise UnsupportedModelError(f"expert tensors of dtype {dtype} are not supported yet")
@@ -161,7 +162,7 @@ def _cast(t: _Host, dtype: mx.Dtype) -> _Host:
     return t[0].astype(np.float32), mx.float32
 
 
-def _to_mx(t: _Host | None) -> mx.array | None:
+def to_mx(t: _Host | None) -> mx.array | None:
     """The MLX array of `t`, made from its buffer: no graph, nothing to evaluate."""
     if t is None:
         return None
@@ -237,7 +238,7 @@ class ExpertCodec:
     def _from_recipe(self, loc: ExpertLocation, view: memoryview) -> dict[str, dict[str, _Host]]:
         offsets = loc.blob_offsets()
         inputs = [
-            _read(view, offsets[i], loc.tensors[i].nbytes, loc.tensors[i].dtype, loc.tensors[i].shape)
+            read_host(view, offsets[i], loc.tensors[i].nbytes, loc.tensors[i].dtype, loc.tensors[i].shape)
             for i in loc.recipe.inputs
         ]
         by_proj: dict[str, dict[str, _Host]] = {}
@@ -254,7 +255,7 @@ class ExpertCodec:
             if proj not in PROJECTION_ALIASES:
                 raise UnsupportedModelError(f"expert tensor {t.name}: unknown projection {proj!r}")
             offset, nbytes = offsets[t.name]
-            by_proj.setdefault(PROJECTION_ALIASES[proj], {})[kind] = _read(view, offset, nbytes, t.dtype, t.shape)
+            by_proj.setdefault(PROJECTION_ALIASES[proj], {})[kind] = read_host(view, offset, nbytes, t.dtype, t.shape)
         return by_proj
 
     def _projection(self, layer: int, proj: str, t: dict[str, _Host]) -> ProjectionWeights:
@@ -263,17 +264,17 @@ class ExpertCodec:
             weight, scales = _as_uint32(t["weight_packed"]), t["weight_scale"]
             biases = _zero_point_biases(scales) if "weight_shape" in t else None  # int4 symmetric: zero point 8
             quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
-            return ProjectionWeights(_to_mx(weight), _to_mx(scales), _to_mx(biases), _to_mx(bias), quant)
+            return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
         if "scales" in t:  # MLX-quantized
             weight, scales, biases = t["weight"], t["scales"], t.get("biases")
             quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
-            return ProjectionWeights(_to_mx(weight), _to_mx(scales), _to_mx(biases), _to_mx(bias), quant)
+            return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
         if "weight" in t:
             weight = t["weight"]
             if self.dense_dtype is not None and weight[1] != self.dense_dtype:
                 weight = _cast(weight, self.dense_dtype)
                 bias = _cast(bias, self.dense_dtype) if bias is not None else None
-            return ProjectionWeights(_to_mx(weight), bias=_to_mx(bias))
+            return ProjectionWeights(to_mx(weight), bias=to_mx(bias))
         raise UnsupportedModelError(f"layer {layer} {proj}: unknown expert encoding {sorted(t)}")
 
     def _quant(

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from expertmesh.node.store.stats import PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES, StoreStats
 
 if TYPE_CHECKING:
+    from expertmesh.node.engine.streamed_core import StreamedCore
     from expertmesh.node.household.membership import PeerTable
     from expertmesh.node.hub.client import RangeReader
     from expertmesh.node.store.tiers.disk import DiskCache
@@ -101,6 +102,7 @@ class MetricsSources:
         stats: the store's `StoreStats` (uses, bytes, integrity failures, prefetch outcomes).
         ram: the `RamCache`; disk: the `DiskCache`; peers: the `PeerTable` the node follows.
         hub_readers: the Hub `RangeReader`s (their `retries`).
+        core: a streamed core (node/engine/streamed_core.py's StreamedCore), whose reads are counted.
     """
 
     stats: StoreStats | None = None
@@ -108,6 +110,7 @@ class MetricsSources:
     disk: DiskCache | None = None
     peers: PeerTable | None = None
     hub_readers: list[RangeReader] = field(default_factory=list)
+    core: StreamedCore | None = None
 
 
 class _StateCollector(Collector):
@@ -275,6 +278,25 @@ class _StateCollector(Collector):
         for reason, n in hub.items():
             hub_errors.add_metric([reason], n)
         yield hub_errors
+
+        if src.core is not None:
+            core = src.core.stats
+            yield CounterMetricFamily(
+                PREFIX + "core_read_bytes",
+                "Bytes of a streamed core read from the local SSD (a core larger than the memory plan allows "
+                "is read layer by layer every token; divide by tokens_generated_total for bytes per token).",
+                value=core.read_bytes,
+            )
+            yield CounterMetricFamily(
+                PREFIX + "core_read_wait_seconds",
+                "Seconds the model waited for a streamed core's layers to be read (what the reads ahead did not hide).",
+                value=core.wait_s,
+            )
+            yield GaugeMetricFamily(
+                PREFIX + "core_held_bytes",
+                "Bytes of a streamed core in memory now: what it keeps, its pinned layers, and the layers in flight.",
+                value=src.core.held_bytes,
+            )
 
 
 class NodeMetrics:
