@@ -23,7 +23,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import httpx2
 from huggingface_hub import HfApi, hf_hub_download, hf_hub_url
@@ -475,53 +475,16 @@ class RangeReader:
         asked_at: float,
         ctx: FetchContext,
     ) -> tuple[bytearray | memoryview, int | None]:
-        """The body of a strict 206 into `out`; raises `_Retryable` for anything else worth another
-        try: a wrong or short answer, or one that arrives too slowly (`_too_slow`)."""
+        """The body of a strict 206 into `out`, and the file's size; raises `_Retryable` for
+        anything else worth another try: a wrong or short answer, or one that arrives too slowly."""
+        if r.status_code != 206:
+            self._refuse(r, remote, start, end, is_cdn)
+        want, size = _checked_range(r, start, end)
+        return self._stream_body(r, remote, start, end, want, out, asked_at, ctx), size
+
+    def _refuse(self, r: httpx2.Response, remote: RemoteFile, start: int, end: int, is_cdn: bool) -> NoReturn:
+        """What an answer other than a 206 means: another try (`_Retryable`), or an error to raise."""
         status = r.status_code
-        if status == 206:
-            m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))
-            if not m:
-                raise _Retryable("206 without a valid Content-Range")
-            got_start, got_end, total = int(m.group(1)), int(m.group(2)) + 1, m.group(3)
-            expected_end = end if total == "*" else min(end, int(total))
-            if got_start != start or got_end != expected_end:
-                raise _Retryable(f"asked for bytes {start}-{end - 1}, got {got_start}-{got_end - 1}")
-            length = r.headers.get("content-length")
-            if length is not None and int(length) != got_end - got_start:
-                raise _Retryable("Content-Length disagrees with Content-Range")
-            want = got_end - got_start
-            # Without `out`, the buffer grows with the bytes that arrive: a Content-Range is only a
-            # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
-            grown = bytearray() if out is None else None
-            body, n = (None if out is None else out[:want]), 0
-            deadline = ctx.deadline
-            window_start, window_n = asked_at, 0  # the first window counts the wait for the first byte, as curl's
-            for chunk in r.iter_bytes():
-                if self._cancelled.is_set():
-                    raise DownloadError(f"{remote}: cancelled")
-                if want - n >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
-                    raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
-                if n + len(chunk) > want:
-                    raise _Retryable("more bytes than the range")
-                if grown is not None:
-                    grown += chunk
-                else:
-                    body[n : n + len(chunk)] = chunk
-                n += len(chunk)
-                if n == want:
-                    continue  # complete: the stream ends next, and its connection goes back to the pool
-                if deadline is not None and deadline.passed():
-                    raise _Retryable(f"{n} of {want} bytes had come when the time was up", cut_short=True)
-                now = time.monotonic()
-                if now - window_start >= self.speed_window_s:
-                    self._too_slow(n - window_n, now - window_start)
-                    window_start, window_n = now, n
-            if n != want:
-                raise _Retryable(f"connection ended after {n} of {want} bytes")
-            size = None if total == "*" else int(total)
-            if grown is not None:
-                return grown, size
-            return (body.obj if len(body.obj) == want else body), size
         if status == 200:
             # The server ignored Range: never read (let alone store) a whole shard.
             raise _Retryable("the server ignored the Range header (200 instead of 206)")
@@ -540,6 +503,84 @@ class RangeReader:
         if status in _RETRY_STATUS:
             raise _Retryable(f"HTTP {status}", wait_s=_retry_after(r.headers.get("retry-after")))
         raise DownloadError(f"{remote}: unexpected HTTP {status}")
+
+    def _stream_body(
+        self,
+        r: httpx2.Response,
+        remote: RemoteFile,
+        start: int,
+        end: int,
+        want: int,
+        out: memoryview | None,
+        asked_at: float,
+        ctx: FetchContext,
+    ) -> bytearray | memoryview:
+        """Exactly `want` bytes of `r`'s body, into `out` (or a buffer that grows as they come).
+
+        Between chunks: a cancelled reader stops, a read that may give its link up does so
+        (`Abandoned`), the fetch's deadline ends the attempt, and a window below the speed floor
+        gives the connection up (`_too_slow`)."""
+        # Without `out`, the buffer grows with the bytes that arrive: a Content-Range is only a
+        # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
+        grown = bytearray() if out is None else None
+        body, n = (None if out is None else out[:want]), 0
+        # the first window counts the wait for the first byte, as curl's
+        speed = _SpeedWindow(asked_at, self.speed_window_s, self._too_slow)
+        for chunk in r.iter_bytes():
+            if self._cancelled.is_set():
+                raise DownloadError(f"{remote}: cancelled")
+            if want - n >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
+                raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
+            if n + len(chunk) > want:
+                raise _Retryable("more bytes than the range")
+            if grown is not None:
+                grown += chunk
+            else:
+                body[n : n + len(chunk)] = chunk
+            n += len(chunk)
+            if n == want:
+                continue  # complete: the stream ends next, and its connection goes back to the pool
+            if ctx.deadline is not None and ctx.deadline.passed():
+                raise _Retryable(f"{n} of {want} bytes had come when the time was up", cut_short=True)
+            speed.count(n)
+        if n != want:
+            raise _Retryable(f"connection ended after {n} of {want} bytes")
+        if grown is not None:
+            return grown
+        return body.obj if len(body.obj) == want else body
+
+
+class _SpeedWindow:
+    """One response's bytes counted per window of `window_s`; each window ended is judged by `judge`
+    (bytes, seconds), which raises to give the connection up."""
+
+    def __init__(self, started_at: float, window_s: float, judge: Callable[[int, float], None]):
+        self.started_at, self.window_s, self.judge = started_at, window_s, judge
+        self.bytes_before = 0
+
+    def count(self, n: int) -> None:
+        """`n` bytes have come in all."""
+        now = time.monotonic()
+        if now - self.started_at >= self.window_s:
+            self.judge(n - self.bytes_before, now - self.started_at)
+            self.started_at, self.bytes_before = now, n
+
+
+def _checked_range(r: httpx2.Response, start: int, end: int) -> tuple[int, int | None]:
+    """`(bytes the body must hold, the file's size or None)` of a 206 for `[start, end)`: its
+    `Content-Range` must be exactly the range asked (clipped at the end of the file), and its
+    `Content-Length`, if any, agree."""
+    m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))
+    if not m:
+        raise _Retryable("206 without a valid Content-Range")
+    got_start, got_end, total = int(m.group(1)), int(m.group(2)) + 1, m.group(3)
+    expected_end = end if total == "*" else min(end, int(total))
+    if got_start != start or got_end != expected_end:
+        raise _Retryable(f"asked for bytes {start}-{end - 1}, got {got_start}-{got_end - 1}")
+    length = r.headers.get("content-length")
+    if length is not None and int(length) != got_end - got_start:
+        raise _Retryable("Content-Length disagrees with Content-Range")
+    return got_end - got_start, None if total == "*" else int(total)
 
 
 def _retry_after(value: str | None, cap_s: float = 120.0) -> float | None:
