@@ -143,12 +143,12 @@ def add_commands(sub) -> None:
 
 
 def hub(args: argparse.Namespace) -> int:
-    from expertmesh.devtools.local_hub import knobs_from_args, serve_forever_cli
+    from expertmesh.devtools.local_hub import knobs_from_args, serve_forever_cli, server_options_from_args
 
     root = Path(args.dir)
     if not root.is_dir():  # it would serve an empty Hub, and every pull would say "no such repository"
         raise ExpertmeshError(f"{root} is not a folder: give the folder that holds NAMESPACE/NAME/ repo folders")
-    serve_forever_cli(root, args.host, args.port, knobs_from_args(args))
+    serve_forever_cli(root, args.host, args.port, knobs_from_args(args), **server_options_from_args(args))
     return 0
 
 
