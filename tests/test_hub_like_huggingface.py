@@ -9,6 +9,7 @@ pages, a 200 with exactly the bytes asked, and every refusal one line saying wha
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,10 +20,13 @@ import pytest
 from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub import errors as hf_errors
 from huggingface_hub.utils import parse_ratelimit_headers
+from nodes import serving
 from prometheus_client import generate_latest
 
 from expertmesh.assembly import open_model
+from expertmesh.coordinator.status import status_lines
 from expertmesh.devtools.local_hub import Fault, HubServer
+from expertmesh.node import doctor
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.errors import AuthError, DownloadError, ModelNotFoundError, RateLimitedError
@@ -31,6 +35,7 @@ from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.hub.rate_limit import GATE
 from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
+from expertmesh.node.rpc.client import ask_info
 
 PUBLIC = "expertmesh/tiny-kimi_k3"
 GATED = "expertmesh/gated-kimi_k3"
@@ -217,6 +222,10 @@ def test_a_gated_repo_pulls_and_generates_with_hf_token_and_the_cdn_never_sees_i
     stats = hub.stats()
     assert stats["cdn_requests"] > 0 and stats["cdn_with_token"] == 0
 
+    checks = {c.name: c for c in doctor.hub(tmp_path)}  # what the Hub announced to doctor's own requests
+    assert checks["models"].status == "ok" and checks["quota"].status == "ok", checks
+    assert re.search(r"resolvers [\d,]+ of 3,000 left \(resets in \d+ s\)", checks["quota"].detail), checks["quota"]
+
 
 def test_signed_urls_that_expire_mid_generation_are_resolved_again(hub: HubServer, oracle, tmp_path: Path) -> None:
     pull(PUBLIC, home=tmp_path, progress=False)
@@ -256,6 +265,14 @@ def test_a_used_up_resolver_quota_is_waited_out_by_a_pull_and_a_run(hub: HubServ
         if line.startswith('expertmesh_hub_rate_limit_wait_seconds_total{bucket="resolvers"}')
     )
     assert float(waited.split()[-1]) > 0
+
+    node = serving(PUBLIC, tmp_path, "status-secret", node_id="quota-node")  # `status` asks nodes for Info
+    try:
+        lines = status_lines(ask_info([node.rpc.address], "status-secret"))
+    finally:
+        node.close()
+    shown = next(line for line in lines if line.startswith("quota-node: Hub requests this rate-limit window"))
+    assert re.search(r"resolvers \d+ of 1\b", shown), lines
 
 
 def test_a_wait_beyond_the_fetch_deadline_is_one_error_naming_the_bucket_the_wait_and_the_fix(

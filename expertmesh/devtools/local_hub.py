@@ -756,7 +756,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._resolve(m.group(1), m.group(2), m.group(3))
         if m := re.match(r"^/api/resolve-cache/models/([^/]+/[^/]+)/([0-9a-f]{40})/(.+)$", path):
             return self._resolve_cache(m.group(1), m.group(2), m.group(3))
-        if path == "/api/whoami-v2":
+        if path == "/api/whoami-v2" and self.hub.like_huggingface:  # only this mode knows accounts
             return self._whoami()
         self._count(None)
         self._error(404, None, "not found")

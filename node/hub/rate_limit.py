@@ -46,6 +46,8 @@ WINDOW_S = 300.0  # the Hub's fixed window, until it announces one (RateLimit-Po
 MARGIN_S = 1.0
 # Buckets always shown (as 0 until used): the two expertmesh's requests count in.
 BUCKETS = ("resolvers", "api")
+# `doctor` warns when less than this share of a bucket's quota is left in the window.
+QUOTA_WARN_SHARE = 0.1
 
 
 def origin(url: str | httpx2.URL) -> tuple[str, str, int]:
