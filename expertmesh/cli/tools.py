@@ -60,8 +60,9 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--configs",
         metavar="NAME[,NAME...]",
-        help="k3-proportions: which configurations to run, in order (default: all of cold, fair_naive, "
-        "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm)",
+        help="k3-proportions: which configurations to run, in order (default: cold, fair_naive, "
+        "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm; also k3_replay_fixed and cold_fixed, "
+        "with the Hub's connection count fixed at its start)",
     )
     p.add_argument(
         "--experts-per-layer",
@@ -193,9 +194,11 @@ def _bench_k3(args: argparse.Namespace) -> int:
     configs = bench_k3.CONFIGS
     if args.configs:
         configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-        unknown = [c for c in configs if c not in bench_k3.CONFIGS]
+        unknown = [c for c in configs if c not in bench_k3.ALL_CONFIGS]
         if unknown or not configs:
-            raise ExpertmeshError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.CONFIGS)}")
+            raise ExpertmeshError(
+                f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.ALL_CONFIGS)}"
+            )
     from expertmesh.devtools.tiny import k3_proportions
 
     shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}
