@@ -9,13 +9,11 @@ So the count is measured, not assumed. It starts at the configured count (`--hub
 and the rate of every finished piece (its bytes ÷ its time, first byte included: a connection
 waiting for its first byte carries nothing either) is noted with how many pieces were in flight
 when it started. Once enough pieces have finished with (nearly) every allowed connection busy,
-their median rate per connection is compared with the median at the count before:
-- it held (at least `KEEP` of it): each new connection added its own share, the link had room,
-  and the count grows again by `GROW`, up to `most`;
-- it fell, but the connections together carry at least `GAIN` more than before: the link is
-  full now, and the count stays;
-- it fell and they carry no more: the link was already full, and the count goes back to the one
-  before (more pieces in flight would only share the link with the demands').
+what the connections carry together (the median rate of a piece × the count) is compared with
+what they carried at the count before: while a count half again as large (`GROW`) carries at
+least `GAIN` more, the link had room, and the next is tried, up to `most`; the first that does
+not goes back to the count before, which filled the link (more pieces in flight would only share
+it with the demands': a guess's or a fill's bytes slow a demand's whatever the pool's order).
 The count then stays: a CDN's per-connection share is a property of its edge, not of the moment.
 """
 
@@ -26,8 +24,7 @@ import statistics
 import threading
 
 GROW = 1.5  # the next count tried, as a multiple of the current one
-KEEP = 0.8  # the share of its previous per-connection rate a larger count must keep to grow again
-GAIN = 0.05  # what a larger count must add to the connections' total to be kept when it does not
+GAIN = 0.05  # what a larger count must add to what the connections carry together to be kept
 SATURATED = 0.75  # a piece counts when at least this share of the allowed connections was busy
 PIECES_PER_CONNECTION = 2  # pieces measured per allowed connection before a count is judged
 
@@ -40,8 +37,8 @@ class AdaptiveConnections:
         self.most = max(self.start, most)
         self._allowed = self.start
         self._lock = threading.Lock()
-        self._rates: list[float] = []  # bytes/s of saturated pieces at the allowed count
-        self._before: float | None = None  # the median at the count before
+        self._rates: list[float] = []  # bytes/s of pieces finished with the allowed connections busy
+        self._before: float | None = None  # what the connections carried together at the count before
         self._previous = self.start  # the count before
         self.settled = self.most == self.start  # no larger count left to try
 
@@ -60,14 +57,13 @@ class AdaptiveConnections:
             self._rates.append(nbytes / seconds)
             if len(self._rates) < PIECES_PER_CONNECTION * self._allowed:
                 return None
-            rate = statistics.median(self._rates)
+            total = statistics.median(self._rates) * self._allowed
             self._rates = []
-            if self._before is not None and rate < KEEP * self._before:
-                self.settled = True  # the connections share the link now
-                if rate * self._allowed < (1 + GAIN) * self._before * self._previous:
-                    self._allowed = self._previous  # ...and did before: the larger count added nothing
+            if self._before is not None and total < (1 + GAIN) * self._before:
+                self.settled = True  # the link was full at the count before
+                self._allowed = self._previous
                 return self._allowed
-            self._before, self._previous = rate, self._allowed
+            self._before, self._previous = total, self._allowed
             self._allowed = min(self.most, math.ceil(self._allowed * GROW))
             self.settled = self._allowed == self.most
             return self._allowed
