@@ -1,6 +1,6 @@
 """`--hub-connections N`: at most N range requests to the Hub at once while generating, and more
 when N allows — a user sets it to spare a shared link or a rate-limited mirror. Without it the
-count starts at 12 and grows while each connection keeps its speed (store/tiers/hub_connections.py)."""
+count starts at 12 and grows while more connections carry more (store/tiers/hub_connections.py)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def _settle(per_connection: float, link: float = 100e6, ttfb_s: float = 0.075, p
     return counts.allowed
 
 
-def test_the_count_grows_while_each_connection_keeps_its_speed_and_stops_where_the_link_is_full() -> None:
+def test_the_count_grows_while_more_connections_carry_more_and_stops_where_the_link_is_full() -> None:
     assert _settle(8.7e6) == 18  # 12 carry 91 MB/s of a 100 MB/s link: 18 fill it
     assert _settle(50e6) == 12  # 12 already fill it: 18 would only share it
     assert _settle(2e6) == 32  # a slow edge: as many as allowed

@@ -154,7 +154,7 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         metavar="N",
         help=f"range requests in flight to the Hub at once, fixed (default: {constants.HUB_CONNECTIONS} at first, "
-        f"grown up to {constants.HUB_MAX_CONNECTIONS} while each connection keeps its speed)",
+        f"grown up to {constants.HUB_MAX_CONNECTIONS} while more connections carry more)",
     )
 
 

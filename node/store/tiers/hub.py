@@ -5,7 +5,7 @@ link gives each connection a fraction of its bandwidth (12.5 of 100 MB/s is typi
 layer needing fewer experts than there are connections would otherwise leave most of the link
 idle; pieces keep every connection busy. Pieces are not made smaller than `min_piece_bytes`,
 since each request pays the time to first byte. How many connections the pool runs is measured:
-it grows while each connection keeps its speed, as where a CDN edge caps every connection well
+it grows while more connections carry more, as where a CDN edge caps every connection well
 below the link's share (hub_connections.py). Queued pieces are taken demands first, then
 guesses, then idle-link fills (the fetch's `FetchContext`, node/fetching.py).
 
@@ -74,7 +74,7 @@ class HubSource:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ):
         """`connections`: the count of range requests in flight at first; it grows up to
-        `max_connections` while each connection keeps its speed (hub_connections.py; equal counts:
+        `max_connections` while more connections carry more (hub_connections.py; equal counts:
         fixed)."""
         from expertmesh.node.hub.client import RangeReader
 
