@@ -1,4 +1,4 @@
-"""How many Hub connections carry pieces at once: grown while each connection keeps its speed.
+"""How many Hub connections carry pieces at once: grown while more connections carry more.
 
 A home link fills when connections × what each connection carries ≥ the link. What a connection
 carries is the CDN's choice, not the link's: 12.5 of 100 MB/s is typical, some Xet bridge edges
