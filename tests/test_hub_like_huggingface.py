@@ -243,12 +243,16 @@ def test_signed_urls_that_expire_mid_generation_are_resolved_again(hub: HubServe
     assert expired_at == [0] and hub.stats()["cdn_expired"] >= 1  # a remembered URL was refused, then replaced
 
 
-def test_a_used_up_resolver_quota_is_waited_out_by_a_pull_and_a_run(hub: HubServer, oracle, tmp_path: Path) -> None:
-    """Windows of one second (the Hub's are five minutes) and a quota a pull needs several of:
-    the 429s close the process's one gate, every request waits for the window to reopen, and the
-    pull and the generation finish. Before: each request backed off alone and gave up."""
+def test_a_used_up_resolver_quota_is_waited_out_by_a_pull_and_a_run(
+    hub: HubServer, oracle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows of one second (the Hub's are five minutes) and a quota a pull needs three of (it
+    makes 17 resolver requests): the 429s close the process's one gate, every request waits for the
+    window to reopen, and the pull and the generation finish. Before: each request backed off
+    alone and gave up."""
+    monkeypatch.setattr(GATE, "margin_s", 0.2)  # the Hub's `t` is whole seconds, the emulation's exact
     hub.knobs.rate_window_s = 1.0
-    hub.knobs.rate_limits = {"resolvers": 4, "api": 500}
+    hub.knobs.rate_limits = {"resolvers": 6, "api": 500}
     pull(PUBLIC, home=tmp_path, progress=False)
     assert hub.stats()["rate_limited"]["resolvers"] >= 1 and GATE.limited["resolvers"] >= 1
     limited = hub.stats()["rate_limited"]["resolvers"]

@@ -67,6 +67,7 @@ IDLE_TIMEOUT_S = 60.0
 # is counted in `ranges_untracked` only, so a long-lived mirror's memory stays bounded (K3 has
 # 82,432 experts; at most four pieces each come close to this only with many clients' pieces).
 MAX_TRACKED_RANGES = 100_000
+POLL_S = 0.05  # how often a serving loop looks whether it should stop
 
 
 @dataclass
@@ -478,7 +479,8 @@ class HubServer:
 
     def start(self) -> HubServer:
         for server, name in ((self.httpd, "expertmesh-hub"), (self.cdn_httpd, "expertmesh-hub-cdn")):
-            thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+            # each loop notices `stop` within its poll interval: tests start and stop many Hubs
+            thread = threading.Thread(target=server.serve_forever, args=(POLL_S,), name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         if self.hash_in_background:
