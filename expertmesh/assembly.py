@@ -246,6 +246,7 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         connections=s.hub_connections,
         pieces_per_expert=s.hub_pieces_per_expert,
         min_piece_bytes=s.hub_min_piece_bytes,
+        max_connections=max(s.hub_connections, s.hub_max_connections),
     )
     node = Node(config, node_id, index, disk, stats, experts=None, hub=hub, memory=memory)
     try:

@@ -35,7 +35,8 @@ class StoreConfig:
     prefetch: bool = True  # guess the next layer's experts and fetch them behind the demands
     fill: bool = True  # while generating, fetch experts not yet held onto free disk budget when the link is idle
     hub_min_piece_bytes: int = constants.HUB_MIN_PIECE_BYTES  # experts are split into pieces no smaller
-    hub_connections: int = constants.HUB_CONNECTIONS  # range requests in flight to the Hub at once
+    hub_connections: int = constants.HUB_CONNECTIONS  # range requests in flight to the Hub at once, at first
+    hub_max_connections: int = constants.HUB_MAX_CONNECTIONS  # ... grown to at most (measured; equal: fixed)
     hub_pieces_per_expert: int = constants.HUB_PIECES_PER_EXPERT  # separate requests an expert is split into, at most
     coalesce: bool = True  # demanded experts back to back in a shard fetched as one run of requests
 

@@ -65,6 +65,10 @@ HUB_FETCH_DEADLINE_S = 120.0
 # The Hub tier (node/store/tiers/hub.py); each default was chosen by a benchmark whose command
 # and figures are in docs/benchmarks.md.
 HUB_CONNECTIONS = 12  # range requests in flight at once: half again the home link's per-connection shares
+# ...at first: the count grows while more connections carry more (store/tiers/hub_connections.py),
+# up to this: enough to fill a home link through the slowest per-connection share a CDN is known to
+# give, first bytes included (docs/benchmarks.md, "A CDN that caps each connection")
+HUB_MAX_CONNECTIONS = 32
 HUB_PIECES_PER_EXPERT = 4  # separate requests one expert is split into, at most
 HUB_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
 # Expert range requests in flight per layer (the distinct experts of a layer fetch together).

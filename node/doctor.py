@@ -349,9 +349,10 @@ def hub(home: Path) -> list[Check]:
     against its `Date` header. Uses huggingface_hub's endpoint, token and HTTP session, as pulls do."""
     from huggingface_hub import constants as hf_constants
     from huggingface_hub import get_token
-    from huggingface_hub.utils import build_hf_headers, get_session
+    from huggingface_hub.utils import build_hf_headers
 
     from expertmesh.node.hub.client import endpoint
+    from expertmesh.node.hub.rate_limit import observed_session
 
     where = endpoint()
     if hf_constants.HF_HUB_OFFLINE:
@@ -359,7 +360,7 @@ def hub(home: Path) -> list[Check]:
         return [Check("hub", WARN, detail, "unset HF_HUB_OFFLINE")]
     token = get_token()
     source = "HF_TOKEN" if os.environ.get("HF_TOKEN") else "the stored login"
-    session, headers = get_session(), build_hf_headers()
+    session, headers = observed_session(), build_hf_headers()  # observed: the Hub's RateLimit headers
     asked = time.time()
     try:
         r = session.get(f"{where}/api/whoami-v2", headers=headers, timeout=HTTP_TIMEOUT_S)
@@ -378,6 +379,7 @@ def hub(home: Path) -> list[Check]:
         Check("hub", OK, f"{where} answers (HTTP {r.status_code} in {answered - asked:.2f} s)"),
         _token(token, source, r),
         _models(home, where, session, headers),
+        _quota(),
         _clock(r.headers.get("date"), asked, answered),
     ]
 
@@ -437,6 +439,29 @@ def _models(home: Path, where: str, session, headers: dict) -> Check:
     if unanswered:
         return Check("models", WARN, f"no answer for {', '.join(unanswered)}", "run doctor again")
     return Check("models", OK, f"every pulled revision is on the Hub ({len(pulled)})")
+
+
+def _quota() -> Check:
+    """What is left of the Hub's rate limits in this window, as its answers to the checks above
+    announced it (RateLimit headers; node/hub/rate_limit.py): the `resolvers` bucket is what every
+    expert fetched from the Hub spends, shared by every node behind this IP (or this account)."""
+    from expertmesh.node.hub.rate_limit import DOCS_URL, GATE, QUOTA_WARN_SHARE
+
+    usage = {b: u for b, u in GATE.usage().items() if u.quota is not None and u.left is not None}
+    if not usage:
+        return Check("quota", OK, "the Hub announces no rate limits here")
+    shown = ", ".join(
+        f"{b} {u.left:,} of {u.quota:,} left (resets in {u.resets_in_s:.0f} s)" for b, u in sorted(usage.items())
+    )
+    low = [b for b, u in usage.items() if u.left < QUOTA_WARN_SHARE * u.quota]
+    if low:
+        return Check(
+            "quota",
+            WARN,
+            f"the Hub's rate limits this window: {shown}",
+            f"log in for a larger quota (`hf auth login`, or set HF_TOKEN), or wait for the window ({DOCS_URL})",
+        )
+    return Check("quota", OK, f"the Hub's rate limits this window: {shown}")
 
 
 def _clock(date: str | None, asked: float, answered: float) -> Check:

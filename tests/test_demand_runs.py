@@ -33,7 +33,14 @@ def _open(home: Path, coalesce: bool, connections: int = 1):
     return open_model(
         REPO_ID,
         home=home,
-        store=StoreConfig(disk_budget="0", prefetch=False, fill=False, coalesce=coalesce, hub_connections=connections),
+        store=StoreConfig(
+            disk_budget="0",
+            prefetch=False,
+            fill=False,
+            coalesce=coalesce,
+            hub_connections=connections,
+            hub_max_connections=connections,
+        ),
     )
 
 

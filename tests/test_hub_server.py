@@ -313,37 +313,53 @@ def test_cdn_urls_are_signed_by_the_hub_and_expire(
 
     with HubServer(tmp_path / "hub") as server:
         commit = server.repos[REPO].commit
+        cdn_at = server.cdn_url_base
+        assert cdn_at != server.url  # another origin: the signed URL is the credential there, never a token
         rng = {"Range": "bytes=0-1023"}
         assert httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=rng).status_code == 401
-        forged = f"{server.url}/_cdn/{cdn([REPO, commit, name])}?expires=99999999999"
+        key = "Key-Pair-Id=KEXPERTMESH0000"
+        forged = f"{cdn_at}/_cdn/{cdn([REPO, commit, name])}?Expires=99999999999&{key}"
         assert httpx2.get(forged, headers=rng).status_code == 403
-        assert httpx2.get(forged + "&sig=" + "0" * 64, headers=rng).status_code == 403
+        assert httpx2.get(forged + "&Signature=" + "0" * 64, headers=rng).status_code == 403
+        assert httpx2.get(f"{server.url}/_cdn/{cdn([REPO, commit, name])}").status_code == 404  # not on the Hub
 
         auth = {**rng, "Authorization": "Bearer hf_private"}
         location = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
+        assert location.startswith(cdn_at + "/")
         r = httpx2.get(location, headers=rng)  # no token: the signature is the credential
         assert r.status_code == 206 and r.content == original[:1024]
         url = urllib.parse.urlparse(location)
         query = urllib.parse.parse_qs(url.query)
-        other = f"{server.url}/_cdn/{cdn([REPO, commit, 'config.json'])}?{url.query}"
+        assert set(query) == {"Expires", "Signature", "Key-Pair-Id"}  # CloudFront's canned-policy names
+        other = f"{cdn_at}/_cdn/{cdn([REPO, commit, 'config.json'])}?{url.query}"
         assert httpx2.get(other, headers=rng).status_code == 403  # the signature covers the file
-        later = location.replace(f"expires={query['expires'][0]}", f"expires={int(query['expires'][0]) + 1000}")
+        later = location.replace(f"Expires={query['Expires'][0]}", f"Expires={int(query['Expires'][0]) + 1000}")
         assert httpx2.get(later, headers=rng).status_code == 403  # ...and the expiry
 
         server.knobs.cdn_url_ttl_s = -10
         expired = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
         r = httpx2.get(expired, headers=rng)
-        assert r.status_code == 403 and "expired" in r.headers["x-error-message"]
+        assert r.status_code == 403 and "Request has expired" in r.text
         server.knobs.cdn_url_ttl_s = 3600.0
+        server.expire_cdn_urls()  # as if the clock had passed every Expires handed out so far
+        r = httpx2.get(location, headers=rng)
+        assert r.status_code == 403 and "Request has expired" in r.text
+        fresh = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
+        assert httpx2.get(fresh, headers=rng).status_code == 206
 
+        key_id = server._cdn_key_id
         for token in (cdn([[], "x", "y"]), cdn({"a": 1}), cdn([REPO, commit]), "!!notbase64", "YWJj"):
             expires = str(int(time.time()) + 100)
-            sig = server._cdn_mac(token, expires)  # even a URL the Hub signed must decode to three strings
-            assert server.cdn_verify(token, {"expires": [expires], "sig": [sig]}) == "bad signature"
+            sig = server._cdn_mac(
+                server._cdn_keys[key_id], token, expires
+            )  # even a signed URL must decode to three strings
+            signed = {"Expires": [expires], "Signature": [sig], "Key-Pair-Id": [key_id]}
+            assert server.cdn_verify(token, signed) == "Access denied"
             if token[0] != "!":
-                assert httpx2.get(f"{server.url}/_cdn/{token}?expires={expires}&sig={sig}").status_code == 403
-        for query in ({}, {"expires": ["x"], "sig": ["y"]}, {"expires": ["1" * 40], "sig": [""]}):
-            assert server.cdn_verify(cdn([REPO, commit, name]), query) == "bad signature"
+                q = f"Expires={expires}&Signature={sig}&Key-Pair-Id={key_id}"
+                assert httpx2.get(f"{cdn_at}/_cdn/{token}?{q}").status_code == 403
+        for query in ({}, {"Expires": ["x"], "Signature": ["y"]}, {"Expires": ["1" * 40], "Signature": [""]}):
+            assert server.cdn_verify(cdn([REPO, commit, name]), {**query, "Key-Pair-Id": [key_id]}) == "Access denied"
 
         # the real client: huggingface_hub resolves with the token, then follows the signed URL
         monkeypatch.setenv("HF_TOKEN", "hf_private")

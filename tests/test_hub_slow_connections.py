@@ -106,13 +106,13 @@ def _close(*socks: socket.socket) -> None:
 
 @pytest.fixture
 def proxied(hub_root: Path) -> Iterator[tuple[HubServer, DripProxy]]:
-    """A Hub reachable only through a new proxy (which drips nothing until a test says so);
-    huggingface_hub and the Hub's CDN redirects both point at the proxy."""
+    """A Hub whose CDN is reachable only through a new proxy (which drips nothing until a test says
+    so): the signed locations the Hub hands out point at the proxy."""
     with HubServer(hub_root) as hub:
-        proxy = DripProxy(hub.port, lambda i: False)
-        hub.url = proxy.url  # its public address: the CDN locations it hands out come back through the proxy
+        proxy = DripProxy(hub.cdn_port, lambda i: False)
+        hub.cdn_url_base = proxy.url  # the CDN's public address
         try:
-            with hub_client.using_endpoint(proxy.url):
+            with hub_client.using_endpoint(hub.url):
                 yield hub, proxy
         finally:
             proxy.close()
@@ -210,9 +210,7 @@ def test_when_every_connection_drips_a_run_fails_once_after_its_attempts(proxied
         proxy.drips = lambda i: True
         results = _in_thread(lambda: sm.store.chain.fetch_run(keys, keep_now=True, decode=False))
         error = _one_error(keys, results)
-        assert error.startswith(
-            f"experts {keys[0][1]}-{keys[-1][1]} of layer {keys[0][0]} from the Hub at {proxy.url}: "
-        )
+        assert error.startswith(f"experts {keys[0][1]}-{keys[-1][1]} of layer {keys[0][0]} from the Hub at {hub.url}: ")
         assert "failed 3 times" in error and "below the floor of 64 kB/s" in error, error
         assert reader.retries == 2 * len(pieces)  # each piece's 3 attempts, and not one more
         assert reader.slow_responses >= len(pieces) and proxy.given_up >= len(pieces)

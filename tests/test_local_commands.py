@@ -266,10 +266,11 @@ def test_doctor_on_a_ready_home_exits_zero(home: Path, hub: HubServer, capsys, m
     assert main(_doctor()) == 0
     out = capsys.readouterr().out
     lines = _lines(out)
-    expected = {"metal", "memory", "disk", "port gRPC", "port API", "port metrics", "hub", "token", "models"}
+    expected = {"metal", "memory", "disk", "port gRPC", "port API", "port metrics", "hub", "token", "models", "quota"}
     assert expected | {"clock", "household", "secret"} == set(lines), out
     assert lines["hub"].startswith("ok") and hub.url in lines["hub"]
     assert lines["models"].startswith("ok") and "(2)" in lines["models"]
+    assert lines["quota"].startswith("ok") and "announces no rate limits" in lines["quota"]
     assert lines["clock"].startswith("ok") and lines["memory"].startswith("ok")
     assert lines["token"].startswith("ok") and "HF_TOKEN" in lines["token"]
     assert "not-a-real-token" not in out  # where the token came from, never the token

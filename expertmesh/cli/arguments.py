@@ -165,9 +165,9 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hub-connections",
         type=positive_int,
-        default=constants.HUB_CONNECTIONS,
         metavar="N",
-        help="range requests in flight to the Hub at once (default %(default)s)",
+        help=f"range requests in flight to the Hub at once, fixed (default: {constants.HUB_CONNECTIONS} at first, "
+        f"grown up to {constants.HUB_MAX_CONNECTIONS} while more connections carry more)",
     )
 
 
@@ -362,7 +362,11 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
         trace_path=Path(args.trace) if args.trace else None,
         prefetch=not args.no_prefetch,
         fill=not args.no_fill,
-        hub_connections=args.hub_connections,
+        **(
+            {"hub_connections": args.hub_connections, "hub_max_connections": args.hub_connections}
+            if args.hub_connections
+            else {}
+        ),
     )
 
 

@@ -60,8 +60,9 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--configs",
         metavar="NAME[,NAME...]",
-        help="k3-proportions: which configurations to run, in order (default: all of cold, fair_naive, "
-        "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm)",
+        help="k3-proportions: which configurations to run, in order (default: cold, fair_naive, "
+        "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm; also k3_replay_fixed and cold_fixed, "
+        "with the Hub's connection count fixed at its start)",
     )
     p.add_argument(
         "--experts-per-layer",
@@ -143,12 +144,12 @@ def add_commands(sub) -> None:
 
 
 def hub(args: argparse.Namespace) -> int:
-    from expertmesh.devtools.local_hub import knobs_from_args, serve_forever_cli
+    from expertmesh.devtools.local_hub import knobs_from_args, serve_forever_cli, server_options_from_args
 
     root = Path(args.dir)
     if not root.is_dir():  # it would serve an empty Hub, and every pull would say "no such repository"
         raise ExpertmeshError(f"{root} is not a folder: give the folder that holds NAMESPACE/NAME/ repo folders")
-    serve_forever_cli(root, args.host, args.port, knobs_from_args(args))
+    serve_forever_cli(root, args.host, args.port, knobs_from_args(args), **server_options_from_args(args))
     return 0
 
 
@@ -193,9 +194,11 @@ def _bench_k3(args: argparse.Namespace) -> int:
     configs = bench_k3.CONFIGS
     if args.configs:
         configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-        unknown = [c for c in configs if c not in bench_k3.CONFIGS]
+        unknown = [c for c in configs if c not in bench_k3.ALL_CONFIGS]
         if unknown or not configs:
-            raise ExpertmeshError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.CONFIGS)}")
+            raise ExpertmeshError(
+                f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.ALL_CONFIGS)}"
+            )
     from expertmesh.devtools.tiny import k3_proportions
 
     shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}

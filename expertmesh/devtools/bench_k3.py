@@ -127,6 +127,7 @@ class Row:
     core_wait_over_floor: float | None = None
     tokens_equal_resident: bool | None = None
     core: dict | None = None  # core_streamed: the core, its budget, what was read and waited, the floor
+    hub_connections: int | None = None  # the Hub tier's connection count at the end (measured, or fixed)
 
 
 # -- the worker: one configuration in its own process -----------------------------------------
@@ -199,7 +200,11 @@ class _DiskWatch:
 
 
 def _sum(parts: list[dict]) -> dict:
-    return {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
+    """The phases of several prompts together (the connection count: the last one's)."""
+    out = {k: sum(p[k] for p in parts) for k in parts[0] if k != "hub_connections"} if parts else {}
+    if parts and "hub_connections" in parts[-1]:
+        out["hub_connections"] = parts[-1]["hub_connections"]
+    return out
 
 
 def _open(spec: dict, home: Path):
@@ -239,6 +244,7 @@ def _generate(spec: dict, home: Path, prompt: str) -> dict:
             **phase.since(),
             "tokens": tokens - 1,
             "disk_bytes": d.bytes["disk"],
+            "hub_connections": sm.store.chain.runs.connections,
             **(watch.result() if watch else {}),
         }
     finally:
@@ -267,7 +273,7 @@ def _replay(spec: dict, home: Path) -> dict:
         phase = _Phase(store, spec["hub_url"])
         for (layer, experts), nxt in zip(flat[1:], [*flat[2:], None]):
             store.get_layer(layer, experts, guess=nxt)
-        return {**phase.since(), "tokens": spec["tokens"]}
+        return {**phase.since(), "tokens": spec["tokens"], "hub_connections": store.chain.runs.connections}
     finally:
         sm.close()
 
@@ -499,6 +505,7 @@ def _row(name: str, cap: float, link: float, got: dict) -> Row:
         disk_wait_s=got.get("disk_wait_s", 0.0),
         floor_bytes_per_s=floor_bw,
         prefetch={k.removeprefix("prefetch_"): v for k, v in got.items() if k.startswith("prefetch_")} or None,
+        hub_connections=got.get("hub_connections"),
     )
 
 
@@ -553,17 +560,12 @@ def _interrupt_on_signals() -> dict:
     return old
 
 
-# every configuration, in the order they run (`expertmesh bench --model k3-proportions --configs`)
-CONFIGS = (
-    "cold",
-    "fair_naive",
-    "deltafin_like",
-    "k3_replay",
-    "warm_disk",
-    "warm_disk_floor",
-    "mlx_lm",
-    "core_streamed",
-)
+# the configurations a run has by default, in the order they run (`--configs` picks others)
+CONFIGS = ("cold", "fair_naive", "deltafin_like", "k3_replay", "warm_disk", "warm_disk_floor", "mlx_lm")
+# and those run only when asked: cold and k3_replay with the Hub's connection count fixed at its
+# start, to set beside the measured count (`--configs k3_replay,k3_replay_fixed`), and the core
+# streamed from the disk within a quarter of its size (`--configs core_streamed`)
+ALL_CONFIGS = (*CONFIGS, "k3_replay_fixed", "cold_fixed", "core_streamed")
 
 
 def run(
@@ -610,13 +612,18 @@ def run(
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-k3-"))
     ram = str(4 * p.expert_bytes)  # a few experts: K3's RAM holds a small share of its experts too
     store = {"ram_budget": ram, "disk_budget": "100%"}
-    sequential = {**store, "fetch_concurrency": 1, "hub_connections": 1, "hub_pieces_per_expert": 1}
+    replay = {"ram_budget": "0", "disk_budget": "0", "fill": False}
+    sequential = {**store, "fetch_concurrency": 1, "hub_connections": 1, "hub_max_connections": 1}
+    sequential["hub_pieces_per_expert"] = 1
     sequential.update(prefetch=False, fill=False, coalesce=False)
     specs = {
         "cold": {"mode": "generate", "store": store},
         "fair_naive": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1]},
         "deltafin_like": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1], "fresh_connections": True},
-        "k3_replay": {"mode": "replay", "store": {"ram_budget": "0", "disk_budget": "0", "fill": False}},
+        "k3_replay": {"mode": "replay", "store": replay},
+        # the same with the connection count fixed at its start, as before it was measured
+        "k3_replay_fixed": {"mode": "replay", "store": {**replay, "hub_max_connections": constants.HUB_CONNECTIONS}},
+        "cold_fixed": {"mode": "generate", "store": {**store, "hub_max_connections": constants.HUB_CONNECTIONS}},
         "warm_disk": {"mode": "warm", "store": store},
         "warm_disk_floor": {"mode": "warm", "store": store, "cold_disk": True},
         "mlx_lm": {"mode": "mlx_lm", "store": store},
@@ -750,6 +757,14 @@ def print_table(doc: dict, out=print) -> None:
                 f"the disk's floor {format_size(r['floor_bytes_per_s'])}/s (cat or parallel preadv, cold)")  # fmt: skip
     by = {(r["name"], r["per_connection_bytes_per_s"]): r for r in doc["configs"]}
     for (name, cap), r in by.items():
+        fixed = by.get((f"{name}_fixed", cap))
+        if fixed and r.get("useful_link_use") and fixed.get("useful_link_use"):
+            out(
+                f"at {cap / 1e6:.1f} MB/s per connection {name} fills {r['useful_link_use']:.2f} of the link on "
+                f"{r.get('hub_connections')} connections (measured), {fixed['useful_link_use']:.2f} on "
+                f"{fixed.get('hub_connections')} (fixed): waits {r['wait_over_floor']:.2f}x the floor against "
+                f"{fixed['wait_over_floor']:.2f}x"
+            )
         if name != "cold":
             continue
         for base in ("fair_naive", "deltafin_like"):

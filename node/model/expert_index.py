@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.model.safetensors_format import DTYPE_BYTES, TensorEntry
+from expertmesh.node.model.safetensors_format import TensorEntry, tensor_nbytes
 
 INDEX_FILENAME = "expert_index.json"
 FORMAT_VERSION = 2  # 2: recipes; an index of format 1 (name-based experts) still loads
@@ -242,7 +242,7 @@ class ExpertIndex:
                         shape,
                         files[fid],
                         start,
-                        start + _nbytes(dtype, shape),
+                        start + tensor_nbytes(dtype, shape),
                         stacked,
                     )
                 )
@@ -256,13 +256,6 @@ class ExpertIndex:
             experts,
             sanitize_with_experts=bool(doc.get("sanitize_with_experts", False)),
         )
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = DTYPE_BYTES[dtype]
-    for d in shape:
-        n *= d
-    return n
 
 
 def _name_pattern(name: str, layer: int, expert: int, stacked: bool) -> str:
@@ -334,6 +327,7 @@ def build_index(
         for entry in tensors.values():
             entries.setdefault(entry.name, (file, entry))
     plan = _plan(repo_id, config, {n: (e.dtype, e.shape) for n, (_, e) in entries.items()})
+    _check_dtypes(repo_id, plan, {n: e.dtype for n, (_, e) in entries.items()})
     core = {}
     for name in sorted(plan.core, key=lambda n: (entries[n][0], entries[n][1].start)):
         file, entry = entries[name]
@@ -365,6 +359,33 @@ def build_index(
     return ExpertIndex(
         repo_id, commit, files, core, dict(sorted(experts.items())), sanitize_with_experts=plan.sanitize_with_experts
     )
+
+
+def _check_dtypes(repo_id: str, plan: _Plan, dtypes: dict[str, str]) -> None:
+    """Refuse, at pull, a model whose experts or core are stored in a dtype of the format that
+    expertmesh cannot use yet: what `mx.load` reads is what the codec decodes an expert from and
+    what the core is loaded as (expert_trace.SAFETENSORS_DTYPES). A tensor in another dtype that
+    mlx-lm's sanitize drops is no obstacle: it is neither core nor expert, and never fetched.
+
+    Raises:
+        UnsupportedModelError: naming the tensor, its dtype, and what is supported.
+    """
+    from expertmesh.node.model.expert_trace import SAFETENSORS_DTYPES
+
+    known = ", ".join(sorted(SAFETENSORS_DTYPES))
+    for (layer, _), (inputs, _) in sorted(plan.experts.items()):
+        for name, _ in inputs:
+            if dtypes[name] not in SAFETENSORS_DTYPES:
+                raise UnsupportedModelError(
+                    f"{repo_id}: the routed experts of layer {layer} are stored as {dtypes[name]} ({name}), "
+                    f"which expertmesh cannot decode yet (it decodes experts stored as {known})"
+                )
+    for name in sorted(plan.core):
+        if dtypes[name] not in SAFETENSORS_DTYPES:
+            raise UnsupportedModelError(
+                f"{repo_id}: the core tensor {name} is stored as {dtypes[name]}, which MLX cannot load yet, "
+                "so expertmesh cannot run this model yet"
+            )
 
 
 def _gap_fillers(slices: list[TensorSlice], dropped: dict[tuple[str, int], TensorEntry]) -> list[TensorSlice]:
@@ -487,7 +508,7 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
             experts[(layer, expert)] = (inputs, text)
     for name, uses in shared_inputs.items():
         dtype, shape = tensors[name]
-        if uses > 1 and DTYPE_BYTES[dtype] * _count(shape) > SHARED_INPUT_MAX_BYTES:
+        if uses > 1 and tensor_nbytes(dtype, shape) > SHARED_INPUT_MAX_BYTES:
             raise UnsupportedModelError(cannot.format(f"{name}, one tensor every expert reads whole"))
     expert_inputs = {name for inputs, _ in experts.values() for name, _ in inputs}
     standins = _core_needs_expert_standins(model, model_type, tensors, core, expert_inputs, core_out, streamed)
@@ -562,13 +583,6 @@ def _parameter_names(model: Any) -> set[str]:
     from expertmesh.node.model import mlx_lm_models  # imported when needed, as in `_plan`
 
     return set(mlx_lm_models.flat_parameters(model))
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _sample(names: list[str], n: int = 3) -> str:

@@ -75,7 +75,7 @@ FETCH_BUCKETS_S = (
 ROLES = ("full", "cache")
 # Every label name a node's own metrics use (`le` is the histograms'); the API's are in
 # coordinator/api_metrics.py's LABELS.
-LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "kind", "state", "le")
+LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "kind", "state", "bucket", "le")
 TIERS = ("ram", "disk")
 # Reasons always exported (as 0 until they happen), so an "errors by reason" panel has data on a
 # healthy household; others (gRPC status names) appear when they first happen.
@@ -278,6 +278,7 @@ class _StateCollector(Collector):
         for reason, n in hub.items():
             hub_errors.add_metric([reason], n)
         yield hub_errors
+        yield from _rate_limit_metrics()
 
         if src.core is not None:
             core = src.core.stats
@@ -297,6 +298,29 @@ class _StateCollector(Collector):
                 "Bytes of a streamed core in memory now: what it keeps, its pinned layers, and the layers in flight.",
                 value=src.core.held_bytes,
             )
+
+
+def _rate_limit_metrics() -> Iterator:
+    """The Hub's rate limits as this process met them (node/hub/rate_limit.py's one gate), by the
+    bucket the Hub named (`resolvers`: file downloads, every expert; `api`; others as they come)."""
+    from expertmesh.node.hub.rate_limit import BUCKETS, GATE
+
+    limited = CounterMetricFamily(
+        PREFIX + "hub_rate_limited",
+        "Answers of HTTP 429 for a used-up Hub rate limit (RateLimit r=0, or Retry-After), by bucket; each "
+        "closed the bucket's gate, which every request of this process waited on.",
+        labels=["bucket"],
+    )
+    waited = CounterMetricFamily(
+        PREFIX + "hub_rate_limit_wait_seconds",
+        "Seconds the Hub's rate limit kept a bucket's gate closed, counted once however many requests waited.",
+        labels=["bucket"],
+    )
+    counts, seconds = dict(GATE.limited), dict(GATE.waited_s)
+    for bucket in sorted(set(BUCKETS) | set(counts) | set(seconds)):
+        limited.add_metric([bucket], counts.get(bucket, 0))
+        waited.add_metric([bucket], seconds.get(bucket, 0.0))
+    yield from (limited, waited)
 
 
 class NodeMetrics:
