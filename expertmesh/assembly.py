@@ -368,9 +368,11 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
 
         table = node.peers
         owns = lambda key: table.ranked(expert_key(index, *key))[0] is None  # noqa: E731 - only the owner fills
+    # one spare slot per fetch worker: experts in use beyond what the budget keeps
+    ram = RamCache.for_model(ram_bytes, index, core.codec, s.ram_policy, spare_slots=s.fetch_concurrency)
     node.store = ExpertStore(
         index,
-        RamCache(ram_bytes, s.ram_policy),
+        ram,
         chain,
         workers=s.fetch_concurrency,
         prefetch=s.prefetch,

@@ -32,6 +32,7 @@ from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.service import NodeService
 from expertmesh.v1 import node_pb2, node_pb2_grpc
+from tests.store_calls import compute_here
 
 SECRET = "remote-test-secret"
 PROMPT = "Move activations, not experts"
@@ -168,11 +169,10 @@ def _compute(pair: Pair, request: node_pb2.ComputeExpertsRequest) -> node_pb2.Co
 def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
     pair = pairs("kimi_k3")
     block = pair.me.model.blocks[0]
-    layer = block.layer
     held, rows, request = _held_request(pair)
     response = _compute(pair, request)
     assert [x.expert for x in response.experts] == held and not response.missing
-    local = block.compute(pair.me.store.get_layer(layer, held), rows)
+    local = compute_here(block, pair.me.store, held, rows)
     for x in response.experts:
         remote = np.array(activations.decode(x.rows, block.output_dims, rows=rows[x.expert].shape[0]))
         np.testing.assert_allclose(remote, np.array(local[x.expert]), rtol=1e-6, atol=1e-7)

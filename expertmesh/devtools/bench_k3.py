@@ -223,6 +223,19 @@ def _expert_files(home: Path) -> list[str]:
     return sorted(str(p) for p in (home / "experts").glob("*/*/*/*.bin"))
 
 
+def _take(store, layer: int, experts: list[int], guess=None) -> None:
+    """A layer's experts as a block takes them: each group placed in RAM-tier slots (MLX thread)."""
+    from expertmesh.node.engine.model_thread import model_thread
+
+    for group in store.layer_groups(layer, experts, guess=guess):
+        model_thread().call(_place, group)
+
+
+def _place(group) -> None:
+    with group.placed():
+        pass
+
+
 def _replay(spec: dict, home: Path) -> dict:
     """K3's regime without compute: top-k fresh experts a layer, the true next routing as the guess."""
     import numpy as np
@@ -237,10 +250,10 @@ def _replay(spec: dict, home: Path) -> dict:
         for _ in range(spec["tokens"]):
             plan.append([rng.choice(per_layer[layer], spec["top_k"], replace=False).tolist() for layer in layers])
         flat = [(layer, experts) for token in plan for layer, experts in zip(layers, token)]
-        store.get_layer(*flat[0])  # untimed: connections made, the first layer's experts in flight
+        _take(store, *flat[0])  # untimed: connections made, the first layer's experts in flight
         phase = _Phase(store, spec["hub_url"])
         for (layer, experts), nxt in zip(flat[1:], [*flat[2:], None]):
-            store.get_layer(layer, experts, guess=nxt)
+            _take(store, layer, experts, guess=nxt)
         return {**phase.since(), "tokens": spec["tokens"]}
     finally:
         sm.close()

@@ -56,7 +56,6 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
-from expertmesh.node.engine.blocks import expert_uses_by_row
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     EmptyPromptError,
@@ -290,6 +289,7 @@ class BatchEngine:
             seq.todo, seq.cache = list(seq.prompt), make_prompt_cache(sm.model)
             seq.sampler = make_row_sampler(seq.settings)
             seq.summary.prompt_tokens = len(seq.prompt)
+            sm.settle()  # what an earlier pass used is not this request's
             seq.before = sm.store.stats.snapshot()
             detok = sm.tokenizer.detokenizer  # a copy per caller
             detok.reset()
@@ -321,8 +321,8 @@ class BatchEngine:
     def _decode(self) -> None:
         """One token for every row: one forward pass over the batch."""
         rows = self._rows
-        with expert_uses_by_row([s.uses for s in rows]):
-            logits = self.sm.model(mx.array([[s.next_token] for s in rows]), cache=self._cache)[:, -1, :]
+        tokens = mx.array([[s.next_token] for s in rows])
+        logits = self.sm.forward(tokens, self._cache, ledgers=[s.uses for s in rows])[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
         self.steps += 1
@@ -340,17 +340,15 @@ class BatchEngine:
     def _prefill(self, seq: _Sequence, budget: int) -> int:
         """Feed up to `budget` of `seq`'s prompt as `Generator._prefill` does (all but the last
         token in chunks, then the last alone, which gives the first token); returns tokens fed."""
-        model = self.sm.model
+        sm = self.sm
         if len(seq.todo) > 1:
             n = min(budget, len(seq.todo) - 1)
             chunk, seq.todo = seq.todo[:n], seq.todo[n:]
-            with expert_uses_by_row([seq.uses]):
-                model(mx.array(chunk)[None], cache=seq.cache)
-                mx.eval([c.state for c in seq.cache])
+            sm.forward(mx.array(chunk)[None], seq.cache, ledgers=[seq.uses])
+            mx.eval([c.state for c in seq.cache])
             seq.fed += n
             return n
-        with expert_uses_by_row([seq.uses]):
-            logits = model(mx.array(seq.todo)[None], cache=seq.cache)[:, -1, :]
+        logits = sm.forward(mx.array(seq.todo)[None], seq.cache, ledgers=[seq.uses])[:, -1, :]
         seq.fed, seq.todo = seq.fed + 1, []
         self._prefilling.remove(seq)
         if self._emit(seq, logits - mx.logsumexp(logits, keepdims=True)):
@@ -400,6 +398,7 @@ class BatchEngine:
     def _close_summary(self, seq: _Sequence) -> None:
         summary = seq.summary
         summary.seconds = time.perf_counter() - seq.t0
+        self.sm.settle()  # the last pass's resident layers, into every ledger of that pass
         if seq.before is not None:
             experts = self.sm.store.stats.since(seq.before)
             own = seq.uses.snapshot()  # the request's own expert uses, not its batch's (module docstring)

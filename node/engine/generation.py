@@ -153,6 +153,14 @@ class GenerationSummary:
             if self.experts.uses[s] or s in ("ram", "hub")
         ]
         out.append(f"expert uses by source: {', '.join(parts)}; {self.experts.total_uses} in all")
+        resident, streamed = self.experts.layers["resident"], self.experts.layers["streamed"]
+        if resident and not streamed:
+            out.append("all experts resident: every MoE layer ran from RAM slots without a sync, one sync per token")
+        elif resident:
+            out.append(
+                f"{resident} of {resident + streamed} MoE layer passes ran on resident experts without a sync; "
+                "the rest synced once each to read their routing"
+            )
         pf = self.experts.prefetch
         if pf["issued"]:
             out.append(
@@ -252,7 +260,7 @@ class Generator:
         self.history: list[int] = []  # exactly the tokens the cache has seen
 
     def _forward(self, tokens: list[int]) -> mx.array:
-        logits = self.sm.model(mx.array(tokens)[None], cache=self.cache)
+        logits = self.sm.forward(mx.array(tokens)[None], self.cache)
         self.history.extend(tokens)
         return logits
 
@@ -419,6 +427,7 @@ class Generator:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
         detok = self.sm.tokenizer.detokenizer
         detok.reset()
+        self.sm.settle()  # what an earlier pass used is not this generation's
         before = self.sm.store.stats.snapshot()
         t0 = time.perf_counter()
         if self.observer is not None:
@@ -440,6 +449,7 @@ class Generator:
             detok.finalize()
             summary.trailing_text = detok.last_segment
         finally:
+            self.sm.settle()  # the last pass's resident layers: evaluated by now, counted now
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
             observe_request(self.observer, summary.seconds)
