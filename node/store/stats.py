@@ -83,6 +83,15 @@ class StoreStats:
         if self.observer is not None:
             self.observer(source, nbytes, seconds)
 
+    def record_ram(self, sizes: list[int]) -> None:
+        """Uses answered from RAM at once, one per size in `sizes` (a resident layer's experts)."""
+        with self._lock:
+            self.uses["ram"] += len(sizes)
+            self.bytes["ram"] += sum(sizes)
+        if self.observer is not None:
+            for nbytes in sizes:
+                self.observer("ram", nbytes, 0.0)
+
     def snapshot(self) -> StoreStats:
         with self._lock:
             return StoreStats(

@@ -213,8 +213,7 @@ class ExpertStore:
         layer whose experts are all resident runs without a sync (engine/blocks.py), and its
         routing is read, and counted here, once its pass has been evaluated."""
         self._begin_layer(layer, experts, record=True)
-        for e in experts:
-            self.stats.record("ram", self.index.expert(layer, e).nbytes)
+        self.stats.record_ram([self.index.expert(layer, e).nbytes for e in experts])
         self.ram.touch([(layer, e) for e in experts])
 
     def _start(

@@ -52,6 +52,7 @@ class SlotPool:
     capacity: int
     layers: frozenset[int]
     policy: object
+    keeps_all: bool = False  # the policy's budget holds every expert of the layers: it never evicts
     free: list[int] = field(default_factory=list)
     # projection -> array kind -> (capacity, *shape); made at the first write (on the MLX thread)
     arrays: dict[str, dict[str, mx.array]] | None = None
@@ -106,8 +107,10 @@ class RamCache:
         for layout, layers in by_layout.items():
             share = budget_bytes * len(layers) // max(1, len(layouts))
             kept = share // max(1, layout.nbytes)
-            capacity = min(kept + max(0, spare_slots), sum(self.experts.get(la, 0) for la in layers))
-            pool = SlotPool(layout, capacity, frozenset(layers), make_policy(policy, kept), list(range(capacity))[::-1])
+            total = sum(self.experts.get(la, 0) for la in layers)
+            capacity = min(kept + max(0, spare_slots), total)
+            pool = SlotPool(layout, capacity, frozenset(layers), make_policy(policy, kept), kept >= total)
+            pool.free = list(range(capacity))[::-1]
             for layer in layers:
                 self._pools[layer] = pool
         self._slot: dict[ExpertKey, int] = {}  # every expert that has a slot: resident or pinned
@@ -190,7 +193,10 @@ class RamCache:
         return out
 
     def touch(self, keys: list[ExpertKey]) -> None:
-        """Uses of resident experts that ran without pins (engine/blocks.py's resident layers)."""
+        """Uses of resident experts that ran without pins (engine/blocks.py's resident layers).
+        A pool that keeps every expert of its layers evicts nothing: its policy need not hear."""
+        if keys and self._pools[keys[0][0]].keeps_all:
+            return
         with self._lock:
             for key in keys:
                 pool = self._pools[key[0]]
@@ -254,17 +260,17 @@ class RamCache:
         self._maps[layer] = (version, slot_map)
         return slot_map
 
-    def stack_buffers(self) -> dict[tuple[int, str, str], int]:
-        """Where each stack's buffer is, by (pool, projection, kind): a write that copied a stack
-        instead of writing its slot in place moves it (tests and `bench --compute` look). Reading
-        evaluates the stacks (MLX thread)."""
+    def stack_buffers(self) -> dict[tuple[int, str, str], tuple[int, int]]:
+        """Where each stack's buffer is, and its bytes, by (pool, projection, kind): a write that
+        copied a stack instead of writing its slot in place moves it (tests and `bench --compute`
+        look). Reading evaluates the stacks (MLX thread)."""
         out = {}
         for n, pool in enumerate({id(p): p for p in self._pools.values()}.values()):
             for name, stacks in (pool.arrays or {}).items():
                 for kind, stack in stacks.items():
                     view = memoryview(stack)
                     try:
-                        out[(n, name, kind)] = np.asarray(view).ctypes.data
+                        out[(n, name, kind)] = (np.asarray(view).ctypes.data, stack.nbytes)
                     finally:
                         view.release()
         return out
