@@ -29,6 +29,7 @@ tier served each expert.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -275,7 +276,7 @@ class StreamingExperts(nn.Module):
         by_expert = flat[order]
         x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
         parts = []
-        for group in (first, *groups):
+        for group in itertools.chain([first], groups):  # one at a time: a group is fetched as the last is computed
             lo, hi = min(group.served), max(group.served)
             a, b = int(np.searchsorted(by_expert, lo)), int(np.searchsorted(by_expert, hi, side="right"))
             with self.placed(store, group) as slots:
