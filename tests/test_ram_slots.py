@@ -114,3 +114,31 @@ def test_a_layer_with_every_expert_kept_maps_ids_to_slots_on_the_device() -> Non
     held = mx.take(stack, slot_map, axis=0)[:, 0, 0]  # expert e through the map, on the device
     assert np.array(held).tolist() == [200 + e for e in range(EXPERTS)]
     assert ram.slot_map(2) is slot_map  # made once while nothing changes
+
+
+def test_stacks_larger_than_the_devices_largest_buffer_are_split_by_layers() -> None:
+    layout = _expert(1, 0).layout()
+    largest = max(
+        n
+        for _, arrays, _ in layout.projections
+        for _, shape, dtype in arrays
+        for n in [int(np.prod(shape)) * dtype.size]
+    )
+    budget = 2 * EXPERTS * EXPERT_BYTES  # every expert of both layers
+    whole = RamCache(budget, {la: layout for la in LAYERS}, dict.fromkeys(LAYERS, EXPERTS), "lru", 0)
+    split = RamCache(
+        budget,
+        {la: layout for la in LAYERS},
+        dict.fromkeys(LAYERS, EXPERTS),
+        "lru",
+        0,
+        max_stack_bytes=EXPERTS * largest,
+    )
+    assert whole.pool(1) is whole.pool(2) and whole.capacity == 2 * EXPERTS
+    assert split.pool(1) is not split.pool(2) and split.capacity == EXPERTS  # each layer's share of the budget
+    for layer in LAYERS:
+        for e in range(EXPERTS):
+            split.place((layer, e), _expert(layer, e))
+            split.release([(layer, e)])
+    assert split.resident(1) and split.resident(2) and _held(split, (2, 5)) == 205
+    assert all(nbytes <= EXPERTS * largest for _, nbytes in split.stack_buffers().values())

@@ -1,6 +1,7 @@
 """Continuous batching: several generations share every forward pass, so each step asks the store
 once per MoE layer for the union of the batch's experts and computes each expert on all of its
-rows together (engine/blocks.py already does so for any number of rows).
+rows together (engine/blocks.py already does so for any number of rows). The batch hands each
+pass its rows' ledgers (`StreamedModel.forward(..., ledgers=...)`).
 
 Sequences join and leave between steps. The machinery is mlx-lm's own: every cache of the model
 is merged into its batched form (`KVCache.merge` -> `BatchKVCache` with left padding,
@@ -13,9 +14,10 @@ exactly as `mlx_lm.generate.BatchGenerator` does. What differs from BatchGenerat
   several prompts together with right padding instead. Prefill is chunked (`prefill_step` tokens
   a turn, shared by the joiners), and each turn also runs one decode step of the batch, so a long
   prompt delays the running conversations by one chunk per step, never by its whole length;
-- no `async_eval` pipelining: every MoE layer synchronises to learn its routing anyway, and
-  computing step n+1 before handing out step n's tokens would cost each finished sequence a
-  forward pass (and its experts) that nobody reads, and each new one a step of time to first token;
+- no `async_eval` pipelining: a MoE layer whose experts must be fetched synchronises to learn its
+  routing anyway, and computing step n+1 before handing out step n's tokens would cost each
+  finished sequence a forward pass (and its experts) that nobody reads, and each new one a step of
+  time to first token;
 - each row samples with its own sampler, and a seeded one carries its own random key, split as
   MLX's global key is after `mx.random.seed`: a seeded request samples what it would alone.
 

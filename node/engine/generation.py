@@ -1,9 +1,12 @@
 """Token generation on a streamed model: the same steps as mlx-lm's `generate_step`, one token
 at a time, so the KV cache and recurrent state always hold exactly the tokens we fed.
 
-mlx-lm pipelines the next step with `async_eval`; we cannot gain from that (every MoE layer
-synchronises to learn its routing), and stepping plainly lets Ctrl-C stop between tokens with
-the cache consistent, which multi-turn chat relies on.
+mlx-lm pipelines the next step with `async_eval`. We step plainly: where experts must be fetched
+every MoE layer synchronises to learn its routing, so there is nothing to overlap; and stepping
+plainly lets Ctrl-C stop between tokens with the cache holding exactly the tokens fed, which
+multi-turn chat relies on (a pipelined step feeds a token nobody may read, and a recurrent state
+cannot give one back). A model whose experts are all resident syncs once a token either way
+(engine/blocks.py); on Metal, overlapping its graph building with the GPU is what is left.
 
 Whoever iterates `generate`, every step runs on the process's MLX thread
 (node/engine/model_thread.py), one token per turn: the caller's thread only waits for tokens.

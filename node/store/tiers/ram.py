@@ -22,8 +22,10 @@ wants at once (the store's `hold_limit`). An expert in use is pinned: its slot i
 until it is released, even if the policy evicts it meanwhile. When every slot is resident or
 pinned, the least recently used unpinned expert gives its slot up. Layers whose experts are
 stored alike share one pool of slots (every model we know has one layout); a model with several
-splits the budget between them by their numbers of layers. A pool's stacks are made when its
-first expert arrives, at its full capacity (never grown: growing would copy them).
+splits the budget between them by their numbers of layers, and so does a pool whose stacks would
+be larger than the device's largest buffer (Metal's `max_buffer_length`), split into runs of
+consecutive layers. A pool's stacks are made when its first expert arrives, at its full capacity
+(never grown: growing would copy them).
 
 Thread-safety: the bookkeeping (which expert is in which slot, pins, the policy) is under one lock
 and may be asked from any thread; the arrays are made and written on the MLX thread only.
@@ -85,6 +87,8 @@ class RamCache:
         experts: each MoE layer's number of routed experts.
         policy: the replacement policy's name (store/policies.py).
         spare_slots: slots beyond the budget for experts in use that the policy does not keep.
+        max_stack_bytes: the largest array the device makes (Metal's `max_buffer_length`); a pool
+            whose stacks would be larger is split into pools of fewer layers. None: no limit.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class RamCache:
         experts: dict[int, int],
         policy: str = DEFAULT_POLICY,
         spare_slots: int = 0,
+        max_stack_bytes: int | None = None,
     ):
         self.budget_bytes = budget_bytes
         self.policy_name = policy
@@ -102,17 +107,11 @@ class RamCache:
         self._lock = threading.Lock()
         self._pools: dict[int, SlotPool] = {}  # layer -> its pool
         by_layout: dict[SlotLayout, list[int]] = {}
-        for layer, layout in layouts.items():
+        for layer, layout in sorted(layouts.items()):
             by_layout.setdefault(layout, []).append(layer)
         for layout, layers in by_layout.items():
-            share = budget_bytes * len(layers) // max(1, len(layouts))
-            kept = share // max(1, layout.nbytes)
-            total = sum(self.experts.get(la, 0) for la in layers)
-            capacity = min(kept + max(0, spare_slots), total)
-            pool = SlotPool(layout, capacity, frozenset(layers), make_policy(policy, kept), kept >= total)
-            pool.free = list(range(capacity))[::-1]
-            for layer in layers:
-                self._pools[layer] = pool
+            for part in _split(layers, layout, budget_bytes, len(layouts), spare_slots, max_stack_bytes):
+                self._add_pool(layout, part, budget_bytes * len(part) // max(1, len(layouts)), spare_slots)
         self._slot: dict[ExpertKey, int] = {}  # every expert that has a slot: resident or pinned
         self._pins: dict[ExpertKey, int] = {}
         self._resident: dict[int, int] = dict.fromkeys(self.experts, 0)  # layer -> experts the policy keeps
@@ -122,6 +121,15 @@ class RamCache:
         self.evictions = 0
         self.slot_writes = 0  # experts written into slots (each copies one expert's bytes)
 
+    def _add_pool(self, layout: SlotLayout, layers: list[int], budget_bytes: int, spare_slots: int) -> None:
+        kept = budget_bytes // max(1, layout.nbytes)
+        total = sum(self.experts.get(la, 0) for la in layers)
+        capacity = min(kept + max(0, spare_slots), total)
+        pool = SlotPool(layout, capacity, frozenset(layers), make_policy(self.policy_name, kept), kept >= total)
+        pool.free = list(range(capacity))[::-1]
+        for layer in layers:
+            self._pools[layer] = pool
+
     @classmethod
     def for_model(
         cls,
@@ -130,6 +138,7 @@ class RamCache:
         codec: ExpertCodec,
         policy: str = DEFAULT_POLICY,
         spare_slots: int = 0,
+        max_stack_bytes: int | None = None,
     ) -> RamCache:
         """The tier for `index`'s model: each MoE layer's layout from `codec`, its size from the index."""
         first: dict[int, ExpertLocation] = {}
@@ -138,7 +147,7 @@ class RamCache:
             first.setdefault(layer, loc)
             experts[layer] = experts.get(layer, 0) + 1
         layouts = {layer: codec.layout(loc) for layer, loc in first.items()}
-        return cls(budget_bytes, layouts, experts, policy, spare_slots)
+        return cls(budget_bytes, layouts, experts, policy, spare_slots, max_stack_bytes)
 
     # -- what is held (any thread) ------------------------------------------------------------
 
@@ -298,3 +307,27 @@ class RamCache:
                 self.evictions += 1
                 self._let_go(pool, key)
                 return
+
+
+def _split(
+    layers: list[int],
+    layout: SlotLayout,
+    budget_bytes: int,
+    all_layers: int,
+    spare_slots: int,
+    max_stack_bytes: int | None,
+) -> list[list[int]]:
+    """`layers` (of one layout) in as few runs of consecutive layers as keep each pool's largest
+    stack within `max_stack_bytes`."""
+    if max_stack_bytes is None:
+        return [layers]
+    largest = max(
+        (int(np.prod(shape)) * dtype.size for _, arrays, _ in layout.projections for _, shape, dtype in arrays),
+        default=1,
+    )
+    for parts in range(1, len(layers) + 1):
+        size = -(-len(layers) // parts)
+        kept = budget_bytes * size // max(1, all_layers) // max(1, layout.nbytes)
+        if (kept + spare_slots) * largest <= max_stack_bytes or size == 1:
+            return [layers[i : i + size] for i in range(0, len(layers), size)]
+    return [layers]
