@@ -149,10 +149,10 @@ class _DiskWatch:
         lock = threading.Lock()  # the fetch threads check at once
         finish, check = store._finish, store.chain.digests.check_local
 
-        def timed_finish(layer, got, waiting):  # every layer call and every group of one ends here
+        def timed_finish(layer, *started):  # every layer call and every group of one ends here
             before = store.stats.uses["disk"]
             t0 = time.perf_counter()
-            out = finish(layer, got, waiting)
+            out = finish(layer, *started)
             if store.stats.uses["disk"] != before:
                 self.wait_s += time.perf_counter() - t0
             return out
