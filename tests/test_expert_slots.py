@@ -35,12 +35,16 @@ def _warm(sm) -> None:
 
 
 def _decode_syncs(sm, ids: list[int], summary: GenerationSummary) -> tuple[list[int], float]:
-    """Greedy tokens, and the host syncs per token after the first (the first is the prefill's)."""
+    """Greedy tokens, and the host syncs per token after the first (the first is the prefill's).
+    Each token's expert uses are counted by the time it is handed out (Generate streams them)."""
     tokens, marks = [], []
+    before = sm.store.stats.snapshot()
     with GraphCounter() as counts:
         for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=TOKENS), summary=summary):
             tokens.append(t.id)
             marks.append(counts.syncs)
+            seen = sm.store.stats.since(before).total_uses
+    assert summary.stop_reason == "length" and seen == summary.experts.total_uses > 0
     return tokens, (marks[-1] - marks[0]) / (len(marks) - 1)
 
 

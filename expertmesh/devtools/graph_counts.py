@@ -66,8 +66,8 @@ class GraphCounter:
         self._fast_sizes: dict[tuple, int] = {}  # a fast op's CPU decomposition, in kernels
         self._fast_extra = 0  # kernels counted for fast ops beyond one each
         self._pending: set[int] = set()  # ids of arrays handed to async_eval, not read since
-        self._lock = threading.RLock()
-        self._busy = threading.local()
+        self._lock = threading.RLock()  # one forcing call counted at a time, by whichever thread
+        self._inside = False  # counting now: forcing calls the counting makes itself are not counted
         self._undo: list[Callable[[], None]] = []
         self._dot = Path(tempfile.mkdtemp(prefix="expertmesh-graph-")) / "graph.dot"
 
@@ -80,11 +80,11 @@ class GraphCounter:
         return Counter(m.group(1) for m in _NODE.finditer(self._dot.read_text()))
 
     def _forced(self, arrays: list[mx.array], waits: bool) -> None:
-        if getattr(self._busy, "on", False):
-            return
-        self._busy.on = True
-        try:
-            with self._lock:
+        with self._lock:
+            if self._inside:
+                return
+            self._inside = True
+            try:
                 nodes = self._graph(arrays)
                 kernels = {k: n for k, n in nodes.items() if k not in NO_KERNEL}
                 self.by_kind.update(kernels)
@@ -97,13 +97,11 @@ class GraphCounter:
                         self.syncs += 1
                 else:
                     self._pending.update(id(a) for a in arrays)
-        finally:
-            self._busy.on = False
+            finally:
+                self._inside = False
 
     def _fast(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> mx.array:
         out = fn(*args, **kwargs)
-        if getattr(self._busy, "on", False):
-            return out
         key = (
             name,
             tuple((tuple(a.shape), a.dtype) if isinstance(a, mx.array) else repr(a) for a in args),
@@ -113,9 +111,11 @@ class GraphCounter:
                 )
             ),
         )
-        self._busy.on = True
-        try:
-            with self._lock:
+        with self._lock:
+            if self._inside:
+                return out
+            self._inside = True
+            try:
                 size = self._fast_sizes.get(key)
                 if size is None:
                     fresh = [mx.zeros(a.shape, a.dtype) if isinstance(a, mx.array) else a for a in args]
@@ -126,8 +126,8 @@ class GraphCounter:
                     nodes = self._graph([fn(*fresh, **fresh_kw)])
                     size = self._fast_sizes[key] = max(1, sum(n for k, n in nodes.items() if k not in NO_KERNEL))
                 self._fast_extra += size - 1
-        finally:
-            self._busy.on = False
+            finally:
+                self._inside = False
         return out
 
     @property

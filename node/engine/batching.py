@@ -362,6 +362,7 @@ class BatchEngine:
         whether it goes on (the same stops as `Generator._plain`, in the same order)."""
         y = seq.sampler(logprobs)
         mx.eval(y, logprobs)
+        self.sm.settle()  # the pass's uses are in its rows' ledgers before a token is handed out
         token = seq.book.emit(int(y.item()), logprobs.squeeze(0))
         if token is None:
             self._finish(seq, "eos")

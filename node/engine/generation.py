@@ -287,6 +287,7 @@ class Generator:
         for _ in range(book.settings.max_tokens):
             y = sampler(logprobs)
             mx.eval(y, logprobs)
+            self.sm.settle()  # the pass's uses are counted before its token is handed out
             token = book.emit(int(y.item()), logprobs.squeeze(0))
             if token is None:
                 summary.stop_reason = "eos"
@@ -348,6 +349,7 @@ class Generator:
                     y = sampler(rows[:1])  # exactly the plain path's step
                     mx.eval(y)
                     j, nxt = 0, int(y.item())
+                self.sm.settle()  # the pass's uses are counted before its tokens are handed out
                 out, settled, stop = [], False, None
                 for i, tok in enumerate([*draft.tokens[:j], nxt]):
                     token = book.emit(tok, rows[i])

@@ -58,7 +58,8 @@ class StreamedModel:
         """mlx-lm's forward pass of `inputs` (lazy logits), its expert uses counted: in the store,
         and with `ledgers` (a batch's: one StoreStats per row of `inputs`) per row too. Layers
         whose experts are all resident run without a sync; their uses are counted when the pass
-        is settled, by the next `forward` or by `settle`, once the logits have been evaluated.
+        is settled: by `settle`, which a caller calls once the logits are evaluated and before it
+        hands out a token (so a token's uses are counted with it), or else by the next `forward`.
         MLX thread only."""
         self.settle()
         expert_pass = self._pass = ExpertPass(ledgers)
