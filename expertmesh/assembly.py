@@ -357,6 +357,7 @@ def _join_household(node: Node, household: HouseholdConfig) -> None:
 
 def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, digests: DigestBook) -> None:
     """The core in memory, the store over the tiers, and the expert blocks bound to it."""
+    from expertmesh.node.engine.memory import device_memory
     from expertmesh.node.engine.streamed_model import load_streamed_model
     from expertmesh.node.household.warm import warm_order
     from expertmesh.node.store.store import ExpertStore
@@ -383,9 +384,19 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
 
         table = node.peers
         owns = lambda key: table.ranked(expert_key(index, *key))[0] is None  # noqa: E731 - only the owner fills
+    # one spare slot per fetch worker: experts in use beyond what the budget keeps; no stack larger
+    # than the device's largest buffer (Metal's max_buffer_length)
+    ram = RamCache.for_model(
+        ram_bytes,
+        index,
+        core.codec,
+        s.ram_policy,
+        spare_slots=s.fetch_concurrency,
+        max_stack_bytes=device_memory().max_buffer_bytes,
+    )
     node.store = ExpertStore(
         index,
-        RamCache(ram_bytes, s.ram_policy),
+        ram,
         chain,
         workers=s.fetch_concurrency,
         prefetch=s.prefetch,

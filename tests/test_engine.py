@@ -35,6 +35,7 @@ from expertmesh.node.engine.chat import ChatSession
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.hub.pull import pull
+from tests.store_calls import take_layer
 
 LOGIT_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2**-5}  # measured: 0.0 everywhere (see above)
 PROMPTS = ("hello experts", "The quick brown fox", "for layer in range")
@@ -359,14 +360,14 @@ def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path:
         wanted = [list(range(i, i + 8)) for i in range(0, 16, 2)]  # 8 overlapping sets, 22 distinct experts
         results: list[dict] = [{} for _ in wanted]
         threads = [
-            threading.Thread(target=lambda r=r, w=w: r.update(sm.store.get_layer(layer, w)), daemon=True)
+            threading.Thread(target=lambda r=r, w=w: r.update(take_layer(sm.store, layer, w)), daemon=True)
             for r, w in zip(results, wanted)
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(30)  # a deadlocked daemon thread only holds this throw-away store
-        assert not any(t.is_alive() for t in threads), "get_layer deadlocked"
+        assert not any(t.is_alive() for t in threads), "layer_groups deadlocked"
         assert [sorted(r) for r in results] == wanted
         distinct = {e for w in wanted for e in w}
         sent = hub.stats()["bytes_served"] - served_before

@@ -34,6 +34,7 @@ from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.service import NodeService
 from expertmesh.v1 import node_pb2, node_pb2_grpc
+from tests.store_calls import compute_here
 
 SECRET = "remote-test-secret"
 PROMPT = "Move activations, not experts"
@@ -170,14 +171,57 @@ def _compute(pair: Pair, request: node_pb2.ComputeExpertsRequest) -> node_pb2.Co
 def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
     pair = pairs("kimi_k3")
     block = pair.me.model.blocks[0]
-    layer = block.layer
     held, rows, request = _held_request(pair)
     response = _compute(pair, request)
     assert [x.expert for x in response.experts] == held and not response.missing
-    local = block.compute(pair.me.store.get_layer(layer, held), rows)
+    local = compute_here(block, pair.me.store, held, rows)
     for x in response.experts:
         remote = np.array(activations.decode(x.rows, block.output_dims, rows=rows[x.expert].shape[0]))
         np.testing.assert_allclose(remote, np.array(local[x.expert]), rtol=1e-6, atol=1e-7)
+
+
+def _watch_store(store, handed: list[int], judged: list[set[int]]):
+    """Record the size of each group the store hands over and each routing that judges guesses."""
+    groups, settle = store.layer_groups, store.prefetcher.settle
+
+    def layer_groups(layer, experts, **kw):
+        for group in groups(layer, experts, **kw):
+            handed.append(len(group.served))
+            yield group
+
+    def judging(layer, demanded):
+        judged.append(set(demanded))
+        return settle(layer, demanded)
+
+    store.layer_groups, store.prefetcher.settle = layer_groups, judging
+
+
+@pytest.mark.parametrize("peer", ["honest", "nan"])
+def test_remote_execution_asks_the_store_as_a_local_pass_does(pairs, peer: str) -> None:
+    """Remote execution goes through the store's one entry point. The whole routing of a pass,
+    experts computed on the peer included, judges the guesses made for the layer; and the
+    experts of a long prompt that run here (all of them, once the peer answers garbage) come in
+    groups within the hold limit."""
+    pair = pairs("kimi_k3")
+    pair.service.mode = peer
+    store, sm = pair.me.store, pair.me.model
+    handed: list[int] = []
+    judged: list[set[int]] = []
+    before = store.stats.snapshot()
+    _watch_store(store, handed, judged)
+    try:
+        ids = sm.tokenizer.encode(PROMPT * 6)
+        list(Generator(sm).generate(ids, SamplingSettings(max_tokens=2)))
+    finally:
+        del store.layer_groups, store.prefetcher.settle
+    d = store.stats.since(before)
+    assert sum(len(j) for j in judged) == d.total_uses  # every routed expert judged, wherever it ran
+    if peer == "honest":
+        assert d.uses["remote"] > 0
+    else:
+        limit = store.hold_limit()
+        assert d.remote["fallback_bad_output"] > 0 and d.uses["remote"] == 0
+        assert max(handed) <= limit < max(len(j) for j in judged)  # a layer wanted more: in groups
 
 
 def test_a_peer_reports_its_wait_for_the_mlx_thread_apart_from_its_compute(pairs) -> None:

@@ -105,6 +105,17 @@ def add_commands(sub) -> None:
         metavar="N",
         help="range requests in flight to the Hub in cold and warm_disk (default %(default)s)",
     )
+    p.add_argument(
+        "--compute",
+        action="store_true",
+        help="instead: kernels, syncs, host and CPU seconds and bytes copied per decode token beside mlx-lm, "
+        "for the k3_depth, qwen3_depth and demo shapes (see expertmesh/devtools/bench_compute.py)",
+    )
+    p.add_argument(
+        "--shapes",
+        metavar="NAME[,NAME...]",
+        help="--compute: which shapes, in order (default: k3_depth,qwen3_depth,demo)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=bench)
 
@@ -165,6 +176,8 @@ def tiny_model(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from expertmesh.devtools.bench import print_table, run_bench, write_json
 
+    if args.compute:
+        return _bench_compute(args)
     if args.model == "k3-proportions":
         return _bench_k3(args)
     doc = run_bench(
@@ -179,6 +192,25 @@ def bench(args: argparse.Namespace) -> int:
     print_table(doc)
     if args.json:
         write_json(doc, Path(args.json))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _bench_compute(args: argparse.Namespace) -> int:
+    from expertmesh.devtools import bench_compute
+
+    shapes = bench_compute.SHAPES
+    if args.shapes:
+        shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
+        unknown = [s for s in shapes if s not in bench_compute.SHAPES]
+        if unknown or not shapes:
+            raise ExpertmeshError(
+                f"--shapes: unknown {', '.join(unknown)}; choose from {', '.join(bench_compute.SHAPES)}"
+            )
+    doc = bench_compute.run(shapes, tokens=args.tokens or 24, progress=lambda m: print(m, file=sys.stderr))
+    bench_compute.print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -176,10 +176,10 @@ class _DiskWatch:
         lock = threading.Lock()  # the fetch threads check at once
         finish, check = store._finish, store.chain.digests.check_local
 
-        def timed_finish(layer, got, waiting):  # every layer call and every group of one ends here
+        def timed_finish(layer, *started):  # every layer call and every group of one ends here
             before = store.stats.uses["disk"]
             t0 = time.perf_counter()
-            out = finish(layer, got, waiting)
+            out = finish(layer, *started)
             if store.stats.uses["disk"] != before:
                 self.wait_s += time.perf_counter() - t0
             return out
@@ -255,6 +255,19 @@ def _expert_files(home: Path) -> list[str]:
     return sorted(str(p) for p in (home / "experts").glob("*/*/*/*.bin"))
 
 
+def _take(store, layer: int, experts: list[int], guess=None) -> None:
+    """A layer's experts as a block takes them: each group placed in RAM-tier slots (MLX thread)."""
+    from expertmesh.node.engine.model_thread import model_thread
+
+    for group in store.layer_groups(layer, experts, guess=guess):
+        model_thread().call(_place, group)
+
+
+def _place(group) -> None:
+    with group.placed():
+        pass
+
+
 def _replay(spec: dict, home: Path) -> dict:
     """K3's regime without compute: top-k fresh experts a layer, the true next routing as the guess."""
     import numpy as np
@@ -269,10 +282,10 @@ def _replay(spec: dict, home: Path) -> dict:
         for _ in range(spec["tokens"]):
             plan.append([rng.choice(per_layer[layer], spec["top_k"], replace=False).tolist() for layer in layers])
         flat = [(layer, experts) for token in plan for layer, experts in zip(layers, token)]
-        store.get_layer(*flat[0])  # untimed: connections made, the first layer's experts in flight
+        _take(store, *flat[0])  # untimed: connections made, the first layer's experts in flight
         phase = _Phase(store, spec["hub_url"])
         for (layer, experts), nxt in zip(flat[1:], [*flat[2:], None]):
-            store.get_layer(layer, experts, guess=nxt)
+            _take(store, layer, experts, guess=nxt)
         return {**phase.since(), "tokens": spec["tokens"], "hub_connections": store.chain.runs.connections}
     finally:
         sm.close()

@@ -62,6 +62,7 @@ class DeviceMemory:
 
     memory_bytes: int
     working_set_bytes: int | None = None
+    max_buffer_bytes: int | None = None  # the largest single array (Metal's max_buffer_length); None: no limit
 
     @property
     def limit_bytes(self) -> int:
@@ -77,7 +78,8 @@ def device_memory() -> DeviceMemory:
     info = _device_info()
     working_set = info.get("max_recommended_working_set_size")
     memory = info.get("memory_size") or _physical_memory()
-    return DeviceMemory(int(memory), int(working_set) if working_set else None)
+    largest = info.get("max_buffer_length")
+    return DeviceMemory(int(memory), int(working_set) if working_set else None, int(largest) if largest else None)
 
 
 def _device_info() -> dict:

@@ -6,6 +6,7 @@ tier, MLX's buffer cache, wiring — is planned in engine/memory.py."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,11 +14,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from expertmesh.node.engine.blocks import StreamingExperts
+from expertmesh.node.engine.blocks import ExpertPass, StreamingExperts
 from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.codec import ExpertCodec
 from expertmesh.node.model.expert_index import ExpertIndex
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class StreamedModel:
     # per-token observer (observability/metrics.py): prompt(n), first_token(s), token(s), speculative(k, j)
     token_observer: object | None = None
     _close: Callable[[], None] | None = field(default=None, repr=False)
+    _pass: ExpertPass | None = field(default=None, repr=False)  # the last forward pass, until settled
 
     @property
     def model_context(self) -> int | None:
@@ -65,6 +69,36 @@ class StreamedModel:
         for block in self.blocks:
             block.bind(store)
         return self
+
+    def forward(self, inputs: mx.array, cache, ledgers: list | None = None) -> mx.array:
+        """mlx-lm's forward pass of `inputs` (lazy logits), its expert uses counted: in the store,
+        and with `ledgers` (a batch's: one StoreStats per row of `inputs`) per row too. Layers
+        whose experts are all resident run without a sync; their uses are counted when the pass
+        is settled: by `settle`, which a caller calls once the logits are evaluated and before it
+        hands out a token (so a token's uses are counted with it), or else by the next `forward`.
+        MLX thread only."""
+        self.settle()
+        expert_pass = self._pass = ExpertPass(ledgers)
+        for block in self.blocks:
+            block._set("expert_pass", expert_pass)
+        return self.model(inputs, cache=cache)
+
+    def settle(self) -> None:
+        """Count the expert uses of the last forward pass not counted yet; call it once its output
+        is evaluated (before reading the store's counters), else reading them syncs."""
+        expert_pass, self._pass = self._pass, None
+        if expert_pass is None:
+            return
+        for block in self.blocks:
+            block._set("expert_pass", None)
+        try:
+            expert_pass.settle()
+        except RuntimeError:  # MLX could not evaluate the pass (it failed): its uses go uncounted
+            logger.debug("the last pass's resident expert uses were not counted", exc_info=True)
+
+    def all_resident(self) -> bool:
+        """Whether every expert of every MoE layer is in a RAM-tier slot (a pass then syncs once)."""
+        return self.store is not None and all(self.store.ram.resident(b.layer) for b in self.blocks)
 
     def close(self) -> None:
         if self._close is not None:

@@ -93,9 +93,25 @@ class ProjectionWeights:
         return sum(a.nbytes for a in arrays if a is not None)
 
 
+ARRAY_KINDS = ("weight", "scales", "biases", "bias")  # a projection's arrays, as mlx-lm's SwitchLinear names them
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """How one expert of a layer lies in a RAM-tier slot: for each projection, the shape and dtype
+    of each of its arrays (`ARRAY_KINDS`, absent ones left out) and how `gather_qmm` reads them.
+    Layers whose experts share a layout can share stacked arrays (node/store/tiers/ram.py)."""
+
+    projections: tuple[tuple[str, tuple[tuple[str, tuple[int, ...], mx.Dtype], ...], QuantSpec | None], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(shape)) * dtype.size for _, arrays, _ in self.projections for _, shape, dtype in arrays)
+
+
 @dataclass
 class ExpertWeights:
-    """One routed expert, ready for the kernels: held in the RAM tier and passed by reference."""
+    """One routed expert as decoded, on its way into a RAM-tier slot (node/store/tiers/ram.py)."""
 
     layer: int
     expert: int
@@ -104,6 +120,20 @@ class ExpertWeights:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.projections.values())
+
+    def layout(self) -> SlotLayout:
+        return SlotLayout(
+            tuple(
+                (
+                    name,
+                    tuple(
+                        (kind, tuple(a.shape), a.dtype) for kind in ARRAY_KINDS if (a := getattr(p, kind)) is not None
+                    ),
+                    p.quant,
+                )
+                for name, p in self.projections.items()
+            )
+        )
 
 
 def tensor_offsets(loc: ExpertLocation) -> dict[str, tuple[int, int]]:
@@ -210,6 +240,29 @@ class ExpertCodec:
         self.block_paths = block_paths
         self.input_dims = input_dims
         self.dense_dtype = dense_dtype
+        self._layouts: dict[tuple, SlotLayout] = {}
+
+    def layout(self, loc: ExpertLocation) -> SlotLayout:
+        """The slot layout of `loc`'s layer, without its bytes: an expert of zeros decoded once per
+        distinct way of storing one (a model has one or a few), so the RAM tier can plan its slots
+        before any expert arrives.
+
+        Raises:
+            UnsupportedModelError: as `decode`.
+        """
+        path = self.block_paths.get(loc.layer, "")
+        key = (
+            tuple((*_projection_and_kind(t.name), t.dtype, tuple(t.shape)) for t in loc.tensors),
+            (loc.recipe.text, loc.recipe.inputs) if loc.recipe is not None else None,
+            tuple(self.input_dims.get(loc.layer, {}).items()),
+            tuple(
+                sorted((k[len(path) + 1 :], repr(v)) for k, v in self.quantization.items() if k.startswith(f"{path}."))
+            ),
+        )
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self.decode(loc, bytes(loc.nbytes)).layout()
+        return layout
 
     def decode(self, loc: ExpertLocation, blob: bytes | bytearray | memoryview) -> ExpertWeights:
         """The expert's kernel arrays. Raises UnsupportedModelError for an unknown encoding."""

@@ -110,8 +110,8 @@ class ExpertLocation:
     # None for an index of format 1, whose experts the codec decodes by tensor name.
     recipe: Recipe | None = None
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked for every use of the expert: summed once
         return sum(t.nbytes for t in self.tensors)
 
     @property

@@ -3,6 +3,8 @@
 All count slots, not bytes: the experts of a model have one size (K3: 17.5 MB each), so a byte
 budget is a number of slots. Each policy answers `access(key) -> hit` and, on a miss, admits the
 key and returns what it evicted, so the RAM tier and the trace replay run the very same code.
+`discard(key)` forgets a resident key the RAM tier had to let go of on its own (its slot was
+needed by experts in use: store/tiers/ram.py).
 
 MoE routing is skewed and bursty: a few experts per layer are hot for a whole conversation, and
 a long prompt touches many experts once. Recency alone (LRU) lets such a scan flush the hot set;
@@ -38,6 +40,9 @@ class LRU:
         while len(self._items) > self.slots:
             evicted.append(self._items.popitem(last=False)[0])
         return False, evicted
+
+    def discard(self, key: Key) -> None:
+        self._items.pop(key, None)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._items
@@ -113,6 +118,9 @@ class LFUAged:
             evicted.append(victim)  # possibly the newcomer itself: it was colder than everything kept
         return False, evicted
 
+    def discard(self, key: Key) -> None:
+        self._resident.pop(key, None)  # its heap entries are stale now, skipped when they surface
+
     def __contains__(self, key: Key) -> bool:
         return key in self._resident
 
@@ -179,6 +187,10 @@ class ARC:
                 evicted.append(self._replace(key))
         self.t1[key] = None
         return False, evicted
+
+    def discard(self, key: Key) -> None:
+        self.t1.pop(key, None)
+        self.t2.pop(key, None)
 
     def __contains__(self, key: Key) -> bool:
         return key in self.t1 or key in self.t2
