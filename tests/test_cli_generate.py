@@ -13,7 +13,6 @@ import pytest
 from expertmesh.devtools.local_hub import HubServer
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
-pytestmark = pytest.mark.e2e  # every test here runs the `expertmesh` command in its own process
 
 CLI = [sys.executable, "-m", "expertmesh"]
 
@@ -46,6 +45,7 @@ def _uses(stderr: str, source: str) -> int:
     return 0
 
 
+@pytest.mark.e2e
 def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, home: Path, oracle) -> None:
 
     prompt = "The cat sat on"
@@ -57,6 +57,7 @@ def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, home: Path, oracl
     assert _uses(r.stderr, "hub") + _uses(r.stderr, "disk") > 0
 
 
+@pytest.mark.e2e
 def test_run_with_a_seed_is_reproducible(hub: HubServer, home: Path) -> None:
     args = ["run", REPO_ID, "Once", "--max-tokens", "24", "--temp", "1.0", "--top-p", "0.95"]
     a = _run([*args, "--seed", "3"], _env(home, hub))
@@ -67,17 +68,20 @@ def test_run_with_a_seed_is_reproducible(hub: HubServer, home: Path) -> None:
     assert a.stdout != c.stdout  # 24 tokens sampled from a random tiny model: a collision is implausible
 
 
+@pytest.mark.e2e
 def test_run_on_a_model_not_pulled_says_how_to_pull_it(tmp_path: Path) -> None:
     r = _run(["run", "someone/not-here", "hi"], _env(tmp_path))
     assert r.returncode != 0
     assert "expertmesh pull someone/not-here" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.e2e
 def test_run_rejects_a_bad_budget(home: Path) -> None:
     r = _run(["run", REPO_ID, "hi", "--ram-budget", "lots"], _env(home))
     assert r.returncode == 2 and "--ram-budget" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.e2e
 def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None:
     r = subprocess.run(
         [*CLI, "chat", REPO_ID, "--max-tokens", "8"],
@@ -132,6 +136,7 @@ def _generated(stdout: str) -> str:
     return after.rsplit("   the Hub served", 1)[0].strip()
 
 
+@pytest.mark.e2e
 def test_demo_generates_then_serves_experts_from_its_caches(tmp_path: Path) -> None:
     first = _run(["demo", "--no-progress", "--max-tokens", "12"], _env(tmp_path))
     assert first.returncode == 0, first.stderr
@@ -144,6 +149,7 @@ def test_demo_generates_then_serves_experts_from_its_caches(tmp_path: Path) -> N
     assert _generated(first.stdout) and _generated(first.stdout) == _generated(second.stdout)
 
 
+@pytest.mark.e2e
 def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, home: Path, tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     r = _run(["run", REPO_ID, "A trace of the routing", "--max-tokens", "10", "--trace", str(trace)], _env(home, hub))
@@ -157,6 +163,7 @@ def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, home: Pat
     assert _run(["replay", str(tmp_path / "missing.jsonl")], _env(home)).stderr.startswith("error:")
 
 
+@pytest.mark.e2e
 def test_local_problems_are_one_line_without_a_traceback(home: Path, tmp_path: Path) -> None:
     """Found by an audit of the CLI: each of these ended in a Python traceback."""
     env = _env(home)
@@ -167,6 +174,7 @@ def test_local_problems_are_one_line_without_a_traceback(home: Path, tmp_path: P
     assert "cannot write the routing trace" in into_a_folder.stderr
 
 
+@pytest.mark.e2e
 def test_text_that_is_not_utf8_and_a_closed_stdin_are_input_not_crashes(hub: HubServer, home: Path) -> None:
     """Python keeps bytes that are not UTF-8 as lone surrogates, which the tokenizer refused with a
     TypeError; a chat started with stdin closed (`0<&-`) read from None."""
@@ -192,6 +200,7 @@ def test_text_that_is_not_utf8_and_a_closed_stdin_are_input_not_crashes(hub: Hub
     assert closed.returncode == 0 and b"Traceback" not in closed.stderr
 
 
+@pytest.mark.e2e
 def test_a_reader_that_leaves_ends_run_quietly(hub: HubServer, home: Path) -> None:
     """`run ... | head -c 1`: two tracebacks and an 'MLX thread has stopped' before; now a quiet
     exit with the status a shell gives a command killed by SIGPIPE."""

@@ -91,7 +91,13 @@ def test_stopped_before_the_commit_point_it_is_the_bf16_pull(pulled, hub, tmp_pa
 
 @pytest.mark.parametrize(
     ("point", "nth"),
-    [("ready", 0), ("removed", 1), ("removed", 3), ("installed", 1), ("marked", 1)],
+    [  # a kill needs a process of its own: those are e2e
+        ("ready", 0),
+        *(
+            pytest.param(point, nth, marks=pytest.mark.e2e)
+            for point, nth in [("removed", 1), ("removed", 3), ("installed", 1), ("marked", 1)]
+        ),
+    ],
     ids=["committed", "one-bf16-shard-gone", "all-bf16-gone", "one-file-installed", "marked"],
 )
 def test_killed_after_the_commit_point_run_finishes_the_4_bit_core(

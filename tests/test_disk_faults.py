@@ -140,6 +140,7 @@ def _mounted(kind: str, target: Path):
             subprocess.run(["umount", "-l", str(target)], check=False)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["read-only", "full"])
 def test_a_cache_on_a_read_only_or_full_disk_degrades_to_the_other_tiers(
     home: Path, reference: list[int], kind: str, caplog: pytest.LogCaptureFixture

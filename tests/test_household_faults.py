@@ -179,6 +179,7 @@ def test_a_cut_before_any_text_moves_to_another_node() -> None:
             api.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_full_node_that_dies_mid_stream_gives_an_error_and_the_next_request_a_live_node(sig) -> None:
     healthy = _Quick()
@@ -201,6 +202,7 @@ def test_a_full_node_that_dies_mid_stream_gives_an_error_and_the_next_request_a_
             api.stop()
 
 
+@pytest.mark.e2e
 def test_a_full_node_that_hangs_before_its_first_token_is_passed_over() -> None:
     healthy = _Quick()
     with _node_process() as (proc, hung), fake_node(healthy) as (good, _):
@@ -353,6 +355,7 @@ def _generate_on(home: Path) -> tuple[list[int], object, object]:
         sm.close()
 
 
+@pytest.mark.e2e
 def test_a_disk_that_fills_mid_generation_warns_once_and_leaves_nothing_half_written(
     pulled_home, hub: HubServer, oracle, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -222,6 +222,7 @@ def _delta(before: dict, after: dict, name: str, **labels) -> float:
     return after[key] - before.get(key, 0.0)
 
 
+@pytest.mark.e2e
 def test_counters_equal_the_generations_own_summary(generation) -> None:
     before, after, done = generation
     assert done.generated_tokens > 0
@@ -239,6 +240,7 @@ def test_counters_equal_the_generations_own_summary(generation) -> None:
     assert after[("expertmesh_cache_experts", (("tier", "disk"),))] > 0
 
 
+@pytest.mark.e2e
 def test_metrics_carry_no_expert_ids_prompts_or_secrets(node, generation) -> None:
     served = node[2]
     text = _scrape(served.url)
@@ -250,6 +252,7 @@ def test_metrics_carry_no_expert_ids_prompts_or_secrets(node, generation) -> Non
                 assert set(sample.labels) <= allowed, (sample.name, sample.labels)
 
 
+@pytest.mark.e2e
 def test_no_metric_label_is_a_target_label(node, generation) -> None:
     """Prometheus renames a scraped label that a target label shares (`role` -> `exported_role`)."""
     text = _scrape(node[2].url)
@@ -406,6 +409,7 @@ def speculated(node, generation):
     return before, _samples(_scrape(served.url)), summary
 
 
+@pytest.mark.e2e
 def test_speculative_counters_equal_the_generations_own(speculated) -> None:
     before, after, summary = speculated
     assert summary.speculation.drafted > 0

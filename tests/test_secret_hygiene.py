@@ -37,8 +37,6 @@ FILE_SECRET = "file-secret-Zq8TGm4Hc2vXw"  # the --secret-file node's; distincti
 WRONG = "not-the-household-secret-Pw7Ke"
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "launchd"
 
-pytestmark = pytest.mark.e2e
-
 
 @dataclass
 class ServeProcess:
@@ -137,6 +135,7 @@ def _cli(args: list[str], home: Path, hub: HubServer, **env: str) -> subprocess.
 # -- serve: stdout, log, metrics, advertisement, ps ---------------------------------------------
 
 
+@pytest.mark.e2e
 def test_the_first_serve_keeps_its_new_secret_out_of_a_log(nodes: dict[str, ServeProcess]) -> None:
     node = nodes["created"]
     secret = _created_secret(nodes)
@@ -148,6 +147,7 @@ def test_the_first_serve_keeps_its_new_secret_out_of_a_log(nodes: dict[str, Serv
     assert "plain TCP" not in log  # on loopback there is no LAN to warn about
 
 
+@pytest.mark.e2e
 def test_expertmesh_secret_prints_it_on_request(nodes: dict[str, ServeProcess], hub: HubServer) -> None:
     r = _cli(["secret"], nodes["created"].home, hub)
     assert r.returncode == 0, r.stderr
@@ -155,6 +155,7 @@ def test_expertmesh_secret_prints_it_on_request(nodes: dict[str, ServeProcess], 
     assert "--secret-file" in r.stderr and _created_secret(nodes) not in r.stderr
 
 
+@pytest.mark.e2e
 def test_expertmesh_secret_creates_one_only_when_asked(tmp_path: Path, hub: HubServer) -> None:
     r = _cli(["secret"], tmp_path, hub)
     assert r.returncode != 0 and "--create" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
@@ -166,6 +167,7 @@ def test_expertmesh_secret_creates_one_only_when_asked(tmp_path: Path, hub: HubS
     assert again.stdout == made.stdout and "just created" not in again.stderr  # kept, not replaced
 
 
+@pytest.mark.e2e
 def test_metrics_and_the_advertisement_do_not_carry_the_secret(nodes: dict[str, ServeProcess]) -> None:
     from zeroconf import ServiceBrowser, ServiceStateChange, Zeroconf
 
@@ -205,6 +207,7 @@ def test_metrics_and_the_advertisement_do_not_carry_the_secret(nodes: dict[str, 
         zc.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc/<pid>/cmdline, as `ps` does")
 def test_a_secret_file_keeps_the_secret_out_of_ps(nodes: dict[str, ServeProcess]) -> None:
     node = nodes["from_file"]
@@ -217,6 +220,7 @@ def test_a_secret_file_keeps_the_secret_out_of_ps(nodes: dict[str, ServeProcess]
 # -- the household commands: right secret, wrong secret, no answer ------------------------------
 
 
+@pytest.mark.e2e
 def test_the_right_secret_from_a_file_is_accepted(
     nodes: dict[str, ServeProcess], tmp_path: Path, monkeypatch, capsys
 ) -> None:
@@ -233,6 +237,7 @@ def test_the_right_secret_from_a_file_is_accepted(
     assert " full " in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", ["peers", "status", "warm"])
 @pytest.mark.parametrize("how", ["--secret-file", "--secret", "EXPERTMESH_SECRET"])
 def test_a_wrong_secret_fails_and_says_so_without_printing_a_secret(
@@ -260,6 +265,7 @@ def test_a_wrong_secret_fails_and_says_so_without_printing_a_secret(
         assert "no expert has been used yet" not in out
 
 
+@pytest.mark.e2e
 def test_no_answer_is_not_called_a_wrong_secret(nodes: dict[str, ServeProcess], monkeypatch, capsys) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -293,6 +299,7 @@ def test_an_unusable_secret_file_is_one_clear_line(
         assert err.startswith("error: ") and err.count("\n") == 1 and expected in err and str(path) in err
 
 
+@pytest.mark.e2e
 def test_an_empty_secret_file_stops_serve_and_run_before_loading(tmp_path: Path, hub: HubServer) -> None:
     """As processes: the exit code and stderr a user (or launchd) sees, and nothing created."""
     empty = tmp_path / "empty"
