@@ -22,6 +22,7 @@ import grpc
 import pytest
 from fake_nodes import Forger, Relay, member, stranger
 from nodes import serve_command
+from repos import KIMI_K3
 from waiting import wait_until
 from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf
 from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
@@ -38,7 +39,6 @@ from expertmesh.node.household.discovery import (
 )
 from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.hub.local_models import find_pulled
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -319,7 +319,7 @@ def test_a_flood_of_advertised_names_starts_no_thread_per_name() -> None:
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
     proc = subprocess.Popen(
-        serve_command("expertmesh/tiny-kimi_k3", E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra),
+        serve_command(KIMI_K3, E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -364,9 +364,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.e2e
-def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, oracle, tmp_path: Path) -> None:
+def test_a_node_found_by_zeroconf_serves_experts_to_another(
+    pulled_home, hub: HubServer, oracle, tmp_path: Path
+) -> None:
     for name in ("owner", "client"):
-        pull("expertmesh/tiny-kimi_k3", home=tmp_path / name, progress=False)
+        pulled_home("kimi_k3", tmp_path / name)
     owner, _ = _serve(tmp_path / "owner", hub)
     client, port = _serve(tmp_path / "client", hub, "--disk-budget", "0")  # owns nothing: peers first
     try:
@@ -375,9 +377,7 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, orac
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             events = list(
                 node_pb2_grpc.NodeStub(channel).Generate(
-                    node_pb2.GenerateRequest(
-                        model=node_pb2.ModelKey(repo_id="expertmesh/tiny-kimi_k3"), prompt=prompt, max_tokens=12
-                    ),
+                    node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=KIMI_K3), prompt=prompt, max_tokens=12),
                     metadata=_md("Generate"),
                     timeout=120,
                 )
@@ -391,12 +391,14 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, orac
 
 
 @pytest.mark.e2e
-def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, oracle, tmp_path: Path) -> None:
+def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(
+    pulled_home, hub: HubServer, oracle, tmp_path: Path
+) -> None:
     """The issue's household: cache peers found by zeroconf alone own the experts between them."""
-    repo_id = "expertmesh/tiny-kimi_k3"
-    pull(repo_id, home=tmp_path / "full", progress=False)
+    repo_id = KIMI_K3
+    pulled_home("kimi_k3", tmp_path / "full")
     for name in ("cache-a", "cache-b"):
-        pull(repo_id, home=tmp_path / name, progress=False, index_only=True)
+        pulled_home("kimi_k3", tmp_path / name, index_only=True)
     peers = [_serve(tmp_path / name, hub, "--cache-only", "--disk-budget", "100MB") for name in ("cache-a", "cache-b")]
     full, port = _serve(tmp_path / "full", hub, "--disk-budget", "0")
     procs = [full] + [p for p, _ in peers]

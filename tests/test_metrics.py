@@ -28,6 +28,7 @@ import grpc
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.assembly import Node, build_node
@@ -50,7 +51,6 @@ from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.store.stats import SOURCES
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "metrics-test-household-secret"
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "expertmesh.json"
@@ -109,14 +109,12 @@ def _poll(fn, what: str):
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
+def node(module_home: Path):
     """A full node with its /metrics: the gRPC node service, the API and prometheus_client's
     WSGI app: (model, gRPC stub, metrics server, API URL)."""
-    home = tmp_path_factory.mktemp("metrics-node")
-    pulled_home("kimi_k3", home)
     config = NodeConfig(
-        REPO_ID,
-        home=home,
+        KIMI_K3,
+        home=module_home,
         node_id="metrics-node",
         store=StoreConfig(prefetch=True),
         household=HouseholdConfig(secret=SECRET),
@@ -202,11 +200,11 @@ def generation(node, prometheus):
     # a sample before the generation, so rates over the window see it happen
     _poll(lambda: _query(prometheus, "expertmesh_tokens_generated_total"), "the first scrape of the node")
     before = _samples(_scrape(served.url))
-    assert _get_json(f"{api_url}/models")["data"][0]["id"] == REPO_ID
+    assert _get_json(f"{api_url}/models")["data"][0]["id"] == KIMI_K3
     events = list(
         stub.Generate(
             node_pb2.GenerateRequest(
-                model=node_pb2.ModelKey(repo_id=REPO_ID), prompt="hello world", max_tokens=MAX_TOKENS
+                model=node_pb2.ModelKey(repo_id=KIMI_K3), prompt="hello world", max_tokens=MAX_TOKENS
             ),
             metadata=call_metadata(SECRET, node_method("Generate")),
             timeout=300,
@@ -428,7 +426,7 @@ def test_speculative_counters_equal_the_generations_own(speculated) -> None:
 def _household_node(home: Path, node_id: str, cluster: str, cache_only: bool) -> Node:
     """A node as `serve` makes it: gRPC, /metrics, and zeroconf on loopback in `cluster`."""
     config = NodeConfig(
-        REPO_ID,
+        KIMI_K3,
         home=home,
         node_id=node_id,
         cache_only=cache_only,
@@ -553,7 +551,7 @@ def test_run_keeps_serving_its_final_counts_until_scraped(pulled_home, hub, tmp_
     home = pulled_home("kimi_k3", tmp_path / "home")
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
     # a linger far longer than the test may wait: only the scrape below can end it in time
-    args = ["run", REPO_ID, "hello world", "--max-tokens", "8", "--metrics-port", "0", "--metrics-linger", "3600"]
+    args = ["run", KIMI_K3, "hello world", "--max-tokens", "8", "--metrics-port", "0", "--metrics-linger", "3600"]
     proc = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 from nodes import serve_command
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 CLI = [sys.executable, "-m", "expertmesh"]
 CLUSTER = f"secret-hygiene-{os.getpid()}"  # unique: another run's nodes on the loopback stay apart
 FILE_SECRET = "file-secret-Zq8TGm4Hc2vXw"  # the --secret-file node's; distinctive, to search for
@@ -67,7 +67,7 @@ def _start(home: Path, hub: HubServer, *extra: str) -> ServeProcess:
     with log.open("w") as out:
         proc = subprocess.Popen(
             # -v: INFO logging too, the log as verbose as it gets
-            serve_command(REPO_ID, CLUSTER, "--http-port", "0", "--no-prefetch", *extra, verbose=True),
+            serve_command(KIMI_K3, CLUSTER, "--http-port", "0", "--no-prefetch", *extra, verbose=True),
             env=_env(home, hub),
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -245,7 +245,7 @@ def test_a_wrong_secret_fails_and_says_so_without_printing_a_secret(
 ) -> None:
     monkeypatch.setenv("EXPERTMESH_HOME", str(nodes["created"].home))  # its right secret is there, unused
     monkeypatch.delenv("EXPERTMESH_SECRET", raising=False)
-    args = [command, *([REPO_ID] if command == "warm" else []), "--no-discovery"]
+    args = [command, *([KIMI_K3] if command == "warm" else []), "--no-discovery"]
     args += ["--peer", nodes["created"].address, "--peer", nodes["from_file"].address]
     if how == "--secret-file":
         wrong = tmp_path / "wrong"
@@ -272,7 +272,7 @@ def test_no_answer_is_not_called_a_wrong_secret(nodes: dict[str, ServeProcess], 
         closed = f"127.0.0.1:{s.getsockname()[1]}"
     monkeypatch.setenv("EXPERTMESH_HOME", str(nodes["created"].home))
     monkeypatch.delenv("EXPERTMESH_SECRET", raising=False)
-    for command in (["peers"], ["status"], ["warm", REPO_ID]):
+    for command in (["peers"], ["status"], ["warm", KIMI_K3]):
         assert main([*command, "--no-discovery", "--peer", closed]) != 0
         err = capsys.readouterr().err
         assert "no node answered" in err and "unreachable" in err and "wrong secret" not in err, err
@@ -293,7 +293,7 @@ def test_an_unusable_secret_file_is_one_clear_line(
     path = tmp_path / "secret-file"
     if content is not None:
         path.write_bytes(content)
-    for command in (["peers"], ["status"], ["warm", REPO_ID]):
+    for command in (["peers"], ["status"], ["warm", KIMI_K3]):
         assert main([*command, "--no-discovery", "--peer", "127.0.0.1:1", "--secret-file", str(path)]) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and expected in err and str(path) in err
@@ -305,8 +305,8 @@ def test_an_empty_secret_file_stops_serve_and_run_before_loading(tmp_path: Path,
     empty = tmp_path / "empty"
     empty.write_text("")
     for command in (
-        ["serve", REPO_ID, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"],
-        ["run", REPO_ID, "hi", "--peer", "127.0.0.1:1"],
+        ["serve", KIMI_K3, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"],
+        ["run", KIMI_K3, "hi", "--peer", "127.0.0.1:1"],
     ):
         r = _cli([*command, "--secret-file", str(empty)], tmp_path, hub)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
@@ -314,7 +314,7 @@ def test_an_empty_secret_file_stops_serve_and_run_before_loading(tmp_path: Path,
             "(`expertmesh secret` on a node shows it)\n"
         )
     (tmp_path / "secret").write_text("\n")  # the home's own file, emptied: an error, not replaced
-    r = _cli(["serve", REPO_ID, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"], tmp_path, hub)
+    r = _cli(["serve", KIMI_K3, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"], tmp_path, hub)
     assert r.returncode == 1 and "is empty" in r.stderr and "Traceback" not in r.stderr
     assert (tmp_path / "secret").read_text() == "\n"
 
@@ -355,7 +355,7 @@ def test_the_join_command_goes_to_a_terminal_only(tmp_path: Path, monkeypatch) -
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
     for out, shown in ((_Terminal(), True), (io.StringIO(), False)):
         monkeypatch.setattr(sys, "stdout", out)
-        serve._tell_how_to_join("s3cr3t-value", REPO_ID)
+        serve._tell_how_to_join("s3cr3t-value", KIMI_K3)
         assert ("EXPERTMESH_SECRET=s3cr3t-value expertmesh serve" in out.getvalue()) is shown
         assert shown or "`expertmesh secret`" in out.getvalue()
 
