@@ -5,9 +5,10 @@ compared with."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import loopback
 import mlx.core as mx
 import mlx_lm
 import pytest
@@ -77,6 +78,17 @@ def home(pulled_home, hub: HubServer, tmp_path: Path) -> Path:
     """This test's own home (tmp_path/home) with tiny kimi_k3 pulled and nothing cached, its experts
     served by the module's Hub. A module may define its own `home`, which then takes its place."""
     return pulled_home("kimi_k3", tmp_path / "home")
+
+
+@pytest.fixture(scope="module")
+def own_service_type() -> Iterator[str]:
+    """For the module: this process advertises and browses zeroconf under a service type of its own
+    (tests/loopback.py), so neither another run's names nor its advertisements reach it."""
+    from expertmesh.node.household import discovery
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(discovery, "SERVICE_TYPE", loopback.SERVICE_TYPE)
+        yield loopback.SERVICE_TYPE
 
 
 class Oracle:

@@ -1,6 +1,6 @@
 """Keeps the `e2e` marker true: a test is marked e2e exactly when it starts a process (the
-`expertmesh` command, `serve`, a Prometheus, `ip netns`, any command), so `-m "not e2e"` runs in
-this one process and nothing else.
+`expertmesh` command, `serve`, a Prometheus, `ip netns`, any command), so under `-m "not e2e"` the
+tests start none (pytest-xdist's workers are pytest's, not a test's).
 
 Every way the standard library starts a process ends in `_posixsubprocess.fork_exec` (subprocess,
 asyncio, multiprocessing's spawn), `os.fork`, `os.forkpty`, `os.system` or `os.posix_spawn[p]`.
@@ -50,7 +50,7 @@ class _Watch:
         self.by_fixture: dict[int, list[str]] = {}  # id(FixtureDef): fixtures live for the session
         self.by_library: Counter[str] = Counter()
         self.probe: list[str] | None = None  # set while checking that the wrappers see a process
-        self.outside_tests: list[str] = []  # at collection, or in a hook: `-m "not e2e"` would start them too
+        self.outside_tests: list[str] = []  # at collection, or in a hook: failed with the next test
 
     def started(self, what: str) -> None:
         if self.probe is not None:
@@ -169,6 +169,13 @@ _ran = pytest.StashKey[bool]()
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     result = yield
+    if _watch.outside_tests:  # reported with the test after them: under xdist a worker has no summary of its own
+        outside, _watch.outside_tests = _watch.outside_tests, []
+        pytest.fail(
+            "processes started outside any test (at collection or in a hook): `-m 'not e2e'` starts them too\n  "
+            + "\n  ".join(outside),
+            pytrace=False,
+        )
     started = _watch.for_item(item)
     marked = item.get_closest_marker(MARKER) is not None
     if started and not marked:
@@ -182,16 +189,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     return result
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _watch.outside_tests and exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if _watch.outside_tests:
-        terminalreporter.section("processes started outside any test (at collection or in a hook)", red=True)
-        for line in _watch.outside_tests:
-            terminalreporter.write_line(line)
     if _watch.by_library and config.get_verbosity() > 0:
         terminalreporter.section("processes started by libraries on their own behalf")
         for line, count in _watch.by_library.most_common():

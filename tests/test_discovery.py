@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 from fake_nodes import Forger, Relay, member, stranger
+from loopback import SERVICE_TYPE
 from nodes import serve_command
 from repos import KIMI_K3
 from waiting import wait_until
@@ -31,7 +32,6 @@ from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.household.discovery import (
     RESOLVE_WORKERS,
-    SERVICE_TYPE,
     Advertisement,
     Browser,
     Discovery,
@@ -49,6 +49,9 @@ LOOPBACK = ["127.0.0.1"]
 RUN = f"{os.getpid()}"
 CLUSTER, E2E_CLUSTER = f"test-cluster-{RUN}", f"zc-e2e-{RUN}"
 SECRET = "discovery-test-secret"
+# every in-process test advertises and browses a service type of this run's own (tests/loopback.py):
+# the names below are every run's names, and the flood's names never resolve
+pytestmark = pytest.mark.usefixtures("own_service_type")
 
 
 def _discovery(

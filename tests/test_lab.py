@@ -139,7 +139,7 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
         cache=tmp_path / "cache",
     )
     lines: list[str] = []
-    before = _namespaces() if NEEDS_NAMESPACES is None else set()
+    ours = f"{network.PREFIX}{os.getpid()}-"  # the lab's own: other runs on this machine make and remove theirs
     doc = Lab(config, progress=lines.append).run()
     doc = json.loads(json.dumps(doc))  # what --json writes
     assert doc["network"] == ("namespaces" if NEEDS_NAMESPACES is None else "loopback")
@@ -160,6 +160,6 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
     assert doc["projection"]["moonshot"]["target_s_per_token"] == 1.5
     assert doc["projection"]["inputs"]["activation_bytes"] > 0
     if NEEDS_NAMESPACES is None:
-        assert _namespaces() == before  # everything it made is gone
+        assert not any(n.startswith(ours) for n in _namespaces())  # everything it made is gone
     else:
         assert any("LOOPBACK FALLBACK" in line for line in lines)

@@ -29,6 +29,8 @@ from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 from expertmesh.node.store.tiers.disk import cache_dir
 
 CLUSTER = f"doctor-{os.getpid()}"  # unique: another test run on this machine shares loopback multicast
+# the doctor reports every node it sees, of any cluster: only this run's, under its own service type
+pytestmark = pytest.mark.usefixtures("own_service_type")
 
 
 def _generate(home: Path, prompt: str = "The cache keeps what the router asks for") -> list[int]:

@@ -54,18 +54,23 @@ def test_marked_skipped():
 """
 
 
-@pytest.mark.e2e
-def test_a_mark_that_disagrees_with_what_a_test_starts_fails_it(tmp_path: Path) -> None:
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["process_guard"]\n')
-    (tmp_path / "test_cases.py").write_text(CASES)
-    r = subprocess.run(
+def _pytest(folder: Path, cases: str) -> subprocess.CompletedProcess:
+    """pytest with process_guard on a module of `cases`, in its own process and folder."""
+    (folder / "conftest.py").write_text('pytest_plugins = ["process_guard"]\n')
+    (folder / "test_cases.py").write_text(cases)
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-o", "markers=e2e: e2e", "."],
-        cwd=tmp_path,
+        cwd=folder,
         env={"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin"},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.e2e
+def test_a_mark_that_disagrees_with_what_a_test_starts_fails_it(tmp_path: Path) -> None:
+    r = _pytest(tmp_path, CASES)
     outcomes = {
         name: kind for kind, name in re.findall(r"^(PASSED|ERROR|FAILED) test_cases\.py::(\w+)", r.stdout, re.M)
     }
@@ -82,3 +87,12 @@ def test_a_mark_that_disagrees_with_what_a_test_starts_fails_it(tmp_path: Path) 
     assert r.stdout.count("starts a process but is not marked e2e") == 4
     assert "test_cases.py:6" in r.stdout  # the line that started it
     assert "marked e2e but starts no process" in r.stdout
+
+
+@pytest.mark.e2e
+def test_a_process_started_while_collecting_fails_the_first_test(tmp_path: Path) -> None:
+    r = _pytest(
+        tmp_path, 'import subprocess, sys\nsubprocess.run([sys.executable, "-c", ""])\n\ndef test_clean():\n    pass\n'
+    )
+    assert "ERROR test_cases.py::test_clean" in r.stdout, r.stdout + r.stderr
+    assert "processes started outside any test" in r.stdout and "test_cases.py:2" in r.stdout
