@@ -320,7 +320,7 @@ def test_doctor_sees_the_household(home: Path, hub: HubServer, capsys, monkeypat
         assert main(_doctor("--wait", "3")) == 0
         line = _lines(capsys.readouterr().out)["household"]
         assert line.startswith("ok") and "1 node(s)" in line and "doctor-peer at 127.0.0.1:7999" in line
-        assert main([*_doctor("--wait", "3"), "--cluster", CLUSTER + "-none"]) == 0
+        assert main([*_doctor(), "--cluster", CLUSTER + "-none"]) == 0  # nothing to find there: the short listen
         line = _lines(capsys.readouterr().out)["household"]
         assert line.startswith("warn") and "fix: " in line
     finally:

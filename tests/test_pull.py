@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -135,12 +136,14 @@ def test_killed_pull_resumes_and_fetches_less(
     assert not list(result.path.rglob("*.part"))
 
 
-def test_bad_inputs_give_clear_errors(hub: HubServer, hub_root: Path, tmp_path: Path) -> None:
+def test_bad_inputs_give_clear_errors(hub: HubServer, hub_root: Path, tmp_path: Path, monkeypatch) -> None:
     _reset(hub)
     with pytest.raises(ModelNotFoundError, match="was not found at"):
         pull("expertmesh/does-not-exist", home=tmp_path, progress=False)
     with pytest.raises(ModelNotFoundError, match="revision"):
         pull(KIMI_K3, revision="v9", home=tmp_path, progress=False)
+    # every retry still made, without the jittered backoff between them (seconds in all)
+    monkeypatch.setattr(hub_client, "retrying", functools.partial(hub_client.retrying, backoff_max_s=0.0))
     with hub_client.using_endpoint("http://127.0.0.1:9"), pytest.raises(EndpointUnreachableError):
         pull(KIMI_K3, home=tmp_path, progress=False)
 
