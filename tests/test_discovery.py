@@ -91,6 +91,17 @@ def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
+def _handled_what_came_before(d: Discovery) -> None:
+    """Until `d` has handled every advertisement and goodbye sent so far: one more advertisement, of
+    its own id under another name, reaches its browser after them (zeroconf delivers in order) and
+    is counted as a duplicate; then the resolutions still under way finish. A check that something
+    did not happen is made after this, never after a sleep."""
+    before = d.duplicates
+    with _advertised(f"behind-{d.ad.node_id}", d.ad.port, d.ad.properties()):
+        assert wait_until(lambda: d.duplicates > before), "the advertisement behind the others never arrived"
+    d.settle()
+
+
 def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
     # the members' proofs differ from what they advertise: the table believes the proofs
     with (
@@ -107,8 +118,10 @@ def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
             # whether a node computes experts for others comes from its proof
             assert b.table.peers["node-a"].compute and not a.table.peers["node-b"].compute
             assert b.table.peers["node-a"].weight == 3 * 10**9
-            time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
+            _handled_what_came_before(a)  # the other cluster's advertisement among them
+            _handled_what_came_before(other)
             assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
+            assert a.unproven == 0  # not even asked to prove itself
             b.close()  # node-b leaves as a node does: its goodbye, then its gRPC server stops
             node_b_server.close()
             assert wait_until(lambda: "node-b" not in a.table.peers)
@@ -211,7 +224,7 @@ def test_another_name_can_neither_take_over_nor_remove_a_peer() -> None:
                     with _advertised(name, port, claims):
                         assert wait_until(lambda before=before: observer.claims > before)
                         assert observer.table.peers["node-a"].address == node_a.address
-                    time.sleep(1.0)  # the claim's removal has arrived: it removes nothing
+                    _handled_what_came_before(observer)  # the claim's removal among them: it removes nothing
                     assert observer.table.peers["node-a"].address == node_a.address
                 assert recorder.calls == []  # nobody even asked the hijacker
             finally:
@@ -298,20 +311,26 @@ def test_a_failing_advertisement_does_not_stop_the_resolvers() -> None:
 
 
 def test_a_flood_of_advertised_names_starts_no_thread_per_name() -> None:
+    earlier = {t for t in threading.enumerate() if t.name == "zeroconf-resolve"}  # other browsers'
     browser = Browser(lambda name, sighting: None, LOOPBACK)
     flooder = Zeroconf(interfaces=LOOPBACK)
     peak = 0
+
+    def flooded() -> bool:
+        nonlocal peak
+        peak = max(peak, sum(t.name == "zeroconf-resolve" and t not in earlier for t in threading.enumerate()))
+        return browser.dropped > 0
+
     try:
-        time.sleep(0.5)
-        for batch in range(0, 300, 100):  # names that never resolve, 100 to a packet
-            out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
-            for i in range(batch, batch + 100):
-                name = f"flood{RUN}-{i}.{SERVICE_TYPE}"
-                out.add_answer_at_time(DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 4500, name), 0)
-            flooder.send(out)
-        for _ in range(60):  # 3 s: names that never resolve keep their resolver busy that long
-            peak = max(peak, sum(t.name == "zeroconf-resolve" for t in threading.enumerate()))
-            time.sleep(0.05)
+        for rounds in range(10):  # again with new names if the browser was not listening yet
+            for batch in range(0, 300, 100):  # names that never resolve, 100 to a packet
+                out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+                for i in range(batch, batch + 100):
+                    name = f"flood{rounds}-{i}.{SERVICE_TYPE}"
+                    out.add_answer_at_time(DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 4500, name), 0)
+                flooder.send(out)
+            if wait_until(flooded, timeout_s=2.0, interval_s=0.02):
+                break
     finally:
         flooder.close()
         browser.close()
@@ -495,8 +514,8 @@ def test_prometheus_targets_given_the_secret_list_only_nodes_that_prove_it(tmp_p
             }
             with _advertised("node-m", node_m.port, ads["node-m"].properties()):
                 with _advertised("posing", _port(elsewhere), ads["posing"].properties()):
+                    # both handled: the poser refused (counted), the member listed (written under the same lock)
                     assert wait_until(lambda: watcher.unproven >= 1 and watcher.targets())
-                    time.sleep(0.5)  # both resolved and settled
                     groups = json.loads(path.read_text())
         assert [g["labels"]["node_id"] for g in groups] == ["node-m"]
         assert groups[0]["labels"]["node_role"] == "cache"  # the proof's role, not the advertisement's

@@ -596,7 +596,7 @@ def test_idle_connections_to_metrics_cannot_take_a_thread_each() -> None:
     served at once (the rest are closed at once), and a scrape is answered once they go."""
     import threading
 
-    from expertmesh.node.observability.metrics import METRICS_CONNECTIONS
+    from expertmesh.node.observability.metrics import METRICS_CONNECTIONS, METRICS_READ_TIMEOUT_S
 
     def answered() -> bool:
         try:
@@ -620,16 +620,21 @@ def test_idle_connections_to_metrics_cannot_take_a_thread_each() -> None:
         def serving() -> int:  # the server's threads, one per connection it serves
             return sum("process_request_thread" in t.name and ours(t) for t in threading.enumerate())
 
+        # one at a time, each waited for: a burst would overflow the listen backlog, and the kernel
+        # then retries dropped connections for seconds
         base = serving()
-        for _ in range(METRICS_CONNECTIONS + 40):
+        for n in range(1, METRICS_CONNECTIONS + 1):
             s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
             s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and nothing more
             idle.append(s)
-        most = 0
-        for _ in range(40):  # 2 s of samples (the old server held all 72, for ever)
-            most = max(most, serving() - base)
-            time.sleep(0.05)
-        assert 0 < most <= METRICS_CONNECTIONS, most
+            assert wait_until(lambda n=n: serving() - base == n, timeout_s=10, interval_s=0.002), n  # a thread each
+        for _ in range(8):  # every slot taken: closed at once (the old server held a thread each, for ever)
+            # well before the read timeout, which would close a connection served by a thread too
+            with socket.create_connection(("127.0.0.1", server.port), timeout=METRICS_READ_TIMEOUT_S / 2) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n")
+                with contextlib.suppress(ConnectionResetError):
+                    assert s.recv(1) == b""  # the server's close, not a timeout
+            assert serving() - base == METRICS_CONNECTIONS
         for s in idle:
             s.close()
         idle.clear()
