@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from fake_nodes import fake_node
+from repos import KIMI_K3
 
 from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
 from expertmesh.coordinator.node_pool import MAX_NODE_SLOTS, NodePool
@@ -104,7 +105,7 @@ def test_a_node_says_only_the_generations_its_threads_let_it_run(pulled_home, hu
     from expertmesh.node.config import HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
     from expertmesh.node.rpc.client import NodeClient
 
-    repo_id = "expertmesh/tiny-kimi_k3"
+    repo_id = KIMI_K3
     pulled_home("kimi_k3", tmp_path)
     config = NodeConfig(
         repo_id,
