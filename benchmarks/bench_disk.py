@@ -87,7 +87,7 @@ def hash_costs(size: int, rounds: int = 20) -> dict[str, dict[str, float]]:
 
 def _check_and_copy_to_mlx(blob) -> None:
     """The rest of a warm read's path: the fast check, then the one copy the codec makes (buffer
-    to MLX array, model/codec.py's `_to_mx`)."""
+    to MLX array, model/codec.py's `to_mx`)."""
     import mlx.core as mx
     import numpy as np
 

@@ -138,8 +138,9 @@ def run(tokens: int, time_scale: float, ram_fraction: float, progress=print) -> 
                 home=homes["alone"],
                 store=StoreConfig(prefetch=False, disk_budget=str(len(third) * expert_bytes)),
             )
-            for layer in index.moe_layers:
-                alone.store.get_layer(layer, [e for lay, e in third if lay == layer])
+            for layer in index.moe_layers:  # fetched onto its disk (nothing computed)
+                for _ in alone.store.layer_groups(layer, [e for lay, e in third if lay == layer]):
+                    pass
             alone.close()
 
             hub.knobs = hub_link.knobs()  # from here on the Hub is a home link

@@ -1,10 +1,9 @@
 """The API's HTTP/1.1 server: one asyncio event loop for every connection, h11 for the protocol.
 
-Why not the standard library's ThreadingHTTPServer, as before: a thread per connection and no
-limit at all. Issue 22 found 2,027 idle connections exhausting the node's file descriptors (then
-gRPC clients got UNAVAILABLE), `Content-Length: -1` skipping the body cap, a short body holding a
-thread forever, chunked bodies parsed as a second request, and 30 simultaneous requests meeting a
-listen backlog of 5 (17 connection resets).
+Why not the standard library's ThreadingHTTPServer: a thread per connection and no limit at all,
+so idle connections exhaust the node's file descriptors (and then its gRPC clients fail), a
+negative `Content-Length` skips the body cap, a short body holds a thread forever, a chunked body
+is parsed as a second request, and a burst of requests meets a listen backlog of 5.
 
 Why asyncio and h11 rather than uvicorn or aiohttp: an idle connection here costs a socket and a
 few kB of memory, no thread. h11 is the HTTP/1.1 state machine uvicorn itself uses: pure
@@ -44,7 +43,7 @@ import logging
 import socket
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from urllib.parse import urlsplit
@@ -112,7 +111,7 @@ def _phrase(status: int) -> str:
         return ""
 
 
-def _raw_response(status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> bytes:
+def _raw_response(status: int, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> bytes:
     """A whole response that closes the connection, written without h11: for refusals made
     where h11 cannot send (before a request head, or after a protocol error)."""
     lines = [f"HTTP/1.1 {status} {_phrase(status)}", "Server: expertmesh"]
@@ -179,7 +178,7 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.limits = server.limits
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before any other call
         self.task: asyncio.Task | None = None
         self.client = "?"
         self.local_address = ""
@@ -195,7 +194,8 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # a stream server's connections are
         self.transport = transport
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
@@ -407,7 +407,7 @@ class _Connection(asyncio.Protocol):
             else:
                 raise ClientGone
 
-    async def send(self, event: object) -> None:
+    async def send(self, event: h11.Event) -> None:
         if self.lost:
             raise ClientGone
         data = self.h11.send(event)
@@ -423,7 +423,7 @@ class _Connection(asyncio.Protocol):
             if self.lost:
                 raise ClientGone
 
-    def refuse(self, status: int, message: str, headers: list[tuple[str, str]] = (), record: bool = True) -> None:
+    def refuse(self, status: int, message: str, headers: Sequence[tuple[str, str]] = (), record: bool = True) -> None:
         """Answer an error outside h11 and close the connection (the answer is flushed first)."""
         if record:
             self.server.record("", status)

@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ class NodePool:
         seen.update(dict.fromkeys(self.discovered()))
         return list(seen)
 
-    def ranked(self, exclude: set[str] = frozenset()) -> list[str]:
+    def ranked(self, exclude: AbstractSet[str] = frozenset()) -> list[str]:
         """Full nodes, least busy first, those that failed within `failed_last_s` last; ties keep
         the configured order (stable)."""
         with self._lock:
@@ -104,6 +105,14 @@ class NodePool:
         addresses = self.addresses()
         with self._lock:
             return sum(self._slots.get(a, self.default_slots) for a in addresses)
+
+    def full(self, address: str) -> None:
+        """`address` refused a generation as full: it runs no more than the generations this API has
+        on it now (at least one), whatever its Info said or was taken to say. Its Info corrects
+        this when it is heard; until then the queue waits for the slots that really are there."""
+        with self._lock:
+            running = self._busy.get(address, 0)
+            self._slots[address] = max(1, min(self._slots.get(address, self.default_slots), running))
 
     def failed(self, address: str) -> None:
         """A call to `address` failed: rank it last for a while."""

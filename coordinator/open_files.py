@@ -1,8 +1,8 @@
 """File descriptors: how many connections the API may hold without starving the rest of the node.
 
 The API shares its process's descriptors with the gRPC server, the expert files and the Hub's
-sockets. When 2,027 idle HTTP connections took them all, gRPC clients got UNAVAILABLE and peers
-marked the node down (issue 22). So the API holds at most half of the soft limit, whatever its
+sockets. Were idle HTTP connections to take them all, gRPC clients would get UNAVAILABLE and peers
+would mark the node down. So the API holds at most half of the soft limit, whatever its
 own cap says, and `serve` first raises the soft limit towards the hard one: macOS starts processes
 at 256, which would leave the API 128 connections.
 """

@@ -21,6 +21,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from urllib.parse import unquote
@@ -117,7 +118,7 @@ class OpenAIServer:
             if ex.status is None:
                 await self._error(ex, e)
 
-    async def _json(self, ex: Exchange, status: int, body: dict, headers: list[tuple[str, str]] = ()) -> None:
+    async def _json(self, ex: Exchange, status: int, body: dict, headers: Sequence[tuple[str, str]] = ()) -> None:
         await ex.respond(status, [("Content-Type", "application/json"), *headers], json.dumps(body).encode())
 
     async def _error(self, ex: Exchange, e: ApiError) -> None:

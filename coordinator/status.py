@@ -1,8 +1,9 @@
 """`expertmesh status`: the household's headline numbers in a terminal, for people without Grafana.
 
 Every node found is asked for Info; the table shows each node's role, model, cache fill and
-throughput, and the household's expert uses by source — the share served from RAM and disk is
-the household's hit rate, the Hub's share what still crosses the internet.
+throughput, then each node's requests to the Hub in the Hub's current rate-limit window, and the
+household's expert uses by source — the share served from RAM and disk is the household's hit
+rate, the Hub's share what still crosses the internet.
 """
 
 from __future__ import annotations
@@ -16,6 +17,22 @@ from expertmesh.node.store.stats import SOURCES
 
 def _fill(used: int, budget: int) -> str:
     return f"{format_size(used)} / {format_size(budget)}" if budget else "-"
+
+
+def _hub_request_lines(nodes: list[NodeAnswer]) -> list[str]:
+    """Each node's requests to the Hub in the Hub's current rate-limit window, by bucket, against
+    the quota the Hub announced: `resolvers` is what expert fetches spend (node/hub/rate_limit.py)."""
+    lines = []
+    for n in nodes:
+        if n.info is None or not any(n.info.hub_requests.values()):
+            continue
+        quota = dict(n.info.hub_quota)
+        counts = ", ".join(
+            f"{bucket} {count:,}" + (f" of {quota[bucket]:,}" if bucket in quota else "")
+            for bucket, count in sorted(n.info.hub_requests.items())
+        )
+        lines.append(f"{n.info.node_id}: Hub requests this rate-limit window: {counts}")
+    return lines
 
 
 def status_lines(nodes: list[NodeAnswer]) -> list[str]:
@@ -38,6 +55,7 @@ def status_lines(nodes: list[NodeAnswer]) -> list[str]:
         )
         uses.update(dict(i.expert_uses))
         nbytes.update(dict(i.expert_bytes))
+    lines += _hub_request_lines(nodes)
     total = sum(uses.values())
     if total:
         shares = ", ".join(f"{s} {100 * uses[s] / total:.1f}%" for s in SOURCES)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from expertmesh.node import constants
 from expertmesh.node.config import HouseholdConfig, NodeConfig, StoreConfig
+from expertmesh.node.engine.core_replacement import finish_replacement
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import EndpointUnreachableError, ExpertmeshError
 from expertmesh.node.hub import local_models
@@ -157,6 +158,8 @@ class Node:
         else:
             stops += [tier.close for tier in (self.peer_tier, self.hub) if tier is not None]
         stops.append(self.disk.close)  # last: what was queued is published
+        if self.model is not None and self.model.core_stream is not None:
+            stops.append(self.model.core_stream.close)
         if self._unwire is not None:
             stops.append(lambda: model_thread().call(self._unwire))
         for stop in stops:
@@ -175,8 +178,14 @@ class Node:
         """One line: what this node holds and where experts come from."""
         if self.model is None:
             return f"cache peer: experts on disk ({format_size(self.disk.budget_bytes)} at {self.disk.root}), the Hub on a miss"
+        core = f"core {format_size(self.model.core_bytes)} in memory"
+        if self.memory is not None and self.memory.streamed:
+            core = (
+                f"core {format_size(self.model.core_bytes)} streamed from the SSD within "
+                f"{format_size(self.memory.core_held_bytes)}"
+            )
         return (
-            f"{self.repo_id} @ {self.commit[:12]}: core {format_size(self.model.core_bytes)} in memory; "
+            f"{self.repo_id} @ {self.commit[:12]}: {core}; "
             f"experts from RAM ({format_size(self.store.ram.budget_bytes)}), "
             f"disk cache ({format_size(self.disk.budget_bytes)} at {self.disk.root}), "
             + ("peers, " if self.peer_tier is not None else "")
@@ -216,16 +225,15 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         raise ExpertmeshError(
             f"the node id {node_id[:80]!r} cannot join a household: use 1 to 64 of the letters, digits, '.', '_' and '-'"
         )
-    marker: dict = {}
     if config.cache_only:
         path = local_models.find_index(home, config.repo_id, config.revision)
     else:
         path = local_models.find_pulled(home, config.repo_id, config.revision)
-        marker = local_models.read_marker(path)
+        finish_replacement(path)  # a quantisation a crash cut short is completed before anything reads the core
     index = ExpertIndex.load(path / INDEX_FILENAME)
 
     root = cache_dir(home, config.repo_id, index.commit)
-    memory = None if config.cache_only else plan_node_memory(config, index, marker)  # refused before loading
+    memory = None if config.cache_only else plan_node_memory(config, index, home)  # refused before loading
     ram_bytes = memory.ram_tier_bytes if memory is not None else 0
     disk_bytes = disk_budget(config.store, root)
     digests = DigestBook(root / DIGESTS_FILENAME)
@@ -238,6 +246,7 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         connections=s.hub_connections,
         pieces_per_expert=s.hub_pieces_per_expert,
         min_piece_bytes=s.hub_min_piece_bytes,
+        max_connections=max(s.hub_connections, s.hub_max_connections),
     )
     node = Node(config, node_id, index, disk, stats, experts=None, hub=hub, memory=memory)
     try:
@@ -285,25 +294,27 @@ def open_model(
 # -- the parts ------------------------------------------------------------------------------
 
 
-def plan_node_memory(config: NodeConfig, index: ExpertIndex, marker: dict) -> MemoryPlan:
-    """A full node's memory from this machine (node/engine/memory.py).
+def plan_node_memory(config: NodeConfig, index: ExpertIndex, home: Path) -> MemoryPlan:
+    """A full node's memory from this machine (node/engine/memory.py): the core as pulled (held
+    whole, or streamed), the context at `config.max_context`, the RAM tier, the buffers — the plan
+    `doctor --plan` prints for the same model (node/doctor.py).
 
     Raises:
-        CoreTooLargeError: the core alone does not fit.
-        ValueError: a `ram_budget` that is neither a size nor a percentage.
+        CoreTooLargeError: the core does not fit, not even streamed.
+        ValueError: a `ram_budget` or `core_budget` that is neither a size nor a percentage.
     """
-    from expertmesh.node.engine.memory import device_memory, plan_memory
+    from expertmesh.node.doctor import plan_model
 
-    core_bytes = marker.get("core_bytes")
-    return plan_memory(
-        config.store.ram_budget,
-        device_memory(),
-        core_bytes=index.core_bytes if core_bytes is None else core_bytes,
-        expert_bytes=max((loc.nbytes for loc in index.experts.values()), default=0),
+    planned = plan_model(
+        home,
+        config.repo_id,
+        revision=index.commit,
+        max_context=config.max_context,
+        ram_budget=config.store.ram_budget,
+        core_budget=config.core_budget,
         fetch_workers=config.store.fetch_concurrency,
-        repo_id=config.repo_id,
-        core_bits=marker.get("core_bits", 16),
     )
+    return planned.planner.plan()
 
 
 def disk_budget(cfg: StoreConfig, cache_root: Path) -> int:
@@ -346,6 +357,7 @@ def _join_household(node: Node, household: HouseholdConfig) -> None:
 
 def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, digests: DigestBook) -> None:
     """The core in memory, the store over the tiers, and the expert blocks bound to it."""
+    from expertmesh.node.engine.memory import device_memory
     from expertmesh.node.engine.streamed_model import load_streamed_model
     from expertmesh.node.household.warm import warm_order
     from expertmesh.node.store.store import ExpertStore
@@ -354,7 +366,11 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
 
     config, index = node.config, node.index
     s = config.store
-    core = model_thread().call(load_streamed_model, config.repo_id, path, index)  # evaluated where it runs
+    plan = node.memory
+    budget = plan.core_held_bytes if plan is not None and plan.streamed else None
+    core = model_thread().call(  # evaluated where it runs
+        load_streamed_model, config.repo_id, path, index, core_budget_bytes=budget, context_limit=config.max_context
+    )
     runs = node.hub if node.peer_tier is None else None  # runs only where nothing is asked between disk and Hub
     chain = TierChain(index, core.codec, node.disk, remote_tiers, node.stats, digests, runs=runs)
     trace = None
@@ -368,9 +384,19 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
 
         table = node.peers
         owns = lambda key: table.ranked(expert_key(index, *key))[0] is None  # noqa: E731 - only the owner fills
+    # one spare slot per fetch worker: experts in use beyond what the budget keeps; no stack larger
+    # than the device's largest buffer (Metal's max_buffer_length)
+    ram = RamCache.for_model(
+        ram_bytes,
+        index,
+        core.codec,
+        s.ram_policy,
+        spare_slots=s.fetch_concurrency,
+        max_stack_bytes=device_memory().max_buffer_bytes,
+    )
     node.store = ExpertStore(
         index,
-        RamCache(ram_bytes, s.ram_policy),
+        ram,
         chain,
         workers=s.fetch_concurrency,
         prefetch=s.prefetch,
@@ -394,7 +420,8 @@ def _build_metrics(node: Node) -> None:
     from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
 
     ram = node.store.ram if node.store is not None else None
-    node.metrics = NodeMetrics(MetricsSources(node.stats, ram, node.disk, node.peers, [node.hub.reader]))
+    core = node.model.core_stream if node.model is not None else None
+    node.metrics = NodeMetrics(MetricsSources(node.stats, ram, node.disk, node.peers, [node.hub.reader], core))
     node.stats.observer = node.metrics.observe_fetch
     if node.model is not None:
         node.model.token_observer = node.metrics

@@ -35,7 +35,8 @@ class StoreConfig:
     prefetch: bool = True  # guess the next layer's experts and fetch them behind the demands
     fill: bool = True  # while generating, fetch experts not yet held onto free disk budget when the link is idle
     hub_min_piece_bytes: int = constants.HUB_MIN_PIECE_BYTES  # experts are split into pieces no smaller
-    hub_connections: int = constants.HUB_CONNECTIONS  # range requests in flight to the Hub at once
+    hub_connections: int = constants.HUB_CONNECTIONS  # range requests in flight to the Hub at once, at first
+    hub_max_connections: int = constants.HUB_MAX_CONNECTIONS  # ... grown to at most (measured; equal: fixed)
     hub_pieces_per_expert: int = constants.HUB_PIECES_PER_EXPERT  # separate requests an expert is split into, at most
     coalesce: bool = True  # demanded experts back to back in a shard fetched as one run of requests
 
@@ -133,10 +134,9 @@ class SpeculationConfig:
             raise SpeculationError(f"draft length must be in 1..{self.max_draft}, not {self.initial_draft}")
 
 
-# `serve --max-batch`'s default, by benchmarks/bench_batching.py (figures in docs/batching.md): on
-# the project's 2-core CPU machine 4 rows gave 1.5-3x one request's tokens/s (tiny model warm in RAM,
-# demo model warm on disk) with each request near half its speed alone; 8 rows gave about 3.5x with
-# each request below half. A household rarely has more than 4 conversations at once.
+# `serve --max-batch`'s default, chosen by benchmarks/bench_batching.py (figures in docs/batching.md):
+# 4 rows multiply throughput while each request keeps about half its speed alone, more rows slow each
+# request further for little gain, and a household rarely has more than 4 conversations at once.
 DEFAULT_MAX_BATCH = 4
 
 
@@ -164,3 +164,10 @@ class NodeConfig:
     # Generate calls decoded together in one batch (node/engine/batching.py); 1: one at a time, as
     # before batching. A call speculates only while it runs alone. `serve` defaults to DEFAULT_MAX_BATCH.
     max_batch: int = 1
+    # tokens a conversation may hold (`--max-context`): the KV cache / linear-attention state the
+    # memory plan counts, and the limit generation enforces; at most the model's own context
+    max_context: int = constants.DEFAULT_MAX_CONTEXT
+    # the core's memory (`--core-budget`: a size, or a % of the core): below the core's size it is
+    # streamed from the SSD within it (node/engine/streamed_core.py); None: held whole where it
+    # fits, else streamed within what the plan leaves it
+    core_budget: str | None = None

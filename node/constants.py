@@ -1,8 +1,11 @@
-"""Every environment variable and default of expertmesh, read in one place.
+"""Every environment variable of expertmesh, read in one place, and the defaults that users set
+with flags or that several modules share.
 
 huggingface_hub reads `HF_ENDPOINT`, `HF_TOKEN` and `HF_HUB_OFFLINE` itself (node/hub/client.py
-asks it, at call time); everything of expertmesh's own is here, so the rest of the code never
-touches `os.environ`.
+asks it, at call time); everything of expertmesh's own is read here, so the rest of the code never
+touches `os.environ`. A tuning value that one module alone uses lives in that module, beside the
+code it tunes, stated once; why each default is what it is lives beside it, and the figures that
+chose it in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ HUB_FETCH_DEADLINE_S = 120.0
 # The Hub tier (node/store/tiers/hub.py); each default was chosen by a benchmark whose command
 # and figures are in docs/benchmarks.md.
 HUB_CONNECTIONS = 12  # range requests in flight at once: half again the home link's per-connection shares
+# ...at first: the count grows while more connections carry more (store/tiers/hub_connections.py),
+# up to this: enough to fill a home link through the slowest per-connection share a CDN is known to
+# give, first bytes included (docs/benchmarks.md, "A CDN that caps each connection")
+HUB_MAX_CONNECTIONS = 32
 HUB_PIECES_PER_EXPERT = 4  # separate requests one expert is split into, at most
 HUB_MIN_PIECE_BYTES = 2 * 1024 * 1024  # at 12.5 MB/s a piece then outlasts a 50 ms first byte
 # Expert range requests in flight per layer (the distinct experts of a layer fetch together).
@@ -70,6 +77,9 @@ EXPERT_FETCH_CONCURRENCY = 8
 DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
 DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
+# tokens a conversation may hold unless `--max-context` says otherwise: the memory plan counts its KV
+# cache / linear-attention state, and a model's own maximum (a million tokens for K3) would not fit a Mac
+DEFAULT_MAX_CONTEXT = 32768
 
 # `expertmesh bench`: emulated link seconds per K3 second; below 0.1 the emulated Hub's own CPU,
 # not the link, bounds the bench on 2 cores (docs/benchmarks.md, benchmarks/bench_time_scale.py).

@@ -2,9 +2,14 @@
 
 Every check answers ok, warn or fail with what it saw and, unless ok, the one thing to do about
 it: what a person setting up a Mac needs, without reading logs. A fail is something that stops
-`serve` or `run` (a taken port, an unreachable Hub, a core larger than the memory); a warn works
-but poorly or not as the household expects (CPU only, no node found, a clock a little off). The
-checks never print the Hub token or the household secret, only where each came from.
+`serve` or `run` (a taken port, an unreachable Hub, a core that does not fit even streamed); a warn
+works but poorly or not as the household expects (CPU only, a core streamed from the SSD, no node
+found, a clock a little off). The checks never print the Hub token or the household secret, only
+where each came from.
+
+`doctor --plan MODEL` prints instead the memory plan of a model (`k3`, or a repo id pulled here)
+on this machine or on a Mac of `--memory` bytes (`plan_model`): what the core, the context, the
+RAM tier and the buffers take, and the single changes that would hold the core whole.
 
 The zeroconf browse runs in the background while the other checks go on, so the whole doctor
 takes about its `wait_s`.
@@ -15,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import errno
+import functools
+import json
 import os
 import platform
 import shutil
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from expertmesh.node import constants
+from expertmesh.node.errors import DamagedModelError, ExpertmeshError
 from expertmesh.node.hub import local_models
 from expertmesh.node.sizes import format_size
 
@@ -34,7 +42,6 @@ OK, WARN, FAIL = "ok", "warn", "fail"
 CLOCK_WARN_S = 30.0  # beyond this, expiry of signed CDN links and TLS certificates is misjudged
 CLOCK_FAIL_S = 300.0  # beyond this, the Hub's signed download links fail outright
 LOW_DISK_BYTES = 20 * 10**9  # the expert cache takes half the free space by default: below this it holds little
-CORE_SHARE_WARN = 0.75  # a core above this share of usable memory leaves little RAM for experts
 HTTP_TIMEOUT_S = 10.0
 MACOS = sys.platform == "darwin"
 
@@ -151,40 +158,111 @@ def available_memory() -> int | None:
     return None
 
 
-def _metal_working_set() -> int | None:
-    with contextlib.suppress(ImportError, RuntimeError, AttributeError, ValueError):
-        import mlx.core as mx
-
-        if mx.metal.is_available():
-            return int(mx.device_info().get("max_recommended_working_set_size", 0)) or None
-    return None
-
-
 def memory(home: Path) -> Check:
-    """The machine's memory against the largest core pulled here: it must fit, with room for experts."""
+    """The machine's memory against the largest core pulled here: the memory plan
+    (node/engine/memory.py) of that model, held whole, streamed, or not at all."""
+    from expertmesh.node.engine.memory import CoreTooLargeError
+
     total, available = physical_memory(), available_memory()
     if total is None:
         return Check("memory", WARN, "cannot read this machine's memory size", "")
-    limit = _metal_working_set() or total
-    limit_name = "Metal's recommended working set" if limit != total else "the memory"
     seen = format_size(total) + (f", {format_size(available)} available" if available is not None else "")
     pulled = [m for m in local_models.pulled_models(home) if m.state == "complete"]
     if not pulled:
         return Check("memory", OK, f"{seen}; no model pulled yet")
     big = max(pulled, key=lambda m: m.core_bytes)
-    bits = f", {big.core_bits}-bit" if big.core_bits != 16 else ""
-    core = f"the largest core pulled ({big.repo_id}, {format_size(big.core_bytes)}{bits})"
-    smaller = (
-        f"`expertmesh pull {big.repo_id} --core-bits 8` about halves it"
-        if big.core_bits == 16
-        else "a Mac with more memory"
-    )
-    if big.core_bytes > limit:
-        return Check("memory", FAIL, f"{seen}; {core} is larger than {limit_name} ({format_size(limit)})", smaller)
-    if big.core_bytes > CORE_SHARE_WARN * limit:
-        left = f"under {1 - CORE_SHARE_WARN:.0%} of {limit_name}"
-        return Check("memory", WARN, f"{seen}; {core} leaves {left} for experts in RAM", smaller)
-    return Check("memory", OK, f"{seen}; {core} fits {limit_name} ({format_size(limit)})")
+    try:
+        planned = plan_model(home, big.repo_id, revision=big.commit)
+        plan = planned.planner.plan()
+    except CoreTooLargeError as e:
+        return Check("memory", FAIL, f"{seen}; {e}", _changes(plan_model(home, big.repo_id, revision=big.commit)))
+    except (ExpertmeshError, OSError, ValueError) as e:
+        return Check("memory", WARN, f"{seen}; no plan for {big.repo_id}: {e}", f"`expertmesh pull {big.repo_id}`")
+    line = f"{seen}; {planned.title}: {plan.parts()}"
+    if plan.streamed:
+        return Check("memory", WARN, line, _changes(planned) or "a Mac with more memory holds the core whole")
+    return Check("memory", OK, line)
+
+
+def _changes(planned: PlannedModel) -> str:
+    changes = planned.planner.changes()
+    return ("to hold the core whole: " + ", or ".join(changes)) if changes else ""
+
+
+@functools.cache
+def _k3_sizes():
+    """K3's sizes, computed once per process (its model takes a second to build and probe)."""
+    from expertmesh.node.engine.model_sizes import ModelSizes, kimi_k3_config
+
+    return ModelSizes(kimi_k3_config())
+
+
+@dataclass
+class PlannedModel:
+    planner: object  # engine/model_sizes.py's Planner
+    title: str  # "K3 on a 64 GB Mac", "org/model on this machine"
+    computed: bool  # the core's size computed from its shape, not read from pulled files
+
+
+def plan_model(
+    home: Path,
+    model: str,
+    memory: int | None = None,
+    *,
+    revision: str | None = None,
+    max_context: int = constants.DEFAULT_MAX_CONTEXT,
+    core_bits: int | None = None,
+    core_quant: str | None = None,
+    ram_budget: str = constants.DEFAULT_RAM_BUDGET,
+    core_budget: str | None = None,
+    fetch_workers: int = constants.EXPERT_FETCH_CONCURRENCY,
+) -> PlannedModel:
+    """The memory plan of `model` ("k3", or a repo id pulled here) on this machine or on a Mac of
+    `memory` bytes, with the core at `core_bits`/`core_quant` (default: as pulled; BF16 for K3).
+
+    Raises:
+        NotPulledError: a repo id that is not pulled here.
+        DamagedModelError: its local files cannot be read (`pull` repairs them).
+        CoreBitsError: a bad `core_bits`/`core_quant`.
+    """
+    from expertmesh.node.engine.core_quantization import check_core_format, format_name
+    from expertmesh.node.engine.memory import device_memory, mac
+    from expertmesh.node.engine.model_sizes import K3_EXPERT_BYTES, ModelSizes, Planner
+    from expertmesh.node.engine.model_thread import model_thread
+    from expertmesh.node.engine.streamed_core import file_layout
+    from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
+
+    bits, recipe = check_core_format(core_bits, core_quant)
+    device = mac(memory) if memory is not None else device_memory()
+    machine = f"a {memory / 1024**3:g} GB Mac" if memory is not None else "this machine"
+    if model.lower() in ("k3", "kimi-k3", "moonshotai/kimi-k3"):
+        sizes = _k3_sizes()
+        layout = model_thread().call(sizes.layout, bits or 16, recipe)
+        planner = Planner("moonshotai/Kimi-K3", sizes, device, K3_EXPERT_BYTES, layout, core_bits=bits or 16)
+        title, computed = f"K3 on {machine} (computed from its shape, not measured)", True
+    else:
+        path = local_models.find_pulled(home, model, revision)
+        marker = local_models.read_marker(path)
+        pulled = (marker.get("core_bits", 16), marker.get("core_quant"))
+        computed = bits is not None and (bits, recipe) != pulled
+        try:
+            index = ExpertIndex.load(path / INDEX_FILENAME)
+            sizes = ModelSizes(json.loads((path / "config.json").read_text()))
+            layout = file_layout(path, format_name(*pulled)) if not computed else None
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a cut shard, a garbled config or index
+            raise DamagedModelError(
+                f"the local copy of {model} in {path} is damaged ({type(e).__name__}: {str(e)[:200]}): "
+                f"`expertmesh pull {model}` repairs it"
+            ) from None
+        if computed:
+            layout = model_thread().call(sizes.layout, bits, recipe)
+        expert = max((loc.nbytes for loc in index.experts.values()), default=0)
+        planner = Planner(model, sizes, device, expert, layout, core_bits=bits or pulled[0], pulled_bits=pulled[0])
+        title = f"{model} on {machine}" + (" (its core computed at those bits, not measured)" if computed else "")
+    planner.max_context, planner.ram_budget, planner.core_budget = max_context, ram_budget, core_budget
+    planner.fetch_workers = fetch_workers
+    model_thread().call(sizes.context_bytes, max_context)  # probed once, where MLX runs
+    return PlannedModel(planner, title, computed)
 
 
 def disk(home: Path) -> Check:
@@ -271,9 +349,10 @@ def hub(home: Path) -> list[Check]:
     against its `Date` header. Uses huggingface_hub's endpoint, token and HTTP session, as pulls do."""
     from huggingface_hub import constants as hf_constants
     from huggingface_hub import get_token
-    from huggingface_hub.utils import build_hf_headers, get_session
+    from huggingface_hub.utils import build_hf_headers
 
     from expertmesh.node.hub.client import endpoint
+    from expertmesh.node.hub.rate_limit import observed_session
 
     where = endpoint()
     if hf_constants.HF_HUB_OFFLINE:
@@ -281,7 +360,7 @@ def hub(home: Path) -> list[Check]:
         return [Check("hub", WARN, detail, "unset HF_HUB_OFFLINE")]
     token = get_token()
     source = "HF_TOKEN" if os.environ.get("HF_TOKEN") else "the stored login"
-    session, headers = get_session(), build_hf_headers()
+    session, headers = observed_session(), build_hf_headers()  # observed: the Hub's RateLimit headers
     asked = time.time()
     try:
         r = session.get(f"{where}/api/whoami-v2", headers=headers, timeout=HTTP_TIMEOUT_S)
@@ -300,6 +379,7 @@ def hub(home: Path) -> list[Check]:
         Check("hub", OK, f"{where} answers (HTTP {r.status_code} in {answered - asked:.2f} s)"),
         _token(token, source, r),
         _models(home, where, session, headers),
+        _quota(),
         _clock(r.headers.get("date"), asked, answered),
     ]
 
@@ -359,6 +439,29 @@ def _models(home: Path, where: str, session, headers: dict) -> Check:
     if unanswered:
         return Check("models", WARN, f"no answer for {', '.join(unanswered)}", "run doctor again")
     return Check("models", OK, f"every pulled revision is on the Hub ({len(pulled)})")
+
+
+def _quota() -> Check:
+    """What is left of the Hub's rate limits in this window, as its answers to the checks above
+    announced it (RateLimit headers; node/hub/rate_limit.py): the `resolvers` bucket is what every
+    expert fetched from the Hub spends, shared by every node behind this IP (or this account)."""
+    from expertmesh.node.hub.rate_limit import DOCS_URL, GATE, QUOTA_WARN_SHARE
+
+    usage = {b: u for b, u in GATE.usage().items() if u.quota is not None and u.left is not None}
+    if not usage:
+        return Check("quota", OK, "the Hub announces no rate limits here")
+    shown = ", ".join(
+        f"{b} {u.left:,} of {u.quota:,} left (resets in {u.resets_in_s:.0f} s)" for b, u in sorted(usage.items())
+    )
+    low = [b for b, u in usage.items() if u.left < QUOTA_WARN_SHARE * u.quota]
+    if low:
+        return Check(
+            "quota",
+            WARN,
+            f"the Hub's rate limits this window: {shown}",
+            f"log in for a larger quota (`hf auth login`, or set HF_TOKEN), or wait for the window ({DOCS_URL})",
+        )
+    return Check("quota", OK, f"the Hub's rate limits this window: {shown}")
 
 
 def _clock(date: str | None, asked: float, answered: float) -> Check:

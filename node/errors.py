@@ -49,6 +49,10 @@ class DownloadError(ExpertmeshError):
     """A download kept failing after its retries, or returned the wrong bytes."""
 
 
+class RateLimitedError(DownloadError):
+    """The Hub's rate limit for a bucket is used up for longer than the request may wait."""
+
+
 class Abandoned(DownloadError):
     """A fetch nobody waits for (an idle-link fill, a guess that proved wrong) gave its connection
     up to a demand; whoever comes to want the expert fetches it again."""

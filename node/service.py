@@ -53,6 +53,7 @@ from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
+from expertmesh.node.hub.rate_limit import GATE
 from expertmesh.node.rpc.admission import BUSY, CallSlots
 from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
@@ -234,6 +235,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             mlx_version = mx.__version__
         disk = self.experts.disk
         stats = self.experts.stats.snapshot()
+        hub = GATE.usage()  # this process's Hub requests in the Hub's current rate-limit windows
         return node_pb2.InfoResponse(
             node_id=self.node_id,
             role=self.role,
@@ -253,6 +255,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             compute=self.computer is not None,
             # what an API in front of it may send at once (coordinator/node_pool.py)
             generation_slots=self.generation_slots.running if self.sm is not None else 0,
+            hub_requests={bucket: u.requests for bucket, u in hub.items()},
+            hub_quota={bucket: u.quota for bucket, u in hub.items() if u.quota is not None},
         )
 
     def Prove(self, request, context) -> node_pb2.ProveResponse:

@@ -65,7 +65,7 @@ def test_zero_slots_hold_nothing() -> None:
 
 def test_an_unknown_policy_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="lru"):
-        RamCache(1000, policy="fifo")
+        RamCache(1000, {}, {}, policy="fifo")
 
 
 def test_lfu_memory_stays_bounded_by_its_slots_over_a_long_run_and_decides_as_before() -> None:

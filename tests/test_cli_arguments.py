@@ -46,6 +46,12 @@ HUGE = "9" * 400
         (["peers", "--no-discovery", "--peer", "127.0.0.1"], "--peer"),  # was "wrong secret"
         (["status", "--peer", "127.0.0.1:99999"], "--peer"),
         (["run", "a/b", "hi", "--peer", "::::"], "--peer"),
+        (["run", "a/b", "hi", "--max-context", "0"], "--max-context"),
+        (["serve", "a/b", "--core-budget", "half"], "--core-budget"),
+        (["chat", "a/b", "--core-budget", "120%"], "--core-budget"),
+        (["doctor", "--plan", "k3", "--memory", "lots"], "--memory"),
+        (["doctor", "--plan", "k3", "--core-bits", "3"], "--core-bits"),
+        (["pull", "a/b", "--core-bits", "6"], "--core-bits"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_the_flag(argv: list[str], flag: str, capsys) -> None:

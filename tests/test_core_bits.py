@@ -1,4 +1,5 @@
-"""`expertmesh pull --core-bits 8`: which tensors are quantised, that `run` uses them, bad values."""
+"""`expertmesh pull --core-bits 8|4` and `--core-quant RECIPE`: which tensors are quantised to
+which bits, that `run` uses them, bad values."""
 
 from __future__ import annotations
 
@@ -10,15 +11,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
+from expertmesh.node.engine.blocks import load_core_model
 from expertmesh.node.engine.core_quantization import group_size_for, pull_with_core_bits
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.pull import pull
-
-REPO_ID = "expertmesh/tiny-kimi_k3"
 
 
 def _core_tensors(path: Path) -> dict[str, mx.array]:
@@ -29,18 +29,66 @@ def _core_tensors(path: Path) -> dict[str, mx.array]:
 
 
 @pytest.fixture(scope="module")
-def homes(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """A BF16 pull and an 8-bit pull of the tiny K3."""
-    out = {}
-    for bits in (16, 8):
+def homes(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[int | str, Path]:
+    """A BF16 pull, an 8-bit, a 4-bit and a mixed_4_6 pull of the tiny K3."""
+    out: dict[int | str, Path] = {}
+    for bits in (16, 8, 4, "mixed_4_6"):
         out[bits] = tmp_path_factory.mktemp(f"core{bits}")
-        pull_with_core_bits(REPO_ID, home=out[bits], progress=False, core_bits=bits)
+        fmt = {"core_quant": bits} if isinstance(bits, str) else {"core_bits": bits}
+        pull_with_core_bits(KIMI_K3, home=out[bits], progress=False, **fmt)
     return out
 
 
+def _layer_bits(path: Path) -> dict[str, tuple[int, int]]:
+    """Quantised layer -> (bits, group size), as mlx-lm's loader reads them from the shapes."""
+    model, _, _ = load_core_model(path, lazy=True)
+    return {
+        k: (m.bits, m.group_size) for k, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")
+    }
+
+
+def test_core_bits_4_quantises_every_layer_to_4_bits_in_groups_of_64(homes) -> None:
+    layers = _layer_bits(local_models.find_pulled(homes[4], KIMI_K3))
+    routers = {k: layers.pop(k) for k in list(layers) if k.endswith("mlp.gate")}
+    assert routers and set(routers.values()) == {(8, 64)}  # what K3's quant_predicate asks mlx-lm to give them
+    assert layers and {b for b, _ in layers.values()} == {4} and {g for _, g in layers.values()} == {64}
+    # 32 wide: no group of 64 fits, and 4 bits in groups of 32 would add both errors: BF16, as mlx-lm leaves them
+    assert not any(k.endswith(("routed_expert_up_proj", "unembed_out")) for k in layers)
+    assert not any(k.endswith("res_proj") for k in layers)  # K3's predicate keeps them: read as vectors
+    assert "language_model.lm_head" in layers and "language_model.model.embed_tokens" in layers
+
+
+def test_the_mixed_recipe_gives_the_head_and_some_down_projections_6_bits(homes) -> None:
+    """mlx-lm's mixed_4_6: lm_head at 6 bits, and in the layers its rule picks (the first and last
+    eighth, every third between: 2 and 5 of 6) the projections whose names it matches (`down_proj`,
+    `v_proj`, `v_a_proj`: K3's fused `qkv_proj` and `kv_a_proj_with_mqa` by substring, as in
+    mlx-lm); everything else at 4."""
+    layers = _layer_bits(local_models.find_pulled(homes["mixed_4_6"], KIMI_K3))
+    assert layers["language_model.lm_head"] == (6, 64)
+    layers = {k: v for k, v in layers.items() if not k.endswith("mlp.gate")}  # 8-bit routers, as for 4 bits
+    six = {k for k, (b, _) in layers.items() if b == 6} - {"language_model.lm_head"}
+    assert six and all(("layers.2." in k or "layers.5." in k) for k in six), six
+    assert all(any(n in k for n in ("down_proj", "v_proj", "v_a_proj")) for k in six), six
+    assert any("down_proj" in k for k in six)
+    assert {b for k, (b, _) in layers.items() if k not in six and k != "language_model.lm_head"} == {4}
+    marker = json.loads(
+        (local_models.find_pulled(homes["mixed_4_6"], KIMI_K3) / local_models.COMPLETE_MARKER).read_text()
+    )
+    assert (marker["core_bits"], marker["core_quant"]) == (4, "mixed_4_6")
+    four = json.loads((local_models.find_pulled(homes[4], KIMI_K3) / local_models.COMPLETE_MARKER).read_text())
+    assert (
+        four["core_bytes"]
+        < marker["core_bytes"]
+        < 0.45
+        * json.loads((local_models.find_pulled(homes[16], KIMI_K3) / local_models.COMPLETE_MARKER).read_text())[
+            "core_bytes"
+        ]
+    )
+
+
 def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) -> None:
-    p16 = local_models.find_pulled(homes[16], REPO_ID)
-    p8 = local_models.find_pulled(homes[8], REPO_ID)
+    p16 = local_models.find_pulled(homes[16], KIMI_K3)
+    p8 = local_models.find_pulled(homes[8], KIMI_K3)
     t8 = _core_tensors(p8)
     quantised = {k[: -len(".scales")] for k in t8 if k.endswith(".scales")}
     assert quantised, "no quantised layer in the 8-bit core"
@@ -76,7 +124,7 @@ def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) ->
 
 @pytest.mark.e2e
 def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None:
-    sm = open_model(REPO_ID, home=homes[8])
+    sm = open_model(KIMI_K3, home=homes[8])
     try:
         assert sm.core_bits == 8
         q = [m for _, m in sm.model.named_modules() if type(m).__name__ in ("QuantizedLinear", "QuantizedMultiLinear")]
@@ -88,7 +136,7 @@ def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None
         sm.close()
     env = {**os.environ, "EXPERTMESH_HOME": str(homes[8]), "HF_ENDPOINT": hub.url}
     r = subprocess.run(
-        [sys.executable, "-m", "expertmesh", "run", REPO_ID, "hello experts", "--max-tokens", "6"],
+        [sys.executable, "-m", "expertmesh", "run", KIMI_K3, "hello experts", "--max-tokens", "6"],
         env=env,
         capture_output=True,
         text=True,
@@ -99,20 +147,37 @@ def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None
 
 
 def test_pulling_8_bits_over_a_bf16_pull_quantises_in_place(
-    hub: HubServer, tmp_path: Path, capsys, monkeypatch
+    pulled_home, hub: HubServer, tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+    pulled_home("kimi_k3", tmp_path)
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
-    assert main(["pull", REPO_ID, "--core-bits", "8", "--no-progress"]) == 0
+    assert main(["pull", KIMI_K3, "--core-bits", "8", "--no-progress"]) == 0
     assert "8-bit weights" in capsys.readouterr().out
-    path = local_models.find_pulled(tmp_path, REPO_ID)
+    path = local_models.find_pulled(tmp_path, KIMI_K3)
     assert any(k.endswith(".scales") for k in _core_tensors(path))
-    assert main(["pull", REPO_ID, "--core-bits", "16", "--no-progress"]) != 0  # the BF16 core is gone
+    assert main(["pull", KIMI_K3, "--core-bits", "16", "--no-progress"]) != 0  # the BF16 core is gone
     err = capsys.readouterr().err
     assert err.startswith("error:") and "pull again" in err and "Traceback" not in err
 
 
 def test_a_bad_core_bits_value_is_a_usage_error(capsys) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["pull", REPO_ID, "--core-bits", "4"])
+        main(["pull", KIMI_K3, "--core-bits", "5"])
     assert e.value.code == 2 and "--core-bits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--core-quant", "mixed_5_7"], "--core-quant must be one of mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6"),
+        (["--core-quant", "mixed_4_6", "--core-bits", "8"], "quantises to 4 bits"),
+    ],
+)
+def test_a_bad_recipe_is_one_line_before_anything_is_fetched(
+    argv, words, hub: HubServer, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
+    assert main(["pull", KIMI_K3, "--no-progress", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and words in err and "Traceback" not in err
+    assert hub.stats().get("requests", 0) == 0 or not (tmp_path / "models").exists()

@@ -26,6 +26,7 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from repos import tiny_id
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -34,7 +35,7 @@ from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.chat import ChatSession
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
-from expertmesh.node.hub.pull import pull
+from tests.store_calls import take_layer
 
 LOGIT_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2**-5}  # measured: 0.0 everywhere (see above)
 PROMPTS = ("hello experts", "The quick brown fox", "for layer in range")
@@ -45,14 +46,8 @@ CHAT_ARCHS = ["kimi_k3", "deepseek_v3"]  # KDA recurrent state + MLA; attention 
 TURN1, TURN2 = "hello! tell me a story.", "what is a mixture of experts?"
 
 
-def _repo_id(arch: str) -> str:
-    return f"expertmesh/tiny-{arch}"
-
-
 def _open(arch: str, home: Path, ram_budget: str = "50%", prefetch: bool = True) -> StreamedModel:
-    return open_model(
-        _repo_id(arch), home=home, store=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False)
-    )
+    return open_model(tiny_id(arch), home=home, store=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False))
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -140,14 +135,14 @@ def _cached(reply: list[int], summary: GenerationSummary) -> list[int]:
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(
-    arch: str, hub: HubServer, oracle, tmp_path: Path
+    pulled_home, arch: str, hub: HubServer, oracle, tmp_path: Path
 ) -> None:
     ref, ref_tok = oracle.load(arch)
     prompts = [ref_tok.encode(p) for p in PROMPTS]
     expected = [_mlx_lm_tokens(ref, ref_tok, ids, MAX_TOKENS) for ids in prompts]
     for p, exp in zip(PROMPTS, expected):
         assert len(exp) == MAX_TOKENS, f"mlx-lm stopped {p!r} after {len(exp)} tokens: pick a prompt without early EOS"
-    pull(_repo_id(arch), home=tmp_path, progress=False)
+    pulled_home(arch, tmp_path)
 
     # 1. cold: a fresh home, so every expert's first use comes from the Hub
     cold = _open(arch, tmp_path)
@@ -347,26 +342,26 @@ def test_ctrl_c_inside_a_turn_rebuilds_the_next_one_correctly(models, oracle) ->
 # -- the expert store's single flight --------------------------------------------------------
 
 
-def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path: Path) -> None:
+def test_concurrent_demands_share_one_fetch_per_expert(pulled_home, hub: HubServer, tmp_path: Path) -> None:
     """Single flight under contention: several threads asking for overlapping experts (as
     concurrent requests on one node do) each get every expert, and the Hub sends each once.
     Also the regression of a deadlock that once hung warm-disk runs one time in three."""
-    pull(_repo_id("kimi_k3"), home=tmp_path, progress=False)
-    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
+    pulled_home("kimi_k3", tmp_path)
+    sm = open_model(tiny_id("kimi_k3"), home=tmp_path, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
     try:
         layer = sm.index.moe_layers[0]
         served_before = hub.stats()["bytes_served"]
         wanted = [list(range(i, i + 8)) for i in range(0, 16, 2)]  # 8 overlapping sets, 22 distinct experts
         results: list[dict] = [{} for _ in wanted]
         threads = [
-            threading.Thread(target=lambda r=r, w=w: r.update(sm.store.get_layer(layer, w)), daemon=True)
+            threading.Thread(target=lambda r=r, w=w: r.update(take_layer(sm.store, layer, w)), daemon=True)
             for r, w in zip(results, wanted)
         ]
         for t in threads:
             t.start()
         for t in threads:
             t.join(30)  # a deadlocked daemon thread only holds this throw-away store
-        assert not any(t.is_alive() for t in threads), "get_layer deadlocked"
+        assert not any(t.is_alive() for t in threads), "layer_groups deadlocked"
         assert [sorted(r) for r in results] == wanted
         distinct = {e for w in wanted for e in w}
         sent = hub.stats()["bytes_served"] - served_before

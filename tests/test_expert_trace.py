@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
@@ -171,7 +170,7 @@ def test_an_index_of_format_1_still_decodes_by_name(tiny_repos: dict[str, Path],
 def _entries(tensors: list[tuple[str, str, tuple[int, ...]]]) -> dict:
     out, at = {}, 0
     for name, dtype, shape in tensors:
-        n = safetensors_format.DTYPE_BYTES[dtype] * int(np.prod(shape))
+        n = safetensors_format.tensor_nbytes(dtype, shape)
         out[name] = safetensors_format.TensorEntry(name, dtype, shape, at, at + n)
         at += n
     return {"model.safetensors": (out, at)}

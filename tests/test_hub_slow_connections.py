@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -27,7 +28,6 @@ from expertmesh.node.model.expert_index import run_ranges
 from expertmesh.node.store.tier_chain import Fetched
 from expertmesh.node.store.tiers.hub import split_ranges
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 WINDOW_S = 0.3  # the speed window of these tests (the default is 10 s)
 DRIP_STEP, DRIP_INTERVAL_S = 64, 0.02  # 3.2 kB/s: 1/20 of the floor
 FAST = dict(speed_window_s=WINDOW_S, timeout_s=5.0, backoff_base_s=0.005, backoff_max_s=0.05)
@@ -106,27 +106,22 @@ def _close(*socks: socket.socket) -> None:
 
 @pytest.fixture
 def proxied(hub_root: Path) -> Iterator[tuple[HubServer, DripProxy]]:
-    """A Hub reachable only through a new proxy (which drips nothing until a test says so);
-    huggingface_hub and the Hub's CDN redirects both point at the proxy."""
+    """A Hub whose CDN is reachable only through a new proxy (which drips nothing until a test says
+    so): the signed locations the Hub hands out point at the proxy."""
     with HubServer(hub_root) as hub:
-        proxy = DripProxy(hub.port, lambda i: False)
-        hub.url = proxy.url  # its public address: the CDN locations it hands out come back through the proxy
+        proxy = DripProxy(hub.cdn_port, lambda i: False)
+        hub.cdn_url_base = proxy.url  # the CDN's public address
         try:
-            with hub_client.using_endpoint(proxy.url):
+            with hub_client.using_endpoint(hub.url):
                 yield hub, proxy
         finally:
             proxy.close()
 
 
-@pytest.fixture
-def home(pulled_home, tmp_path: Path) -> Path:
-    return pulled_home("kimi_k3", tmp_path / "home")
-
-
 def _open(home: Path, reader: hub_client.RangeReader):
     # pieces of 16 kB: a layer's run (104 kB) goes as 4 pieces on separate connections
     store = StoreConfig(prefetch=False, fill=False, hub_min_piece_bytes=16 * 1024)
-    return open_model(REPO_ID, home=home, store=store, hub_reader=reader)
+    return open_model(KIMI_K3, home=home, store=store, hub_reader=reader)
 
 
 def _layer_run(sm) -> list[tuple[int, int]]:
@@ -210,9 +205,7 @@ def test_when_every_connection_drips_a_run_fails_once_after_its_attempts(proxied
         proxy.drips = lambda i: True
         results = _in_thread(lambda: sm.store.chain.fetch_run(keys, keep_now=True, decode=False))
         error = _one_error(keys, results)
-        assert error.startswith(
-            f"experts {keys[0][1]}-{keys[-1][1]} of layer {keys[0][0]} from the Hub at {proxy.url}: "
-        )
+        assert error.startswith(f"experts {keys[0][1]}-{keys[-1][1]} of layer {keys[0][0]} from the Hub at {hub.url}: ")
         assert "failed 3 times" in error and "below the floor of 64 kB/s" in error, error
         assert reader.retries == 2 * len(pieces)  # each piece's 3 attempts, and not one more
         assert reader.slow_responses >= len(pieces) and proxy.given_up >= len(pieces)

@@ -1,6 +1,7 @@
 """A full node's memory from the machine (node/engine/memory.py): the RAM budget's default from
 Metal's recommended working set (or the machine's memory), MLX's buffer cache inside the budget,
-the core plus the RAM tier wired, and a core that cannot fit refused before it loads.
+the context at --max-context counted, the core plus the RAM tier wired, a core that does not fit
+streamed within what is left, and one that does not fit even streamed refused before it loads.
 
 Metal is absent here, so the machine is described to MLX's own functions by monkeypatching
 (`mx.device_info`), and the calls a Mac would get (`mx.set_wired_limit`, `mx.set_cache_limit`)
@@ -8,25 +9,29 @@ are recorded with their sizes and threads."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from repos import tiny_id
 
 from expertmesh.assembly import build_node
 from expertmesh.node import constants
 from expertmesh.node.config import NodeConfig, StoreConfig
 from expertmesh.node.engine import streamed_model
-from expertmesh.node.engine.memory import CoreTooLargeError, DeviceMemory, plan_memory
+from expertmesh.node.engine.memory import CoreLayout, CoreTooLargeError, DeviceMemory, plan_memory
+from expertmesh.node.engine.model_sizes import ModelSizes
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.streamed_core import file_layout
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 
 GiB, MiB = 1024**3, 1024**2
 ARCH = "kimi_k3"
-REPO_ID = f"expertmesh/tiny-{ARCH}"
+REPO_ID = tiny_id(ARCH)
 PREVIOUS_WIRED = 7  # what set_wired_limit reports as the limit before (restored at close)
 
 
@@ -66,12 +71,17 @@ def _expected(home: Path, ram_budget: str, device: DeviceMemory):
     """The plan from the model's own sizes: what the node must have asked for."""
     path = local_models.find_pulled(home, REPO_ID, None)
     index = ExpertIndex.load(path / INDEX_FILENAME)
+    context = ModelSizes(json.loads((path / "config.json").read_text())).context_bytes(constants.DEFAULT_MAX_CONTEXT)
+    assert context > 0
     return plan_memory(
         ram_budget,
         device,
         core_bytes=local_models.read_marker(path)["core_bytes"],
         expert_bytes=max(loc.nbytes for loc in index.experts.values()),
         fetch_workers=constants.EXPERT_FETCH_CONCURRENCY,
+        context_bytes=context,
+        max_context=constants.DEFAULT_MAX_CONTEXT,
+        layout=file_layout(path, "bf16"),
     )
 
 
@@ -108,16 +118,45 @@ def test_a_budget_holds_the_buffer_cache_and_the_tier(budget: str, cache: int, t
     assert (plan.buffer_cache_bytes, plan.ram_tier_bytes) == (cache, tier)
 
 
-def test_a_core_larger_than_the_machine_is_refused_with_the_8_bit_core_suggested() -> None:
+def test_a_core_that_cannot_stream_and_does_not_fit_is_refused_with_fewer_bits_suggested() -> None:
     mac = DeviceMemory(128 * GiB, 96 * GiB)
     with pytest.raises(CoreTooLargeError) as e:
         plan_memory("50%", mac, core_bytes=114 * GiB, expert_bytes=MiB, fetch_workers=8, repo_id="moonshotai/K3")
     message = str(e.value)
     assert "Metal's recommended working set" in message and "122.41 GB" in message and "103.08 GB" in message
-    assert "expertmesh pull moonshotai/K3 --core-bits 8" in message and "\n" not in message
+    assert "expertmesh pull moonshotai/K3 --core-bits 4" in message and "\n" not in message
     with pytest.raises(CoreTooLargeError) as e:
         plan_memory("50%", mac, core_bytes=100 * GiB, expert_bytes=MiB, fetch_workers=8, core_bits=8)
     assert "--core-bits" not in str(e.value) and "more memory" in str(e.value)
+
+
+def test_a_core_that_does_not_fit_is_streamed_within_what_the_context_and_buffers_leave() -> None:
+    mac = DeviceMemory(64 * GiB, 48 * GiB)
+    layers = (2 * GiB,) * 40
+    layout = CoreLayout(3 * GiB + sum(layers), "bf16", 3 * GiB, layers)  # 83 GiB: larger than the machine
+    plan = plan_memory(
+        "50%", mac, core_bytes=layout.core_bytes, expert_bytes=16 * MiB, fetch_workers=8, layout=layout,
+        context_bytes=GiB, max_context=32768,
+    )  # fmt: skip
+    in_flight = 2 * 8 * 16 * MiB
+    assert plan.streamed and not plan.fits
+    assert (
+        plan.core_held_bytes == 48 * GiB - GiB - in_flight - constants.MIN_RAM_BUDGET_BYTES
+    )  # all but the least RAM tier
+    split = plan.split
+    assert split.ahead == 2  # the layer computing and two being read, the rest of the budget pins layers
+    assert split.held_bytes <= plan.core_held_bytes
+    assert split.pinned == (plan.core_held_bytes - 3 * GiB - 3 * 2 * GiB) // (2 * GiB)
+    assert split.read_bytes_per_token == (40 - split.pinned) * 2 * GiB
+    assert plan.total_bytes <= mac.working_set_bytes
+    # a budget below the smallest streamed core is raised to it: what it keeps and two layers
+    small = plan_memory("50%", mac, core_bytes=layout.core_bytes, expert_bytes=MiB, fetch_workers=1, layout=layout,
+                        core_budget="1GiB")  # fmt: skip
+    assert small.core_held_bytes == 3 * GiB + 2 * 2 * GiB and small.split.pinned == 0 and small.split.ahead == 1
+    # one that does not fit even streamed is refused, saying what streaming it needs
+    with pytest.raises(CoreTooLargeError, match="even streamed"):
+        plan_memory("50%", DeviceMemory(8 * GiB, 6 * GiB), core_bytes=layout.core_bytes, expert_bytes=MiB,
+                    fetch_workers=1, layout=layout)  # fmt: skip
 
 
 # -- a node asks MLX for it, on the MLX thread --------------------------------------------------
@@ -168,7 +207,7 @@ def test_without_metal_nothing_is_wired_and_one_line_says_why(
     assert "CPU only" in line
 
 
-def test_a_core_that_cannot_fit_is_refused_before_it_loads(
+def test_a_core_that_cannot_fit_even_streamed_is_refused_before_it_loads(
     limits, pulled_home, hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     home = pulled_home(ARCH, tmp_path)
@@ -178,5 +217,5 @@ def test_a_core_that_cannot_fit_is_refused_before_it_loads(
         raise AssertionError("the core was loaded although it cannot fit")
 
     monkeypatch.setattr(streamed_model, "load_streamed_model", never)
-    with pytest.raises(CoreTooLargeError, match=f"pull {REPO_ID} --core-bits 8"):
+    with pytest.raises(CoreTooLargeError, match=f"even streamed.*pull {REPO_ID} --core-bits 4"):
         _node(home)

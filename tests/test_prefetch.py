@@ -22,6 +22,7 @@ from expertmesh.node.store.flights import Flights
 from expertmesh.node.store.prefetch import MIN_JUDGED, PREFETCH_WINDOW, Prefetcher
 from expertmesh.node.store.stats import StoreStats
 from expertmesh.node.store.tier_chain import Fetched
+from tests.store_calls import take_layer
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
 
@@ -41,8 +42,8 @@ def test_every_guess_is_used_or_wasted_and_the_output_is_unchanged(home: Path) -
         try:
             ids = sm.tokenizer.encode("Guess the next layer")
             outputs[prefetch] = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=16))]
-            sm.store.get_layer(sm.index.moe_layers[0], [])  # a last pass settles the last guesses
-            sm.store.get_layer(sm.index.moe_layers[-1], [])
+            take_layer(sm.store, sm.index.moe_layers[0], [])  # a last pass settles the last guesses
+            take_layer(sm.store, sm.index.moe_layers[-1], [])
             pf = sm.store.stats.prefetch
         finally:
             sm.close()
@@ -59,7 +60,7 @@ def _judge_good_guesses(store, layer: int, experts: list[int]) -> None:
     """Enough right guesses that the prefetcher fetches the next ones."""
     for _ in range(-(-MIN_JUDGED // len(experts))):
         store.prefetch(layer, experts)
-        store.get_layer(layer, experts)
+        take_layer(store, layer, experts)
 
 
 def test_poor_guesses_are_judged_without_being_fetched_until_they_get_better(home: Path) -> None:
@@ -69,13 +70,13 @@ def test_poor_guesses_are_judged_without_being_fetched_until_they_get_better(hom
         assert store.wants_guesses()
         for _ in range(PREFETCH_WINDOW // 4):  # always guess experts 0-3, always demand 4-5
             store.prefetch(layer, [0, 1, 2, 3])
-            store.get_layer(layer, [4, 5])
+            take_layer(store, layer, [4, 5])
         assert store.stats.prefetch["issued"] == 0  # never right: not one byte spent finding that out
         assert store.wants_guesses()  # still guessing (a router's few multiplies), still judging
         passes = 0
         while not store.stats.prefetch["issued"] and passes < PREFETCH_WINDOW:  # the guesses turn right
             store.prefetch(layer, [4, 5])
-            store.get_layer(layer, [4, 5])
+            take_layer(store, layer, [4, 5])
             passes += 1
         assert store.stats.prefetch["issued"] > 0  # fetched again
         assert passes < PREFETCH_WINDOW // 2  # as soon as a quarter of the window is right
@@ -96,9 +97,9 @@ def test_guesses_go_out_behind_demands_that_outnumber_the_workers(home: Path) ->
         first, second = sm.index.moe_layers[:2]
         _judge_good_guesses(store, second, [20, 21, 22, 23])
         before = store.stats.snapshot()
-        store.get_layer(first, range(8), guess=(second, [10, 11, 12, 13]))  # 8 misses, 2 workers
+        take_layer(store, first, range(8), guess=(second, [10, 11, 12, 13]))  # 8 misses, 2 workers
         assert wait_until(lambda: store.prefetcher.in_flight == 0), "the guesses were never fetched"
-        store.get_layer(second, [10, 11, 12, 13])
+        take_layer(store, second, [10, 11, 12, 13])
         d = store.stats.since(before)
         assert d.prefetch["issued"] == 4
         assert d.prefetch["used"] == 4 and d.prefetch["ready"] == 4
@@ -116,9 +117,11 @@ def test_a_layer_wanting_more_experts_than_memory_holds_comes_in_groups(home: Pa
     try:
         store, layer = sm.store, sm.index.moe_layers[0]
         assert store.hold_limit() == 4
-        groups = [sorted(g) for g in store.layer_groups(layer, range(7))]
+        groups = [sorted(g.experts) for g in store.layer_groups(layer, range(7))]
         assert groups == [[0, 1], [2, 3], [4, 5], [6]]
-        assert [sorted(g) for g in store.layer_groups(layer, range(4))] == [[0, 1, 2, 3]]  # few enough: one group
+        assert [sorted(g.experts) for g in store.layer_groups(layer, range(4))] == [
+            [0, 1, 2, 3]
+        ]  # few enough: one group
     finally:
         sm.close()
 
@@ -139,7 +142,7 @@ def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path
 
         store.flights.demand = queued
         for group in store.layer_groups(layer, range(3)):
-            events.append(("computing", sorted(group)))
+            events.append(("computing", sorted(group.experts)))
         del store.flights.demand
         assert events == [
             ("queued", [0]),
@@ -167,8 +170,8 @@ def test_a_peers_call_for_a_layer_leaves_this_nodes_guesses_for_it_alone(home: P
         before = store.stats.snapshot()
         store.prefetch(layer, [10, 11])
         assert wait_until(lambda: store.prefetcher.in_flight == 0), "the guesses were never fetched"
-        store.get_layer(layer, [12], record=False, own_pass=False)  # what ComputeExperts does
-        store.get_layer(layer, [10, 11])  # this node's own pass
+        take_layer(store, layer, [12], routed=[])  # what ComputeExperts does
+        take_layer(store, layer, [10, 11])  # this node's own pass
         d = store.stats.since(before)
         assert d.prefetch["issued"] == 2
         assert d.prefetch["used"] == 2 and d.prefetch["ready"] == 2 and d.prefetch["wasted"] == 0

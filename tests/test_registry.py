@@ -8,6 +8,9 @@ skipped with the precise reason — what `pull` says, or why no tiny repo exists
 `pytest -rs tests/test_registry.py` prints them. The last test checks that README.md lists exactly
 the architectures that stream; `EXPERTMESH_UPDATE_README=1` rewrites that list instead.
 
+Each architecture that streams is also quantised to a 4-bit core (`pull --core-bits 4`) and
+compared with mlx-lm running that same core with its own upstream experts.
+
 Budget: tiny repos (2 layers of 8 experts, hidden 64), one per architecture, made once per module;
 the whole module runs in about 25 s on two CPU cores (measured with MLX 0.32.4 on the CPU).
 """
@@ -20,18 +23,22 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import infer_quant_config
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.devtools.tiny import registry
 from expertmesh.node.config import StoreConfig
-from expertmesh.node.engine.core_quantization import pull_with_core_bits
+from expertmesh.node.engine.core_quantization import pull_with_core_bits, quantize_core
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
+from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.model.mlx_lm_models import expert_modules
 
@@ -108,6 +115,33 @@ def test_streams_equal_to_mlx_lm(arch: str, registry_hub, tmp_path: Path) -> Non
     assert got == expected, f"{arch} ({made[arch].layout.name}): streamed {got}, mlx-lm {expected}"
     assert summary.experts.uses["hub"] > 0, f"{arch}: no expert came from the Hub: nothing was streamed"
     STREAMED[arch] = made[arch].layout.description
+    _quantised_core_streams_equal_to_mlx_lm(arch, repos / arch, tmp_path, ids)
+
+
+def _quantised_core_streams_equal_to_mlx_lm(arch: str, repo: Path, home: Path, ids: list[int]) -> None:
+    """The same pull quantised to a 4-bit core (`pull --core-bits 4`, in place, its experts now on
+    disk) against mlx-lm's `load` of the upstream repo — its experts as published — with that very
+    core put in as mlx-lm's loader puts a quantised one (`infer_quant_config`)."""
+    path = local_models.find_pulled(home, f"registry/{arch}")
+    quantize_core(path, 4)
+    sm = open_model(f"registry/{arch}", home=home, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
+    try:
+        ref, tokenizer = mlx_lm.load(str(repo))
+        core = {}
+        for f in sorted(path.glob("model*.safetensors")):
+            core.update(mx.load(str(f)))
+        nn.quantize(ref, class_predicate=lambda p, m: f"{p}.scales" in core and infer_quant_config(p, m, core))
+        assert set(core) <= {k for k, _ in tree_flatten(ref.parameters())}, f"{arch}: the core's names are not mlx-lm's"
+        ref.load_weights(list(core.items()), strict=False)
+        if sm.codec.dense_dtype is not None:
+            ref.set_dtype(sm.codec.dense_dtype)
+        expected = _mlx_lm_tokens(ref, tokenizer, ids)
+        settings = SamplingSettings(max_tokens=MAX_TOKENS, temp=0.0)
+        got = [t.id for t in Generator(sm).generate(ids, settings, lambda: False, GenerationSummary())]
+    finally:
+        sm.close()
+    assert sm.core_bits == 4
+    assert got == expected, f"{arch} with a 4-bit core: streamed {got}, mlx-lm {expected}"
 
 
 def test_a_core_sanitize_treats_differently_without_experts_loads_as_mlx_lm_makes_it(registry_hub, tmp_path) -> None:

@@ -55,6 +55,7 @@ from expertmesh.node.hub import client as hub_client
 from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
+from tests.store_calls import compute_here
 
 ARCHS = ("gpt_oss", "mimo_v2_flash", "deepseek_v41", "nemotron_h", "llama4", "phixtral", "muse_spark")
 TEXT = " ".join(f"w{i} and" for i in range(60))  # far more than 64 tokens
@@ -353,11 +354,8 @@ def test_a_peer_computes_an_expert_as_the_requester_would(arch: str, models) -> 
         result = computer.compute(request)
         assert [x.expert for x in result.outputs] == held and not result.missing
 
-        def local(rows=rows, dtype=dtype) -> dict[int, np.ndarray]:
-            out = block.compute(sm.store.get_layer(block.layer, held, record=False), rows)
-            return {e: np.array(y.astype(dtype).astype(mx.float32)) for e, y in out.items()}
-
-        want = model_thread().call(local)
+        out = compute_here(block, sm.store, held, rows)
+        want = {e: np.array(y.astype(dtype).astype(mx.float32)) for e, y in out.items()}
         wire = activations.wire_dtype(dtype)
         for x in result.outputs:
             got = activations.decode(x.rows, block.output_dims, dtype=wire, rows=rows[x.expert].shape[0])

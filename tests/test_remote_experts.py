@@ -18,20 +18,24 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from nodes import joined, serving
+from repos import KIMI_K3, tiny_id
 from waiting import wait_until
 
 from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.devtools.tiny import ARCHS
 from expertmesh.node.config import RemoteConfig, StoreConfig
+from expertmesh.node.engine.core_quantization import quantize_core
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
+from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.service import NodeService
 from expertmesh.v1 import node_pb2, node_pb2_grpc
+from tests.store_calls import compute_here
 
 SECRET = "remote-test-secret"
 PROMPT = "Move activations, not experts"
@@ -81,7 +85,7 @@ class Pair:
     """A compute peer that holds what PROMPT routes to, and a requester that holds nothing."""
 
     def __init__(self, arch: str, root: Path):
-        repo = f"expertmesh/tiny-{arch}"
+        repo = tiny_id(arch)
         pull(repo, home=root / "peer", progress=False)
         lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))  # shaped below, once the model is known
         self.peer = serving(
@@ -168,14 +172,57 @@ def _compute(pair: Pair, request: node_pb2.ComputeExpertsRequest) -> node_pb2.Co
 def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
     pair = pairs("kimi_k3")
     block = pair.me.model.blocks[0]
-    layer = block.layer
     held, rows, request = _held_request(pair)
     response = _compute(pair, request)
     assert [x.expert for x in response.experts] == held and not response.missing
-    local = block.compute(pair.me.store.get_layer(layer, held), rows)
+    local = compute_here(block, pair.me.store, held, rows)
     for x in response.experts:
         remote = np.array(activations.decode(x.rows, block.output_dims, rows=rows[x.expert].shape[0]))
         np.testing.assert_allclose(remote, np.array(local[x.expert]), rtol=1e-6, atol=1e-7)
+
+
+def _watch_store(store, handed: list[int], judged: list[set[int]]):
+    """Record the size of each group the store hands over and each routing that judges guesses."""
+    groups, settle = store.layer_groups, store.prefetcher.settle
+
+    def layer_groups(layer, experts, **kw):
+        for group in groups(layer, experts, **kw):
+            handed.append(len(group.served))
+            yield group
+
+    def judging(layer, demanded):
+        judged.append(set(demanded))
+        return settle(layer, demanded)
+
+    store.layer_groups, store.prefetcher.settle = layer_groups, judging
+
+
+@pytest.mark.parametrize("peer", ["honest", "nan"])
+def test_remote_execution_asks_the_store_as_a_local_pass_does(pairs, peer: str) -> None:
+    """Remote execution goes through the store's one entry point. The whole routing of a pass,
+    experts computed on the peer included, judges the guesses made for the layer; and the
+    experts of a long prompt that run here (all of them, once the peer answers garbage) come in
+    groups within the hold limit."""
+    pair = pairs("kimi_k3")
+    pair.service.mode = peer
+    store, sm = pair.me.store, pair.me.model
+    handed: list[int] = []
+    judged: list[set[int]] = []
+    before = store.stats.snapshot()
+    _watch_store(store, handed, judged)
+    try:
+        ids = sm.tokenizer.encode(PROMPT * 6)
+        list(Generator(sm).generate(ids, SamplingSettings(max_tokens=2)))
+    finally:
+        del store.layer_groups, store.prefetcher.settle
+    d = store.stats.since(before)
+    assert sum(len(j) for j in judged) == d.total_uses  # every routed expert judged, wherever it ran
+    if peer == "honest":
+        assert d.uses["remote"] > 0
+    else:
+        limit = store.hold_limit()
+        assert d.remote["fallback_bad_output"] > 0 and d.uses["remote"] == 0
+        assert max(handed) <= limit < max(len(j) for j in judged)  # a layer wanted more: in groups
 
 
 def test_a_peer_reports_its_wait_for_the_mlx_thread_apart_from_its_compute(pairs) -> None:
@@ -344,7 +391,7 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
         pair.source.transfer_observer = observer
 
 
-def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Path, monkeypatch) -> None:
+def test_run_with_peers_computes_remotely_unless_told_not_to(pulled_home, pairs, tmp_path: Path, monkeypatch) -> None:
     """The CLI's wiring: `--peer` attaches remote execution (a compute peer was described as one);
     `--remote-compute off` leaves every expert to be fetched."""
     from expertmesh.assembly import build_node
@@ -354,7 +401,7 @@ def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Pa
     pair = pairs("kimi_k3")
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
-    pull(pair.me.repo_id, home=tmp_path, progress=False)
+    pulled_home("kimi_k3", tmp_path)
     for flag, bound in (("auto", True), ("off", False)):
         args = build_parser().parse_args(
             ["run", pair.me.repo_id, "hello", "--peer", f"127.0.0.1:{pair.running.port}", "--remote-compute", flag]
@@ -362,3 +409,34 @@ def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Pa
         with build_node(node_config(args)) as node:
             assert all(p.compute for p in node.peers.all())  # Info said so
             assert all((b._remote is not None) == bound for b in node.model.blocks), flag
+
+
+def test_nodes_with_different_core_bits_serve_each_others_experts(hub: HubServer, oracle, tmp_path: Path) -> None:
+    """A peer that runs a 4-bit core (`pull --core-bits 4`) holds the same expert bytes as one that
+    runs the BF16 core: a BF16 node fetches them from it, or has it compute them (ComputeExperts),
+    and generates exactly its single-node tokens (mlx-lm's, on the BF16 core)."""
+    repo = KIMI_K3
+    pull(repo, home=tmp_path / "peer", progress=False)
+    quantize_core(local_models.find_pulled(tmp_path / "peer", repo), 4)
+    lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))
+    peer = serving(repo, tmp_path / "peer", SECRET, node_id="peer-q4", interceptors=[lan])
+    try:
+        assert peer.model.core_bits == 4
+        _generate(peer)  # its own tokens (another core's): the experts they route to land on its disk
+        loc = next(iter(peer.index.experts.values()))
+        lan.lan = k3_lan(loc.nbytes, peer.model.blocks[0].input_width * 4, TIME_SCALE)
+        pull(repo, home=tmp_path / "me", progress=False)
+        expected = oracle.tokens("kimi_k3", PROMPT, TOKENS)
+        store = StoreConfig(prefetch=False, disk_budget="0", ram_budget="0")
+        for remote, source in ((None, "peer"), (RemoteConfig(deadline_floor_s=0.5), "remote")):
+            me = joined(repo, tmp_path / "me", SECRET, [peer.rpc.address], node_id=f"me-{source}", store=store,
+                        remote=remote)  # fmt: skip
+            try:
+                assert me.model.core_bits == 16
+                before = me.store.stats.snapshot()
+                assert _generate(me) == expected, f"experts by {source}"
+                assert me.store.stats.since(before).uses[source] > 0
+            finally:
+                me.close()
+    finally:
+        peer.close()

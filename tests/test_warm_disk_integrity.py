@@ -18,6 +18,7 @@ from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.store import integrity, tier_chain
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, fast_digest, format_record, parse_record
+from tests.store_calls import take_layer
 
 REPO_ID = "expertmesh/k3-small-warm"
 # SMALL's experts (1.6 MB, K3's layout and packing), fewer of them: the test is about bytes, not routing
@@ -77,7 +78,7 @@ def _fetch_all(home: Path, hub_url: str | None = None):
     sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
     try:
         for layer in sm.index.moe_layers:
-            sm.store.get_layer(layer, list(range(P.experts)))
+            take_layer(sm.store, layer, list(range(P.experts)))
         sm.store.disk.flush()
         return sm.store.disk.root, sm.store.stats.snapshot()
     finally:

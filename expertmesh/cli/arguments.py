@@ -68,6 +68,19 @@ def port(text: str) -> int:
     return _int_in(text, 0, 65535, "a port from 0 to 65535")
 
 
+def mac_memory(text: str) -> int:
+    """A Mac's memory: `64GB` counts as Apple counts memory, 64 GiB (memory comes in powers of two)."""
+    from expertmesh.node.sizes import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    unit = re.sub(r"[\d.\s]", "", text).lower()
+    decimal = {"kb": 1, "mb": 2, "gb": 3, "tb": 4}.get(unit)
+    return n * 1024**decimal // 1000**decimal if decimal else n
+
+
 def seed_number(text: str) -> int:
     """A 64-bit integer, negative ones too (as the OpenAI API takes it)."""
     return _int_in(text, -(2**63), 2**63 - 1, "a 64-bit whole number")
@@ -152,9 +165,28 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hub-connections",
         type=positive_int,
-        default=constants.HUB_CONNECTIONS,
         metavar="N",
-        help="range requests in flight to the Hub at once (default %(default)s)",
+        help=f"range requests in flight to the Hub at once, fixed (default: {constants.HUB_CONNECTIONS} at first, "
+        f"grown up to {constants.HUB_MAX_CONNECTIONS} while more connections carry more)",
+    )
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """--max-context and --core-budget: what the memory plan (node/engine/memory.py) counts."""
+    p.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=constants.DEFAULT_MAX_CONTEXT,
+        metavar="N",
+        help="tokens a conversation may hold (prompt and answer): its KV cache and linear-attention state "
+        "are planned for, a longer prompt is refused (default %(default)s, at most the model's own)",
+    )
+    p.add_argument(
+        "--core-budget",
+        type=budget,
+        metavar="SIZE",
+        help="memory for the core: a size or a %% of the core; below the core's size it is streamed from the "
+        "SSD within it, layer by layer (default: held whole where it fits, else streamed)",
     )
 
 
@@ -330,7 +362,11 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
         trace_path=Path(args.trace) if args.trace else None,
         prefetch=not args.no_prefetch,
         fill=not args.no_fill,
-        hub_connections=args.hub_connections,
+        **(
+            {"hub_connections": args.hub_connections, "hub_max_connections": args.hub_connections}
+            if args.hub_connections
+            else {}
+        ),
     )
 
 

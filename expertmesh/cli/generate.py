@@ -21,6 +21,7 @@ def add_commands(sub) -> None:
     p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id of a pulled model")
     p.add_argument("prompt", help="the prompt (raw text, no chat template)")
     arguments.add_store_arguments(p)
+    arguments.add_memory_arguments(p)
     arguments.add_peer_arguments(p)
     arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p)
@@ -40,6 +41,7 @@ def add_commands(sub) -> None:
     p.add_argument("repo", type=arguments.repo_id, help="Hugging Face repo id of a pulled model")
     p.add_argument("--system", help="system prompt")
     arguments.add_store_arguments(p)
+    arguments.add_memory_arguments(p)
     arguments.add_peer_arguments(p)
     arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p, max_tokens=512)
@@ -71,6 +73,8 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
         store=arguments.store_config(args),
         household=arguments.generating_household(args),
         metrics=metrics_config,
+        max_context=args.max_context,
+        core_budget=args.core_budget,
     )
 
 
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     with build_node(config) as node:
         _mark_used(node)
         print(node.describe(), file=sys.stderr)
+        print_plan(node)
         if node.metrics_server is not None:
             print(f"metrics on {node.metrics_server.url}", file=sys.stderr)
         try:
@@ -103,6 +108,36 @@ def run(args: argparse.Namespace) -> int:
             if node.metrics_server is not None:
                 _linger(node.metrics_server, config.metrics.linger_s)
     return 0
+
+
+def print_plan(node) -> None:
+    """The node's memory plan in one line and, for a streamed core, the changes that would hold it
+    whole (node/doctor.py's `plan_model`), on stderr."""
+    from expertmesh.node.doctor import plan_model
+
+    plan = node.memory
+    if plan is None:
+        return
+    print(f"memory on this machine: {plan.parts()}", file=sys.stderr)
+    if not plan.streamed:
+        return
+    config = node.config
+    if config.core_budget is not None:
+        print("  the core is read from the SSD every token, within --core-budget", file=sys.stderr)
+        return
+    planned = plan_model(
+        config.home or constants.expertmesh_home(),
+        config.repo_id,
+        revision=node.commit,
+        max_context=config.max_context,
+        ram_budget=config.store.ram_budget,
+    )
+    changes = planned.planner.changes()
+    print(
+        "  the core is read from the SSD every token"
+        + (f"; to hold it whole: {', or '.join(changes)}" if changes else ": no fewer bits would hold it whole here"),
+        file=sys.stderr,
+    )
 
 
 def _linger(server: MetricsServer, seconds: float) -> None:

@@ -32,9 +32,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with node:
         # the line `serve` prints, which the lab waits for
-        print(
-            f"{node.role} node {node.node_id} serving {node.repo_id} @ {node.commit[:12]} on {args.host}:{node.rpc.port}"
-        )
+        port = node.rpc.port if node.rpc is not None else args.port  # serve always makes its gRPC server
+        print(f"{node.role} node {node.node_id} serving {node.repo_id} @ {node.commit[:12]} on {args.host}:{port}")
         print(f"LAN emulated in this process: {lan.bandwidth:.0f} B/s each way, {lan.rtt_s * 1000:.1f} ms a call")
         sys.stdout.flush()
         while not stop.wait(1.0):

@@ -74,6 +74,39 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--wait", type=arguments.seconds, default=3.0, help="seconds to listen for the household (default %(default)s)"
     )
+    g = p.add_argument_group(
+        "memory plan", "--plan MODEL prints only the memory plan of MODEL, for this machine or --memory"
+    )
+    g.add_argument(
+        "--plan",
+        metavar="MODEL",
+        help="k3 (Kimi K3, computed from its shape) or the repo id of a model pulled here",
+    )
+    g.add_argument(
+        "--memory",
+        type=arguments.mac_memory,
+        metavar="SIZE",
+        help="plan for a Mac with this much memory (64GB counts as 64 GiB; its recommended working set is "
+        "taken as three quarters); default: this machine",
+    )
+    g.add_argument(
+        "--core-bits",
+        type=int,
+        choices=[16, 8, 4],
+        metavar="{16,8,4}",
+        help="the core at these bits (default: as pulled)",
+    )
+    g.add_argument(
+        "--core-quant", metavar="RECIPE", help="the core quantised with mlx-lm's mixed recipe (mixed_4_6...)"
+    )
+    g.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
+    arguments.add_memory_arguments(g)
+    g.add_argument(
+        "--ram-budget",
+        type=arguments.budget,
+        default=constants.DEFAULT_RAM_BUDGET,
+        help="RAM for experts as `run` takes it (default %(default)s)",
+    )
     p.set_defaults(func=doctor)
 
 
@@ -305,8 +338,11 @@ def _prune(home: Path, repo: str | None, commit: str | None, size: str) -> int:
 
 
 def doctor(args: argparse.Namespace) -> int:
-    """Each check on one line; exit 1 if any failed."""
+    """Each check on one line; exit 1 if any failed. With --plan, the memory plan alone."""
     from expertmesh.node.doctor import FAIL, WARN, DoctorSettings, run_checks
+
+    if args.plan is not None:
+        return _plan(args)
 
     settings = DoctorSettings(
         home=constants.expertmesh_home(),
@@ -327,3 +363,42 @@ def doctor(args: argparse.Namespace) -> int:
     warns = sum(c.status == WARN for c in checks)
     print(f"{len(checks) - fails - warns} ok, {warns} warn, {fails} fail")
     return 1 if fails else 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """The plan of --plan MODEL on one line, what would hold its core whole, --json; exit 0 when
+    the core fits whole, 1 when it would be streamed or does not fit at all."""
+    import json
+
+    from expertmesh.node.doctor import plan_model
+    from expertmesh.node.engine.memory import CoreTooLargeError
+
+    planned = plan_model(
+        constants.expertmesh_home(),
+        args.plan,
+        args.memory,
+        max_context=args.max_context,
+        core_bits=args.core_bits,
+        core_quant=args.core_quant,
+        ram_budget=args.ram_budget,
+        core_budget=args.core_budget,
+    )
+    changes = planned.planner.changes()
+    try:
+        plan = planned.planner.plan()
+    except CoreTooLargeError as e:
+        doc = {"fits": False, "streamed": False, "error": str(e)}
+        print(f"{planned.title}: does not fit: {e}")
+    else:
+        doc = plan.as_json()
+        print(f"{planned.title}: {plan.parts()}")
+        if plan.streamed:
+            print("  the core does not fit whole: it would be streamed from the SSD every token")
+        else:
+            print("  fits: the core is held whole")
+    if changes:
+        print("  to hold the core whole: " + ", or ".join(changes))
+    doc.update(model=args.plan, computed=planned.computed, changes=changes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0 if doc["fits"] else 1

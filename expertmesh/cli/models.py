@@ -24,10 +24,16 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--core-bits",
         type=int,
-        choices=[16, 8],
-        metavar="{16,8}",
-        help="8 stores and runs the core as MLX 8-bit weights (about half the memory; experts keep "
-        "their precision); default: 16 (BF16) for a new pull, else what is pulled",
+        choices=[16, 8, 4],
+        metavar="{16,8,4}",
+        help="8 or 4 stores and runs the core as MLX 8- or 4-bit weights (about a half or a quarter of the "
+        "memory; experts keep their precision); default: 16 (BF16) for a new pull, else what is pulled",
+    )
+    p.add_argument(
+        "--core-quant",
+        metavar="RECIPE",
+        help="quantise the core with mlx-lm's mixed recipe: mixed_4_6 (4 bits, 6 for the output head and "
+        "the layers whose error grows most), mixed_3_6, mixed_3_4 or mixed_2_6",
     )
     p.set_defaults(func=pull)
 
@@ -88,6 +94,7 @@ def pull(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         index_only=args.index_only,
         core_bits=args.core_bits,
+        core_quant=args.core_quant,
     )
     print_pull(result)
     return 0
@@ -105,7 +112,9 @@ def print_pull(r) -> None:
         return
     rate = r.fetched_bytes / r.seconds if r.seconds > 0 else 0.0
     print(f"pulled {r.repo_id} @ {r.commit[:12]} ({r.model_type}) into {r.path}")
-    bits = "" if r.core_bits == 16 else f" ({r.core_bits}-bit weights)"
+    bits = ""
+    if r.core_bits != 16:
+        bits = f" ({r.core_quant} weights)" if r.core_quant else f" ({r.core_bits}-bit weights)"
     print(
         f"  core     {format_size(r.core_bytes)}{bits}; fetched {format_size(r.fetched_bytes)} this run "
         f"in {r.seconds:.1f} s ({format_size(rate)}/s), {r.retries} retried requests"

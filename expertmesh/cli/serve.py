@@ -73,6 +73,7 @@ def add_commands(sub) -> None:
     )
     arguments.add_metrics_arguments(p, default=0)
     arguments.add_store_arguments(p)
+    arguments.add_memory_arguments(p)
     arguments.add_peer_arguments(p)
     arguments.add_speculation_arguments(p)
     arguments.add_batch_arguments(p)
@@ -113,6 +114,8 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         api=api,
         speculation=arguments.speculation(args) if not args.cache_only else None,
         max_batch=arguments.max_batch(args),
+        max_context=args.max_context,
+        core_budget=args.core_budget,
     )
 
 
@@ -145,9 +148,8 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with node:
-        print(
-            f"{node.role} node {node.node_id} serving {node.repo_id} @ {node.commit[:12]} on {args.host}:{node.rpc.port}"
-        )
+        port = node.rpc.port if node.rpc is not None else args.port  # serve always makes its gRPC server
+        print(f"{node.role} node {node.node_id} serving {node.repo_id} @ {node.commit[:12]} on {args.host}:{port}")
         if node.metrics_server is not None:
             print(f"metrics on {node.metrics_server.url}", file=sys.stderr)
         if node.discovery is not None:

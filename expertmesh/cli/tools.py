@@ -60,8 +60,9 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--configs",
         metavar="NAME[,NAME...]",
-        help="k3-proportions: which configurations to run, in order (default: all of cold, fair_naive, "
-        "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm)",
+        help="k3-proportions: which configurations to run, in order (default: cold, fair_naive, "
+        "deltafin_like, k3_replay, warm_disk, warm_disk_floor, mlx_lm; also k3_replay_fixed and cold_fixed, "
+        "with the Hub's connection count fixed at its start)",
     )
     p.add_argument(
         "--experts-per-layer",
@@ -104,6 +105,17 @@ def add_commands(sub) -> None:
         metavar="N",
         help="range requests in flight to the Hub in cold and warm_disk (default %(default)s)",
     )
+    p.add_argument(
+        "--compute",
+        action="store_true",
+        help="instead: kernels, syncs, host and CPU seconds and bytes copied per decode token beside mlx-lm, "
+        "for the k3_depth, qwen3_depth and demo shapes (see expertmesh/devtools/bench_compute.py)",
+    )
+    p.add_argument(
+        "--shapes",
+        metavar="NAME[,NAME...]",
+        help="--compute: which shapes, in order (default: k3_depth,qwen3_depth,demo)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=bench)
 
@@ -143,12 +155,12 @@ def add_commands(sub) -> None:
 
 
 def hub(args: argparse.Namespace) -> int:
-    from expertmesh.devtools.local_hub import knobs_from_args, serve_forever_cli
+    from expertmesh.devtools.local_hub import knobs_from_args, serve_forever_cli, server_options_from_args
 
     root = Path(args.dir)
     if not root.is_dir():  # it would serve an empty Hub, and every pull would say "no such repository"
         raise ExpertmeshError(f"{root} is not a folder: give the folder that holds NAMESPACE/NAME/ repo folders")
-    serve_forever_cli(root, args.host, args.port, knobs_from_args(args))
+    serve_forever_cli(root, args.host, args.port, knobs_from_args(args), **server_options_from_args(args))
     return 0
 
 
@@ -164,6 +176,8 @@ def tiny_model(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from expertmesh.devtools.bench import print_table, run_bench, write_json
 
+    if args.compute:
+        return _bench_compute(args)
     if args.model == "k3-proportions":
         return _bench_k3(args)
     doc = run_bench(
@@ -182,6 +196,25 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_compute(args: argparse.Namespace) -> int:
+    from expertmesh.devtools import bench_compute
+
+    shapes = bench_compute.SHAPES
+    if args.shapes:
+        shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
+        unknown = [s for s in shapes if s not in bench_compute.SHAPES]
+        if unknown or not shapes:
+            raise ExpertmeshError(
+                f"--shapes: unknown {', '.join(unknown)}; choose from {', '.join(bench_compute.SHAPES)}"
+            )
+    doc = bench_compute.run(shapes, tokens=args.tokens or 24, progress=lambda m: print(m, file=sys.stderr))
+    bench_compute.print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
 def _bench_k3(args: argparse.Namespace) -> int:
     from expertmesh.devtools import bench_k3
     from expertmesh.node.sizes import parse_size
@@ -193,9 +226,11 @@ def _bench_k3(args: argparse.Namespace) -> int:
     configs = bench_k3.CONFIGS
     if args.configs:
         configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-        unknown = [c for c in configs if c not in bench_k3.CONFIGS]
+        unknown = [c for c in configs if c not in bench_k3.ALL_CONFIGS]
         if unknown or not configs:
-            raise ExpertmeshError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.CONFIGS)}")
+            raise ExpertmeshError(
+                f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.ALL_CONFIGS)}"
+            )
     from expertmesh.devtools.tiny import k3_proportions
 
     shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}

@@ -314,6 +314,7 @@ def run_bench(
                     trace_path=trace,
                     hub_min_piece_bytes=min_piece,
                     hub_connections=hub_connections,
+                    hub_max_connections=hub_connections,  # the count asked for, as the sweeps compare counts
                     hub_pieces_per_expert=pieces_per_expert,
                     coalesce=coalesce,
                 )

@@ -25,6 +25,12 @@ same prompts:
                    floor: the bytes decode read from disk ÷ the bandwidth `cat` or parallel
                    `preadv` reach on the same files from a cold page cache (devtools/disk_floor.py)
     mlx_lm         mlx-lm with every expert in memory
+    core_streamed  the core streamed from the SSD within a quarter of its size (node/engine/
+                   streamed_core.py), on a variant whose core has K3's shape of many small layers
+                   (12 MoE layers, hidden 1024, 1.6 MB experts: a layer is a few % of the core, as
+                   K3's is ~1 %); the prompt runs twice on one node, the second timed with its
+                   experts in RAM and the page cache of the core's files dropped; the same on a
+                   node holding the core whole gives the tokens it must equal
 
 Decode is measured (after the first token); what the fields count:
 
@@ -40,6 +46,10 @@ Decode is measured (after the first token); what the fields count:
                                disk ÷ the floor's seconds for the same bytes
     hash_cpu_s_per_gb          (warm_disk_floor) CPU seconds the disk tier's integrity check took
                                per GB it checked
+    core_bytes_per_token       (core_streamed) core bytes read from the SSD per decoded token
+    core_wait_over_floor       (core_streamed) seconds layers waited for their reads ÷ the core bytes
+                               read at the parallel-preadv floor of the same files, cold
+    tokens_equal_resident      (core_streamed) the tokens equal those of the core held whole
 """
 
 from __future__ import annotations
@@ -78,6 +88,18 @@ FIELDS = (
     "disk_wait_over_floor",
     "hash_cpu_s_per_gb",
 )
+CORE_FIELDS = ("core_bytes_per_token", "core_wait_over_floor", "tokens_equal_resident")
+# core_streamed's model: K3's proportions of core to layer (many layers, each a small share), experts
+# small (what it measures is the core), a core of a few hundred MB so that cold reads are measurable
+CORE_STREAMED_SHAPE = {
+    "moe_layers": 12,
+    "experts": 16,
+    "top_k": 4,
+    "latent": 1024,
+    "intermediate": 1024,
+    "hidden": 1024,
+}
+CORE_BUDGET = "25%"
 
 
 @dataclass
@@ -101,6 +123,11 @@ class Row:
     floor_bytes_per_s: float | None = None
     # the fate of guesses and fills while measured (stats.PREFETCH_OUTCOMES): where moved bytes went
     prefetch: dict[str, int] | None = None
+    core_bytes_per_token: float | None = None
+    core_wait_over_floor: float | None = None
+    tokens_equal_resident: bool | None = None
+    core: dict | None = None  # core_streamed: the core, its budget, what was read and waited, the floor
+    hub_connections: int | None = None  # the Hub tier's connection count at the end (measured, or fixed)
 
 
 # -- the worker: one configuration in its own process -----------------------------------------
@@ -149,10 +176,10 @@ class _DiskWatch:
         lock = threading.Lock()  # the fetch threads check at once
         finish, check = store._finish, store.chain.digests.check_local
 
-        def timed_finish(layer, got, waiting):  # every layer call and every group of one ends here
+        def timed_finish(layer, *started):  # every layer call and every group of one ends here
             before = store.stats.uses["disk"]
             t0 = time.perf_counter()
-            out = finish(layer, got, waiting)
+            out = finish(layer, *started)
             if store.stats.uses["disk"] != before:
                 self.wait_s += time.perf_counter() - t0
             return out
@@ -173,7 +200,11 @@ class _DiskWatch:
 
 
 def _sum(parts: list[dict]) -> dict:
-    return {k: sum(p[k] for p in parts) for k in parts[0]} if parts else {}
+    """The phases of several prompts together (the connection count: the last one's)."""
+    out = {k: sum(p[k] for p in parts) for k in parts[0] if k != "hub_connections"} if parts else {}
+    if parts and "hub_connections" in parts[-1]:
+        out["hub_connections"] = parts[-1]["hub_connections"]
+    return out
 
 
 def _open(spec: dict, home: Path):
@@ -213,6 +244,7 @@ def _generate(spec: dict, home: Path, prompt: str) -> dict:
             **phase.since(),
             "tokens": tokens - 1,
             "disk_bytes": d.bytes["disk"],
+            "hub_connections": sm.store.chain.runs.connections,
             **(watch.result() if watch else {}),
         }
     finally:
@@ -221,6 +253,19 @@ def _generate(spec: dict, home: Path, prompt: str) -> dict:
 
 def _expert_files(home: Path) -> list[str]:
     return sorted(str(p) for p in (home / "experts").glob("*/*/*/*.bin"))
+
+
+def _take(store, layer: int, experts: list[int], guess=None) -> None:
+    """A layer's experts as a block takes them: each group placed in RAM-tier slots (MLX thread)."""
+    from expertmesh.node.engine.model_thread import model_thread
+
+    for group in store.layer_groups(layer, experts, guess=guess):
+        model_thread().call(_place, group)
+
+
+def _place(group) -> None:
+    with group.placed():
+        pass
 
 
 def _replay(spec: dict, home: Path) -> dict:
@@ -237,11 +282,11 @@ def _replay(spec: dict, home: Path) -> dict:
         for _ in range(spec["tokens"]):
             plan.append([rng.choice(per_layer[layer], spec["top_k"], replace=False).tolist() for layer in layers])
         flat = [(layer, experts) for token in plan for layer, experts in zip(layers, token)]
-        store.get_layer(*flat[0])  # untimed: connections made, the first layer's experts in flight
+        _take(store, *flat[0])  # untimed: connections made, the first layer's experts in flight
         phase = _Phase(store, spec["hub_url"])
         for (layer, experts), nxt in zip(flat[1:], [*flat[2:], None]):
-            store.get_layer(layer, experts, guess=nxt)
-        return {**phase.since(), "tokens": spec["tokens"]}
+            _take(store, layer, experts, guess=nxt)
+        return {**phase.since(), "tokens": spec["tokens"], "hub_connections": store.chain.runs.connections}
     finally:
         sm.close()
 
@@ -259,12 +304,74 @@ def _mlx_lm(spec: dict) -> dict:
     return {"s_per_token": sorted(per_token)[len(per_token) // 2], "tokens": spec["tokens"]}
 
 
+def _core_run(spec: dict, home: Path, core_budget: str | None) -> dict:
+    """The prompt twice on one node: untimed (its experts into RAM), then timed from its first token
+    with the page cache of the core's files dropped."""
+    from expertmesh.assembly import build_node
+    from expertmesh.devtools.disk_floor import drop_page_cache
+    from expertmesh.node.config import NodeConfig, StoreConfig
+    from expertmesh.node.engine.generation import Generator, SamplingSettings
+    from expertmesh.node.engine.streamed_core import core_files
+    from expertmesh.node.hub import local_models
+
+    store = StoreConfig(**spec["store"])
+    node = build_node(NodeConfig(spec["repo_id"], home=home, store=store, core_budget=core_budget)).start()
+    try:
+        sm, prompt = node.model, spec["prompts"][0]
+        ids = sm.tokenizer.encode(prompt)
+        settings = SamplingSettings(max_tokens=spec["tokens"])
+        list(Generator(sm).generate(ids, settings))  # untimed: the experts of these tokens into RAM
+        sm.store.disk.flush()
+        files = core_files(local_models.find_pulled(home, spec["repo_id"]))
+        drop_page_cache(files)
+        core = sm.core_stream
+        tokens, t0, before = [], None, None
+        for t in Generator(sm).generate(ids, settings):
+            tokens.append(t.id)
+            if t0 is None:  # decode is measured: the prefill reads the core as often as its passes
+                t0 = time.perf_counter()
+                before = (core.stats.read_bytes, core.stats.wait_s) if core else (0, 0.0)
+        wall = time.perf_counter() - t0
+        out = {"tokens_list": tokens, "tokens": len(tokens) - 1, "wall_s": wall, "files": [str(f) for f in files]}
+        if core is not None:
+            out.update(
+                core_read_bytes=core.stats.read_bytes - before[0],
+                core_wait_s=core.stats.wait_s - before[1],
+                core_bytes=core.layout.core_bytes,
+                core_budget_bytes=node.memory.core_held_bytes,
+                largest_layer_bytes=core.layout.largest_layer_bytes,
+                resident_bytes=core.layout.resident_bytes,
+                pinned_layers=core.split.pinned,
+                read_ahead_layers=core.split.ahead,
+                peak_held_bytes=core.stats.peak_held_bytes,
+            )
+        return out
+    finally:
+        node.close()
+
+
+def _core_streamed(spec: dict, work: Path) -> dict:
+    """One side of core_streamed in this process (its peak RSS its own): the core streamed within
+    CORE_BUDGET, then the disk's floor on the core's files; or (`resident`) the core held whole."""
+    from expertmesh.devtools.disk_floor import floor_bandwidth
+
+    home = work / "home"
+    shutil.copytree(spec["template"], home)
+    out = _core_run(spec, home, None if spec.get("resident") else CORE_BUDGET)
+    out["peak_rss_bytes"] = _peak_rss()
+    if not spec.get("resident"):
+        out["core_floor"] = floor_bandwidth(out["files"])
+    return out
+
+
 def worker(spec: dict) -> dict:
     from expertmesh.node.hub import client as hub_client
 
     work = Path(spec["work"])
     out: dict
     with hub_client.using_endpoint(spec["hub_url"]):
+        if spec["mode"] == "core_streamed":
+            return _core_streamed(spec, work)
         if spec["mode"] == "mlx_lm":
             out = _mlx_lm(spec)
         elif spec["mode"] == "replay":
@@ -374,6 +481,24 @@ def _row(name: str, cap: float, link: float, got: dict) -> Row:
     moved = got.get("moved_bytes", 0)
     floor_bw = got.get("floor", {}).get("bytes_per_s")
     disk_floor_s = got.get("disk_bytes", 0) / floor_bw if floor_bw else 0.0
+    if "core_floor" in got:
+        core_bw = got["core_floor"]["pread_bytes_per_s"]  # the parallel-preadv floor: how the core is read
+        core_floor_s = got.get("core_read_bytes", 0) / core_bw if core_bw else 0.0
+        return Row(
+            name,
+            cap,
+            s_per_token=got["wall_s"] / tokens,
+            peak_rss_bytes=got.get("peak_rss_bytes"),
+            tokens=got.get("tokens", 0),
+            core_bytes_per_token=got.get("core_read_bytes", 0) / tokens,
+            core_wait_over_floor=got.get("core_wait_s", 0.0) / core_floor_s if core_floor_s else None,
+            tokens_equal_resident=got["tokens_equal_resident"],
+            core={
+                k: got[k]
+                for k in got
+                if k.startswith(("core_", "largest", "resident", "pinned", "read_ahead", "peak_held"))
+            },
+        )
     return Row(
         name,
         cap,
@@ -393,6 +518,7 @@ def _row(name: str, cap: float, link: float, got: dict) -> Row:
         disk_wait_s=got.get("disk_wait_s", 0.0),
         floor_bytes_per_s=floor_bw,
         prefetch={k.removeprefix("prefetch_"): v for k, v in got.items() if k.startswith("prefetch_")} or None,
+        hub_connections=got.get("hub_connections"),
     )
 
 
@@ -447,8 +573,12 @@ def _interrupt_on_signals() -> dict:
     return old
 
 
-# every configuration, in the order they run (`expertmesh bench --model k3-proportions --configs`)
+# the configurations a run has by default, in the order they run (`--configs` picks others)
 CONFIGS = ("cold", "fair_naive", "deltafin_like", "k3_replay", "warm_disk", "warm_disk_floor", "mlx_lm")
+# and those run only when asked: cold and k3_replay with the Hub's connection count fixed at its
+# start, to set beside the measured count (`--configs k3_replay,k3_replay_fixed`), and the core
+# streamed from the disk within a quarter of its size (`--configs core_streamed`)
+ALL_CONFIGS = (*CONFIGS, "k3_replay_fixed", "cold_fixed", "core_streamed")
 
 
 def run(
@@ -485,20 +615,36 @@ def run(
     repo_id = REPO_ID if p == k3_proportions.Proportions() else f"{REPO_ID}-{p.moe_layers}x{p.experts}-{p.expert_bytes}"
     repo_id += "-raw-router" if p.router == "raw" else ""
     cache = cache or constants.expertmesh_home() / "bench"
-    root = _model_dir(cache / "hub", repo_id, p, progress)
+    only_core = set(configs) == {"core_streamed"}  # then the 17.5 MB-expert model is neither made nor pulled
+    root = cache / "hub" / repo_id if only_core else _model_dir(cache / "hub", repo_id, p, progress)
+    core_p = core_repo = None
+    if "core_streamed" in configs:  # its own shape: many layers, each a small share of the core, as K3's
+        core_p = p if p != k3_proportions.Proportions() else k3_proportions.Proportions(**CORE_STREAMED_SHAPE)
+        core_repo = f"{REPO_ID}-core-{core_p.moe_layers}x{core_p.hidden}"
+        _model_dir(cache / "hub", core_repo, core_p, progress)
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-k3-"))
     ram = str(4 * p.expert_bytes)  # a few experts: K3's RAM holds a small share of its experts too
     store = {"ram_budget": ram, "disk_budget": "100%"}
-    sequential = {**store, "fetch_concurrency": 1, "hub_connections": 1, "hub_pieces_per_expert": 1}
+    replay = {"ram_budget": "0", "disk_budget": "0", "fill": False}
+    sequential = {**store, "fetch_concurrency": 1, "hub_connections": 1, "hub_max_connections": 1}
+    sequential["hub_pieces_per_expert"] = 1
     sequential.update(prefetch=False, fill=False, coalesce=False)
     specs = {
         "cold": {"mode": "generate", "store": store},
         "fair_naive": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1]},
         "deltafin_like": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1], "fresh_connections": True},
-        "k3_replay": {"mode": "replay", "store": {"ram_budget": "0", "disk_budget": "0", "fill": False}},
+        "k3_replay": {"mode": "replay", "store": replay},
+        # the same with the connection count fixed at its start, as before it was measured
+        "k3_replay_fixed": {"mode": "replay", "store": {**replay, "hub_max_connections": constants.HUB_CONNECTIONS}},
+        "cold_fixed": {"mode": "generate", "store": {**store, "hub_max_connections": constants.HUB_CONNECTIONS}},
         "warm_disk": {"mode": "warm", "store": store},
         "warm_disk_floor": {"mode": "warm", "store": store, "cold_disk": True},
         "mlx_lm": {"mode": "mlx_lm", "store": store},
+        # experts in RAM after the untimed pass (all of the variant's fit), so only the core reads the disk
+        "core_streamed": {
+            "mode": "core_streamed",
+            "store": {"ram_budget": "2GB", "disk_budget": "100%", "fill": False},
+        },
     }
     rows: list[Row] = []
     net = None
@@ -510,16 +656,26 @@ def run(
             hub = _Hub(root.parent.parent, cap, link, ttfb, net)
             try:
                 template = work / f"pulled-{int(cap)}"
-                if net is None:
+                if only_core:
+                    pass
+                elif net is None:
                     with hub_client.using_endpoint(hub.url):
                         pull(repo_id, home=template, progress=False)
                 else:  # the Hub is reachable only from inside the bridge
                     _pull_in(net, repo_id, template, hub.url)
+                if core_repo is not None and cap == per_connection[0]:
+                    if net is None:
+                        with hub_client.using_endpoint(hub.url):
+                            pull(core_repo, home=template, progress=False)
+                    else:
+                        _pull_in(net, core_repo, template, hub.url)
                 progress(
                     f"link {format_size(link)}/s ({'kernel tbf' if net else 'hub process'}), "
                     f"{format_size(cap)}/s per connection, first byte {ttfb * 1000:.0f} ms"
                 )
                 for name in configs:
+                    if name == "core_streamed" and cap != per_connection[0]:
+                        continue  # the core is read from this machine's SSD: the link does not matter
                     spec = {
                         "name": name,
                         "repo_id": repo_id,
@@ -532,11 +688,24 @@ def run(
                         "prompts": list(PROMPTS),
                         **specs[name],
                     }
+                    if name == "core_streamed":
+                        spec.update(repo_id=core_repo, top_k=core_p.top_k, tokens=max(tokens, 8))
                     progress(f"  {name} ...")
                     t0 = time.perf_counter()
                     try:
-                        row = _row(name, cap, link, _run_worker(spec, net))
-                    finally:  # a cold config's caches can hold GBs: a long run must not fill the disk
+                        got = _run_worker(spec, net)
+                        if name == "core_streamed":  # the core held whole, in a process of its own
+                            resident = _run_worker({**spec, "resident": True, "work": spec["work"] + "-resident"}, net)
+                            got.update(
+                                tokens_equal_resident=got.pop("tokens_list") == resident["tokens_list"],
+                                resident_s_per_token=resident["wall_s"] / max(1, resident["tokens"]),
+                                resident_peak_rss_bytes=resident["peak_rss_bytes"],
+                            )
+                        row = _row(name, cap, link, got)
+                    finally:
+                        shutil.rmtree(
+                            spec["work"] + "-resident", ignore_errors=True
+                        )  # a cold config's caches can hold GBs: a long run must not fill the disk
                         shutil.rmtree(spec["work"], ignore_errors=True)
                     rows.append(row)
                     progress(f"  {name}: {row.s_per_token:.2f} s/token ({time.perf_counter() - t0:.0f} s)")
@@ -555,6 +724,7 @@ def run(
             signal.signal(sig, handler)
     return {
         "model": {"repo": repo_id, **asdict(p), "expert_bytes": p.expert_bytes},
+        **({"core_streamed_model": {"repo": core_repo, **asdict(core_p)}} if core_p is not None else {}),
         "link": {
             "bytes_per_s": link,
             "ttfb_s": ttfb,
@@ -585,11 +755,29 @@ def print_table(doc: dict, out=print) -> None:
         )
         if r.get("prefetch") and r["moved_bytes"]:
             out(f"{'':<15} guesses and fill: " + ", ".join(f"{k} {v}" for k, v in r["prefetch"].items()))
+        if r.get("core"):
+            c = r["core"]
+            out(f"{'':<15} core {format_size(c['core_bytes'])} within {format_size(c['core_budget_bytes'])} "
+                f"({c['pinned_layers']} layers pinned, {c['read_ahead_layers']} read ahead): "
+                f"{format_size(r['core_bytes_per_token'])} read a token, waits {f(r['core_wait_over_floor'], '.2f')}x "
+                f"the preadv floor ({format_size(c['core_floor']['pread_bytes_per_s'])}/s cold); "
+                f"held at most {format_size(c['peak_held_bytes'])} (budget + one layer: "
+                f"{format_size(c['core_budget_bytes'] + c['largest_layer_bytes'])}); "
+                f"tokens equal to the core held whole: {r['tokens_equal_resident']}; held whole: "
+                f"{c['resident_s_per_token']:.2f} s/token, peak RSS {format_size(c['resident_peak_rss_bytes'])}")  # fmt: skip
         if r.get("floor_bytes_per_s"):
             out(f"{'':<15} read {format_size(r['disk_bytes'])} from disk in {r['disk_wait_s']:.2f} s of waits; "
                 f"the disk's floor {format_size(r['floor_bytes_per_s'])}/s (cat or parallel preadv, cold)")  # fmt: skip
     by = {(r["name"], r["per_connection_bytes_per_s"]): r for r in doc["configs"]}
     for (name, cap), r in by.items():
+        fixed = by.get((f"{name}_fixed", cap))
+        if fixed and r.get("useful_link_use") and fixed.get("useful_link_use"):
+            out(
+                f"at {cap / 1e6:.1f} MB/s per connection {name} fills {r['useful_link_use']:.2f} of the link on "
+                f"{r.get('hub_connections')} connections (measured), {fixed['useful_link_use']:.2f} on "
+                f"{fixed.get('hub_connections')} (fixed): waits {r['wait_over_floor']:.2f}x the floor against "
+                f"{fixed['wait_over_floor']:.2f}x"
+            )
         if name != "cold":
             continue
         for base in ("fair_naive", "deltafin_like"):

@@ -40,8 +40,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, quote, unquote, urlparse
 
+from expertmesh.devtools import hub_quota
+from expertmesh.devtools.hub_access import Access, Refusal, bearer, is_gated
 from expertmesh.devtools.link_emulation import TokenBucket, take_together
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import parse_size
@@ -65,6 +67,7 @@ IDLE_TIMEOUT_S = 60.0
 # is counted in `ranges_untracked` only, so a long-lived mirror's memory stays bounded (K3 has
 # 82,432 experts; at most four pieces each come close to this only with many clients' pieces).
 MAX_TRACKED_RANGES = 100_000
+POLL_S = 0.05  # how often a serving loop looks whether it should stop
 
 
 @dataclass
@@ -89,6 +92,11 @@ class HubKnobs:
     required_token: str | None = None
     seed: int = 0
     faults: list[Fault] = field(default_factory=list)
+    # requests per window by bucket ("api", "resolvers"; hub_quota.py), per client; none: unlimited
+    rate_limits: dict[str, int] = field(default_factory=dict)
+    rate_window_s: float = hub_quota.WINDOW_S
+    tree_page_size: int = 1000  # entries per page of `/tree` (the Hub's, huggingface_hub's hf_api.py says)
+    siblings_limit: int = 0  # list at most this many files in model_info's `siblings` (0: all)
 
     def update(self, doc: dict) -> None:
         """Set knobs from a `POST /_hub/knobs` body, all or none. `required_token` is fixed when
@@ -111,6 +119,12 @@ class HubKnobs:
                 if type(v) is not int:
                     raise ValueError("seed must be an integer")
                 new[k] = v
+            elif k in ("tree_page_size", "siblings_limit"):
+                if type(v) is not int or v < (1 if k == "tree_page_size" else 0):
+                    raise ValueError(f"{k} must be a {'positive' if k == 'tree_page_size' else 'non-negative'} integer")
+                new[k] = v
+            elif k == "rate_limits":
+                new[k] = _rate_limits_from(v)
             elif k in self.__dataclass_fields__:
                 new[k] = _non_negative(k, v)
             else:
@@ -130,6 +144,14 @@ def _non_negative(name: str, value: object) -> float:
     if type(value) not in (int, float) or not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be a non-negative number")
     return float(value)
+
+
+def _rate_limits_from(doc: object) -> dict[str, int]:
+    if not isinstance(doc, dict) or not all(
+        k in hub_quota.BUCKETS and type(v) is int and v >= 0 for k, v in doc.items()
+    ):
+        raise ValueError(f"rate_limits must map buckets ({', '.join(hub_quota.BUCKETS)}) to request counts")
+    return dict(doc)
 
 
 def _fault_from(doc: object) -> Fault:
@@ -298,6 +320,10 @@ class _Stats:
         self.bytes_served = 0
         self.connections = 0
         self.faults: dict[str, int] = {}
+        self.rate_limited: dict[str, int] = {}  # 429s answered for a used-up quota, by bucket
+        self.cdn_requests = 0  # requests to the CDN's origin
+        self.cdn_with_token = 0  # of them, carrying an Authorization header: the Hub token leaked
+        self.cdn_expired = 0  # signed URLs refused as expired
         self.files: dict[str, dict] = {}  # only files that exist: a request for any name cannot grow it
         self.tracked_ranges = 0
         self.ranges_untracked = 0  # ranges served beyond MAX_TRACKED_RANGES distinct ones
@@ -337,13 +363,21 @@ class _Stats:
                 "redirects": self.redirects,
                 "peak_waiting": self.peak_waiting,
                 "faults": dict(self.faults),
+                "rate_limited": dict(self.rate_limited),
+                "cdn_requests": self.cdn_requests,
+                "cdn_with_token": self.cdn_with_token,
+                "cdn_expired": self.cdn_expired,
                 "files": files,
                 "ranges_untracked": self.ranges_untracked,
             }
 
 
 class HubServer:
-    """The local Hub, serving in background threads; use as a context manager."""
+    """The local Hub, serving in background threads; use as a context manager.
+
+    It listens on two origins, as the real service does: the Hub's own (the API, `/resolve/`) and
+    a CDN's (another port), to which large files are redirected by signed URLs that need no token.
+    """
 
     def __init__(
         self,
@@ -353,15 +387,29 @@ class HubServer:
         knobs: HubKnobs | None = None,
         hash_in_background: bool = True,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        like_huggingface: bool = False,
+        user_tokens: tuple[str, ...] = (),
+        cdn_port: int = 0,
     ):
         """`hash_in_background`: start hashing large files' sha256 when serving starts (tests turn
-        it off to see the provisional ids). `idle_timeout_s`: see IDLE_TIMEOUT_S."""
+        it off to see the provisional ids). `idle_timeout_s`: see IDLE_TIMEOUT_S.
+        `like_huggingface`: answer as huggingface.co does where it differs from the simpler rules
+        (small files by a relative 307 to `/api/resolve-cache/`, the account and gating answers of
+        hub_access.py, the anonymous tier's rate limits unless `knobs` set others);
+        `user_tokens`: the tokens of the accounts it knows. `cdn_port`: the CDN's (0: any free one)."""
         self.root = Path(root)
         self.hash_in_background = hash_in_background
+        self.like_huggingface = like_huggingface
         self.repos = _scan(self.root)
         self.digests = _Digests(self.root)
         self.knobs = knobs or HubKnobs()
-        self._cdn_key = secrets.token_bytes(32)  # signs CDN URLs; a restart voids the URLs handed out
+        if like_huggingface and knobs is None:
+            self.knobs.rate_limits = dict(hub_quota.ANONYMOUS_QUOTAS)
+        self.user_tokens = tuple(user_tokens)
+        self.quotas = hub_quota.Quotas()
+        # signs CDN URLs, a key per Key-Pair-Id; a restart voids the URLs handed out
+        self._cdn_keys = {_key_pair_id(0): secrets.token_bytes(32)}
+        self._cdn_key_id = _key_pair_id(0)
         self.stats_ = _Stats()
         self.link = TokenBucket()
         self.rng = random.Random(self.knobs.seed)
@@ -372,18 +420,39 @@ class HubServer:
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
-        self._thread: threading.Thread | None = None
+        self.cdn_httpd = ThreadingHTTPServer((host, cdn_port), handler)
+        self.cdn_httpd.daemon_threads = True
+        self.cdn_port = self.cdn_httpd.server_address[1]
+        self.cdn_url_base = f"http://{self.host}:{self.cdn_port}"  # where the signed URLs point
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def access(self) -> Access:
+        """The rules a request is checked by now (hub_access.py)."""
+        return Access(self.like_huggingface, self.knobs.required_token, self.user_tokens)
 
     def cdn_url(self, repo_id: str, commit: str, name: str) -> str:
-        """A CDN URL for one file, valid for `cdn_url_ttl_s`: its path names the file, its query
-        the expiry and an HMAC-SHA256 of both under this process's random key, so only URLs this
-        Hub handed out (to a client that passed `/resolve/`'s token check) are served."""
+        """A CDN URL for one file, CloudFront-style: valid until its `Expires` (`cdn_url_ttl_s` from
+        now), its path naming the file, its `Signature` an HMAC-SHA256 of both under the key its
+        `Key-Pair-Id` names, so only URLs this Hub handed out (to a client that passed
+        `/resolve/`'s access check) are served."""
         token = base64.urlsafe_b64encode(json.dumps([repo_id, commit, name]).encode()).decode()
         expires = str(int(time.time() + self.knobs.cdn_url_ttl_s))
-        return f"{self.url}/_cdn/{token}?expires={expires}&sig={self._cdn_mac(token, expires)}"
+        key_id = self._cdn_key_id
+        signature = self._cdn_mac(self._cdn_keys[key_id], token, expires)
+        return f"{self.cdn_url_base}/_cdn/{token}?Expires={expires}&Signature={signature}&Key-Pair-Id={key_id}"
 
-    def _cdn_mac(self, token: str, expires: str) -> str:
-        return hmac.new(self._cdn_key, f"{token}|{expires}".encode(), hashlib.sha256).hexdigest()
+    @staticmethod
+    def _cdn_mac(key: bytes, token: str, expires: str) -> str:
+        return hmac.new(key, f"{token}|{expires}".encode(), hashlib.sha256).hexdigest()
+
+    def expire_cdn_urls(self) -> None:
+        """Make every CDN URL handed out so far expired, as if the clock had passed their
+        `Expires`: the signing key is replaced, and URLs signed with an old one get a 403
+        "Request has expired" (a test's way to expire URLs mid-generation without waiting)."""
+        key_id = _key_pair_id(len(self._cdn_keys))
+        self._cdn_keys[key_id] = secrets.token_bytes(32)
+        self._cdn_key_id = key_id
 
     def cdn_verify(self, token: str, query: dict) -> tuple[str, str, str] | str:
         """`(repo_id, commit, name)` of a valid, unexpired CDN URL, else why it is refused.
@@ -391,24 +460,29 @@ class HubServer:
         The signature is checked (in constant time) before the token is decoded, and the decoded
         values are checked for their types anyway: a request can make this fail, never raise.
         """
-        expires, sig = query.get("expires", [""])[0], query.get("sig", [""])[0]
-        if not (expires.isascii() and expires.isdigit() and len(expires) <= 12):
-            return "bad signature"
-        if not hmac.compare_digest(sig.encode(), self._cdn_mac(token, expires).encode()):
-            return "bad signature"
-        if time.time() > int(expires):
+        expires, sig = query.get("Expires", [""])[0], query.get("Signature", [""])[0]
+        key_id = query.get("Key-Pair-Id", [""])[0]
+        key = self._cdn_keys.get(key_id)
+        if key is None or not (expires.isascii() and expires.isdigit() and len(expires) <= 12):
+            return "Access denied"
+        if not hmac.compare_digest(sig.encode(), self._cdn_mac(key, token, expires).encode()):
+            return "Access denied"
+        if time.time() > int(expires) or key_id != self._cdn_key_id:
             return "Request has expired"
         try:
             doc = json.loads(base64.urlsafe_b64decode(token))
         except ValueError:  # binascii.Error, bad JSON and bad UTF-8 are ValueErrors
-            return "bad signature"
+            return "Access denied"
         if not (isinstance(doc, list) and len(doc) == 3 and all(isinstance(x, str) for x in doc)):
-            return "bad signature"
+            return "Access denied"
         return doc[0], doc[1], doc[2]
 
     def start(self) -> HubServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="expertmesh-hub", daemon=True)
-        self._thread.start()
+        for server, name in ((self.httpd, "expertmesh-hub"), (self.cdn_httpd, "expertmesh-hub-cdn")):
+            # each loop notices `stop` within its poll interval: tests start and stop many Hubs
+            thread = threading.Thread(target=server.serve_forever, args=(POLL_S,), name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
         if self.hash_in_background:
             threading.Thread(
                 target=self.digests.hash_all, args=(self.large_files(),), name="expertmesh-hub-hash", daemon=True
@@ -420,8 +494,9 @@ class HubServer:
 
     def stop(self) -> None:
         self.digests.stop()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        for server in (self.httpd, self.cdn_httpd):
+            server.shutdown()
+            server.server_close()
 
     def __enter__(self) -> HubServer:
         return self.start()
@@ -451,10 +526,22 @@ class HubServer:
         return None
 
 
+def _git_blob_id(f: _File) -> str:
+    """A small file's git blob id: what the Hub gives as its ETag and tree `oid`."""
+    data = f.path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _key_pair_id(n: int) -> str:
+    """The name of the `n`th CDN signing key (CloudFront names its key pairs `K...`)."""
+    return f"KEXPERTMESH{n:04d}"
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go in separate writes: Nagle would stall each response ~40 ms
     hub: HubServer
+    _more_headers: dict[str, str]  # sent with this request's answer, whatever it is (RateLimit)
 
     def log_message(self, format: str, *args) -> None:  # quiet: tests and demos read stdout
         pass
@@ -468,12 +555,18 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.bucket = TokenBucket()
+        self._more_headers = {}
         with self.hub.stats_.lock:
             self.hub.stats_.connections += 1
         if self.hub.knobs.connection_cost_s:
             time.sleep(self.hub.knobs.connection_cost_s)
 
     # -- plumbing ----------------------------------------------------------------------------
+
+    def end_headers(self) -> None:
+        for k, v in self._more_headers.items():
+            self.send_header(k, v)
+        super().end_headers()
 
     def _send(
         self, status: int, body: bytes = b"", headers: dict | None = None, content_type: str = "application/json"
@@ -493,21 +586,35 @@ class _Handler(BaseHTTPRequestHandler):
             headers["X-Error-Code"] = code
         self._send(status, json.dumps({"error": message}).encode(), headers)
 
-    def _authorized(self, repo: _Repo | None) -> bool:
+    @property
+    def _token(self) -> str | None:
+        return bearer(self.headers.get("Authorization", ""))
+
+    def _hub_route_authorized(self) -> bool:
+        """The `/_hub/*` routes (knobs, stats) need the Hub's `--require-token` whenever one is set."""
         wanted = self.hub.knobs.required_token
-        private = repo.path / ".hub_private" if repo else None
-        if private is not None and private.is_file():
-            wanted = private.read_text().strip()
-        if not wanted:
+        if not wanted or hmac.compare_digest(
+            self.headers.get("Authorization", "").encode(), f"Bearer {wanted}".encode()
+        ):
             return True
-        auth = self.headers.get("Authorization", "")
-        if hmac.compare_digest(auth.encode(), f"Bearer {wanted}".encode()):
-            return True
-        if auth:
+        if self.headers.get("Authorization"):
             self._error(401, None, "Invalid credentials in Authorization header")
         else:
             self._error(401, "RepoNotFound", "Repository not found")
         return False
+
+    def _repo(self, repo_id: str, files: bool) -> _Repo | None:
+        """The repo, if this request may see it (`files`: its content, which a gating guards);
+        else None, after answering as the Hub does (hub_access.py)."""
+        repo = self.hub.repos.get(repo_id)
+        refusal = self.hub.access.check(self._token, repo.path if repo else None, repo_id, files, self.hub.url)
+        if refusal is None:
+            return repo
+        self._refuse(refusal)
+        return None
+
+    def _refuse(self, refusal: Refusal) -> None:
+        self._error(refusal.status, refusal.code, refusal.message)
 
     def _count(self, key: str | None) -> None:
         with self.hub.stats_.lock:
@@ -520,6 +627,28 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         return False
+
+    def _within_quota(self, path: str) -> bool:
+        """Count this request against its bucket's quota (hub_quota.py), its state going out with
+        the answer; False after answering 429 when the quota is used up (no Retry-After, as the Hub)."""
+        self._more_headers = {}
+        bucket = hub_quota.bucket_of(path)
+        quota = self.hub.knobs.rate_limits.get(bucket) if bucket else None
+        if quota is None:
+            return True
+        client = self._token or self.client_address[0]  # anonymous requests per IP, others per account
+        answer = self.hub.quotas.take(client, bucket, quota, self.hub.knobs.rate_window_s)
+        self._more_headers = answer.headers
+        if answer.allowed:
+            return True
+        with self.hub.stats_.lock:
+            self.hub.stats_.rate_limited[bucket] = self.hub.stats_.rate_limited.get(bucket, 0) + 1
+        self._error(429, None, f"You have exceeded our {bucket} rate limit. Try again later or log in for more quota.")
+        return False
+
+    @property
+    def _on_cdn(self) -> bool:
+        return self.server is self.hub.cdn_httpd
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -536,16 +665,15 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return self.rfile.read(int(text))
 
-    def _hub_route_authorized(self) -> bool:
-        """The `/_hub/*` routes (knobs, stats) need the Hub's token whenever one is set."""
-        return self._authorized(None)
-
     def do_POST(self) -> None:
         url = urlparse(self.path)
+        self._more_headers = {}
         body = self._body()
         if body is None:
             return
         path = unquote(url.path)
+        if self._on_cdn:
+            return self._error(404, None, "not found")
         if path.startswith("/_hub/") and not self._hub_route_authorized():
             return
         if path == "/_hub/knobs":
@@ -554,6 +682,16 @@ class _Handler(BaseHTTPRequestHandler):
             except (ValueError, TypeError) as e:  # JSON errors are ValueErrors too
                 return self._error(400, None, str(e))
             return self._send(200, json.dumps(self.hub.knobs.public()).encode())
+        if path == "/_hub/cdn/expire":
+            self.hub.expire_cdn_urls()
+            return self._send(200, b"{}")
+        if path == "/_hub/stats/reset":
+            with self.hub.stats_.lock:
+                self.hub.stats_.reset()
+            self.hub.quotas.reset()
+            return self._send(200, b"{}")
+        if not self._within_quota(path):
+            return
         if m := re.match(r"^/api/models/([^/]+/[^/]+)/paths-info/([^/]+)$", path):
             ctype = self.headers.get("Content-Type", "")
             try:
@@ -564,16 +702,22 @@ class _Handler(BaseHTTPRequestHandler):
             paths = [paths] if isinstance(paths, str) else paths
             if not isinstance(paths, list) or not all(isinstance(x, str) for x in paths):
                 return self._error(400, None, "paths must be a list of strings")
-            return self._tree(m.group(1), m.group(2), "", paths)
-        if path == "/_hub/stats/reset":
-            with self.hub.stats_.lock:
-                self.hub.stats_.reset()
-            return self._send(200, b"{}")
+            return self._paths_info(m.group(1), m.group(2), paths)
         self._error(404, None, "not found")
 
     def do_GET(self) -> None:
         url = urlparse(self.path)
         path = unquote(url.path)
+        self._more_headers = {}
+        if self._on_cdn:
+            with self.hub.stats_.lock:
+                self.hub.stats_.cdn_requests += 1
+                self.hub.stats_.cdn_with_token += "Authorization" in self.headers
+            self._await_first_byte()
+            if m := re.match(r"^/_cdn/([A-Za-z0-9_=-]+)$", path):
+                return self._cdn(m.group(1), parse_qs(url.query))
+            self._count(None)
+            return self._error(404, None, "not found")
         if path.startswith("/_hub/") and not self._hub_route_authorized():
             return
         if path == "/_hub/stats":
@@ -582,6 +726,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, json.dumps(self.hub.knobs.public()).encode())
         if path == "/_hub/health":
             return self._send(200, b'{"status":"ok"}')
+        if not self._within_quota(path):
+            return
         self._await_first_byte()
         self._answer(url, path)
 
@@ -605,24 +751,30 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, url, path: str) -> None:
         if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)/?(.*)$", path):
-            return self._tree(m.group(1), m.group(2), m.group(3), None)
+            return self._tree(m.group(1), m.group(2), m.group(3), parse_qs(url.query))
         if m := re.match(r"^/api/models/([^/]+/[^/]+?)(?:/revision/(.+))?/?$", path):
             return self._model_info(m.group(1), m.group(2) or "main", parse_qs(url.query))
         if m := re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path):
             return self._resolve(m.group(1), m.group(2), m.group(3))
-        if m := re.match(r"^/_cdn/([A-Za-z0-9_=-]+)$", path):
-            return self._cdn(m.group(1), parse_qs(url.query))
+        if m := re.match(r"^/api/resolve-cache/models/([^/]+/[^/]+)/([0-9a-f]{40})/(.+)$", path):
+            return self._resolve_cache(m.group(1), m.group(2), m.group(3))
+        if path == "/api/whoami-v2" and self.hub.like_huggingface:  # only this mode knows accounts
+            return self._whoami()
         self._count(None)
         self._error(404, None, "not found")
 
+    def _whoami(self) -> None:
+        self._count(None)
+        if not self.hub.access.knows(self._token):
+            return self._error(401, None, "Invalid credentials in Authorization header")
+        self._send(200, json.dumps({"type": "user", "name": "expertmesh-user"}).encode())
+
     def _model_info(self, repo_id: str, rev: str, query: dict) -> None:
         self._count(None)
-        repo = self.hub.repos.get(repo_id)
         if fault := self.hub.pick_fault(f"{repo_id}/", ("429", "503", "500")):
             return self._fault_status(fault)
-        if repo is None:
-            return self._error(404, "RepoNotFound", "Repository not found")
-        if not self._authorized(repo) or not self._revision(repo, rev):
+        repo = self._repo(repo_id, files=False)
+        if repo is None or not self._revision(repo, rev):
             return
         siblings = []
         blobs = query.get("blobs", ["false"])[0].lower() in ("1", "true")  # HfApi's files_metadata=True
@@ -633,13 +785,15 @@ class _Handler(BaseHTTPRequestHandler):
                 if _is_lfs(name, f):
                     sib["lfs"] = {"sha256": self.hub.digests.id_of(f), "size": f.size, "pointerSize": 134}
             siblings.append(sib)
+        if self.hub.knobs.siblings_limit:
+            siblings = siblings[: self.hub.knobs.siblings_limit]
         doc = {
             "_id": repo_id,
             "id": repo_id,
             "modelId": repo_id,
             "sha": repo.commit,
-            "private": False,
-            "gated": False,
+            "private": (repo.path / ".hub_private").is_file(),
+            "gated": "manual" if is_gated(repo.path) else False,
             "disabled": False,
             "downloads": 0,
             "likes": 0,
@@ -649,32 +803,52 @@ class _Handler(BaseHTTPRequestHandler):
         }
         self._send(200, json.dumps(doc).encode())
 
-    def _tree(self, repo_id: str, rev: str, folder: str, paths: list[str] | None) -> None:
-        """Tree listing (GET, one folder level) or paths-info (POST, the named paths)."""
+    def _tree(self, repo_id: str, rev: str, folder: str, query: dict) -> None:
+        """One page of a folder's listing (recursive if asked), and a `Link` to the next page.
+
+        As the Hub pages it: at most `tree_page_size` entries, then `Link: <...&cursor=...>;
+        rel="next"`, the cursor opaque (huggingface_hub's `paginate` follows `next`, hf_api.py's
+        `_iter_repo_tree_pages`)."""
         self._count(None)
-        repo = self.hub.repos.get(repo_id)
-        if repo is None:
-            return self._error(404, "RepoNotFound", "Repository not found")
-        if not self._authorized(repo) or not self._revision(repo, rev):
+        repo = self._repo(repo_id, files=False)
+        if repo is None or not self._revision(repo, rev):
             return
         folder = folder.strip("/")
+        recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
         entries, dirs = [], set()
         for name, f in repo.files.items():
-            if paths is not None:
-                if name in paths:
-                    entries.append(self._file_entry(name, f))
-                continue
-            rel = name[len(folder) + 1 :] if folder else name
             if folder and not name.startswith(folder + "/"):
                 continue
-            if "/" in rel:
-                dirs.add((f"{folder}/" if folder else "") + rel.split("/", 1)[0])
-            else:
+            rel = name[len(folder) + 1 :] if folder else name
+            parents = rel.split("/")[:-1]
+            for depth in range(1, (len(parents) if recursive else min(1, len(parents))) + 1):
+                dirs.add((f"{folder}/" if folder else "") + "/".join(parents[:depth]))
+            if recursive or not parents:
                 entries.append(self._file_entry(name, f))
         entries += [
             {"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0}
             for d in sorted(dirs)
         ]
+        size = self.hub.knobs.tree_page_size
+        cursor = query.get("cursor", [""])[0]
+        try:
+            first = int(base64.urlsafe_b64decode(cursor.encode()).decode()) if cursor else 0
+        except ValueError:
+            return self._error(400, None, "invalid cursor")
+        headers = {}
+        if first + size < len(entries):
+            nxt = base64.urlsafe_b64encode(str(first + size).encode()).decode()
+            link = f"{self.hub.url}/api/models/{repo_id}/tree/{rev}{'/' + folder if folder else ''}"
+            headers["Link"] = f'<{link}?recursive={str(recursive).lower()}&cursor={nxt}>; rel="next"'
+        self._send(200, json.dumps(entries[first : first + size]).encode(), headers)
+
+    def _paths_info(self, repo_id: str, rev: str, paths: list[str]) -> None:
+        """The named paths' entries (POST `paths-info`)."""
+        self._count(None)
+        repo = self._repo(repo_id, files=False)
+        if repo is None or not self._revision(repo, rev):
+            return
+        entries = [self._file_entry(name, f) for name, f in repo.files.items() if name in paths]
         self._send(200, json.dumps(entries).encode())
 
     def _file_entry(self, name: str, f: _File) -> dict:
@@ -689,13 +863,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "oid": oid,
                 "lfs": {"oid": sha, "size": f.size, "pointerSize": len(pointer)},
             }
-        data = f.path.read_bytes()
-        return {
-            "type": "file",
-            "path": name,
-            "size": f.size,
-            "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
-        }
+        return {"type": "file", "path": name, "size": f.size, "oid": _git_blob_id(f)}
 
     def _fault_status(self, fault: Fault) -> None:
         code = int(fault.kind)
@@ -703,14 +871,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(code, json.dumps({"error": f"injected {code}"}).encode(), headers)
 
     def _resolve(self, repo_id: str, rev: str, name: str) -> None:
+        """A file of a revision: a large (LFS) one by a 302 to a signed URL on the CDN's origin; a
+        small (git) one served here, or, `like_huggingface`, by a relative 307 to the resolve
+        cache (as huggingface.co answers `curl -I .../resolve/main/config.json`: the `Location`
+        huggingface/swift-transformers pull request 209 quotes)."""
         key = f"{repo_id}/{name}"
-        repo = self.hub.repos.get(repo_id)
-        self._count(key if repo is not None and name in repo.files else None)  # a missing name: no entry
+        known = self.hub.repos.get(repo_id)
+        self._count(key if known is not None and name in known.files else None)  # a missing name: no entry
         if fault := self.hub.pick_fault(key, ("429", "503", "500")):
             return self._fault_status(fault)
-        if repo is None:
-            return self._error(404, "RepoNotFound", "Repository not found")
-        if not self._authorized(repo) or not self._revision(repo, rev):
+        repo = self._repo(repo_id, files=True)
+        if repo is None or not self._revision(repo, rev):
             return
         f = repo.files.get(name)
         if f is None:
@@ -728,16 +899,41 @@ class _Handler(BaseHTTPRequestHandler):
             with self.hub.stats_.lock:
                 self.hub.stats_.redirects += 1
             return self._send(302, b"", headers)
-        data = f.path.read_bytes()  # a small file (config, tokenizer): read whole
-        etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        etag = _git_blob_id(f)
+        if self.hub.like_huggingface:
+            original = quote(f"/{repo_id}/resolve/{rev}/{name}", safe="")
+            location = f"/api/resolve-cache/models/{repo_id}/{repo.commit}/{quote(name)}?{original}=&etag=%22{etag}%22"
+            body = f"Temporary Redirect. Redirecting to {location}".encode()
+            return self._send(307, body, {**common, "Location": location}, content_type="text/plain; charset=utf-8")
         self._serve_file(key, f, {**common, "ETag": f'"{etag}"'})
 
+    def _resolve_cache(self, repo_id: str, commit: str, name: str) -> None:
+        """A small file of a pinned commit, where `_resolve` redirects it (same origin, same access
+        check: the token must come along, as huggingface_hub sends it on a same-origin redirect)."""
+        key = f"{repo_id}/{name}"
+        known = self.hub.repos.get(repo_id)
+        self._count(key if known is not None and name in known.files else None)
+        repo = self._repo(repo_id, files=True)
+        if repo is None:
+            return
+        f = repo.files.get(name)
+        if repo.commit != commit or f is None or _is_lfs(name, f):
+            return self._error(404, "EntryNotFound", f"{name} does not exist on {commit}")
+        headers = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes", "ETag": f'"{_git_blob_id(f)}"'}
+        self._serve_file(key, f, headers)
+
     def _cdn(self, token: str, query: dict) -> None:
-        """A signed URL this Hub issued (`HubServer.cdn_url`), before it expires; nothing else."""
+        """A signed URL this Hub issued (`HubServer.cdn_url`), before it expires; nothing else.
+        A refusal is a 403 as S3 and CloudFront give it (an XML `<Error>`), "Request has expired"
+        for a URL past its `Expires`."""
         signed = self.hub.cdn_verify(token, query)
         if isinstance(signed, str):
             self._count(None)
-            return self._error(403, None, signed)
+            if signed == "Request has expired":
+                with self.hub.stats_.lock:
+                    self.hub.stats_.cdn_expired += 1
+            body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code><Message>{signed}</Message></Error>"
+            return self._send(403, body.encode(), {"X-Error-Message": signed}, content_type="application/xml")
         repo_id, commit, name = signed
         key = f"{repo_id}/{name}"
         self._count(key)
@@ -748,19 +944,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, None, "not found")
         f = repo.files[name]
         sha = f'"{self.hub.digests.id_of(f)}"'
-        # The CDN shares our host, so huggingface_hub treats its URL as a relative redirect
-        # and expects the Hub's headers on it too.
-        self._serve_file(
-            key,
-            f,
-            {
-                "ETag": sha,
-                "X-Linked-Etag": sha,
-                "X-Linked-Size": str(f.size),
-                "X-Repo-Commit": commit,
-                "Accept-Ranges": "bytes",
-            },
-        )
+        self._serve_file(key, f, {"ETag": sha, "Accept-Ranges": "bytes"})
 
     def _serve_file(self, key: str, f: _File, headers: dict) -> None:
         """The file, or the range asked for, read in chunks as it is sent (never the whole file)."""
@@ -849,6 +1033,46 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_fault,
         help=f"inject faults, KIND in {', '.join(FAULT_KINDS)}; SPEC e.g. rate=0.1 or count=3,retry_after=2",
     )
+    parser.add_argument(
+        "--like-huggingface",
+        action="store_true",
+        help="answer as huggingface.co does: small files by a relative 307 to /api/resolve-cache/, 401 for a "
+        "missing repo without a token, gated repos (.hub_gated), unknown tokens refused, the anonymous tier's "
+        "rate limits unless --rate-limit says otherwise",
+    )
+    parser.add_argument(
+        "--user-token",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="with --like-huggingface: the token of an account the Hub knows (repeat for more)",
+    )
+    parser.add_argument("--cdn-port", type=int, default=0, help="the CDN origin's port (default: any free one)")
+    parser.add_argument("--cdn-url-ttl", type=float, default=3600.0, help="seconds a signed CDN URL stays valid")
+    parser.add_argument(
+        "--rate-limit",
+        type=parse_rate_limits,
+        metavar="BUCKET=N[,BUCKET=N]",
+        help=f"requests per window and client, by bucket ({', '.join(hub_quota.BUCKETS)}); past it a 429 with "
+        "RateLimit headers and no Retry-After",
+    )
+    parser.add_argument(
+        "--rate-window", type=float, default=hub_quota.WINDOW_S, help="seconds of one rate-limit window"
+    )
+    parser.add_argument("--tree-page-size", type=int, default=1000, help="entries per page of /tree (Link: next)")
+
+
+def parse_rate_limits(text: str) -> dict[str, int]:
+    """`resolvers=3000,api=500` -> {bucket: requests per window} (argparse type)."""
+    limits = {}
+    for item in filter(None, text.split(",")):
+        bucket, _, n = item.partition("=")
+        if bucket not in hub_quota.BUCKETS or not (n.isascii() and n.isdigit()):
+            raise argparse.ArgumentTypeError(
+                f"bad rate limit {item!r}: give BUCKET=N with BUCKET in {', '.join(hub_quota.BUCKETS)}"
+            )
+        limits[bucket] = int(n)
+    return limits
 
 
 _FAULT_FIELDS = {
@@ -879,24 +1103,38 @@ def parse_fault(text: str) -> Fault:
 
 
 def knobs_from_args(args: argparse.Namespace) -> HubKnobs:
+    if args.rate_limit is not None:
+        rate_limits = args.rate_limit
+    else:
+        rate_limits = dict(hub_quota.ANONYMOUS_QUOTAS) if args.like_huggingface else {}
     return HubKnobs(
         bandwidth_bytes_per_s=args.bandwidth,
         per_connection_bytes_per_s=args.per_connection_bandwidth,
         ttfb_s=args.ttfb,
         connection_cost_s=args.connection_cost,
+        cdn_url_ttl_s=args.cdn_url_ttl,
         required_token=args.require_token,
         faults=list(args.fault),
+        rate_limits=rate_limits,
+        rate_window_s=args.rate_window,
+        tree_page_size=max(1, args.tree_page_size),
     )
 
 
-def serve_forever_cli(root: Path, host: str, port: int, knobs: HubKnobs) -> None:
-    """Serve until SIGINT or SIGTERM, announcing the address on one line."""
+def server_options_from_args(args: argparse.Namespace) -> dict:
+    """What `HubServer` is made with besides its knobs (fixed while it runs)."""
+    return {"like_huggingface": args.like_huggingface, "user_tokens": tuple(args.user_token), "cdn_port": args.cdn_port}
+
+
+def serve_forever_cli(root: Path, host: str, port: int, knobs: HubKnobs, **options) -> None:
+    """Serve until SIGINT or SIGTERM, announcing the address on one line; `options`: HubServer's."""
     if not root.is_dir():
         raise ExpertmeshError(f"{root} is not a folder of repos")
-    hub = HubServer(root, host, port, knobs)
+    hub = HubServer(root, host, port, knobs, **options)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with hub:
         print(f"expertmesh hub: serving {len(hub.repos)} repos from {root} at {hub.url}", flush=True)
+        print(f"expertmesh hub: large files redirected to its CDN at {hub.cdn_url_base}", flush=True)
         stop.wait()

@@ -1,6 +1,7 @@
 """Continuous batching: several generations share every forward pass, so each step asks the store
 once per MoE layer for the union of the batch's experts and computes each expert on all of its
-rows together (engine/blocks.py already does so for any number of rows).
+rows together (engine/blocks.py already does so for any number of rows). The batch hands each
+pass its rows' ledgers (`StreamedModel.forward(..., ledgers=...)`).
 
 Sequences join and leave between steps. The machinery is mlx-lm's own: every cache of the model
 is merged into its batched form (`KVCache.merge` -> `BatchKVCache` with left padding,
@@ -13,9 +14,10 @@ exactly as `mlx_lm.generate.BatchGenerator` does. What differs from BatchGenerat
   several prompts together with right padding instead. Prefill is chunked (`prefill_step` tokens
   a turn, shared by the joiners), and each turn also runs one decode step of the batch, so a long
   prompt delays the running conversations by one chunk per step, never by its whole length;
-- no `async_eval` pipelining: every MoE layer synchronises to learn its routing anyway, and
-  computing step n+1 before handing out step n's tokens would cost each finished sequence a
-  forward pass (and its experts) that nobody reads, and each new one a step of time to first token;
+- no `async_eval` pipelining: a MoE layer whose experts must be fetched synchronises to learn its
+  routing anyway, and computing step n+1 before handing out step n's tokens would cost each
+  finished sequence a forward pass (and its experts) that nobody reads, and each new one a step of
+  time to first token;
 - each row samples with its own sampler, and a seeded one carries its own random key, split as
   MLX's global key is after `mx.random.seed`: a seeded request samples what it would alone.
 
@@ -56,7 +58,6 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.sample_utils import apply_top_p, make_sampler
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
-from expertmesh.node.engine.blocks import expert_uses_by_row
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     EmptyPromptError,
@@ -290,6 +291,7 @@ class BatchEngine:
             seq.todo, seq.cache = list(seq.prompt), make_prompt_cache(sm.model)
             seq.sampler = make_row_sampler(seq.settings)
             seq.summary.prompt_tokens = len(seq.prompt)
+            sm.settle()  # what an earlier pass used is not this request's
             seq.before = sm.store.stats.snapshot()
             detok = sm.tokenizer.detokenizer  # a copy per caller
             detok.reset()
@@ -321,8 +323,8 @@ class BatchEngine:
     def _decode(self) -> None:
         """One token for every row: one forward pass over the batch."""
         rows = self._rows
-        with expert_uses_by_row([s.uses for s in rows]):
-            logits = self.sm.model(mx.array([[s.next_token] for s in rows]), cache=self._cache)[:, -1, :]
+        tokens = mx.array([[s.next_token] for s in rows])
+        logits = self.sm.forward(tokens, self._cache, ledgers=[s.uses for s in rows])[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
         self.steps += 1
@@ -340,17 +342,15 @@ class BatchEngine:
     def _prefill(self, seq: _Sequence, budget: int) -> int:
         """Feed up to `budget` of `seq`'s prompt as `Generator._prefill` does (all but the last
         token in chunks, then the last alone, which gives the first token); returns tokens fed."""
-        model = self.sm.model
+        sm = self.sm
         if len(seq.todo) > 1:
             n = min(budget, len(seq.todo) - 1)
             chunk, seq.todo = seq.todo[:n], seq.todo[n:]
-            with expert_uses_by_row([seq.uses]):
-                model(mx.array(chunk)[None], cache=seq.cache)
-                mx.eval([c.state for c in seq.cache])
+            sm.forward(mx.array(chunk)[None], seq.cache, ledgers=[seq.uses])
+            mx.eval([c.state for c in seq.cache])
             seq.fed += n
             return n
-        with expert_uses_by_row([seq.uses]):
-            logits = model(mx.array(seq.todo)[None], cache=seq.cache)[:, -1, :]
+        logits = sm.forward(mx.array(seq.todo)[None], seq.cache, ledgers=[seq.uses])[:, -1, :]
         seq.fed, seq.todo = seq.fed + 1, []
         self._prefilling.remove(seq)
         if self._emit(seq, logits - mx.logsumexp(logits, keepdims=True)):
@@ -362,6 +362,7 @@ class BatchEngine:
         whether it goes on (the same stops as `Generator._plain`, in the same order)."""
         y = seq.sampler(logprobs)
         mx.eval(y, logprobs)
+        self.sm.settle()  # the pass's uses are in its rows' ledgers before a token is handed out
         token = seq.book.emit(int(y.item()), logprobs.squeeze(0))
         if token is None:
             self._finish(seq, "eos")
@@ -400,6 +401,7 @@ class BatchEngine:
     def _close_summary(self, seq: _Sequence) -> None:
         summary = seq.summary
         summary.seconds = time.perf_counter() - seq.t0
+        self.sm.settle()  # the last pass's resident layers, into every ledger of that pass
         if seq.before is not None:
             experts = self.sm.store.stats.since(seq.before)
             own = seq.uses.snapshot()  # the request's own expert uses, not its batch's (module docstring)

@@ -7,42 +7,100 @@ arrays are lazy), so no routed expert is ever materialised from the repo, and ml
 quantisation and strict weight loading run unchanged on the core. Anything mlx-lm implements with
 a `SwitchGLU` or `SwitchMLP` therefore streams, not just the fixtures.
 
-How expert weights reach the kernel: at a MoE layer the block evaluates the routing (one
-synchronisation per layer), asks the store for the layer's distinct experts in one call, gathers
-the activation rows once so each expert's rows are contiguous, and runs them through
-`quantized_matmul` (or a plain matmul for BF16 experts) with that expert's own arrays from the RAM
-tier. A token therefore copies no resident expert; the only per-token copies are the routed
-activation rows (k rows of the model width per token) and the outputs.
+How expert weights reach the kernel: the RAM tier keeps experts in slots of stacked arrays laid
+out as mlx-lm's `QuantizedSwitchLinear`/`SwitchLinear` weights are (store/tiers/ram.py), and a
+layer runs mlx-lm's own `SwitchGLU.__call__` (or `SwitchMLP`'s) over them, with the router's
+expert ids mapped to slot ids: one `gather_qmm` (or `gather_mm`) per projection, sorted as
+mlx-lm sorts from 64 rows on. A token copies no resident expert.
+
+Two ways a layer runs:
+- resident: every expert of the layer is in a slot. The id -> slot map is an MLX array, so the
+  layer runs without a host sync, as mlx-lm's does; its uses are counted once the pass has been
+  evaluated (`ExpertPass.settle`, which then reads the routing without waiting);
+- streamed: the block evaluates the routing (the one synchronisation of the layer, which the
+  next layer's guess rides on), asks the store for the layer's distinct experts in one call
+  (`layer_groups`), places the arrivals in slots and maps ids to slots on the host.
+
+A forward pass's context comes in explicitly: `ExpertPass` (given to the blocks by
+`StreamedModel.forward`) carries a batch's per-row ledgers, and the store's answer carries which
+tier served each expert.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
+import itertools
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 from mlx_lm.utils import load_model
 
 from expertmesh.node.engine.model_thread import model_thread
-from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.model.codec import ExpertWeights, ProjectionWeights
+from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
+from expertmesh.node.model.codec import QuantSpec
 from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS, layer_number, model_classes
-from expertmesh.node.store.stats import StoreStats, tapped, thread_value
+from expertmesh.node.store.stats import StoreStats
+from expertmesh.node.store.store import ExpertGroup, Served
 
-_by_row = threading.local()  # the ledgers of the rows of the forward pass running on this thread
+PLACE_ATTEMPTS = 3  # an expert let go of between the store's look and its placing is asked for again
 
 
-def expert_uses_by_row(ledgers: list[StoreStats]):
-    """While inside, every expert block called on this thread also counts, in `ledgers[r]`, the
-    experts the tokens of batch row r routed to, each under the source that served it to the
-    layer (engine/batching.py: a batched request's own expert uses). Rows are the leading
-    dimension of the model's input, in order."""
-    return thread_value(_by_row, "ledgers", ledgers)
+@dataclass
+class ExpertPass:
+    """One forward pass of the model as its expert blocks see it.
+
+    `ledgers[r]` (a batch's, engine/batching.py) counts the experts batch row r's tokens routed
+    to, each under the tier that served it; rows are the leading dimension of the model's input.
+    Resident layers leave their routing here unread, to be counted by `settle` once the pass's
+    output has been evaluated.
+    """
+
+    ledgers: list[StoreStats] | None = None
+    unread: list[tuple[StreamingExperts, mx.array]] = field(default_factory=list)
+
+    def settle(self) -> None:
+        """Count the uses of the layers that ran resident. After the pass's output is evaluated
+        their routings are too, and reading them waits for nothing."""
+        unread, self.unread = self.unread, []
+        for block, indices in unread:
+            flat = np.array(indices).reshape(-1)
+            experts = np.unique(flat).tolist()
+            block.store.resident_uses(block.layer, experts)
+            if self.ledgers is not None:
+                index = block.store.index
+                served = {e: Served("ram", index.expert(block.layer, e).nbytes, 0.0) for e in experts}
+                _count_by_row(self.ledgers, flat, served)
+
+
+class _SlotQuantizedLinear(QuantizedSwitchLinear):
+    """mlx-lm's `QuantizedSwitchLinear`, its stacked weights a RAM-tier pool's slots."""
+
+    def __init__(self, quant: QuantSpec):
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = quant.group_size, quant.bits, quant.mode
+        self.global_scale = None
+
+
+class _SlotLinear(SwitchLinear):
+    """mlx-lm's `SwitchLinear`, its stacked weights a RAM-tier pool's slots."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+
+
+def _bind_slots(linear: nn.Module, stacks: dict[str, mx.array]) -> None:
+    """Point a slot linear at its pool's current stacks (a slot write makes new arrays)."""
+    for kind in ("weight", "scales", "biases", "bias"):
+        if kind in stacks:
+            linear[kind] = stacks[kind]
+        elif kind in linear:
+            del linear[kind]
 
 
 class StreamingExperts(nn.Module):
@@ -61,6 +119,7 @@ class StreamingExperts(nn.Module):
                 self[name] = member
         self.input_dims = {p: getattr(original, p).input_dims for p in self.projections}
         self.output_dims = getattr(original, self.projections[-1]).output_dims
+        self.num_experts = getattr(original, self.projections[0]).num_experts
         # Plain attributes (object.__setattr__), not parameters or child modules:
         self._set("_store", None)
         self._set("_next", None)  # (next MoE layer's block, its parent MoE module), for guesses
@@ -68,6 +127,8 @@ class StreamingExperts(nn.Module):
         self._set("_predicted", None)
         self._set("_guess", None)  # the next layer's routing guessed from this layer's input
         self._set("_remote", None)  # a RemoteExperts (node/household/remote_experts.py) when peers can compute
+        self._set("expert_pass", None)  # the pass running now (StreamedModel.forward), if any
+        self._set("_linears", None)  # projection -> slot linear, made at the first compute
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
@@ -86,8 +147,16 @@ class StreamingExperts(nn.Module):
     def input_width(self) -> int:
         return self.input_dims[self.projections[0]]
 
+    def runs_resident(self) -> bool:
+        """Whether a call now runs without a sync: inside a pass, with every expert resident."""
+        return self.expert_pass is not None and self._store is not None and self._store.ram.resident(self.layer)
+
     def wants_guesses(self) -> bool:
-        return self._next is not None and self._store is not None and self._store.wants_guesses()
+        """Guess the next layer only where a guess can be fetched in time: this layer syncs (it
+        streams), and the next one will ask the store (it does not run resident)."""
+        if self._next is None or self._store is None or not self._store.wants_guesses():
+            return False
+        return not self.runs_resident() and not self._next[0].runs_resident()
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self._predicting:  # a guess of this layer's routing: no experts needed, output unused
@@ -96,97 +165,155 @@ class StreamingExperts(nn.Module):
         store = self._store
         if store is None:
             raise RuntimeError(f"expert block of layer {self.layer} has no expert store bound")
-        model_thread().between_layers()  # a peer's ComputeExperts waits one layer, not a generation
+        slot_map = store.ram.slot_map(self.layer) if self.expert_pass is not None else None
+        if slot_map is not None:  # every expert resident: no sync, the ids mapped on the device
+            self._set("_guess", None)
+            self.expert_pass.unread.append((self, indices))
+            store.stats.record_layer("resident")
+            return self._switch(x, slot_map[indices])
         guess = self._guess
         self._set("_guess", None)
-        if guess is not None:
-            mx.eval(indices, guess)  # the guess rides on the same sync as the routing
-        k = indices.shape[-1]
-        flat = np.array(indices.reshape(-1))  # evaluates the routing: the one sync per layer
-        order = np.argsort(flat, kind="stable")
-        experts, starts = np.unique(flat[order], return_index=True)
+        mx.eval(indices, *([] if guess is None else [guess]))  # the one sync of this layer; the guess rides on it
+        model_thread().between_layers()  # a peer's ComputeExperts waits one layer, not a generation
+        flat = np.array(indices).reshape(-1)
+        experts = np.unique(flat).tolist()
         next_guess = None
         if guess is not None:
             next_guess = (self._next[0].layer, np.unique(np.array(guess)).tolist())
-        x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
-        ends = [*starts[1:].tolist(), len(order)]
-        experts = experts.tolist()
-        rows = {e: x_rows[start:end] for e, start, end in zip(experts, starts.tolist(), ends)}
-        ledgers = getattr(_by_row, "ledgers", None)
-        served: dict[int, tuple[str, int, float]] = {}
-
-        def tap(key, source: str, nbytes: int, seconds: float) -> None:
-            if key is not None and key[0] == self.layer:
-                served[key[1]] = (source, nbytes, seconds)
-
-        with tapped(tap) if ledgers is not None else contextlib.nullcontext():
-            out = self._run(store, experts, rows, next_guess)
+        if self._remote is not None:  # some experts may run on the peers that hold them
+            y, served = self._run_remote(x, indices.shape[-1], flat, experts, next_guess)
+        else:
+            y, served = self._run_here(store, x, indices, flat, experts, next_guess)
+        store.stats.record_layer("streamed")
+        ledgers = self.expert_pass.ledgers if self.expert_pass is not None else None
         if ledgers is not None:
             _count_by_row(ledgers, flat, served)
-        y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
-        return y.reshape(*indices.shape, y.shape[-1])
+        return y.reshape(*indices.shape, self.output_dims)
 
-    def _run(self, store, experts: list[int], rows: dict[int, mx.array], next_guess) -> dict[int, mx.array]:
-        """Each routed expert's output for its rows (lazy), computed here or on peers."""
-        if self._remote is not None:  # some experts may run on the peers that hold them
-            return self._remote.run(self, experts, rows, next_guess)
-        out = {}
+    # -- the kernels ----------------------------------------------------------------------------
+
+    def _switch(self, x: mx.array, slots: mx.array) -> mx.array:
+        """mlx-lm's `SwitchGLU.__call__` (or `SwitchMLP`'s), line for line, over the RAM tier's
+        slots: `slots` are the router's indices mapped to slot ids (lazy).
+
+        The slot linears hold the pool's stacks only while the call builds its graph: a stack
+        referenced anywhere else when a slot is written could not give its buffer to the write,
+        and the write would copy the whole stack."""
+        pool = self._store.ram.pool(self.layer)
+        if self._linears is None:
+            quants = {name: quant for name, _, quant in pool.layout.projections}
+            self._set(
+                "_linears",
+                {
+                    p: _SlotQuantizedLinear(quants[p]) if quants[p] is not None else _SlotLinear()
+                    for p in self.projections
+                },
+            )
+        for p, linear in self._linears.items():
+            _bind_slots(linear, pool.arrays[p])
+            object.__setattr__(self, p, linear)  # where mlx-lm's call looks for it, outside the parameters
+        try:
+            switch = SwitchGLU if self.kind == "SwitchGLU" else SwitchMLP
+            return switch.__call__(self, x, slots)
+        finally:
+            for linear in self._linears.values():
+                _bind_slots(linear, {})
+
+    def compute_rows(self, slots: dict[int, int], rows: dict[int, mx.array]) -> dict[int, mx.array]:
+        """Each expert's rows (n, input width) through it, lazy: the same kernels whether the rows
+        are this node's own or arrived from a peer (ComputeExperts). `slots` from `ExpertGroup.placed`."""
+        experts = list(rows)
+        if not experts:
+            return {}
+        counts = [rows[e].shape[0] for e in experts]
+        x = mx.concatenate([rows[e] for e in experts], axis=0)
+        ids = mx.array(np.repeat([slots[e] for e in experts], counts).astype(np.uint32))[:, None]
+        y = self._switch(x, ids).reshape(-1, self.output_dims)
+        ends = np.cumsum(counts).tolist()
+        return {e: y[end - n : end] for e, n, end in zip(experts, counts, ends)}
+
+    @contextmanager
+    def placed(self, store, group: ExpertGroup) -> Iterator[dict[int, int]]:
+        """`group.placed()`, with any expert it could not place asked for again (an expert let go
+        of between the store's look and the placing: peers' calls place experts while a token
+        waits). Slots stay pinned while inside."""
+        with ExitStack() as stack:
+            slots = dict(stack.enter_context(group.placed()))
+            missing = group.missing
+            for _ in range(PLACE_ATTEMPTS):
+                if not missing:
+                    break
+                again_missing = []
+                for again in store.layer_groups(self.layer, missing, routed=()):
+                    slots.update(stack.enter_context(again.placed()))
+                    group.served.update(again.served)
+                    again_missing += again.missing
+                missing = again_missing
+            if missing:
+                raise ExpertmeshError(f"layer {self.layer}: no RAM slot for experts {missing} (every slot in use)")
+            yield slots
+
+    # -- a streamed layer ---------------------------------------------------------------------
+
+    def _run_here(
+        self, store, x: mx.array, indices: mx.array, flat: np.ndarray, experts: list[int], next_guess
+    ) -> tuple[mx.array, dict[int, Served]]:
+        """The layer on this node: one group (mlx-lm's call over all the rows), or several where
+        the layer wants more experts than memory holds (each group computed, then let go)."""
+        served: dict[int, Served] = {}
         groups = store.layer_groups(self.layer, experts, guess=next_guess)
-        for n, weights in enumerate(groups):
-            part = self.compute(weights, {e: rows[e] for e in weights})
-            if n or len(weights) < len(experts):  # more experts than memory holds: compute
-                mx.eval(list(part.values()))  # this group now, so its weights can go
-            out.update(part)
-            del weights
-        return out
+        first = next(groups)
+        if len(first.served) == len(experts):
+            with self.placed(store, first) as slots:
+                lut = np.zeros(self.num_experts, dtype=np.uint32)
+                lut[list(slots)] = list(slots.values())
+                y = self._switch(x, mx.array(lut[flat].reshape(indices.shape)))
+            served.update(first.served)
+            groups.close()
+            return y, served
+        k = indices.shape[-1]
+        order = np.argsort(flat, kind="stable")
+        by_expert = flat[order]
+        x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
+        parts = []
+        for group in itertools.chain([first], groups):  # one at a time: a group is fetched as the last is computed
+            lo, hi = min(group.served), max(group.served)
+            a, b = int(np.searchsorted(by_expert, lo)), int(np.searchsorted(by_expert, hi, side="right"))
+            with self.placed(store, group) as slots:
+                lut = np.zeros(self.num_experts, dtype=np.uint32)
+                lut[list(slots)] = list(slots.values())
+                part = self._switch(x_rows[a:b], mx.array(lut[by_expert[a:b]])[:, None]).reshape(b - a, -1)
+                mx.eval(part)  # computed now, so this group's slots can go to the next one
+            parts.append(part)
+            served.update(group.served)
+        y = mx.concatenate(parts, axis=0)[mx.array(np.argsort(order))]
+        return y, served
 
-    def compute(self, weights: dict[int, ExpertWeights], rows: dict[int, mx.array]) -> dict[int, mx.array]:
-        """Each expert's rows through it (lazy): the same kernels whether the rows are this node's
-        own or arrived from a peer (ComputeExperts)."""
-        forward = _glu_forward if self.kind == "SwitchGLU" else _mlp_forward
-        return {e: forward(weights[e].projections, self.activation, rows[e]) for e in rows}
+    def _run_remote(
+        self, x: mx.array, k: int, flat: np.ndarray, experts: list[int], next_guess
+    ) -> tuple[mx.array, dict[int, Served]]:
+        """The layer with compute peers: each expert's rows go where RemoteExperts places them."""
+        order = np.argsort(flat, kind="stable")
+        _, starts = np.unique(flat[order], return_index=True)
+        x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
+        ends = [*starts[1:].tolist(), len(order)]
+        rows = {e: x_rows[start:end] for e, start, end in zip(experts, starts.tolist(), ends)}
+        out, served = self._remote.run(self, experts, rows, next_guess)
+        y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
+        return y, served
 
 
-def _count_by_row(ledgers: list[StoreStats], flat: np.ndarray, served: dict[int, tuple[str, int, float]]) -> None:
+def _count_by_row(ledgers: list[StoreStats], flat: np.ndarray, served: dict[int, Served]) -> None:
     """Count in each row's ledger the distinct experts its tokens routed to (`flat`: the layer's
-    routing, row after row). An expert the store did not serve here ran on a peer (`remote`).
-    A routing that does not split into the rows (no architecture does so) counts the whole
-    layer's experts for every row rather than guessing."""
+    routing, row after row), each under the tier that served it. A routing that does not split
+    into the rows (no architecture does so) counts the whole layer's experts for every row
+    rather than guessing."""
     per_row, extra = divmod(len(flat), len(ledgers))
     for r, ledger in enumerate(ledgers):
         mine = flat if extra else flat[r * per_row : (r + 1) * per_row]
         for e in np.unique(mine).tolist():
-            ledger.record(*served.get(e, ("remote", 0, 0.0)))
-
-
-def _glu_forward(w: dict[str, ProjectionWeights], activation, x: mx.array) -> mx.array:
-    """(n, in) rows through one `SwitchGLU` expert -> (n, out), with the kernels of mlx-lm's
-    quantized layers; mlx-lm's activation takes (up, gate)."""
-    return _project(w["down_proj"], activation(_project(w["up_proj"], x), _project(w["gate_proj"], x)))
-
-
-def _mlp_forward(w: dict[str, ProjectionWeights], activation, x: mx.array) -> mx.array:
-    """(n, in) rows through one `SwitchMLP` expert: fc2(act(fc1(x)))."""
-    return _project(w["fc2"], activation(_project(w["fc1"], x)))
-
-
-def _project(p: ProjectionWeights, x: mx.array) -> mx.array:
-    if p.quant is not None:
-        y = mx.quantized_matmul(
-            x,
-            p.weight,
-            p.scales,
-            p.biases,
-            transpose=True,
-            group_size=p.quant.group_size,
-            bits=p.quant.bits,
-            mode=p.quant.mode,
-        )
-    else:
-        y = x @ p.weight.T
-    if p.bias is not None:
-        y = y + p.bias
-    return y
+            s = served[e]
+            ledger.record(s.source, s.nbytes, s.seconds)
 
 
 def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -304,12 +431,14 @@ def core_standins(index, core_bits: int) -> dict[str, tuple[str, tuple[int, ...]
 
 
 def load_core_model(
-    model_dir: Path, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None
+    model_dir: Path, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None, lazy: bool = False
 ) -> tuple[nn.Module, dict, list[StreamingExperts]]:
     """mlx-lm's model of a pulled repo with the core in memory and streaming expert blocks.
 
     `expert_standins` (name -> safetensors dtype, shape) is given for a core still in its upstream
     form whose architecture's sanitize needs to see the experts (`ExpertIndex.sanitize_with_experts`).
+    `lazy` leaves the core's parameters unevaluated: MLX reads each from its file when it is
+    first evaluated (quantising shard by shard, a core streamed layer by layer).
 
     Raises:
         UnsupportedModelError: mlx-lm has no such architecture, or it has no SwitchGLU or SwitchMLP experts.
@@ -317,7 +446,7 @@ def load_core_model(
     try:
         model, config = load_model(
             Path(model_dir),
-            lazy=False,
+            lazy=lazy,
             strict=True,
             get_model_classes=functools.partial(_streaming_classes, expert_standins=expert_standins),
         )

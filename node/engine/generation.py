@@ -1,9 +1,12 @@
 """Token generation on a streamed model: the same steps as mlx-lm's `generate_step`, one token
 at a time, so the KV cache and recurrent state always hold exactly the tokens we fed.
 
-mlx-lm pipelines the next step with `async_eval`; we cannot gain from that (every MoE layer
-synchronises to learn its routing), and stepping plainly lets Ctrl-C stop between tokens with
-the cache consistent, which multi-turn chat relies on.
+mlx-lm pipelines the next step with `async_eval`. We step plainly: where experts must be fetched
+every MoE layer synchronises to learn its routing, so there is nothing to overlap; and stepping
+plainly lets Ctrl-C stop between tokens with the cache holding exactly the tokens fed, which
+multi-turn chat relies on (a pipelined step feeds a token nobody may read, and a recurrent state
+cannot give one back). A model whose experts are all resident syncs once a token either way
+(engine/blocks.py); on Metal, overlapping its graph building with the GPU is what is left.
 
 Whoever iterates `generate`, every step runs on the process's MLX thread
 (node/engine/model_thread.py), one token per turn: the caller's thread only waits for tokens.
@@ -119,6 +122,12 @@ class GenerationSummary:
     # a batched request's own expert uses, counted as its passes run (engine/batching.py), so
     # Generate can tell each token's uses apart from its batch's; None: the node's counters are its
     routed: StoreStats | None = None
+    core_read_bytes: int = 0  # core bytes read from the SSD by this generation (a streamed core)
+
+    @property
+    def core_read_bytes_per_token(self) -> float:
+        """Core bytes read per forward pass that made a token: what a streamed core costs a token."""
+        return self.core_read_bytes / max(1, self.generated_tokens)
 
     @property
     def decode_seconds(self) -> float:
@@ -153,6 +162,14 @@ class GenerationSummary:
             if self.experts.uses[s] or s in ("ram", "hub")
         ]
         out.append(f"expert uses by source: {', '.join(parts)}; {self.experts.total_uses} in all")
+        resident, streamed = self.experts.layers["resident"], self.experts.layers["streamed"]
+        if resident and not streamed:
+            out.append("all experts resident: every MoE layer ran from RAM slots without a sync, one sync per token")
+        elif resident:
+            out.append(
+                f"{resident} of {resident + streamed} MoE layer passes ran on resident experts without a sync; "
+                "the rest synced once each to read their routing"
+            )
         pf = self.experts.prefetch
         if pf["issued"]:
             out.append(
@@ -168,9 +185,21 @@ class GenerationSummary:
                 f"{format_size(rc['received_bytes'])} received; "
                 f"fetched here instead: {fell or 'none'}"
             )
+        if self.core_read_bytes:
+            out.append(
+                f"core streamed from the SSD: {format_size(self.core_read_bytes)} read, "
+                f"{format_size(self.core_read_bytes_per_token)} a token"
+            )
         if self.speculation is not None:
             out.append(self.speculation.line())
         return out
+
+
+def _context_source(sm: StreamedModel) -> str:
+    """Where the context limit comes from, when it is `--max-context` rather than the model's own."""
+    if sm.context_limit is not None and (sm.model_context is None or sm.context_limit < sm.model_context):
+        return " (--max-context; its memory is what the plan counted)"
+    return ""
 
 
 class _TokenBook:
@@ -252,7 +281,7 @@ class Generator:
         self.history: list[int] = []  # exactly the tokens the cache has seen
 
     def _forward(self, tokens: list[int]) -> mx.array:
-        logits = self.sm.model(mx.array(tokens)[None], cache=self.cache)
+        logits = self.sm.forward(mx.array(tokens)[None], self.cache)
         self.history.extend(tokens)
         return logits
 
@@ -276,6 +305,7 @@ class Generator:
         for _ in range(book.settings.max_tokens):
             y = sampler(logprobs)
             mx.eval(y, logprobs)
+            self.sm.settle()  # the pass's uses are counted before its token is handed out
             token = book.emit(int(y.item()), logprobs.squeeze(0))
             if token is None:
                 summary.stop_reason = "eos"
@@ -337,6 +367,7 @@ class Generator:
                     y = sampler(rows[:1])  # exactly the plain path's step
                     mx.eval(y)
                     j, nxt = 0, int(y.item())
+                self.sm.settle()  # the pass's uses are counted before its tokens are handed out
                 out, settled, stop = [], False, None
                 for i, tok in enumerate([*draft.tokens[:j], nxt]):
                     token = book.emit(tok, rows[i])
@@ -410,7 +441,7 @@ class Generator:
         if limit is not None and len(self.history) + len(tokens) >= limit:
             raise ContextLengthError(
                 f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
-                f"context is {limit}: it leaves no room for an answer; shorten it"
+                f"context is {limit}{_context_source(self.sm)}: it leaves no room for an answer; shorten it"
             )
         summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
@@ -419,7 +450,9 @@ class Generator:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
         detok = self.sm.tokenizer.detokenizer
         detok.reset()
+        self.sm.settle()  # what an earlier pass used is not this generation's
         before = self.sm.store.stats.snapshot()
+        core_before = self.sm.core_read_bytes()
         t0 = time.perf_counter()
         if self.observer is not None:
             self.observer.prompt(len(tokens))
@@ -440,6 +473,8 @@ class Generator:
             detok.finalize()
             summary.trailing_text = detok.last_segment
         finally:
+            self.sm.settle()  # the last pass's resident layers: evaluated by now, counted now
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
+            summary.core_read_bytes = self.sm.core_read_bytes() - core_before
             observe_request(self.observer, summary.seconds)

@@ -14,8 +14,9 @@ follows the same rule a Mac needs.
 Fairness between this node's generation and peers' calls, two queues:
 - between tasks, when both queues wait, the thread alternates (round robin): a local task (one
   generated token) then one peer call, then a local task...;
-- inside a token's forward pass, each MoE layer gives one waiting peer call its turn
-  (`between_layers`), so a peer waits for about one layer's work, never a whole generation;
+- inside a token's forward pass, each MoE layer that syncs gives one waiting peer call its turn
+  after its sync (`between_layers`), so a peer waits for about one layer's work, never a whole
+  generation (a pass whose layers all run resident, without a sync, lets it in after the token);
 - while a token waits for experts to arrive or for peers to answer (`wait`), every waiting peer
   call runs: the thread is idle anyway, and two nodes waiting on each other's calls never lock.
 A local token therefore waits for at most one peer call per MoE layer plus one, however many

@@ -1,10 +1,12 @@
 """A pulled model ready to generate: mlx-lm's model with the core in memory and every expert
 block streaming from the store (engine/blocks.py). expertmesh/assembly.py loads it on the MLX thread
 (node/engine/model_thread.py), builds the store around its codec, then binds the blocks to that
-store. Its memory — the RAM tier, MLX's buffer cache, wiring — is planned in engine/memory.py."""
+store. Its memory — the core held whole or streamed (engine/streamed_core.py), the context, the RAM
+tier, MLX's buffer cache, wiring — is planned in engine/memory.py."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,11 +14,13 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from expertmesh.node.engine.blocks import StreamingExperts
+from expertmesh.node.engine.blocks import ExpertPass, StreamingExperts
 from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.codec import ExpertCodec
 from expertmesh.node.model.expert_index import ExpertIndex
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,17 +35,33 @@ class StreamedModel:
     codec: ExpertCodec  # how the blocks' expert bytes become MLX arrays
     blocks: list[StreamingExperts]
     core_bytes: int
-    core_bits: int = 16  # 8: stored and run as MLX 8-bit weights (`pull --core-bits 8`)
+    core_bits: int = 16  # 8, 4...: stored and run as MLX quantised weights (`pull --core-bits`)
+    core_quant: str | None = None  # mlx-lm's mixed recipe of a quantised core (`pull --core-quant`)
+    core_stream: object | None = None  # engine/streamed_core.py's StreamedCore when the core is streamed
+    context_limit: int | None = None  # `--max-context`: the tokens a conversation may hold here
     store: object | None = None  # store.store.ExpertStore, once bound
     disk: object | None = None  # store.tiers.disk.DiskCache, once bound
     # per-token observer (observability/metrics.py): prompt(n), first_token(s), token(s), speculative(k, j)
     token_observer: object | None = None
     _close: Callable[[], None] | None = field(default=None, repr=False)
+    _pass: ExpertPass | None = field(default=None, repr=False)  # the last forward pass, until settled
+
+    @property
+    def model_context(self) -> int | None:
+        """The context the model was trained for (its config's `max_position_embeddings`)."""
+        cfg = self.config.get("text_config", self.config)
+        return cfg.get("max_position_embeddings") or self.config.get("max_position_embeddings")
 
     @property
     def max_context(self) -> int | None:
-        cfg = self.config.get("text_config", self.config)
-        return cfg.get("max_position_embeddings") or self.config.get("max_position_embeddings")
+        """The tokens a conversation may hold: `--max-context` (what the memory plan counted), at
+        most the model's own context."""
+        limits = [n for n in (self.context_limit, self.model_context) if n]
+        return min(limits) if limits else None
+
+    def core_read_bytes(self) -> int:
+        """Core bytes read from the SSD so far (0 unless the core is streamed)."""
+        return self.core_stream.stats.read_bytes if self.core_stream is not None else 0
 
     def bind(self, store, disk, close: Callable[[], None]) -> StreamedModel:
         """Route every expert block to `store`; `close` closes what the model belongs to (its node)."""
@@ -50,14 +70,48 @@ class StreamedModel:
             block.bind(store)
         return self
 
+    def forward(self, inputs: mx.array, cache, ledgers: list | None = None) -> mx.array:
+        """mlx-lm's forward pass of `inputs` (lazy logits), its expert uses counted: in the store,
+        and with `ledgers` (a batch's: one StoreStats per row of `inputs`) per row too. Layers
+        whose experts are all resident run without a sync; their uses are counted when the pass
+        is settled: by `settle`, which a caller calls once the logits are evaluated and before it
+        hands out a token (so a token's uses are counted with it), or else by the next `forward`.
+        MLX thread only."""
+        self.settle()
+        expert_pass = self._pass = ExpertPass(ledgers)
+        for block in self.blocks:
+            block._set("expert_pass", expert_pass)
+        return self.model(inputs, cache=cache)
+
+    def settle(self) -> None:
+        """Count the expert uses of the last forward pass not counted yet; call it once its output
+        is evaluated (before reading the store's counters), else reading them syncs."""
+        expert_pass, self._pass = self._pass, None
+        if expert_pass is None:
+            return
+        for block in self.blocks:
+            block._set("expert_pass", None)
+        try:
+            expert_pass.settle()
+        except RuntimeError:  # MLX could not evaluate the pass (it failed): its uses go uncounted
+            logger.debug("the last pass's resident expert uses were not counted", exc_info=True)
+
+    def all_resident(self) -> bool:
+        """Whether every expert of every MoE layer is in a RAM-tier slot (a pass then syncs once)."""
+        return self.store is not None and all(self.store.ram.resident(b.layer) for b in self.blocks)
+
     def close(self) -> None:
         if self._close is not None:
             self._close()
 
 
-def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> StreamedModel:
+def load_streamed_model(
+    repo_id: str, path: Path, index: ExpertIndex, core_budget_bytes: int | None = None, context_limit: int | None = None
+) -> StreamedModel:
     """Load a pulled model's core and tokenizer; its blocks stream once bound to a store. Call it
-    on the MLX thread: loading evaluates the core there, where it will run.
+    on the MLX thread: loading evaluates the core there, where it will run. With
+    `core_budget_bytes` the core is streamed from its files within that budget
+    (engine/streamed_core.py) instead of loaded whole.
 
     Raises:
         UnsupportedModelError: mlx-lm lacks the architecture, it has no streamable experts, or
@@ -69,7 +123,8 @@ def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> Streame
 
     try:
         marker = local_models.read_marker(path)
-        model, config, blocks = load_core_model(path, core_standins(index, marker.get("core_bits", 16)))
+        standins = core_standins(index, marker.get("core_bits", 16))
+        model, config, blocks = load_core_model(path, standins, lazy=core_budget_bytes is not None)
     except (OSError, ValueError, RuntimeError) as e:  # a cut or garbled core, config or marker
         if isinstance(e, RuntimeError) and "safetensors" not in str(e):
             raise  # MLX's own failures (memory, a kernel) are not a damaged file
@@ -81,9 +136,17 @@ def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> Streame
     if not mx.metal.is_available() and _has_dense_experts(index):
         dense_dtype = mx.float32  # MLX's CPU gather_mm computes in float32 only
         model.set_dtype(mx.float32)
-        # computed here: a lazy cast belongs to this thread's stream, and MLX refuses to evaluate
-        # it on another (the gRPC worker that generates: "There is no Stream(cpu, 0) in current thread")
-        mx.eval(model.parameters())
+        if core_budget_bytes is None:
+            # computed here: a lazy cast belongs to this thread's stream, and MLX refuses to evaluate
+            # it on another (the gRPC worker that generates: "There is no Stream(cpu, 0) in current thread")
+            mx.eval(model.parameters())
+    core_stream = None
+    if core_budget_bytes is not None:
+        from expertmesh.node.engine.core_quantization import format_name
+        from expertmesh.node.engine.streamed_core import stream_core
+
+        label = format_name(marker.get("core_bits", 16), marker.get("core_quant"))
+        core_stream = stream_core(model, path, standins, core_budget_bytes, label)
     codec = ExpertCodec(
         config.get("quantization"),
         {b.layer: b.path for b in blocks},
@@ -114,6 +177,9 @@ def load_streamed_model(repo_id: str, path: Path, index: ExpertIndex) -> Streame
         blocks,
         marker.get("core_bytes", index.core_bytes),
         marker.get("core_bits", 16),
+        marker.get("core_quant"),
+        core_stream,
+        context_limit,
     )
 
 

@@ -433,17 +433,20 @@ class Discovery:
                 return
             self._leaving.add(name)
         threading.Thread(
-            target=self._confirm_leaving, args=(name, node_id, peer.address), name="zeroconf-goodbye", daemon=True
+            target=self._confirm_leaving,
+            args=(name, node_id, peer.address, self._secret),
+            name="zeroconf-goodbye",
+            daemon=True,
         ).start()
 
-    def _confirm_leaving(self, name: str, node_id: str, address: str) -> None:
+    def _confirm_leaving(self, name: str, node_id: str, address: str, secret: str) -> None:
         """Remove the peer as soon as it stops proving itself or serving; keep it if it never does
         within GOODBYE_CHECKS_S (a forged goodbye)."""
         try:
             for pause_s in GOODBYE_CHECKS_S:
                 if self._stopping.wait(pause_s):
                     return
-                if not self._still_here(address, node_id):
+                if not self._still_here(address, node_id, secret):
                     with self._lock:
                         self._forget(name, node_id, address)
                     return
@@ -470,12 +473,12 @@ class Discovery:
         except Exception as e:  # noqa: BLE001 - zeroconf closing meanwhile: nothing to ask for
             logger.debug("asking for advertisements failed: %s", e)
 
-    def _still_here(self, address: str, node_id: str) -> bool:
+    def _still_here(self, address: str, node_id: str, secret: str) -> bool:
         try:
-            peer = prove_peer(address, self._secret, self._tls_ca)
+            peer = prove_peer(address, secret, self._tls_ca)
             if peer.node_id != node_id:
                 return False
-            with NodeClient(address, self._secret, self._tls_ca) as client:
+            with NodeClient(address, secret, self._tls_ca) as client:
                 return client.serving()  # NOT_SERVING: a node in its graceful shutdown
         except (ProofError, grpc.RpcError):
             return False

@@ -1,15 +1,18 @@
 """The serving side of remote expert execution: run held experts on rows another node sent.
 
-A peer that holds an expert computes it with the same block (`StreamingExperts.compute`, the
-same kernels and precision the requester would use) on the rows that arrived, so a remotely
+A peer that holds an expert computes it with the same block (`StreamingExperts.compute_rows`,
+the same kernels and precision the requester would use) on the rows that arrived, so a remotely
 computed expert gives the requester what its own computation would have given. Only experts
 this node holds in RAM or on disk run unless the caller asks as the owner (`fetch_on_miss`); the
 rest are reported missing so the caller fetches them itself, never silently dropped.
 
-A call is served in two halves: on the gRPC thread that received it, the request is checked and
-the experts' bytes are got from the store (which may wait on a disk or the Hub, and involves no
-MLX); then the rows, the compute and the encoded outputs are handed to the MLX thread as a peer's
-call (node/engine/model_thread.py), which takes its turn beside this node's own generation.
+A call is served in two halves per group of experts: on the gRPC thread that received it, the
+request is checked and the experts are got from the store's one entry point (`layer_groups`,
+in groups within its hold limit: it may wait on a disk or the Hub, and involves no MLX); then
+each group's placing in RAM-tier slots, the compute and the encoded outputs are handed to the
+MLX thread as a peer's call (node/engine/model_thread.py), which takes its turn beside this
+node's own generation. An expert the RAM tier let go of before its group was placed is reported
+missing, like one this node does not hold.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import mlx.core as mx
 from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_model import StreamedModel
-from expertmesh.node.model.codec import ExpertWeights
 from expertmesh.node.rpc import activations
+from expertmesh.node.store.store import ExpertGroup
 from expertmesh.v1 import node_pb2
 
 MAX_ROWS_PER_CALL = 1 << 16  # prefill of thousands of tokens times k experts fits; more is a bad caller
@@ -105,35 +108,40 @@ class ExpertComputer:
                 ]
             missing = [x.expert for x in request.experts if x.expert not in here]
             outputs: list[node_pb2.ExpertRows] = []
-            if here:
-                # bytes and buffers only: no MLX thread needed; a peer's call, not this node's pass
-                weights = store.get_layer(layer, here, record=False, own_pass=False)
-                rows = {x.expert: x.rows for x in request.experts if x.expert in weights}
+            waited = 0.0
+            rows = {x.expert: x.rows for x in request.experts}
+            # bytes and buffers only on this thread; not this node's own pass of the layer
+            for group in store.layer_groups(layer, here, routed=[]) if here else ():
                 asked = time.perf_counter()
-                started: list[float] = []
-
-                def run() -> list[node_pb2.ExpertRows]:
-                    started.append(time.perf_counter())
-                    return _run(block, weights, rows)
-
-                outputs = model_thread().call_for_peer(run)
-                waited = started[0] - asked
-            return ComputeResult(outputs, missing, time.perf_counter() - t0, queued, waited if here else 0.0)
+                started, done, lost = model_thread().call_for_peer(_run, block, group, rows)
+                waited += started - asked
+                outputs += done
+                missing += lost
+            return ComputeResult(outputs, missing, time.perf_counter() - t0, queued, waited)
         finally:
             with self._lock:
                 self._running -= 1
 
 
 def _run(
-    block: StreamingExperts, weights: dict[int, ExpertWeights], rows: dict[int, node_pb2.Tensor]
-) -> list[node_pb2.ExpertRows]:
-    """On the MLX thread: the rows into MLX, through the experts, and back into messages.
+    block: StreamingExperts, group: ExpertGroup, rows: dict[int, node_pb2.Tensor]
+) -> tuple[float, list[node_pb2.ExpertRows], list[int]]:
+    """On the MLX thread: the group in slots, the rows into MLX, through the experts, and back
+    into messages; with when it started and the experts that found no slot.
 
     Outputs go back in the dtype the rows came in, which is what the requester checks
     (household/remote_experts.py): an expert held in another precision than the caller's
     activations (a node that runs BF16 experts in float32 on a CPU, asked by a BF16 one)
     would otherwise answer in its own dtype and every answer would be refused as malformed."""
-    x = {e: activations.decode(t, block.input_width) for e, t in rows.items()}
-    out = {e: y.astype(x[e].dtype) for e, y in block.compute(weights, x).items()}
-    mx.eval(list(out.values()))
-    return [node_pb2.ExpertRows(expert=e, rows=activations.encode(out[e])) for e in rows]
+    started = time.perf_counter()
+    with group.placed() as slots:
+        if not slots:
+            return started, [], group.missing
+        x = {e: activations.decode(rows[e], block.input_width) for e in rows if e in slots}  # the request's order
+        out = {e: y.astype(x[e].dtype) for e, y in block.compute_rows(slots, x).items()}
+        mx.eval(list(out.values()))  # while the slots are pinned
+    return (
+        started,
+        [node_pb2.ExpertRows(expert=e, rows=activations.encode(out[e])) for e in rows if e in out],
+        group.missing,
+    )

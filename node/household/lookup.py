@@ -19,21 +19,25 @@ from expertmesh.node.rpc.auth import refused
 from expertmesh.node.rpc.client import ask_info
 
 
-def browse(table: PeerTable, cluster: str, interface: str | None, seconds: float) -> None:
-    """Add to `table` the nodes of `cluster` that advertise within `seconds`.
+def browse(table: PeerTable, cluster: str, interface: str | None, seconds: float, enough: int | None = None) -> None:
+    """Add to `table` the nodes of `cluster` that advertise within `seconds`; with `enough`, stop
+    as soon as the table holds that many.
 
     Raises:
         OSError: zeroconf cannot browse on this machine (no multicast, the interface is gone).
     """
+    done = threading.Event()
 
     def seen(name: str, sighting: Sighting | None) -> None:
         if sighting is not None and sighting.ad.cluster == cluster:
             ad = sighting.ad
             table.add(Peer(ad.node_id, sighting.address, float(ad.disk_budget_bytes), ad.role, compute=ad.compute))
+            if enough is not None and len(table.all()) >= enough:
+                done.set()
 
     browser = Browser(seen, [interface] if interface else None)
     try:
-        threading.Event().wait(seconds)
+        done.wait(seconds)
         browser.settle()
     finally:
         browser.close()

@@ -120,7 +120,9 @@ class PeerTable:
     def ranked(self, key: str) -> list[Peer | None]:
         """Live peers by rendezvous score for `key`, best first; None stands for this node."""
         with self._lock:
-            entries = [(rendezvous_score(key, p.node_id, p.weight), p) for p in self.peers.values() if p.live]
+            entries: list[tuple[float, Peer | None]] = [
+                (rendezvous_score(key, p.node_id, p.weight), p) for p in self.peers.values() if p.live
+            ]
         entries.append((rendezvous_score(key, self.self_id, self.self_weight), None))
         return [p for _, p in sorted(entries, key=lambda e: e[0], reverse=True)]
 

@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2
 
 from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable, expert_key
-from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex, ExpertLocation
 from expertmesh.node.rpc.call_watch import CallWatch
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
 from expertmesh.node.rpc.inventory import layer_sizes
@@ -178,7 +178,7 @@ class PeerSource:
 
     # -- the tier -----------------------------------------------------------------------------
 
-    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> bytearray | None:
+    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> ExpertBytes | None:
         """The expert from the household, or None: the caller goes to the Hub (this node owns it, or
         no peer could serve it in time)."""
         ranked = self.table.ranked(expert_key(self.index, loc.layer, loc.expert))

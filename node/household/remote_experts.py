@@ -16,8 +16,9 @@ per expert, and this node's own fetch latencies by source from the store's stati
 assigned greedily, each to whichever of "here" or a holding peer would finish it first given what
 is already assigned there (list scheduling); a pass then takes about as long as its slowest peer.
 
-The calls of a layer go out together, and the local experts are fetched and computed while they
-are in flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
+The calls of a layer go out together, and the local experts are fetched (through the store's one
+entry point, `layer_groups`, in groups within its hold limit) and computed while they are in
+flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
 dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
 computed here: the token is never lost. Everything is counted in the store's statistics (source
 `remote`, activation bytes, fallbacks by reason), so summaries and metrics show the decisions.
@@ -42,7 +43,7 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.household.peers_tier import PeerSource
 from expertmesh.node.rpc import activations
-from expertmesh.node.store.store import ExpertStore
+from expertmesh.node.store.store import ExpertStore, Served
 from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -260,24 +261,46 @@ class RemoteExperts:
 
     def run(
         self, block, experts: list[int], rows: dict[int, mx.array], guess: tuple[int, list[int]] | None
-    ) -> dict[int, mx.array]:
-        """Every expert's output rows for `block`'s layer, computed here or on peers."""
-        layer, store = block.layer, self.store
-        if store.trace is not None:
-            store.trace.record(layer, experts)
+    ) -> tuple[dict[int, mx.array], dict[int, Served]]:
+        """Every expert's output rows for `block`'s layer, computed here or on peers, and which
+        tier (or `remote`) served each."""
         if guess is not None:
             guess = (guess[0], [e for e in guess[1] if self.prefers_local(guess[0], e)])
         itemsize = next(iter(rows.values())).itemsize if rows else 4
-        placement = self.plan(layer, experts, {e: r.shape[0] * r.shape[1] * itemsize for e, r in rows.items()})
+        placement = self.plan(block.layer, experts, {e: r.shape[0] * r.shape[1] * itemsize for e, r in rows.items()})
         calls = self._send(block, placement, rows) if placement.remote else []
         local = [e for e in experts if e not in placement.remote]
-        out = block.compute(store.get_layer(layer, local, guess=guess, record=False), {e: rows[e] for e in local})
+        out: dict[int, mx.array] = {}
+        served: dict[int, Served] = {}
+        # the whole routing announces the pass (traced, judging the guesses made for it); evaluated
+        # before waiting for the peers, whose calls to us may then write slots meanwhile
+        self._compute_here(block, local, rows, out, served, guess, routed=experts)
         if calls:
-            mx.async_eval(list(out.values()))  # compute here while the peers compute there
-            failed = self._collect(block, calls, out)
+            failed = self._collect(block, calls, out, served)
             if failed:
-                out.update(block.compute(store.get_layer(layer, failed, record=False), {e: rows[e] for e in failed}))
-        return out
+                self._compute_here(block, failed, rows, out, served, None, routed=[])
+        return out, served
+
+    def _compute_here(
+        self,
+        block,
+        experts: list[int],
+        rows: dict[int, mx.array],
+        out: dict[int, mx.array],
+        served: dict[int, Served],
+        guess: tuple[int, list[int]] | None,
+        routed: list[int],
+    ) -> None:
+        """`experts` fetched and computed on this node, a group at a time within the hold limit."""
+        store = self.store
+        for group in store.layer_groups(block.layer, experts, guess=guess, routed=routed):
+            if not group.served:
+                continue  # nothing here: the call only announced the pass
+            with block.placed(store, group) as slots:
+                part = block.compute_rows(slots, {e: rows[e] for e in group.served})
+                mx.eval(list(part.values()))
+            out.update(part)
+            served.update(group.served)
 
     def _send(self, block, placement: Placement, rows: dict[int, mx.array]) -> list[_Call]:
         by_peer: dict[str, list[int]] = {}
@@ -312,8 +335,9 @@ class RemoteExperts:
                     batch, size = [], 0
         return calls
 
-    def _collect(self, block, calls: list[_Call], out: dict[int, mx.array]) -> list[int]:
-        """Put each call's outputs into `out`; returns the experts to fetch and compute here instead."""
+    def _collect(self, block, calls: list[_Call], out: dict[int, mx.array], served: dict[int, Served]) -> list[int]:
+        """Put each call's outputs into `out` (`served` says `remote`); returns the experts to
+        fetch and compute here instead."""
         failed: list[int] = []
         stats = self.store.stats
         model_thread().wait([call.future for call in calls])  # serving peers' calls meanwhile
@@ -359,6 +383,7 @@ class RemoteExperts:
                 self.peers.note_holding(call.peer, (block.layer, e), True)
                 # a use with no expert bytes: the LAN bytes are the activations, in record_remote above
                 stats.record("remote", 0, wall)
+                served[e] = Served("remote", 0, wall)
             for e in response.missing:
                 self.peers.note_holding(call.peer, (block.layer, e), False)
             failed.extend(response.missing)

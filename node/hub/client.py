@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import logging
+import os
 import random
 import re
 import threading
@@ -23,17 +24,25 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import httpx2
-from huggingface_hub import HfApi, hf_hub_download, hf_hub_url
+from huggingface_hub import HfApi, get_token, hf_hub_download, hf_hub_url
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import errors as hf_errors
-from huggingface_hub.utils import build_hf_headers, get_session
+from huggingface_hub.utils import build_hf_headers
 
 from expertmesh.node import constants
-from expertmesh.node.errors import Abandoned, AuthError, DownloadError, EndpointUnreachableError, ModelNotFoundError
+from expertmesh.node.errors import (
+    Abandoned,
+    AuthError,
+    DownloadError,
+    EndpointUnreachableError,
+    ModelNotFoundError,
+    RateLimitedError,
+)
 from expertmesh.node.fetching import DEMAND, Deadline, FetchContext
+from expertmesh.node.hub.rate_limit import GATE, bucket_of, hub_origins, limit_of, observed_session, origin
 from expertmesh.node.model import safetensors_format
 from expertmesh.node.model.safetensors_format import TensorEntry
 
@@ -44,6 +53,12 @@ _CONTENT_RANGE_RE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 # What a Hub commit id is: a git sha-1. It becomes a folder name, so nothing else is accepted.
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# How often one request is asked again after a rate limit's 429 (each time after its gate reopened):
+# more would mean the Hub keeps refusing past the window it announced.
+RATE_LIMIT_ROUNDS = 3
+# The Hub's X-Error-Message for a token it does not know (huggingface_hub's hf_raise_for_status
+# tells this 401 apart by it).
+INVALID_TOKEN_MESSAGE = "Invalid credentials in Authorization header"
 # A read that may give its link up does so only while at least this much is left: finishing a
 # nearly done transfer costs the link less than throwing its bytes away and asking again.
 ABANDON_MIN_LEFT_BYTES = 1024 * 1024
@@ -76,16 +91,24 @@ _read_bodies_in_larger_pieces()
 class _Retryable(Exception):
     """A failure worth another attempt; `wait_s` is the server's Retry-After, if any; `final` is
     what to raise if no attempt is left (default: a DownloadError that says how often it failed);
-    `cut_short`: the fetch's deadline stopped it, so the attempt before says more about the cause."""
+    `cut_short`: the fetch's deadline stopped it, so the attempt before says more about the cause;
+    `rate_limited`: a 429 that closed its bucket's gate (rate_limit.py), which the next attempt
+    waits on: not a failure of the attempt, so not counted as one."""
 
     def __init__(
-        self, reason: str, wait_s: float | None = None, final: Exception | None = None, cut_short: bool = False
+        self,
+        reason: str,
+        wait_s: float | None = None,
+        final: Exception | None = None,
+        cut_short: bool = False,
+        rate_limited: bool = False,
     ):
         super().__init__(reason)
         self.reason = reason
         self.wait_s = wait_s
         self.final = final
         self.cut_short = cut_short
+        self.rate_limited = rate_limited
 
 
 @dataclass(frozen=True)
@@ -110,27 +133,83 @@ def _check_online() -> None:
         raise EndpointUnreachableError("HF_HUB_OFFLINE is set: expertmesh cannot reach the Hub")
 
 
+def _token_source() -> str:
+    """Where huggingface_hub takes the token from, for a message (never the token itself)."""
+    return "HF_TOKEN" if os.environ.get("HF_TOKEN") else "the stored login (`hf auth login`)"
+
+
+def access_error(status: int | None, headers, repo_id: str, where: str) -> Exception | None:
+    """One line a person can act on for a refusal the Hub explains by its `X-Error-Code` and
+    `X-Error-Message` (as huggingface_hub's `hf_raise_for_status` tells them apart, utils/_http.py):
+    a token the Hub does not know, a gated repo (logged out, or its licence not accepted), a repo
+    that is missing or private (the Hub does not say which), or a token without read access.
+    None: not a refusal of access."""
+    if status not in (401, 403, 404):
+        return None
+    code, message = headers.get("x-error-code"), headers.get("x-error-message")
+    page = f"{where}/{repo_id}"
+    if status == 401 and message == INVALID_TOKEN_MESSAGE:
+        return AuthError(
+            f"{where} does not accept the token from {_token_source()} (invalid or expired): set HF_TOKEN to "
+            "a token from https://huggingface.co/settings/tokens, or run `hf auth login` again"
+        )
+    if code == "GatedRepo":
+        if status == 401 or get_token() is None:
+            return AuthError(
+                f"{repo_id} is gated: log in (`hf auth login`, or set HF_TOKEN) and accept its licence at {page}"
+            )
+        return AuthError(
+            f"{repo_id} is gated and the account of the token from {_token_source()} has no access yet: "
+            f"accept its licence at {page}, then run again"
+        )
+    if code == "RepoNotFound" or (status == 401 and get_token() is None):
+        if get_token() is None:
+            return ModelNotFoundError(
+                f"{repo_id} was not found at {where}: check the name; if it is private, log in "
+                "(`hf auth login`, or set HF_TOKEN) with an account that can see it"
+            )
+        return ModelNotFoundError(
+            f"{repo_id} was not found at {where}, or the account of the token from {_token_source()} cannot "
+            "see it: check the name, and the token's access at https://huggingface.co/settings/tokens"
+        )
+    if status in (401, 403):
+        why = f": {_shown(message, 80)}" if message else ""
+        return AuthError(
+            f"{where} refused {repo_id} to the token from {_token_source()} (HTTP {status}{why}): give the token "
+            "read access at https://huggingface.co/settings/tokens, or log in again (`hf auth login`)"
+        )
+    return None
+
+
+def _response_of(e: BaseException) -> httpx2.Response | None:
+    """The HTTP answer behind an error of huggingface_hub (hf_hub_download wraps a failed HEAD
+    in another error, whose cause holds it)."""
+    seen = 0
+    while e is not None and seen < 5:
+        response = getattr(e, "response", None)
+        if isinstance(response, httpx2.Response):
+            return response
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
 def translate_hub_error(e: Exception, repo_id: str, revision: str | None = None) -> Exception:
     """Turn huggingface_hub and transport errors into one-line user errors (never with tokens)."""
     where = endpoint()
     if isinstance(e, hf_errors.RevisionNotFoundError):
         return ModelNotFoundError(f"{repo_id}: revision {revision!r} not found at {where}")
-    if isinstance(e, hf_errors.GatedRepoError):
-        return AuthError(f"{repo_id} is gated at {where}: request access and set HF_TOKEN")
-    if isinstance(e, hf_errors.RepositoryNotFoundError):
-        status = getattr(e.response, "status_code", None) if getattr(e, "response", None) is not None else None
-        if status == 401:
-            return AuthError(f"{where} rejected the token for {repo_id} (HTTP 401): check HF_TOKEN")
-        return ModelNotFoundError(f"{repo_id}: no such model repository at {where} (or your token cannot see it)")
     if isinstance(e, (hf_errors.EntryNotFoundError, hf_errors.RemoteEntryNotFoundError)):
         return ModelNotFoundError(f"{repo_id}: file not found in revision {revision!r} at {where}")
     if isinstance(e, hf_errors.OfflineModeIsEnabled):
         return EndpointUnreachableError("HF_HUB_OFFLINE is set: expertmesh cannot reach the Hub")
-    if isinstance(e, hf_errors.HfHubHTTPError):
-        status = e.response.status_code if e.response is not None else None
-        if status in (401, 403):
-            return AuthError(f"{where} rejected the token for {repo_id} (HTTP {status}): check HF_TOKEN")
-        return DownloadError(f"{where} answered HTTP {status} for {repo_id}")
+    response = _response_of(e)
+    if response is not None:
+        refused = access_error(response.status_code, response.headers, repo_id, where)
+        if refused is not None:
+            return refused
+        if response.status_code == 429:
+            return RateLimitedError(f"{where} kept answering HTTP 429 (too many requests) for {repo_id}")
+        return DownloadError(f"{where} answered HTTP {response.status_code} for {repo_id}")
     if isinstance(e, (httpx2.TransportError, OSError)):
         return EndpointUnreachableError(f"cannot reach {where}: {type(e).__name__}")
     return e
@@ -148,7 +227,9 @@ def retrying(
 ) -> T:
     """`attempt()`, called again after each `_Retryable` it raises: after the server's Retry-After,
     else an exponential backoff with full jitter (so many clients do not retry in lockstep).
-    With a `deadline`, no attempt starts once it passed, and no wait runs past it.
+    With a `deadline`, no attempt starts once it passed, and no wait runs past it. A rate-limited
+    attempt (`_Retryable.rate_limited`) is asked again at once, up to `RATE_LIMIT_ROUNDS` times, and
+    not counted as a failure: the next attempt waits on the rate limit's gate itself.
 
     Raises:
         the `_Retryable`'s `final` error (or a DownloadError) once `max_retries` retries failed,
@@ -156,7 +237,8 @@ def retrying(
     """
     _check_online()
     previous = ""  # the reason of the attempt before, for when the deadline cuts the last one short
-    for n in range(max_retries + 1):
+    n = rate_limited = 0
+    while True:
         if deadline is not None:
             if deadline.passed():  # a piece that waited its turn past its fetch's deadline
                 raise DownloadError(f"{what}: not asked, the {deadline.seconds:g} s to fetch it had passed")
@@ -164,7 +246,12 @@ def retrying(
         try:
             return attempt()
         except _Retryable as e:
-            if n == max_retries or (cancelled is not None and cancelled.is_set()):
+            if cancelled is not None and cancelled.is_set():
+                raise (e.final or DownloadError(f"{what}: cancelled")) from None
+            if e.rate_limited and rate_limited < RATE_LIMIT_ROUNDS:
+                rate_limited += 1
+                continue
+            if n == max_retries:
                 raise (e.final or DownloadError(f"{what} failed {n + 1} times, last: {e.reason}")) from None
             wait = e.wait_s if e.wait_s is not None else random.uniform(0, min(backoff_max_s, backoff_base_s * 2**n))
             if deadline is not None and wait >= deadline.left():
@@ -173,6 +260,7 @@ def retrying(
                     f"{what}: no complete answer within {deadline.seconds:g} s ({n + 1} attempts), last: {last}"
                 ) from None
             previous = e.reason
+            n += 1
             if on_retry is not None:
                 on_retry()
             logger.info("retrying %s in %.2fs: %s", what, wait, e.reason)
@@ -180,19 +268,25 @@ def retrying(
                 raise DownloadError(f"{what}: cancelled") from None
             if cancelled is None:
                 time.sleep(wait)
-    raise AssertionError("unreachable")
 
 
-def _api_call(fn: Callable[[], T], repo_id: str, revision: str | None) -> T:
-    """Call huggingface_hub, retrying rate limits, 5xx and dropped connections (`retrying`)."""
+def _api_call(fn: Callable[[], T], repo_id: str, revision: str | None, bucket: str = "api") -> T:
+    """Call huggingface_hub, retrying rate limits, 5xx and dropped connections (`retrying`); each
+    attempt first waits on the rate limit of `bucket` (the one its requests count in)."""
 
     def attempt() -> T:
+        observed_session()
+        GATE.wait(bucket)
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - translated, or retried when transient
-            response = getattr(e, "response", None)
-            status = getattr(response, "status_code", None)
+            response = _response_of(e)
+            status = response.status_code if response is not None else None
             final = translate_hub_error(e, repo_id, revision)
+            if response is not None and limit_of(response, bucket) is not None:
+                raise _Retryable(
+                    f"HTTP 429 (the Hub's {bucket!r} rate limit)", final=final, rate_limited=True
+                ) from None
             if status in _RETRY_STATUS or isinstance(e, httpx2.TransportError):
                 wait = _retry_after(response.headers.get("retry-after")) if response is not None else None
                 raise _Retryable(f"HTTP {status}" if status else type(e).__name__, wait, final) from None
@@ -227,9 +321,11 @@ def _shown(value: object, limit: int = 60) -> str:
 
 
 def list_files(repo_id: str, commit: str) -> list[str]:
-    """The file names of a pinned revision."""
-    info = _api_call(lambda: HfApi(endpoint=endpoint()).model_info(repo_id, revision=commit), repo_id, commit)
-    return [s.rfilename for s in info.siblings or []]
+    """Every file name of a pinned revision, from its whole tree: huggingface_hub's
+    `list_repo_files` lists it recursively and follows the Hub's pages (`Link: <...>; rel="next"`,
+    at most 1000 entries a page: hf_api.py, `_iter_repo_tree_pages`). `model_info`'s `siblings`
+    are not used: the Hub may cut them short for a large repo."""
+    return _api_call(lambda: HfApi(endpoint=endpoint()).list_repo_files(repo_id, revision=commit), repo_id, commit)
 
 
 def download_file(remote: RemoteFile, local_dir: Path) -> Path:
@@ -240,6 +336,7 @@ def download_file(remote: RemoteFile, local_dir: Path) -> Path:
         ),
         remote.repo_id,
         remote.commit,
+        bucket="resolvers",
     )
     return Path(path)
 
@@ -247,11 +344,14 @@ def download_file(remote: RemoteFile, local_dir: Path) -> Path:
 class RangeReader:
     """Strict, retried byte-range reads of pinned files over huggingface_hub's session.
 
-    The Hub answers a resolve URL with a redirect to a signed CDN URL; we remember each
-    file's location until it expires or the CDN refuses it, so a shard costs one redirect,
-    not one per range. Concurrent first reads of a shard wait for the first one's redirect
-    instead of each asking (a cold layer starts a dozen at once, and each redirect is a round
-    trip and a call against the Hub's rate limit).
+    The Hub answers a resolve URL of a large file with a redirect to a signed URL on a CDN's
+    origin; we remember each file's location until it expires or the CDN refuses it, so a shard
+    costs one redirect, not one per range, and the CDN never receives the token. Concurrent first
+    reads of a shard wait for the first one's redirect instead of each asking (a cold layer starts
+    a dozen at once, and each redirect is a round trip and a request against the Hub's rate
+    limit). A redirect that stays on the Hub (a small file's relative 307 to its resolve cache)
+    is followed with the token and not remembered, as huggingface_hub does. Every request the
+    Hub counts first waits while its bucket's rate limit is used up (rate_limit.py).
     """
 
     def __init__(
@@ -276,6 +376,7 @@ class RangeReader:
         self.min_bytes_per_s = min_bytes_per_s
         self.speed_window_s = speed_window_s
         self.fetch_deadline_s = fetch_deadline_s
+        self._hub_origins = hub_origins(self.endpoint)
         self._locations: dict[RemoteFile, tuple[str, float]] = {}
         self._resolving: dict[RemoteFile, threading.Event] = {}  # set once the first reader's redirect is known
         self._lock = threading.Lock()
@@ -396,8 +497,8 @@ class RangeReader:
         if first is not None:
             first.set()
 
-    def _remember_redirect(self, remote: RemoteFile, base_url: str, location: str) -> str:
-        url = urllib.parse.urljoin(base_url, location)
+    def _remember_redirect(self, remote: RemoteFile, url: str) -> str:
+        """Remember `url`, a signed CDN location of `remote`, until a little before it expires."""
         query = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)
         try:
             expires = float(query.get("expires", query.get("Expires", [""]))[0]) - 30
@@ -429,8 +530,9 @@ class RangeReader:
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[httpx2.Client]:
-        """The HTTP client for one read: huggingface_hub's pooled keep-alive session."""
-        yield get_session()
+        """The HTTP client for one read: huggingface_hub's pooled keep-alive session (observed for
+        rate limits, rate_limit.py)."""
+        yield observed_session()
 
     def _read_redirected(
         self,
@@ -445,6 +547,8 @@ class RangeReader:
         ctx: FetchContext,
     ) -> tuple[bytearray | memoryview, int | None]:
         for _ in range(5):  # redirects
+            # a request the Hub counts waits while its bucket's rate limit is used up (rate_limit.py)
+            GATE.wait(bucket_of(url, self.endpoint), ctx.deadline, self._cancelled)
             # connecting and sending within the per-request timeout; each read within the speed
             # window too (silence that long is below any floor); none past the fetch's deadline
             timeout = httpx2.Timeout(ctx.time_left(self.timeout_s), read=ctx.time_left(self.read_timeout_s))
@@ -452,8 +556,13 @@ class RangeReader:
             try:
                 with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=timeout) as r:
                     if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
-                        url = self._remember_redirect(remote, url, r.headers["location"])
-                        is_cdn = True
+                        url = urllib.parse.urljoin(url, r.headers["location"])
+                        if self._is_hub(url):
+                            # the Hub itself (a small file's relative 307 to its resolve cache): the
+                            # token goes along, as huggingface_hub sends it, and nothing is remembered
+                            continue
+                        url = self._remember_redirect(remote, url)
+                        is_cdn = True  # a signed CDN URL: the signature is its credential, never the token
                         headers.pop("authorization", None)
                         headers.pop("Authorization", None)
                         continue
@@ -463,6 +572,12 @@ class RangeReader:
                     f"{type(e).__name__}", cut_short=ctx.deadline is not None and ctx.deadline.passed()
                 ) from None
         raise _Retryable("too many redirects")
+
+    def _is_hub(self, url: str) -> bool:
+        """Whether `url` is the Hub itself: the origin (scheme, host, port) of the endpoint, or one
+        of the Hub's public hosts, as huggingface_hub's `_is_same_or_hub_host` decides where the
+        token may go (utils/_http.py)."""
+        return origin(url) in self._hub_origins
 
     def _check_body(
         self,
@@ -475,61 +590,37 @@ class RangeReader:
         asked_at: float,
         ctx: FetchContext,
     ) -> tuple[bytearray | memoryview, int | None]:
-        """The body of a strict 206 into `out`; raises `_Retryable` for anything else worth another
-        try: a wrong or short answer, or one that arrives too slowly (`_too_slow`)."""
-        status = r.status_code
-        if status == 206:
-            m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))
-            if not m:
-                raise _Retryable("206 without a valid Content-Range")
-            got_start, got_end, total = int(m.group(1)), int(m.group(2)) + 1, m.group(3)
-            expected_end = end if total == "*" else min(end, int(total))
-            if got_start != start or got_end != expected_end:
-                raise _Retryable(f"asked for bytes {start}-{end - 1}, got {got_start}-{got_end - 1}")
+        """The body of a strict 206 into `out`, and the file's size; raises `_Retryable` for
+        anything else worth another try: a wrong or short answer, or one that arrives too slowly.
+
+        A 200 to a range from byte 0 is the whole file, which a CDN may send for a small one: it
+        is taken when the file is no longer than the range (then it is exactly the bytes asked),
+        and refused unread when its `Content-Length` says more."""
+        if r.status_code == 200 and start == 0:
             length = r.headers.get("content-length")
-            if length is not None and int(length) != got_end - got_start:
-                raise _Retryable("Content-Length disagrees with Content-Range")
-            want = got_end - got_start
-            # Without `out`, the buffer grows with the bytes that arrive: a Content-Range is only a
-            # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
-            grown = bytearray() if out is None else None
-            body, n = (None if out is None else out[:want]), 0
-            deadline = ctx.deadline
-            window_start, window_n = asked_at, 0  # the first window counts the wait for the first byte, as curl's
-            for chunk in r.iter_bytes():
-                if self._cancelled.is_set():
-                    raise DownloadError(f"{remote}: cancelled")
-                if want - n >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
-                    raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
-                if n + len(chunk) > want:
-                    raise _Retryable("more bytes than the range")
-                if grown is not None:
-                    grown += chunk
-                else:
-                    body[n : n + len(chunk)] = chunk
-                n += len(chunk)
-                if n == want:
-                    continue  # complete: the stream ends next, and its connection goes back to the pool
-                if deadline is not None and deadline.passed():
-                    raise _Retryable(f"{n} of {want} bytes had come when the time was up", cut_short=True)
-                now = time.monotonic()
-                if now - window_start >= self.speed_window_s:
-                    self._too_slow(n - window_n, now - window_start)
-                    window_start, window_n = now, n
-            if n != want:
-                raise _Retryable(f"connection ended after {n} of {want} bytes")
-            size = None if total == "*" else int(total)
-            if grown is not None:
-                return grown, size
-            return (body.obj if len(body.obj) == want else body), size
+            if length is None or (length.isascii() and length.isdigit() and int(length) <= end):
+                want = end if length is None else int(length)
+                body = self._stream_body(r, remote, start, end, want, out, asked_at, ctx, whole=length is None)
+                return body, len(body)
+        if r.status_code != 206:
+            self._refuse(r, remote, start, end, is_cdn)
+        want, size = _checked_range(r, start, end)
+        return self._stream_body(r, remote, start, end, want, out, asked_at, ctx), size
+
+    def _refuse(self, r: httpx2.Response, remote: RemoteFile, start: int, end: int, is_cdn: bool) -> NoReturn:
+        """What an answer other than a 206 means: another try (`_Retryable`), or an error to raise."""
+        status = r.status_code
         if status == 200:
             # The server ignored Range: never read (let alone store) a whole shard.
             raise _Retryable("the server ignored the Range header (200 instead of 206)")
         if status in (401, 403) and is_cdn:
             self._forget_redirect(remote)  # an expired or refused signed URL: resolve again
             raise _Retryable(f"CDN refused the signed URL (HTTP {status})", wait_s=0)
-        if status in (401, 403):
-            raise AuthError(f"{self.endpoint} rejected the token for {remote.repo_id} (HTTP {status}): check HF_TOKEN")
+        if status == 429 and limit_of(r, bucket_of(str(r.request.url), self.endpoint)) is not None:
+            raise _Retryable("HTTP 429 (a rate limit)", rate_limited=True)
+        refused = access_error(status, r.headers, remote.repo_id, self.endpoint)
+        if refused is not None:
+            raise refused
         if status == 404:
             if is_cdn:
                 self._forget_redirect(remote)
@@ -540,6 +631,90 @@ class RangeReader:
         if status in _RETRY_STATUS:
             raise _Retryable(f"HTTP {status}", wait_s=_retry_after(r.headers.get("retry-after")))
         raise DownloadError(f"{remote}: unexpected HTTP {status}")
+
+    def _stream_body(
+        self,
+        r: httpx2.Response,
+        remote: RemoteFile,
+        start: int,
+        end: int,
+        want: int,
+        out: memoryview | None,
+        asked_at: float,
+        ctx: FetchContext,
+        whole: bool = False,
+    ) -> bytearray | memoryview:
+        """Exactly `want` bytes of `r`'s body, into `out` (or a buffer that grows as they come);
+        `whole`: the body is a whole file of unknown length, at most `want` bytes.
+
+        Between chunks: a cancelled reader stops, a read that may give its link up does so
+        (`Abandoned`), the fetch's deadline ends the attempt, and a window below the speed floor
+        gives the connection up (`_too_slow`)."""
+        # Without `out`, the buffer grows with the bytes that arrive: a Content-Range is only a
+        # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
+        grown = bytearray() if out is None else None
+        body, n = (None if out is None else out[:want]), 0
+        # the first window counts the wait for the first byte, as curl's
+        speed = _SpeedWindow(asked_at, self.speed_window_s, self._too_slow)
+        for chunk in r.iter_bytes():
+            if self._cancelled.is_set():
+                raise DownloadError(f"{remote}: cancelled")
+            if want - n >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
+                raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
+            if n + len(chunk) > want:
+                raise _Retryable(
+                    "the server ignored the Range header (200, longer than the range)"
+                    if whole
+                    else "more bytes than the range"
+                )
+            if grown is not None:
+                grown += chunk
+            else:
+                body[n : n + len(chunk)] = chunk
+            n += len(chunk)
+            if n == want:
+                continue  # complete: the stream ends next, and its connection goes back to the pool
+            if ctx.deadline is not None and ctx.deadline.passed():
+                raise _Retryable(f"{n} of {want} bytes had come when the time was up", cut_short=True)
+            speed.count(n)
+        if n != want and not whole:
+            raise _Retryable(f"connection ended after {n} of {want} bytes")
+        if grown is not None:
+            return grown
+        return body.obj if len(body.obj) == n else body[:n]
+
+
+class _SpeedWindow:
+    """One response's bytes counted per window of `window_s`; each window ended is judged by `judge`
+    (bytes, seconds), which raises to give the connection up."""
+
+    def __init__(self, started_at: float, window_s: float, judge: Callable[[int, float], None]):
+        self.started_at, self.window_s, self.judge = started_at, window_s, judge
+        self.bytes_before = 0
+
+    def count(self, n: int) -> None:
+        """`n` bytes have come in all."""
+        now = time.monotonic()
+        if now - self.started_at >= self.window_s:
+            self.judge(n - self.bytes_before, now - self.started_at)
+            self.started_at, self.bytes_before = now, n
+
+
+def _checked_range(r: httpx2.Response, start: int, end: int) -> tuple[int, int | None]:
+    """`(bytes the body must hold, the file's size or None)` of a 206 for `[start, end)`: its
+    `Content-Range` must be exactly the range asked (clipped at the end of the file), and its
+    `Content-Length`, if any, agree."""
+    m = _CONTENT_RANGE_RE.match(r.headers.get("content-range", ""))
+    if not m:
+        raise _Retryable("206 without a valid Content-Range")
+    got_start, got_end, total = int(m.group(1)), int(m.group(2)) + 1, m.group(3)
+    expected_end = end if total == "*" else min(end, int(total))
+    if got_start != start or got_end != expected_end:
+        raise _Retryable(f"asked for bytes {start}-{end - 1}, got {got_start}-{got_end - 1}")
+    length = r.headers.get("content-length")
+    if length is not None and int(length) != got_end - got_start:
+        raise _Retryable("Content-Length disagrees with Content-Range")
+    return got_end - got_start, None if total == "*" else int(total)
 
 
 def _retry_after(value: str | None, cap_s: float = 120.0) -> float | None:

@@ -145,6 +145,7 @@ class PulledModel:
     refs: list[str] = field(default_factory=list)  # revision names pinned to this commit
     core_bytes: int = 0  # the core as stored (after --core-bits), from the marker; 0 unless complete
     core_bits: int = 16
+    core_quant: str | None = None  # mlx-lm's mixed recipe of a quantised core
     expert_count: int | None = None  # None: not known yet (a partial pull has no index)
     expert_bytes: int | None = None
 
@@ -195,6 +196,7 @@ def _describe(path: Path, repo_id: str, refs: list[str]) -> PulledModel:
             model.repo_id = doc.get("repo_id", repo_id)
             model.core_bytes = int(doc.get("core_bytes", 0))
             model.core_bits = int(doc.get("core_bits", 16))
+            model.core_quant = doc.get("core_quant")
             model.expert_count, model.expert_bytes = doc.get("expert_count"), doc.get("expert_bytes")
         elif (path / INDEX_MARKER).is_file():
             from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex

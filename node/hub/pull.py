@@ -57,7 +57,8 @@ class PullResult:
     seconds: float
     retries: int
     already_complete: bool = False
-    core_bits: int = 16  # 8: the core was stored as MLX 8-bit weights (node/engine/core_quantization.py)
+    core_bits: int = 16  # 8, 4...: the core was stored as MLX quantised weights (node/engine/core_quantization.py)
+    core_quant: str | None = None  # mlx-lm's mixed recipe it was quantised with (core_bits: its low bits)
     # the bits of a quantised core this pull found damaged and pulled anew in BF16: its caller
     # quantises it again (node/engine/core_quantization.py, `pull_with_core_bits`)
     repaired_core_bits: int | None = None
@@ -96,6 +97,9 @@ def pull(
     quantising it is a step above this one (node/engine/core_quantization.py). `check_index` is
     shown the expert index before any core byte is fetched, and may refuse the model by raising.
 
+    A pull already complete is reported from its marker, unless its files are damaged: then what
+    is damaged is removed first (`_remove_damage`), and the pull runs again for what is missing.
+
     Raises:
         ModelNotFoundError, AuthError, EndpointUnreachableError: from the endpoint.
         UnsupportedModelError: an architecture mlx-lm lacks, or a model without routed experts.
@@ -108,46 +112,74 @@ def pull(
     reader = reader or RangeReader()
     commit = hub_client.resolve_commit(repo_id, revision)
     target = local_models.model_dir(home, repo_id, commit)
-    repaired_core_bits = None
-    if local_models.is_complete(target) and (damage := local_damage(target)) is not None:
-        # a disk error, a cut copy or restore: what `run` would die on. Pull it again: only what is
-        # missing or fails the checks is fetched (a damaged file is removed first). A quantised
-        # core is derived from the BF16 one, so it is pulled anew and its caller quantises it again.
-        logger.warning("%s @ %s: %s: pulling it again", repo_id, commit[:12], damage.reason)
-        repaired_core_bits = damage.core_bits
-        remake = list(target.glob("*.safetensors")) if damage.core_bits not in (None, 16) else []
-        for path in (*damage.files, *remake, target / local_models.COMPLETE_MARKER):
-            path.unlink(missing_ok=True)
+    repaired_core_bits = _remove_damage(target, repo_id, commit)
     if local_models.is_complete(target):
-        local_models.record_ref(home, repo_id, revision or "main", commit)
-        return _result_from_marker(target, time.monotonic() - t0)
+        result = _result_from_marker(target)
+    else:
+        target.mkdir(parents=True, exist_ok=True)
+        index, model_type = _pull_index(repo_id, commit, target, reader, concurrency, check_index)
+        if index_only:
+            result = _finish_index_only(index, model_type, target, reader)
+        else:
+            result = _pull_core(index, model_type, target, reader, concurrency, progress, repaired_core_bits)
+    local_models.record_ref(home, repo_id, revision or "main", commit)
+    result.seconds = time.monotonic() - t0
+    return result
 
-    target.mkdir(parents=True, exist_ok=True)
+
+def _remove_damage(target: Path, repo_id: str, commit: str) -> int | None:
+    """Remove what is damaged in a complete pull at `target` (a disk error, a cut copy or restore:
+    what `run` would die on), so that pulling again fetches only that; None if nothing is.
+
+    Returns the core bits the damaged pull's marker gave: a quantised core is derived from the
+    BF16 one, so it is pulled anew in BF16 and its caller quantises it again.
+    """
+    if not local_models.is_complete(target) or (damage := local_damage(target)) is None:
+        return None
+    logger.warning("%s @ %s: %s: pulling it again", repo_id, commit[:12], damage.reason)
+    remake = list(target.glob("*.safetensors")) if damage.core_bits not in (None, 16) else []
+    for path in (*damage.files, *remake, target / local_models.COMPLETE_MARKER):
+        path.unlink(missing_ok=True)
+    return damage.core_bits
+
+
+def _pull_index(
+    repo_id: str,
+    commit: str,
+    target: Path,
+    reader: RangeReader,
+    concurrency: int,
+    check_index: Callable[[ExpertIndex], None] | None,
+) -> tuple[ExpertIndex, str]:
+    """The small files into `target`, and the expert index from the shards' headers (not saved
+    yet), shown to `check_index`; with the model type mlx-lm builds."""
     files = hub_client.list_files(repo_id, commit)
     config = _fetch_small_files(repo_id, commit, files, target)
     model_type = check_supported(config, repo_id)
-
     index = _build_index(repo_id, commit, files, reader, concurrency, config)
     if check_index is not None:
         check_index(index)
-    if index_only:
-        index.save(target / INDEX_FILENAME)
-        result = PullResult(
-            repo_id=repo_id,
-            commit=commit,
-            path=target,
-            model_type=model_type,
-            core_bytes=0,
-            fetched_bytes=0,
-            expert_count=len(index.experts),
-            expert_bytes=index.expert_bytes,
-            moe_layers=len(index.moe_layers),
-            seconds=time.monotonic() - t0,
-            retries=reader.retries,
-        )
-        _write_atomic(target / local_models.INDEX_MARKER, json.dumps({"repo_id": repo_id, "commit": commit}))
-        local_models.record_ref(home, repo_id, revision or "main", commit)
-        return result
+    return index, model_type
+
+
+def _finish_index_only(index: ExpertIndex, model_type: str, target: Path, reader: RangeReader) -> PullResult:
+    """Save the index and mark the folder as pulled for a cache peer (no core)."""
+    index.save(target / INDEX_FILENAME)
+    _write_atomic(target / local_models.INDEX_MARKER, json.dumps({"repo_id": index.repo_id, "commit": index.commit}))
+    return _result(index, model_type, target, reader, core_bytes=0, fetched_bytes=0)
+
+
+def _pull_core(
+    index: ExpertIndex,
+    model_type: str,
+    target: Path,
+    reader: RangeReader,
+    concurrency: int,
+    progress: bool,
+    repaired_core_bits: int | None,
+) -> PullResult:
+    """Fetch the core's parts not already kept, assemble the core shards, save the index, and mark
+    the pull complete (last)."""
     parts = _plan_parts(index)
     parts_dir = target / _PARTS
     have = {p for p in parts if _part_is_valid(p, parts_dir)}
@@ -155,42 +187,54 @@ def pull(
     needed = sum(p.nbytes for p in missing) + index.core_bytes  # parts, then the assembled shards
     _check_disk(target, needed)
 
-    have_bytes = sum(p.nbytes for p in have)
     bar = tqdm(
         total=index.core_bytes,
-        initial=have_bytes,
+        initial=sum(p.nbytes for p in have),
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        desc=f"core of {repo_id}",
+        desc=f"core of {index.repo_id}",
         disable=not progress,
         dynamic_ncols=True,
     )
     try:
-        _fetch_parts(repo_id, commit, missing, parts_dir, reader, concurrency, bar)
+        _fetch_parts(index.repo_id, index.commit, missing, parts_dir, reader, concurrency, bar)
     finally:
         bar.close()
 
     _assemble_core(index, parts, parts_dir, target)
     index.save(target / INDEX_FILENAME)
     shutil.rmtree(parts_dir, ignore_errors=True)
-    result = PullResult(
-        repo_id=repo_id,
-        commit=commit,
+    fetched = sum(p.nbytes for p in missing)
+    result = _result(index, model_type, target, reader, index.core_bytes, fetched, repaired_core_bits)
+    write_marker(target, result)
+    return result
+
+
+def _result(
+    index: ExpertIndex,
+    model_type: str,
+    target: Path,
+    reader: RangeReader,
+    core_bytes: int,
+    fetched_bytes: int,
+    repaired_core_bits: int | None = None,
+) -> PullResult:
+    """What a pull that fetched did (its `seconds` are set by `pull`, once it is over)."""
+    return PullResult(
+        repo_id=index.repo_id,
+        commit=index.commit,
         path=target,
         model_type=model_type,
-        core_bytes=index.core_bytes,
-        fetched_bytes=sum(p.nbytes for p in missing),
+        core_bytes=core_bytes,
+        fetched_bytes=fetched_bytes,
         expert_count=len(index.experts),
         expert_bytes=index.expert_bytes,
         moe_layers=len(index.moe_layers),
-        seconds=time.monotonic() - t0,
+        seconds=0.0,
         retries=reader.retries,
         repaired_core_bits=repaired_core_bits,
     )
-    write_marker(target, result)
-    local_models.record_ref(home, repo_id, revision or "main", commit)
-    return result
 
 
 def _fetch_small_files(repo_id: str, commit: str, files: list[str], target: Path) -> dict:
@@ -575,7 +619,8 @@ def write_marker(target: Path, r: PullResult) -> None:
     _write_atomic(target / local_models.COMPLETE_MARKER, json.dumps(doc, indent=1))
 
 
-def _result_from_marker(target: Path, seconds: float) -> PullResult:
+def _result_from_marker(target: Path) -> PullResult:
+    """What the complete pull at `target` did, as its marker says; nothing was fetched now."""
     doc = local_models.read_marker(target)
-    doc.update(path=target, fetched_bytes=0, seconds=seconds, retries=0, already_complete=True)
+    doc.update(path=target, fetched_bytes=0, seconds=0.0, retries=0, already_complete=True)
     return PullResult(**doc)

@@ -93,9 +93,25 @@ class ProjectionWeights:
         return sum(a.nbytes for a in arrays if a is not None)
 
 
+ARRAY_KINDS = ("weight", "scales", "biases", "bias")  # a projection's arrays, as mlx-lm's SwitchLinear names them
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """How one expert of a layer lies in a RAM-tier slot: for each projection, the shape and dtype
+    of each of its arrays (`ARRAY_KINDS`, absent ones left out) and how `gather_qmm` reads them.
+    Layers whose experts share a layout can share stacked arrays (node/store/tiers/ram.py)."""
+
+    projections: tuple[tuple[str, tuple[tuple[str, tuple[int, ...], mx.Dtype], ...], QuantSpec | None], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(shape)) * dtype.size for _, arrays, _ in self.projections for _, shape, dtype in arrays)
+
+
 @dataclass
 class ExpertWeights:
-    """One routed expert, ready for the kernels: held in the RAM tier and passed by reference."""
+    """One routed expert as decoded, on its way into a RAM-tier slot (node/store/tiers/ram.py)."""
 
     layer: int
     expert: int
@@ -104,6 +120,20 @@ class ExpertWeights:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.projections.values())
+
+    def layout(self) -> SlotLayout:
+        return SlotLayout(
+            tuple(
+                (
+                    name,
+                    tuple(
+                        (kind, tuple(a.shape), a.dtype) for kind in ARRAY_KINDS if (a := getattr(p, kind)) is not None
+                    ),
+                    p.quant,
+                )
+                for name, p in self.projections.items()
+            )
+        )
 
 
 def tensor_offsets(loc: ExpertLocation) -> dict[str, tuple[int, int]]:
@@ -132,7 +162,8 @@ _Host = tuple[np.ndarray, mx.Dtype]
 _MX_DTYPES = {**SAFETENSORS_DTYPES, "F64": mx.float32}
 
 
-def _read(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> _Host:
+def read_host(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tuple[int, ...]) -> _Host:
+    """A tensor's bytes in `blob` as host values (BF16 widened to float32) and the MLX dtype they become."""
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is None:
         raise UnsupportedModelError(f"expert tensors of dtype {dtype} are not supported yet")
@@ -161,7 +192,7 @@ def _cast(t: _Host, dtype: mx.Dtype) -> _Host:
     return t[0].astype(np.float32), mx.float32
 
 
-def _to_mx(t: _Host | None) -> mx.array | None:
+def to_mx(t: _Host | None) -> mx.array | None:
     """The MLX array of `t`, made from its buffer: no graph, nothing to evaluate."""
     if t is None:
         return None
@@ -209,6 +240,29 @@ class ExpertCodec:
         self.block_paths = block_paths
         self.input_dims = input_dims
         self.dense_dtype = dense_dtype
+        self._layouts: dict[tuple, SlotLayout] = {}
+
+    def layout(self, loc: ExpertLocation) -> SlotLayout:
+        """The slot layout of `loc`'s layer, without its bytes: an expert of zeros decoded once per
+        distinct way of storing one (a model has one or a few), so the RAM tier can plan its slots
+        before any expert arrives.
+
+        Raises:
+            UnsupportedModelError: as `decode`.
+        """
+        path = self.block_paths.get(loc.layer, "")
+        key = (
+            tuple((*_projection_and_kind(t.name), t.dtype, tuple(t.shape)) for t in loc.tensors),
+            (loc.recipe.text, loc.recipe.inputs) if loc.recipe is not None else None,
+            tuple(self.input_dims.get(loc.layer, {}).items()),
+            tuple(
+                sorted((k[len(path) + 1 :], repr(v)) for k, v in self.quantization.items() if k.startswith(f"{path}."))
+            ),
+        )
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self.decode(loc, bytes(loc.nbytes)).layout()
+        return layout
 
     def decode(self, loc: ExpertLocation, blob: bytes | bytearray | memoryview) -> ExpertWeights:
         """The expert's kernel arrays. Raises UnsupportedModelError for an unknown encoding."""
@@ -237,7 +291,7 @@ class ExpertCodec:
     def _from_recipe(self, loc: ExpertLocation, view: memoryview) -> dict[str, dict[str, _Host]]:
         offsets = loc.blob_offsets()
         inputs = [
-            _read(view, offsets[i], loc.tensors[i].nbytes, loc.tensors[i].dtype, loc.tensors[i].shape)
+            read_host(view, offsets[i], loc.tensors[i].nbytes, loc.tensors[i].dtype, loc.tensors[i].shape)
             for i in loc.recipe.inputs
         ]
         by_proj: dict[str, dict[str, _Host]] = {}
@@ -254,7 +308,7 @@ class ExpertCodec:
             if proj not in PROJECTION_ALIASES:
                 raise UnsupportedModelError(f"expert tensor {t.name}: unknown projection {proj!r}")
             offset, nbytes = offsets[t.name]
-            by_proj.setdefault(PROJECTION_ALIASES[proj], {})[kind] = _read(view, offset, nbytes, t.dtype, t.shape)
+            by_proj.setdefault(PROJECTION_ALIASES[proj], {})[kind] = read_host(view, offset, nbytes, t.dtype, t.shape)
         return by_proj
 
     def _projection(self, layer: int, proj: str, t: dict[str, _Host]) -> ProjectionWeights:
@@ -263,17 +317,17 @@ class ExpertCodec:
             weight, scales = _as_uint32(t["weight_packed"]), t["weight_scale"]
             biases = _zero_point_biases(scales) if "weight_shape" in t else None  # int4 symmetric: zero point 8
             quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
-            return ProjectionWeights(_to_mx(weight), _to_mx(scales), _to_mx(biases), _to_mx(bias), quant)
+            return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
         if "scales" in t:  # MLX-quantized
             weight, scales, biases = t["weight"], t["scales"], t.get("biases")
             quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
-            return ProjectionWeights(_to_mx(weight), _to_mx(scales), _to_mx(biases), _to_mx(bias), quant)
+            return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
         if "weight" in t:
             weight = t["weight"]
             if self.dense_dtype is not None and weight[1] != self.dense_dtype:
                 weight = _cast(weight, self.dense_dtype)
                 bias = _cast(bias, self.dense_dtype) if bias is not None else None
-            return ProjectionWeights(_to_mx(weight), bias=_to_mx(bias))
+            return ProjectionWeights(to_mx(weight), bias=to_mx(bias))
         raise UnsupportedModelError(f"layer {layer} {proj}: unknown expert encoding {sorted(t)}")
 
     def _quant(

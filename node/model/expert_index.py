@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.model.safetensors_format import DTYPE_BYTES, TensorEntry
+from expertmesh.node.model.safetensors_format import TensorEntry, tensor_nbytes
 
 INDEX_FILENAME = "expert_index.json"
 FORMAT_VERSION = 2  # 2: recipes; an index of format 1 (name-based experts) still loads
@@ -98,6 +98,10 @@ class Recipe:
         return json.loads(self.text)
 
 
+# An expert's upstream bytes, its ranges concatenated: what the tiers move, check and keep.
+ExpertBytes = bytes | bytearray | memoryview
+
+
 @dataclass
 class ExpertLocation:
     layer: int
@@ -106,8 +110,8 @@ class ExpertLocation:
     # None for an index of format 1, whose experts the codec decodes by tensor name.
     recipe: Recipe | None = None
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked for every use of the expert: summed once
         return sum(t.nbytes for t in self.tensors)
 
     @property
@@ -238,7 +242,7 @@ class ExpertIndex:
                         shape,
                         files[fid],
                         start,
-                        start + _nbytes(dtype, shape),
+                        start + tensor_nbytes(dtype, shape),
                         stacked,
                     )
                 )
@@ -252,13 +256,6 @@ class ExpertIndex:
             experts,
             sanitize_with_experts=bool(doc.get("sanitize_with_experts", False)),
         )
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = DTYPE_BYTES[dtype]
-    for d in shape:
-        n *= d
-    return n
 
 
 def _name_pattern(name: str, layer: int, expert: int, stacked: bool) -> str:
@@ -330,6 +327,7 @@ def build_index(
         for entry in tensors.values():
             entries.setdefault(entry.name, (file, entry))
     plan = _plan(repo_id, config, {n: (e.dtype, e.shape) for n, (_, e) in entries.items()})
+    _check_dtypes(repo_id, plan, {n: e.dtype for n, (_, e) in entries.items()})
     core = {}
     for name in sorted(plan.core, key=lambda n: (entries[n][0], entries[n][1].start)):
         file, entry = entries[name]
@@ -363,6 +361,33 @@ def build_index(
     )
 
 
+def _check_dtypes(repo_id: str, plan: _Plan, dtypes: dict[str, str]) -> None:
+    """Refuse, at pull, a model whose experts or core are stored in a dtype of the format that
+    expertmesh cannot use yet: what `mx.load` reads is what the codec decodes an expert from and
+    what the core is loaded as (expert_trace.SAFETENSORS_DTYPES). A tensor in another dtype that
+    mlx-lm's sanitize drops is no obstacle: it is neither core nor expert, and never fetched.
+
+    Raises:
+        UnsupportedModelError: naming the tensor, its dtype, and what is supported.
+    """
+    from expertmesh.node.model.expert_trace import SAFETENSORS_DTYPES
+
+    known = ", ".join(sorted(SAFETENSORS_DTYPES))
+    for (layer, _), (inputs, _) in sorted(plan.experts.items()):
+        for name, _ in inputs:
+            if dtypes[name] not in SAFETENSORS_DTYPES:
+                raise UnsupportedModelError(
+                    f"{repo_id}: the routed experts of layer {layer} are stored as {dtypes[name]} ({name}), "
+                    f"which expertmesh cannot decode yet (it decodes experts stored as {known})"
+                )
+    for name in sorted(plan.core):
+        if dtypes[name] not in SAFETENSORS_DTYPES:
+            raise UnsupportedModelError(
+                f"{repo_id}: the core tensor {name} is stored as {dtypes[name]}, which MLX cannot load yet, "
+                "so expertmesh cannot run this model yet"
+            )
+
+
 def _gap_fillers(slices: list[TensorSlice], dropped: dict[tuple[str, int], TensorEntry]) -> list[TensorSlice]:
     """Tensors mlx-lm drops (compressed-tensors' `weight_shape`, say) that lie between an expert's
     tensors and fill the gap exactly: fetched with the expert, unused, so that its bytes stay one
@@ -390,6 +415,8 @@ class _Plan:
 
 def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> _Plan:
     """Which tensors are core and which feed each expert, from mlx-lm's sanitize traced."""
+    # imported when an index is built, not when one is read: mlx-lm takes about a second to import,
+    # and `status`, `ls` and the cache peer read indexes without ever computing
     from expertmesh.node.model import expert_trace, mlx_lm_models
 
     model_type = config.get("model_type")
@@ -469,19 +496,19 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
                 f"{repo_id}: layer {layer}: expert parameters disagree on the number of experts"
             )
         (n,) = counts
-        for e in range(n):
+        for expert in range(n):
             try:
-                selected = {rel: expert_trace.select(v, 0, e) for rel, v in targets.items()}
+                selected = {rel: expert_trace.select(v, 0, expert) for rel, v in targets.items()}
                 inputs, text = expert_trace.encode_expert(selected)
             except expert_trace.Unaddressable as err:
                 raise UnsupportedModelError(cannot.format(err)) from None
             for name, row in inputs:
                 if row is None:
                     shared_inputs[name] = shared_inputs.get(name, 0) + 1
-            experts[(layer, e)] = (inputs, text)
+            experts[(layer, expert)] = (inputs, text)
     for name, uses in shared_inputs.items():
         dtype, shape = tensors[name]
-        if uses > 1 and DTYPE_BYTES[dtype] * _count(shape) > SHARED_INPUT_MAX_BYTES:
+        if uses > 1 and tensor_nbytes(dtype, shape) > SHARED_INPUT_MAX_BYTES:
             raise UnsupportedModelError(cannot.format(f"{name}, one tensor every expert reads whole"))
     expert_inputs = {name for inputs, _ in experts.values() for name, _ in inputs}
     standins = _core_needs_expert_standins(model, model_type, tensors, core, expert_inputs, core_out, streamed)
@@ -507,7 +534,7 @@ def _core_needs_expert_standins(
     True here when that makes the same core as the whole checkpoint does, a refusal with the
     reason when even that does not.
     """
-    from expertmesh.node.model import expert_trace
+    from expertmesh.node.model import expert_trace  # imported when needed, as in `_plan`
 
     def differ(made: dict) -> list[str]:
         def core_keys(d: dict) -> set[str]:
@@ -542,7 +569,7 @@ def _core_needs_expert_standins(
 def streamed_prefixes(blocks: dict[str, str]) -> tuple[str, ...]:
     """The parameter-name prefixes of what streams: each block's projections (`path.gate_proj.`...),
     not its other parameters. `blocks`: path -> `SwitchGLU` or `SwitchMLP`."""
-    from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS
+    from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS  # imported when needed, as in `_plan`
 
     return tuple(f"{p}.{proj}." for p, kind in blocks.items() for proj in BLOCK_PROJECTIONS[kind])
 
@@ -553,16 +580,9 @@ def _numbers(path: str) -> list[int]:
 
 
 def _parameter_names(model: Any) -> set[str]:
-    from mlx.utils import tree_flatten
+    from expertmesh.node.model import mlx_lm_models  # imported when needed, as in `_plan`
 
-    return {k for k, _ in tree_flatten(model.parameters())}
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return set(mlx_lm_models.flat_parameters(model))
 
 
 def _sample(names: list[str], n: int = 3) -> str:

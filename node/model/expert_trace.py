@@ -31,6 +31,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from expertmesh.node.model import safetensors_format
+
 # safetensors dtype -> the dtype `mx.load` gives the tensor (fp8 kinds arrive as raw bytes).
 SAFETENSORS_DTYPES: dict[str, mx.Dtype] = {
     "BOOL": mx.bool_,
@@ -256,10 +258,17 @@ class Sym:
 
 
 def leaf(name: str, dtype: str, shape: tuple[int, ...]) -> Sym:
-    """The stand-in of upstream tensor `name`."""
-    if dtype not in SAFETENSORS_DTYPES:
-        raise Untraceable(f"tensor {name} of dtype {dtype}")
-    return Sym("leaf", (), (name,), tuple(shape), SAFETENSORS_DTYPES[dtype])
+    """The stand-in of upstream tensor `name`.
+
+    A dtype of the format that `mx.load` cannot read (F4, the F6s, the FNUZ fp8s, C64 to the codec)
+    stands in as bytes: sanitize may still drop the tensor (an unused precomputed one), and where
+    one is kept, the index refuses the model by name (expert_index.py, `_check_dtypes`).
+    """
+    if dtype in SAFETENSORS_DTYPES:
+        return Sym("leaf", (), (name,), tuple(shape), SAFETENSORS_DTYPES[dtype])
+    if dtype in safetensors_format.DTYPE_BITS:
+        return Sym("leaf", (), (name,), tuple(shape), mx.uint8)
+    raise Untraceable(f"tensor {name} of dtype {dtype}")
 
 
 def _opaque(what: str, args: tuple, kwargs: dict) -> Sym:

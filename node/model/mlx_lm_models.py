@@ -17,22 +17,26 @@ import functools
 import importlib.util
 import pkgutil
 import re
+from collections.abc import Callable
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import mlx_lm.models
+from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from expertmesh.node.errors import UnsupportedModelError
 
+_get_classes: Callable[[dict], tuple[Any, Any]] | None
 try:
     from mlx_lm.utils import _get_classes
 except ImportError:  # pragma: no cover - only with an mlx-lm beyond the bound in pyproject.toml
     _get_classes = None
 
 
-def model_classes(config: dict) -> tuple[type, type]:
+def model_classes(config: dict) -> tuple[Any, Any]:
     """The (Model, ModelArgs) classes mlx-lm builds for `config`.
 
     Raises:
@@ -133,7 +137,7 @@ def build_model(config: dict) -> nn.Module:
     if "quantization_config" not in config and "quantization_config" in config.get("text_config", {}):
         config["quantization_config"] = config["text_config"]["quantization_config"]  # as load_model does
     model_class, args_class = model_classes(config)
-    hi, lo = (int(v) for v in mx.random.state[0].tolist())
+    hi, lo = cast(list[int], cast(list[mx.array], mx.random.state)[0].tolist())
     try:
         return model_class(args_class.from_dict(config))
     finally:
@@ -166,3 +170,8 @@ def layer_number(path: str) -> int | None:
         if part.isdigit() and parts[i - 1] == "layers":
             return int(part)
     return next((int(p) for p in parts if p.isdigit()), None)
+
+
+def flat_parameters(module: nn.Module) -> dict[str, mx.array]:
+    """The module's parameters by their dotted names, as mlx-lm saves and loads them."""
+    return dict(cast(list[tuple[str, mx.array]], tree_flatten(module.parameters())))

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from expertmesh.node.store.stats import PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES, StoreStats
 
 if TYPE_CHECKING:
+    from expertmesh.node.engine.streamed_core import StreamedCore
     from expertmesh.node.household.membership import PeerTable
     from expertmesh.node.hub.client import RangeReader
     from expertmesh.node.store.tiers.disk import DiskCache
@@ -74,7 +75,7 @@ FETCH_BUCKETS_S = (
 ROLES = ("full", "cache")
 # Every label name a node's own metrics use (`le` is the histograms'); the API's are in
 # coordinator/api_metrics.py's LABELS.
-LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "kind", "state", "le")
+LABELS = ("source", "tier", "outcome", "role", "reason", "direction", "kind", "state", "bucket", "le")
 TIERS = ("ram", "disk")
 # Reasons always exported (as 0 until they happen), so an "errors by reason" panel has data on a
 # healthy household; others (gRPC status names) appear when they first happen.
@@ -101,6 +102,7 @@ class MetricsSources:
         stats: the store's `StoreStats` (uses, bytes, integrity failures, prefetch outcomes).
         ram: the `RamCache`; disk: the `DiskCache`; peers: the `PeerTable` the node follows.
         hub_readers: the Hub `RangeReader`s (their `retries`).
+        core: a streamed core (node/engine/streamed_core.py's StreamedCore), whose reads are counted.
     """
 
     stats: StoreStats | None = None
@@ -108,6 +110,7 @@ class MetricsSources:
     disk: DiskCache | None = None
     peers: PeerTable | None = None
     hub_readers: list[RangeReader] = field(default_factory=list)
+    core: StreamedCore | None = None
 
 
 class _StateCollector(Collector):
@@ -275,6 +278,49 @@ class _StateCollector(Collector):
         for reason, n in hub.items():
             hub_errors.add_metric([reason], n)
         yield hub_errors
+        yield from _rate_limit_metrics()
+
+        if src.core is not None:
+            core = src.core.stats
+            yield CounterMetricFamily(
+                PREFIX + "core_read_bytes",
+                "Bytes of a streamed core read from the local SSD (a core larger than the memory plan allows "
+                "is read layer by layer every token; divide by tokens_generated_total for bytes per token).",
+                value=core.read_bytes,
+            )
+            yield CounterMetricFamily(
+                PREFIX + "core_read_wait_seconds",
+                "Seconds the model waited for a streamed core's layers to be read (what the reads ahead did not hide).",
+                value=core.wait_s,
+            )
+            yield GaugeMetricFamily(
+                PREFIX + "core_held_bytes",
+                "Bytes of a streamed core in memory now: what it keeps, its pinned layers, and the layers in flight.",
+                value=src.core.held_bytes,
+            )
+
+
+def _rate_limit_metrics() -> Iterator:
+    """The Hub's rate limits as this process met them (node/hub/rate_limit.py's one gate), by the
+    bucket the Hub named (`resolvers`: file downloads, every expert; `api`; others as they come)."""
+    from expertmesh.node.hub.rate_limit import BUCKETS, GATE
+
+    limited = CounterMetricFamily(
+        PREFIX + "hub_rate_limited",
+        "Answers of HTTP 429 for a used-up Hub rate limit (RateLimit r=0, or Retry-After), by bucket; each "
+        "closed the bucket's gate, which every request of this process waited on.",
+        labels=["bucket"],
+    )
+    waited = CounterMetricFamily(
+        PREFIX + "hub_rate_limit_wait_seconds",
+        "Seconds the Hub's rate limit kept a bucket's gate closed, counted once however many requests waited.",
+        labels=["bucket"],
+    )
+    counts, seconds = dict(GATE.limited), dict(GATE.waited_s)
+    for bucket in sorted(set(BUCKETS) | set(counts) | set(seconds)):
+        limited.add_metric([bucket], counts.get(bucket, 0))
+        waited.add_metric([bucket], seconds.get(bucket, 0.0))
+    yield from (limited, waited)
 
 
 class NodeMetrics:

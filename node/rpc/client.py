@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +27,17 @@ HEALTH_DEADLINE_S = 2.0
 
 def model_key(repo_id: str, commit: str) -> node_pb2.ModelKey:
     return node_pb2.ModelKey(repo_id=repo_id, commit=commit)
+
+
+class ChunkStream(Protocol):
+    """A server-streaming call as grpc returns it: its messages as they arrive, and `cancel()`,
+    which frees the node when the caller gives up early (a no-op once the stream ended)."""
+
+    def __iter__(self) -> Iterator[node_pb2.ExpertChunk]: ...
+
+    def __next__(self) -> node_pb2.ExpertChunk: ...
+
+    def cancel(self) -> bool: ...
 
 
 class NodeClient:
@@ -62,7 +74,7 @@ class NodeClient:
         timeout: float,
         fetch_on_miss: bool = False,
         keep_only: bool = False,
-    ) -> Iterator[node_pb2.ExpertChunk]:
+    ) -> ChunkStream:
         """The expert's chunks as they stream (`keep_only`: the node keeps it, one empty chunk)."""
         request = node_pb2.FetchExpertRequest(
             key=node_pb2.ExpertKey(model=model, layer=layer, expert=expert),

@@ -57,7 +57,7 @@ def inventory_keys(
     """
     held: set[tuple[int, int]] = set()
     seen: set[int] = set()
-    dropped, reasons = 0, []
+    dropped, reasons = 0, list[str]()
     for lb in inv.layers:
         layer, n, bits = lb.layer, lb.num_experts, lb.bits
         problem = _misfit(layer, n, len(bits), sizes, seen)

@@ -193,7 +193,7 @@ def dialed_address(address: str) -> str:
     host, port = split_address(address)
     if _ip(host) is None:
         try:
-            host = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+            host = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
         except (OSError, IndexError):
             pass
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

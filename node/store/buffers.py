@@ -7,9 +7,8 @@ use. An anonymous `mmap` is its own mapping: the kernel hands it out zeroed and 
 on the fetch path) and takes it back when the buffer is collected.
 
 Lazily is not free: every 4 KB page of a fresh mapping faults and is zeroed when it is first
-written. Measured here (2-core VM, docs/benchmarks.md "Warm disk"): filling a fresh 17.5 MB mapping
-takes 22 ms, refilling one already faulted in 3 ms — at an SSD's speed the page faults, not the
-disk, would bound a warm read. So the disk tier reads into a `BufferPool`: page-aligned mappings
+written, and at an SSD's speed those page faults, not the disk, would bound a warm read
+(docs/benchmarks.md, "Warm disk at the SSD's speed"). So the disk tier reads into a `BufferPool`: page-aligned mappings
 kept after use and lent again. A lent buffer goes back to the pool only when nothing refers to it
 any more (the lease is a ctypes view of the mapping, and every memoryview or numpy array made from
 the lease holds the lease), so a buffer is never rewritten while a reader still holds its bytes.

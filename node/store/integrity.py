@@ -8,22 +8,13 @@ Two digests, for two kinds of copy. What crosses a network (the Hub, a peer) is 
 the sha256: it is what the Hub and the household vouch for, and a peer's bytes must not be able to
 pass for another expert's. A copy read back from this machine's own disk guards against something
 else: bit rot, a truncated, swapped or overwritten file, never a forger (whoever can write the cache
-can write this book too). For that a fast hash is enough, and sha256 is too slow for it: measured on
-this machine's CPU (a 2-core AMD EPYC VM, `python benchmarks/bench_disk.py --hashes-only`, table in
-docs/benchmarks.md "Warm disk"), in CPU seconds per GB hashed:
-
-    sha256 (hashlib)              0.64   the disk tier's check until now: 0.53x the disk's speed
-    BLAKE3 (blake3, 1 thread)     0.30   cryptographic, parallel; max_threads=AUTO: 0.33 CPU-s, 5.7 GB/s
-    crc32 (zlib)                  0.27
-    crc32c (google-crc32c)        0.07   32 bits: a damaged copy passes 1 time in 4 billion
-    xxh3_128 (xxhash)             0.07   128 bits, 14.7 GB/s on one core
-    xxh3_64 (xxhash)              0.06
-
-Decision: xxh3_128, within the 0.15 CPU-s/GB budget with room to spare (BLAKE3 is twice over it),
-as cheap as crc32c with 96 more bits.
+can write this book too). For that a fast hash is enough, and sha256 is too slow for it: at an
+SSD's speed hashing every read with sha256 would bound a warm read, not the disk. xxh3_128 is
+about ten times cheaper per byte, as cheap as crc32c with 96 more bits; the candidates, their cost
+and the command that measures them are in docs/benchmarks.md, "Warm disk at the SSD's speed".
 Its 128 bits make an accidental match of a damaged or swapped file as likely as a sha256 collision
 is for any practical purpose; it is not a defence against a chosen forgery, which the disk copy
-does not need. Its one cost: the xxhash binding holds the interpreter lock (1.2 ms per K3 expert).
+does not need. Its one cost: the xxhash binding holds the interpreter lock while it hashes.
 
 Kept as an append-only text file beside the disk cache, one record per line:
 `layer expert sha256 state [xxh3_128] crc32`, state `u` (unverified: taken from one fetch) or `v`
@@ -60,6 +51,8 @@ from pathlib import Path
 
 import xxhash
 
+from expertmesh.node.model.expert_index import ExpertBytes
+
 logger = logging.getLogger(__name__)
 
 DIGESTS_FILENAME = "digests.tsv"
@@ -68,12 +61,12 @@ _DISK_REFUSES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 LOCK_SUFFIX = ".lock"
 
 
-def sha256(blob: bytes | bytearray | memoryview) -> str:
+def sha256(blob: ExpertBytes) -> str:
     """hashlib releases the interpreter lock on large buffers, so fetch threads hash in parallel."""
     return hashlib.sha256(blob).hexdigest()
 
 
-def fast_digest(blob: bytes | bytearray | memoryview) -> str:
+def fast_digest(blob: ExpertBytes) -> str:
     """The xxh3_128 of `blob`: the check of a copy read back from the local disk (see the module's docstring)."""
     return xxhash.xxh3_128(blob).hexdigest()
 
@@ -255,7 +248,7 @@ class DigestBook:
             self._learn_fast(key, digest, fast_digest(blob))
         return True
 
-    def check_local(self, key: tuple[int, int], blob) -> bool:
+    def check_local(self, key: tuple[int, int], blob: ExpertBytes) -> bool:
         """Whether `blob`, read back from this machine's disk, is the copy of `key` that was written:
         its xxh3_128 equal to the recorded one. An expert recorded without one (an older book) is
         checked by its sha256 once, and its xxh3_128 recorded then. No record: unverifiable, False."""

@@ -3,6 +3,8 @@
 All count slots, not bytes: the experts of a model have one size (K3: 17.5 MB each), so a byte
 budget is a number of slots. Each policy answers `access(key) -> hit` and, on a miss, admits the
 key and returns what it evicted, so the RAM tier and the trace replay run the very same code.
+`discard(key)` forgets a resident key the RAM tier had to let go of on its own (its slot was
+needed by experts in use: store/tiers/ram.py).
 
 MoE routing is skewed and bursty: a few experts per layer are hot for a whole conversation, and
 a long prompt touches many experts once. Recency alone (LRU) lets such a scan flush the hot set;
@@ -38,6 +40,9 @@ class LRU:
         while len(self._items) > self.slots:
             evicted.append(self._items.popitem(last=False)[0])
         return False, evicted
+
+    def discard(self, key: Key) -> None:
+        self._items.pop(key, None)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._items
@@ -77,12 +82,11 @@ class LFUAged:
 
     def _compact(self) -> None:
         """Drop the heap's stale entries. Every hit pushes a fresh entry and leaves the old one
-        to be skipped when it surfaces, and only ageing (every `ageing_period` uses: 64 budgets)
-        used to rebuild the heap, so a node's heap grew by an entry per expert use between ageings
-        (K3 at a 20k-expert budget: ~1.3 M entries, hundreds of MB; with a small model's budget the
-        ageing never came and `serve` grew for ever). Rebuilt when stale entries outnumber live
-        ones, the cost per use stays constant on average, and the order of live entries (hence
-        every eviction) is unchanged."""
+        to be skipped when it surfaces; ageing (every `ageing_period` uses) alone would let the heap
+        grow by an entry per expert use between ageings, without bound where ageing never comes (a
+        small model's budget). Rebuilt when stale entries outnumber live ones, the cost per use
+        stays constant on average, and the order of live entries (hence every eviction) is
+        unchanged."""
         self._heap = [e for e in self._heap if self._resident.get(e[3]) == (e[0], e[1])]
         heapq.heapify(self._heap)
 
@@ -113,6 +117,9 @@ class LFUAged:
             del self._resident[victim]
             evicted.append(victim)  # possibly the newcomer itself: it was colder than everything kept
         return False, evicted
+
+    def discard(self, key: Key) -> None:
+        self._resident.pop(key, None)  # its heap entries are stale now, skipped when they surface
 
     def __contains__(self, key: Key) -> bool:
         return key in self._resident
@@ -180,6 +187,10 @@ class ARC:
                 evicted.append(self._replace(key))
         self.t1[key] = None
         return False, evicted
+
+    def discard(self, key: Key) -> None:
+        self.t1.pop(key, None)
+        self.t2.pop(key, None)
 
     def __contains__(self, key: Key) -> bool:
         return key in self.t1 or key in self.t2

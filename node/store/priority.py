@@ -23,17 +23,44 @@ class PriorityPool:
     def __init__(self, workers: int, name: str):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(max(1, workers))
-        ]
+        self._name = name
+        self._threads: list[threading.Thread] = []
+        for _ in range(max(1, workers)):
+            self._threads.append(self._thread())
+        self._workers = len(self._threads)  # how many run (or will), retired ones not counted
+        self._resize_lock = threading.Lock()
         self._started = False
         self._closed = False
+
+    def _thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True)
 
     def start(self) -> None:
         if not self._started:
             self._started = True
             for t in self._threads:
                 t.start()
+
+    def resize(self, workers: int) -> None:
+        """Run `workers` calls at once from now on: more threads start at once; fewer, as threads
+        finish what they run (a retirement is taken before anything queued)."""
+        with self._resize_lock:
+            if self._closed:
+                return
+            workers = max(1, workers)
+            while self._workers < workers:
+                t = self._thread()
+                self._threads.append(t)
+                self._workers += 1
+                if self._started:
+                    t.start()
+            while self._workers > workers:
+                self._queue.put((-1, next(self._seq), None, (), None))
+                self._workers -= 1
+
+    @property
+    def workers(self) -> int:
+        return self._workers
 
     def submit(self, fn: Callable, *args, priority: int) -> Future:
         """Run `fn(*args)` once every call of a lower `priority` queued before it has started."""
@@ -69,6 +96,6 @@ class PriorityPool:
         if not self._started:
             return
         for _ in self._threads:
-            self._queue.put((-1, -1, None, (), None))
+            self._queue.put((-1, -1, None, (), None))  # more than the threads left: a retired one took its own
         for t in self._threads:
             t.join(5.0)

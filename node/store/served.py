@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from expertmesh.node.errors import DownloadError
-from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex, ExpertLocation
 from expertmesh.node.store.integrity import DigestBook
 from expertmesh.node.store.stats import StoreStats
 from expertmesh.node.store.tiers import Tier
@@ -40,7 +40,7 @@ class ServedExperts:
         self.disk.discard(loc)
         return None
 
-    def fetch_as_owner(self, loc: ExpertLocation) -> bytes:
+    def fetch_as_owner(self, loc: ExpertLocation) -> ExpertBytes:
         """Fetch a missing expert from the sources after the disk, keep it and return it.
 
         One at a time, so peers asking for the same expert at once cost one Hub fetch.
@@ -54,16 +54,16 @@ class ServedExperts:
             if blob is not None:
                 return blob
             for tier in self.remote_tiers:
-                blob = tier.fetch(loc)
-                if blob is None or len(blob) != loc.nbytes:
+                fetched = tier.fetch(loc)
+                if fetched is None or len(fetched) != loc.nbytes:
                     continue
-                if not self.digests.check(key, blob, may_record=True):
+                if not self.digests.check(key, fetched, may_record=True):
                     self.stats.record_integrity_failure(tier.source)
                     tier.discard(loc)
                     continue
                 self.stats.record(tier.source, loc.nbytes)
-                self.disk.put(loc, blob, wait=True)  # `keep` and a peer's next ask rely on it
-                return blob
+                self.disk.put(loc, fetched, wait=True)  # `keep` and a peer's next ask rely on it
+                return fetched
         raise DownloadError(f"expert {loc.expert} of layer {loc.layer}: no source has a good copy")
 
     def keep(self, loc: ExpertLocation) -> bool:

@@ -5,8 +5,7 @@ failures, the fate of prefetched guesses and of remote execution. Summaries, `In
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ExpertKey = tuple[int, int]  # (layer, expert) within the store's pinned (repo, commit)
@@ -29,6 +28,9 @@ REMOTE_COUNTS = (
     "fallback_bad_output",
     "fallback_missing",
 )
+# how each MoE layer of a pass ran: resident (every expert of the layer in a slot: no sync, the
+# experts mapped to slots on the device) or streamed (a sync to read the routing, then the store)
+LAYER_PASSES = ("resident", "streamed")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class StoreStats:
     integrity_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREFETCH_OUTCOMES, 0))
     remote: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REMOTE_COUNTS, 0))
+    layers: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LAYER_PASSES, 0))
     # what generation waited for over a link: the bytes of demanded experts that came from the
     # Hub or a peer (not in RAM, not an arrived guess, not on disk), and the seconds the layer
     # calls that waited for them waited
@@ -59,6 +62,10 @@ class StoreStats:
             for k, n in counts.items():
                 self.remote[k] += n
 
+    def record_layer(self, how: str) -> None:
+        with self._lock:
+            self.layers[how] += 1
+
     def record_wait(self, nbytes: int, seconds: float) -> None:
         with self._lock:
             self.waited_bytes += nbytes
@@ -68,16 +75,22 @@ class StoreStats:
         with self._lock:
             self.integrity_failures[source] += 1
 
-    def record(self, source: str, nbytes: int, seconds: float = 0.0, key: ExpertKey | None = None) -> None:
+    def record(self, source: str, nbytes: int, seconds: float = 0.0) -> None:
         with self._lock:
             self.uses[source] += 1
             self.bytes[source] += nbytes
             self.fetch_seconds[source] += seconds
         if self.observer is not None:
             self.observer(source, nbytes, seconds)
-        tap = getattr(_taps, "tap", None)
-        if tap is not None:
-            tap(key, source, nbytes, seconds)
+
+    def record_ram(self, sizes: list[int]) -> None:
+        """Uses answered from RAM at once, one per size in `sizes` (a resident layer's experts)."""
+        with self._lock:
+            self.uses["ram"] += len(sizes)
+            self.bytes["ram"] += sum(sizes)
+        if self.observer is not None:
+            for nbytes in sizes:
+                self.observer("ram", nbytes, 0.0)
 
     def snapshot(self) -> StoreStats:
         with self._lock:
@@ -88,6 +101,7 @@ class StoreStats:
                 dict(self.integrity_failures),
                 dict(self.prefetch),
                 dict(self.remote),
+                dict(self.layers),
                 self.waited_bytes,
                 self.wait_seconds,
             )
@@ -101,6 +115,7 @@ class StoreStats:
             {k: now.integrity_failures[k] - before.integrity_failures[k] for k in SOURCES},
             {k: now.prefetch[k] - before.prefetch[k] for k in PREFETCH_OUTCOMES},
             {k: now.remote[k] - before.remote[k] for k in REMOTE_COUNTS},
+            {k: now.layers[k] - before.layers[k] for k in LAYER_PASSES},
             now.waited_bytes - before.waited_bytes,
             now.wait_seconds - before.wait_seconds,
         )
@@ -108,24 +123,3 @@ class StoreStats:
     @property
     def total_uses(self) -> int:
         return sum(self.uses.values())
-
-
-_taps = threading.local()
-
-
-@contextmanager
-def thread_value(local: threading.local, name: str, value: object) -> Iterator[None]:
-    """`local.<name>` is `value` on this thread while inside, and what it was afterwards."""
-    before = getattr(local, name, None)
-    setattr(local, name, value)
-    try:
-        yield
-    finally:
-        setattr(local, name, before)
-
-
-def tapped(tap: Callable[[ExpertKey | None, str, int, float], None]):
-    """Also hand every use recorded on this thread to `tap(key, source, nbytes, seconds)` while
-    inside: how a batch (engine/batching.py) learns which source served each expert its rows
-    routed to, without counting what other threads (peers' calls) record meanwhile."""
-    return thread_value(_taps, "tap", tap)

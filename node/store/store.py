@@ -1,14 +1,17 @@
 """The expert store: one call per MoE layer, answered from RAM or fetched through the tiers.
 
-The engine asks for the distinct experts of one layer at once (`get_layer`); the store answers
+The engine asks for the distinct experts of one layer at once (`layer_groups`, the one entry
+point: this node's passes, remote execution and peers' ComputeExperts alike); the store answers
 from RAM what it can, hands over guesses that arrived in time, and fetches the rest concurrently
 through the tiers (store/tier_chain.py: disk, peers, the Hub), each expert at most once at a
 time: every expert in flight has one record in one book (store/flights.py), which the fetch
-workers (store/fetch_queue.py) take their work from. Around that demand path sit two helpers
-that use the link when demands leave it free: the prefetcher (store/prefetch.py), which fetches
-the next layer's guessed experts, and idle-link fill (store/fill.py), which fetches experts not
-yet held onto the disk. Both go through the same book. Every use is counted by the tier that
-answered it (store/stats.py).
+workers (store/fetch_queue.py) take their work from. Its answer, an `ExpertGroup`, says which
+tier served each expert and, on the MLX thread, puts the arrivals into RAM-tier slots
+(store/tiers/ram.py) for the kernels. Around that demand path sit two helpers that use the link
+when demands leave it free: the prefetcher (store/prefetch.py), which fetches the next layer's
+guessed experts, and idle-link fill (store/fill.py), which fetches experts not yet held onto the
+disk. Both go through the same book. Every use is counted by the tier that answered it
+(store/stats.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from expertmesh.node.model.codec import ExpertWeights
 from expertmesh.node.model.expert_index import ExpertIndex
@@ -29,6 +34,50 @@ from expertmesh.node.store.tier_chain import Fetched, TierChain
 from expertmesh.node.store.tiers.ram import RamCache
 
 DEFAULT_FETCH_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class Served:
+    """Which tier answered for one expert of a layer, with its upstream bytes and fetch seconds."""
+
+    source: str
+    nbytes: int
+    seconds: float
+
+
+class ExpertGroup:
+    """Some of a layer's experts, as the store hands them over: which tier served each (`served`),
+    and the ones that arrived, to be written into RAM-tier slots on the MLX thread (`placed`)."""
+
+    def __init__(self, ram: RamCache, layer: int, served: dict[int, Served], arrived: dict[int, ExpertWeights]):
+        self.ram = ram
+        self.layer = layer
+        self.served = served
+        self._arrived = arrived
+        self.missing: list[int] = []
+
+    @property
+    def experts(self) -> list[int]:
+        return list(self.served)
+
+    @contextmanager
+    def placed(self) -> Iterator[dict[int, int]]:
+        """On the MLX thread: expert -> slot for the group's experts, pinned while inside, so
+        nothing else takes their slots before their kernels are built. `missing` then lists
+        what has no slot: an expert the RAM tier let go of since the store looked, or one that
+        found every slot in use; the caller asks for it again (or a peer's call reports it)."""
+        keys = [(self.layer, e) for e in self.served if e not in self._arrived]
+        slots = {key[1]: slot for key, slot in self.ram.acquire(keys).items()}
+        for e, weights in self._arrived.items():
+            slot = self.ram.place((self.layer, e), weights)
+            if slot is not None:
+                slots[e] = slot
+        self._arrived = {}  # written: the decoded copies can go
+        self.missing = [e for e in self.served if e not in slots]
+        try:
+            yield slots
+        finally:
+            self.ram.release([(self.layer, e) for e in slots])
 
 
 class ExpertStore:
@@ -96,47 +145,42 @@ class ExpertStore:
 
     # -- demand -------------------------------------------------------------------------------
 
-    def get_layer(
+    def hold_limit(self) -> int:
+        """How many of one layer's experts may be held at once: what the RAM tier keeps anyway, or
+        one per fetch worker beyond it (so memory stays within the budget during a long prefill),
+        and never more than the tier has slots for."""
+        return max(1, min(max(self.fetches.workers, self.ram.slots(self._expert_bytes)), self.ram.capacity))
+
+    def layer_groups(
         self,
         layer: int,
         experts: Iterable[int],
         guess: tuple[int, Iterable[int]] | None = None,
-        record: bool = True,
-        own_pass: bool = True,
-    ) -> dict[int, ExpertWeights]:
-        """The given experts of `layer`, fetching the ones not in RAM concurrently.
-
-        `guess` = (next layer, its likely experts) is prefetched behind this layer's demands.
-        `record`: trace this call as the layer's routing (False when the caller traced the whole
-        routing itself and asks for a part of it, as remote execution does). `own_pass`: False for
-        a peer's ComputeExperts call, which is not this node's pass of the layer, so this node's
-        guesses for it are neither judged by it nor dropped.
-        """
-        experts = [int(e) for e in experts]
-        self._begin_layer(layer, experts, record, own_pass)
-        return self._get(layer, experts, guess)
-
-    def hold_limit(self) -> int:
-        """How many of one layer's experts may be held at once: what the RAM tier keeps anyway, or
-        one per fetch worker beyond it (so memory stays within the budget during a long prefill)."""
-        return max(self.fetches.workers, self.ram.slots(self._expert_bytes))
-
-    def layer_groups(
-        self, layer: int, experts: Iterable[int], guess: tuple[int, Iterable[int]] | None = None
-    ) -> Iterator[dict[int, ExpertWeights]]:
-        """The given experts of `layer` a group at a time, where the layer wants more than
-        `hold_limit`: the caller computes each group (and lets its weights go) before taking the
-        next. One group, as `get_layer`, otherwise.
+        routed: Iterable[int] | None = None,
+    ) -> Iterator[ExpertGroup]:
+        """The given experts of `layer`, fetching the ones not in RAM concurrently, a group at a
+        time where the layer wants more than `hold_limit`: the caller computes each group (and
+        lets its weights go) before taking the next. Every use of the store's experts, this
+        node's own passes and peers' ComputeExperts alike, comes through here.
 
         The groups are pipelined: the next group's fetches are queued before a group is handed
         over, so the link or the disk keeps working while the caller computes. Each group is half
         the hold limit, so the group being computed and the one in flight together stay within it.
+
+        Args:
+            guess: (next layer, its likely experts), prefetched behind this layer's demands.
+            routed: every expert this node's pass of the layer routed to, traced and judging the
+                guesses made for it; None: `experts`. Empty for a call that is not a pass of this
+                node (a peer's ComputeExperts) or that asks for more of a pass already announced
+                (remote execution computes some experts on peers, and fetches here what a peer
+                did not answer).
         """
         experts = [int(e) for e in experts]
-        self._begin_layer(layer, experts, record=True)
+        routed = experts if routed is None else [int(e) for e in routed]
+        self._begin_layer(layer, routed, record=bool(routed), own_pass=bool(routed))
         limit = self.hold_limit()
         if len(experts) <= limit:
-            yield self._get(layer, experts, guess)
+            yield self._finish(layer, *self._start(layer, experts, guess))
             return
         size = max(1, limit // 2)
         groups = [experts[i : i + size] for i in range(0, len(experts), size)]
@@ -156,36 +200,40 @@ class ExpertStore:
         if own_pass:
             self.prefetcher.settle(layer, set(experts))
 
-    def _get(self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None) -> dict[int, ExpertWeights]:
-        return self._finish(layer, *self._start(layer, experts, guess))
+    def resident_uses(self, layer: int, experts: list[int]) -> None:
+        """Count uses of `layer`'s experts that ran from their slots without asking the store: a
+        layer whose experts are all resident runs without a sync (engine/blocks.py), and its
+        routing is read, and counted here, once its pass has been evaluated."""
+        self._begin_layer(layer, experts, record=True)
+        self.stats.record_ram([self.index.expert(layer, e).nbytes for e in experts])
+        self.ram.touch([(layer, e) for e in experts])
 
     def _start(
         self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None
-    ) -> tuple[dict[int, ExpertWeights], dict[int, Future]]:
-        """Take what RAM and the guesses already hold, and queue the rest (then the guess behind them)."""
-        out: dict[int, ExpertWeights] = {}
+    ) -> tuple[dict[int, Served], dict[int, ExpertWeights], dict[int, Future]]:
+        """Note what RAM holds, take the guesses that arrived, and queue the rest (then the guess behind them)."""
+        served: dict[int, Served] = {}
+        arrived: dict[int, ExpertWeights] = {}
         missing: list[int] = []
         for e in experts:
             key = (layer, e)
-            t0 = time.perf_counter()
-            weights = self.ram.get(key)
-            if weights is not None:
-                out[e] = weights
-                self.stats.record("ram", self.index.expert(layer, e).nbytes, time.perf_counter() - t0, key)
+            if key in self.ram:
+                served[e] = Served("ram", self.index.expert(layer, e).nbytes, 0.0)
+                self.stats.record("ram", served[e].nbytes)
                 continue
             staged = self.prefetcher.take(key)
             if staged is not None:
-                out[e] = self._use(key, staged)
+                arrived[e] = self._use(key, staged, served)
             else:
                 missing.append(e)
         waiting = self._demand(layer, missing)
         if guess is not None:
             self.prefetch(*guess)
-        return out, waiting
+        return served, arrived, waiting
 
     def _finish(
-        self, layer: int, out: dict[int, ExpertWeights], waiting: dict[int, Future]
-    ) -> dict[int, ExpertWeights]:
+        self, layer: int, served: dict[int, Served], arrived: dict[int, ExpertWeights], waiting: dict[int, Future]
+    ) -> ExpertGroup:
         """Wait for the queued experts (timed: the wait is what a token pays for the link or disk)."""
         if waiting:
             t0 = time.perf_counter()
@@ -194,13 +242,13 @@ class ExpertStore:
             fetched = {e: fut.result() for e, fut in waiting.items()}
             seconds = time.perf_counter() - t0
             for e, f in fetched.items():
-                out[e] = self._use((layer, e), f)
+                arrived[e] = self._use((layer, e), f, served)
             # a wait that included bytes from beyond this machine waited for the link; one that
             # only read the disk did not (it is the disk's)
             far = sum(self.index.expert(layer, e).nbytes for e, f in fetched.items() if f.source in ("hub", "peer"))
             if far:
                 self.stats.record_wait(far, seconds)
-        return out
+        return ExpertGroup(self.ram, layer, served, arrived)
 
     def _demand(self, layer: int, experts: list[int]) -> dict[int, Future]:
         """Queue the demands of one layer; where the Hub is the only remote tier and the layer wants
@@ -216,9 +264,11 @@ class ExpertStore:
         waiting = self.flights.demand([(layer, e) for e in experts], plan)
         return {key[1]: fut for key, fut in waiting.items()}
 
-    def _use(self, key: ExpertKey, fetched: Fetched) -> ExpertWeights:
-        self.stats.record(fetched.source, self.index.expert(*key).nbytes, fetched.seconds, key)
-        self.ram.put(key, fetched.weights)
+    def _use(self, key: ExpertKey, fetched: Fetched, served: dict[int, Served]) -> ExpertWeights:
+        """Count an expert that arrived; it goes into a slot when its group is placed."""
+        nbytes = self.index.expert(*key).nbytes
+        self.stats.record(fetched.source, nbytes, fetched.seconds)
+        served[key[1]] = Served(fetched.source, nbytes, fetched.seconds)
         return fetched.weights
 
     # -- guesses ------------------------------------------------------------------------------

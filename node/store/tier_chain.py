@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from expertmesh.node.errors import DownloadError
 from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.model.codec import ExpertCodec, ExpertWeights
-from expertmesh.node.model.expert_index import ExpertIndex
+from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex
 from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tiers import RunFetcher, Tier
@@ -36,7 +37,7 @@ class Fetched:
     weights: ExpertWeights | None
     source: str
     seconds: float
-    blob: bytes | bytearray | memoryview | None = None
+    blob: ExpertBytes | None = None
 
 
 class TierChain:
@@ -102,6 +103,8 @@ class TierChain:
         """`fetched` with its weights, decoded from its blob if it came as bytes."""
         if fetched.weights is not None:
             return fetched
+        if fetched.blob is None:
+            raise ValueError(f"expert {key} was fetched with neither its weights nor its bytes")
         return Fetched(self.codec.decode(self.index.expert(*key), fetched.blob), fetched.source, fetched.seconds)
 
     def fetch_run(
@@ -117,7 +120,7 @@ class TierChain:
         again one by one would spend the budget once more per expert. Without `decode` the run's
         experts come back as bytes (`Fetched.blob`)."""
         out: list[Fetched | BaseException] = []
-        blobs: list[bytes | None] = [None] * len(keys)
+        blobs: Sequence[ExpertBytes | None] = [None] * len(keys)
         runs = self.runs if len(keys) > 1 else None
         t0 = time.perf_counter()
         if runs is not None:
@@ -129,7 +132,7 @@ class TierChain:
         for key, blob in zip(keys, blobs):
             loc = self.index.expert(*key)
             try:
-                if blob is not None and len(blob) == loc.nbytes and self.verify(key, runs, blob):
+                if runs is not None and blob is not None and len(blob) == loc.nbytes and self.verify(key, runs, blob):
                     self.disk.put(loc, blob, wait=keep_now)
                     if decode:
                         out.append(Fetched(self.codec.decode(loc, blob), runs.source, seconds))
@@ -141,7 +144,7 @@ class TierChain:
                 out.append(e)
         return out
 
-    def verify(self, key: ExpertKey, tier: Tier, blob, contradicting: set[str] | None = None) -> bool:
+    def verify(self, key: ExpertKey, tier: Tier, blob: ExpertBytes, contradicting: set[str] | None = None) -> bool:
         """Check a copy against the digest recorded at first fetch, or record it if this is the first.
 
         Only bytes a remote tier vouched for may become the reference; a local copy without a
@@ -152,15 +155,15 @@ class TierChain:
         """
         if self.digests is None:
             return True
+        digest = None
         if tier.local:  # read back from this machine's disk: the fast hash recorded with it (store/integrity.py)
-            digest = None
             if self.digests.check_local(key, blob):
                 return True
         else:
             digest = sha256(blob)
             if self.digests.check_digest(key, digest, may_record=True, blob=blob):
                 return True
-        if contradicting is not None and not tier.local and not tier.household:
+        if contradicting is not None and digest is not None and not tier.household:
             if digest in contradicting:
                 self.digests.replace(key, digest, fast_digest(blob))
                 return True

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
 from expertmesh.node.store.stats import ExpertKey
-from expertmesh.node.store.tiers import Tier
 from expertmesh.node.store.tiers.disk import DiskCache
+from expertmesh.node.store.tiers.hub import HubSource
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def unverified_on_disk(disk: DiskCache, digests: DigestBook) -> list[ExpertKey]:
 def verify_experts(
     index: ExpertIndex,
     disk: DiskCache,
-    hub: Tier,
+    hub: HubSource,
     digests: DigestBook,
     keys: list[ExpertKey] | None = None,
     progress: Callable[[int], None] | None = None,

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 from expertmesh.devtools.lab import network, projection
 from expertmesh.node.sizes import format_size
@@ -97,30 +98,39 @@ class LabError(RuntimeError):
     """A process of the lab failed to start or to finish."""
 
 
+def _stdout(proc: subprocess.Popen) -> IO[str]:
+    """The pipe of a process `Procs.start` started (always with stdout=PIPE, as text)."""
+    if proc.stdout is None:
+        raise ValueError("the process was started without stdout=PIPE")
+    return proc.stdout
+
+
 def _read_line(proc: subprocess.Popen, pattern: str, timeout_s: float, log: Path | None = None) -> re.Match:
     """The first line of `proc`'s stdout matching `pattern`, within `timeout_s`; then the rest of its
     stdout is drained in the background, so a chatty process never blocks on a full pipe. On failure
     the error carries what it printed and the tail of its stderr (`log`)."""
+    stdout = _stdout(proc)
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout_s
-    seen = []
+    seen: list[str] = []
     try:
         while time.monotonic() < deadline and len(seen) < 200:
             if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
                 break
-            line = proc.stdout.readline()
+            line = stdout.readline()
             if not line:
                 break
             seen.append(line)
             m = re.search(pattern, line)
             if m:
-                threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
+                threading.Thread(target=_drain, args=(stdout,), daemon=True).start()
                 return m
     finally:
         sel.close()
     err = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
-    raise LabError(f"`{' '.join(proc.args[-8:])}` did not start: {''.join(seen)[-1500:]!r}\n{err}")
+    argv = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
+    raise LabError(f"`{' '.join(argv[-8:])}` did not start: {''.join(seen)[-1500:]!r}\n{err}")
 
 
 def _drain(stream) -> None:
@@ -383,7 +393,7 @@ class Lab:
         watchdog = threading.Timer(WORKER_TIMEOUT_S, worker.kill)  # the read below ends when the worker does
         watchdog.start()
         try:
-            for line in iter(worker.stdout.readline, ""):
+            for line in iter(_stdout(worker).readline, ""):
                 lines.append(line)
                 if line.strip() == "JOIN" and joined is None:
                     joined = self.procs.start(node["argv"], node["env"], self.work / "node-joined.err")

@@ -101,6 +101,7 @@ def project(p: ProjectionInputs) -> dict:
                     }
                 )
     moon = next(r for r in rows if r["compute"] == "metal_input" and r["link"] == "1GbE" and r["macs"] == 4)
+    moon_s = float(moon["remote_s_per_token"])  # type: ignore[arg-type]
     # the call time outside the peer that would just meet the moonshot, all else as given (< 0: out of reach)
     metal_rest = layer_seconds(
         ProjectionInputs(**{**asdict(p), "call_s": 0.0}), 4, LINKS["1GbE"], p.metal_compute_s, True
@@ -112,8 +113,8 @@ def project(p: ProjectionInputs) -> dict:
         "rows": rows,
         "moonshot": {
             "target_s_per_token": MOONSHOT_S,
-            "projected_s_per_token": moon["remote_s_per_token"],
-            "met": moon["remote_s_per_token"] <= MOONSHOT_S,
+            "projected_s_per_token": moon_s,
+            "met": moon_s <= MOONSHOT_S,
             "what": "K3, 4 Macs, 1 GbE, remote execution, Metal compute (input)",
             "call_s_budget": budget,
             "projected_with_ping_as_call_s_per_token": (

@@ -15,11 +15,15 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from expertmesh.assembly import Node
+    from expertmesh.node.engine.streamed_model import StreamedModel
 
 JOIN_WAIT_S = 60.0  # at most this long between prompts for a joining node to be seen (not in decode time)
 
@@ -31,24 +35,12 @@ def _hub_bytes(url: str) -> int:
 
 def _discover(cluster: str, interface: str, want: int, wait_s: float) -> list[str]:
     """Addresses of the nodes of `cluster` that zeroconf finds on `interface` (up to `want`, within `wait_s`)."""
-    from expertmesh.node.household.discovery import Browser
+    from expertmesh.node.household.lookup import browse
+    from expertmesh.node.household.membership import PeerTable
 
-    found: dict[str, str] = {}
-    seen_all = threading.Event()
-
-    def seen(name: str, sighting) -> None:
-        if sighting is not None and sighting.ad.cluster == cluster:
-            found[sighting.ad.node_id] = sighting.address
-            if len(found) >= want:
-                seen_all.set()
-
-    browser = Browser(seen, [interface])
-    try:
-        seen_all.wait(wait_s)
-        browser.settle()
-    finally:
-        browser.close()
-    return sorted(found.values())
+    table = PeerTable(self_id="expertmesh-lab", self_weight=0.0)
+    browse(table, cluster, interface, wait_s, enough=want)
+    return sorted(p.address for p in table.all())
 
 
 class _Tally:
@@ -71,7 +63,14 @@ class _Tally:
         remote.plan = counted
 
 
-def _generate(sm, ids: list[int], tokens: int, on_token=None) -> dict:
+def _full(node: Node) -> StreamedModel:
+    """The node's model: a lab worker is always a full node."""
+    if node.model is None:
+        raise RuntimeError("a lab worker's node has no model (a cache peer?)")
+    return node.model
+
+
+def _generate(sm: StreamedModel, ids: list[int], tokens: int, on_token=None) -> dict:
     from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 
     summary = GenerationSummary()
@@ -117,18 +116,20 @@ def run(spec: dict) -> dict:
     with hub_client.using_endpoint(spec["hub_url"]):
         if spec.get("warm_first"):  # untimed: the prompts' experts onto this node's disk
             node = build_node(NodeConfig(spec["repo_id"], home=home, store=store, household=household)).start()
+            sm = _full(node)
             for prompt in spec["prompts"]:
-                _generate(node.model, node.model.tokenizer.encode(prompt), spec["tokens"])
-            node.model.store.disk.flush()
+                _generate(sm, sm.tokenizer.encode(prompt), spec["tokens"])
+            sm.store.disk.flush()
             node.close()
         node = build_node(NodeConfig(spec["repo_id"], home=home, store=store, household=household, rpc=rpc)).start()
         try:
-            if rpc is not None:  # wait (bounded) until zeroconf has found the nodes that are up
+            table = node.peers
+            if rpc is not None and table is not None:  # wait (bounded) until zeroconf has found the nodes that are up
                 deadline = time.monotonic() + spec.get("discovery_wait_s", 10)
-                while len(node.peers.all()) < spec["expect_peers"] and time.monotonic() < deadline:
+                while len(table.all()) < spec["expect_peers"] and time.monotonic() < deadline:
                     time.sleep(0.2)
-                out["peers"] = sorted(p.address for p in node.peers.all())
-            sm = node.model
+                out["peers"] = sorted(p.address for p in table.all())
+            sm = _full(node)
             tally = _Tally(node.remote) if node.remote is not None else None
             _generate(sm, sm.tokenizer.encode(spec["warm_up"]), 3)  # connections, kernels, first estimates
             kill = spec.get("kill")
@@ -140,7 +141,7 @@ def run(spec: dict) -> dict:
                     os.kill(kill["pid"], signal.SIGKILL)
                     out["killed"] = {"pid": kill["pid"], "after_token": n}
                 if join and n == join["after_token"] and not out.get("join_asked"):
-                    out["join_asked"] = {"after_token": n, "peers": len(node.peers.all())}
+                    out["join_asked"] = {"after_token": n, "peers": len(table.all()) if table is not None else 0}
                     print("JOIN", flush=True)  # the lab starts the node now
 
             if tally is not None:  # what the measured prompts placed, not the warm-up's
@@ -151,12 +152,12 @@ def run(spec: dict) -> dict:
             for i, prompt in enumerate(spec["prompts"]):
                 if i == 1 and out.get("join_asked"):  # the next prompt with the joined node, once zeroconf shows it
                     t0, before = time.monotonic(), out["join_asked"]["peers"]
-                    while len(node.peers.all()) <= before and time.monotonic() - t0 < JOIN_WAIT_S:
+                    while table is not None and len(table.all()) <= before and time.monotonic() - t0 < JOIN_WAIT_S:
                         time.sleep(0.2)
                     out["join_seen_after_s"] = round(time.monotonic() - t0, 2)
                 runs.append(_generate(sm, sm.tokenizer.encode(prompt), spec["tokens"], on_token if i == 0 else None))
             hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
-            out["peers_at_end"] = len(node.peers.all()) if node.peers is not None else 0
+            out["peers_at_end"] = len(table.all()) if table is not None else 0
             if node.remote is not None:
                 out["links"] = {
                     nid: {"rtt_s": k.rtt_s, "call_s": k.call_s, "service_s": k.service_s, "bandwidth": k.bandwidth}
@@ -168,7 +169,7 @@ def run(spec: dict) -> dict:
     sources = list(runs[0]["stats"].uses)
     uses = {k: sum(r["stats"].uses[k] for r in runs) for k in sources}
     nbytes = {k: sum(r["stats"].bytes[k] for r in runs) for k in sources}
-    remote = {k: sum(r["stats"].remote[k] for r in runs) for k in runs[0]["stats"].remote}
+    remote_counts = {k: sum(r["stats"].remote[k] for r in runs) for k in runs[0]["stats"].remote}
     decode_s = sum(r["decode_s"] for r in runs)
     wait_s = sum(r["stats"].wait_seconds for r in runs)
     out.update(
@@ -178,7 +179,7 @@ def run(spec: dict) -> dict:
         s_per_token=decode_s / max(1, tokens),
         uses=uses,
         bytes=nbytes,
-        remote=remote,
+        remote=remote_counts,
         hub_served_bytes=hub_bytes,  # by the Hub during the prompts: prefill, guesses and decode
         wait_s=wait_s,
         placed=dict(tally.placed) if tally else {"here": sum(uses.values())},

@@ -15,10 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from expertmesh.node.model import safetensors_format
-from expertmesh.node.model.mlx_lm_models import model_classes
+from expertmesh.node.model.mlx_lm_models import flat_parameters, model_classes
 
 _DTYPES = {
     mx.bfloat16: ("BF16", mx.uint16),
@@ -67,7 +66,7 @@ def init_parameters(config: dict, seed: int) -> dict[str, mx.array]:
     model_class, args_class = model_classes(config)
     mx.random.seed(seed)
     model: nn.Module = model_class(args_class.from_dict(config))
-    params = dict(tree_flatten(model.parameters()))
+    params = flat_parameters(model)
     mx.eval(params)
     return params
 

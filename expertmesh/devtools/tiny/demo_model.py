@@ -47,7 +47,10 @@ def config() -> dict:
 
 def load_params(demo_dir: Path = DEMO_DIR) -> dict[str, mx.array]:
     """The committed trained parameters, by mlx-lm's names without `language_model.`."""
-    return mx.load(str(demo_dir / WEIGHTS_FILE))
+    weights = mx.load(str(demo_dir / WEIGHTS_FILE))
+    if not isinstance(weights, dict):
+        raise ValueError(f"{demo_dir / WEIGHTS_FILE} holds no named tensors")
+    return weights
 
 
 def write_repo(out: Path, params: dict[str, mx.array], demo_dir: Path = DEMO_DIR) -> None:
@@ -117,7 +120,7 @@ def mean_loss(model: nn.Module, batch: mx.array, chunk: int = 16) -> float:
     for i in range(0, batch.shape[0], chunk):
         b = batch[i : i + chunk]
         losses = nn.losses.cross_entropy(model(b[:, :-1]).astype(mx.float32), b[:, 1:], reduction="sum")
-        total += losses.item()
+        total += float(losses.item())  # type: ignore[arg-type]  # a sum: one real number
         count += b[:, 1:].size
     return total / count
 
@@ -167,6 +170,7 @@ def expert_counts(model: nn.Module, batch: mx.array) -> dict[int, np.ndarray]:
     counts = {}
     for i, picks in sinks.items():
         n = originals[i].args.num_experts
+        assert n is not None  # a MoE layer's
         counts[i] = np.bincount(np.concatenate([np.array(p).reshape(-1) for p in picks]), minlength=n)
     return counts
 

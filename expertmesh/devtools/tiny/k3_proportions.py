@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from expertmesh.devtools.tiny import kimi_k3, router_balance
 from expertmesh.devtools.tiny.common import (
@@ -36,7 +36,7 @@ from expertmesh.devtools.tiny.common import (
     write_readme,
 )
 from expertmesh.devtools.tiny.tokenizer import write_tokenizer_files
-from expertmesh.node.model.mlx_lm_models import model_classes
+from expertmesh.node.model.mlx_lm_models import flat_parameters, model_classes
 
 K3_LATENT = 3584  # routed_expert_hidden_size
 K3_INTERMEDIATE = 3072  # moe_intermediate_size
@@ -101,12 +101,12 @@ def _core_parameters(cfg: dict, seed: int, p: Proportions) -> dict[str, mx.array
     mx.random.seed(seed)
     model: nn.Module = model_class(args_class.from_dict(cfg))
     prefix = "language_model."
-    params = {k.removeprefix(prefix): v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
+    params = {k.removeprefix(prefix): v for k, v in flat_parameters(model).items() if ".switch_mlp." not in k}
     params = add_noise(params, cfg["text_config"]["num_hidden_layers"], seed)
     if p.router == "balanced":
         model.update(tree_unflatten([(prefix + k, v) for k, v in params.items()]))
         router_balance.balance_routers(model, kimi_k3.VOCAB_SIZE, p.top_k, seed)
-        params = {k.removeprefix(prefix): v for k, v in tree_flatten(model.parameters()) if ".switch_mlp." not in k}
+        params = {k.removeprefix(prefix): v for k, v in flat_parameters(model).items() if ".switch_mlp." not in k}
     mx.eval(params)
     return params
 
@@ -179,5 +179,5 @@ def build_small(out: Path, seed: int = 0) -> Path:
 
 
 def _as_float32(t: Tensor) -> Tensor:
-    bits = np.frombuffer(t.data, dtype=np.uint16).astype(np.uint32) << 16
+    bits = np.frombuffer(bytes(t.data), dtype=np.uint16).astype(np.uint32) << 16
     return Tensor(t.name, "F32", t.shape, bits.view(np.float32).tobytes())

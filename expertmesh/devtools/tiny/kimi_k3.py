@@ -156,7 +156,7 @@ def _expert_tensors(params: dict[str, mx.array], layer: int) -> list[Tensor]:
     base = f"model.layers.{layer}.mlp.switch_mlp"
     packed = {}
     for proj, upstream in _EXPERT_PROJ.items():
-        q, scales = mx.quantize(params[f"{base}.{proj}.weight"], group_size=32, bits=4, mode="mxfp4")
+        q, scales, *_ = mx.quantize(params[f"{base}.{proj}.weight"], group_size=32, bits=4, mode="mxfp4")
         packed[upstream] = (q.view(mx.uint8), scales)
     out = []
     for e in range(NUM_EXPERTS):

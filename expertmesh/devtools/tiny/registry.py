@@ -364,6 +364,7 @@ def _fill(args_class: type, overrides: dict) -> dict:
 
 
 Shapes = dict[str, tuple[int, ...]]  # projection -> its stacked weight's shape (E, out, in)
+ExpertSpec = tuple[str, str, tuple[int, ...], int | None]  # name, safetensors dtype, shape, fan-in
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,7 @@ class Layout:
 
     name: str
     description: str
-    tensors: Callable[[str, Shapes, set[str]], list[tuple[str, str, tuple[int, ...], int | None]]]
+    tensors: Callable[[str, Shapes, set[str]], list[ExpertSpec]]
     quantization_config: dict | None = None
 
 
@@ -400,7 +401,7 @@ def _per_expert(names: dict[str, str], moe: Callable[[str], str], group: str = "
     def tensors(block: str, shapes: Shapes, biases: set[str]) -> list:
         if set(shapes) != set(names):
             return []
-        out = []
+        out: list[ExpertSpec] = []
         for e in range(_experts(shapes)):
             for proj, (_, o, i) in shapes.items():
                 out.append((f"{moe(block)}.{group}.{e}.{names[proj]}.weight", "BF16", (o, i), i))
@@ -414,7 +415,7 @@ def _per_expert(names: dict[str, str], moe: Callable[[str], str], group: str = "
 def _per_expert_fp8(block: str, shapes: Shapes, biases: set[str]) -> list:
     if set(shapes) != set(_GLU) or biases:
         return []
-    out = []
+    out: list[ExpertSpec] = []
     for e in range(_experts(shapes)):
         for proj, (_, o, i) in shapes.items():
             name = f"{_parent(block)}.experts.{e}.{proj}"
@@ -583,10 +584,9 @@ def _mismatch(config: dict, core: dict[str, mx.array], experts: list, wanted: di
         return str(e)
     if config.get("quantization_config"):
         import mlx.nn as nn
-        from mlx.utils import tree_flatten
 
         nn.quantize(model, 32, 4, mode="mxfp4", class_predicate=lambda p, m: f"{p}.scales" in out)
-        wanted = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+        wanted = {k: tuple(v.shape) for k, v in mlx_lm_models.flat_parameters(model).items()}
     got = {k: tuple(v.shape) for k, v in out.items() if isinstance(v, expert_trace.Sym) and v._shape is not None}
     missing, extra = sorted(set(wanted) - set(got)), sorted(set(got) - set(wanted))
     if missing or extra:
@@ -635,8 +635,8 @@ def _expert_tensor(
         if name.endswith("_scales"):
             return Tensor(name, dtype, shape, np.full(shape, 123, dtype=np.uint8).tobytes())  # 2**-4
         return Tensor(name, dtype, shape, rng.integers(0, 256, shape, dtype=np.uint8).tobytes())
-    values = rng.standard_normal(shape).astype(np.float32) / math.sqrt(fan_in or 1)
+    drawn = rng.standard_normal(shape).astype(np.float32) / math.sqrt(fan_in or 1)
     if name.endswith("weight_scale_inv"):
-        values = np.abs(values) + 1 / math.sqrt(fan_in or 1)
-        return Tensor(name, dtype, shape, values.astype(np.float32).tobytes())
-    return tensor(name, mx.array(values).astype(mx.bfloat16))
+        drawn = np.abs(drawn) + 1 / math.sqrt(fan_in or 1)
+        return Tensor(name, dtype, shape, drawn.astype(np.float32).tobytes())
+    return tensor(name, mx.array(drawn).astype(mx.bfloat16))

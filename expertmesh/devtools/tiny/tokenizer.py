@@ -74,4 +74,7 @@ def save_tokenizer(out: Path, tok: Tokenizer) -> int:
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return tok.token_to_id(EOS_TOKEN)
+    eos = tok.token_to_id(EOS_TOKEN)
+    if eos is None:
+        raise ValueError(f"the tokenizer has no {EOS_TOKEN!r}")
+    return eos

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from expertmesh.node.fetching import DEMAND, FetchContext
-from expertmesh.node.model.expert_index import ExpertLocation
+from expertmesh.node.model.expert_index import ExpertBytes, ExpertLocation
 
 
 class Tier(Protocol):
@@ -32,7 +32,7 @@ class Tier(Protocol):
     local: bool
     household: bool
 
-    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> bytes | bytearray | memoryview | None: ...
+    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> ExpertBytes | None: ...
 
     def discard(self, loc: ExpertLocation) -> None: ...
 
@@ -48,6 +48,4 @@ class RunFetcher(Tier, Protocol):
     @property
     def run_bytes(self) -> int: ...
 
-    def fetch_run(
-        self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND
-    ) -> list[bytes | bytearray | memoryview]: ...
+    def fetch_run(self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND) -> list[ExpertBytes]: ...

@@ -45,7 +45,7 @@ from typing import Protocol
 
 from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.hub import local_models
-from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
+from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex, ExpertLocation
 from expertmesh.node.store.disk_reads import DiskReadConfig, DiskReader, WrongSize
 from expertmesh.node.store.integrity import DigestBook
 
@@ -102,7 +102,7 @@ class DiskCache:
         self._writing: set[tuple[int, int]] = set()  # reserved in _files, file not yet in place
         self._lock = threading.Lock()
         self._queued = threading.Condition(self._lock)
-        self._pending: dict[tuple[int, int], bytes | bytearray] = {}  # queued for the writer, readable
+        self._pending: dict[tuple[int, int], ExpertBytes] = {}  # queued for the writer, readable
         self._queue: deque[tuple[int, int]] = deque()
         self._pending_bytes = 0
         self._pending_max = WRITE_BEHIND_EXPERTS * max((loc.nbytes for loc in index.experts.values()), default=0)
@@ -246,7 +246,7 @@ class DiskCache:
         self.refused = False  # try: the next refusal turns it off again
         return False
 
-    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> bytes | bytearray | memoryview | None:
+    def fetch(self, loc: ExpertLocation, ctx: FetchContext = DEMAND) -> ExpertBytes | None:
         """The copy on disk (or queued for it); `ctx` is for tiers that move bytes over a link.
         A copy read from disk is a pooled buffer, reused once every view of it is gone."""
         key = (loc.layer, loc.expert)
@@ -296,7 +296,7 @@ class DiskCache:
             self._lock_fd = None
         self.reader.close()
 
-    def put(self, loc: ExpertLocation, blob: bytes | bytearray, wait: bool = False) -> None:
+    def put(self, loc: ExpertLocation, blob: ExpertBytes, wait: bool = False) -> None:
         """Keep a copy of a verified expert (its digest must already be persisted); failing to
         keep one is not the caller's error. Queued when the writer runs, unless `wait`."""
         key = (loc.layer, loc.expert)
@@ -381,13 +381,13 @@ class DiskCache:
                     self._unqueue(key, blob)
                 self._queued.notify_all()
 
-    def _unqueue(self, key: tuple[int, int], blob: bytes | bytearray) -> None:
+    def _unqueue(self, key: tuple[int, int], blob: ExpertBytes) -> None:
         """Drop `blob` from the queued bytes, unless `key` was evicted and queued anew meanwhile (under the lock)."""
         if self._pending.get(key) is blob:
             del self._pending[key]
             self._pending_bytes -= len(blob)
 
-    def _write(self, key: tuple[int, int], blob: bytes | bytearray) -> None:
+    def _write(self, key: tuple[int, int], blob: ExpertBytes) -> None:
         """Write under a temporary name and publish it by a rename, while the reservation stands."""
         path = self._path(*key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}")

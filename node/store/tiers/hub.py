@@ -4,7 +4,9 @@ An expert is split into a few pieces fetched on separate connections of one shar
 link gives each connection a fraction of its bandwidth (12.5 of 100 MB/s is typical), so a
 layer needing fewer experts than there are connections would otherwise leave most of the link
 idle; pieces keep every connection busy. Pieces are not made smaller than `min_piece_bytes`,
-since each request pays the time to first byte. Queued pieces are taken demands first, then
+since each request pays the time to first byte. How many connections the pool runs is measured:
+it grows while more connections carry more, as where a CDN edge caps every connection well
+below the link's share (hub_connections.py). Queued pieces are taken demands first, then
 guesses, then idle-link fills (the fetch's `FetchContext`, node/fetching.py).
 
 Idle-link fill asks for runs of experts that lie back to back in a shard as one request
@@ -21,16 +23,20 @@ of one fetch, and asking again per expert would multiply it by the run's length.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future, wait
 
 from expertmesh.node import constants
 from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.fetching import DEMAND, Deadline, FetchContext
-from expertmesh.node.model.expert_index import ByteRange, ExpertIndex, ExpertLocation, run_ranges
+from expertmesh.node.model.expert_index import ByteRange, ExpertBytes, ExpertIndex, ExpertLocation, run_ranges
 from expertmesh.node.store.buffers import expert_buffer, shared_pool
 from expertmesh.node.store.priority import PriorityPool
+from expertmesh.node.store.tiers.hub_connections import AdaptiveConnections
 
 DEFAULT_CONNECTIONS = constants.HUB_CONNECTIONS
+DEFAULT_MAX_CONNECTIONS = constants.HUB_MAX_CONNECTIONS
 DEFAULT_PIECES_PER_EXPERT = constants.HUB_PIECES_PER_EXPERT
 DEFAULT_MIN_PIECE_BYTES = constants.HUB_MIN_PIECE_BYTES
 
@@ -65,15 +71,27 @@ class HubSource:
         connections: int = DEFAULT_CONNECTIONS,
         pieces_per_expert: int = DEFAULT_PIECES_PER_EXPERT,
         min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ):
+        """`connections`: the count of range requests in flight at first; it grows up to
+        `max_connections` while more connections carry more (hub_connections.py; equal counts:
+        fixed)."""
         from expertmesh.node.hub.client import RangeReader
 
         self.index = index
         self.reader = reader or RangeReader()
-        self.connections = connections
+        self.adaptive = AdaptiveConnections(connections, max_connections)
         self.pieces_per_expert = pieces_per_expert
         self.min_piece_bytes = min_piece_bytes
         self._pool = PriorityPool(connections, "hub-range")  # demands' pieces before guesses' and fills'
+        self._busy = 0  # pieces being read now
+        self._busy_lock = threading.Lock()
+
+    @property
+    def connections(self) -> int:
+        """Range requests in flight at once now (the store groups a layer's experts into runs
+        where it wants more than these)."""
+        return self.adaptive.allowed
 
     def start(self) -> None:
         self._pool.start()
@@ -82,9 +100,20 @@ class HubSource:
         from expertmesh.node.hub.client import RemoteFile
 
         remote = RemoteFile(self.index.repo_id, self.index.commit, r.file)
-        got = self.reader.read_into(remote, r.start, r.end, out, ctx)
+        with self._busy_lock:
+            self._busy += 1
+            busy = self._busy
+        started = time.monotonic()
+        try:
+            got = self.reader.read_into(remote, r.start, r.end, out, ctx)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
         if got != r.nbytes:
             raise DownloadError(f"{self.index.repo_id} {r.file}: asked for {r.nbytes} bytes, got {got}")
+        changed = self.adaptive.record(got, time.monotonic() - started, busy)
+        if changed is not None:
+            self._pool.resize(changed)
 
     def _read_pieces(self, pieces: list[ByteRange], into: memoryview, ctx: FetchContext) -> None:
         """Each piece into its place in `into`, on the pool's connections (one piece: here), all
@@ -131,7 +160,7 @@ class HubSource:
         """The largest run worth one request: beyond it, pieces on separate connections pay more."""
         return self.pieces_per_expert * self.min_piece_bytes
 
-    def fetch_run(self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND) -> list[bytes | bytearray | memoryview]:
+    def fetch_run(self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND) -> list[ExpertBytes]:
         """The blobs of experts whose ranges merge (`run_ranges`), fetched as one set of ranges into
         one buffer; an expert of one range is a view of it, not a copy.
 

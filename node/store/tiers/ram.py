@@ -1,62 +1,333 @@
-"""The RAM tier: decoded experts within a byte budget, kept by a replacement policy (store/policies.py).
+"""The RAM tier: experts in stacked slot arrays within a byte budget, kept by a replacement policy
+(store/policies.py).
 
-The budget becomes a number of slots of one decoded expert's size (a model's experts share one
-size). The experts a layer is using stay alive through the caller's references even when the
-budget is smaller than one layer, so a tiny budget costs refetches, never wrong answers.
+Why slots: the kernels mlx-lm runs for a MoE layer (one `gather_qmm` per projection, or
+`gather_mm` for float experts: mlx_lm/models/switch_layers.py) read the layer's experts from one
+stacked array per projection array, indexed by expert. Here the stacks hold slots: a slot is one
+expert's place in every array of its layout (node/model/codec.py's `SlotLayout`), and a layer runs
+those same kernels with its experts' ids mapped to slots (engine/blocks.py). An expert is written
+into its slot once, when it arrives, never re-stacked per token; the slots are the tier, there is
+no second copy of a resident expert.
+
+Writing a slot is `mx.slice_update` of each stack, on the MLX thread. MLX arrays are immutable,
+so the update makes a new array; when nothing else references the old one, MLX donates its buffer
+to the new one and copies only the slot (measured in docs/benchmarks.md, "Slot writes"). The
+engine writes slots only after a layer's sync, when no lazy graph still reads a stack; a write
+while one did would still compute the right thing, at the price of a copy of the whole stack.
+
+Memory: the budget is a number of slots of one expert's size, kept by the policy; beside them
+`spare_slots` (one per fetch worker) hold experts in use that the policy did not keep, so the
+stacks stay within the budget plus one expert per fetch worker however many experts a layer
+wants at once (the store's `hold_limit`). An expert in use is pinned: its slot is not reused
+until it is released, even if the policy evicts it meanwhile. When every slot is resident or
+pinned, the least recently used unpinned expert gives its slot up. Layers whose experts are
+stored alike share one pool of slots (every model we know has one layout); a model with several
+splits the budget between them by their numbers of layers, and so does a pool whose stacks would
+be larger than the device's largest buffer (Metal's `max_buffer_length`), split into runs of
+consecutive layers. A pool's stacks are made when its first expert arrives, at its full capacity
+(never grown: growing would copy them).
+
+Thread-safety: the bookkeeping (which expert is in which slot, pins, the policy) is under one lock
+and may be asked from any thread; the arrays are made and written on the MLX thread only.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
-from expertmesh.node.model.codec import ExpertWeights
+import mlx.core as mx
+import numpy as np
+
+from expertmesh.node.model.codec import ExpertCodec, ExpertWeights, SlotLayout
+from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
 from expertmesh.node.store.policies import DEFAULT_POLICY, make_policy
 from expertmesh.node.store.stats import ExpertKey
 
 
+@dataclass
+class SlotPool:
+    """The stacked arrays of one layout: slot s of every array is one expert."""
+
+    layout: SlotLayout
+    capacity: int
+    layers: frozenset[int]
+    policy: object
+    keeps_all: bool = False  # the policy's budget holds every expert of the layers: it never evicts
+    free: list[int] = field(default_factory=list)
+    # projection -> array kind -> (capacity, *shape); made at the first write (on the MLX thread)
+    arrays: dict[str, dict[str, mx.array]] | None = None
+    recent: OrderedDict = field(default_factory=OrderedDict)  # resident keys, least recently used first
+
+    def write(self, slot: int, weights: ExpertWeights) -> None:
+        """Put `weights` into `slot` of every stack (lazy; MLX thread only)."""
+        if self.arrays is None:
+            self.arrays = {
+                name: {kind: mx.zeros((self.capacity, *shape), dtype) for kind, shape, dtype in arrays}
+                for name, arrays, _ in self.layout.projections
+            }
+        at = mx.array([slot])
+        for name, stacks in self.arrays.items():
+            p = weights.projections[name]
+            for kind, stack in stacks.items():
+                stacks[kind] = mx.slice_update(stack, getattr(p, kind)[None], at, (0,))
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.capacity * self.layout.nbytes if self.arrays is not None else 0
+
+
 class RamCache:
-    def __init__(self, budget_bytes: int, policy: str = DEFAULT_POLICY):
+    """Experts of one model in slots, by layer (see the module docstring).
+
+    Args:
+        budget_bytes: what the policy may keep.
+        layouts: each MoE layer's slot layout (`ExpertCodec.layout`).
+        experts: each MoE layer's number of routed experts.
+        policy: the replacement policy's name (store/policies.py).
+        spare_slots: slots beyond the budget for experts in use that the policy does not keep.
+        max_stack_bytes: the largest array the device makes (Metal's `max_buffer_length`); a pool
+            whose stacks would be larger is split into pools of fewer layers. None: no limit.
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        layouts: dict[int, SlotLayout],
+        experts: dict[int, int],
+        policy: str = DEFAULT_POLICY,
+        spare_slots: int = 0,
+        max_stack_bytes: int | None = None,
+    ):
         self.budget_bytes = budget_bytes
         self.policy_name = policy
         make_policy(policy, 0)  # an unknown name fails here, not at the first expert
-        self._policy = None  # made at the first put, once an expert's size is known
-        self._items: dict[ExpertKey, ExpertWeights] = {}
+        self.experts = dict(experts)
         self._lock = threading.Lock()
-        self.nbytes = 0
+        self._pools: dict[int, SlotPool] = {}  # layer -> its pool
+        by_layout: dict[SlotLayout, list[int]] = {}
+        for layer, layout in sorted(layouts.items()):
+            by_layout.setdefault(layout, []).append(layer)
+        for layout, layers in by_layout.items():
+            for part in _split(layers, layout, budget_bytes, len(layouts), spare_slots, max_stack_bytes):
+                self._add_pool(layout, part, budget_bytes * len(part) // max(1, len(layouts)), spare_slots)
+        self._slot: dict[ExpertKey, int] = {}  # every expert that has a slot: resident or pinned
+        self._pins: dict[ExpertKey, int] = {}
+        self._resident: dict[int, int] = dict.fromkeys(self.experts, 0)  # layer -> experts the policy keeps
+        self._changed: dict[int, int] = dict.fromkeys(self.experts, 0)  # layer -> a count of its changes
+        self._maps: dict[int, tuple[int, mx.array]] = {}  # layer -> (its change count, expert -> slot)
+        self.nbytes = 0  # of the experts the policy keeps
         self.evictions = 0
+        self.slot_writes = 0  # experts written into slots (each copies one expert's bytes)
 
-    def get(self, key: ExpertKey) -> ExpertWeights | None:
-        with self._lock:
-            weights = self._items.get(key)
-            if weights is not None:
-                self._policy.access(key)
-            return weights
+    def _add_pool(self, layout: SlotLayout, layers: list[int], budget_bytes: int, spare_slots: int) -> None:
+        kept = budget_bytes // max(1, layout.nbytes)
+        total = sum(self.experts.get(la, 0) for la in layers)
+        capacity = min(kept + max(0, spare_slots), total)
+        pool = SlotPool(layout, capacity, frozenset(layers), make_policy(self.policy_name, kept), kept >= total)
+        pool.free = list(range(capacity))[::-1]
+        for layer in layers:
+            self._pools[layer] = pool
 
-    def put(self, key: ExpertKey, weights: ExpertWeights) -> None:
-        with self._lock:
-            if key in self._items:
-                return
-            if self._policy is None:
-                self._policy = make_policy(self.policy_name, self.budget_bytes // max(1, weights.nbytes))
-            _, evicted = self._policy.access(key)
-            self._items[key] = weights
-            self.nbytes += weights.nbytes
-            for old in evicted:
-                gone = self._items.pop(old, None)
-                if gone is not None:
-                    self.nbytes -= gone.nbytes
-                    self.evictions += 1
+    @classmethod
+    def for_model(
+        cls,
+        budget_bytes: int,
+        index: ExpertIndex,
+        codec: ExpertCodec,
+        policy: str = DEFAULT_POLICY,
+        spare_slots: int = 0,
+        max_stack_bytes: int | None = None,
+    ) -> RamCache:
+        """The tier for `index`'s model: each MoE layer's layout from `codec`, its size from the index."""
+        first: dict[int, ExpertLocation] = {}
+        experts: dict[int, int] = {}
+        for (layer, _), loc in index.experts.items():
+            first.setdefault(layer, loc)
+            experts[layer] = experts.get(layer, 0) + 1
+        layouts = {layer: codec.layout(loc) for layer, loc in first.items()}
+        return cls(budget_bytes, layouts, experts, policy, spare_slots, max_stack_bytes)
+
+    # -- what is held (any thread) ------------------------------------------------------------
 
     def slots(self, expert_bytes: int) -> int:
         """How many experts of about `expert_bytes` the budget holds."""
         return self.budget_bytes // max(1, expert_bytes)
 
+    @property
+    def capacity(self) -> int:
+        """The fewest slots of any pool: how many experts of one layer can be in slots at once."""
+        return min((p.capacity for p in self._pools.values()), default=0)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the stacks made so far (their full capacity, whatever they hold)."""
+        return sum(p.allocated_bytes for p in {id(p): p for p in self._pools.values()}.values())
+
     def keys(self) -> list[ExpertKey]:
         with self._lock:
-            return list(self._items)
+            return list(self._slot)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._slot)
 
     def __contains__(self, key: ExpertKey) -> bool:
-        return key in self._items
+        return key in self._slot
+
+    def resident(self, layer: int) -> bool:
+        """Whether every expert of `layer` is kept in a slot (the layer can run without a sync)."""
+        n = self.experts.get(layer, 0)
+        return n > 0 and self._resident.get(layer, 0) == n
+
+    def pool(self, layer: int) -> SlotPool:
+        return self._pools[layer]
+
+    # -- using experts --------------------------------------------------------------------------
+
+    def acquire(self, keys: list[ExpertKey]) -> dict[ExpertKey, int]:
+        """Pin each of `keys` that has a slot (a use: the policy hears of it); their slots."""
+        out = {}
+        with self._lock:
+            for key in keys:
+                slot = self._slot.get(key)
+                if slot is None:
+                    continue
+                self._pins[key] = self._pins.get(key, 0) + 1
+                pool = self._pools[key[0]]
+                if key in pool.recent:
+                    pool.policy.access(key)  # a hit: nothing is evicted
+                    pool.recent.move_to_end(key)
+                out[key] = slot
+        return out
+
+    def touch(self, keys: list[ExpertKey]) -> None:
+        """Uses of resident experts that ran without pins (engine/blocks.py's resident layers).
+        A pool that keeps every expert of its layers evicts nothing: its policy need not hear."""
+        if keys and self._pools[keys[0][0]].keeps_all:
+            return
+        with self._lock:
+            for key in keys:
+                pool = self._pools[key[0]]
+                if key in pool.recent:
+                    pool.policy.access(key)
+                    pool.recent.move_to_end(key)
+
+    def place(self, key: ExpertKey, weights: ExpertWeights) -> int | None:
+        """Write an arrived expert into a slot and pin it; its slot, or None when every slot is
+        pinned (MLX thread only). The policy decides whether it stays once released."""
+        with self._lock:
+            slot = self._slot.get(key)
+            pool = self._pools[key[0]]
+            if slot is not None:  # placed meanwhile (by another group, or a peer's call)
+                self._pins[key] = self._pins.get(key, 0) + 1
+                return slot
+            if not pool.free and all(k in self._pins for k in pool.recent):
+                return None  # every slot in use: the policy is not even asked
+            _, evicted = pool.policy.access(key)
+            kept = key not in evicted
+            for old in evicted:
+                self.evictions += 1
+                if old != key:
+                    self._let_go(pool, old)
+            if not pool.free:
+                self._free_one(pool)
+            slot = pool.free.pop()
+            self._slot[key] = slot
+            self._pins[key] = 1
+            if kept:
+                pool.recent[key] = None
+                self._keep(key, +1)
+            self.slot_writes += 1
+        pool.write(slot, weights)
+        return slot
+
+    def release(self, keys: list[ExpertKey]) -> None:
+        """Unpin; an expert the policy does not keep gives its slot back."""
+        with self._lock:
+            for key in keys:
+                n = self._pins.get(key, 0) - 1
+                if n > 0:
+                    self._pins[key] = n
+                    continue
+                self._pins.pop(key, None)
+                pool = self._pools[key[0]]
+                if key not in pool.recent and key in self._slot:
+                    pool.free.append(self._slot.pop(key))
+
+    def slot_map(self, layer: int) -> mx.array | None:
+        """Expert id -> slot of `layer` as an MLX array, if every expert of it is resident (MLX thread)."""
+        if not self.resident(layer):
+            return None
+        with self._lock:
+            version = self._changed[layer]
+            made = self._maps.get(layer)
+            if made is not None and made[0] == version:
+                return made[1]
+            slots = [self._slot[(layer, e)] for e in range(self.experts[layer])]
+        slot_map = mx.array(slots, dtype=mx.uint32)  # as mlx-lm's router gives its indices
+        self._maps[layer] = (version, slot_map)
+        return slot_map
+
+    def stack_buffers(self) -> dict[tuple[int, str, str], tuple[int, int]]:
+        """Where each stack's buffer is, and its bytes, by (pool, projection, kind): a write that
+        copied a stack instead of writing its slot in place moves it (tests and `bench --compute`
+        look). Reading evaluates the stacks (MLX thread)."""
+        out = {}
+        for n, pool in enumerate({id(p): p for p in self._pools.values()}.values()):
+            for name, stacks in (pool.arrays or {}).items():
+                for kind, stack in stacks.items():
+                    view = memoryview(stack)
+                    try:
+                        out[(n, name, kind)] = (np.asarray(view).ctypes.data, stack.nbytes)
+                    finally:
+                        view.release()
+        return out
+
+    # -- under the lock -----------------------------------------------------------------------
+
+    def _keep(self, key: ExpertKey, delta: int) -> None:
+        self._resident[key[0]] = self._resident.get(key[0], 0) + delta
+        self._changed[key[0]] = self._changed.get(key[0], 0) + 1
+        self.nbytes += delta * self._pools[key[0]].layout.nbytes
+
+    def _let_go(self, pool: SlotPool, key: ExpertKey) -> None:
+        """The policy no longer keeps `key`: its slot is free unless it is in use."""
+        if key in pool.recent:
+            del pool.recent[key]
+            self._keep(key, -1)
+        if key not in self._pins and key in self._slot:
+            pool.free.append(self._slot.pop(key))
+
+    def _free_one(self, pool: SlotPool) -> None:
+        """Every slot is taken: the least recently used expert not in use gives its slot up."""
+        for key in pool.recent:
+            if key not in self._pins:
+                pool.policy.discard(key)
+                self.evictions += 1
+                self._let_go(pool, key)
+                return
+
+
+def _split(
+    layers: list[int],
+    layout: SlotLayout,
+    budget_bytes: int,
+    all_layers: int,
+    spare_slots: int,
+    max_stack_bytes: int | None,
+) -> list[list[int]]:
+    """`layers` (of one layout) in as few runs of consecutive layers as keep each pool's largest
+    stack within `max_stack_bytes`."""
+    if max_stack_bytes is None:
+        return [layers]
+    largest = max(
+        (int(np.prod(shape)) * dtype.size for _, arrays, _ in layout.projections for _, shape, dtype in arrays),
+        default=1,
+    )
+    for parts in range(1, len(layers) + 1):
+        size = -(-len(layers) // parts)
+        kept = budget_bytes * size // max(1, all_layers) // max(1, layout.nbytes)
+        if (kept + spare_slots) * largest <= max_stack_bytes or size == 1:
+            return [layers[i : i + size] for i in range(0, len(layers), size)]
+    return [layers]

@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes", "compute", "generation_slots")
+    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes", "compute", "generation_slots", "hub_requests", "hub_quota")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,20 @@ class InfoResponse(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class ExpertBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class HubRequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class HubQuotaEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +75,8 @@ class InfoResponse(_message.Message):
     RAM_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HUB_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HUB_QUOTA_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     models: _containers.RepeatedCompositeFieldContainer[ModelKey]
@@ -78,7 +94,9 @@ class InfoResponse(_message.Message):
     ram_used_bytes: int
     compute: bool
     generation_slots: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ..., compute: _Optional[bool] = ..., generation_slots: _Optional[int] = ...) -> None: ...
+    hub_requests: _containers.ScalarMap[str, int]
+    hub_quota: _containers.ScalarMap[str, int]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ..., compute: _Optional[bool] = ..., generation_slots: _Optional[int] = ..., hub_requests: _Optional[_Mapping[str, int]] = ..., hub_quota: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("model",)
