@@ -367,6 +367,6 @@ def test_concurrent_demands_share_one_fetch_per_expert(pulled_home, hub: HubServ
         sent = hub.stats()["bytes_served"] - served_before
         assert sent == sum(sm.index.expert(layer, e).nbytes for e in distinct)  # one fetch each, however many asked
         assert sm.store.stats.total_uses == sum(len(w) for w in wanted)
-        assert not sm.store.fetches.in_flight_count()  # single flight forgot the finished fetches
+        assert not sm.store.flights.in_flight_count()  # single flight forgot the finished fetches
     finally:
         sm.close()

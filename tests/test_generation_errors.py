@@ -85,9 +85,9 @@ def test_hub_failing_mid_generation_then_recovering(pulled_home, hub: HubServer,
         # Let the layer's other fetches (still retrying against the faults) finish, so the
         # recovery below cannot join a fetch that is about to fail.
         deadline = time.monotonic() + 10
-        while sm.store.fetches.in_flight_count() and time.monotonic() < deadline:
+        while sm.store.flights.in_flight_count() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not sm.store.fetches.in_flight_count()
+        assert not sm.store.flights.in_flight_count()
 
         # The disk cache holds whole experts only: no temporary files, every size exact.
         files = _cache_files(sm)
