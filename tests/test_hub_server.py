@@ -77,6 +77,11 @@ def test_faults_and_stats(hub: HubServer) -> None:
     hub.knobs.faults = [Fault("wrong_bytes", count=1)]
     a, b = httpx2.get(url), httpx2.get(url)
     assert len(a.content) == len(b.content) and a.content != b.content
+    # damage in transit is not the same twice: two damaged copies agreeing would pass for the
+    # truth against a recorded digest (two fresh copies from the Hub that agree replace it)
+    hub.knobs.faults = [Fault("wrong_bytes", count=2)]
+    c, d = httpx2.get(url), httpx2.get(url)
+    assert len({a.content, b.content, c.content, d.content}) == 4  # b is the true copy; a, c, d each damaged
     httpx2.post(f"{hub.url}/_hub/stats/reset")
     httpx2.post(f"{hub.url}/_hub/knobs", json={"faults": [{"kind": "503", "count": 1}]})
     assert httpx2.get(url).status_code == 503

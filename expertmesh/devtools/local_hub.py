@@ -57,6 +57,7 @@ DIGESTS_FILE = Path(".hub_cache") / "digests.json"
 MAX_BODY_BYTES = 1024 * 1024  # a POST body (knobs, paths-info) larger than this is refused
 # cut: half the body, then the connection closes; stall: half the body, then silence for
 # `stall_s`; wrong_range: a Content-Range one byte off; wrong_bytes: the right headers, flipped bytes
+# (flipped differently each time, as damage in transit is: two damaged copies never agree)
 FAULT_KINDS = ("429", "503", "500", "cut", "stall", "ignore_range", "wrong_range", "wrong_bytes")
 # A connection that sends no request (or reads none of its answer) this long is closed. Without it a
 # client that forgets a keep-alive connection holds one of the Hub's threads and descriptors until
@@ -414,6 +415,7 @@ class HubServer:
         self.link = TokenBucket()
         self.rng = random.Random(self.knobs.seed)
         self.fault_lock = threading.Lock()
+        self._damaged = 0  # wrong_bytes answers so far (each flips its bytes its own way)
         # `timeout` is the socket's: a request line, header or send waiting longer ends the connection
         handler = type("Handler", (_Handler,), {"hub": self, "timeout": idle_timeout_s})
         self.httpd = ThreadingHTTPServer((host, port), handler)
@@ -510,6 +512,14 @@ class HubServer:
     def bytes_served(self) -> int:
         """Bytes sent so far; cheap enough to ask after every token (`stats` copies every range)."""
         return self.stats_.bytes_served
+
+    def damage_mask(self) -> int:
+        """The byte a `wrong_bytes` answer XORs its body with: another one for each answer, so
+        two damaged copies of a range never agree (as two fresh copies from the Hub that agree
+        are taken as the truth by the digest book, node/store/integrity.py)."""
+        with self.fault_lock:
+            self._damaged += 1
+            return self._damaged % 255 + 1
 
     def pick_fault(self, path: str, kinds: tuple[str, ...]) -> Fault | None:
         with self.fault_lock:
@@ -977,7 +987,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         length = end - start
         limit = length // 2 if fault and fault.kind in ("cut", "stall") else length
-        sent = 0
+        sent, mask = 0, 0
         knobs = self.hub.knobs
         with self.hub.stats_.lock:
             self.hub.stats_.sending += 1
@@ -992,7 +1002,8 @@ class _Handler(BaseHTTPRequestHandler):
                         (self.bucket, knobs.per_connection_bytes_per_s),
                     )
                     if fault and fault.kind == "wrong_bytes":
-                        chunk = bytes(b ^ 0x5A for b in os.pread(fh.fileno(), want, start + sent))
+                        mask = mask or self.hub.damage_mask()
+                        chunk = bytes(b ^ mask for b in os.pread(fh.fileno(), want, start + sent))
                         self.wfile.write(chunk)
                         n = len(chunk)
                     else:
