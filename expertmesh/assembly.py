@@ -103,6 +103,16 @@ class Node:
     def role(self) -> str:
         return "cache" if self.model is None else "full"
 
+    def require_model(self) -> StreamedModel:
+        """The model of a full node.
+
+        Raises:
+            ExpertmeshError: this is a cache peer (`cache_only`): it holds experts, not a model.
+        """
+        if self.model is None:
+            raise ExpertmeshError(f"this node is a cache peer for {self.repo_id}: it has no model to generate with")
+        return self.model
+
     @property
     def repo_id(self) -> str:
         return self.index.repo_id
@@ -303,11 +313,7 @@ def open_model(
     """A started node with nothing but its model: what `run`, the bench and most tests use.
     Closing the model (`StreamedModel.close`) closes the node."""
     node = build_node(NodeConfig(repo_id, revision, home=home, store=store or StoreConfig()), hub_reader=hub_reader)
-    model = node.start().model
-    if model is None:  # never: a node that is not cache_only is a full node
-        node.close()
-        raise ExpertmeshError(f"{repo_id}: the node was built without its model")
-    return model
+    return node.start().require_model()
 
 
 # -- the parts ------------------------------------------------------------------------------
