@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 GENERATE_DEADLINE_S = 3600.0  # a cold Kimi K3 token can take minutes; a whole answer, up to this
 HEALTH_DEADLINE_S = 3.0
 ASKING_THREADS = 8  # Info calls to nodes at once (new nodes' generation slots)
+# An admitted request that finds every node full waits in the queue again this many times, pausing
+# a little longer each time (a household kept full by another API's requests), before its 429.
+FULL_ROUNDS = 8
+FULL_PAUSE_S = 0.25
+FULL_PAUSE_MAX_S = 2.0
 
 
 @dataclass
@@ -77,6 +82,7 @@ class Cancellation:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
+        self._event = threading.Event()
         self.cancelled = False
 
     def attach(self, call: grpc.Future) -> None:
@@ -89,8 +95,13 @@ class Cancellation:
     def cancel(self) -> None:
         with self._lock:
             self.cancelled = True
+            self._event.set()
             if self._call is not None:
                 self._call.cancel()
+
+    def wait(self, seconds: float) -> bool:
+        """Pause up to `seconds`; True as soon as the generation is cancelled."""
+        return self._event.wait(seconds)
 
 
 _NODE_ERRORS = {
@@ -194,6 +205,7 @@ class Coordinator:
         cancel = cancel or Cancellation()
         tried: set[str] = set()
         busy: set[str] = set()  # nodes that answered RESOURCE_EXHAUSTED: every slot taken
+        full_rounds = 0
         self._learn_new_nodes()
         with contextlib.ExitStack() as held:
             try:
@@ -204,8 +216,26 @@ class Coordinator:
                 if cancel.cancelled:  # the client left while this waited for its slot: no generation at all
                     return
                 candidates = self.pool.ranked(exclude=tried)
-                if not candidates and tried and busy == tried:  # a full household, not a broken one: 429
-                    raise QueueFull(f"every full node is generating already ({len(busy)} asked)")
+                if not candidates and tried and busy == tried:
+                    # Every node refused as full although the queue gave this request a slot: the
+                    # queue counted slots the household does not have (a node's Info not heard in
+                    # time, or another API's requests on it). Each node's slots are now what runs
+                    # there; the request gives its slot back and waits in the queue again, as an
+                    # admitted request should, rather than get a 429. Bounded: a household kept
+                    # full from elsewhere ends in the 429 after FULL_ROUNDS.
+                    full_rounds += 1
+                    if full_rounds > FULL_ROUNDS:
+                        raise QueueFull(f"every full node is generating already ({len(busy)} asked)")
+                    held.close()
+                    if cancel.wait(min(FULL_PAUSE_MAX_S, FULL_PAUSE_S * full_rounds)):
+                        return
+                    try:
+                        held.enter_context(self.queue.slot(cancelled=lambda: cancel.cancelled))
+                    except LeftQueue:
+                        return
+                    tried.clear()
+                    busy.clear()
+                    continue
                 if not candidates:
                     raise ApiError(
                         HTTPStatus.SERVICE_UNAVAILABLE,
@@ -273,6 +303,7 @@ class Coordinator:
                         if not started and (watched.hung or code in (*_TRY_ANOTHER, grpc.StatusCode.CANCELLED)):
                             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                                 busy.add(address)
+                                self.pool.full(address)
                                 self._learn_slots(address)  # it may have restarted with another --max-batch
                             logger.warning("node %s failed before its first token (%s); trying another", address, what)
                             usage["completion_tokens"] = counted

@@ -106,6 +106,14 @@ class NodePool:
         with self._lock:
             return sum(self._slots.get(a, self.default_slots) for a in addresses)
 
+    def full(self, address: str) -> None:
+        """`address` refused a generation as full: it runs no more than the generations this API has
+        on it now (at least one), whatever its Info said or was taken to say. Its Info corrects
+        this when it is heard; until then the queue waits for the slots that really are there."""
+        with self._lock:
+            running = self._busy.get(address, 0)
+            self._slots[address] = max(1, min(self._slots.get(address, self.default_slots), running))
+
     def failed(self, address: str) -> None:
         """A call to `address` failed: rank it last for a while."""
         with self._lock:

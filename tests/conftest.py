@@ -5,17 +5,21 @@ compared with."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import loopback
 import mlx.core as mx
 import mlx_lm
 import pytest
+from repos import tiny_id
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.devtools.tiny import ARCHS, make_tiny_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
+
+pytest_plugins = ["process_guard"]  # keeps the e2e marker true
 
 DENSE_EXPERT_ARCHS = ("qwen3_moe",)  # BF16 experts: streamed in float32 on a CPU (see Oracle.load)
 
@@ -24,7 +28,7 @@ DENSE_EXPERT_ARCHS = ("qwen3_moe",)  # BF16 experts: streamed in float32 on a CP
 def tiny_repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> a folder `hub/expertmesh/tiny-<arch>` holding that tiny repo (seed 0)."""
     hub = tmp_path_factory.mktemp("hub")
-    return {arch: make_tiny_model(hub / "expertmesh" / f"tiny-{arch}", arch, seed=0) for arch in ARCHS}
+    return {arch: make_tiny_model(hub / tiny_id(arch), arch, seed=0) for arch in ARCHS}
 
 
 @pytest.fixture(scope="session")
@@ -43,22 +47,48 @@ def hub(hub_root: Path):
 
 
 @pytest.fixture(scope="session")
-def pulled_home(hub_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Path], Path]:
-    """`pulled_home(arch, dest)`: a home at `dest` with that tiny repo pulled (core and index, no
-    expert), copied from one pulled once per session. Its commit is the Hub's hash of the repo's
-    bytes, so any test Hub serves its experts."""
-    pulled: dict[str, Path] = {}
+def pulled_home(hub_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`pulled_home(arch, dest, index_only=False)`: a home at `dest` with that tiny repo pulled (core
+    and index, or the index only, as a cache peer pulls; no expert), copied from one pulled once per
+    session. Its commit is the Hub's hash of the repo's bytes, so any test Hub serves its experts."""
+    pulled: dict[tuple[str, bool], Path] = {}
 
-    def make(arch: str, dest: Path) -> Path:
-        if arch not in pulled:
-            home = tmp_path_factory.mktemp(f"pulled-{arch}")
+    def make(arch: str, dest: Path, index_only: bool = False) -> Path:
+        if (arch, index_only) not in pulled:
+            home = tmp_path_factory.mktemp(f"pulled-{arch}{'-index' if index_only else ''}")
             with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
-                pull(f"expertmesh/tiny-{arch}", home=home, progress=False)
-            pulled[arch] = home
-        shutil.copytree(pulled[arch], dest, dirs_exist_ok=True)
+                pull(tiny_id(arch), home=home, progress=False, index_only=index_only)
+            pulled[arch, index_only] = home
+        shutil.copytree(pulled[arch, index_only], dest, dirs_exist_ok=True)
         return dest
 
     return make
+
+
+@pytest.fixture(scope="module")
+def module_home(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This module's home with tiny kimi_k3 pulled, its experts served by the module's Hub. The
+    module's tests share it, and whatever a node caches in it; a test that needs a home of its own
+    takes `home`."""
+    return pulled_home("kimi_k3", tmp_path_factory.mktemp("module-home"))
+
+
+@pytest.fixture
+def home(pulled_home, hub: HubServer, tmp_path: Path) -> Path:
+    """This test's own home (tmp_path/home) with tiny kimi_k3 pulled and nothing cached, its experts
+    served by the module's Hub. A module may define its own `home`, which then takes its place."""
+    return pulled_home("kimi_k3", tmp_path / "home")
+
+
+@pytest.fixture(scope="module")
+def own_service_type() -> Iterator[str]:
+    """For the module: this process advertises and browses zeroconf under a service type of its own
+    (tests/loopback.py), so neither another run's names nor its advertisements reach it."""
+    from expertmesh.node.household import discovery
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(discovery, "SERVICE_TYPE", loopback.SERVICE_TYPE)
+        yield loopback.SERVICE_TYPE
 
 
 class Oracle:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import build_node
 from expertmesh.coordinator.api_access import AccessPolicy, KeyRing, api_keys_path, ensure_api_key
@@ -23,22 +24,16 @@ from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
 from expertmesh.node.config import ApiConfig, HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "api-access-test-secret"
 IO_TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def home(pulled_home, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return pulled_home("kimi_k3", tmp_path_factory.mktemp("api-access-node"))
-
-
-@pytest.fixture(scope="module")
-def node(home: Path, hub):
+def node(module_home: Path, hub):
     """A node as `serve --http-host 0.0.0.0` makes it: the API through build_node's own assembly."""
     config = NodeConfig(
-        REPO_ID,
-        home=home,
+        KIMI_K3,
+        home=module_home,
         node_id="api-access-node",
         store=StoreConfig(prefetch=False),
         household=HouseholdConfig(secret=SECRET),
@@ -50,8 +45,8 @@ def node(home: Path, hub):
 
 
 @pytest.fixture(scope="module")
-def key(node, home: Path) -> str:
-    path = api_keys_path(home)
+def key(node, module_home: Path) -> str:
+    path = api_keys_path(module_home)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # created by the node, for its owner only
     (key,) = path.read_text().split()
     return key
@@ -80,9 +75,9 @@ def _post(port: int, path: str, body: dict, headers: dict[str, str]) -> int:
 
 def test_the_official_client_works_with_the_key(node, key: str) -> None:
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{node.api.port}/v1", api_key=key, max_retries=0, timeout=IO_TIMEOUT_S)
-    assert [m.id for m in c.models.list().data] == [REPO_ID]
+    assert [m.id for m in c.models.list().data] == [KIMI_K3]
     r = c.chat.completions.create(
-        model=REPO_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
+        model=KIMI_K3, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0
     )
     assert r.usage.completion_tokens > 0
     assert "api key" in node.api.access.describe().lower() and key not in node.api.access.describe()
@@ -92,7 +87,7 @@ def test_no_key_or_a_wrong_key_is_refused(node, key: str) -> None:
     base = f"http://127.0.0.1:{node.api.port}/v1"
     wrong = openai.OpenAI(base_url=base, api_key=key[:-1] + "x", max_retries=0, timeout=IO_TIMEOUT_S)
     with pytest.raises(openai.AuthenticationError, match="API key"):
-        wrong.completions.create(model=REPO_ID, prompt="x", max_tokens=1)
+        wrong.completions.create(model=KIMI_K3, prompt="x", max_tokens=1)
     host = {"Host": f"127.0.0.1:{node.api.port}"}
     for path in ("/v1/models", "/metrics"):
         status, body = _get(node.api.port, path, host)
@@ -104,7 +99,7 @@ def test_no_key_or_a_wrong_key_is_refused(node, key: str) -> None:
 def test_a_foreign_origin_is_refused_even_with_the_key(node, key: str) -> None:
     port = node.api.port
     auth = {"Host": f"127.0.0.1:{port}", "Authorization": f"Bearer {key}"}
-    ask = {"model": REPO_ID, "prompt": "x", "max_tokens": 1}
+    ask = {"model": KIMI_K3, "prompt": "x", "max_tokens": 1}
     for origin in ("http://evil.example", "null", f"https://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"):
         assert _post(port, "/v1/completions", ask, {**auth, "Origin": origin}) == 403, origin
         assert _get(port, "/healthz", {**auth, "Origin": origin})[0] == 403, origin
@@ -167,10 +162,10 @@ def test_on_loopback_a_configured_key_is_required_too(tmp_path: Path) -> None:
 
 
 def test_loopback_without_keys_stays_open_to_any_client() -> None:
-    config = CoordinatorConfig(secret=SECRET, models=lambda: [REPO_ID])
+    config = CoordinatorConfig(secret=SECRET, models=lambda: [KIMI_K3])
     server = OpenAIServer(Coordinator(config, NodePool([])), "127.0.0.1", 0).start()
     try:
         c = openai.OpenAI(base_url=server.url, api_key="anything", max_retries=0, timeout=IO_TIMEOUT_S)
-        assert [m.id for m in c.models.list().data] == [REPO_ID]
+        assert [m.id for m in c.models.list().data] == [KIMI_K3]
     finally:
         server.stop()

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import openai
 import pytest
 from nodes import serving
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.coordinator.http_server import ServerLimits
@@ -28,22 +29,21 @@ from expertmesh.node.config import MetricsConfig
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.v1 import node_pb2
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "api-server-test-secret"
 PROMPT = "The household answers"
 IO_TIMEOUT_S = 60  # every socket read here is bounded by this
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
-    home = tmp_path_factory.mktemp("api-server-node")
-    pulled_home("kimi_k3", home)
-    with serving(REPO_ID, home, SECRET, node_id="api-server-node", metrics=MetricsConfig("127.0.0.1", 0)) as node:
+def node(module_home):
+    with serving(
+        KIMI_K3, module_home, SECRET, node_id="api-server-node", metrics=MetricsConfig("127.0.0.1", 0)
+    ) as node:
         yield node
 
 
 def _api(node, limits: ServerLimits | None = None, max_waiting: int = 16) -> OpenAIServer:
-    config = CoordinatorConfig(secret=SECRET, models=lambda: [REPO_ID], max_waiting=max_waiting)
+    config = CoordinatorConfig(secret=SECRET, models=lambda: [KIMI_K3], max_waiting=max_waiting)
     return OpenAIServer(Coordinator(config, NodePool([node.rpc.address])), "127.0.0.1", 0, limits=limits).start()
 
 
@@ -57,7 +57,7 @@ def api(node):
 
 
 def _body(**fields) -> bytes:
-    return json.dumps({"model": REPO_ID, "prompt": PROMPT, "temperature": 0, **fields}).encode()
+    return json.dumps({"model": KIMI_K3, "prompt": PROMPT, "temperature": 0, **fields}).encode()
 
 
 def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -93,7 +93,7 @@ def _tokens(node) -> float:
 def _node_tokens(node, max_tokens: int) -> int:
     """How many tokens the node generates for PROMPT (greedy), left alone."""
     req = node_pb2.GenerateRequest(
-        model=node_pb2.ModelKey(repo_id=REPO_ID), prompt=PROMPT, max_tokens=max_tokens, temperature=0.0
+        model=node_pb2.ModelKey(repo_id=KIMI_K3), prompt=PROMPT, max_tokens=max_tokens, temperature=0.0
     )
     with NodeClient(node.rpc.address, SECRET) as client:
         return sum(1 for e in client.generate(req, timeout=120) if e.HasField("token"))
@@ -129,7 +129,7 @@ def test_thousands_of_idle_connections_leave_generation_and_grpc_alone(node) -> 
                 idle.append(s)
             assert wait_until(lambda: server.http.open_connections >= 2000, timeout_s=IO_TIMEOUT_S)
             c = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=IO_TIMEOUT_S)
-            r = c.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=4, temperature=0)
+            r = c.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=4, temperature=0)
             assert r.usage.completion_tokens == 4
             with NodeClient(node.rpc.address, SECRET) as fresh:  # a new gRPC connection: descriptors are left
                 assert fresh.serving(IO_TIMEOUT_S)
@@ -210,7 +210,7 @@ def test_a_chunked_body_is_a_body_and_the_connection_goes_on(api: OpenAIServer) 
         assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2
         s.sendall(_head(api.port, "GET /v1/models"))  # the same connection, the next request
         status, _, answer = _response(s)
-        assert status == 200 and json.loads(answer)["data"][0]["id"] == REPO_ID
+        assert status == 200 and json.loads(answer)["data"][0]["id"] == KIMI_K3
 
 
 def test_expect_100_continue_is_answered(api: OpenAIServer) -> None:
@@ -257,7 +257,7 @@ def test_a_streaming_client_that_leaves_stops_its_generation(node, api: OpenAISe
 def test_streaming_and_the_other_endpoints_still_work(api: OpenAIServer) -> None:
     c = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=IO_TIMEOUT_S)
     stream = c.chat.completions.create(
-        model=REPO_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True
+        model=KIMI_K3, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, stream=True
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason in ("length", "stop")

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from repos import KIMI_K3, tiny_id
 from waiting import wait_until
 
 from expertmesh.assembly import build_node, open_model
@@ -37,12 +38,7 @@ from expertmesh.v1 import node_pb2, node_pb2_grpc
 ARCHS = ["kimi_k3", "deepseek_v3", "qwen3_moe"]  # KDA state + MLA; MLA; plain attention, BF16 experts
 PROMPTS = ("hello experts", "The quick brown fox jumps over", "for layer in range", "a")
 SECRET = "batching-test-secret"
-REPO_ID = "expertmesh/tiny-kimi_k3"
 IO_TIMEOUT_S = 120
-
-
-def _repo_id(arch: str) -> str:
-    return f"expertmesh/tiny-{arch}"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +50,7 @@ def models(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory
         if arch not in opened:
             home = tmp_path_factory.mktemp(f"batch-{arch}")
             pulled_home(arch, home)
-            sm = open_model(_repo_id(arch), home=home, store=StoreConfig(prefetch=False, fill=False))
+            sm = open_model(tiny_id(arch), home=home, store=StoreConfig(prefetch=False, fill=False))
             opened[arch] = (sm, BatchEngine(sm, max_batch=4, prefill_step=8))
         return opened[arch]
 
@@ -216,7 +212,7 @@ def test_a_keyed_sampler_splits_its_key_as_mlx_seeds_the_global_one() -> None:
 def _batching_node(home, node_id: str, **fields) -> NodeConfig:
     """A full node of the tiny kimi_k3 serving Generate in batches of 4."""
     return NodeConfig(
-        REPO_ID,
+        KIMI_K3,
         home=home,
         node_id=node_id,
         store=StoreConfig(prefetch=False),
@@ -228,16 +224,14 @@ def _batching_node(home, node_id: str, **fields) -> NodeConfig:
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
-    home = tmp_path_factory.mktemp("batch-node")
-    pulled_home("kimi_k3", home)
-    with build_node(_batching_node(home, "batcher", metrics=MetricsConfig("127.0.0.1", 0))).start() as served:
+def node(module_home):
+    with build_node(_batching_node(module_home, "batcher", metrics=MetricsConfig("127.0.0.1", 0))).start() as served:
         yield served
 
 
 def _generate(stub, prompt: str, max_tokens: int, **fields):
     request = node_pb2.GenerateRequest(
-        model=node_pb2.ModelKey(repo_id=REPO_ID), prompt=prompt, max_tokens=max_tokens, **fields
+        model=node_pb2.ModelKey(repo_id=KIMI_K3), prompt=prompt, max_tokens=max_tokens, **fields
     )
     return stub.Generate(request, metadata=call_metadata(SECRET, node_method("Generate")), timeout=IO_TIMEOUT_S)
 
@@ -297,7 +291,7 @@ def test_a_generate_joining_and_one_cancelled_mid_batch_leave_the_others_exact(n
 
 
 def _complete(port: int, **fields) -> dict:
-    body = json.dumps({"model": REPO_ID, "temperature": 0, **fields}).encode()
+    body = json.dumps({"model": KIMI_K3, "temperature": 0, **fields}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=IO_TIMEOUT_S)
     try:
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -309,7 +303,7 @@ def _complete(port: int, **fields) -> dict:
 
 
 def test_the_api_batches_requests_with_their_own_stop_and_max_tokens(node) -> None:
-    config = CoordinatorConfig(secret=SECRET, models=lambda: [REPO_ID], generations_per_node=4)
+    config = CoordinatorConfig(secret=SECRET, models=lambda: [KIMI_K3], generations_per_node=4)
     api = OpenAIServer(Coordinator(config, NodePool([node.rpc.address])), "127.0.0.1", 0).start()
     try:
         asks = [
@@ -343,7 +337,7 @@ def test_serve_batches_four_by_default_and_refuses_a_batch_of_none() -> None:
     from expertmesh.cli import arguments, build_parser, serve
 
     def serving_config(*argv: str) -> NodeConfig:
-        return serve.node_config(build_parser().parse_args(["serve", REPO_ID, "--speculate", "off", *argv]), SECRET)
+        return serve.node_config(build_parser().parse_args(["serve", KIMI_K3, "--speculate", "off", *argv]), SECRET)
 
     assert serving_config().max_batch == 4 and serving_config("--max-batch", "3").max_batch == 3
 

@@ -9,20 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.devtools.local_hub import HubServer
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
-pytestmark = pytest.mark.e2e  # every test here runs the `expertmesh` command in its own process
-
 CLI = [sys.executable, "-m", "expertmesh"]
-
-
-@pytest.fixture(scope="module")
-def home(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("home")
-    pulled_home("kimi_k3", home)
-    return home
 
 
 def _env(home: Path, hub: HubServer | None = None) -> dict[str, str]:
@@ -46,10 +37,11 @@ def _uses(stderr: str, source: str) -> int:
     return 0
 
 
-def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, home: Path, oracle) -> None:
+@pytest.mark.e2e
+def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, module_home: Path, oracle) -> None:
 
     prompt = "The cat sat on"
-    r = _run(["run", REPO_ID, prompt, "--max-tokens", "16"], _env(home, hub))
+    r = _run(["run", KIMI_K3, prompt, "--max-tokens", "16"], _env(module_home, hub))
     assert r.returncode == 0, r.stderr
     expected = oracle.text("kimi_k3", prompt, 16)
     assert r.stdout == expected + "\n"  # stdout holds the generated text and nothing else
@@ -57,31 +49,35 @@ def test_run_streams_mlx_lm_text_and_a_summary(hub: HubServer, home: Path, oracl
     assert _uses(r.stderr, "hub") + _uses(r.stderr, "disk") > 0
 
 
-def test_run_with_a_seed_is_reproducible(hub: HubServer, home: Path) -> None:
-    args = ["run", REPO_ID, "Once", "--max-tokens", "24", "--temp", "1.0", "--top-p", "0.95"]
-    a = _run([*args, "--seed", "3"], _env(home, hub))
-    b = _run([*args, "--seed", "3"], _env(home, hub))
-    c = _run([*args, "--seed", "4"], _env(home, hub))
+@pytest.mark.e2e
+def test_run_with_a_seed_is_reproducible(hub: HubServer, module_home: Path) -> None:
+    args = ["run", KIMI_K3, "Once", "--max-tokens", "24", "--temp", "1.0", "--top-p", "0.95"]
+    a = _run([*args, "--seed", "3"], _env(module_home, hub))
+    b = _run([*args, "--seed", "3"], _env(module_home, hub))
+    c = _run([*args, "--seed", "4"], _env(module_home, hub))
     assert a.returncode == b.returncode == c.returncode == 0, a.stderr + c.stderr
     assert a.stdout == b.stdout
     assert a.stdout != c.stdout  # 24 tokens sampled from a random tiny model: a collision is implausible
 
 
+@pytest.mark.e2e
 def test_run_on_a_model_not_pulled_says_how_to_pull_it(tmp_path: Path) -> None:
     r = _run(["run", "someone/not-here", "hi"], _env(tmp_path))
     assert r.returncode != 0
     assert "expertmesh pull someone/not-here" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_run_rejects_a_bad_budget(home: Path) -> None:
-    r = _run(["run", REPO_ID, "hi", "--ram-budget", "lots"], _env(home))
+@pytest.mark.e2e
+def test_run_rejects_a_bad_budget(module_home: Path) -> None:
+    r = _run(["run", KIMI_K3, "hi", "--ram-budget", "lots"], _env(module_home))
     assert r.returncode == 2 and "--ram-budget" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None:
+@pytest.mark.e2e
+def test_chat_takes_turns_until_end_of_input(hub: HubServer, module_home: Path) -> None:
     r = subprocess.run(
-        [*CLI, "chat", REPO_ID, "--max-tokens", "8"],
-        env=_env(home, hub),
+        [*CLI, "chat", KIMI_K3, "--max-tokens", "8"],
+        env=_env(module_home, hub),
         input="Hi\nAnd then?\n",
         capture_output=True,
         text=True,
@@ -91,14 +87,14 @@ def test_chat_takes_turns_until_end_of_input(hub: HubServer, home: Path) -> None
     assert r.stderr.count("tokens in ") == 2  # one summary per reply
 
 
-def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(hub: HubServer, home: Path) -> None:
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(hub: HubServer, module_home: Path) -> None:
     """A real SIGINT in the middle of a real reply: the reply stops, the next turn continues the cache."""
     from expertmesh.assembly import open_model
     from expertmesh.cli.terminal import chat_loop
     from expertmesh.node.engine.chat import ChatSession
     from expertmesh.node.engine.generation import Generator, SamplingSettings
 
-    sm = open_model(REPO_ID, home=home)
+    sm = open_model(KIMI_K3, home=module_home)
     try:
         session = ChatSession(Generator(sm))
         summaries = []
@@ -132,6 +128,7 @@ def _generated(stdout: str) -> str:
     return after.rsplit("   the Hub served", 1)[0].strip()
 
 
+@pytest.mark.e2e
 def test_demo_generates_then_serves_experts_from_its_caches(tmp_path: Path) -> None:
     first = _run(["demo", "--no-progress", "--max-tokens", "12"], _env(tmp_path))
     assert first.returncode == 0, first.stderr
@@ -144,42 +141,47 @@ def test_demo_generates_then_serves_experts_from_its_caches(tmp_path: Path) -> N
     assert _generated(first.stdout) and _generated(first.stdout) == _generated(second.stdout)
 
 
-def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, home: Path, tmp_path: Path) -> None:
+@pytest.mark.e2e
+def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, module_home: Path, tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
-    r = _run(["run", REPO_ID, "A trace of the routing", "--max-tokens", "10", "--trace", str(trace)], _env(home, hub))
+    r = _run(
+        ["run", KIMI_K3, "A trace of the routing", "--max-tokens", "10", "--trace", str(trace)], _env(module_home, hub)
+    )
     assert r.returncode == 0, r.stderr
-    out = _run(["replay", str(trace), "--budgets", "25%,40"], _env(home))
+    out = _run(["replay", str(trace), "--budgets", "25%,40"], _env(module_home))
     assert out.returncode == 0, out.stderr
     assert "11 passes" in out.stdout  # the prompt but its last token, then 10 single-token passes
     rows = {ln.split()[0]: [float(x) for x in ln.split()[1:]] for ln in out.stdout.splitlines()[2:]}
     assert set(rows) == {"lru", "lfu", "arc", "freq_oracle", "belady"}
     assert all(0 <= v <= rows["belady"][i] + 1e-9 for name, vals in rows.items() for i, v in enumerate(vals))
-    assert _run(["replay", str(tmp_path / "missing.jsonl")], _env(home)).stderr.startswith("error:")
+    assert _run(["replay", str(tmp_path / "missing.jsonl")], _env(module_home)).stderr.startswith("error:")
 
 
-def test_local_problems_are_one_line_without_a_traceback(home: Path, tmp_path: Path) -> None:
+@pytest.mark.e2e
+def test_local_problems_are_one_line_without_a_traceback(module_home: Path, tmp_path: Path) -> None:
     """Found by an audit of the CLI: each of these ended in a Python traceback."""
-    env = _env(home)
-    empty = _run(["run", REPO_ID, "", "--no-discovery"], env)
+    env = _env(module_home)
+    empty = _run(["run", KIMI_K3, "", "--no-discovery"], env)
     assert empty.returncode == 1 and "nothing to generate" in empty.stderr and "Traceback" not in empty.stderr
-    into_a_folder = _run(["run", REPO_ID, "hi", "--trace", str(tmp_path), "--no-discovery"], env)
+    into_a_folder = _run(["run", KIMI_K3, "hi", "--trace", str(tmp_path), "--no-discovery"], env)
     assert into_a_folder.returncode != 0 and "Traceback" not in into_a_folder.stderr
     assert "cannot write the routing trace" in into_a_folder.stderr
 
 
-def test_text_that_is_not_utf8_and_a_closed_stdin_are_input_not_crashes(hub: HubServer, home: Path) -> None:
+@pytest.mark.e2e
+def test_text_that_is_not_utf8_and_a_closed_stdin_are_input_not_crashes(hub: HubServer, module_home: Path) -> None:
     """Python keeps bytes that are not UTF-8 as lone surrogates, which the tokenizer refused with a
     TypeError; a chat started with stdin closed (`0<&-`) read from None."""
-    env = _env(home, hub)
+    env = _env(module_home, hub)
     prompt = subprocess.run(
-        [*CLI, "run", REPO_ID, os.fsdecode(b"caf\xff"), "--max-tokens", "2", "--no-discovery"],
+        [*CLI, "run", KIMI_K3, os.fsdecode(b"caf\xff"), "--max-tokens", "2", "--no-discovery"],
         env=env,
         capture_output=True,
         timeout=300,
     )
     assert prompt.returncode == 0 and b"Traceback" not in prompt.stderr, prompt.stderr[-500:]
     piped = subprocess.run(
-        [*CLI, "chat", REPO_ID, "--max-tokens", "2", "--no-discovery"],
+        [*CLI, "chat", KIMI_K3, "--max-tokens", "2", "--no-discovery"],
         env=env,
         input=b"\xff\xfe caf\xe9\n",
         capture_output=True,
@@ -187,17 +189,18 @@ def test_text_that_is_not_utf8_and_a_closed_stdin_are_input_not_crashes(hub: Hub
     )
     assert piped.returncode == 0 and b"Traceback" not in piped.stderr, piped.stderr[-500:]
     closed = subprocess.run(
-        [*CLI, "chat", REPO_ID, "--no-discovery"], env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=300
+        [*CLI, "chat", KIMI_K3, "--no-discovery"], env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=300
     )
     assert closed.returncode == 0 and b"Traceback" not in closed.stderr
 
 
-def test_a_reader_that_leaves_ends_run_quietly(hub: HubServer, home: Path) -> None:
+@pytest.mark.e2e
+def test_a_reader_that_leaves_ends_run_quietly(hub: HubServer, module_home: Path) -> None:
     """`run ... | head -c 1`: two tracebacks and an 'MLX thread has stopped' before; now a quiet
     exit with the status a shell gives a command killed by SIGPIPE."""
     proc = subprocess.Popen(
-        [*CLI, "run", REPO_ID, "def f():", "--max-tokens", "200", "--no-discovery", "--speculate", "off"],
-        env=_env(home, hub),
+        [*CLI, "run", KIMI_K3, "def f():", "--max-tokens", "200", "--no-discovery", "--speculate", "off"],
+        env=_env(module_home, hub),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

@@ -11,27 +11,25 @@ import urllib.request
 import openai
 import pytest
 from nodes import api_server, serving
+from repos import KIMI_K3
 
 from expertmesh.coordinator.openai_api import OpenAIServer
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.v1 import node_pb2
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "api-test-secret"
 PROMPT = "The household answers"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a cache?"}]
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
-    home = tmp_path_factory.mktemp("api-node")
-    pulled_home("kimi_k3", home)
-    with serving(REPO_ID, home, SECRET, node_id="api-node") as node:
+def node(module_home):
+    with serving(KIMI_K3, module_home, SECRET, node_id="api-node") as node:
         yield node.rpc.address
 
 
 def _api(addresses: list[str], max_waiting: int = 16) -> OpenAIServer:
-    return api_server(addresses, SECRET, [REPO_ID], max_waiting)
+    return api_server(addresses, SECRET, [KIMI_K3], max_waiting)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +53,7 @@ def completion_text(oracle) -> str:
 
 def _node_chat_text(address: str, max_tokens: int) -> str:
     """The node's own Generate for MESSAGES, greedy: what the API must pass through unchanged."""
-    req = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=REPO_ID), max_tokens=max_tokens, temperature=0.0)
+    req = node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=KIMI_K3), max_tokens=max_tokens, temperature=0.0)
     req.messages.extend(node_pb2.ChatMessage(**m) for m in MESSAGES)
     with NodeClient(address, SECRET) as client:
         events = list(client.generate(req, timeout=120))
@@ -64,7 +62,7 @@ def _node_chat_text(address: str, max_tokens: int) -> str:
 
 def test_a_streamed_chat_completion_through_the_official_client(client: openai.OpenAI, node) -> None:
     stream = client.chat.completions.create(
-        model=REPO_ID,
+        model=KIMI_K3,
         messages=MESSAGES,
         max_tokens=12,
         temperature=0,
@@ -82,34 +80,34 @@ def test_a_streamed_chat_completion_through_the_official_client(client: openai.O
 
 
 def test_a_completion_equals_mlx_lm(client: openai.OpenAI, completion_text: str) -> None:
-    r = client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0)
+    r = client.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=16, temperature=0)
     assert r.choices[0].text == completion_text
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16 and r.usage.prompt_tokens > 0
     models = client.models.list()
-    assert [m.id for m in models.data] == [REPO_ID]
+    assert [m.id for m in models.data] == [KIMI_K3]
 
 
 def test_a_stop_sequence_cuts_the_text_and_ends_the_generation(client: openai.OpenAI, completion_text: str) -> None:
     stop = completion_text[6:9]
     expected = completion_text[: completion_text.find(stop)]
-    r = client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "never-seen"])
+    r = client.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "never-seen"])
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 16  # the node stopped generating at the stop sequence
     streamed = client.completions.create(
-        model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
+        model=KIMI_K3, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
     )
     assert "".join(c.choices[0].text for c in streamed) == expected
 
 
 def test_bad_requests_get_4xx_with_a_readable_message(client: openai.OpenAI, api: OpenAIServer) -> None:
     with pytest.raises(openai.BadRequestError, match="messages"):
-        client.chat.completions.create(model=REPO_ID, messages=[])
+        client.chat.completions.create(model=KIMI_K3, messages=[])
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="someone/else", prompt="x")
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.completions.create(model=REPO_ID, prompt="x", temperature=5)
+        client.completions.create(model=KIMI_K3, prompt="x", temperature=5)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model=REPO_ID, prompt="x", max_tokens=0)
+        client.completions.create(model=KIMI_K3, prompt="x", max_tokens=0)
     base = api.url.removesuffix("/v1")
     req = urllib.request.Request(
         f"{base}/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
@@ -131,9 +129,9 @@ def test_a_full_queue_answers_429_with_retry_after(node) -> None:
         with server.coordinator.queue.slot():  # the household's one slot is taken
             busy = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
             with pytest.raises(openai.RateLimitError, match="busy") as e:
-                busy.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=2)
+                busy.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=2)
             assert e.value.response.headers["retry-after"].isdigit()
-        r = busy.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=2, temperature=0)  # the slot is free again
+        r = busy.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=2, temperature=0)  # the slot is free again
         assert r.usage.completion_tokens == 2
     finally:
         server.stop()
@@ -143,7 +141,7 @@ def test_a_dead_node_is_passed_over_before_the_first_token(node, completion_text
     server = _api(["127.0.0.1:1", node])  # the first node listed answers nothing
     try:
         c = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-        r = c.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=16, temperature=0)
+        r = c.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=16, temperature=0)
         assert r.choices[0].text == completion_text
         with urllib.request.urlopen(server.url.removesuffix("/v1") + "/healthz", timeout=30) as h:
             assert json.load(h)["full_nodes"] == 1
@@ -153,7 +151,7 @@ def test_a_dead_node_is_passed_over_before_the_first_token(node, completion_text
     try:
         c = openai.OpenAI(base_url=nobody.url, api_key="unused", max_retries=0, timeout=60)
         with pytest.raises(openai.InternalServerError, match="no full node"):
-            c.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=2)
+            c.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=2)
     finally:
         nobody.stop()
 
@@ -161,12 +159,12 @@ def test_a_dead_node_is_passed_over_before_the_first_token(node, completion_text
 def test_status_shows_the_node_and_the_uses_by_source(node, client: openai.OpenAI, monkeypatch, capsys) -> None:
     from expertmesh.cli import main
 
-    client.completions.create(model=REPO_ID, prompt=PROMPT, max_tokens=4, temperature=0)
+    client.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=4, temperature=0)
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
     assert main(["status", "--no-discovery", "--peer", node]) == 0
     out = capsys.readouterr().out
     row = next(ln for ln in out.splitlines() if ln.startswith("api-node"))
-    assert " full " in row and REPO_ID in row
+    assert " full " in row and KIMI_K3 in row
     with NodeClient(node, SECRET) as c:
         info = c.info(timeout=30)
     assert info.generated_tokens >= 4 and f" {info.generated_tokens} " in row
@@ -179,7 +177,7 @@ def test_the_coordinators_metrics_count_responses_by_status(api: OpenAIServer, c
     from prometheus_client.parser import text_string_to_metric_families
 
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=REPO_ID, prompt="")
+        client.completions.create(model=KIMI_K3, prompt="")
     with urllib.request.urlopen(api.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     counts = {

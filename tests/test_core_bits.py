@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.cli import main
@@ -18,9 +19,6 @@ from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.engine.blocks import load_core_model
 from expertmesh.node.engine.core_quantization import group_size_for, pull_with_core_bits
 from expertmesh.node.hub import local_models
-from expertmesh.node.hub.pull import pull
-
-REPO_ID = "expertmesh/tiny-kimi_k3"
 
 
 def _core_tensors(path: Path) -> dict[str, mx.array]:
@@ -37,7 +35,7 @@ def homes(hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[int 
     for bits in (16, 8, 4, "mixed_4_6"):
         out[bits] = tmp_path_factory.mktemp(f"core{bits}")
         fmt = {"core_quant": bits} if isinstance(bits, str) else {"core_bits": bits}
-        pull_with_core_bits(REPO_ID, home=out[bits], progress=False, **fmt)
+        pull_with_core_bits(KIMI_K3, home=out[bits], progress=False, **fmt)
     return out
 
 
@@ -50,7 +48,7 @@ def _layer_bits(path: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_core_bits_4_quantises_every_layer_to_4_bits_in_groups_of_64(homes) -> None:
-    layers = _layer_bits(local_models.find_pulled(homes[4], REPO_ID))
+    layers = _layer_bits(local_models.find_pulled(homes[4], KIMI_K3))
     routers = {k: layers.pop(k) for k in list(layers) if k.endswith("mlp.gate")}
     assert routers and set(routers.values()) == {(8, 64)}  # what K3's quant_predicate asks mlx-lm to give them
     assert layers and {b for b, _ in layers.values()} == {4} and {g for _, g in layers.values()} == {64}
@@ -65,7 +63,7 @@ def test_the_mixed_recipe_gives_the_head_and_some_down_projections_6_bits(homes)
     eighth, every third between: 2 and 5 of 6) the projections whose names it matches (`down_proj`,
     `v_proj`, `v_a_proj`: K3's fused `qkv_proj` and `kv_a_proj_with_mqa` by substring, as in
     mlx-lm); everything else at 4."""
-    layers = _layer_bits(local_models.find_pulled(homes["mixed_4_6"], REPO_ID))
+    layers = _layer_bits(local_models.find_pulled(homes["mixed_4_6"], KIMI_K3))
     assert layers["language_model.lm_head"] == (6, 64)
     layers = {k: v for k, v in layers.items() if not k.endswith("mlp.gate")}  # 8-bit routers, as for 4 bits
     six = {k for k, (b, _) in layers.items() if b == 6} - {"language_model.lm_head"}
@@ -74,23 +72,23 @@ def test_the_mixed_recipe_gives_the_head_and_some_down_projections_6_bits(homes)
     assert any("down_proj" in k for k in six)
     assert {b for k, (b, _) in layers.items() if k not in six and k != "language_model.lm_head"} == {4}
     marker = json.loads(
-        (local_models.find_pulled(homes["mixed_4_6"], REPO_ID) / local_models.COMPLETE_MARKER).read_text()
+        (local_models.find_pulled(homes["mixed_4_6"], KIMI_K3) / local_models.COMPLETE_MARKER).read_text()
     )
     assert (marker["core_bits"], marker["core_quant"]) == (4, "mixed_4_6")
-    four = json.loads((local_models.find_pulled(homes[4], REPO_ID) / local_models.COMPLETE_MARKER).read_text())
+    four = json.loads((local_models.find_pulled(homes[4], KIMI_K3) / local_models.COMPLETE_MARKER).read_text())
     assert (
         four["core_bytes"]
         < marker["core_bytes"]
         < 0.45
-        * json.loads((local_models.find_pulled(homes[16], REPO_ID) / local_models.COMPLETE_MARKER).read_text())[
+        * json.loads((local_models.find_pulled(homes[16], KIMI_K3) / local_models.COMPLETE_MARKER).read_text())[
             "core_bytes"
         ]
     )
 
 
 def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) -> None:
-    p16 = local_models.find_pulled(homes[16], REPO_ID)
-    p8 = local_models.find_pulled(homes[8], REPO_ID)
+    p16 = local_models.find_pulled(homes[16], KIMI_K3)
+    p8 = local_models.find_pulled(homes[8], KIMI_K3)
     t8 = _core_tensors(p8)
     quantised = {k[: -len(".scales")] for k in t8 if k.endswith(".scales")}
     assert quantised, "no quantised layer in the 8-bit core"
@@ -126,7 +124,7 @@ def test_core_bits_8_quantises_the_right_tensors_only(homes: dict[int, Path]) ->
 
 @pytest.mark.e2e
 def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None:
-    sm = open_model(REPO_ID, home=homes[8])
+    sm = open_model(KIMI_K3, home=homes[8])
     try:
         assert sm.core_bits == 8
         q = [m for _, m in sm.model.named_modules() if type(m).__name__ in ("QuantizedLinear", "QuantizedMultiLinear")]
@@ -138,7 +136,7 @@ def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None
         sm.close()
     env = {**os.environ, "EXPERTMESH_HOME": str(homes[8]), "HF_ENDPOINT": hub.url}
     r = subprocess.run(
-        [sys.executable, "-m", "expertmesh", "run", REPO_ID, "hello experts", "--max-tokens", "6"],
+        [sys.executable, "-m", "expertmesh", "run", KIMI_K3, "hello experts", "--max-tokens", "6"],
         env=env,
         capture_output=True,
         text=True,
@@ -149,22 +147,22 @@ def test_run_uses_the_8_bit_core(homes: dict[int, Path], hub: HubServer) -> None
 
 
 def test_pulling_8_bits_over_a_bf16_pull_quantises_in_place(
-    hub: HubServer, tmp_path: Path, capsys, monkeypatch
+    pulled_home, hub: HubServer, tmp_path: Path, capsys, monkeypatch
 ) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+    pulled_home("kimi_k3", tmp_path)
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
-    assert main(["pull", REPO_ID, "--core-bits", "8", "--no-progress"]) == 0
+    assert main(["pull", KIMI_K3, "--core-bits", "8", "--no-progress"]) == 0
     assert "8-bit weights" in capsys.readouterr().out
-    path = local_models.find_pulled(tmp_path, REPO_ID)
+    path = local_models.find_pulled(tmp_path, KIMI_K3)
     assert any(k.endswith(".scales") for k in _core_tensors(path))
-    assert main(["pull", REPO_ID, "--core-bits", "16", "--no-progress"]) != 0  # the BF16 core is gone
+    assert main(["pull", KIMI_K3, "--core-bits", "16", "--no-progress"]) != 0  # the BF16 core is gone
     err = capsys.readouterr().err
     assert err.startswith("error:") and "pull again" in err and "Traceback" not in err
 
 
 def test_a_bad_core_bits_value_is_a_usage_error(capsys) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["pull", REPO_ID, "--core-bits", "5"])
+        main(["pull", KIMI_K3, "--core-bits", "5"])
     assert e.value.code == 2 and "--core-bits" in capsys.readouterr().err
 
 
@@ -179,7 +177,7 @@ def test_a_bad_recipe_is_one_line_before_anything_is_fetched(
     argv, words, hub: HubServer, tmp_path, capsys, monkeypatch
 ):
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
-    assert main(["pull", REPO_ID, "--no-progress", *argv]) == 1
+    assert main(["pull", KIMI_K3, "--no-progress", *argv]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error:") and words in err and "Traceback" not in err
     assert hub.stats().get("requests", 0) == 0 or not (tmp_path / "models").exists()

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -25,7 +26,6 @@ from expertmesh.node.engine.core_quantization import pull_with_core_bits
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.hub import local_models
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 TOKENS = 4
 
 _KILL_AT = """
@@ -48,7 +48,7 @@ class _Stopped(BaseException):
 
 
 def _tokens(home: Path) -> tuple[int, list[int]]:
-    sm = open_model(REPO_ID, home=home, store=StoreConfig(fill=False, prefetch=False))
+    sm = open_model(KIMI_K3, home=home, store=StoreConfig(fill=False, prefetch=False))
     try:
         ids = sm.tokenizer.encode("a crash at any point")
         return sm.core_bits, [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=TOKENS))]
@@ -62,7 +62,7 @@ def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory
     bf16 = pulled_home("kimi_k3", tmp_path_factory.mktemp("bf16"))
     q4 = tmp_path_factory.mktemp("q4")
     shutil.copytree(bf16, q4, dirs_exist_ok=True)
-    pull_with_core_bits(REPO_ID, home=q4, progress=False, core_bits=4)
+    pull_with_core_bits(KIMI_K3, home=q4, progress=False, core_bits=4)
     return {"home": bf16, 16: _tokens(bf16), 4: _tokens(q4)}
 
 
@@ -79,19 +79,25 @@ def test_stopped_before_the_commit_point_it_is_the_bf16_pull(pulled, hub, tmp_pa
     shutil.copytree(pulled["home"], home)
     _stop_at(monkeypatch, "staged")  # every quantised file written and synced, not yet committed
     with pytest.raises(_Stopped):
-        pull_with_core_bits(REPO_ID, home=home, progress=False, core_bits=4)
-    path = local_models.find_pulled(home, REPO_ID)
+        pull_with_core_bits(KIMI_K3, home=home, progress=False, core_bits=4)
+    path = local_models.find_pulled(home, KIMI_K3)
     assert (path / core_replacement.STAGING).is_dir()
     assert _tokens(home) == pulled[16]  # run loads the BF16 core beside the staged one
     monkeypatch.undo()
-    result = pull_with_core_bits(REPO_ID, home=home, progress=False, core_bits=4)
+    result = pull_with_core_bits(KIMI_K3, home=home, progress=False, core_bits=4)
     assert result.core_bits == 4 and not (path / core_replacement.STAGING).exists()
     assert _tokens(home) == pulled[4]
 
 
 @pytest.mark.parametrize(
     ("point", "nth"),
-    [("ready", 0), ("removed", 1), ("removed", 3), ("installed", 1), ("marked", 1)],
+    [  # a kill needs a process of its own: those are e2e
+        ("ready", 0),
+        *(
+            pytest.param(point, nth, marks=pytest.mark.e2e)
+            for point, nth in [("removed", 1), ("removed", 3), ("installed", 1), ("marked", 1)]
+        ),
+    ],
     ids=["committed", "one-bf16-shard-gone", "all-bf16-gone", "one-file-installed", "marked"],
 )
 def test_killed_after_the_commit_point_run_finishes_the_4_bit_core(
@@ -101,9 +107,9 @@ def test_killed_after_the_commit_point_run_finishes_the_4_bit_core(
     shutil.copytree(pulled["home"], home)
     _stop_at(monkeypatch, "ready")  # committed: `.core-ready/` holds the manifest and the files
     with pytest.raises(_Stopped):
-        pull_with_core_bits(REPO_ID, home=home, progress=False, core_bits=4)
+        pull_with_core_bits(KIMI_K3, home=home, progress=False, core_bits=4)
     monkeypatch.undo()
-    path = local_models.find_pulled(home, REPO_ID)
+    path = local_models.find_pulled(home, KIMI_K3)
     if nth:
         r = subprocess.run([sys.executable, "-c", _KILL_AT, str(path), point, str(nth)], timeout=60)
         assert r.returncode == -signal.SIGKILL, f"not killed at {point} #{nth}"

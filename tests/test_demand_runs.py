@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import Fault, HubServer
@@ -17,21 +17,13 @@ from expertmesh.node.config import StoreConfig
 from expertmesh.node.model.expert_index import run_ranges
 from tests.store_calls import take_layer
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 RUN, LONE = [0, 1, 2], 5
-
-
-@pytest.fixture(scope="module")
-def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("demand-runs")
-    pulled_home("kimi_k3", home)
-    return home
 
 
 def _open(home: Path, coalesce: bool, connections: int = 1):
     # no disk copies, no guesses, no fills: every expert below comes from the Hub on demand
     return open_model(
-        REPO_ID,
+        KIMI_K3,
         home=home,
         store=StoreConfig(
             disk_budget="0",
@@ -53,8 +45,12 @@ def _demand(hub: HubServer, sm, layer: int) -> tuple[dict, int, int]:
     return weights, ranges, stats["bytes_served"]
 
 
-def test_adjacent_demands_go_as_one_run_with_the_same_bytes(hub: HubServer, pulled: Path) -> None:
-    plain, runs, free = _open(pulled, coalesce=False), _open(pulled, coalesce=True), _open(pulled, True, 12)
+def test_adjacent_demands_go_as_one_run_with_the_same_bytes(hub: HubServer, module_home: Path) -> None:
+    plain, runs, free = (
+        _open(module_home, coalesce=False),
+        _open(module_home, coalesce=True),
+        _open(module_home, True, 12),
+    )
     try:
         layer = min(k[0] for k in plain.index.experts)
         locs = {e: plain.index.expert(layer, e) for e in [*RUN, LONE]}
@@ -79,8 +75,8 @@ def test_adjacent_demands_go_as_one_run_with_the_same_bytes(hub: HubServer, pull
         free.close()
 
 
-def test_a_demand_for_an_expert_of_a_running_run_waits_for_it(hub: HubServer, pulled: Path) -> None:
-    sm = _open(pulled, coalesce=True)
+def test_a_demand_for_an_expert_of_a_running_run_waits_for_it(hub: HubServer, module_home: Path) -> None:
+    sm = _open(module_home, coalesce=True)
     hub.knobs.ttfb_s = 0.2  # the run is still on its way when the second demand comes
     try:
         layer = max(k[0] for k in sm.index.experts)
@@ -100,14 +96,14 @@ def test_a_demand_for_an_expert_of_a_running_run_waits_for_it(hub: HubServer, pu
         sm.close()
 
 
-def test_a_run_with_bad_bytes_is_fetched_again_expert_by_expert(hub: HubServer, pulled: Path) -> None:
-    clean = _open(pulled, coalesce=True)
+def test_a_run_with_bad_bytes_is_fetched_again_expert_by_expert(hub: HubServer, module_home: Path) -> None:
+    clean = _open(module_home, coalesce=True)
     try:
         layer = sorted({k[0] for k in clean.index.experts})[1]  # one the other tests do not use
         expected = take_layer(clean.store, layer, RUN)  # records every expert's sha256
     finally:
         clean.close()
-    sm = _open(pulled, coalesce=True)
+    sm = _open(module_home, coalesce=True)
     hub.knobs.faults = [Fault("wrong_bytes", count=1, path_glob="*.safetensors")]  # the run's one response
     try:
         got = take_layer(sm.store, layer, RUN)

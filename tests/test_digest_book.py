@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing
 from pathlib import Path
 
+import pytest
+
 from expertmesh.node.store.integrity import DigestBook, Record, fast_digest, format_record, parse_record, sha256
 
 A = "a" * 64
@@ -41,6 +43,7 @@ def _record(path: str, key: tuple[int, int], digest: str) -> None:
     DigestBook(Path(path)).record(key, digest)
 
 
+@pytest.mark.e2e
 def test_two_processes_share_one_book(tmp_path: Path) -> None:
     path = tmp_path / "digests.tsv"
     mine = DigestBook(path)

@@ -21,7 +21,9 @@ from pathlib import Path
 import grpc
 import pytest
 from fake_nodes import Forger, Relay, member, stranger
+from loopback import SERVICE_TYPE
 from nodes import serve_command
+from repos import KIMI_K3
 from waiting import wait_until
 from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf
 from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
@@ -30,7 +32,6 @@ from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.household.discovery import (
     RESOLVE_WORKERS,
-    SERVICE_TYPE,
     Advertisement,
     Browser,
     Discovery,
@@ -38,7 +39,6 @@ from expertmesh.node.household.discovery import (
 )
 from expertmesh.node.household.membership import PeerTable
 from expertmesh.node.hub.local_models import find_pulled
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -49,6 +49,9 @@ LOOPBACK = ["127.0.0.1"]
 RUN = f"{os.getpid()}"
 CLUSTER, E2E_CLUSTER = f"test-cluster-{RUN}", f"zc-e2e-{RUN}"
 SECRET = "discovery-test-secret"
+# every in-process test advertises and browses a service type of this run's own (tests/loopback.py):
+# the names below are every run's names, and the flood's names never resolve
+pytestmark = pytest.mark.usefixtures("own_service_type")
 
 
 def _discovery(
@@ -76,7 +79,7 @@ def _advertised(name: str, port: int, properties: dict):
         properties=properties,
         server=f"{name}.local.",
     )
-    zc.register_service(info)
+    zc.register_service(info, cooperating_responders=True)  # no probing first: nobody else takes the name
     try:
         yield
     finally:
@@ -86,6 +89,17 @@ def _advertised(name: str, port: int, properties: dict):
 
 def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
+
+
+def _handled_what_came_before(d: Discovery) -> None:
+    """Until `d` has handled every advertisement and goodbye sent so far: one more advertisement, of
+    its own id under another name, reaches its browser after them (zeroconf delivers in order) and
+    is counted as a duplicate; then the resolutions still under way finish. A check that something
+    did not happen is made after this, never after a sleep."""
+    before = d.duplicates
+    with _advertised(f"behind-{d.ad.node_id}", d.ad.port, d.ad.properties()):
+        assert wait_until(lambda: d.duplicates > before), "the advertisement behind the others never arrived"
+    d.settle()
 
 
 def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
@@ -104,8 +118,10 @@ def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
             # whether a node computes experts for others comes from its proof
             assert b.table.peers["node-a"].compute and not a.table.peers["node-b"].compute
             assert b.table.peers["node-a"].weight == 3 * 10**9
-            time.sleep(1.0)  # time enough for the other cluster's advertisement to arrive too
+            _handled_what_came_before(a)  # the other cluster's advertisement among them
+            _handled_what_came_before(other)
             assert "node-x" not in a.table.peers and "node-a" not in other.table.peers
+            assert a.unproven == 0  # not even asked to prove itself
             b.close()  # node-b leaves as a node does: its goodbye, then its gRPC server stops
             node_b_server.close()
             assert wait_until(lambda: "node-b" not in a.table.peers)
@@ -129,7 +145,7 @@ def _goodbye(name: str) -> None:
 def test_a_forged_goodbye_does_not_remove_a_member_that_is_still_there(monkeypatch) -> None:
     import expertmesh.node.household.discovery as discovery
 
-    monkeypatch.setattr(discovery, "GOODBYE_CHECKS_S", (0.3, 0.6, 1.2, 2.4))  # 4.5 s, not 7.5
+    monkeypatch.setattr(discovery, "GOODBYE_CHECKS_S", (0.1, 0.2, 0.4, 0.8))  # as many checks, sooner
     observer = _discovery("observer")
     try:
         with member(SECRET, "node-a") as node_a:
@@ -208,7 +224,7 @@ def test_another_name_can_neither_take_over_nor_remove_a_peer() -> None:
                     with _advertised(name, port, claims):
                         assert wait_until(lambda before=before: observer.claims > before)
                         assert observer.table.peers["node-a"].address == node_a.address
-                    time.sleep(1.0)  # the claim's removal has arrived: it removes nothing
+                    _handled_what_came_before(observer)  # the claim's removal among them: it removes nothing
                     assert observer.table.peers["node-a"].address == node_a.address
                 assert recorder.calls == []  # nobody even asked the hijacker
             finally:
@@ -295,20 +311,26 @@ def test_a_failing_advertisement_does_not_stop_the_resolvers() -> None:
 
 
 def test_a_flood_of_advertised_names_starts_no_thread_per_name() -> None:
+    earlier = {t for t in threading.enumerate() if t.name == "zeroconf-resolve"}  # other browsers'
     browser = Browser(lambda name, sighting: None, LOOPBACK)
     flooder = Zeroconf(interfaces=LOOPBACK)
     peak = 0
+
+    def flooded() -> bool:
+        nonlocal peak
+        peak = max(peak, sum(t.name == "zeroconf-resolve" and t not in earlier for t in threading.enumerate()))
+        return browser.dropped > 0
+
     try:
-        time.sleep(0.5)
-        for batch in range(0, 300, 100):  # names that never resolve, 100 to a packet
-            out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
-            for i in range(batch, batch + 100):
-                name = f"flood{RUN}-{i}.{SERVICE_TYPE}"
-                out.add_answer_at_time(DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 4500, name), 0)
-            flooder.send(out)
-        for _ in range(60):  # 3 s: names that never resolve keep their resolver busy that long
-            peak = max(peak, sum(t.name == "zeroconf-resolve" for t in threading.enumerate()))
-            time.sleep(0.05)
+        for rounds in range(10):  # again with new names if the browser was not listening yet
+            for batch in range(0, 300, 100):  # names that never resolve, 100 to a packet
+                out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+                for i in range(batch, batch + 100):
+                    name = f"flood{rounds}-{i}.{SERVICE_TYPE}"
+                    out.add_answer_at_time(DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 4500, name), 0)
+                flooder.send(out)
+            if wait_until(flooded, timeout_s=2.0, interval_s=0.02):
+                break
     finally:
         flooder.close()
         browser.close()
@@ -319,7 +341,7 @@ def test_a_flood_of_advertised_names_starts_no_thread_per_name() -> None:
 def _serve(home: Path, hub: HubServer, *extra: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": "zc-secret", "HF_ENDPOINT": hub.url}
     proc = subprocess.Popen(
-        serve_command("expertmesh/tiny-kimi_k3", E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra),
+        serve_command(KIMI_K3, E2E_CLUSTER, "--no-prefetch", "--http-port", "0", *extra),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -364,9 +386,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.e2e
-def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, oracle, tmp_path: Path) -> None:
+def test_a_node_found_by_zeroconf_serves_experts_to_another(
+    pulled_home, hub: HubServer, oracle, tmp_path: Path
+) -> None:
     for name in ("owner", "client"):
-        pull("expertmesh/tiny-kimi_k3", home=tmp_path / name, progress=False)
+        pulled_home("kimi_k3", tmp_path / name)
     owner, _ = _serve(tmp_path / "owner", hub)
     client, port = _serve(tmp_path / "client", hub, "--disk-budget", "0")  # owns nothing: peers first
     try:
@@ -375,9 +399,7 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, orac
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             events = list(
                 node_pb2_grpc.NodeStub(channel).Generate(
-                    node_pb2.GenerateRequest(
-                        model=node_pb2.ModelKey(repo_id="expertmesh/tiny-kimi_k3"), prompt=prompt, max_tokens=12
-                    ),
+                    node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=KIMI_K3), prompt=prompt, max_tokens=12),
                     metadata=_md("Generate"),
                     timeout=120,
                 )
@@ -391,12 +413,14 @@ def test_a_node_found_by_zeroconf_serves_experts_to_another(hub: HubServer, orac
 
 
 @pytest.mark.e2e
-def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(hub: HubServer, oracle, tmp_path: Path) -> None:
+def test_a_full_node_and_two_cache_peers_fetch_each_expert_once(
+    pulled_home, hub: HubServer, oracle, tmp_path: Path
+) -> None:
     """The issue's household: cache peers found by zeroconf alone own the experts between them."""
-    repo_id = "expertmesh/tiny-kimi_k3"
-    pull(repo_id, home=tmp_path / "full", progress=False)
+    repo_id = KIMI_K3
+    pulled_home("kimi_k3", tmp_path / "full")
     for name in ("cache-a", "cache-b"):
-        pull(repo_id, home=tmp_path / name, progress=False, index_only=True)
+        pulled_home("kimi_k3", tmp_path / name, index_only=True)
     peers = [_serve(tmp_path / name, hub, "--cache-only", "--disk-budget", "100MB") for name in ("cache-a", "cache-b")]
     full, port = _serve(tmp_path / "full", hub, "--disk-budget", "0")
     procs = [full] + [p for p, _ in peers]
@@ -490,8 +514,8 @@ def test_prometheus_targets_given_the_secret_list_only_nodes_that_prove_it(tmp_p
             }
             with _advertised("node-m", node_m.port, ads["node-m"].properties()):
                 with _advertised("posing", _port(elsewhere), ads["posing"].properties()):
+                    # both handled: the poser refused (counted), the member listed (written under the same lock)
                     assert wait_until(lambda: watcher.unproven >= 1 and watcher.targets())
-                    time.sleep(0.5)  # both resolved and settled
                     groups = json.loads(path.read_text())
         assert [g["labels"]["node_id"] for g in groups] == ["node-m"]
         assert groups[0]["labels"]["node_role"] == "cache"  # the proof's role, not the advertisement's

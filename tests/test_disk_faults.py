@@ -8,12 +8,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -22,27 +22,12 @@ from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, format_record, parse_record, sha256
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "A cache that outlives its disk"
-
-
-@pytest.fixture(scope="module")
-def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("pulled")
-    pulled_home("kimi_k3", home)
-    return home
-
-
-@pytest.fixture
-def home(pulled: Path, tmp_path: Path) -> Path:
-    home = tmp_path / "home"
-    shutil.copytree(pulled, home)
-    return home
 
 
 def _generate(home: Path, **budgets):
     """(tokens, stats, disk, /metrics text) of one generation with a fresh node on `home`."""
-    sm = open_model(REPO_ID, home=home, store=StoreConfig(**budgets, prefetch=False, fill=False))
+    sm = open_model(KIMI_K3, home=home, store=StoreConfig(**budgets, prefetch=False, fill=False))
     try:
         ids = sm.tokenizer.encode(PROMPT)
         tokens = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=12))]
@@ -54,10 +39,8 @@ def _generate(home: Path, **budgets):
 
 
 @pytest.fixture(scope="module")
-def reference(pulled: Path, tmp_path_factory: pytest.TempPathFactory) -> list[int]:
-    home = tmp_path_factory.mktemp("reference")
-    shutil.copytree(pulled, home, dirs_exist_ok=True)
-    return _generate(home)[0]
+def reference(module_home: Path) -> list[int]:
+    return _generate(module_home)[0]
 
 
 def _book_lines(disk_root: Path) -> list[str]:
@@ -140,6 +123,7 @@ def _mounted(kind: str, target: Path):
             subprocess.run(["umount", "-l", str(target)], check=False)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["read-only", "full"])
 def test_a_cache_on_a_read_only_or_full_disk_degrades_to_the_other_tiers(
     home: Path, reference: list[int], kind: str, caplog: pytest.LogCaptureFixture
@@ -179,11 +163,11 @@ def test_a_damaged_first_fetch_is_found_by_verify_and_corrected(
     assert _generate(home)[0] == damaged  # the damaged copy matches its own record: it stays
     assert _metric(text, 'expertmesh_disk_expert_bytes{state="verified"}') == 0
     monkeypatch.setenv("EXPERTMESH_HOME", str(home))
-    assert main(["verify", REPO_ID, "--no-progress"]) == 0
+    assert main(["verify", KIMI_K3, "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "corrected expert" in out and " 0 undecided" in out, out
     tokens, stats, disk, text = _generate(home)
     assert tokens == reference and not any(stats.integrity_failures.values())
     assert _metric(text, 'expertmesh_disk_expert_bytes{state="verified"}') > 0
-    assert main(["verify", REPO_ID, "--no-progress"]) == 0  # what this run fetched: all confirmed
+    assert main(["verify", KIMI_K3, "--no-progress"]) == 0  # what this run fetched: all confirmed
     assert " 0 corrected" in capsys.readouterr().out

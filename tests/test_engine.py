@@ -26,6 +26,7 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from repos import tiny_id
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -34,7 +35,6 @@ from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.chat import ChatSession
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
-from expertmesh.node.hub.pull import pull
 from tests.store_calls import take_layer
 
 LOGIT_TOLERANCE = {mx.float32: 1e-4, mx.bfloat16: 2**-5}  # measured: 0.0 everywhere (see above)
@@ -46,14 +46,8 @@ CHAT_ARCHS = ["kimi_k3", "deepseek_v3"]  # KDA recurrent state + MLA; attention 
 TURN1, TURN2 = "hello! tell me a story.", "what is a mixture of experts?"
 
 
-def _repo_id(arch: str) -> str:
-    return f"expertmesh/tiny-{arch}"
-
-
 def _open(arch: str, home: Path, ram_budget: str = "50%", prefetch: bool = True) -> StreamedModel:
-    return open_model(
-        _repo_id(arch), home=home, store=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False)
-    )
+    return open_model(tiny_id(arch), home=home, store=StoreConfig(ram_budget=ram_budget, prefetch=prefetch, fill=False))
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -141,14 +135,14 @@ def _cached(reply: list[int], summary: GenerationSummary) -> list[int]:
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_tokens_and_logits_equal_mlx_lm_from_hub_disk_and_tiny_ram(
-    arch: str, hub: HubServer, oracle, tmp_path: Path
+    pulled_home, arch: str, hub: HubServer, oracle, tmp_path: Path
 ) -> None:
     ref, ref_tok = oracle.load(arch)
     prompts = [ref_tok.encode(p) for p in PROMPTS]
     expected = [_mlx_lm_tokens(ref, ref_tok, ids, MAX_TOKENS) for ids in prompts]
     for p, exp in zip(PROMPTS, expected):
         assert len(exp) == MAX_TOKENS, f"mlx-lm stopped {p!r} after {len(exp)} tokens: pick a prompt without early EOS"
-    pull(_repo_id(arch), home=tmp_path, progress=False)
+    pulled_home(arch, tmp_path)
 
     # 1. cold: a fresh home, so every expert's first use comes from the Hub
     cold = _open(arch, tmp_path)
@@ -348,12 +342,12 @@ def test_ctrl_c_inside_a_turn_rebuilds_the_next_one_correctly(models, oracle) ->
 # -- the expert store's single flight --------------------------------------------------------
 
 
-def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path: Path) -> None:
+def test_concurrent_demands_share_one_fetch_per_expert(pulled_home, hub: HubServer, tmp_path: Path) -> None:
     """Single flight under contention: several threads asking for overlapping experts (as
     concurrent requests on one node do) each get every expert, and the Hub sends each once.
     Also the regression of a deadlock that once hung warm-disk runs one time in three."""
-    pull(_repo_id("kimi_k3"), home=tmp_path, progress=False)
-    sm = open_model(_repo_id("kimi_k3"), home=tmp_path, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
+    pulled_home("kimi_k3", tmp_path)
+    sm = open_model(tiny_id("kimi_k3"), home=tmp_path, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
     try:
         layer = sm.index.moe_layers[0]
         served_before = hub.stats()["bytes_served"]
@@ -373,6 +367,6 @@ def test_concurrent_demands_share_one_fetch_per_expert(hub: HubServer, tmp_path:
         sent = hub.stats()["bytes_served"] - served_before
         assert sent == sum(sm.index.expert(layer, e).nbytes for e in distinct)  # one fetch each, however many asked
         assert sm.store.stats.total_uses == sum(len(w) for w in wanted)
-        assert not sm.store.fetches.in_flight_count()  # single flight forgot the finished fetches
+        assert not sm.store.flights.in_flight_count()  # single flight forgot the finished fetches
     finally:
         sm.close()

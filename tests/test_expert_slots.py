@@ -8,6 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.graph_counts import GraphCounter
@@ -17,7 +18,7 @@ from expertmesh.node.engine.generation import GenerationSummary, Generator, Samp
 from expertmesh.node.engine.model_thread import model_thread
 from tests.store_calls import take_layer
 
-ARCH, REPO_ID = "kimi_k3", "expertmesh/tiny-kimi_k3"
+ARCH, REPO_ID = "kimi_k3", KIMI_K3
 PROMPT = "hello experts"
 TOKENS = 8
 LONG_PROMPT = "for layer in range of the model, every expert is asked " * 4  # over 64 rows of routing

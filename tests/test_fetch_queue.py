@@ -1,105 +1,163 @@
-"""The fetch queue's rules, with a scripted tier: one fetch per expert however many ask, demands
-before guesses, and a guess that proved wrong gives its link up unless a demand came for it."""
+"""The fetch workers over the book of experts in flight, with a scripted tier: one fetch per expert
+however many ask, demands before guesses, a guess its pass proved wrong gives its link up unless a
+demand came for it, and a guess held back while demands are fetched gives its worker to a demand."""
 
 from __future__ import annotations
 
 import gc
 import threading
-import time
 import weakref
+from collections.abc import Callable
 
 import pytest
+from waiting import wait_until
 
 from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.fetching import DEMAND as DEMAND_CTX
-from expertmesh.node.fetching import FetchContext, Priority
+from expertmesh.node.fetching import FetchContext
 from expertmesh.node.store.fetch_queue import FetchQueue
+from expertmesh.node.store.flights import Flights, Guessed, State
 from expertmesh.node.store.tier_chain import Fetched
 
-DEMAND, PREFETCH = Priority.DEMAND, Priority.PREFETCH
+BUDGET = 64  # guesses outstanding at most: more than any test makes
 
 
-class _SlowTier:
-    """Takes `steps` x 5 ms per expert, asking `ctx.abandon` between steps, as the Hub tier does between chunks."""
+class _Tier:
+    """Fetches an expert in `steps` steps, asking `ctx.abandon` between them as the Hub tier does
+    between chunks. An expert given a gate (`gate(key)`) waits for it first, asking all the while."""
 
-    def __init__(self, steps: int = 40):
+    def __init__(self, steps: int = 4):
         self.steps = steps
         self.started: list = []
+        self.gave_up: list = []
+        self.gates: dict = {}
+        self.on_give_up: Callable | None = None  # called as a fetch gives up, before it raises
         self.lock = threading.Lock()
+
+    def gate(self, key) -> threading.Event:
+        self.gates[key] = threading.Event()
+        return self.gates[key]
 
     def fetch(self, key, keep_now: bool = False, ctx: FetchContext = DEMAND_CTX) -> Fetched:
         with self.lock:
             self.started.append(key)
-        for _ in range(self.steps):
+        gate, steps = self.gates.get(key), 0
+        while steps < self.steps or (gate is not None and not gate.is_set()):
             if ctx.should_abandon():
+                self.gave_up.append(key)
+                if self.on_give_up is not None:
+                    self.on_give_up(key)
                 raise Abandoned(f"{key} gave up")
-            time.sleep(0.005)
+            if gate is not None and not gate.is_set():
+                gate.wait(0.005)
+            else:
+                steps += 1
         return Fetched(weights=None, source="hub", seconds=0.0)
 
     def fetch_run(self, keys, keep_now: bool = False, ctx: FetchContext = DEMAND_CTX) -> list:
         return [self.fetch(k, keep_now, ctx) for k in keys]
 
+    def has_started(self, key, times: int = 1) -> bool:
+        with self.lock:
+            return self.started.count(key) >= times
 
-def _queue(tier: _SlowTier, stale: set, workers: int = 1) -> FetchQueue:
-    q = FetchQueue(tier.fetch, tier.fetch_run, workers, stale=lambda key: key in stale)
+
+def _queue(tier: _Tier, workers: int = 1, may_share=None) -> tuple[Flights, FetchQueue]:
+    flights = Flights()
+    q = FetchQueue(flights, tier.fetch, tier.fetch_run, workers, may_share=may_share)
     q.start()
-    return q
+    return flights, q
+
+
+def _demand(flights: Flights, key):
+    return flights.demand([key])[key]
+
+
+def _guess(flights: Flights, key) -> None:
+    assert flights.guess(key, BUDGET) is Guessed.ISSUED
 
 
 def test_a_wrong_guess_gives_its_link_up_and_a_wanted_one_does_not() -> None:
-    tier, stale = _SlowTier(), set()
-    q = _queue(tier, stale)
+    tier = _Tier()
+    flights, q = _queue(tier)
     try:
-        wrong = q.submit((1, 1), PREFETCH)
-        stale.add((1, 1))  # its pass came and did not want it
-        with pytest.raises(Abandoned):
-            wrong.result(timeout=10)
-        guess = q.submit((1, 2), PREFETCH)
-        assert q.submit((1, 2), DEMAND) is guess  # the demand joins the guess's fetch
-        stale.add((1, 2))  # settled: no longer a pending guess, but a demand waits for it
-        assert guess.result(timeout=10).source == "hub"
-        assert not q.demanded((1, 2)) and q.in_flight_count() == 0
+        tier.gate((1, 1))
+        _guess(flights, (1, 1))
+        assert wait_until(lambda: tier.has_started((1, 1)))
+        flights.settle(1, set())  # its pass came and did not want it
+        assert wait_until(lambda: not flights.holds((1, 1)))
+        assert tier.gave_up == [(1, 1)]
+
+        gate = tier.gate((1, 2))
+        _guess(flights, (1, 2))
+        assert wait_until(lambda: tier.has_started((1, 2)))
+        demand = _demand(flights, (1, 2))  # the demand joins the guess's fetch
+        flights.settle(1, set())  # judged wrong, but a demand waits for it
+        gate.set()
+        assert demand.result(timeout=10).source == "hub"
+        assert (1, 2) not in tier.gave_up and flights.in_flight_count() == 0
     finally:
         q.close()
 
 
-def test_demands_go_before_queued_guesses_and_each_expert_is_fetched_once() -> None:
-    tier, stale = _SlowTier(steps=4), set()
-    q = _queue(tier, stale)
+def test_a_held_guess_its_pass_did_not_want_starts_at_once_and_gives_up() -> None:
+    tier = _Tier()
+    flights, q, first = _guess_beside_a_demand(tier, 2, lambda: False)
     try:
-        first = q.submit((1, 0), DEMAND)  # occupies the one worker
-        guesses = [q.submit((2, e), PREFETCH) for e in range(3)]
-        demands = [q.submit((3, e), DEMAND) for e in range(3)]
-        again = q.submit((3, 0), DEMAND)
-        assert again is demands[0]
-        for f in [first, *demands, *guesses]:
+        assert wait_until(lambda: flights.state((2, 0)) is State.HELD)
+        flights.settle(2, {5})
+        assert wait_until(lambda: (2, 0) in tier.gave_up)  # not held until the demand is over
+        assert not first.done()
+        assert wait_until(lambda: not flights.holds((2, 0)))
+    finally:
+        tier.gates[(1, 0)].set()
+        q.close()
+
+
+def test_demands_go_before_queued_guesses_and_each_expert_is_fetched_once() -> None:
+    tier = _Tier()
+    flights, q = _queue(tier)
+    try:
+        gate = tier.gate((1, 0))
+        first = _demand(flights, (1, 0))  # occupies the one worker
+        for e in range(3):
+            _guess(flights, (2, e))
+        demands = flights.demand([(3, e) for e in range(3)])
+        assert _demand(flights, (3, 0)) is demands[(3, 0)]
+        assert flights.guess((3, 1), BUDGET) is Guessed.HELD_ALREADY  # a guess never fetches twice either
+        gate.set()
+        for f in [first, *demands.values()]:
             f.result(timeout=10)
+        assert wait_until(lambda: flights.in_flight_count() == 0)
         order = tier.started
         assert order[0] == (1, 0) and order[1:4] == [(3, 0), (3, 1), (3, 2)]  # demands, then guesses
         assert len(order) == len(set(order)) == 7
+        assert all(flights.state((2, e)) is State.ARRIVED for e in range(3))  # staged for their pass
     finally:
         q.close()
 
 
 def test_a_demand_that_comes_as_a_guess_gives_up_gets_the_expert_not_the_give_up() -> None:
-    # the demand arrives after the guess's fetch decided to give up but before the guess left the
-    # queue's books (here: while its ending is reported): it must never wait for the give-up
-    tier, stale, asked = _SlowTier(steps=4), {(1, 1)}, {}
-    q: FetchQueue
+    # the demand arrives after the guess's fetch decided to give up but before it left the book:
+    # it must never wait for the give-up
+    tier, asked = _Tier(), {}
+    flights, q = _queue(tier)
+    gate = tier.gate((1, 1))
 
-    def finished(key, fetched) -> None:
-        if fetched is None and key not in asked:
-            asked[key] = q.submit(key, DEMAND)
+    def demand_it(key) -> None:
+        asked[key] = _demand(flights, key)
+        gate.set()
 
-    q = FetchQueue(tier.fetch, tier.fetch_run, 1, finished=finished, stale=lambda key: key in stale)
-    q.start()
+    tier.on_give_up = demand_it
     try:
-        with pytest.raises(Abandoned):
-            q.submit((1, 1), PREFETCH).result(timeout=10)
-        stale.clear()
+        _guess(flights, (1, 1))
+        assert wait_until(lambda: tier.has_started((1, 1)))
+        flights.settle(1, set())
+        assert wait_until(lambda: (1, 1) in asked), "the guess never gave up"
         assert asked[(1, 1)].result(timeout=10).source == "hub"
-        assert tier.started == [(1, 1), (1, 1)]  # the demand made a fetch of its own
+        assert tier.started == [(1, 1), (1, 1)]  # fetched again, for the demand
     finally:
+        gate.set()
         q.close()
 
 
@@ -123,9 +181,10 @@ def test_a_failed_fetch_keeps_no_buffer_alive_once_its_waiter_has_the_error() ->
     gc.collect()
     gc.disable()
     try:
-        q = FetchQueue(failing, lambda keys: [], 1)
+        flights = Flights()
+        q = FetchQueue(flights, failing, lambda keys: [], 1)
         q.start()
-        fut = q.submit((1, 1), DEMAND)
+        fut = _demand(flights, (1, 1))
         with pytest.raises(DownloadError, match="the Hub said no"):
             fut.result(timeout=10)
         q.close()  # the worker's own reference to the future goes with it
@@ -135,23 +194,39 @@ def test_a_failed_fetch_keeps_no_buffer_alive_once_its_waiter_has_the_error() ->
         gc.enable()
 
 
-def _started_while(tier: _SlowTier, key, fut, other) -> bool:
-    """Whether `key` started before `other` (a future) was done."""
-    while not other.done():
-        with tier.lock:
-            if key in tier.started:
-                return True
-        time.sleep(0.002)
-    return False
+def test_a_demand_queued_when_the_queue_closes_fails_at_once() -> None:
+    """Closing stops the workers before any queued fetch; a demand still queued must wake with an
+    error, or whoever waits for it (a generation, a peer's call) waits forever."""
+    tier = _Tier()
+    flights, q = _queue(tier)
+    gate = tier.gate((1, 0))
+    try:
+        first = _demand(flights, (1, 0))
+        assert wait_until(lambda: tier.has_started((1, 0)))  # the one worker waits at the gate
+        queued = _demand(flights, (1, 1))
+        closing = threading.Thread(target=q.close)
+        closing.start()
+        with pytest.raises(DownloadError, match="closed"):
+            queued.result(timeout=10)
+        gate.set()  # the fetch under way ends, as its tier closing would end it
+        first.result(timeout=10)
+        closing.join(10)
+        assert not closing.is_alive() and q.alive() == 0
+        with pytest.raises(DownloadError, match="closed"):
+            _demand(flights, (1, 2)).result(timeout=10)  # nothing would fetch it
+    finally:
+        gate.set()
+        q.close()
 
 
-def _guess_beside_a_demand(tier: _SlowTier, workers: int, may_share) -> tuple[FetchQueue, object, object]:
-    """A started queue with demand (1, 0) being fetched and then guess (2, 0) submitted."""
-    q = FetchQueue(tier.fetch, tier.fetch_run, workers, stale=lambda key: False, may_share=may_share)
-    q.start()
-    demand = q.submit((1, 0), DEMAND)  # one worker fetches it; the others are free
-    time.sleep(0.01)
-    return q, demand, q.submit((2, 0), PREFETCH)
+def _guess_beside_a_demand(tier: _Tier, workers: int, may_share) -> tuple[Flights, FetchQueue, object]:
+    """A started queue fetching demand (1, 0) (held at its gate) with guess (2, 0) queued after it."""
+    tier.gate((1, 0))
+    flights, q = _queue(tier, workers, may_share)
+    demand = _demand(flights, (1, 0))
+    assert wait_until(lambda: tier.has_started((1, 0)))
+    _guess(flights, (2, 0))
+    return flights, q, demand
 
 
 @pytest.mark.parametrize("proven", [False, True, None])
@@ -160,96 +235,54 @@ def test_a_guess_starts_beside_demands_in_flight_only_once_guesses_have_proven_r
     demanded pieces. So while guesses are unproven, a free worker holds its guess until the
     demands in flight are done, and then fetches it (the link a layer's compute leaves idle).
     A queue not told whether guesses have proven right (None) never holds one."""
-    tier = _SlowTier(steps=20)
-    q, demand, guess = _guess_beside_a_demand(tier, 2, None if proven is None else (lambda: proven))
+    tier = _Tier()
+    flights, q, demand = _guess_beside_a_demand(tier, 2, None if proven is None else (lambda: proven))
     try:
-        assert _started_while(tier, (2, 0), guess, demand) is (proven is not False)
-        guess.result(timeout=10)  # held back, not dropped
+        if proven is False:
+            assert wait_until(lambda: flights.state((2, 0)) is State.HELD)
+            assert not tier.has_started((2, 0))  # held while the demand is fetched
+        else:
+            assert wait_until(lambda: tier.has_started((2, 0)))  # beside the demand
+            assert not demand.done()
+        tier.gates[(1, 0)].set()
+        demand.result(timeout=10)
+        assert wait_until(lambda: flights.state((2, 0)) is State.ARRIVED)  # held back, not dropped
     finally:
         q.close()
 
 
 def test_a_held_guess_gives_its_worker_to_a_demand_that_comes_meanwhile() -> None:
-    tier = _SlowTier(steps=20)
-    q, first, guess = _guess_beside_a_demand(tier, 2, lambda: False)  # the free worker holds the guess
+    tier = _Tier()
+    flights, q, first = _guess_beside_a_demand(tier, 2, lambda: False)
     try:
-        time.sleep(0.02)
-        second = q.submit((1, 1), DEMAND)
-        assert _started_while(tier, (1, 1), second, first)  # not behind the held guess
-        for f in (first, second, guess):
-            f.result(timeout=10)
+        assert wait_until(lambda: flights.state((2, 0)) is State.HELD)
+        second = _demand(flights, (1, 1))
+        assert second.result(timeout=10).source == "hub"  # fetched by the free worker, not behind the guess
+        assert not first.done() and not tier.has_started((2, 0))
+        tier.gates[(1, 0)].set()
+        first.result(timeout=10)
+        assert wait_until(lambda: flights.in_flight_count() == 0)
         assert tier.started.index((2, 0)) == 2  # the guess went last
     finally:
         q.close()
 
 
 def test_a_held_guess_that_a_demand_comes_for_is_fetched_once_as_the_demand() -> None:
-    tier = _SlowTier(steps=10)
-    q, first, guess = _guess_beside_a_demand(tier, 3, lambda: False)  # held while (1, 0) is fetched
+    """The demand moves the held guess ahead: one fetch, for the demand, and no worker is left
+    holding a guess whose expert is no longer in flight (each worker lives on)."""
+    tier = _Tier()
+    flights, q, first = _guess_beside_a_demand(tier, 3, lambda: False)
     try:
-        time.sleep(0.01)
-        demand = q.submit((2, 0), DEMAND)  # the third worker takes the demand's own entry
-        assert demand is guess
+        assert wait_until(lambda: flights.state((2, 0)) is State.HELD)
+        demand = _demand(flights, (2, 0))
         assert demand.result(timeout=10).source == "hub"
+        assert not first.done()  # fetched while the first demand still runs
+        tier.gates[(1, 0)].set()
         first.result(timeout=10)
-        time.sleep(0.1)  # a second fetch of (2, 0), if the held entry made one, starts by now
-        assert tier.started.count((2, 0)) == 1
-        assert q.in_flight_count() == 0
+        assert wait_until(lambda: flights.in_flight_count() == 0)
+        assert tier.started.count((2, 0)) == 1  # and no record is left in flight to fetch it again
+        assert flights.state((2, 0)) is State.ARRIVED  # still staged for its pass, as a guess
+        assert _demand(flights, (2, 0)).result(timeout=10).source == "hub"  # taken, not fetched again
+        assert tier.started.count((2, 0)) == 1 and q.alive() == 3
     finally:
-        q.close()
-
-
-def test_a_held_guess_whose_expert_a_demand_fetched_meanwhile_is_dropped() -> None:
-    """The scheduler may wake a held guess's worker only after a demand for its very expert came,
-    was fetched by another worker and left the books: the entry must then be dropped, not started
-    (an expert no longer in flight), which would kill the worker and leave the expert marked as
-    started, so that a later demand for it waits forever."""
-    gate = threading.Event()
-    demand_done, hold_over = threading.Event(), threading.Event()
-
-    def fetch(key, keep_now: bool = False, ctx: FetchContext = DEMAND_CTX) -> Fetched:
-        if key == (1, 0):
-            gate.wait(10)  # keeps a demand running while the guess is held
-        return Fetched(weights=None, source="hub", seconds=0.0)
-
-    q = FetchQueue(fetch, lambda keys: [fetch(k) for k in keys], 3, stale=lambda key: False, may_share=lambda: False)
-    real_wait, real_hold, late = q.changed.wait, q._hold_guess, []
-
-    def late_wake(timeout=None) -> bool:  # Condition.wait, woken after the demand came and went
-        if late:
-            return real_wait(timeout)
-        late.append(True)
-        q._lock.release()
-        try:
-            demand_done.wait(10)
-        finally:
-            q._lock.acquire()
-        return True
-
-    def hold(key) -> bool:
-        try:
-            return real_hold(key)
-        finally:
-            hold_over.set()
-
-    q.changed.wait, q._hold_guess = late_wake, hold
-    q.start()
-    try:
-        first = q.submit((1, 0), DEMAND)
-        q.submit((2, 0), PREFETCH)
-        for _ in range(1000):  # until the guess's worker holds it
-            if late:
-                break
-            time.sleep(0.01)
-        assert late, "the guess was never held"
-        q.submit((2, 0), DEMAND).result(timeout=10)  # fetched by the third worker
-        demand_done.set()
-        gate.set()
-        first.result(timeout=10)
-        assert hold_over.wait(10)
-        assert q.submit((2, 0), DEMAND).result(timeout=10).source == "hub"  # a new fetch, not a lost one
-        assert q.in_flight_count() == 0 and all(t.is_alive() for t in q._threads)
-    finally:
-        gate.set()
-        demand_done.set()
         q.close()

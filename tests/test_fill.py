@@ -3,7 +3,6 @@ fetched onto free disk budget — each from the Hub once, never by evicting, nev
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from waiting import wait_until
@@ -23,6 +22,12 @@ SPARE = 5  # free disk slots left for the fill in the budget test
 
 def _generate(sm) -> list[int]:
     return [t.id for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=TOKENS))]
+
+
+def _fill_over(sm):
+    """Whether the fill has nothing left to do (it found the disk full, or filled everything) and
+    no fill is in flight: from then on no fill can start."""
+    return lambda: sm.store.fill.done and sm.store.flights.fill_bytes() == 0
 
 
 def test_fill_fetches_unused_experts_once_and_keeps_the_output(hub: HubServer, oracle, tmp_path: Path) -> None:
@@ -74,7 +79,8 @@ def test_fill_takes_free_budget_only(hub: HubServer, tmp_path: Path) -> None:
         before = hub.stats()["bytes_served"]
         _generate(sm)  # every demand is a disk hit now; the link is idle for the fill
         assert wait_until(lambda: sm.store.stats.prefetch["filled"] >= SPARE)
-        time.sleep(0.5)  # a fill past the budget would show here
+        sm.store.fill.touch()  # a generation still going on: the fill goes on while it may
+        assert wait_until(_fill_over(sm)), "the fill never found its budget full"
         assert sm.store.stats.prefetch["filled"] == SPARE and len(sm.disk) == used + SPARE
         assert sm.disk.nbytes <= budget and sm.disk.evictions == 0  # filled into free room, evicted nothing
         assert hub.stats()["bytes_served"] - before <= SPARE * expert_bytes
@@ -100,7 +106,8 @@ def test_fill_stops_when_the_file_system_is_full(hub: HubServer, oracle, tmp_pat
     try:
         before = hub.stats()["bytes_served"]
         assert _generate(sm) == expected
-        time.sleep(0.5)  # fills still running would fetch more here
+        sm.store.fill.touch()
+        assert wait_until(_fill_over(sm)), "the fill never stopped"
         stats = sm.store.stats.snapshot()
         assert len(sm.disk) == 0 and stats.prefetch["filled"] == 0
         expert_bytes = max(loc.nbytes for loc in sm.index.experts.values())

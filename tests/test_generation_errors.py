@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from repos import tiny_id
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import Fault, HubServer
@@ -20,11 +21,10 @@ from expertmesh.node.engine.generation import ContextLengthError, GenerationSumm
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, NotPulledError, UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.store.tiers.disk import TMP_SUFFIX
 
 ARCH = "kimi_k3"
-REPO_ID = f"expertmesh/tiny-{ARCH}"
+REPO_ID = tiny_id(ARCH)
 PROMPT = "hello experts"
 GREEDY = SamplingSettings(max_tokens=24, temp=0.0, top_p=1.0, seed=None)
 # Fast retries for the failing-Hub test; the default RangeReader (8 retries, 0.25 s base,
@@ -62,8 +62,8 @@ def test_not_pulled_says_which_command_pulls_it(tmp_path: Path) -> None:
         open_model(REPO_ID, revision="v2", home=tmp_path)
 
 
-def test_hub_failing_mid_generation_then_recovering(hub: HubServer, oracle_tokens, tmp_path: Path) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+def test_hub_failing_mid_generation_then_recovering(pulled_home, hub: HubServer, oracle_tokens, tmp_path: Path) -> None:
+    pulled_home(ARCH, tmp_path)
     sm = _open(tmp_path, hub_reader=hub_client.RangeReader(**FAST_RETRIES))
     try:
         ids = sm.tokenizer.encode(PROMPT)
@@ -85,9 +85,9 @@ def test_hub_failing_mid_generation_then_recovering(hub: HubServer, oracle_token
         # Let the layer's other fetches (still retrying against the faults) finish, so the
         # recovery below cannot join a fetch that is about to fail.
         deadline = time.monotonic() + 10
-        while sm.store.fetches.in_flight_count() and time.monotonic() < deadline:
+        while sm.store.flights.in_flight_count() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not sm.store.fetches.in_flight_count()
+        assert not sm.store.flights.in_flight_count()
 
         # The disk cache holds whole experts only: no temporary files, every size exact.
         files = _cache_files(sm)
@@ -109,9 +109,9 @@ def test_hub_failing_mid_generation_then_recovering(hub: HubServer, oracle_token
 
 
 def test_prompt_longer_than_the_context(
-    hub: HubServer, oracle_tokens, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pulled_home, hub: HubServer, oracle_tokens, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+    pulled_home(ARCH, tmp_path)
     sm = _open(tmp_path)
     try:
         limit = 12
@@ -142,8 +142,8 @@ def test_prompt_longer_than_the_context(
         sm.close()
 
 
-def test_disk_cache_debris_is_removed_at_start(hub: HubServer, oracle_tokens, tmp_path: Path) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+def test_disk_cache_debris_is_removed_at_start(pulled_home, hub: HubServer, oracle_tokens, tmp_path: Path) -> None:
+    pulled_home(ARCH, tmp_path)
     sm = _open(tmp_path)
     ids = sm.tokenizer.encode(PROMPT)
     expected = oracle_tokens(ids)
@@ -176,8 +176,10 @@ def test_disk_cache_debris_is_removed_at_start(hub: HubServer, oracle_tokens, tm
         sm.close()
 
 
-def test_a_stray_directory_in_the_disk_cache_does_not_stop_start_up(hub: HubServer, tmp_path: Path) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+def test_a_stray_directory_in_the_disk_cache_does_not_stop_start_up(
+    pulled_home, hub: HubServer, tmp_path: Path
+) -> None:
+    pulled_home(ARCH, tmp_path)
     sm = _open(tmp_path)
     root = sm.disk.root
     sm.close()

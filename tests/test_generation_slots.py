@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from fake_nodes import fake_node
+from repos import KIMI_K3
 
 from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
 from expertmesh.coordinator.node_pool import MAX_NODE_SLOTS, NodePool
@@ -79,6 +80,31 @@ def test_a_node_that_runs_one_at_a_time_gets_one_and_the_others_wait_instead_of_
             coordinator.close()
 
 
+class _SilentAboutSlots(_OneAtATime):
+    """A one-slot node whose Info never comes in time, as a node under load (a swapping Mac)."""
+
+    def Info(self, request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, "too busy to answer")
+
+
+def test_a_node_whose_info_is_not_heard_still_gets_one_at_a_time_and_no_429() -> None:
+    """The API takes an unheard node for its own batch (4) and sends it 4 requests; the node
+    refuses 3 as full. Those were admitted to the queue, so they wait in it again for the slot the
+    node really has, instead of the client getting a 429 while the household is merely busy."""
+    node = _SilentAboutSlots(slots=1)
+    with fake_node(node, workers=8) as (address, _):
+        config = CoordinatorConfig(secret="s", models=lambda: ["m"], generations_per_node=4)
+        coordinator = Coordinator(config, NodePool([address]))
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda _: _answer(coordinator), range(4)))
+            assert answers == ["one at a time"] * 4
+            assert node.refused >= 1  # the refusal happened, and was waited out
+            assert coordinator.pool.slots() < 4  # fewer, learnt from the refusals: Info never came
+        finally:
+            coordinator.close()
+
+
 def test_an_older_node_that_says_nothing_counts_for_the_configured_batch() -> None:
     pool = NodePool(["a:1", "b:2"], default_slots=3)
     pool.learn_slots("a:1", 0)  # an older node's Info has no generation_slots
@@ -104,7 +130,7 @@ def test_a_node_says_only_the_generations_its_threads_let_it_run(pulled_home, hu
     from expertmesh.node.config import HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
     from expertmesh.node.rpc.client import NodeClient
 
-    repo_id = "expertmesh/tiny-kimi_k3"
+    repo_id = KIMI_K3
     pulled_home("kimi_k3", tmp_path)
     config = NodeConfig(
         repo_id,

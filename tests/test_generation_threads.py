@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from repos import tiny_id
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -20,7 +21,7 @@ def test_a_model_loaded_on_one_thread_generates_on_another(
     arch: str, pulled_home, hub: HubServer, tmp_path: Path
 ) -> None:
     home = pulled_home(arch, tmp_path / "home")
-    sm = open_model(f"expertmesh/tiny-{arch}", home=home, store=StoreConfig(prefetch=False, fill=False))
+    sm = open_model(tiny_id(arch), home=home, store=StoreConfig(prefetch=False, fill=False))
     try:
         ids = sm.tokenizer.encode("one thread loads, another generates")
         got: list = []

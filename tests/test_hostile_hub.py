@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3, tiny_id
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.errors import DownloadError, NotPulledError, UnsupportedModelError
@@ -21,7 +22,6 @@ from expertmesh.node.hub import pull as pull_module
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.model import safetensors_format
 
-REPO = "expertmesh/tiny-kimi_k3"
 SHARD = "model-00001-of-00003.safetensors"
 
 
@@ -66,11 +66,11 @@ def test_weight_map_names_that_could_leave_the_model_folder_are_refused(
     index.write_text(json.dumps(doc))
     home = tmp_path / "home"
     with HubServer(root) as hub, hub_client.using_endpoint(hub.url):
-        files = hub.repos[REPO].files
+        files = hub.repos[KIMI_K3].files
         if isinstance(bad, str) and bad != "not-in-the-repo.safetensors":
             files[bad] = files[SHARD]  # the hostile Hub lists the odd name and serves the shard's bytes
         with pytest.raises(UnsupportedModelError, match="names the shard") as e:
-            pull(REPO, home=home, progress=False)
+            pull(KIMI_K3, home=home, progress=False)
     assert "\n" not in str(e.value)
     assert not outside.exists()
     assert {p.relative_to(tmp_path).parts[0] for p in _files_under(tmp_path)} <= {"hub", "home"}
@@ -104,7 +104,7 @@ def test_a_commit_that_is_not_a_sha_is_refused_before_anything_is_written(
     home = tmp_path / "home"
     with HubServer(root) as hub, hub_client.using_endpoint(hub.url):
         with pytest.raises(DownloadError, match="not a 40-hex-digit commit sha"):
-            pull(REPO, home=home, progress=False)
+            pull(KIMI_K3, home=home, progress=False)
     assert not _files_under(home)
     assert {p.relative_to(tmp_path).parts[0] for p in _files_under(tmp_path)} == {"hub"}
 
@@ -112,20 +112,20 @@ def test_a_commit_that_is_not_a_sha_is_refused_before_anything_is_written(
 def test_a_ref_that_does_not_hold_a_sha_is_not_followed(tmp_path: Path) -> None:
     """A damaged or planted `refs/main` never points `run`, `rm` or `ls` outside the model's root."""
     home = tmp_path / "home"
-    root = local_models.model_root(home, REPO)
+    root = local_models.model_root(home, KIMI_K3)
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text("../../../elsewhere\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / local_models.COMPLETE_MARKER).write_text("{}")
-    assert local_models.local_commit(home, REPO, "main") is None
+    assert local_models.local_commit(home, KIMI_K3, "main") is None
     with pytest.raises(NotPulledError, match="expertmesh pull"):
-        local_models.find_pulled(home, REPO)
+        local_models.find_pulled(home, KIMI_K3)
     with pytest.raises(ValueError, match="commit sha"):
-        local_models.model_dir(home, REPO, "../../../elsewhere")
+        local_models.model_dir(home, KIMI_K3, "../../../elsewhere")
     with pytest.raises(ValueError, match="commit sha"):
-        local_models.record_ref(home, REPO, "main", str(elsewhere))
-    assert local_models.model_dir(home, REPO, "0" * 40) == root / ("0" * 40)
+        local_models.record_ref(home, KIMI_K3, "main", str(elsewhere))
+    assert local_models.model_dir(home, KIMI_K3, "0" * 40) == root / ("0" * 40)
 
 
 # -- D11: sizes the Hub claims --------------------------------------------------------------------
@@ -181,8 +181,8 @@ def test_an_index_json_larger_than_the_cap_is_refused(
 ) -> None:
     monkeypatch.setattr(pull_module, "MAX_WEIGHT_MAP_BYTES", 100)
     with pytest.raises(UnsupportedModelError, match="model.safetensors.index.json is .* more than"):
-        pull(REPO, home=tmp_path, progress=False)
-    served = hub.stats()["files"][f"{REPO}/model.safetensors.index.json"]
+        pull(KIMI_K3, home=tmp_path, progress=False)
+    served = hub.stats()["files"][f"{KIMI_K3}/model.safetensors.index.json"]
     assert all(b - a + 1 <= 101 for a, b, _ in served["ranges"])  # never more than the cap and one byte
 
 
@@ -255,7 +255,7 @@ def test_a_shard_with_a_malformed_header_fails_pull_in_one_line(tiny_repos: dict
     shard.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
     with HubServer(root) as hub, hub_client.using_endpoint(hub.url):
         with pytest.raises(DownloadError, match="not a valid safetensors file: .*data_offsets"):
-            pull(REPO, home=tmp_path / "home", progress=False)
+            pull(KIMI_K3, home=tmp_path / "home", progress=False)
 
 
 # -- D14: config sizes against the shards ---------------------------------------------------------
@@ -271,7 +271,7 @@ def test_a_config_that_is_not_an_object_fails_pull_in_one_line(
     (root / "expertmesh" / "tiny-kimi_k3" / "config.json").write_text(text)
     with HubServer(root) as hub, hub_client.using_endpoint(hub.url):
         with pytest.raises(UnsupportedModelError, match=match):
-            pull(REPO, home=tmp_path / "home", progress=False)
+            pull(KIMI_K3, home=tmp_path / "home", progress=False)
 
 
 @pytest.mark.parametrize(
@@ -306,7 +306,7 @@ def test_config_counts_beyond_the_shards_are_refused_before_the_model_is_built(
     monkeypatch.setattr(mlx_lm_models, "build_model", lambda c: built.append(c) or pytest.fail("model built"))
     with HubServer(root) as hub, hub_client.using_endpoint(hub.url):
         with pytest.raises(UnsupportedModelError, match=match):
-            pull(f"expertmesh/tiny-{arch}", home=tmp_path / "home", progress=False)
+            pull(tiny_id(arch), home=tmp_path / "home", progress=False)
     assert not built
 
 

@@ -28,6 +28,7 @@ import openai
 import pytest
 from fake_nodes import fake_node
 from nodes import joined
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.coordinator.node_pool import NodePool
@@ -39,7 +40,6 @@ from expertmesh.node.hub.pull import pull
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, parse_record
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "faults-test-secret"
 TESTS = Path(__file__).parent
 
@@ -115,7 +115,7 @@ def _node_process(pause_s: float = 0.2) -> Iterator[tuple[subprocess.Popen, str]
 
 def _api(addresses: list[str]) -> OpenAIServer:
     """The API over `addresses`, in that order, with a node watch that asks a quiet node's health soon."""
-    config = CoordinatorConfig(secret=SECRET, models=lambda: [REPO_ID], node_quiet_s=0.5)
+    config = CoordinatorConfig(secret=SECRET, models=lambda: [KIMI_K3], node_quiet_s=0.5)
     return OpenAIServer(Coordinator(config, NodePool(addresses)), "127.0.0.1", 0).start()
 
 
@@ -126,7 +126,7 @@ def _client(api: OpenAIServer) -> openai.OpenAI:
 def _stream(client: openai.OpenAI, max_tokens: int, after_chunks=None) -> tuple[str, str | None]:
     """(text, finish_reason) of a streamed completion; `after_chunks(n)` is called after each chunk."""
     text, finish, n = "", None, 0
-    for chunk in client.completions.create(model=REPO_ID, prompt="p", max_tokens=max_tokens, stream=True):
+    for chunk in client.completions.create(model=KIMI_K3, prompt="p", max_tokens=max_tokens, stream=True):
         text += chunk.choices[0].text
         finish = chunk.choices[0].finish_reason or finish
         n += 1
@@ -158,7 +158,7 @@ def test_a_cut_stream_is_an_error_never_a_finished_answer(how: str) -> None:
             with pytest.raises(openai.APIError):  # not a stream that ends with finish_reason "length"/"stop"
                 _stream(client, 10)
             with pytest.raises(openai.InternalServerError, match="502"):
-                client.completions.create(model=REPO_ID, prompt="p", max_tokens=10)
+                client.completions.create(model=KIMI_K3, prompt="p", max_tokens=10)
             assert _idle(api)
         finally:
             api.stop()
@@ -179,6 +179,7 @@ def test_a_cut_before_any_text_moves_to_another_node() -> None:
             api.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_full_node_that_dies_mid_stream_gives_an_error_and_the_next_request_a_live_node(sig) -> None:
     healthy = _Quick()
@@ -201,6 +202,7 @@ def test_a_full_node_that_dies_mid_stream_gives_an_error_and_the_next_request_a_
             api.stop()
 
 
+@pytest.mark.e2e
 def test_a_full_node_that_hangs_before_its_first_token_is_passed_over() -> None:
     healthy = _Quick()
     with _node_process() as (proc, hung), fake_node(healthy) as (good, _):
@@ -224,9 +226,9 @@ PROMPT = "Ask the household first"
 @contextlib.contextmanager
 def _cache_peer(home: Path, hub: HubServer, port: int = 0) -> Iterator[tuple[subprocess.Popen, str]]:
     """`expertmesh serve --cache-only` in its own process: (the process, its address)."""
-    pull(REPO_ID, home=home, progress=False, index_only=True)
+    pull(KIMI_K3, home=home, progress=False, index_only=True)
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
-    cli = [sys.executable, "-m", "expertmesh", "serve", "--cache-only", REPO_ID, "--host", "127.0.0.1"]
+    cli = [sys.executable, "-m", "expertmesh", "serve", "--cache-only", KIMI_K3, "--host", "127.0.0.1"]
     cli += ["--port", str(port), "--no-discovery", "--no-metrics", "--no-http"]
     proc = subprocess.Popen(cli, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -246,17 +248,19 @@ def _cache_peer(home: Path, hub: HubServer, port: int = 0) -> Iterator[tuple[sub
 
 @pytest.mark.e2e
 @pytest.mark.timeout(150, method="thread")  # a hang guard: the old code waited the fetch deadline set below
-def test_a_peer_that_hangs_mid_generation_is_given_up_and_comes_back(hub: HubServer, oracle, tmp_path: Path) -> None:
+def test_a_peer_that_hangs_mid_generation_is_given_up_and_comes_back(
+    pulled_home, hub: HubServer, oracle, tmp_path: Path
+) -> None:
     """SIGSTOP of the peer that serves every expert, after 4 tokens: its connections stay open and
     it answers nothing. The generation goes on from the Hub with the single-node tokens, long before
     the fetch deadline (an hour here); after SIGCONT its health brings it back."""
 
     expected = oracle.tokens("kimi_k3", PROMPT, 16)
     with _cache_peer(tmp_path / "peer", hub) as (proc, address):
-        pull(REPO_ID, home=tmp_path / "client", progress=False)
+        pulled_home("kimi_k3", tmp_path / "client")
         # no disk and a 1-byte RAM tier: every use is a fetch, so the sources after the hang show
         store = StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")
-        client = joined(REPO_ID, tmp_path / "client", SECRET, [address], node_id="client", store=store)
+        client = joined(KIMI_K3, tmp_path / "client", SECRET, [address], node_id="client", store=store)
         try:
             client.peer_tier.deadline_s = 3600.0  # only noticing the hang can end the wait
             sm = client.model
@@ -283,15 +287,15 @@ def test_a_peer_that_hangs_mid_generation_is_given_up_and_comes_back(hub: HubSer
 
 
 @pytest.mark.e2e
-def test_a_killed_peer_is_back_as_soon_as_it_is_restarted(hub: HubServer, oracle, tmp_path: Path) -> None:
+def test_a_killed_peer_is_back_as_soon_as_it_is_restarted(pulled_home, hub: HubServer, oracle, tmp_path: Path) -> None:
     """SIGKILL of the peer that serves every expert, twice while it is down (two misses): the
     generation goes on from the Hub; once it is restarted on its address its health brings it back,
     rather than a skip that doubled with every miss while it was down."""
     expected = oracle.tokens("kimi_k3", PROMPT, 16)
-    pull(REPO_ID, home=tmp_path / "client", progress=False)
+    pulled_home("kimi_k3", tmp_path / "client")
     store = StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")
     with _cache_peer(tmp_path / "peer", hub) as (proc, address):
-        client = joined(REPO_ID, tmp_path / "client", SECRET, [address], node_id="client", store=store)
+        client = joined(KIMI_K3, tmp_path / "client", SECRET, [address], node_id="client", store=store)
         sm = client.model
         try:
             gen = Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=16))
@@ -344,7 +348,7 @@ def _small_tmpfs(target: Path, size: str):
 
 def _generate_on(home: Path) -> tuple[list[int], object, object]:
     """(tokens, stats, disk tier) of one generation on `home` with writes flushed."""
-    sm = open_model(REPO_ID, home=home, store=StoreConfig(prefetch=False, fill=False, disk_budget="1GB"))
+    sm = open_model(KIMI_K3, home=home, store=StoreConfig(prefetch=False, fill=False, disk_budget="1GB"))
     try:
         tokens = [t.id for t in Generator(sm).generate(sm.tokenizer.encode(PROMPT), SamplingSettings(max_tokens=12))]
         sm.disk.flush()
@@ -353,6 +357,7 @@ def _generate_on(home: Path) -> tuple[list[int], object, object]:
         sm.close()
 
 
+@pytest.mark.e2e
 def test_a_disk_that_fills_mid_generation_warns_once_and_leaves_nothing_half_written(
     pulled_home, hub: HubServer, oracle, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -23,16 +23,15 @@ import openai
 import pytest
 from nodes import serve_command
 from prometheus_client.parser import text_string_to_metric_families
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.hub.local_models import find_index
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "ownership-secret"
 # unique to this run: another run on this machine shares the loopback multicast
 CLUSTER = f"ownership-{os.getpid()}"
@@ -55,7 +54,7 @@ class Served:
         env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                serve_command(REPO_ID, CLUSTER, *extra),
+                serve_command(KIMI_K3, CLUSTER, *extra),
                 env=env,
                 stdout=out,
                 stderr=err,
@@ -141,8 +140,8 @@ def test_the_hub_serves_each_expert_at_most_once_whatever_the_small_disk_node_ge
     hub: HubServer, pulled_home, tmp_path: Path
 ) -> None:
     for name in ("cache", "cli"):
-        pull(REPO_ID, home=tmp_path / name, progress=False, index_only=True)
-    index = ExpertIndex.load(find_index(tmp_path / "cli", REPO_ID, None) / "expert_index.json")
+        pulled_home("kimi_k3", tmp_path / name, index_only=True)
+    index = ExpertIndex.load(find_index(tmp_path / "cli", KIMI_K3, None) / "expert_index.json")
     model_bytes = sum(loc.nbytes for loc in index.experts.values())
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -179,7 +178,7 @@ def test_the_hub_serves_each_expert_at_most_once_whatever_the_small_disk_node_ge
 
         env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path / "cli"), "EXPERTMESH_SECRET": SECRET}
         warmed = subprocess.run(
-            [sys.executable, "-m", "expertmesh", "warm", REPO_ID, "--cluster", CLUSTER, "--interface", "127.0.0.1"],
+            [sys.executable, "-m", "expertmesh", "warm", KIMI_K3, "--cluster", CLUSTER, "--interface", "127.0.0.1"],
             env=env,
             capture_output=True,
             text=True,
@@ -200,7 +199,7 @@ def test_the_hub_serves_each_expert_at_most_once_whatever_the_small_disk_node_ge
         client = openai.OpenAI(base_url=small.api_url, api_key="unused", max_retries=0, timeout=120)
         for prompt in PROMPTS:
             reply = client.chat.completions.create(
-                model=REPO_ID,
+                model=KIMI_K3,
                 messages=[{"role": "user", "content": prompt}],
                 max_tokens=16,
                 temperature=0,

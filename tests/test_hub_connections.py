@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.cli import build_parser
@@ -19,24 +20,15 @@ from expertmesh.node.hub.client import RangeReader
 from expertmesh.node.store.priority import PriorityPool
 from expertmesh.node.store.tiers.hub_connections import PIECES_PER_CONNECTION, AdaptiveConnections
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
-
-
-@pytest.fixture(scope="module")
-def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("hub-connections")
-    pulled_home("kimi_k3", home)
-    return home
-
 
 def _peak_while_generating(hub: HubServer, home: Path, connections: int) -> int:
     args = build_parser().parse_args(
-        ["run", REPO_ID, "x", "--no-prefetch", "--no-fill", "--hub-connections", str(connections)]
+        ["run", KIMI_K3, "x", "--no-prefetch", "--no-fill", "--hub-connections", str(connections)]
     )
     cfg = store_config(args)
     cfg.hub_min_piece_bytes = 1  # every expert in the pool's full number of pieces
     cfg.disk_budget = "0"  # every expert comes from the Hub
-    sm = open_model(REPO_ID, home=home, store=cfg)
+    sm = open_model(KIMI_K3, home=home, store=cfg)
     hub.knobs.ttfb_s = 0.02  # requests overlap for certain
     hub.stats_.reset()
     try:
@@ -49,20 +41,20 @@ def _peak_while_generating(hub: HubServer, home: Path, connections: int) -> int:
     return hub.stats()["peak_waiting"]
 
 
-def test_no_more_requests_in_flight_than_connections(hub: HubServer, pulled: Path) -> None:
-    assert _peak_while_generating(hub, pulled, 2) <= 2
-    assert _peak_while_generating(hub, pulled, 6) > 2  # and the limit is what held it down
+def test_no_more_requests_in_flight_than_connections(hub: HubServer, module_home: Path) -> None:
+    assert _peak_while_generating(hub, module_home, 2) <= 2
+    assert _peak_while_generating(hub, module_home, 6) > 2  # and the limit is what held it down
 
 
 def test_a_connection_count_below_one_is_refused(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["run", REPO_ID, "x", "--hub-connections", "0"])
+        build_parser().parse_args(["run", KIMI_K3, "x", "--hub-connections", "0"])
     assert "at least 1" in capsys.readouterr().err
 
 
-def test_a_cold_shard_costs_one_redirect_however_many_reads_start_at_once(hub: HubServer, pulled: Path) -> None:
+def test_a_cold_shard_costs_one_redirect_however_many_reads_start_at_once(hub: HubServer, module_home: Path) -> None:
     reader = RangeReader()  # remembers nothing yet
-    shard = hub_client.RemoteFile(REPO_ID, hub.repos[REPO_ID].commit, "model-00001-of-00003.safetensors")
+    shard = hub_client.RemoteFile(KIMI_K3, hub.repos[KIMI_K3].commit, "model-00001-of-00003.safetensors")
     hub.knobs.ttfb_s = 0.05  # every read is out before the first redirect comes back
     hub.stats_.reset()
     try:

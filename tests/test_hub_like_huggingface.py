@@ -22,6 +22,7 @@ from huggingface_hub import errors as hf_errors
 from huggingface_hub.utils import parse_ratelimit_headers
 from nodes import serving
 from prometheus_client import generate_latest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.coordinator.status import status_lines
@@ -37,7 +38,7 @@ from expertmesh.node.hub.rate_limit import GATE
 from expertmesh.node.observability.metrics import MetricsSources, NodeMetrics
 from expertmesh.node.rpc.client import ask_info
 
-PUBLIC = "expertmesh/tiny-kimi_k3"
+PUBLIC = KIMI_K3
 GATED = "expertmesh/gated-kimi_k3"
 PRIVATE = "expertmesh/private-kimi_k3"
 MISSING = "expertmesh/no-such-model"

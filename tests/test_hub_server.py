@@ -14,27 +14,26 @@ import httpx2
 import pytest
 from huggingface_hub import HfApi, HfFileSystem, hf_hub_download
 from huggingface_hub import errors as hf_errors
+from repos import KIMI_K3
 
 from expertmesh.devtools.link_emulation import TokenBucket, reserve_together
 from expertmesh.devtools.local_hub import Fault, HubServer
 from expertmesh.node.fetching import FetchContext
 
-REPO = "expertmesh/tiny-kimi_k3"
-
 
 def test_hf_hub_download_small_and_lfs(hub: HubServer, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
     repo = tiny_repos["kimi_k3"]
     for name in ("config.json", "model-00002-of-00003.safetensors"):
-        path = hf_hub_download(REPO, name, cache_dir=tmp_path, endpoint=hub.url)
+        path = hf_hub_download(KIMI_K3, name, cache_dir=tmp_path, endpoint=hub.url)
         assert Path(path).read_bytes() == (repo / name).read_bytes()
-    info = HfApi(endpoint=hub.url).model_info(REPO)
+    info = HfApi(endpoint=hub.url).model_info(KIMI_K3)
     assert len(info.sha) == 40 and "config.json" in {s.rfilename for s in info.siblings}
-    path = hf_hub_download(REPO, "config.json", revision=info.sha, cache_dir=tmp_path / "b", endpoint=hub.url)
+    path = hf_hub_download(KIMI_K3, "config.json", revision=info.sha, cache_dir=tmp_path / "b", endpoint=hub.url)
     assert Path(path).read_bytes() == (repo / "config.json").read_bytes()
 
 
 def test_get_safetensors_metadata(hub: HubServer) -> None:
-    meta = HfApi(endpoint=hub.url).get_safetensors_metadata(REPO)
+    meta = HfApi(endpoint=hub.url).get_safetensors_metadata(KIMI_K3)
     t = meta.files_metadata[meta.weight_map["model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"]]
     info = t.tensors["model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"]
     assert info.dtype == "U8" and info.shape == [64, 16]
@@ -43,14 +42,14 @@ def test_get_safetensors_metadata(hub: HubServer) -> None:
 def test_hf_file_system_range_read(hub: HubServer, tiny_repos: dict[str, Path]) -> None:
     fs = HfFileSystem(endpoint=hub.url)
     name = "model-00001-of-00003.safetensors"
-    with fs.open(f"{REPO}/{name}", "rb") as f:
+    with fs.open(f"{KIMI_K3}/{name}", "rb") as f:
         f.seek(1000)
         data = f.read(500)
     assert data == (tiny_repos["kimi_k3"] / name).read_bytes()[1000:1500]
 
 
 def test_ranges_and_errors(hub: HubServer, tiny_repos: dict[str, Path]) -> None:
-    url = f"{hub.url}/{REPO}/resolve/main/config.json"
+    url = f"{hub.url}/{KIMI_K3}/resolve/main/config.json"
     body = (tiny_repos["kimi_k3"] / "config.json").read_bytes()
     r = httpx2.get(url, headers={"Range": "bytes=10-19"})
     assert r.status_code == 206 and r.content == body[10:20]
@@ -60,19 +59,19 @@ def test_ranges_and_errors(hub: HubServer, tiny_repos: dict[str, Path]) -> None:
     r = httpx2.get(url, headers={"Range": f"bytes={len(body) + 5}-"})
     assert r.status_code == 416 and r.headers["content-range"] == f"bytes */{len(body)}"
     assert httpx2.get(url).status_code == 200
-    r = httpx2.head(f"{hub.url}/{REPO}/resolve/main/model-00001-of-00003.safetensors")
+    r = httpx2.head(f"{hub.url}/{KIMI_K3}/resolve/main/model-00001-of-00003.safetensors")
     assert r.status_code == 302 and "x-linked-size" in r.headers and "x-repo-commit" in r.headers
     api = HfApi(endpoint=hub.url)
     with pytest.raises(hf_errors.RepositoryNotFoundError):
         api.model_info("expertmesh/nope")
     with pytest.raises(hf_errors.RevisionNotFoundError):
-        api.model_info(REPO, revision="nope")
+        api.model_info(KIMI_K3, revision="nope")
     with pytest.raises(hf_errors.EntryNotFoundError):
-        hf_hub_download(REPO, "missing.txt", endpoint=hub.url)
+        hf_hub_download(KIMI_K3, "missing.txt", endpoint=hub.url)
 
 
 def test_faults_and_stats(hub: HubServer) -> None:
-    url = f"{hub.url}/{REPO}/resolve/main/config.json"
+    url = f"{hub.url}/{KIMI_K3}/resolve/main/config.json"
     hub.knobs.faults = [Fault("429", count=2, retry_after_s=3)]
     assert [httpx2.get(url).status_code for _ in range(3)] == [429, 429, 200]
     hub.knobs.faults = [Fault("wrong_bytes", count=1)]
@@ -84,7 +83,7 @@ def test_faults_and_stats(hub: HubServer) -> None:
     httpx2.get(url, headers={"Range": "bytes=0-9"})
     stats = httpx2.get(f"{hub.url}/_hub/stats").json()
     assert stats["faults"] == {"503": 1}
-    assert stats["files"][f"{REPO}/config.json"]["ranges"] == [[0, 9, 1]]
+    assert stats["files"][f"{KIMI_K3}/config.json"]["ranges"] == [[0, 9, 1]]
 
 
 def test_bandwidth_is_a_lower_bound(hub: HubServer) -> None:
@@ -92,7 +91,7 @@ def test_bandwidth_is_a_lower_bound(hub: HubServer) -> None:
     hub.knobs.bandwidth_bytes_per_s = 500_000
     try:
         t = time.monotonic()
-        r = httpx2.get(f"{hub.url}/{REPO}/resolve/main/model-00001-of-00003.safetensors", follow_redirects=True)
+        r = httpx2.get(f"{hub.url}/{KIMI_K3}/resolve/main/model-00001-of-00003.safetensors", follow_redirects=True)
         elapsed = time.monotonic() - t
     finally:
         hub.knobs.bandwidth_bytes_per_s = 0
@@ -256,8 +255,8 @@ def test_hub_routes_need_the_token_never_show_it_and_cannot_drop_it(hub_root: Pa
             r = httpx2.post(f"{server.url}/_hub/knobs", json=doc, headers=auth)
             assert r.status_code == 400 and token not in r.text
         assert server.knobs.required_token == token
-        assert httpx2.get(f"{server.url}/api/models/{REPO}").status_code == 401
-        assert httpx2.get(f"{server.url}/api/models/{REPO}", headers=auth).status_code == 200
+        assert httpx2.get(f"{server.url}/api/models/{KIMI_K3}").status_code == 401
+        assert httpx2.get(f"{server.url}/api/models/{KIMI_K3}", headers=auth).status_code == 200
         r = httpx2.post(f"{server.url}/_hub/knobs", json={"ttfb_s": 0.0}, headers=auth)
         assert r.status_code == 200 and token not in r.text
 
@@ -312,43 +311,43 @@ def test_cdn_urls_are_signed_by_the_hub_and_expire(
         return base64.urlsafe_b64encode(json.dumps(doc).encode()).decode()
 
     with HubServer(tmp_path / "hub") as server:
-        commit = server.repos[REPO].commit
+        commit = server.repos[KIMI_K3].commit
         cdn_at = server.cdn_url_base
         assert cdn_at != server.url  # another origin: the signed URL is the credential there, never a token
         rng = {"Range": "bytes=0-1023"}
-        assert httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=rng).status_code == 401
+        assert httpx2.get(f"{server.url}/{KIMI_K3}/resolve/main/{name}", headers=rng).status_code == 401
         key = "Key-Pair-Id=KEXPERTMESH0000"
-        forged = f"{cdn_at}/_cdn/{cdn([REPO, commit, name])}?Expires=99999999999&{key}"
+        forged = f"{cdn_at}/_cdn/{cdn([KIMI_K3, commit, name])}?Expires=99999999999&{key}"
         assert httpx2.get(forged, headers=rng).status_code == 403
         assert httpx2.get(forged + "&Signature=" + "0" * 64, headers=rng).status_code == 403
-        assert httpx2.get(f"{server.url}/_cdn/{cdn([REPO, commit, name])}").status_code == 404  # not on the Hub
+        assert httpx2.get(f"{server.url}/_cdn/{cdn([KIMI_K3, commit, name])}").status_code == 404  # not on the Hub
 
         auth = {**rng, "Authorization": "Bearer hf_private"}
-        location = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
+        location = httpx2.get(f"{server.url}/{KIMI_K3}/resolve/main/{name}", headers=auth).headers["location"]
         assert location.startswith(cdn_at + "/")
         r = httpx2.get(location, headers=rng)  # no token: the signature is the credential
         assert r.status_code == 206 and r.content == original[:1024]
         url = urllib.parse.urlparse(location)
         query = urllib.parse.parse_qs(url.query)
         assert set(query) == {"Expires", "Signature", "Key-Pair-Id"}  # CloudFront's canned-policy names
-        other = f"{cdn_at}/_cdn/{cdn([REPO, commit, 'config.json'])}?{url.query}"
+        other = f"{cdn_at}/_cdn/{cdn([KIMI_K3, commit, 'config.json'])}?{url.query}"
         assert httpx2.get(other, headers=rng).status_code == 403  # the signature covers the file
         later = location.replace(f"Expires={query['Expires'][0]}", f"Expires={int(query['Expires'][0]) + 1000}")
         assert httpx2.get(later, headers=rng).status_code == 403  # ...and the expiry
 
         server.knobs.cdn_url_ttl_s = -10
-        expired = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
+        expired = httpx2.get(f"{server.url}/{KIMI_K3}/resolve/main/{name}", headers=auth).headers["location"]
         r = httpx2.get(expired, headers=rng)
         assert r.status_code == 403 and "Request has expired" in r.text
         server.knobs.cdn_url_ttl_s = 3600.0
         server.expire_cdn_urls()  # as if the clock had passed every Expires handed out so far
         r = httpx2.get(location, headers=rng)
         assert r.status_code == 403 and "Request has expired" in r.text
-        fresh = httpx2.get(f"{server.url}/{REPO}/resolve/main/{name}", headers=auth).headers["location"]
+        fresh = httpx2.get(f"{server.url}/{KIMI_K3}/resolve/main/{name}", headers=auth).headers["location"]
         assert httpx2.get(fresh, headers=rng).status_code == 206
 
         key_id = server._cdn_key_id
-        for token in (cdn([[], "x", "y"]), cdn({"a": 1}), cdn([REPO, commit]), "!!notbase64", "YWJj"):
+        for token in (cdn([[], "x", "y"]), cdn({"a": 1}), cdn([KIMI_K3, commit]), "!!notbase64", "YWJj"):
             expires = str(int(time.time()) + 100)
             sig = server._cdn_mac(
                 server._cdn_keys[key_id], token, expires
@@ -359,13 +358,15 @@ def test_cdn_urls_are_signed_by_the_hub_and_expire(
                 q = f"Expires={expires}&Signature={sig}&Key-Pair-Id={key_id}"
                 assert httpx2.get(f"{cdn_at}/_cdn/{token}?{q}").status_code == 403
         for query in ({}, {"Expires": ["x"], "Signature": ["y"]}, {"Expires": ["1" * 40], "Signature": [""]}):
-            assert server.cdn_verify(cdn([REPO, commit, name]), {**query, "Key-Pair-Id": [key_id]}) == "Access denied"
+            assert (
+                server.cdn_verify(cdn([KIMI_K3, commit, name]), {**query, "Key-Pair-Id": [key_id]}) == "Access denied"
+            )
 
         # the real client: huggingface_hub resolves with the token, then follows the signed URL
         monkeypatch.setenv("HF_TOKEN", "hf_private")
-        path = hf_hub_download(REPO, name, cache_dir=tmp_path / "dl", endpoint=server.url, token="hf_private")
+        path = hf_hub_download(KIMI_K3, name, cache_dir=tmp_path / "dl", endpoint=server.url, token="hf_private")
         assert Path(path).read_bytes() == original
         with hub_client.using_endpoint(server.url):
             reader = hub_client.RangeReader()
-            data = reader.read(hub_client.RemoteFile(REPO, commit, name), 100, 5000)
+            data = reader.read(hub_client.RemoteFile(KIMI_K3, commit, name), 100, 5000)
         assert data == original[100:5000]

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -27,7 +28,6 @@ from expertmesh.node.model.expert_index import run_ranges
 from expertmesh.node.store.tier_chain import Fetched
 from expertmesh.node.store.tiers.hub import split_ranges
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 WINDOW_S = 0.3  # the speed window of these tests (the default is 10 s)
 DRIP_STEP, DRIP_INTERVAL_S = 64, 0.02  # 3.2 kB/s: 1/20 of the floor
 FAST = dict(speed_window_s=WINDOW_S, timeout_s=5.0, backoff_base_s=0.005, backoff_max_s=0.05)
@@ -118,15 +118,10 @@ def proxied(hub_root: Path) -> Iterator[tuple[HubServer, DripProxy]]:
             proxy.close()
 
 
-@pytest.fixture
-def home(pulled_home, tmp_path: Path) -> Path:
-    return pulled_home("kimi_k3", tmp_path / "home")
-
-
 def _open(home: Path, reader: hub_client.RangeReader):
     # pieces of 16 kB: a layer's run (104 kB) goes as 4 pieces on separate connections
     store = StoreConfig(prefetch=False, fill=False, hub_min_piece_bytes=16 * 1024)
-    return open_model(REPO_ID, home=home, store=store, hub_reader=reader)
+    return open_model(KIMI_K3, home=home, store=store, hub_reader=reader)
 
 
 def _layer_run(sm) -> list[tuple[int, int]]:

@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3, QWEN3_MOE
 
 from expertmesh.assembly import open_model
 from expertmesh.cli import main
@@ -27,14 +28,14 @@ from expertmesh.node.sizes import format_size
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 from expertmesh.node.store.tiers.disk import cache_dir
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
-OTHER_ID = "expertmesh/tiny-qwen3_moe"  # pulled, never generated with: a core and no experts
 CLUSTER = f"doctor-{os.getpid()}"  # unique: another test run on this machine shares loopback multicast
+# the doctor reports every node it sees, of any cluster: only this run's, under its own service type
+pytestmark = pytest.mark.usefixtures("own_service_type")
 
 
 def _generate(home: Path, prompt: str = "The cache keeps what the router asks for") -> list[int]:
     # no guesses and no idle-link fill: only the experts the router asked for land on disk
-    sm = open_model(REPO_ID, home=home, store=StoreConfig(prefetch=False, fill=False))
+    sm = open_model(KIMI_K3, home=home, store=StoreConfig(prefetch=False, fill=False))
     try:
         return [t.id for t in Generator(sm).generate(sm.tokenizer.encode(prompt), SamplingSettings(max_tokens=12))]
     finally:
@@ -61,11 +62,11 @@ def home(used_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
     return home
 
 
-def _commit(home: Path, repo_id: str = REPO_ID) -> str:
+def _commit(home: Path, repo_id: str = KIMI_K3) -> str:
     return local_models.find_pulled(home, repo_id).name
 
 
-def _root(home: Path, repo_id: str = REPO_ID) -> Path:
+def _root(home: Path, repo_id: str = KIMI_K3) -> Path:
     return cache_dir(home, repo_id, _commit(home, repo_id))
 
 
@@ -87,31 +88,31 @@ def test_ls_lists_each_pulled_model_with_its_core_and_expert_fill(home: Path, ca
     assert main(["ls"]) == 0
     out = capsys.readouterr().out
     lines = {ln.split()[0]: ln for ln in out.splitlines()[1:-1]}
-    assert set(lines) == {REPO_ID, OTHER_ID}, out
-    index = ExpertIndex.load(local_models.find_pulled(home, REPO_ID) / INDEX_FILENAME)
+    assert set(lines) == {KIMI_K3, QWEN3_MOE}, out
+    index = ExpertIndex.load(local_models.find_pulled(home, KIMI_K3) / INDEX_FILENAME)
     files = _files(home)
     held = sum(p.stat().st_size for p in files.values())
-    marker = local_models.read_marker(local_models.find_pulled(home, REPO_ID))
-    line = lines[REPO_ID]
+    marker = local_models.read_marker(local_models.find_pulled(home, KIMI_K3))
+    line = lines[KIMI_K3]
     assert " main " in line and _commit(home)[:12] in line
     assert format_size(marker["core_bytes"]) in line
     share = f"{100 * held / index.expert_bytes:.1f}%"
     assert f"{format_size(held)}, {len(files)} of {len(index.experts)} ({share})" in line, line
     assert line.endswith("ago") or line.endswith("just now")
-    assert "0 B, 0 of " in lines[OTHER_ID] and "(0.0%)" in lines[OTHER_ID]
-    assert main(["ls", OTHER_ID]) == 0
-    assert REPO_ID not in capsys.readouterr().out
+    assert "0 B, 0 of " in lines[QWEN3_MOE] and "(0.0%)" in lines[QWEN3_MOE]
+    assert main(["ls", QWEN3_MOE]) == 0
+    assert KIMI_K3 not in capsys.readouterr().out
 
 
 def test_run_stamps_last_used(home: Path, capsys) -> None:
-    path = local_models.find_pulled(home, OTHER_ID)
+    path = local_models.find_pulled(home, QWEN3_MOE)
     old = path.stat().st_mtime - 3 * 86400
     for f in path.iterdir():
         os.utime(f, (old, old))
-    assert main(["ls", OTHER_ID]) == 0
+    assert main(["ls", QWEN3_MOE]) == 0
     assert capsys.readouterr().out.splitlines()[1].endswith("3 days ago")
     local_models.mark_used(path)  # what run, chat and demo do once the node is built
-    assert main(["ls", OTHER_ID]) == 0
+    assert main(["ls", QWEN3_MOE]) == 0
     assert capsys.readouterr().out.splitlines()[1].endswith("just now")
 
 
@@ -120,44 +121,44 @@ def test_run_stamps_last_used(home: Path, capsys) -> None:
 
 def test_rm_refuses_without_a_terminal_or_yes_and_deletes_nothing(home: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))  # a pipe: even a "y" is no consent
-    assert main(["rm", REPO_ID]) == 1
+    assert main(["rm", KIMI_K3]) == 1
     err = capsys.readouterr().err
     assert "stdin is not a terminal" in err and "--yes" in err and "Traceback" not in err
-    assert local_models.find_pulled(home, REPO_ID).is_dir() and _files(home)
+    assert local_models.find_pulled(home, KIMI_K3).is_dir() and _files(home)
 
 
 def test_rm_asks_and_a_no_keeps_everything(home: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", _Terminal("n\n"))
-    assert main(["rm", REPO_ID]) == 1
+    assert main(["rm", KIMI_K3]) == 1
     captured = capsys.readouterr()
     assert "[y/N]" in captured.err and "nothing deleted" in captured.out
-    assert local_models.find_pulled(home, REPO_ID).is_dir() and _files(home)
+    assert local_models.find_pulled(home, KIMI_K3).is_dir() and _files(home)
 
 
 def test_rm_with_a_yes_deletes_the_core_and_the_expert_cache_only(home: Path, capsys, monkeypatch) -> None:
-    core, cache = local_models.find_pulled(home, REPO_ID), _root(home)
+    core, cache = local_models.find_pulled(home, KIMI_K3), _root(home)
     monkeypatch.setattr("sys.stdin", _Terminal("y\n"))
-    assert main(["rm", REPO_ID]) == 0
+    assert main(["rm", KIMI_K3]) == 0
     out = capsys.readouterr().out
-    assert str(core) in out and str(cache) in out and f"removed {REPO_ID}" in out
+    assert str(core) in out and str(cache) in out and f"removed {KIMI_K3}" in out
     assert not core.exists() and not cache.exists()
-    assert not local_models.model_root(home, REPO_ID).exists()  # refs too
-    assert local_models.find_pulled(home, OTHER_ID).is_dir()  # the other model stays
+    assert not local_models.model_root(home, KIMI_K3).exists()  # refs too
+    assert local_models.find_pulled(home, QWEN3_MOE).is_dir()  # the other model stays
     assert main(["ls"]) == 0
-    assert REPO_ID not in capsys.readouterr().out
-    assert main(["rm", REPO_ID, "--yes"]) == 1
+    assert KIMI_K3 not in capsys.readouterr().out
+    assert main(["rm", KIMI_K3, "--yes"]) == 1
     assert "nothing of" in capsys.readouterr().err
 
 
 def test_rm_refuses_while_a_node_keeps_the_cache(home: Path, capsys) -> None:
-    sm = open_model(REPO_ID, home=home)  # a running node holds the cache's lock
+    sm = open_model(KIMI_K3, home=home)  # a running node holds the cache's lock
     try:
-        assert main(["rm", REPO_ID, "--yes"]) == 1
+        assert main(["rm", KIMI_K3, "--yes"]) == 1
         assert "in use by a running expertmesh process" in capsys.readouterr().err
-        assert local_models.find_pulled(home, REPO_ID).is_dir() and _files(home)
+        assert local_models.find_pulled(home, KIMI_K3).is_dir() and _files(home)
     finally:
         sm.close()
-    assert main(["rm", REPO_ID, "--yes"]) == 0
+    assert main(["rm", KIMI_K3, "--yes"]) == 0
 
 
 # -- cache ------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_cache_shows_usage_by_model(home: Path, capsys) -> None:
     assert main(["cache"]) == 0
     out = capsys.readouterr().out
     files = _files(home)
-    line = next(ln for ln in out.splitlines() if ln.startswith(REPO_ID))
+    line = next(ln for ln in out.splitlines() if ln.startswith(KIMI_K3))
     assert line.split()[2] == str(len(files))
     assert format_size(sum(p.stat().st_size for p in files.values())) in line
     assert out.splitlines()[-1].startswith("total ")
@@ -222,7 +223,7 @@ def test_cache_prune_keeps_the_budget_and_the_digest_book(home: Path, capsys) ->
 
 def test_cache_prune_refuses_while_a_node_keeps_the_cache(home: Path, capsys) -> None:
     before = set(_files(home))
-    sm = open_model(REPO_ID, home=home)
+    sm = open_model(KIMI_K3, home=home)
     try:
         assert main(["cache", "--prune", "0"]) == 1
         assert "kept by another expertmesh process" in capsys.readouterr().err
@@ -319,7 +320,7 @@ def test_doctor_sees_the_household(home: Path, hub: HubServer, capsys, monkeypat
         assert main(_doctor("--wait", "3")) == 0
         line = _lines(capsys.readouterr().out)["household"]
         assert line.startswith("ok") and "1 node(s)" in line and "doctor-peer at 127.0.0.1:7999" in line
-        assert main([*_doctor("--wait", "3"), "--cluster", CLUSTER + "-none"]) == 0
+        assert main([*_doctor(), "--cluster", CLUSTER + "-none"]) == 0  # nothing to find there: the short listen
         line = _lines(capsys.readouterr().out)["household"]
         assert line.startswith("warn") and "fix: " in line
     finally:

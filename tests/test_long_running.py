@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 from nodes import api_server, serving
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.coordinator.openai_api import OpenAIServer
@@ -32,22 +33,20 @@ from expertmesh.devtools import local_hub
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.observability.routing_trace import TraceWriter, read_trace
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "long-running-secret"
 CONTEXT = 4096  # the tiny kimi_k3's max_position_embeddings
 LONG_TEXT = "tell me more about the sea and the sky " * 700  # about 5,000 tokens: beyond the context
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
-    home = pulled_home("kimi_k3", tmp_path_factory.mktemp("long-running"))
-    with serving(REPO_ID, home, SECRET, node_id="long-running") as node:
+def node(module_home: Path):
+    with serving(KIMI_K3, module_home, SECRET, node_id="long-running") as node:
         yield node.rpc.address
 
 
 @pytest.fixture(scope="module")
 def api(node):
-    server = api_server([node], SECRET, [REPO_ID], max_waiting=1)
+    server = api_server([node], SECRET, [KIMI_K3], max_waiting=1)
     try:
         yield server
     finally:
@@ -65,17 +64,17 @@ def test_a_prompt_beyond_the_context_is_context_length_exceeded_and_the_node_goe
 def _context_exceeded(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": LONG_TEXT}]
     with pytest.raises(openai.BadRequestError) as chat:
-        client.chat.completions.create(model=REPO_ID, messages=messages, max_tokens=4)
+        client.chat.completions.create(model=KIMI_K3, messages=messages, max_tokens=4)
     with pytest.raises(openai.BadRequestError) as streamed:  # refused before the stream starts: a plain 400
-        for _ in client.chat.completions.create(model=REPO_ID, messages=messages, max_tokens=4, stream=True):
+        for _ in client.chat.completions.create(model=KIMI_K3, messages=messages, max_tokens=4, stream=True):
             pass
     with pytest.raises(openai.BadRequestError) as completion:
-        client.completions.create(model=REPO_ID, prompt=LONG_TEXT, max_tokens=4)
+        client.completions.create(model=KIMI_K3, prompt=LONG_TEXT, max_tokens=4)
     for e, param in ((chat, "messages"), (streamed, "messages"), (completion, "prompt")):
         assert e.value.code == "context_length_exceeded"
         assert e.value.param == param
         assert f"context is {CONTEXT}" in e.value.message
-    answer = client.chat.completions.create(model=REPO_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    answer = client.chat.completions.create(model=KIMI_K3, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert answer.choices[0].finish_reason in ("length", "stop")
 
 
@@ -93,7 +92,7 @@ def _post(port: int, path: str, body: dict | bytes) -> int:
 
 def _cancel_mid_stream(port: int, i: int) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = {"model": REPO_ID, "prompt": f"tell {i}", "max_tokens": 200, "stream": True}
+    body = {"model": KIMI_K3, "prompt": f"tell {i}", "max_tokens": 200, "stream": True}
     conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     response.fp.readline()  # the first event: the generation runs
@@ -103,7 +102,7 @@ def _cancel_mid_stream(port: int, i: int) -> int:
 
 
 def _hang_up_before_the_answer(port: int, i: int) -> int:
-    body = json.dumps({"model": REPO_ID, "prompt": f"gone {i}", "max_tokens": 200}).encode()
+    body = json.dumps({"model": KIMI_K3, "prompt": f"gone {i}", "max_tokens": 200}).encode()
     with socket.create_connection(("127.0.0.1", port)) as s:
         head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
         s.sendall(head.encode() + body)
@@ -113,7 +112,7 @@ def _hang_up_before_the_answer(port: int, i: int) -> int:
 def _burst(port: int, i: int) -> list[int]:
     """More requests at once than the queue holds: some are 429s."""
     codes: list[int] = []
-    body = {"model": REPO_ID, "prompt": f"burst {i}", "max_tokens": 4}
+    body = {"model": KIMI_K3, "prompt": f"burst {i}", "max_tokens": 4}
     threads = [threading.Thread(target=lambda: codes.append(_post(port, "/v1/completions", body))) for _ in range(6)]
     for t in threads:
         t.start()
@@ -124,11 +123,11 @@ def _burst(port: int, i: int) -> list[int]:
 
 def test_requests_of_every_kind_leave_no_thread_connection_or_generation_behind(api: OpenAIServer) -> None:
     port = api.port
-    chat = {"model": REPO_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    chat = {"model": KIMI_K3, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     kinds = [
         lambda i: _post(port, "/v1/chat/completions", chat),
         lambda i: _post(
-            port, "/v1/completions", {"model": REPO_ID, "prompt": f"p{i}", "max_tokens": 3, "stream": True}
+            port, "/v1/completions", {"model": KIMI_K3, "prompt": f"p{i}", "max_tokens": 3, "stream": True}
         ),
         lambda i: _cancel_mid_stream(port, i),
         lambda i: _hang_up_before_the_answer(port, i),
@@ -193,7 +192,7 @@ def test_the_hub_closes_connections_its_clients_forgot(hub_root: Path) -> None:
         forgotten = []
         for _ in range(12):
             conn = http.client.HTTPConnection(hub.host, hub.port, timeout=30)
-            conn.request("GET", f"/{REPO_ID}/resolve/main/config.json")
+            conn.request("GET", f"/{KIMI_K3}/resolve/main/config.json")
             assert conn.getresponse().read()
             forgotten.append(conn)  # kept open, never used again
         assert threading.active_count() >= threads_before + 12  # a thread apiece while they are open
@@ -208,17 +207,17 @@ def test_the_hubs_counters_stay_bounded(hub_root: Path, monkeypatch: pytest.Monk
     with HubServer(hub_root) as hub:
         conn = http.client.HTTPConnection(hub.host, hub.port, timeout=30)
         for i in range(50):
-            conn.request("GET", f"/{REPO_ID}/resolve/main/config.json", headers={"Range": f"bytes=0-{i}"})
+            conn.request("GET", f"/{KIMI_K3}/resolve/main/config.json", headers={"Range": f"bytes=0-{i}"})
             response = conn.getresponse()
             assert response.status == 206 and len(response.read()) == i + 1
-            conn.request("GET", f"/{REPO_ID}/resolve/main/missing-{i}.json")
+            conn.request("GET", f"/{KIMI_K3}/resolve/main/missing-{i}.json")
             response = conn.getresponse()
             response.read()
             assert response.status == 404
         conn.close()
         stats = hub.stats()
-    assert set(stats["files"]) == {f"{REPO_ID}/config.json"}  # no entry per name asked for
-    entry = stats["files"][f"{REPO_ID}/config.json"]
+    assert set(stats["files"]) == {f"{KIMI_K3}/config.json"}  # no entry per name asked for
+    entry = stats["files"][f"{KIMI_K3}/config.json"]
     assert entry["requests"] == 50 and entry["bytes"] == sum(range(1, 51))
     assert len(entry["ranges"]) == 20 and stats["ranges_untracked"] == 30
     assert stats["requests"] == 100
@@ -231,7 +230,7 @@ def _index() -> SimpleNamespace:
     """What TraceWriter reads of an ExpertIndex: 4 MoE layers of 32 experts."""
     layers = [1, 2, 3, 4]
     return SimpleNamespace(
-        repo_id=REPO_ID, commit="0" * 40, moe_layers=layers, experts=[(la, e) for la in layers for e in range(32)]
+        repo_id=KIMI_K3, commit="0" * 40, moe_layers=layers, experts=[(la, e) for la in layers for e in range(32)]
     )
 
 

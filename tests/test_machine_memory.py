@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from repos import tiny_id
 
 from expertmesh.assembly import build_node
 from expertmesh.node import constants
@@ -30,7 +31,7 @@ from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 
 GiB, MiB = 1024**3, 1024**2
 ARCH = "kimi_k3"
-REPO_ID = f"expertmesh/tiny-{ARCH}"
+REPO_ID = tiny_id(ARCH)
 PREVIOUS_WIRED = 7  # what set_wired_limit reports as the limit before (restored at close)
 
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
+from repos import KIMI_K3
 
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
@@ -19,7 +20,6 @@ from expertmesh.node.engine.core_quantization import quantize_core
 from expertmesh.node.engine.model_sizes import ModelSizes, kimi_k3_config
 from expertmesh.node.hub import local_models
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 GB, GiB = 10**9, 1024**3
 
 
@@ -29,7 +29,7 @@ def home(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def test_a_core_computed_from_its_config_is_what_pull_writes(home: Path, tmp_path: Path) -> None:
-    path = local_models.find_pulled(home, REPO_ID)
+    path = local_models.find_pulled(home, KIMI_K3)
     sizes = ModelSizes(json.loads((path / "config.json").read_text()))
     for bits, recipe in ((4, None), (4, "mixed_4_6"), (8, None)):
         copy = tmp_path / f"{bits}-{recipe}"
@@ -40,7 +40,7 @@ def test_a_core_computed_from_its_config_is_what_pull_writes(home: Path, tmp_pat
 
 def test_the_context_computed_from_its_config_is_what_mlx_lms_cache_holds(home: Path, oracle) -> None:
     model, _ = oracle.load("kimi_k3")
-    config = json.loads((local_models.find_pulled(home, REPO_ID) / "config.json").read_text())
+    config = json.loads((local_models.find_pulled(home, KIMI_K3) / "config.json").read_text())
     for n in (300, 700):  # not the probe's own lengths: a KV cache holds them in 256-token steps
         cache = make_prompt_cache(model)
         model(mx.array([[1] * n]), cache=cache)
@@ -80,11 +80,11 @@ def test_doctor_plans_k3_on_a_64_gb_mac(tmp_path: Path, capsys) -> None:
 def test_a_pulled_repo_is_planned_from_its_files(home: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("EXPERTMESH_HOME", str(home))
     out = tmp_path / "plan.json"
-    assert main(["doctor", "--plan", REPO_ID, "--memory", "16GB", "--json", str(out)]) == 0
+    assert main(["doctor", "--plan", KIMI_K3, "--memory", "16GB", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    marker = local_models.read_marker(local_models.find_pulled(home, REPO_ID))
+    marker = local_models.read_marker(local_models.find_pulled(home, KIMI_K3))
     assert doc["fits"] and not doc["computed"] and doc["core_bytes"] == marker["core_bytes"]
-    assert main(["doctor", "--plan", REPO_ID, "--memory", "16GB", "--core-bits", "4", "--json", str(out)]) == 0
+    assert main(["doctor", "--plan", KIMI_K3, "--memory", "16GB", "--core-bits", "4", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["computed"] and json.loads(out.read_text())["core_bytes"] < marker["core_bytes"]
     assert main(["doctor", "--plan", "not/pulled"]) == 1
     assert "not pulled" in capsys.readouterr().err
@@ -92,7 +92,7 @@ def test_a_pulled_repo_is_planned_from_its_files(home: Path, tmp_path: Path, mon
 
 def test_a_prompt_beyond_max_context_is_one_clear_line(home: Path, hub: HubServer, monkeypatch, capsys) -> None:
     monkeypatch.setenv("EXPERTMESH_HOME", str(home))
-    argv = ["run", REPO_ID, "one two three four five six", "--no-discovery", "--no-fill", "--max-tokens", "2"]
+    argv = ["run", KIMI_K3, "one two three four five six", "--no-discovery", "--no-fill", "--max-tokens", "2"]
     assert main([*argv, "--max-context", "4"]) == 1
     err = capsys.readouterr().err
     assert "error:" in err and "--max-context" in err and "Traceback" not in err
@@ -104,7 +104,7 @@ def test_run_prints_its_plan_and_what_a_streamed_core_read(home: Path, hub: HubS
     monkeypatch.setenv("EXPERTMESH_HOME", str(home))
     argv = [
         "run",
-        REPO_ID,
+        KIMI_K3,
         "stream the core",
         "--no-discovery",
         "--no-fill",

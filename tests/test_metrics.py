@@ -28,6 +28,7 @@ import grpc
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.assembly import Node, build_node
@@ -50,7 +51,6 @@ from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.store.stats import SOURCES
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "metrics-test-household-secret"
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "expertmesh.json"
@@ -109,14 +109,12 @@ def _poll(fn, what: str):
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
+def node(module_home: Path):
     """A full node with its /metrics: the gRPC node service, the API and prometheus_client's
     WSGI app: (model, gRPC stub, metrics server, API URL)."""
-    home = tmp_path_factory.mktemp("metrics-node")
-    pulled_home("kimi_k3", home)
     config = NodeConfig(
-        REPO_ID,
-        home=home,
+        KIMI_K3,
+        home=module_home,
         node_id="metrics-node",
         store=StoreConfig(prefetch=True),
         household=HouseholdConfig(secret=SECRET),
@@ -202,11 +200,11 @@ def generation(node, prometheus):
     # a sample before the generation, so rates over the window see it happen
     _poll(lambda: _query(prometheus, "expertmesh_tokens_generated_total"), "the first scrape of the node")
     before = _samples(_scrape(served.url))
-    assert _get_json(f"{api_url}/models")["data"][0]["id"] == REPO_ID
+    assert _get_json(f"{api_url}/models")["data"][0]["id"] == KIMI_K3
     events = list(
         stub.Generate(
             node_pb2.GenerateRequest(
-                model=node_pb2.ModelKey(repo_id=REPO_ID), prompt="hello world", max_tokens=MAX_TOKENS
+                model=node_pb2.ModelKey(repo_id=KIMI_K3), prompt="hello world", max_tokens=MAX_TOKENS
             ),
             metadata=call_metadata(SECRET, node_method("Generate")),
             timeout=300,
@@ -222,6 +220,7 @@ def _delta(before: dict, after: dict, name: str, **labels) -> float:
     return after[key] - before.get(key, 0.0)
 
 
+@pytest.mark.e2e
 def test_counters_equal_the_generations_own_summary(generation) -> None:
     before, after, done = generation
     assert done.generated_tokens > 0
@@ -239,6 +238,7 @@ def test_counters_equal_the_generations_own_summary(generation) -> None:
     assert after[("expertmesh_cache_experts", (("tier", "disk"),))] > 0
 
 
+@pytest.mark.e2e
 def test_metrics_carry_no_expert_ids_prompts_or_secrets(node, generation) -> None:
     served = node[2]
     text = _scrape(served.url)
@@ -250,6 +250,7 @@ def test_metrics_carry_no_expert_ids_prompts_or_secrets(node, generation) -> Non
                 assert set(sample.labels) <= allowed, (sample.name, sample.labels)
 
 
+@pytest.mark.e2e
 def test_no_metric_label_is_a_target_label(node, generation) -> None:
     """Prometheus renames a scraped label that a target label shares (`role` -> `exported_role`)."""
     text = _scrape(node[2].url)
@@ -406,6 +407,7 @@ def speculated(node, generation):
     return before, _samples(_scrape(served.url)), summary
 
 
+@pytest.mark.e2e
 def test_speculative_counters_equal_the_generations_own(speculated) -> None:
     before, after, summary = speculated
     assert summary.speculation.drafted > 0
@@ -424,7 +426,7 @@ def test_speculative_counters_equal_the_generations_own(speculated) -> None:
 def _household_node(home: Path, node_id: str, cluster: str, cache_only: bool) -> Node:
     """A node as `serve` makes it: gRPC, /metrics, and zeroconf on loopback in `cluster`."""
     config = NodeConfig(
-        REPO_ID,
+        KIMI_K3,
         home=home,
         node_id=node_id,
         cache_only=cache_only,
@@ -549,7 +551,7 @@ def test_run_keeps_serving_its_final_counts_until_scraped(pulled_home, hub, tmp_
     home = pulled_home("kimi_k3", tmp_path / "home")
     env = {**os.environ, "EXPERTMESH_HOME": str(home), "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
     # a linger far longer than the test may wait: only the scrape below can end it in time
-    args = ["run", REPO_ID, "hello world", "--max-tokens", "8", "--metrics-port", "0", "--metrics-linger", "3600"]
+    args = ["run", KIMI_K3, "hello world", "--max-tokens", "8", "--metrics-port", "0", "--metrics-linger", "3600"]
     proc = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -594,7 +596,7 @@ def test_idle_connections_to_metrics_cannot_take_a_thread_each() -> None:
     served at once (the rest are closed at once), and a scrape is answered once they go."""
     import threading
 
-    from expertmesh.node.observability.metrics import METRICS_CONNECTIONS
+    from expertmesh.node.observability.metrics import METRICS_CONNECTIONS, METRICS_READ_TIMEOUT_S
 
     def answered() -> bool:
         try:
@@ -618,16 +620,21 @@ def test_idle_connections_to_metrics_cannot_take_a_thread_each() -> None:
         def serving() -> int:  # the server's threads, one per connection it serves
             return sum("process_request_thread" in t.name and ours(t) for t in threading.enumerate())
 
+        # one at a time, each waited for: a burst would overflow the listen backlog, and the kernel
+        # then retries dropped connections for seconds
         base = serving()
-        for _ in range(METRICS_CONNECTIONS + 40):
+        for n in range(1, METRICS_CONNECTIONS + 1):
             s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
             s.sendall(b"GET /metrics HTTP/1.1\r\n")  # and nothing more
             idle.append(s)
-        most = 0
-        for _ in range(40):  # 2 s of samples (the old server held all 72, for ever)
-            most = max(most, serving() - base)
-            time.sleep(0.05)
-        assert 0 < most <= METRICS_CONNECTIONS, most
+            assert wait_until(lambda n=n: serving() - base == n, timeout_s=10, interval_s=0.002), n  # a thread each
+        for _ in range(8):  # every slot taken: closed at once (the old server held a thread each, for ever)
+            # well before the read timeout, which would close a connection served by a thread too
+            with socket.create_connection(("127.0.0.1", server.port), timeout=METRICS_READ_TIMEOUT_S / 2) as s:
+                s.sendall(b"GET /metrics HTTP/1.1\r\n")
+                with contextlib.suppress(ConnectionResetError):
+                    assert s.recv(1) == b""  # the server's close, not a timeout
+            assert serving() - base == METRICS_CONNECTIONS
         for s in idle:
             s.close()
         idle.clear()

@@ -14,30 +14,24 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nodes import serving
+from repos import KIMI_K3
 
-from expertmesh.devtools.local_hub import HubServer
-from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "test-household-secret"
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub_root: Path, tmp_path_factory: pytest.TempPathFactory):
-    with HubServer(hub_root) as hub, hub_client.using_endpoint(hub.url):
-        home = tmp_path_factory.mktemp("node")
-        pulled_home("kimi_k3", home)
-        served = serving(REPO_ID, home, SECRET, node_id="n1")
-        channel = grpc.insecure_channel(served.rpc.address)
-        try:
-            yield served.model, node_pb2_grpc.NodeStub(channel), channel, home
-        finally:
-            channel.close()
-            served.close()
+def node(module_home: Path):
+    served = serving(KIMI_K3, module_home, SECRET, node_id="n1")
+    channel = grpc.insecure_channel(served.rpc.address)
+    try:
+        yield served.model, node_pb2_grpc.NodeStub(channel), channel, module_home
+    finally:
+        channel.close()
+        served.close()
 
 
 def _md(method: str):
@@ -165,7 +159,7 @@ def test_generate_with_speculation_gives_the_same_tokens_and_counts_its_passes(n
     from expertmesh.node.config import SpeculationConfig
 
     sm, home = node[0], node[3]
-    speculating = serving(REPO_ID, home, SECRET, node_id="n2", speculation=SpeculationConfig(mode="ngram"))
+    speculating = serving(KIMI_K3, home, SECRET, node_id="n2", speculation=SpeculationConfig(mode="ngram"))
     prompt = "one two three four one two three four one two three four one two"
     try:
         with grpc.insecure_channel(speculating.rpc.address) as channel:
@@ -200,13 +194,12 @@ def test_the_committed_generated_code_is_up_to_date(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_serve_creates_a_secret_says_where_it_is_and_stops_on_sigterm(hub_root: Path, tmp_path: Path) -> None:
+def test_serve_creates_a_secret_says_where_it_is_and_stops_on_sigterm(pulled_home, tmp_path: Path) -> None:
     import re
     import signal
     import time
 
-    with HubServer(hub_root) as hub, hub_client.using_endpoint(hub.url):
-        pull(REPO_ID, home=tmp_path, progress=False)
+    pulled_home("kimi_k3", tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "EXPERTMESH_SECRET"}
     env["EXPERTMESH_HOME"] = str(tmp_path)
     proc = subprocess.Popen(
@@ -215,7 +208,7 @@ def test_serve_creates_a_secret_says_where_it_is_and_stops_on_sigterm(hub_root: 
             "-m",
             "expertmesh",
             "serve",
-            REPO_ID,
+            KIMI_K3,
             "--host",
             "127.0.0.1",
             "--port",
@@ -250,7 +243,7 @@ def test_serve_creates_a_secret_says_where_it_is_and_stops_on_sigterm(hub_root: 
         import urllib.request
 
         with urllib.request.urlopen(f"{api}/models", timeout=30) as r:
-            assert [m["id"] for m in json.load(r)["data"]] == [REPO_ID]
+            assert [m["id"] for m in json.load(r)["data"]] == [KIMI_K3]
         with urllib.request.urlopen(api.removesuffix("/v1") + "/healthz", timeout=30) as r:
             assert json.load(r)["full_nodes"] == 1
         proc.send_signal(signal.SIGTERM)

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from nodes import serving
+from repos import tiny_id
 
 from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
 from expertmesh.node.config import RemoteConfig, SpeculationConfig, StoreConfig
@@ -32,7 +33,7 @@ from expertmesh.v1 import node_pb2
 
 SECRET = "one-mlx-thread"
 ARCH = "kimi_k3"  # KDA's recurrent state: speculation restores and re-feeds it
-REPO_ID = f"expertmesh/tiny-{ARCH}"
+REPO_ID = tiny_id(ARCH)
 PROMPT = "for i in range for i in range"
 TOKENS = 16
 TIME_SCALE = 0.05

@@ -11,27 +11,26 @@ import grpc
 import pytest
 from fake_nodes import Forger, Relay, stranger
 from nodes import serving
+from repos import QWEN3_MOE
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node import constants
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.household.membership import prove_peer
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.client import NodeClient, ask_info
 from expertmesh.node.rpc.proof import Identity, ProofError, check_proof, prove_key, sign
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
-REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "proof-test-secret"
 
 
 @pytest.fixture(scope="module")
-def member(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
+def member(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
     """A real cache node (index only, no model): its address and its Info."""
     home = tmp_path_factory.mktemp("proof-member")
-    pull(REPO_ID, home=home, progress=False, index_only=True)
-    node = serving(REPO_ID, home, SECRET, node_id="member", cache_only=True, store=StoreConfig(disk_budget="100MB"))
+    pulled_home("qwen3_moe", home, index_only=True)
+    node = serving(QWEN3_MOE, home, SECRET, node_id="member", cache_only=True, store=StoreConfig(disk_budget="100MB"))
     try:
         with NodeClient(node.rpc.address, SECRET) as client:
             yield node.rpc.address, client.info()
@@ -102,22 +101,24 @@ def test_a_stranger_relaying_a_members_proof_is_refused(member, rewrite: bool) -
         assert recorder.proved() and recorder.credentials() == []
 
 
-def test_a_static_peer_that_cannot_prove_itself_gets_no_secret(hub: HubServer, tmp_path: Path) -> None:
+def test_a_static_peer_that_cannot_prove_itself_gets_no_secret(pulled_home, hub: HubServer, tmp_path: Path) -> None:
     """A --peer address is proven too: a node that forges its answer is never sent the secret."""
-    pull(REPO_ID, home=tmp_path, progress=False, index_only=True)
+    pulled_home("qwen3_moe", tmp_path, index_only=True)
     with stranger(Forger()) as (address, recorder):
         with pytest.raises(ExpertmeshError):
-            serving(REPO_ID, tmp_path, SECRET, node_id="joiner", cache_only=True, peers=[address])
+            serving(QWEN3_MOE, tmp_path, SECRET, node_id="joiner", cache_only=True, peers=[address])
         assert recorder.proved() and recorder.credentials() == []
 
 
 @pytest.mark.parametrize("node_id", ["two words", "x" * 65, "line\nbreak", "ünïcode"])
-def test_a_node_id_no_peer_would_accept_is_refused_at_start(hub: HubServer, tmp_path: Path, node_id: str) -> None:
+def test_a_node_id_no_peer_would_accept_is_refused_at_start(
+    pulled_home, hub: HubServer, tmp_path: Path, node_id: str
+) -> None:
     """Peers refuse such an id in every proof (it could forge log lines): say so at start, not by
     a household that silently never forms."""
-    pull(REPO_ID, home=tmp_path, progress=False, index_only=True)
+    pulled_home("qwen3_moe", tmp_path, index_only=True)
     with pytest.raises(ExpertmeshError, match="cannot join a household"):
-        serving(REPO_ID, tmp_path, SECRET, node_id=node_id, cache_only=True)
+        serving(QWEN3_MOE, tmp_path, SECRET, node_id=node_id, cache_only=True)
 
 
 def test_the_cli_asks_info_only_of_nodes_that_prove_themselves(member) -> None:

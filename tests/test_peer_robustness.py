@@ -15,6 +15,7 @@ import pytest
 from fake_nodes import fake_node
 from grpc_health.v1 import health_pb2
 from nodes import serving
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable
@@ -29,7 +30,6 @@ from expertmesh.node.rpc.inventory import bitmap_bytes, inventory_keys, layer_si
 from expertmesh.node.rpc.server import RESERVED_WORKERS
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "robustness-test-secret"
 HUNG_DEADLINE_S = 0.3  # the fetch deadline against the hung peer (30 s by default)
 
@@ -67,9 +67,8 @@ class _Misbehaving(node_pb2_grpc.NodeServicer):
 
 
 @pytest.fixture(scope="module")
-def index(pulled_home, tmp_path_factory: pytest.TempPathFactory) -> ExpertIndex:
-    home = pulled_home("kimi_k3", tmp_path_factory.mktemp("robust-home"))
-    return ExpertIndex.load(find_index(home, REPO_ID) / INDEX_FILENAME)
+def index(module_home) -> ExpertIndex:
+    return ExpertIndex.load(find_index(module_home, KIMI_K3) / INDEX_FILENAME)
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +214,8 @@ def test_a_peer_inventory_is_read_only_as_far_as_it_fits_the_model(index, fake) 
 
 
 @pytest.fixture(scope="module")
-def node(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
-    home = pulled_home("kimi_k3", tmp_path_factory.mktemp("robust-node"))
-    with serving(REPO_ID, home, SECRET, node_id="busy-owner") as served:
+def node(module_home):
+    with serving(KIMI_K3, module_home, SECRET, node_id="busy-owner") as served:
         yield served
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from nodes import joined, serving
+from repos import KIMI_K3
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
@@ -16,7 +17,6 @@ from expertmesh.node.hub.pull import pull
 from expertmesh.node.service import NodeService
 from expertmesh.v1 import node_pb2
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "peers-test-secret"
 PROMPT = "Ask the household first"
 
@@ -27,15 +27,15 @@ def expected(oracle) -> list[int]:
 
 
 def _node(home: Path, servicer_class=None, node_id: str = "owner"):
-    pull(REPO_ID, home=home, progress=False)
-    return serving(REPO_ID, home, SECRET, node_id=node_id, service_class=servicer_class)
+    pull(KIMI_K3, home=home, progress=False)
+    return serving(KIMI_K3, home, SECRET, node_id=node_id, service_class=servicer_class)
 
 
 def _client(home: Path, address: str, store: StoreConfig | None = None):
     """A node with no disk budget: it owns nothing, so every expert it lacks comes from peers."""
-    pull(REPO_ID, home=home, progress=False)
+    pull(KIMI_K3, home=home, progress=False)
     return joined(
-        REPO_ID, home, SECRET, [address], node_id="client", store=store or StoreConfig(prefetch=False, disk_budget="0")
+        KIMI_K3, home, SECRET, [address], node_id="client", store=store or StoreConfig(prefetch=False, disk_budget="0")
     )
 
 
@@ -97,14 +97,14 @@ def test_ownership_follows_disk_budgets_and_moves_little() -> None:
 
 
 @pytest.mark.e2e
-def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, oracle, tmp_path: Path) -> None:
+def test_run_with_a_peer_takes_its_experts_from_it(pulled_home, hub: HubServer, oracle, tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
 
     owner = _node(tmp_path / "owner")
     try:
-        pull(REPO_ID, home=tmp_path / "client", progress=False)
+        pulled_home("kimi_k3", tmp_path / "client")
         env = {
             **os.environ,
             "EXPERTMESH_HOME": str(tmp_path / "client"),
@@ -117,7 +117,7 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, oracle, tmp_p
                 "-m",
                 "expertmesh",
                 "run",
-                REPO_ID,
+                KIMI_K3,
                 PROMPT,
                 "--max-tokens",
                 "16",
@@ -137,7 +137,7 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, oracle, tmp_p
         line = next(ln for ln in r.stderr.splitlines() if "expert uses by source" in ln)
         assert " peer " in line and "hub 0 " in line
         bad = subprocess.run(
-            [sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--peer", owner.rpc.address],
+            [sys.executable, "-m", "expertmesh", "run", KIMI_K3, PROMPT, "--peer", owner.rpc.address],
             env={**env, "EXPERTMESH_SECRET": "wrong"},
             capture_output=True,
             text=True,
@@ -149,7 +149,9 @@ def test_run_with_a_peer_takes_its_experts_from_it(hub: HubServer, oracle, tmp_p
 
 
 @pytest.mark.e2e
-def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubServer, expected, tmp_path: Path) -> None:
+def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(
+    pulled_home, hub: HubServer, expected, tmp_path: Path
+) -> None:
     """kill -9 of the peer that serves every expert: the generation goes on from the Hub, same tokens."""
     import os
     import re
@@ -158,7 +160,7 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
     import time
 
     peer_home = tmp_path / "peer"
-    pull(REPO_ID, home=peer_home, progress=False, index_only=True)
+    pulled_home("kimi_k3", peer_home, index_only=True)
     env = {**os.environ, "EXPERTMESH_HOME": str(peer_home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
     proc = subprocess.Popen(
         [
@@ -167,7 +169,7 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
             "expertmesh",
             "serve",
             "--cache-only",
-            REPO_ID,
+            KIMI_K3,
             "--host",
             "127.0.0.1",
             "--port",
@@ -189,7 +191,7 @@ def test_a_cache_peer_killed_mid_generation_changes_the_sources_only(hub: HubSer
             m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
             port = int(m.group(1)) if m else None
         assert port is not None, "the cache peer did not start in 120 s"
-        pull(REPO_ID, home=tmp_path / "client", progress=False)
+        pulled_home("kimi_k3", tmp_path / "client")
         # no disk and a 1-byte RAM tier: every use is a fetch, so the sources after the kill show
         client = _client(
             tmp_path / "client", f"127.0.0.1:{port}", StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")

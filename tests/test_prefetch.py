@@ -4,6 +4,7 @@ oracle tests run with guesses on)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,14 @@ from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.errors import Abandoned
+from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.store.prefetch import MIN_JUDGED, PREFETCH_WINDOW
+from expertmesh.node.store.fetch_queue import FetchQueue
+from expertmesh.node.store.flights import Flights
+from expertmesh.node.store.prefetch import MIN_JUDGED, PREFETCH_WINDOW, Prefetcher
+from expertmesh.node.store.stats import StoreStats
+from expertmesh.node.store.tier_chain import Fetched
 from tests.store_calls import take_layer
 
 REPO_ID = "expertmesh/tiny-kimi_k3"
@@ -126,11 +133,17 @@ def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path
     try:
         store, layer = sm.store, sm.index.moe_layers[-1]
         events: list[tuple[str, list[int]]] = []
-        demand = store._demand
-        store._demand = lambda lay, experts: (events.append(("queued", sorted(experts))), demand(lay, experts))[1]
+        demand = store.flights.demand
+
+        def queued(keys, plan=None):
+            keys = list(keys)
+            events.append(("queued", sorted(e for _, e in keys)))
+            return demand(keys, plan)
+
+        store.flights.demand = queued
         for group in store.layer_groups(layer, range(3)):
             events.append(("computing", sorted(group.experts)))
-        del store._demand
+        del store.flights.demand
         assert events == [
             ("queued", [0]),
             ("queued", [1]),  # before group [0] is handed over
@@ -164,3 +177,50 @@ def test_a_peers_call_for_a_layer_leaves_this_nodes_guesses_for_it_alone(home: P
         assert d.prefetch["used"] == 2 and d.prefetch["ready"] == 2 and d.prefetch["wasted"] == 0
     finally:
         sm.close()
+
+
+class _EmptyRam:
+    """The RAM tier as the prefetcher sees it: room for a few experts, none held yet."""
+
+    def slots(self, expert_bytes: int) -> int:
+        return 8
+
+    def __contains__(self, key) -> bool:
+        return False
+
+
+def test_a_right_guess_keeps_its_link_between_its_pass_and_its_demand() -> None:
+    """A pass judges its guesses first and asks for its experts right after. A guess still in
+    flight that the pass wants must not give its link up in between (a demand has not joined it
+    yet), or the expert it was right about is fetched twice; if it arrives in between, it is
+    kept for the asking."""
+    started, told, gate = [], [], threading.Event()
+
+    def fetch(key, keep_now: bool = False, ctx: FetchContext = DEMAND) -> Fetched:
+        started.append(key)
+        if key == (1, 7):
+            gate.wait(10)  # in flight when its pass comes
+            told.append(ctx.should_abandon())
+            if told[-1]:
+                raise Abandoned(f"{key} gave up")
+        return Fetched(weights=None, source="hub", seconds=0.0)
+
+    flights = Flights()
+    prefetcher = Prefetcher(flights, _EmptyRam(), StoreStats(), workers=2)
+    q = FetchQueue(flights, fetch, lambda keys, ctx=DEMAND: [fetch(k) for k in keys], 2, may_share=prefetcher.proven)
+    q.start()
+    try:
+        for _ in range(MIN_JUDGED):  # right every time, judged without being fetched
+            prefetcher.guess(0, [1])
+            prefetcher.settle(0, {1})
+        prefetcher.guess(1, [7])
+        assert prefetcher.in_flight == 1
+        prefetcher.settle(1, {7})  # its pass: judged right, and its demand comes next
+        gate.set()
+        assert wait_until(lambda: prefetcher.in_flight == 0)
+        assert told == [False]  # it was not told to give up
+        assert prefetcher.take((1, 7)) is not None  # and is there for the demand
+        assert started == [(1, 7)]
+    finally:
+        gate.set()
+        q.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3, QWEN3_MOE
 
 from expertmesh.devtools.local_hub import Fault, HubServer
 from expertmesh.devtools.tiny import ARCHS
@@ -81,9 +83,7 @@ def test_ignored_range_is_retried_never_used(hub: HubServer, tiny_repos: dict[st
     """A 200 carrying the whole shard is refused; the retry gets exactly the range."""
     _reset(hub, [Fault("ignore_range", count=2)])
     reader = hub_client.RangeReader(backoff_base_s=0.01)
-    remote = hub_client.RemoteFile(
-        "expertmesh/tiny-qwen3_moe", hub.repos["expertmesh/tiny-qwen3_moe"].commit, "model-00001-of-00002.safetensors"
-    )
+    remote = hub_client.RemoteFile(QWEN3_MOE, hub.repos[QWEN3_MOE].commit, "model-00001-of-00002.safetensors")
     data = reader.read(remote, 100, 300)
     assert data == (tiny_repos["qwen3_moe"] / remote.filename).read_bytes()[100:300]
     assert reader.retries == 2 and hub.stats()["faults"] == {"ignore_range": 2}
@@ -97,7 +97,7 @@ def test_killed_pull_resumes_and_fetches_less(
     from expertmesh.node import constants
 
     monkeypatch.setattr(constants, "MAX_RANGE_BYTES", 32 * 1024)  # as in the killed process
-    repo_id = "expertmesh/tiny-kimi_k3"
+    repo_id = KIMI_K3
     _reset(hub)
     hub.knobs.bandwidth_bytes_per_s = 400_000  # ≈ 2 s for the core, so the kill lands mid-way
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
@@ -136,14 +136,16 @@ def test_killed_pull_resumes_and_fetches_less(
     assert not list(result.path.rglob("*.part"))
 
 
-def test_bad_inputs_give_clear_errors(hub: HubServer, hub_root: Path, tmp_path: Path) -> None:
+def test_bad_inputs_give_clear_errors(hub: HubServer, hub_root: Path, tmp_path: Path, monkeypatch) -> None:
     _reset(hub)
     with pytest.raises(ModelNotFoundError, match="was not found at"):
         pull("expertmesh/does-not-exist", home=tmp_path, progress=False)
     with pytest.raises(ModelNotFoundError, match="revision"):
-        pull("expertmesh/tiny-kimi_k3", revision="v9", home=tmp_path, progress=False)
+        pull(KIMI_K3, revision="v9", home=tmp_path, progress=False)
+    # every retry still made, without the jittered backoff between them (seconds in all)
+    monkeypatch.setattr(hub_client, "retrying", functools.partial(hub_client.retrying, backoff_max_s=0.0))
     with hub_client.using_endpoint("http://127.0.0.1:9"), pytest.raises(EndpointUnreachableError):
-        pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+        pull(KIMI_K3, home=tmp_path, progress=False)
 
 
 def test_unsupported_and_dense_models(hub_root: Path, tiny_repos: dict[str, Path], tmp_path: Path) -> None:
@@ -174,7 +176,7 @@ def test_rejected_token(hub_root: Path, tmp_path: Path, monkeypatch: pytest.Monk
         server.knobs.required_token = "hf_right"
         monkeypatch.setenv("HF_TOKEN", "hf_wrong")
         with pytest.raises(AuthError, match="does not accept the token from HF_TOKEN") as e:
-            pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+            pull(KIMI_K3, home=tmp_path, progress=False)
         assert "hf_wrong" not in str(e.value)
 
 
@@ -200,7 +202,7 @@ def test_index_ranges_fetched_from_the_hub_equal_the_tensors(
     import numpy as np
     from safetensors import safe_open
 
-    result = pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+    result = pull(KIMI_K3, home=tmp_path, progress=False)
     index = ExpertIndex.load(result.path / INDEX_FILENAME)
     reader = hub_client.RangeReader()
     for key in [(1, 0), (2, 17), (5, 31)]:
@@ -222,7 +224,7 @@ def test_disk_space_is_checked_first(
     # a Hub of its own: a response of an earlier test still finishing would count in a shared one
     with HubServer(hub_root) as hub, hub_client.using_endpoint(hub.url):
         with pytest.raises(InsufficientDiskError, match="free"):
-            pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False)
+            pull(KIMI_K3, home=tmp_path, progress=False)
     for key, entry in hub.stats()["files"].items():
         if key.endswith(".safetensors"):  # nothing but the headers was read
             shard = tiny_repos["kimi_k3"] / key.rsplit("/", 1)[1]
@@ -236,14 +238,14 @@ def test_an_index_only_pull_is_enough_for_a_cache_peer_but_not_to_generate(hub: 
     from expertmesh.node.hub import local_models
 
     _reset(hub)
-    result = pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False, index_only=True)
+    result = pull(KIMI_K3, home=tmp_path, progress=False, index_only=True)
     assert result.core_bytes == 0 and result.expert_count > 0
     shards = [k for k in hub.stats()["files"] if k.endswith(".safetensors")]
     assert shards and all(hub.stats()["files"][k]["bytes"] < 64 * 1024 for k in shards)  # headers, never tensors
-    assert not list(local_models.find_index(tmp_path, "expertmesh/tiny-kimi_k3").glob("*.safetensors"))
-    with pytest.raises(NotPulledError, match="expertmesh pull expertmesh/tiny-kimi_k3"):
-        open_model("expertmesh/tiny-kimi_k3", home=tmp_path)
-    config = NodeConfig("expertmesh/tiny-kimi_k3", home=tmp_path, cache_only=True, store=StoreConfig(disk_budget="1MB"))
+    assert not list(local_models.find_index(tmp_path, KIMI_K3).glob("*.safetensors"))
+    with pytest.raises(NotPulledError, match=f"expertmesh pull {KIMI_K3}"):
+        open_model(KIMI_K3, home=tmp_path)
+    config = NodeConfig(KIMI_K3, home=tmp_path, cache_only=True, store=StoreConfig(disk_budget="1MB"))
     with build_node(config) as node:  # a cache peer: the index is enough
         peer = node.experts
         loc = next(iter(peer.index.experts.values()))
@@ -256,7 +258,7 @@ def test_pull_keeps_its_requests_in_flight(hub: HubServer, tmp_path: Path) -> No
     _reset(hub)
     hub.knobs.ttfb_s = 0.3  # every request waits, so the ones in flight overlap for certain
     try:
-        pull("expertmesh/tiny-kimi_k3", home=tmp_path, progress=False, concurrency=3)
+        pull(KIMI_K3, home=tmp_path, progress=False, concurrency=3)
     finally:
         hub.knobs.ttfb_s = 0.0
     assert hub.stats()["peak_waiting"] == 3
@@ -285,7 +287,7 @@ def test_a_damaged_local_copy_is_named_at_load_and_repaired_by_pull(
     from expertmesh.node.errors import DamagedModelError
 
     _reset(hub)
-    repo_id = "expertmesh/tiny-kimi_k3"
+    repo_id = KIMI_K3
     first = pull(repo_id, home=tmp_path, progress=False)
     index = ExpertIndex.load(first.path / INDEX_FILENAME)
     if damage == "core":

@@ -9,17 +9,16 @@ import pytest
 from nodes import serving
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from repos import KIMI_K3
 
 from expertmesh.assembly import build_node
 from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import HouseholdConfig, MetricsConfig, NodeConfig, RemoteConfig, StoreConfig
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.sizes import format_size
 from expertmesh.node.store.stats import SOURCES
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 SECRET = "remote-bytes-test-secret"
 PROMPT = "Move activations, not experts"
 TIME_SCALE = 0.05  # as tests/test_remote_experts.py: a K3 expert's 148 ms on gigabit becomes 7.4 ms
@@ -31,19 +30,19 @@ def _generate(node, summary: GenerationSummary | None = None) -> None:
 
 
 @pytest.fixture(scope="module")
-def requester(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
+def requester(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
     """A requester with /metrics and no expert of its own, and a compute peer that holds them."""
     root = tmp_path_factory.mktemp("remote-bytes")
-    pull(REPO_ID, home=root / "peer", progress=False)
+    pulled_home("kimi_k3", root / "peer")
     lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))
-    peer = serving(REPO_ID, root / "peer", SECRET, node_id="bytes-peer", interceptors=[lan])
+    peer = serving(KIMI_K3, root / "peer", SECRET, node_id="bytes-peer", interceptors=[lan])
     try:
         _generate(peer)  # fills the peer's disk with what PROMPT routes to
         loc = next(iter(peer.index.experts.values()))
         lan.lan = k3_lan(loc.nbytes, peer.model.blocks[0].input_width * 4, TIME_SCALE)
-        pull(REPO_ID, home=root / "me", progress=False)
+        pulled_home("kimi_k3", root / "me")
         config = NodeConfig(
-            REPO_ID,
+            KIMI_K3,
             home=root / "me",
             node_id="bytes-me",
             store=StoreConfig(prefetch=False, disk_budget="0", ram_budget="0"),

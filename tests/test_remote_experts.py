@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from nodes import joined, serving
+from repos import KIMI_K3, tiny_id
 from waiting import wait_until
 
 from expertmesh.devtools.link_emulation import LanEmulation, LanInterceptor, k3_lan
@@ -84,7 +85,7 @@ class Pair:
     """A compute peer that holds what PROMPT routes to, and a requester that holds nothing."""
 
     def __init__(self, arch: str, root: Path):
-        repo = f"expertmesh/tiny-{arch}"
+        repo = tiny_id(arch)
         pull(repo, home=root / "peer", progress=False)
         lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))  # shaped below, once the model is known
         self.peer = serving(
@@ -390,7 +391,7 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
         pair.source.transfer_observer = observer
 
 
-def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Path, monkeypatch) -> None:
+def test_run_with_peers_computes_remotely_unless_told_not_to(pulled_home, pairs, tmp_path: Path, monkeypatch) -> None:
     """The CLI's wiring: `--peer` attaches remote execution (a compute peer was described as one);
     `--remote-compute off` leaves every expert to be fetched."""
     from expertmesh.assembly import build_node
@@ -400,7 +401,7 @@ def test_run_with_peers_computes_remotely_unless_told_not_to(pairs, tmp_path: Pa
     pair = pairs("kimi_k3")
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
-    pull(pair.me.repo_id, home=tmp_path, progress=False)
+    pulled_home("kimi_k3", tmp_path)
     for flag, bound in (("auto", True), ("off", False)):
         args = build_parser().parse_args(
             ["run", pair.me.repo_id, "hello", "--peer", f"127.0.0.1:{pair.running.port}", "--remote-compute", flag]
@@ -414,7 +415,7 @@ def test_nodes_with_different_core_bits_serve_each_others_experts(hub: HubServer
     """A peer that runs a 4-bit core (`pull --core-bits 4`) holds the same expert bytes as one that
     runs the BF16 core: a BF16 node fetches them from it, or has it compute them (ComputeExperts),
     and generates exactly its single-node tokens (mlx-lm's, on the BF16 core)."""
-    repo = "expertmesh/tiny-kimi_k3"
+    repo = KIMI_K3
     pull(repo, home=tmp_path / "peer", progress=False)
     quantize_core(local_models.find_pulled(tmp_path / "peer", repo), 4)
     lan = LanInterceptor(LanEmulation(bandwidth=0.0, rtt_s=0.0))

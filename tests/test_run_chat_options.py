@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3, MLX_QWEN3_MOE, QWEN3_MOE
 
 from expertmesh.assembly import Node, build_node
 from expertmesh.cli import build_parser, main
@@ -20,8 +21,6 @@ from expertmesh.node.config import HouseholdConfig, NodeConfig, RpcConfig, Store
 from expertmesh.node.errors import SpeculationError
 from expertmesh.node.hub import local_models
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
-QUANTISED_ID = "expertmesh/tiny-mlx_qwen3_moe"  # an mlx-lm conversion: its core is 4-bit already
 SECRET = "run-chat-household-secret"
 CLUSTER = f"run-chat-{os.getpid()}"  # unique: another test run on this machine shares loopback multicast
 
@@ -29,7 +28,7 @@ CLUSTER = f"run-chat-{os.getpid()}"  # unique: another test run on this machine 
 def _serving_node(home: Path, cluster: str, secret: str = SECRET) -> Node:
     """A full node as `serve` makes it, advertised on loopback in `cluster`."""
     config = NodeConfig(
-        REPO_ID,
+        KIMI_K3,
         home=home,
         store=StoreConfig(prefetch=False, fill=False),
         household=HouseholdConfig(secret=secret, discover=True, cluster=cluster, interface="127.0.0.1"),
@@ -60,15 +59,15 @@ def test_run_finds_the_household_by_zeroconf_and_uses_it(
     wrong = _serving_node(pulled_home("kimi_k3", tmp_path / "stranger"), CLUSTER, secret="another-household")
     try:
         where = ["--cluster", CLUSTER, "--interface", "127.0.0.1", "--discovery-wait", "2"]
-        args = build_parser().parse_args(["run", REPO_ID, "x", *where])
+        args = build_parser().parse_args(["run", KIMI_K3, "x", *where])
         household = node_config(args).household
         assert household is not None and household.peers == [node.rpc.address]
         err = capsys.readouterr().err
         assert f"skipping {wrong.rpc.address}: it refused the household secret" in err and SECRET not in err
-        argv = ["run", REPO_ID, "The household shares", "--max-tokens", "8", "--disk-budget", "0", "--no-prefetch"]
+        argv = ["run", KIMI_K3, "The household shares", "--max-tokens", "8", "--disk-budget", "0", "--no-prefetch"]
         assert main([*argv, *where]) == 0
         assert _uses(capsys.readouterr().err, "peer") > 0  # experts came from the node zeroconf found
-        args = build_parser().parse_args(["run", REPO_ID, "x", *where, "--no-discovery"])
+        args = build_parser().parse_args(["run", KIMI_K3, "x", *where, "--no-discovery"])
         assert node_config(args).household is None
     finally:
         wrong.close()
@@ -76,19 +75,19 @@ def test_run_finds_the_household_by_zeroconf_and_uses_it(
 
 
 def test_without_a_household_secret_run_neither_browses_nor_creates_one(client_home: Path) -> None:
-    args = build_parser().parse_args(["run", REPO_ID, "x", "--cluster", CLUSTER, "--discovery-wait", "30"])
+    args = build_parser().parse_args(["run", KIMI_K3, "x", "--cluster", CLUSTER, "--discovery-wait", "30"])
     assert node_config(args).household is None  # returns at once: no secret, no household to ask
     assert not (client_home / "secret").exists()
 
 
 def test_chat_prompts_go_to_stderr_when_stdout_is_not_a_terminal(client_home: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nAnd then?\n"))
-    assert main(["chat", REPO_ID, "--max-tokens", "6", "--no-discovery"]) == 0
+    assert main(["chat", KIMI_K3, "--max-tokens", "6", "--no-discovery"]) == 0
     captured = capsys.readouterr()
     assert "> " not in captured.out  # only the replies: `chat > replies.txt` keeps text
     assert captured.err.count("> ") == 3  # two messages, then end of input
     assert captured.err.count("tokens in ") == 2
-    assert (local_models.find_pulled(client_home, REPO_ID) / local_models.LAST_USED_FILENAME).is_file()
+    assert (local_models.find_pulled(client_home, KIMI_K3) / local_models.LAST_USED_FILENAME).is_file()
 
 
 def test_a_draft_repo_downloads_into_the_home(client_home: Path, tmp_path: Path, monkeypatch) -> None:
@@ -98,15 +97,13 @@ def test_a_draft_repo_downloads_into_the_home(client_home: Path, tmp_path: Path,
 
     hf_cache = tmp_path / "hf-cache"
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hf_cache))
-    args = build_parser().parse_args(
-        ["run", REPO_ID, "x", "--speculate", "draft", "--draft", "expertmesh/tiny-qwen3_moe"]
-    )
+    args = build_parser().parse_args(["run", KIMI_K3, "x", "--speculate", "draft", "--draft", QWEN3_MOE])
     config = arguments.speculation(args)  # downloads only: any repo serves to show where it lands
     path = Path(config.draft_repo)
     assert path.is_relative_to(local_models.drafts_dir(client_home)) and (path / "config.json").is_file()
     assert not hf_cache.exists() or not any(hf_cache.iterdir())
     assert arguments.speculation(args).draft_repo == str(path)  # resolved once: now a folder
-    args = build_parser().parse_args(["run", REPO_ID, "x", "--speculate", "draft", "--draft", "nobody/no-such-draft"])
+    args = build_parser().parse_args(["run", KIMI_K3, "x", "--speculate", "draft", "--draft", "nobody/no-such-draft"])
     with pytest.raises(SpeculationError, match="neither a folder nor a reachable repository"):
         arguments.speculation(args)
 
@@ -130,13 +127,13 @@ def test_demo_help_shows_its_real_defaults(capsys) -> None:
 
 def test_core_bits_8_on_a_quantised_core_says_so(hub: HubServer, tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
-    assert main(["pull", QUANTISED_ID, "--core-bits", "8", "--no-progress"]) == 1
+    assert main(["pull", MLX_QWEN3_MOE, "--core-bits", "8", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "already quantised" in err and "without --core-bits" in err and "Traceback" not in err
-    assert main(["pull", QUANTISED_ID, "--no-progress"]) == 0
-    path = local_models.find_pulled(tmp_path, QUANTISED_ID)
+    assert main(["pull", MLX_QWEN3_MOE, "--no-progress"]) == 0
+    path = local_models.find_pulled(tmp_path, MLX_QWEN3_MOE)
     before = {p.name: p.stat().st_mtime_ns for p in path.glob("*.safetensors")}
-    assert main(["pull", QUANTISED_ID, "--core-bits", "8", "--no-progress"]) == 1  # over a pull: the same
+    assert main(["pull", MLX_QWEN3_MOE, "--core-bits", "8", "--no-progress"]) == 1  # over a pull: the same
     assert "already quantised" in capsys.readouterr().err
     assert json.loads((path / local_models.COMPLETE_MARKER).read_text())["core_bits"] == 16  # nothing recorded
     assert {p.name: p.stat().st_mtime_ns for p in path.glob("*.safetensors")} == before  # nothing rewritten

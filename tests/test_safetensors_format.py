@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import safetensors
+from repos import tiny_id
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
@@ -159,6 +160,6 @@ def test_experts_or_core_in_a_dtype_expertmesh_cannot_use_are_refused_at_pull(
         _rewrite(repo, shard, _relabel(fragment, dtype, per_element))
     with HubServer(tmp_path / "hub") as hub, hub_client.using_endpoint(hub.url):
         with pytest.raises(UnsupportedModelError, match=says) as e:
-            pull(f"expertmesh/tiny-{arch}", home=tmp_path / "home", progress=False)
+            pull(tiny_id(arch), home=tmp_path / "home", progress=False)
     assert "\n" not in str(e.value)
     assert not list((tmp_path / "home").rglob("*.safetensors")) and not list((tmp_path / "home").rglob("*.part"))

@@ -25,19 +25,17 @@ from pathlib import Path
 
 import pytest
 from nodes import serve_command
+from repos import KIMI_K3
 from waiting import wait_until
 
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 CLI = [sys.executable, "-m", "expertmesh"]
 CLUSTER = f"secret-hygiene-{os.getpid()}"  # unique: another run's nodes on the loopback stay apart
 FILE_SECRET = "file-secret-Zq8TGm4Hc2vXw"  # the --secret-file node's; distinctive, to search for
 WRONG = "not-the-household-secret-Pw7Ke"
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "launchd"
-
-pytestmark = pytest.mark.e2e
 
 
 @dataclass
@@ -69,7 +67,7 @@ def _start(home: Path, hub: HubServer, *extra: str) -> ServeProcess:
     with log.open("w") as out:
         proc = subprocess.Popen(
             # -v: INFO logging too, the log as verbose as it gets
-            serve_command(REPO_ID, CLUSTER, "--http-port", "0", "--no-prefetch", *extra, verbose=True),
+            serve_command(KIMI_K3, CLUSTER, "--http-port", "0", "--no-prefetch", *extra, verbose=True),
             env=_env(home, hub),
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -137,6 +135,7 @@ def _cli(args: list[str], home: Path, hub: HubServer, **env: str) -> subprocess.
 # -- serve: stdout, log, metrics, advertisement, ps ---------------------------------------------
 
 
+@pytest.mark.e2e
 def test_the_first_serve_keeps_its_new_secret_out_of_a_log(nodes: dict[str, ServeProcess]) -> None:
     node = nodes["created"]
     secret = _created_secret(nodes)
@@ -148,6 +147,7 @@ def test_the_first_serve_keeps_its_new_secret_out_of_a_log(nodes: dict[str, Serv
     assert "plain TCP" not in log  # on loopback there is no LAN to warn about
 
 
+@pytest.mark.e2e
 def test_expertmesh_secret_prints_it_on_request(nodes: dict[str, ServeProcess], hub: HubServer) -> None:
     r = _cli(["secret"], nodes["created"].home, hub)
     assert r.returncode == 0, r.stderr
@@ -155,6 +155,7 @@ def test_expertmesh_secret_prints_it_on_request(nodes: dict[str, ServeProcess], 
     assert "--secret-file" in r.stderr and _created_secret(nodes) not in r.stderr
 
 
+@pytest.mark.e2e
 def test_expertmesh_secret_creates_one_only_when_asked(tmp_path: Path, hub: HubServer) -> None:
     r = _cli(["secret"], tmp_path, hub)
     assert r.returncode != 0 and "--create" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
@@ -166,6 +167,7 @@ def test_expertmesh_secret_creates_one_only_when_asked(tmp_path: Path, hub: HubS
     assert again.stdout == made.stdout and "just created" not in again.stderr  # kept, not replaced
 
 
+@pytest.mark.e2e
 def test_metrics_and_the_advertisement_do_not_carry_the_secret(nodes: dict[str, ServeProcess]) -> None:
     from zeroconf import ServiceBrowser, ServiceStateChange, Zeroconf
 
@@ -205,6 +207,7 @@ def test_metrics_and_the_advertisement_do_not_carry_the_secret(nodes: dict[str, 
         zc.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc/<pid>/cmdline, as `ps` does")
 def test_a_secret_file_keeps_the_secret_out_of_ps(nodes: dict[str, ServeProcess]) -> None:
     node = nodes["from_file"]
@@ -217,6 +220,7 @@ def test_a_secret_file_keeps_the_secret_out_of_ps(nodes: dict[str, ServeProcess]
 # -- the household commands: right secret, wrong secret, no answer ------------------------------
 
 
+@pytest.mark.e2e
 def test_the_right_secret_from_a_file_is_accepted(
     nodes: dict[str, ServeProcess], tmp_path: Path, monkeypatch, capsys
 ) -> None:
@@ -233,6 +237,7 @@ def test_the_right_secret_from_a_file_is_accepted(
     assert " full " in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", ["peers", "status", "warm"])
 @pytest.mark.parametrize("how", ["--secret-file", "--secret", "EXPERTMESH_SECRET"])
 def test_a_wrong_secret_fails_and_says_so_without_printing_a_secret(
@@ -240,7 +245,7 @@ def test_a_wrong_secret_fails_and_says_so_without_printing_a_secret(
 ) -> None:
     monkeypatch.setenv("EXPERTMESH_HOME", str(nodes["created"].home))  # its right secret is there, unused
     monkeypatch.delenv("EXPERTMESH_SECRET", raising=False)
-    args = [command, *([REPO_ID] if command == "warm" else []), "--no-discovery"]
+    args = [command, *([KIMI_K3] if command == "warm" else []), "--no-discovery"]
     args += ["--peer", nodes["created"].address, "--peer", nodes["from_file"].address]
     if how == "--secret-file":
         wrong = tmp_path / "wrong"
@@ -260,13 +265,14 @@ def test_a_wrong_secret_fails_and_says_so_without_printing_a_secret(
         assert "no expert has been used yet" not in out
 
 
+@pytest.mark.e2e
 def test_no_answer_is_not_called_a_wrong_secret(nodes: dict[str, ServeProcess], monkeypatch, capsys) -> None:
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"
     monkeypatch.setenv("EXPERTMESH_HOME", str(nodes["created"].home))
     monkeypatch.delenv("EXPERTMESH_SECRET", raising=False)
-    for command in (["peers"], ["status"], ["warm", REPO_ID]):
+    for command in (["peers"], ["status"], ["warm", KIMI_K3]):
         assert main([*command, "--no-discovery", "--peer", closed]) != 0
         err = capsys.readouterr().err
         assert "no node answered" in err and "unreachable" in err and "wrong secret" not in err, err
@@ -287,19 +293,20 @@ def test_an_unusable_secret_file_is_one_clear_line(
     path = tmp_path / "secret-file"
     if content is not None:
         path.write_bytes(content)
-    for command in (["peers"], ["status"], ["warm", REPO_ID]):
+    for command in (["peers"], ["status"], ["warm", KIMI_K3]):
         assert main([*command, "--no-discovery", "--peer", "127.0.0.1:1", "--secret-file", str(path)]) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and expected in err and str(path) in err
 
 
+@pytest.mark.e2e
 def test_an_empty_secret_file_stops_serve_and_run_before_loading(tmp_path: Path, hub: HubServer) -> None:
     """As processes: the exit code and stderr a user (or launchd) sees, and nothing created."""
     empty = tmp_path / "empty"
     empty.write_text("")
     for command in (
-        ["serve", REPO_ID, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"],
-        ["run", REPO_ID, "hi", "--peer", "127.0.0.1:1"],
+        ["serve", KIMI_K3, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"],
+        ["run", KIMI_K3, "hi", "--peer", "127.0.0.1:1"],
     ):
         r = _cli([*command, "--secret-file", str(empty)], tmp_path, hub)
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
@@ -307,7 +314,7 @@ def test_an_empty_secret_file_stops_serve_and_run_before_loading(tmp_path: Path,
             "(`expertmesh secret` on a node shows it)\n"
         )
     (tmp_path / "secret").write_text("\n")  # the home's own file, emptied: an error, not replaced
-    r = _cli(["serve", REPO_ID, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"], tmp_path, hub)
+    r = _cli(["serve", KIMI_K3, "--port", "0", "--no-discovery", "--no-http", "--no-metrics"], tmp_path, hub)
     assert r.returncode == 1 and "is empty" in r.stderr and "Traceback" not in r.stderr
     assert (tmp_path / "secret").read_text() == "\n"
 
@@ -348,7 +355,7 @@ def test_the_join_command_goes_to_a_terminal_only(tmp_path: Path, monkeypatch) -
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path))
     for out, shown in ((_Terminal(), True), (io.StringIO(), False)):
         monkeypatch.setattr(sys, "stdout", out)
-        serve._tell_how_to_join("s3cr3t-value", REPO_ID)
+        serve._tell_how_to_join("s3cr3t-value", KIMI_K3)
         assert ("EXPERTMESH_SECRET=s3cr3t-value expertmesh serve" in out.getvalue()) is shown
         assert shown or "`expertmesh secret`" in out.getvalue()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from repos import tiny_id
 
 from expertmesh.assembly import open_model
 from expertmesh.cli import main
@@ -78,7 +79,7 @@ def models(pulled_home, hub, tmp_path_factory: pytest.TempPathFactory):
         if arch not in opened:
             home = tmp_path_factory.mktemp(f"spec-{arch}")
             pulled_home(arch, home)
-            sm = open_model(f"expertmesh/tiny-{arch}", home=home, store=StoreConfig(ram_budget="50%"))
+            sm = open_model(tiny_id(arch), home=home, store=StoreConfig(ram_budget="50%"))
             model_thread().call(_float32, sm.model)
             opened[arch] = sm
         return opened[arch]

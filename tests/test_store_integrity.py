@@ -7,27 +7,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
-from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "The store keeps every expert"
-
-
-@pytest.fixture(scope="module")
-def pulled(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("pulled")
-    pulled_home("kimi_k3", home)
-    return home
 
 
 def _generate(home: Path, **budgets):
     # no guesses and no idle-link fill: every count below is then exact (either would add fetches)
-    sm = open_model(REPO_ID, home=home, store=StoreConfig(**budgets, prefetch=False, fill=False))
+    sm = open_model(KIMI_K3, home=home, store=StoreConfig(**budgets, prefetch=False, fill=False))
     try:
         ids = sm.tokenizer.encode(PROMPT)
         tokens = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=16))]
@@ -36,19 +28,9 @@ def _generate(home: Path, **budgets):
         sm.close()
 
 
-@pytest.fixture
-def home(pulled: Path, tmp_path: Path) -> Path:
-    """A home with the core pulled and nothing cached."""
-    home = tmp_path / "home"
-    shutil.copytree(pulled, home)
-    return home
-
-
 @pytest.fixture(scope="module")
-def reference(pulled: Path, tmp_path_factory: pytest.TempPathFactory) -> list[int]:
-    home = tmp_path_factory.mktemp("reference")
-    shutil.copytree(pulled, home, dirs_exist_ok=True)
-    return _generate(home)[0]
+def reference(module_home: Path) -> list[int]:
+    return _generate(module_home)[0]
 
 
 def _cached_files(disk_root: Path) -> list[Path]:

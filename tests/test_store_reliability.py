@@ -11,23 +11,22 @@ import time
 from pathlib import Path
 
 import pytest
+from repos import KIMI_K3
 
 from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import Fault, HubServer
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.hub import client as hub_client
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook, sha256
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "Faults come in bursts"
 FAST = dict(max_retries=8, backoff_base_s=0.005, backoff_max_s=0.05, timeout_s=0.5)
 
 
 def _generate(home: Path, reader=None, tokens: int = 16):
     # one response per expert (no demand runs), so each fault below spoils exactly one expert
-    sm = open_model(REPO_ID, home=home, store=StoreConfig(prefetch=False, coalesce=False), hub_reader=reader)
+    sm = open_model(KIMI_K3, home=home, store=StoreConfig(prefetch=False, coalesce=False), hub_reader=reader)
     try:
         ids = sm.tokenizer.encode(PROMPT)
         out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens))]
@@ -45,15 +44,17 @@ def _assert_cache_is_clean(root: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
+def reference(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("clean")
-    pull(REPO_ID, home=home, progress=False)
+    pulled_home("kimi_k3", home)
     tokens, _, _, text = _generate(home)
     return tokens, text
 
 
-def test_every_hub_fault_is_retried_and_the_output_is_unchanged(hub: HubServer, reference, tmp_path: Path) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+def test_every_hub_fault_is_retried_and_the_output_is_unchanged(
+    pulled_home, hub: HubServer, reference, tmp_path: Path
+) -> None:
+    pulled_home("kimi_k3", tmp_path)
     glob = "*.safetensors"
     hub.knobs.faults = [
         Fault("429", rate=0.08, retry_after_s=0, path_glob=glob),
@@ -76,8 +77,10 @@ def test_every_hub_fault_is_retried_and_the_output_is_unchanged(hub: HubServer, 
     _assert_cache_is_clean(root)
 
 
-def test_wrong_bytes_on_a_refetch_are_caught_and_fetched_again(hub: HubServer, reference, tmp_path: Path) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+def test_wrong_bytes_on_a_refetch_are_caught_and_fetched_again(
+    pulled_home, hub: HubServer, reference, tmp_path: Path
+) -> None:
+    pulled_home("kimi_k3", tmp_path)
     _, first, root, _ = _generate(tmp_path)
     for path in root.glob("*/*.bin"):  # the digests stay, the copies go: every expert comes again
         path.unlink()
@@ -92,10 +95,10 @@ def test_wrong_bytes_on_a_refetch_are_caught_and_fetched_again(hub: HubServer, r
 
 
 @pytest.mark.e2e
-def test_a_run_killed_while_fetching_restarts_cleanly(hub: HubServer, reference, tmp_path: Path) -> None:
-    pull(REPO_ID, home=tmp_path, progress=False)
+def test_a_run_killed_while_fetching_restarts_cleanly(pulled_home, hub: HubServer, reference, tmp_path: Path) -> None:
+    pulled_home("kimi_k3", tmp_path)
     env = {**os.environ, "EXPERTMESH_HOME": str(tmp_path), "HF_ENDPOINT": hub.url}
-    cmd = [sys.executable, "-m", "expertmesh", "run", REPO_ID, PROMPT, "--max-tokens", "16", "--no-prefetch"]
+    cmd = [sys.executable, "-m", "expertmesh", "run", KIMI_K3, PROMPT, "--max-tokens", "16", "--no-prefetch"]
     hub.knobs.ttfb_s = 0.03  # slow enough that the kill lands among fetches
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from repos import KIMI_K3
 
 from expertmesh.assembly import build_node
 from expertmesh.devtools.local_hub import HubServer
@@ -23,7 +24,6 @@ from expertmesh.node.engine.generation import GenerationSummary, Generator, Samp
 from expertmesh.node.errors import DamagedModelError
 from expertmesh.node.hub import local_models
 
-REPO_ID = "expertmesh/tiny-kimi_k3"
 PROMPT = "the core streams from the disk, layer by layer"
 TOKENS = 6
 
@@ -32,7 +32,7 @@ TOKENS = 6
 def homes(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny K3 pulled in BF16 (upstream layout) and with a 4-bit core."""
     out = {fmt: pulled_home("kimi_k3", tmp_path_factory.mktemp(f"streamed-{fmt}")) for fmt in ("bf16", "4-bit")}
-    quantize_core(local_models.find_pulled(out["4-bit"], REPO_ID), 4)
+    quantize_core(local_models.find_pulled(out["4-bit"], KIMI_K3), 4)
     return out
 
 
@@ -41,7 +41,7 @@ def _sample(text: str, name: str) -> float:
 
 
 def _generate(home: Path, core_budget: str | None, metrics: bool = False):
-    config = NodeConfig(REPO_ID, home=home, core_budget=core_budget, store=StoreConfig(fill=False, prefetch=False))
+    config = NodeConfig(KIMI_K3, home=home, core_budget=core_budget, store=StoreConfig(fill=False, prefetch=False))
     if metrics:
         config.metrics = MetricsConfig(port=0)
     node = build_node(config).start()
@@ -103,9 +103,9 @@ def test_a_core_file_cut_under_a_streamed_core_is_a_clear_error(homes, tmp_path:
 
     home = tmp_path / "home"
     shutil.copytree(homes["4-bit"], home)
-    node = build_node(NodeConfig(REPO_ID, home=home, core_budget="25%", store=StoreConfig(fill=False))).start()
+    node = build_node(NodeConfig(KIMI_K3, home=home, core_budget="25%", store=StoreConfig(fill=False))).start()
     try:
-        path = local_models.find_pulled(home, REPO_ID)
+        path = local_models.find_pulled(home, KIMI_K3)
         for f in path.glob("model*.safetensors"):
             os.truncate(f, f.stat().st_size // 2)  # after loading: what a disk error or a restore would leave
         sm = node.model

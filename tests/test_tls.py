@@ -13,18 +13,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from nodes import serving
+from repos import QWEN3_MOE
 
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import RpcConfig, StoreConfig
 from expertmesh.node.household.membership import PeerTable, describe_peer
 from expertmesh.node.household.peers_tier import PeerSource
-from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.rpc.tls import TLS_NAME
 from expertmesh.v1 import node_pb2
 
-REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "tls-test-secret"
 
 
@@ -55,13 +54,13 @@ def _household_cert(folder: Path, name: str = TLS_NAME) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def tls_node(hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
+def tls_node(pulled_home, hub: HubServer, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("tls-node")
     cert, key = _household_cert(home / "tls")
-    pull(REPO_ID, home=home, progress=False, index_only=True)
+    pulled_home("qwen3_moe", home, index_only=True)
     rpc = RpcConfig(host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key))
     node = serving(
-        REPO_ID, home, SECRET, node_id="tls-node", cache_only=True, store=StoreConfig(disk_budget="100MB"), rpc=rpc
+        QWEN3_MOE, home, SECRET, node_id="tls-node", cache_only=True, store=StoreConfig(disk_budget="100MB"), rpc=rpc
     )
     try:
         yield node.rpc.address, cert.read_bytes(), node.experts, home
@@ -110,7 +109,7 @@ def test_cli_tls_errors_are_one_line(tls_node, tmp_path: Path, monkeypatch, caps
             [
                 "serve",
                 "--cache-only",
-                REPO_ID,
+                QWEN3_MOE,
                 "--port",
                 "0",
                 "--no-discovery",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from nodes import serving
+from repos import QWEN3_MOE
 
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
@@ -18,15 +19,14 @@ from expertmesh.node.household.warm import WarmNode, owners, warm, warm_order
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.service import NodeService
 
-REPO_ID = "expertmesh/tiny-qwen3_moe"
 SECRET = "warm-test-secret"
 
 
 class CachePeer:
     def __init__(self, home: Path, node_id: str, disk_budget: str):
-        pull(REPO_ID, home=home, progress=False, index_only=True)
+        pull(QWEN3_MOE, home=home, progress=False, index_only=True)
         self.node = serving(
-            REPO_ID, home, SECRET, node_id=node_id, cache_only=True, store=StoreConfig(disk_budget=disk_budget)
+            QWEN3_MOE, home, SECRET, node_id=node_id, cache_only=True, store=StoreConfig(disk_budget=disk_budget)
         )
         self.experts = self.node.experts
         self.node_id = node_id
@@ -58,7 +58,7 @@ def test_every_expert_lands_on_its_owner_once(hub: HubServer, peers, tmp_path: P
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "node-a"))
     monkeypatch.setenv("EXPERTMESH_SECRET", SECRET)
     before = hub.stats()["bytes_served"]
-    assert main(["warm", REPO_ID, "--no-discovery", "--peer", a.address, "--peer", b.address]) == 0
+    assert main(["warm", QWEN3_MOE, "--no-discovery", "--peer", a.address, "--peer", b.address]) == 0
     owned = owners(index, [a.as_warm_node(), b.as_warm_node()], index.experts)
     for peer in (a, b):
         assert set(peer.experts.disk._files) == set(owned[peer.node_id])  # its own experts, no one else's
@@ -70,7 +70,7 @@ def test_every_expert_lands_on_its_owner_once(hub: HubServer, peers, tmp_path: P
     assert "node-a" in out and "done" in out
 
     # a second warm asks only for what is missing: nothing
-    assert main(["warm", REPO_ID, "--no-discovery", "--peer", a.address, "--peer", b.address]) == 0
+    assert main(["warm", QWEN3_MOE, "--no-discovery", "--peer", a.address, "--peer", b.address]) == 0
     assert hub.stats()["bytes_served"] - before == all_bytes
     assert "kept       0" in capsys.readouterr().out
 
@@ -94,7 +94,7 @@ def test_a_wrong_secret_warms_nothing(hub: HubServer, peers, tmp_path: Path, mon
     a = peers("node-a")
     monkeypatch.setenv("EXPERTMESH_HOME", str(tmp_path / "node-a"))
     monkeypatch.setenv("EXPERTMESH_SECRET", "not-the-secret")
-    assert main(["warm", REPO_ID, "--no-discovery", "--peer", a.address]) != 0
+    assert main(["warm", QWEN3_MOE, "--no-discovery", "--peer", a.address]) != 0
     err = capsys.readouterr().err
     assert "unauthenticated" in err and "no node serving" in err
     assert "not-the-secret" not in err and SECRET not in err
@@ -111,7 +111,9 @@ class _CountingService(NodeService):
         yield from super().FetchExpert(request, context)
 
 
-def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: HubServer, tmp_path: Path) -> None:
+def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(
+    pulled_home, hub: HubServer, tmp_path: Path
+) -> None:
     from expertmesh.node.household.membership import Peer, PeerTable, expert_key, rendezvous_score
     from expertmesh.node.household.peers_tier import PeerSource
 
@@ -119,11 +121,11 @@ def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(hub: H
     try:
         for name in ("owner", "holder", "empty"):
             home = tmp_path / name
-            pull(REPO_ID, home=home, progress=False, index_only=True)
+            pulled_home("qwen3_moe", home, index_only=True)
             store = StoreConfig(disk_budget="100MB")
             made.append(
                 serving(
-                    REPO_ID, home, SECRET, node_id=name, cache_only=True, store=store, service_class=_CountingService
+                    QWEN3_MOE, home, SECRET, node_id=name, cache_only=True, store=store, service_class=_CountingService
                 )
             )
         owner_node, holder_node, empty_node = made

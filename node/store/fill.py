@@ -3,10 +3,12 @@ onto free disk budget.
 
 A fill is not a guess and never enters RAM: it turns a future Hub miss into a disk hit. It never
 evicts (only free budget is filled), keeps to the experts this node owns in a household, and is
-registered as in flight, so a demand for the same expert waits for it instead of fetching it
-twice; a demand that arrives while fills run gets every fetch worker. Fill threads sleep on the
-fetch queue's condition until the link is free, and while no generation has asked for a layer
-within FILL_ACTIVE_S, until one does.
+claimed in the book of experts in flight (store/flights.py), so a demand for the same expert waits
+for it instead of fetching it twice; a demand that arrives while fills run gets every fetch
+worker. Fill threads sleep in the book until the link is free, and while no generation has asked
+for a layer within FILL_ACTIVE_S, until one does. What the fill itself keeps (its place in the
+order, the fills to try again, how long its runs are) is under a lock of its own, taken before
+the book's and never while waiting.
 
 Experts lying back to back in a shard are filled as one Hub request (store/runs.py). Runs start
 at one expert and double with every run the disk kept, up to FILL_RUN_MAX, so a disk that keeps
@@ -15,6 +17,7 @@ nothing (a full file system) costs at most one expert per fill thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -23,8 +26,7 @@ from collections.abc import Callable
 from expertmesh.node.errors import Abandoned, settled
 from expertmesh.node.fetching import FetchContext, Priority
 from expertmesh.node.model.expert_index import ExpertIndex
-from expertmesh.node.store.fetch_queue import FetchQueue
-from expertmesh.node.store.prefetch import Prefetcher
+from expertmesh.node.store.flights import Flights
 from expertmesh.node.store.runs import fill_run
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tier_chain import Fetched, TierChain
@@ -39,7 +41,7 @@ FILL_RUN_MAX = 8
 
 
 class IdleFill:
-    """Fill threads over `order` (most useful first), for one store.
+    """`threads` fill threads over `order` (most useful first), for one store.
 
     Args:
         owns: whether this node should hold an expert (in a household, the ones it owns);
@@ -50,31 +52,30 @@ class IdleFill:
         self,
         index: ExpertIndex,
         order: list[ExpertKey],
-        fetches: FetchQueue,
+        flights: Flights,
         chain: TierChain,
         ram: RamCache,
-        prefetcher: Prefetcher,
         stats: StoreStats,
         threads: int,
         owns: Callable[[ExpertKey], bool] | None = None,
     ):
         self.index = index
-        self.fetches = fetches
+        self.flights = flights
         self.chain = chain
         self.disk = chain.disk
         self.ram = ram
-        self.prefetcher = prefetcher
         self.stats = stats
         self.owns = owns
+        self._lock = threading.Lock()
         self._order = list(order)
         self._next = 0
         self._retry: list[ExpertKey] = []  # fills that gave their link up to a demand, to try again
-        self._reserved = 0  # bytes of fills in flight, counted against the disk's free room
-        # and against memory: fills in flight hold at most one expert's bytes per fetch worker
-        self._memory_cap = fetches.workers * max((loc.nbytes for loc in index.experts.values()), default=0)
         self._run = 1  # experts per fill request: doubles with each run the disk kept
-        self._active_until = -1.0
-        self._closing = False
+        # fills in flight hold at most one expert's bytes per fill thread
+        self._memory_cap = max(1, threads) * max((loc.nbytes for loc in index.experts.values()), default=0)
+        self._active_until = -1.0  # monotonic; one float, rebound whole by `touch`
+        self._closing = threading.Event()
+        self._exhausted = threading.Event()  # `done`, for whoever may not take the fill's lock
         self._threads = [
             threading.Thread(target=self._loop, name=f"expert-fill-{i}", daemon=True) for i in range(threads)
         ]
@@ -86,32 +87,44 @@ class IdleFill:
     def touch(self) -> None:
         """A generation asked for a layer: the link may be filled while it is otherwise idle."""
         self._active_until = time.monotonic() + FILL_ACTIVE_S
-        if self._next < len(self._order):
-            self.fetches.notify()
+        if not self._exhausted.is_set():
+            self.flights.notify()
 
     @property
     def done(self) -> bool:
+        """Whether nothing is left to fill (every expert held or tried, or the disk's budget full)."""
+        with self._lock:
+            return self._is_done()
+
+    def _is_done(self) -> bool:
         return self._next >= len(self._order) and not self._retry
 
-    def _may_fill(self) -> bool:
-        return (
-            time.monotonic() < self._active_until
-            and not self.fetches.demand_busy
-            and not self.prefetcher.in_flight
-            and self._reserved < self._memory_cap
-        )
+    def _active_until_s(self) -> float:
+        return self._active_until
+
+    def _stopping(self) -> bool:
+        """Asked under the book's lock, so it reads events only: the fill's own lock is taken before
+        the book's, never inside it."""
+        return self._closing.is_set() or self._exhausted.is_set()
+
+    def _note_done(self) -> None:
+        """Under the fill's lock, after its order or retries changed."""
+        if self._is_done():
+            self._exhausted.set()
+        else:
+            self._exhausted.clear()
 
     def _wanted(self, key: ExpertKey) -> bool:
-        """Neither held, nor being fetched, nor someone else's to hold (under the queue's lock)."""
-        if self.fetches.in_flight(key) or key in self.ram or key in self.disk:
+        """Neither held, nor being fetched, nor someone else's to hold."""
+        if self.flights.holds(key) or key in self.ram or key in self.disk:
             return False
         return self.owns is None or self.owns(key)
 
     def _has_room(self, nbytes: int) -> bool:
-        return self.disk.has_room(nbytes + self._reserved)
+        return self.disk.has_room(nbytes + self.flights.fill_bytes())
 
     def _next_run(self) -> list[ExpertKey]:
-        """The next run to fill; [] when nothing is left or the budget is full (under the queue's lock)."""
+        """The next run to fill; [] when nothing is left or the budget is full (under the fill's lock)."""
         runs = self.chain.runs
         while self._retry or self._next < len(self._order):
             if self._retry:
@@ -121,38 +134,44 @@ class IdleFill:
                 self._next += 1
             if not self._wanted(key):
                 continue
-            if not self._has_room(self.index.expert(*key).nbytes):
+            nbytes = self.index.expert(*key).nbytes
+            if not self._has_room(nbytes):
                 self._next, self._retry = len(self._order), []  # the disk budget is full: fill never evicts
                 return []
             if runs is None:
                 return [key]
-            run_bytes = min(runs.run_bytes, max(self.index.expert(*key).nbytes, self._memory_cap - self._reserved))
+            run_bytes = min(runs.run_bytes, max(nbytes, self._memory_cap - self.flights.fill_bytes()))
             return fill_run(self.index, key, self._run, run_bytes, self._wanted, self._has_room)
         return []
 
+    def _claim(self) -> tuple[list[ExpertKey], list] | None:
+        """The next run, claimed in the book: ([], []) when the link got busy or another fetch took
+        it meanwhile (it is tried again later), None when nothing is left to fill."""
+        with self._lock:
+            run = self._next_run()
+            futs = (
+                self.flights.claim_fill(run, [self.index.expert(*k).nbytes for k in run], self._memory_cap)
+                if run
+                else []
+            )
+            self._retry[:0] = run[len(futs) :]
+            self._note_done()
+            return (run[: len(futs)], futs) if run else None
+
     def _loop(self) -> None:
-        while True:
-            with self.fetches.changed:
-                while not self._closing and not self.done and not self._may_fill():
-                    left = self._active_until - time.monotonic()
-                    self.fetches.changed.wait(left if left > 0 else None)
-                if self._closing or self.done:
-                    return
-                run = self._next_run()
-                if not run:
-                    if self.done:
-                        return  # everything is held, or the budget is full
-                    continue
-                futs = self.fetches.claim(run)
-                self._reserved += sum(self.index.expert(*k).nbytes for k in run)  # held until on disk
+        while self.flights.wait_for_idle_link(self._memory_cap, self._active_until_s, self._stopping):
+            claimed = self._claim()
+            if claimed is None:
+                return  # everything is held, or the budget is full
+            run, futs = claimed
+            if not run:
+                continue
             # "kept" below must be known, so the disk write comes first; and a fill gives its link
             # up to any demand but one for these very experts
-            ctx = FetchContext(Priority.FILL, abandon=lambda run=run: self._yield_to_demand(run))
+            ctx = FetchContext(Priority.FILL, abandon=functools.partial(self.flights.fill_yields, run))
             results = self.chain.fetch_run(run, keep_now=True, ctx=ctx, decode=False)
-            with self.fetches.changed:
-                self._reserved -= sum(self.index.expert(*k).nbytes for k in run)
             run, futs, results = self._finish_abandoned(run, futs, results)
-            demanded = self.fetches.release(run)
+            demanded = self.flights.release_fill(run)
             results = [  # decoded only for a demand that joined (a fill needs the bytes on disk, not in
                 # MLX); for nobody, not even the bytes are kept
                 (self.chain.decoded(k, r) if k in demanded else Fetched(None, r.source, r.seconds))
@@ -165,9 +184,6 @@ class IdleFill:
             if not going_on:
                 return
 
-    def _yield_to_demand(self, run: list[ExpertKey]) -> bool:
-        return self.fetches.demand_busy and not any(self.fetches.demanded(k) for k in run)
-
     def _finish_abandoned(self, run: list[ExpertKey], futs: list, results: list) -> tuple[list, list, list]:
         """Fills that gave their link up: one a demand came for meanwhile is fetched now, for it;
         the others are released (their futures fail, nobody waits) and tried again later."""
@@ -175,11 +191,13 @@ class IdleFill:
         for key, fut, result in zip(run, futs, results):
             if not isinstance(result, Abandoned):
                 done.append((key, fut, result))
-            elif self.fetches.release_unless_demanded(key):
+            elif self.flights.release_fill_unless_demanded(key):
                 fut.set_exception(settled(result))
-                with self.fetches.changed:
+                with self._lock:
                     self._retry.append(key)
+                    self._note_done()
             else:
+                fetched: Fetched | BaseException
                 try:
                     fetched = self.chain.fetch(key, keep_now=True)
                 except BaseException as e:  # noqa: BLE001 - handed to the demand that waits
@@ -201,18 +219,20 @@ class IdleFill:
             else:
                 self.stats.record_prefetch("filled")
         if not kept:
-            with self.fetches.changed:  # the disk did not keep it (a full file system): more fills would be wasted
+            with self._lock:  # the disk did not keep it (a full file system): more fills would be wasted
                 self._next, self._retry = len(self._order), []
+                self._note_done()
             logger.warning("the disk cache did not keep a filled expert; idle-link fill stops")
             return False
-        if len(run) == self._run and not any(isinstance(r, BaseException) for r in results):
-            self._run = min(FILL_RUN_MAX, 2 * self._run)
+        with self._lock:
+            if len(run) == self._run and not any(isinstance(r, BaseException) for r in results):
+                self._run = min(FILL_RUN_MAX, 2 * self._run)
         return True
 
     def stop(self) -> None:
         """Take no more fills; a fill in flight finishes (see `join`)."""
-        self._closing = True
-        self.fetches.notify()
+        self._closing.set()
+        self.flights.notify()
 
     def join(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -3,8 +3,8 @@
 While a layer's experts arrive, the engine applies the next MoE layer's router to this layer's
 input and hands the store its guess. Guesses are queued behind every demand (the fetch queue and
 the Hub's connection pool take demands first), so a worker starts a guess only when no demand
-waits, and they are staged beside the RAM tier (not in its policy) until the pass they were for
-demands or drops them. Staged guesses are decoded experts, so they count against the RAM budget:
+waits, and one that arrives is staged in its record (store/flights.py), beside the RAM tier and
+not in its policy, until the pass it was for takes or drops it. Staged guesses are decoded experts, so they count against the RAM budget:
 at most as many guesses are outstanding (in flight or staged) as the RAM tier holds experts, never
 fewer than one per fetch worker nor more than MAX_GUESSES_PER_WORKER per worker.
 
@@ -14,7 +14,7 @@ how good its guesses are now without paying for a wrong one to find out. Over th
 PREFETCH_WINDOW guessed experts (at least MIN_JUDGED of them): below PREFETCH_MIN_ACCURACY
 nothing is fetched; from it, guesses are fetched on the link a layer's compute leaves idle; from
 SHARE_MIN_ACCURACY, they may also start while a layer's last demanded pieces are still arriving
-(fetch_queue.py's `may_share`). Measured on K3-sized experts with a random model's guesses (17%
+(the fetch queue's `may_share`). Measured on K3-sized experts with a random model's guesses (17%
 right), fetching them anyway cost a cold decode 0.79 of the link's use against 0.95 without.
 """
 
@@ -24,8 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
-from expertmesh.node.fetching import Priority
-from expertmesh.node.store.fetch_queue import FetchQueue
+from expertmesh.node.store.flights import Flights, Guessed
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tier_chain import Fetched
 from expertmesh.node.store.tiers.ram import RamCache
@@ -39,39 +38,69 @@ SHARE_MIN_ACCURACY = 0.5
 MAX_GUESSES_PER_WORKER = 2  # K3: 16 guesses (one layer's top-k) with 8 fetch workers
 
 
+class GuessAccuracy:
+    """How many of the last PREFETCH_WINDOW guessed experts their pass wanted, fetched or not.
+
+    Not a record of anything in flight: a window of judgements and each layer's last guess, under
+    a lock of its own that is taken last (fetch workers ask `at_least` under the book's lock).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._judged: deque[bool] = deque(maxlen=PREFETCH_WINDOW)  # the last guessed experts: demanded?
+        self._right = 0
+        self._pending: dict[int, set[int]] = {}  # layer -> its last guess, fetched or not, to be judged
+
+    def expect(self, layer: int, experts: Iterable[int]) -> None:
+        """`experts` is the guess for `layer`'s next pass (it replaces an earlier one)."""
+        with self._lock:
+            self._pending[layer] = set(experts)
+
+    def judge(self, layer: int, demanded: set[int]) -> None:
+        with self._lock:
+            for e in self._pending.pop(layer, ()):
+                if len(self._judged) == self._judged.maxlen:
+                    self._right -= self._judged[0]
+                self._judged.append(e in demanded)
+                self._right += e in demanded
+
+    def at_least(self, share: float) -> bool:
+        with self._lock:
+            judged = len(self._judged)
+            return judged >= MIN_JUDGED and self._right >= share * judged
+
+
 class Prefetcher:
+    """Guesses of the next layer for one store: judged here, queued and staged as records of the
+    book of experts in flight (store/flights.py), used or wasted by their pass."""
+
     def __init__(
-        self, fetches: FetchQueue, ram: RamCache, stats: StoreStats, enabled: bool = True, expert_bytes: int = 1
+        self,
+        flights: Flights,
+        ram: RamCache,
+        stats: StoreStats,
+        workers: int,
+        enabled: bool = True,
+        expert_bytes: int = 1,
     ):
-        self.fetches = fetches
-        self.expert_bytes = expert_bytes
+        self.flights = flights
         self.ram = ram
         self.stats = stats
+        self.workers = max(1, workers)
         self.enabled = enabled
-        self._lock = threading.Lock()
-        self._guessed: set[ExpertKey] = set()  # prefetched, not yet used or wasted
-        self._staged: dict[ExpertKey, Fetched] = {}  # prefetched and arrived
-        self._prefetching: set[ExpertKey] = set()  # guesses whose fetch has not finished
-        self._judged: deque[bool] = deque(maxlen=PREFETCH_WINDOW)  # the last guessed experts: demanded?
-        self._judged_right = 0  # how many of them were: read without the lock by fetch workers
-        self._pending: dict[int, set[int]] = {}  # layer -> its last guess, fetched or not, to be judged
+        self.expert_bytes = expert_bytes
+        self.accuracy = GuessAccuracy()
 
     def budget(self) -> int:
         """Guesses in flight or staged at most: as many as the RAM tier holds (staged guesses
         are decoded experts too), at least one per fetch worker, at most two."""
         slots = self.ram.slots(self.expert_bytes)
-        return min(MAX_GUESSES_PER_WORKER * self.fetches.workers, max(self.fetches.workers, slots))
-
-    def _accuracy_at_least(self, share: float) -> bool:
-        """Without the lock (fetch workers ask under the queue's): two reads of counts that settle
-        keeps, rather than a walk over the window another thread may be extending."""
-        judged, right = len(self._judged), self._judged_right
-        return judged >= MIN_JUDGED and right >= share * judged
+        return min(MAX_GUESSES_PER_WORKER * self.workers, max(self.workers, slots))
 
     def proven(self) -> bool:
         """Whether guesses are right often enough to share the link with demands in flight
-        (FetchQueue's `may_share`); until then a fetched guess waits for the demands to end."""
-        return self._accuracy_at_least(SHARE_MIN_ACCURACY)
+        (the fetch queue's `may_share`); until then a fetched guess waits for the demands to end."""
+        return self.accuracy.at_least(SHARE_MIN_ACCURACY)
 
     def wants_guesses(self) -> bool:
         """Whether the engine should guess the next layer: always when enabled, since guesses that
@@ -81,69 +110,40 @@ class Prefetcher:
     @property
     def in_flight(self) -> int:
         """Guesses whose fetch has not finished (idle-link fill waits for them)."""
-        return len(self._prefetching)
+        return self.flights.guesses_in_flight()
 
     def guess(self, layer: int, experts: Iterable[int]) -> None:
         """Judge this guess at `layer`'s pass; fetch it at low priority if guesses are good enough
-        and the workers have room."""
+        and the budget has room."""
         if not self.enabled:
             return
         experts = [int(e) for e in experts]
-        with self._lock:
-            self._pending[layer] = set(experts)
-        if not self._accuracy_at_least(PREFETCH_MIN_ACCURACY):
+        self.accuracy.expect(layer, experts)
+        if not self.accuracy.at_least(PREFETCH_MIN_ACCURACY):
             return
         budget = self.budget()
         for e in experts:
             key = (layer, e)
             if key in self.ram:
                 continue
-            in_flight = self.fetches.in_flight(key)
-            with self._lock:
-                if len(self._prefetching) + len(self._staged) >= budget:
-                    return  # enough guesses are in flight or waiting for their pass
-                if in_flight or key in self._staged:
-                    continue
-                self._guessed.add(key)
-                self._prefetching.add(key)
-            self.stats.record_prefetch("issued")
-            self.fetches.submit(key, Priority.PREFETCH)
-
-    def stale(self, key: ExpertKey) -> bool:
-        """A guess whose pass has come and did not want it: its fetch may give the link up."""
-        return key not in self._guessed
-
-    def arrived(self, key: ExpertKey, fetched: Fetched | None) -> None:
-        """A queued fetch ended (FetchQueue's `finished`): stage it if it is a guess not yet used."""
-        with self._lock:
-            self._prefetching.discard(key)
-            if key in self._guessed and fetched is not None:
-                self._staged[key] = fetched
+            done = self.flights.guess(key, budget)
+            if done is Guessed.NO_ROOM:
+                return  # enough guesses are in flight or waiting for their pass
+            if done is Guessed.ISSUED:
+                self.stats.record_prefetch("issued")
 
     def take(self, key: ExpertKey) -> Fetched | None:
         """The staged guess for `key`, if it arrived (it is a use answered without waiting)."""
-        with self._lock:
-            fetched = self._staged.pop(key, None)
+        fetched = self.flights.take(key)
         if fetched is not None:
             self.stats.record_prefetch("ready")
         return fetched
 
     def settle(self, layer: int, demanded: set[int]) -> None:
         """This layer's pass is here: its guess is judged, and its fetched guesses were used or wasted."""
-        with self._lock:
-            for e in self._pending.pop(layer, ()):
-                if len(self._judged) == self._judged.maxlen:
-                    self._judged_right -= self._judged[0]
-                self._judged.append(e in demanded)
-                self._judged_right += e in demanded
-            mine = [k for k in self._guessed if k[0] == layer]
-            used = [k for k in mine if k[1] in demanded]
-            wasted = [k for k in mine if k[1] not in demanded]
-            for k in mine:
-                self._guessed.discard(k)
-            for k in wasted:
-                self._staged.pop(k, None)
+        self.accuracy.judge(layer, demanded)
+        used, wasted = self.flights.settle(layer, demanded)
         if used:
-            self.stats.record_prefetch("used", len(used))
+            self.stats.record_prefetch("used", used)
         if wasted:
-            self.stats.record_prefetch("wasted", len(wasted))
+            self.stats.record_prefetch("wasted", wasted)

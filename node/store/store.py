@@ -3,12 +3,15 @@
 The engine asks for the distinct experts of one layer at once (`layer_groups`, the one entry
 point: this node's passes, remote execution and peers' ComputeExperts alike); the store answers
 from RAM what it can, hands over guesses that arrived in time, and fetches the rest concurrently
-through the tiers (store/tier_chain.py: disk, peers, the Hub), each expert at most once at a time
-(store/fetch_queue.py). Its answer, an `ExpertGroup`, says which tier served each expert and, on
-the MLX thread, puts the arrivals into RAM-tier slots (store/tiers/ram.py) for the kernels. Around that demand path sit two helpers that use the link when demands
-leave it free: the prefetcher (store/prefetch.py), which fetches the next layer's guessed experts,
-and idle-link fill (store/fill.py), which fetches experts not yet held onto the disk. Every use is
-counted by the tier that answered it (store/stats.py).
+through the tiers (store/tier_chain.py: disk, peers, the Hub), each expert at most once at a
+time: every expert in flight has one record in one book (store/flights.py), which the fetch
+workers (store/fetch_queue.py) take their work from. Its answer, an `ExpertGroup`, says which
+tier served each expert and, on the MLX thread, puts the arrivals into RAM-tier slots
+(store/tiers/ram.py) for the kernels. Around that demand path sit two helpers that use the link
+when demands leave it free: the prefetcher (store/prefetch.py), which fetches the next layer's
+guessed experts, and idle-link fill (store/fill.py), which fetches experts not yet held onto the
+disk. Both go through the same book. Every use is counted by the tier that answered it
+(store/stats.py).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from expertmesh.node.model.codec import ExpertWeights
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import CLOSE_TIMEOUT_S, FetchQueue
 from expertmesh.node.store.fill import IdleFill
+from expertmesh.node.store.flights import Flights
 from expertmesh.node.store.prefetch import Prefetcher
 from expertmesh.node.store.runs import demand_runs
 from expertmesh.node.store.stats import ExpertKey
@@ -117,28 +121,16 @@ class ExpertStore:
         self.trace = trace
         self.coalesce = coalesce
         self._expert_bytes = max((loc.nbytes for loc in index.experts.values()), default=1)
-        self.fetches = FetchQueue(
-            chain.fetch,
-            chain.fetch_run,
-            workers,
-            finished=self._arrived,
-            stale=lambda key: self.prefetcher.stale(key),
-            may_share=lambda: self.prefetcher.proven(),
+        workers = max(1, workers)
+        # the experts in flight have one book; the demands, the guesses and the fill only go through it
+        self.flights = Flights()
+        self.prefetcher = Prefetcher(
+            self.flights, ram, self.stats, workers, enabled=prefetch, expert_bytes=self._expert_bytes
         )
-        self.prefetcher = Prefetcher(self.fetches, ram, self.stats, enabled=prefetch, expert_bytes=self._expert_bytes)
+        self.fetches = FetchQueue(self.flights, chain.fetch, chain.fetch_run, workers, may_share=self.prefetcher.proven)
         self.fill = None
         if fill_order:
-            self.fill = IdleFill(
-                index,
-                fill_order,
-                self.fetches,
-                chain,
-                ram,
-                self.prefetcher,
-                self.stats,
-                threads=self.fetches.workers,
-                owns=owns,
-            )
+            self.fill = IdleFill(index, fill_order, self.flights, chain, ram, self.stats, threads=workers, owns=owns)
 
     def start(self) -> ExpertStore:
         """Start the fetch workers (and fill threads); nothing runs before this."""
@@ -269,7 +261,7 @@ class ExpertStore:
                 far = [k for k in keys if k not in self.disk]
                 return demand_runs(self.index, far, runs.connections, runs.min_piece_bytes)
 
-        waiting = self.fetches.submit_demands([(layer, e) for e in experts], plan)
+        waiting = self.flights.demand([(layer, e) for e in experts], plan)
         return {key[1]: fut for key, fut in waiting.items()}
 
     def _use(self, key: ExpertKey, fetched: Fetched, served: dict[int, Served]) -> ExpertWeights:
@@ -289,11 +281,9 @@ class ExpertStore:
         """Fetch likely experts of `layer` at low priority, if the link has room and guesses pay."""
         self.prefetcher.guess(layer, experts)
 
-    def _arrived(self, key: ExpertKey, fetched: Fetched | None) -> None:
-        self.prefetcher.arrived(key, fetched)
-
     def close(self) -> None:
-        """Stop fill, the tiers (fetches in flight fail at once) and then the fetch workers.
+        """Stop fill, the tiers (fetches in flight fail at once) and then the fetch workers (queued
+        fetches fail at once: nothing would make them).
 
         The workers are joined (bounded): MLX aborts the process at exit if a thread that decoded
         experts with it is still running then.
