@@ -55,11 +55,12 @@ def run(tokens: int, stands_for: float = K3_EXPERT_BYTES) -> dict[str, list[tupl
                     hub_min_piece_bytes=int(DEFAULT_MIN_PIECE_BYTES * expert_bytes / stands_for),
                 )
                 sm = open_model(repo, home=home, store=cfg)
-                summaries = _run_prompts(sm, [tok.encode(p) for p in PROMPTS], tokens, hub.bytes_served)
+                runs = _run_prompts(sm, [tok.encode(p) for p in PROMPTS], tokens, hub.bytes_served)
                 rows = []
-                for s in summaries:
-                    decode, fetching = s.seconds - s.time_to_first_token_s, s.decode_fetch_s  # type: ignore[attr-defined]
-                    moved = s.decode_link_bytes / link.bandwidth  # type: ignore[attr-defined]
+                for run in runs:
+                    s = run.summary
+                    decode, fetching = s.seconds - s.time_to_first_token_s, run.decode_fetch_s
+                    moved = run.decode_link_bytes / link.bandwidth
                     rows.append(
                         (
                             1000 * decode / max(1, s.generated_tokens - 1),

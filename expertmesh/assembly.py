@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from expertmesh.node import constants
-from expertmesh.node.config import HouseholdConfig, NodeConfig, StoreConfig
+from expertmesh.node.config import ApiConfig, HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
 from expertmesh.node.engine.core_replacement import finish_replacement
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import EndpointUnreachableError, ExpertmeshError
@@ -40,11 +40,15 @@ from expertmesh.node.hub import local_models
 from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 from expertmesh.node.sizes import format_size, parse_budget
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
+from expertmesh.node.store.routing import RoutingRecorder
 from expertmesh.node.store.stats import StoreStats
+from expertmesh.node.store.tiers import Tier
 from expertmesh.node.store.tiers.disk import DiskCache, cache_dir
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
+
+    import grpc
 
     from expertmesh.coordinator.openai_api import OpenAIServer
     from expertmesh.node.engine.memory import MemoryPlan
@@ -53,6 +57,7 @@ if TYPE_CHECKING:
     from expertmesh.node.household.membership import PeerTable
     from expertmesh.node.household.peers_tier import PeerSource
     from expertmesh.node.household.remote_experts import RemoteExperts
+    from expertmesh.node.hub.client import RangeReader
     from expertmesh.node.observability.metrics import MetricsServer, NodeMetrics
     from expertmesh.node.rpc.server import NodeServer
     from expertmesh.node.service import NodeService
@@ -98,6 +103,16 @@ class Node:
     def role(self) -> str:
         return "cache" if self.model is None else "full"
 
+    def require_model(self) -> StreamedModel:
+        """The model of a full node.
+
+        Raises:
+            ExpertmeshError: this is a cache peer (`cache_only`): it holds experts, not a model.
+        """
+        if self.model is None:
+            raise ExpertmeshError(f"this node is a cache peer for {self.repo_id}: it has no model to generate with")
+        return self.model
+
     @property
     def repo_id(self) -> str:
         return self.index.repo_id
@@ -120,16 +135,16 @@ class Node:
             self.hub.start()
             if self.peer_tier is not None:
                 self.peer_tier.start_health_checks()
-            if self.metrics is not None:
-                m = self.config.metrics
+            if self.metrics is not None and (m := self.config.metrics) is not None:
                 try:
                     self.metrics_server = self.metrics.serve(m.host, m.port)
                 except OSError as e:
                     raise ExpertmeshError(f"cannot serve metrics on {m.host}:{m.port}: {e.strerror or e}") from None
             if self.rpc is not None:
                 self.rpc.start()
-            if self.config.household is not None and self.config.household.discover and self.rpc is not None:
-                self.discovery = _advertise(self)
+            household, rpc = self.config.household, self.config.rpc
+            if household is not None and household.discover and rpc is not None and self.rpc is not None:
+                self.discovery = _advertise(self, household, rpc, self.rpc)
             if self.api is not None:
                 self.api.start()
         except BaseException:
@@ -149,8 +164,9 @@ class Node:
             stops.append(self.discovery.close)
         if self.rpc is not None:
             stops.append(self.rpc.stop)
-        if getattr(self.service, "close", None) is not None:
-            stops.append(self.service.close)  # its batch engine, once no call can reach it
+        close_service = getattr(self.service, "close", None)
+        if close_service is not None:
+            stops.append(close_service)  # its batch engine, once no call can reach it
         if self.metrics_server is not None:
             stops.append(self.metrics_server.stop)
         if self.store is not None:
@@ -160,8 +176,9 @@ class Node:
         stops.append(self.disk.close)  # last: what was queued is published
         if self.model is not None and self.model.core_stream is not None:
             stops.append(self.model.core_stream.close)
-        if self._unwire is not None:
-            stops.append(lambda: model_thread().call(self._unwire))
+        unwire = self._unwire
+        if unwire is not None:
+            stops.append(lambda: model_thread().call(unwire))
         for stop in stops:
             try:
                 stop()
@@ -182,18 +199,24 @@ class Node:
         if self.memory is not None and self.memory.streamed:
             core = (
                 f"core {format_size(self.model.core_bytes)} streamed from the SSD within "
-                f"{format_size(self.memory.core_held_bytes)}"
+                f"{format_size(self.memory.core_memory_bytes)}"
             )
         return (
             f"{self.repo_id} @ {self.commit[:12]}: {core}; "
-            f"experts from RAM ({format_size(self.store.ram.budget_bytes)}), "
+            f"experts from RAM ({format_size(self.model.store.ram.budget_bytes)}), "
             f"disk cache ({format_size(self.disk.budget_bytes)} at {self.disk.root}), "
             + ("peers, " if self.peer_tier is not None else "")
             + "then the Hub"
         )
 
 
-def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, interceptors=()) -> Node:
+def build_node(
+    config: NodeConfig,
+    *,
+    hub_reader: RangeReader | None = None,
+    service_class: type[NodeService] | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> Node:
     """Every part of the node `config` describes, made but not started.
 
     Args:
@@ -219,6 +242,8 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
         raise ExpertmeshError("serving gRPC needs a household secret (HouseholdConfig)")
     if config.cache_only and (config.api is not None and config.rpc is None):
         raise ExpertmeshError("a cache peer serves expert bytes only: it needs gRPC")
+    if config.api is not None and config.rpc is None:
+        raise ExpertmeshError("the HTTP API reaches this node's model over gRPC: it needs gRPC (RpcConfig)")
     # a node alone needs no identity (and writes none: `run` on a full or read-only home still runs)
     node_id = config.node_id or (load_or_create_node_id(home) if config.household is not None else "local")
     if config.household is not None and not valid_node_id(node_id):  # peers refuse it in every proof
@@ -252,8 +277,8 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
     try:
         if config.household is not None:
             _join_household(node, config.household)
-        remote_tiers = [t for t in (node.peer_tier, hub) if t is not None]
-        node.experts = ServedExperts(
+        remote_tiers: list[Tier] = [t for t in (node.peer_tier, hub) if t is not None]
+        experts = node.experts = ServedExperts(
             index.repo_id,
             index.commit,
             index,
@@ -267,10 +292,10 @@ def build_node(config: NodeConfig, *, hub_reader=None, service_class=None, inter
             _build_model(node, path, ram_bytes, remote_tiers, digests)
         if config.metrics is not None:
             _build_metrics(node)
-        if config.rpc is not None:
-            _build_rpc(node, service_class, interceptors)
-        if config.api is not None:
-            _build_api(node)
+        if config.rpc is not None and config.household is not None:  # (checked above: gRPC needs a household)
+            _build_rpc(node, config.rpc, config.household, experts, service_class, interceptors)
+            if config.api is not None:
+                _build_api(node, config.api, config.rpc, config.household)
     except BaseException:
         node.close()
         raise
@@ -283,12 +308,12 @@ def open_model(
     home: Path | None = None,
     revision: str | None = None,
     store: StoreConfig | None = None,
-    hub_reader=None,
-):
+    hub_reader: RangeReader | None = None,
+) -> StreamedModel:
     """A started node with nothing but its model: what `run`, the bench and most tests use.
     Closing the model (`StreamedModel.close`) closes the node."""
     node = build_node(NodeConfig(repo_id, revision, home=home, store=store or StoreConfig()), hub_reader=hub_reader)
-    return node.start().model
+    return node.start().require_model()
 
 
 # -- the parts ------------------------------------------------------------------------------
@@ -355,7 +380,7 @@ def _join_household(node: Node, household: HouseholdConfig) -> None:
         node.peer_tier = PeerSource(node.index, node.peers, household.secret, tls_ca=household.tls_ca)
 
 
-def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, digests: DigestBook) -> None:
+def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list[Tier], digests: DigestBook) -> None:
     """The core in memory, the store over the tiers, and the expert blocks bound to it."""
     from expertmesh.node.engine.memory import device_memory
     from expertmesh.node.engine.streamed_model import load_streamed_model
@@ -373,7 +398,7 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list, dig
     )
     runs = node.hub if node.peer_tier is None else None  # runs only where nothing is asked between disk and Hub
     chain = TierChain(index, core.codec, node.disk, remote_tiers, node.stats, digests, runs=runs)
-    trace = None
+    trace: RoutingRecorder | None = None
     if s.trace_path is not None:
         from expertmesh.node.observability.routing_trace import TraceWriter
 
@@ -427,11 +452,17 @@ def _build_metrics(node: Node) -> None:
         node.model.token_observer = node.metrics
 
 
-def _build_rpc(node: Node, service_class, interceptors) -> None:
+def _build_rpc(
+    node: Node,
+    rpc: RpcConfig,
+    household: HouseholdConfig,
+    experts: ServedExperts,
+    service_class: type[NodeService] | None,
+    interceptors: Sequence[grpc.ServerInterceptor],
+) -> None:
     from expertmesh.node.rpc.server import NodeServer
     from expertmesh.node.service import NodeService
 
-    rpc, household = node.config.rpc, node.config.household
     tls = None
     if rpc.tls_cert or rpc.tls_key:
         from expertmesh.node.rpc.tls import TlsConfigError, server_credentials
@@ -440,17 +471,17 @@ def _build_rpc(node: Node, service_class, interceptors) -> None:
             raise TlsConfigError("TLS needs both --tls-cert and --tls-key")
         tls = server_credentials(rpc.tls_cert, rpc.tls_key)
     speculation = node.config.speculation if node.model is not None else None
-    node.service = (service_class or NodeService)(
+    service = node.service = (service_class or NodeService)(
         node.model,
         node.node_id,
-        node.experts,
+        experts,
         peers=node.peers,
         speculation=speculation,
         max_batch=node.config.max_batch,
     )
     try:
-        node.rpc = NodeServer(
-            node.service,
+        server = node.rpc = NodeServer(
+            service,
             household.secret,
             host=rpc.host,
             port=rpc.port,
@@ -463,10 +494,10 @@ def _build_rpc(node: Node, service_class, interceptors) -> None:
     from expertmesh.node.rpc.proof import Prover
 
     advertised = [h for h in (household.interface, rpc.host) if h and h not in ("0.0.0.0", "::", "")]
-    node.service.prover = Prover(household.secret, node.rpc.port, advertised)  # answers Prove for peers
+    service.prover = Prover(household.secret, server.port, advertised)  # answers Prove for peers
 
 
-def _build_api(node: Node) -> None:
+def _build_api(node: Node, api: ApiConfig, rpc: RpcConfig, household: HouseholdConfig) -> None:
     """The embedded coordinator: this node if it is a full node, and the full nodes the peer table follows.
 
     Beyond loopback the API needs keys: the home's key file gets one if it holds none. The
@@ -477,7 +508,6 @@ def _build_api(node: Node) -> None:
     from expertmesh.coordinator.open_files import raise_open_file_limit
     from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
 
-    api, rpc, household = node.config.api, node.config.rpc, node.config.household
     key_file = api.key_file or api_keys_path(node.config.home or constants.expertmesh_home())
     try:
         if not is_loopback(api.host) and ensure_api_key(key_file):
@@ -489,7 +519,7 @@ def _build_api(node: Node) -> None:
         ) from None
     raise_open_file_limit()
     host = "127.0.0.1" if rpc.host in ("0.0.0.0", "") else rpc.host
-    local = [] if node.model is None else [f"{host}:{node.rpc.port}"]
+    local = [] if node.model is None or node.rpc is None else [f"{host}:{node.rpc.port}"]
     pool = NodePool.following(local, node.peers) if node.peers is not None else NodePool(local)
     repo_id = node.repo_id
     coordinator = Coordinator(
@@ -523,22 +553,23 @@ def _generations_at_once(node: Node) -> int:
     return max(1, node.config.max_batch)
 
 
-def _advertise(node: Node):
+def _advertise(node: Node, household: HouseholdConfig, rpc: RpcConfig, server: NodeServer) -> Discovery:
     """Advertise this node over zeroconf and follow the others into the peer table."""
     from expertmesh.node.household.discovery import Advertisement, Discovery
 
-    household, rpc = node.config.household, node.config.rpc
     address = household.interface or (rpc.host if rpc.host not in ("0.0.0.0", "") else lan_address())
     ad = Advertisement(
         node.node_id,
         household.cluster,
         node.role,
-        node.rpc.port,
+        server.port,
         node.disk.budget_bytes,
         metrics_port=node.metrics_server.port if node.metrics_server is not None else 0,
         compute=node.model is not None,
     )
     interfaces = [household.interface] if household.interface else None
+    if node.peers is None:  # made with the household (`_join_household`)
+        raise ExpertmeshError("a node that advertises itself needs the household's peer table")
     return Discovery(node.peers, ad, address, interfaces, secret=household.secret, tls_ca=household.tls_ca)
 
 

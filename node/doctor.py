@@ -32,11 +32,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from expertmesh.node import constants
 from expertmesh.node.errors import DamagedModelError, ExpertmeshError
 from expertmesh.node.hub import local_models
 from expertmesh.node.sizes import format_size
+
+if TYPE_CHECKING:  # imported where used: doctor still runs, and says so, where MLX does not load
+    from expertmesh.node.engine.model_sizes import Planner
+    from expertmesh.node.household.discovery import Browser, Sighting
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 CLOCK_WARN_S = 30.0  # beyond this, expiry of signed CDN links and TLS certificates is misjudged
@@ -91,13 +96,14 @@ def metal() -> Check:
         import mlx.core as mx
     except ImportError as e:
         return Check("metal", FAIL, f"MLX does not load ({e})", "pip install -U 'mlx>=0.32.3' in this environment")
+    version = mx.__version__  # type: ignore[attr-defined]  # mlx's stubs omit the version it has
     if mx.metal.is_available():
         info = mx.device_info()
         working_set = int(info.get("max_recommended_working_set_size", 0))
         return Check(
             "metal",
             OK,
-            f"{info.get('device_name', 'Apple GPU')}, MLX {mx.__version__}, recommended working set "
+            f"{info.get('device_name', 'Apple GPU')}, MLX {version}, recommended working set "
             f"{format_size(working_set)}",
         )
     if MACOS and _rosetta():
@@ -111,13 +117,13 @@ def metal() -> Check:
         return Check(
             "metal",
             FAIL,
-            f"MLX {mx.__version__} sees no Metal GPU",
+            f"MLX {version} sees no Metal GPU",
             "expertmesh needs an Apple Silicon Mac on macOS 14 or later; then pip install -U mlx",
         )
     return Check(
         "metal",
         WARN,
-        f"CPU only (MLX {mx.__version__} on {platform.machine()} {sys.platform}): fine for the tiny and demo models",
+        f"CPU only (MLX {version} on {platform.machine()} {sys.platform}): fine for the tiny and demo models",
         "run real models on an Apple Silicon Mac",
     )
 
@@ -199,7 +205,7 @@ def _k3_sizes():
 
 @dataclass
 class PlannedModel:
-    planner: object  # engine/model_sizes.py's Planner
+    planner: Planner
     title: str  # "K3 on a 64 GB Mac", "org/model on this machine"
     computed: bool  # the core's size computed from its shape, not read from pulled files
 
@@ -447,13 +453,19 @@ def _quota() -> Check:
     expert fetched from the Hub spends, shared by every node behind this IP (or this account)."""
     from expertmesh.node.hub.rate_limit import DOCS_URL, GATE, QUOTA_WARN_SHARE
 
-    usage = {b: u for b, u in GATE.usage().items() if u.quota is not None and u.left is not None}
+    # bucket -> (left, quota, seconds until it resets)
+    usage = {
+        b: (u.left, u.quota, u.resets_in_s)
+        for b, u in GATE.usage().items()
+        if u.quota is not None and u.left is not None
+    }
     if not usage:
         return Check("quota", OK, "the Hub announces no rate limits here")
     shown = ", ".join(
-        f"{b} {u.left:,} of {u.quota:,} left (resets in {u.resets_in_s:.0f} s)" for b, u in sorted(usage.items())
+        f"{b} {left:,} of {quota:,} left (resets in {resets_s:.0f} s)"
+        for b, (left, quota, resets_s) in sorted(usage.items())
     )
-    low = [b for b, u in usage.items() if u.left < QUOTA_WARN_SHARE * u.quota]
+    low = [b for b, (left, quota, _) in usage.items() if left < QUOTA_WARN_SHARE * quota]
     if low:
         return Check(
             "quota",
@@ -494,10 +506,10 @@ class HouseholdProbe:
 
     def __init__(self, home: Path, cluster: str, interface: str | None):
         self.home, self.cluster = home, cluster
-        self._seen: dict[str, object] = {}
+        self._seen: dict[str, Sighting] = {}
         self._lock = threading.Lock()
         self.error: OSError | None = None
-        self._browser = None
+        self._browser: Browser | None = None
         try:
             from expertmesh.node.household.discovery import Browser
 
@@ -505,7 +517,7 @@ class HouseholdProbe:
         except OSError as e:
             self.error = e
 
-    def _changed(self, name: str, sighting) -> None:
+    def _changed(self, name: str, sighting: Sighting | None) -> None:
         with self._lock:
             if sighting is None:
                 self._seen.pop(name, None)

@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import grpc
 
@@ -54,7 +55,9 @@ from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.hub.rate_limit import GATE
+from expertmesh.node.model.expert_index import ExpertBytes, ExpertLocation
 from expertmesh.node.rpc.admission import BUSY, CallSlots
+from expertmesh.node.rpc.call_context import CallContext
 from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
 from expertmesh.node.store.integrity import sha256
@@ -205,7 +208,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         # Tokenisers keep "parse special tokens or not" as shared state that each encode sets, and
         # chat encoding switches it per piece: one encode at a time keeps each piece as intended.
         self._tokenize_lock = threading.Lock()
-        self._generated = [0, 0.0]  # tokens, seconds of every Generate so far (for Info)
+        self._generated_tokens, self._generation_seconds = 0, 0.0  # of every Generate so far (for Info)
         self._generated_lock = threading.Lock()  # batched calls end on several threads at once
         self._route_lock = threading.Lock()
         self._speculating = False  # a call runs alone with speculation now
@@ -220,19 +223,19 @@ class NodeService(node_pb2_grpc.NodeServicer):
     def _model_key(self) -> node_pb2.ModelKey:
         return node_pb2.ModelKey(repo_id=self.experts.repo_id, commit=self.experts.commit)
 
-    def _check_model(self, model: node_pb2.ModelKey, context, allow_empty_commit: bool = False) -> None:
+    def _check_model(self, model: node_pb2.ModelKey, context: CallContext, allow_empty_commit: bool = False) -> None:
         ex = self.experts
         if model.repo_id != ex.repo_id or (model.commit != ex.commit and not (allow_empty_commit and not model.commit)):
             context.abort(grpc.StatusCode.NOT_FOUND, f"this node serves {ex.repo_id}@{ex.commit[:12]} only")
 
     # -- rpcs ---------------------------------------------------------------------------------
 
-    def Info(self, request, context) -> node_pb2.InfoResponse:
+    def Info(self, request: node_pb2.InfoRequest, context: CallContext) -> node_pb2.InfoResponse:
         mlx_version = ""
         if self.sm is not None:
             import mlx.core as mx
 
-            mlx_version = mx.__version__
+            mlx_version = mx.__version__  # type: ignore[attr-defined]  # mlx's stubs omit the version it has
         disk = self.experts.disk
         stats = self.experts.stats.snapshot()
         hub = GATE.usage()  # this process's Hub requests in the Hub's current rate-limit windows
@@ -249,8 +252,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
             live_peers=self.peers.live_count() if self.peers is not None else 0,
             expert_uses=stats.uses,
             expert_bytes=stats.bytes,
-            generated_tokens=self._generated[0],
-            generation_seconds=self._generated[1],
+            generated_tokens=self._generated_tokens,
+            generation_seconds=self._generation_seconds,
             ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0,
             compute=self.computer is not None,
             # what an API in front of it may send at once (coordinator/node_pool.py)
@@ -259,7 +262,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             hub_quota={bucket: u.quota for bucket, u in hub.items() if u.quota is not None},
         )
 
-    def Prove(self, request, context) -> node_pb2.ProveResponse:
+    def Prove(self, request: node_pb2.ProveRequest, context: CallContext) -> node_pb2.ProveResponse:
         """Open to all (rpc/auth.py): this node's signed identity, for a caller that dialed one of
         its own addresses (rpc/proof.py), and nothing else."""
         if self.prover is None:
@@ -276,7 +279,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         except ProofRefused as e:
             context.abort(e.code, str(e))
 
-    def GetInventory(self, request, context) -> node_pb2.InventoryResponse:
+    def GetInventory(self, request: node_pb2.InventoryRequest, context: CallContext) -> node_pb2.InventoryResponse:
         self._check_model(request.model, context)
         layers = encode_inventory(self._layer_sizes, self.experts.disk)
         return node_pb2.InventoryResponse(model=self._model_key(), layers=layers)
@@ -288,7 +291,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         return layer_sizes(self.experts.index)
 
     @contextlib.contextmanager
-    def _peer_call(self, context) -> Iterator[None]:
+    def _peer_call(self, context: CallContext) -> Iterator[None]:
         """Hold one of the peer-call slots for the call's whole life, or refuse it at once with
         RESOURCE_EXHAUSTED when every one is taken (rpc/admission.py says why)."""
         slots = self.peer_call_slots
@@ -302,7 +305,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         finally:
             slots.leave()
 
-    def FetchExpert(self, request, context) -> Iterator[node_pb2.ExpertChunk]:
+    def FetchExpert(self, request: node_pb2.FetchExpertRequest, context: CallContext) -> Iterator[node_pb2.ExpertChunk]:
         key = request.key
         self._check_model(key.model, context)
         loc = self.experts.index.experts.get((key.layer, key.expert))
@@ -314,13 +317,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
         with self._peer_call(context):
             yield from self._fetch_expert(request, loc, context)
 
-    def _fetch_expert(self, request, loc, context) -> Iterator[node_pb2.ExpertChunk]:
+    def _fetch_expert(
+        self, request: node_pb2.FetchExpertRequest, loc: ExpertLocation, context: CallContext
+    ) -> Iterator[node_pb2.ExpertChunk]:
         """FetchExpert once admitted: the held copy, or (`fetch_on_miss`) the owner's fetch."""
         key = request.key
         if request.keep_only:
             yield self._keep(loc, context)
             return
-        blob = self.experts.held_copy(loc)
+        blob: ExpertBytes | None = self.experts.held_copy(loc)
         if blob is None:
             if not request.fetch_on_miss:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"expert {key.expert} of layer {key.layer} is not held here")
@@ -336,7 +341,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 chunk.size, chunk.sha256 = len(blob), digest
             yield chunk
 
-    def _keep(self, loc, context) -> node_pb2.ExpertChunk:
+    def _keep(self, loc: ExpertLocation, context: CallContext) -> node_pb2.ExpertChunk:
         """FetchExpert with keep_only: hold the expert (fetching it on a miss), send no bytes."""
         try:
             kept = self.experts.keep(loc)
@@ -350,7 +355,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
             )
         return node_pb2.ExpertChunk(size=loc.nbytes, sha256=self.experts.digests.get((loc.layer, loc.expert)) or "")
 
-    def ComputeExperts(self, request, context) -> node_pb2.ComputeExpertsResponse:
+    def ComputeExperts(
+        self, request: node_pb2.ComputeExpertsRequest, context: CallContext
+    ) -> node_pb2.ComputeExpertsResponse:
         if self.computer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it serves expert bytes only")
         self._check_model(request.model, context)
@@ -369,12 +376,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
             mlx_wait_seconds=result.mlx_wait_seconds,
         )
 
-    def _check_generate(self, request, context) -> None:
+    def _check_generate(self, request: node_pb2.GenerateRequest, context: CallContext) -> None:
         """Every field of a GenerateRequest in range, or INVALID_ARGUMENT naming it: the coordinator
         checks them too, but any household member can call a node directly."""
         self._check_model(request.model, context, allow_empty_commit=True)
 
-        def refuse(message: str) -> None:
+        def refuse(message: str) -> NoReturn:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
         if request.messages:
@@ -393,10 +400,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
             refuse(f"top_p must be a number from 0 to 1, not {request.top_p}")
 
-    def _prompt_ids(self, request, context) -> list[int]:
+    def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> list[int]:
         """The prompt's tokens: a chat through its template, message text kept as plain text (so
         it cannot forge a turn; node/engine/chat.py), or the raw prompt as the client wrote it."""
-        tok = self.sm.tokenizer
+        tok = sm.tokenizer
         with self._tokenize_lock:
             if request.messages or request.chat:
                 messages = (
@@ -410,8 +417,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return tok.encode(request.prompt)
 
-    def Generate(self, request, context) -> Iterator[node_pb2.GenerateEvent]:
-        if self.sm is None:
+    def Generate(self, request: node_pb2.GenerateRequest, context: CallContext) -> Iterator[node_pb2.GenerateEvent]:
+        sm = self.sm
+        if sm is None:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with"
             )
@@ -424,11 +432,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 "try another node or later",
             )
         try:
-            ids = self._prompt_ids(request, context)
+            ids = self._prompt_ids(sm, request, context)
             if not slots.turn(context.is_active):
                 return  # the client left while waiting
             try:
-                yield from self._generate(request, ids, context)
+                yield from self._generate(sm, request, ids, context)
             finally:
                 slots.done()
         finally:
@@ -446,7 +454,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
             self._speculating = True
             return True
 
-    def _generate(self, request, ids: list[int], context) -> Iterator[node_pb2.GenerateEvent]:
+    def _generate(
+        self, sm: StreamedModel, request: node_pb2.GenerateRequest, ids: list[int], context: CallContext
+    ) -> Iterator[node_pb2.GenerateEvent]:
         """Generate's stream once the call's turn has come."""
         settings = SamplingSettings(
             max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
@@ -457,16 +467,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
         )
         summary = GenerationSummary()
         alone = self._take_speculation()
-        batched = self.batch is not None and not alone
-        if batched:  # its tokens' expert uses are its own rows', not the whole step's
-            summary.routed = StoreStats()
-        stats = summary.routed if batched else self.sm.store.stats
+        batch = self.batch if not alone else None
+        if batch is not None:  # its tokens' expert uses are its own rows', not the whole step's
+            stats = summary.routed = StoreStats()
+        else:
+            stats = sm.store.stats
         last, t_last, first = stats.snapshot(), time.perf_counter(), True
         try:
-            if batched:
-                tokens = self.batch.generate(ids, settings, lambda: not context.is_active(), summary)
+            if batch is not None:
+                tokens = batch.generate(ids, settings, lambda: not context.is_active(), summary)
             else:
-                generator = Generator(self.sm, self.speculation, draft_source=self._draft)
+                generator = Generator(sm, self.speculation, draft_source=self._draft)
                 tokens = generator.generate(ids, settings, lambda: not context.is_active(), summary)
             for t in tokens:
                 now, t_now = stats.snapshot(), time.perf_counter()
@@ -496,8 +507,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 with self._route_lock:
                     self._speculating = False
             with self._generated_lock:
-                self._generated[0] += summary.generated_tokens
-                self._generated[1] += summary.seconds
+                self._generated_tokens += summary.generated_tokens
+                self._generation_seconds += summary.seconds
         spec = summary.speculation
         yield node_pb2.GenerateEvent(
             done=node_pb2.GenerationDone(

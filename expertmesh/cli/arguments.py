@@ -520,6 +520,7 @@ def generating_household(args: argparse.Namespace) -> HouseholdConfig | None:
             known = _read_kept(home_secret_path()), str(home_secret_path())
         if known is not None:
             found = _discovered_nodes(args, known[0])
+    config: HouseholdConfig | None = None
     if args.peer:
         config = household_config(args)  # as before: --peer may create the home's secret
     elif found and known is not None:
@@ -527,7 +528,7 @@ def generating_household(args: argparse.Namespace) -> HouseholdConfig | None:
 
         remote = RemoteConfig() if args.remote_compute != "off" else None
         config = HouseholdConfig(secret=known[0], tls_ca=tls_ca(args), remote=remote)
-    else:
+    if config is None:
         return None
     config.peers = list(dict.fromkeys([*config.peers, *found]))  # found by zeroconf: asked by address
     return config

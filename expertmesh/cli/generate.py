@@ -13,6 +13,7 @@ from expertmesh.node.config import RUN_METRICS_LINGER_S, MetricsConfig, NodeConf
 from expertmesh.node.sizes import format_size
 
 if TYPE_CHECKING:
+    from expertmesh.assembly import Node
     from expertmesh.node.observability.metrics import MetricsServer
 
 
@@ -78,11 +79,11 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
     )
 
 
-def _generate_once(node, prompt: str, args: argparse.Namespace) -> None:
+def _generate_once(node: Node, prompt: str, args: argparse.Namespace) -> None:
     from expertmesh.cli.terminal import StopFlag, ctrl_c_stops, print_summary, stream_text
     from expertmesh.node.engine.generation import GenerationSummary, Generator
 
-    sm = node.model
+    sm = node.require_model()
     tokens = sm.tokenizer.encode(as_text(prompt))
     summary = GenerationSummary()
     with ctrl_c_stops(StopFlag()) as flag:
@@ -105,12 +106,12 @@ def run(args: argparse.Namespace) -> int:
         try:
             _generate_once(node, args.prompt, args)
         finally:  # a failed generation's counts are worth a scrape too
-            if node.metrics_server is not None:
+            if node.metrics_server is not None and config.metrics is not None:
                 _linger(node.metrics_server, config.metrics.linger_s)
     return 0
 
 
-def print_plan(node) -> None:
+def print_plan(node: Node) -> None:
     """The node's memory plan in one line and, for a streamed core, the changes that would hold it
     whole (node/doctor.py's `plan_model`), on stderr."""
     from expertmesh.node.doctor import plan_model
@@ -168,7 +169,7 @@ def chat(args: argparse.Namespace) -> int:
         _mark_used(node)
         print(node.describe(), file=sys.stderr)
         print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
-        session = ChatSession(Generator(node.model, speculation), system_prompt=args.system)
+        session = ChatSession(Generator(node.require_model(), speculation), system_prompt=args.system)
         settings = arguments.sampling(args)
         chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary), read_line=read_line)
     return 0
@@ -194,7 +195,7 @@ def as_text(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def _mark_used(node) -> None:
+def _mark_used(node: Node) -> None:
     """Stamp the revision as used now, for `expertmesh ls`."""
     from expertmesh.node.hub import local_models
 

@@ -32,9 +32,10 @@ import httpx2
 from expertmesh.devtools.local_hub import HubKnobs, HubServer
 from expertmesh.node import constants
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.sizes import format_size
-from expertmesh.node.store.stats import SOURCES
+from expertmesh.node.store.stats import SOURCES, StoreStats
 from expertmesh.node.store.tiers.hub import DEFAULT_CONNECTIONS, DEFAULT_MIN_PIECE_BYTES, DEFAULT_PIECES_PER_EXPERT
 
 
@@ -151,28 +152,40 @@ def _bench_repo(model: str, hub_dir: Path) -> str:
     return repo_id
 
 
+@dataclass
+class PromptRun:
+    """One prompt's greedy generation in the bench: its summary and tokens, and what its decode
+    (from the first token on) asked of the store and the link."""
+
+    summary: GenerationSummary
+    ids: list[int]
+    decode_experts: StoreStats | None = None  # the store's counters from the first token to the last
+    decode_link_bytes: int = 0  # bytes the link carried then (prefill's bytes belong to TTFT)
+    # the decode time until the token after which the link carried nothing more (a model fully
+    # fetched mid-prompt leaves the link idle for the rest: nothing is left to fetch)
+    decode_fetch_s: float = 0.0
+
+
 def _run_prompts(
-    sm, prompts: list[list[int]], tokens: int, link_bytes: Callable[[], int] = lambda: 0
-) -> list[GenerationSummary]:
-    """Greedy generation of each prompt; each summary also gets `ids`, `decode_link_bytes`, the
-    bytes the link carried between the first token and the last (prefill's bytes belong to TTFT),
-    and `decode_fetch_s`, the decode time until the token after which the link carried nothing more
-    (a model fully fetched mid-prompt leaves the link idle for the rest: nothing is left to fetch)."""
+    sm: StreamedModel, prompts: list[list[int]], tokens: int, link_bytes: Callable[[], int] = lambda: 0
+) -> list[PromptRun]:
+    """Greedy generation of each prompt, measured as `PromptRun` says."""
     out = []
     for ids in prompts:
         summary = GenerationSummary()
-        ids_out, samples, first = [], [], None  # (time, link bytes) after each token
+        ids_out: list[int] = []
+        samples: list[tuple[float, int]] = []  # (time, link bytes) after each token
+        first: StoreStats | None = None
         for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary):
             ids_out.append(t.id)
             samples.append((time.perf_counter(), link_bytes()))
             if first is None:
                 first = sm.store.stats.snapshot()  # decode's waits are counted from here
-        summary.ids = ids_out  # type: ignore[attr-defined]
-        summary.decode_experts = sm.store.stats.since(first) if first else None  # type: ignore[attr-defined]
-        summary.decode_link_bytes = samples[-1][1] - samples[0][1] if samples else 0  # type: ignore[attr-defined]
+        run = PromptRun(summary, ids_out, sm.store.stats.since(first) if first else None)
+        run.decode_link_bytes = samples[-1][1] - samples[0][1] if samples else 0
         last = next((t for t, b in samples if samples and b == samples[-1][1]), 0.0)
-        summary.decode_fetch_s = last - samples[0][0] if summary.decode_link_bytes else 0.0  # type: ignore[attr-defined]
-        out.append(summary)
+        run.decode_fetch_s = last - samples[0][0] if run.decode_link_bytes else 0.0
+        out.append(run)
     return out
 
 
@@ -181,16 +194,15 @@ def _decode_s_per_token(s: GenerationSummary) -> float:
     return decode / max(1, s.generated_tokens - 1)
 
 
-def _result(
-    name: str, summaries: list[GenerationSummary], hub_bytes: int, link: LinkSettings, belady: float | None
-) -> ConfigResult:
+def _result(name: str, runs: list[PromptRun], hub_bytes: int, link: LinkSettings, belady: float | None) -> ConfigResult:
+    summaries = [r.summary for r in runs]
     tokens = sum(s.generated_tokens for s in summaries)
     uses = {k: sum(s.experts.uses[k] for s in summaries) for k in SOURCES}
     total = sum(uses.values()) or 1
     decode_wall = sum(s.seconds - s.time_to_first_token_s for s in summaries)
-    decode_bytes = sum(getattr(s, "decode_link_bytes", 0) for s in summaries)
-    fetching = sum(getattr(s, "decode_fetch_s", 0.0) for s in summaries)
-    decode = [s.decode_experts for s in summaries if getattr(s, "decode_experts", None) is not None]
+    decode_bytes = sum(r.decode_link_bytes for r in runs)
+    fetching = sum(r.decode_fetch_s for r in runs)
+    decode = [r.decode_experts for r in runs if r.decode_experts is not None]
     waited_floor = sum(d.bytes["hub"] for d in decode) / link.bandwidth
     waited = sum(d.wait_seconds for d in decode)
     return ConfigResult(
@@ -208,7 +220,7 @@ def _result(
         ready_hit_rate=(uses["ram"] + sum(s.experts.prefetch["ready"] for s in summaries)) / total,
         disk_hit_rate=uses["disk"] / total,
         belady_ram_hit_rate=belady,
-        outputs=[s.ids for s in summaries],  # type: ignore[attr-defined]
+        outputs=[r.ids for r in runs],
     )
 
 
@@ -278,7 +290,7 @@ def run_bench(
 
             def measured(
                 name: str,
-                open_node: Callable,
+                open_node: Callable[[int, Path | None], StreamedModel],
                 n_tokens: int,
                 traced: bool,
                 fresh_per_prompt: bool = False,
@@ -289,7 +301,9 @@ def run_bench(
                 progress(f"  {name} ...")
                 before = hub.stats()
                 t0 = time.perf_counter()
-                summaries, traces, sm = [], [], None
+                runs: list[PromptRun] = []
+                traces: list[Path] = []
+                sm: StreamedModel | None = None
                 for i, ids in enumerate(prompts[:n_prompts]):
                     if sm is None or fresh_per_prompt:
                         if sm is not None:
@@ -297,18 +311,20 @@ def run_bench(
                         trace = work / f"{name}-{i}.trace" if traced else None
                         traces += [trace] if trace else []
                         sm = open_node(i, trace)
-                    summaries += _run_prompts(sm, [ids], n_tokens, hub.bytes_served)
+                    runs += _run_prompts(sm, [ids], n_tokens, hub.bytes_served)
+                if sm is None:
+                    raise ValueError(f"bench: {name} ran no prompt")
                 sm.close()
                 after = hub.stats()
                 belady = _belady(traces, ram_slots) if traces else None
-                r = _result(name, summaries, after["bytes_served"] - before["bytes_served"], link, belady)
+                r = _result(name, runs, after["bytes_served"] - before["bytes_served"], link, belady)
                 r.hub_requests = after["requests"] - before["requests"]
                 if traces:
                     r.belady_staged_hit_rate = _belady(traces, ram_slots + max(1, sm.store.fetch_workers // 2))
                 progress(f"  {name}: {r.s_per_token * 1000:.1f} ms/token in {time.perf_counter() - t0:.1f} s")
                 return r
 
-            def expertmesh_node(home_dir: Path, trace: Path | None = None):
+            def expertmesh_node(home_dir: Path, trace: Path | None = None) -> StreamedModel:
                 cfg = StoreConfig(
                     ram_budget=ram_budget,
                     trace_path=trace,
@@ -359,27 +375,27 @@ def run_bench(
             _run_prompts(sm, prompts, tokens)  # fill RAM
             results.append(measured("warm_ram", lambda i, _: sm, tokens, traced=False))
 
-            ref, ref_tok = mlx_lm.load(str(work / "hub" / repo_id))
-            summaries = []
+            ref, ref_tok = mlx_lm.load(str(work / "hub" / repo_id))[:2]  # (model, tokenizer): no config asked for
+            mlx_runs = []
             for ids in prompts:
                 from mlx_lm.sample_utils import make_sampler
 
                 t0 = time.perf_counter()
-                out, ttft = [], 0.0
-                for r in mlx_lm.stream_generate(ref, ref_tok, ids, max_tokens=tokens, sampler=make_sampler(0.0)):
+                out: list[int] = []
+                ttft = 0.0
+                for step in mlx_lm.stream_generate(ref, ref_tok, ids, max_tokens=tokens, sampler=make_sampler(0.0)):
                     if not out:
                         ttft = time.perf_counter() - t0
-                    if r.finish_reason != "stop":
-                        out.append(r.token)
+                    if step.finish_reason != "stop":
+                        out.append(step.token)
                 s = GenerationSummary(
                     prompt_tokens=len(ids),
                     generated_tokens=len(out),
                     time_to_first_token_s=ttft,
                     seconds=time.perf_counter() - t0,
                 )
-                s.ids = out  # type: ignore[attr-defined]
-                summaries.append(s)
-            mlx = _result("mlx_lm", summaries, 0, link, None)
+                mlx_runs.append(PromptRun(s, out))
+            mlx = _result("mlx_lm", mlx_runs, 0, link, None)
             mlx.link_utilisation = mlx.ram_hit_rate = mlx.ready_hit_rate = mlx.disk_hit_rate = None
             results.append(mlx)
     finally:

@@ -69,6 +69,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import format_size
@@ -89,16 +90,6 @@ FIELDS = (
     "hash_cpu_s_per_gb",
 )
 CORE_FIELDS = ("core_bytes_per_token", "core_wait_over_floor", "tokens_equal_resident")
-# core_streamed's model: K3's proportions of core to layer (many layers, each a small share), experts
-# small (what it measures is the core), a core of a few hundred MB so that cold reads are measurable
-CORE_STREAMED_SHAPE = {
-    "moe_layers": 12,
-    "experts": 16,
-    "top_k": 4,
-    "latent": 1024,
-    "intermediate": 1024,
-    "hidden": 1024,
-}
 CORE_BUDGET = "25%"
 
 
@@ -294,7 +285,7 @@ def _replay(spec: dict, home: Path) -> dict:
 def _mlx_lm(spec: dict) -> dict:
     import mlx_lm
 
-    model, tokenizer = mlx_lm.load(spec["repo_dir"])
+    model, tokenizer = mlx_lm.load(spec["repo_dir"])[:2]  # (model, tokenizer): no config asked for
     per_token = []
     for prompt in spec["prompts"]:
         last = None
@@ -317,7 +308,7 @@ def _core_run(spec: dict, home: Path, core_budget: str | None) -> dict:
     store = StoreConfig(**spec["store"])
     node = build_node(NodeConfig(spec["repo_id"], home=home, store=store, core_budget=core_budget)).start()
     try:
-        sm, prompt = node.model, spec["prompts"][0]
+        sm, prompt = node.require_model(), spec["prompts"][0]
         ids = sm.tokenizer.encode(prompt)
         settings = SamplingSettings(max_tokens=spec["tokens"])
         list(Generator(sm).generate(ids, settings))  # untimed: the experts of these tokens into RAM
@@ -325,12 +316,16 @@ def _core_run(spec: dict, home: Path, core_budget: str | None) -> dict:
         files = core_files(local_models.find_pulled(home, spec["repo_id"]))
         drop_page_cache(files)
         core = sm.core_stream
-        tokens, t0, before = [], None, None
+        tokens: list[int] = []
+        t0: float | None = None
+        before = (0, 0.0)  # the core's bytes read and seconds waited at the first token
         for t in Generator(sm).generate(ids, settings):
             tokens.append(t.id)
             if t0 is None:  # decode is measured: the prefill reads the core as often as its passes
                 t0 = time.perf_counter()
                 before = (core.stats.read_bytes, core.stats.wait_s) if core else (0, 0.0)
+        if t0 is None:
+            raise ExpertmeshError(f"{spec['name']}: the prompt gave no token to time")
         wall = time.perf_counter() - t0
         out = {"tokens_list": tokens, "tokens": len(tokens) - 1, "wall_s": wall, "files": [str(f) for f in files]}
         if core is not None:
@@ -338,7 +333,7 @@ def _core_run(spec: dict, home: Path, core_budget: str | None) -> dict:
                 core_read_bytes=core.stats.read_bytes - before[0],
                 core_wait_s=core.stats.wait_s - before[1],
                 core_bytes=core.layout.core_bytes,
-                core_budget_bytes=node.memory.core_held_bytes,
+                core_budget_bytes=node.memory.core_held_bytes if node.memory is not None else None,
                 largest_layer_bytes=core.layout.largest_layer_bytes,
                 resident_bytes=core.layout.resident_bytes,
                 pinned_layers=core.split.pinned,
@@ -443,7 +438,8 @@ class _Hub:
         else:
             cmd = net.hosts["hub"].command([*cmd, "--host", net.hosts["hub"].address])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
+        stdout = self.proc.stdout  # a pipe: stdout=PIPE
+        line = stdout.readline() if stdout is not None else ""
         m = re.search(r"at (http://\S+)", line)
         if not m:
             self.proc.kill()
@@ -619,7 +615,12 @@ def run(
     root = cache / "hub" / repo_id if only_core else _model_dir(cache / "hub", repo_id, p, progress)
     core_p = core_repo = None
     if "core_streamed" in configs:  # its own shape: many layers, each a small share of the core, as K3's
-        core_p = p if p != k3_proportions.Proportions() else k3_proportions.Proportions(**CORE_STREAMED_SHAPE)
+        # K3's proportions of core to layer (many layers, each a small share), experts small (what it
+        # measures is the core), a core of a few hundred MB so that cold reads are measurable
+        core_shape = k3_proportions.Proportions(
+            moe_layers=12, experts=16, top_k=4, latent=1024, intermediate=1024, hidden=1024
+        )
+        core_p = p if p != k3_proportions.Proportions() else core_shape
         core_repo = f"{REPO_ID}-core-{core_p.moe_layers}x{core_p.hidden}"
         _model_dir(cache / "hub", core_repo, core_p, progress)
     work = Path(tempfile.mkdtemp(prefix="expertmesh-bench-k3-"))
@@ -629,7 +630,7 @@ def run(
     sequential = {**store, "fetch_concurrency": 1, "hub_connections": 1, "hub_max_connections": 1}
     sequential["hub_pieces_per_expert"] = 1
     sequential.update(prefetch=False, fill=False, coalesce=False)
-    specs = {
+    specs: dict[str, dict[str, Any]] = {  # what each worker process is told (JSON)
         "cold": {"mode": "generate", "store": store},
         "fair_naive": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1]},
         "deltafin_like": {"mode": "generate", "store": sequential, "prompts": PROMPTS[:1], "fresh_connections": True},
@@ -676,26 +677,27 @@ def run(
                 for name in configs:
                     if name == "core_streamed" and cap != per_connection[0]:
                         continue  # the core is read from this machine's SSD: the link does not matter
-                    spec = {
+                    work_dir = str(work / f"{name}-{int(cap)}")
+                    spec: dict[str, Any] = {
                         "name": name,
                         "repo_id": repo_id,
                         "repo_dir": str(root),
                         "hub_url": hub.url,
                         "template": str(template),
-                        "work": str(work / f"{name}-{int(cap)}"),
+                        "work": work_dir,
                         "tokens": tokens,
                         "top_k": p.top_k,
                         "prompts": list(PROMPTS),
                         **specs[name],
                     }
-                    if name == "core_streamed":
+                    if name == "core_streamed" and core_p is not None:
                         spec.update(repo_id=core_repo, top_k=core_p.top_k, tokens=max(tokens, 8))
                     progress(f"  {name} ...")
                     t0 = time.perf_counter()
                     try:
                         got = _run_worker(spec, net)
                         if name == "core_streamed":  # the core held whole, in a process of its own
-                            resident = _run_worker({**spec, "resident": True, "work": spec["work"] + "-resident"}, net)
+                            resident = _run_worker({**spec, "resident": True, "work": work_dir + "-resident"}, net)
                             got.update(
                                 tokens_equal_resident=got.pop("tokens_list") == resident["tokens_list"],
                                 resident_s_per_token=resident["wall_s"] / max(1, resident["tokens"]),
@@ -704,9 +706,9 @@ def run(
                         row = _row(name, cap, link, got)
                     finally:
                         shutil.rmtree(
-                            spec["work"] + "-resident", ignore_errors=True
+                            work_dir + "-resident", ignore_errors=True
                         )  # a cold config's caches can hold GBs: a long run must not fill the disk
-                        shutil.rmtree(spec["work"], ignore_errors=True)
+                        shutil.rmtree(work_dir, ignore_errors=True)
                     rows.append(row)
                     progress(f"  {name}: {row.s_per_token:.2f} s/token ({time.perf_counter() - t0:.0f} s)")
                 cold = next((r for r in rows if r.name == "cold" and r.per_connection_bytes_per_s == cap), None)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+
+from expertmesh.node.model.mlx_lm_models import tree_arrays
 
 # primitives that are views or metadata on Metal: no kernel is launched for them
 NO_KERNEL = frozenset(
@@ -52,14 +53,14 @@ _NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
 
 
 def _arrays(args: tuple) -> list[mx.array]:
-    return [a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)]
+    return tree_arrays(list(args))
 
 
 class GraphCounter:
     """Kernels and syncs of everything MLX runs on the installing thread's watch (all threads),
     while installed (`with GraphCounter() as counts: ...`; read `kernels`, `syncs`, `by_kind`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.kernels = 0
         self.syncs = 0
         self.by_kind: Counter[str] = Counter()  # kernels by primitive

@@ -142,7 +142,7 @@ class HubKnobs:
 
 
 def _non_negative(name: str, value: object) -> float:
-    if type(value) not in (int, float) or not 0 <= value < float("inf"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be a non-negative number")
     return float(value)
 
@@ -420,7 +420,8 @@ class HubServer:
         handler = type("Handler", (_Handler,), {"hub": self, "timeout": idle_timeout_s})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
-        self.host, self.port = self.httpd.server_address[:2]
+        bound, self.port = self.httpd.server_address[:2]
+        self.host = bound.decode() if isinstance(bound, (bytes, bytearray)) else bound
         self.url = f"http://{self.host}:{self.port}"
         self.cdn_httpd = ThreadingHTTPServer((host, cdn_port), handler)
         self.cdn_httpd.daemon_threads = True
@@ -644,7 +645,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._more_headers = {}
         bucket = hub_quota.bucket_of(path)
         quota = self.hub.knobs.rate_limits.get(bucket) if bucket else None
-        if quota is None:
+        if bucket is None or quota is None:
             return True
         client = self._token or self.client_address[0]  # anonymous requests per IP, others per account
         answer = self.hub.quotas.take(client, bucket, quota, self.hub.knobs.rate_window_s)
@@ -1022,7 +1023,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.hub.stats_.count_range(key, start, start + sent - 1)
                 self.hub.stats_.sending -= 1
                 self.hub.stats_.settled.notify_all()
-        if limit < length:
+        if fault is not None and limit < length:
             self.wfile.flush()
             if fault.kind == "stall":
                 time.sleep(fault.stall_s)

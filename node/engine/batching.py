@@ -45,6 +45,7 @@ near tie between the two best tokens can flip, as it can between any two kernel 
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -54,8 +55,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, make_prompt_cache
-from mlx_lm.sample_utils import apply_top_p, make_sampler
+from mlx_lm.sample_utils import Sampler, apply_top_p, make_sampler
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
 from expertmesh.node.engine.generation import (
@@ -90,7 +92,7 @@ def _unmergeable(cache) -> set[str]:
     return set() if hasattr(cache, "merge") else {type(cache).__name__}
 
 
-def check_batchable(model) -> None:
+def check_batchable(model: nn.Module) -> None:
     """Raises BatchingUnsupported unless every cache of `model` can be merged into a batch."""
     caches = make_prompt_cache(model)
     missing = sorted(set().union(*(_unmergeable(c) for c in caches)))
@@ -103,9 +105,9 @@ class KeyedSampler:
     global key, split once per draw; this splits its own key the same way, so one seeded request
     among others draws exactly what it would alone."""
 
-    def __init__(self, settings: SamplingSettings):
-        self.temp, self.top_p = settings.temp, settings.top_p
-        self.key = mx.random.key(settings.seed)
+    def __init__(self, temp: float, top_p: float, seed: int):
+        self.temp, self.top_p = temp, top_p
+        self.key = mx.random.key(seed)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_p < 1.0:
@@ -114,10 +116,10 @@ class KeyedSampler:
         return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
 
 
-def make_row_sampler(settings: SamplingSettings) -> Callable[[mx.array], mx.array]:
+def make_row_sampler(settings: SamplingSettings) -> Sampler:
     """The sampler of one request: greedy, seeded (its own key), or from the global key."""
     if settings.temp > 0 and settings.seed is not None:
-        return KeyedSampler(settings)
+        return KeyedSampler(settings.temp, settings.top_p, settings.seed)
     return make_sampler(settings.temp, settings.top_p)
 
 
@@ -128,23 +130,30 @@ class _Done:
 
 @dataclass
 class _Sequence:
-    """One request inside the engine. Fields past `out` are touched on the MLX thread only."""
+    """One request inside the engine, as its caller made it."""
 
     prompt: list[int]
     settings: SamplingSettings
     should_stop: Callable[[], bool]
     summary: GenerationSummary
     t0: float
-    out: queue.Queue = field(default_factory=queue.Queue)
+    out: queue.Queue[Token | _Done] = field(default_factory=queue.Queue)
     left: bool = False  # the caller stopped reading: drop it at the next turn
-    todo: list[int] = field(default_factory=list)  # prompt tokens not yet fed
-    fed: int = 0  # tokens its cache has seen
-    next_token: int | None = None  # fed at the next decode step
-    cache: list | None = None  # its own cache while it prefills
-    book: _TokenBook | None = None
-    sampler: Callable | None = None
-    before: object = None  # the store's stats when it started
     uses: StoreStats = field(default_factory=StoreStats)  # the experts its own tokens routed to
+
+
+@dataclass
+class _Run:
+    """A sequence admitted to the batch: what the MLX thread keeps of it (touched there only)."""
+
+    seq: _Sequence
+    book: _TokenBook
+    sampler: Sampler
+    before: StoreStats  # the store's counters when it was admitted
+    todo: list[int]  # prompt tokens not yet fed
+    cache: list | None  # its own cache while it prefills
+    fed: int = 0  # tokens its cache has seen
+    next_token: int = 0  # fed at the next decode step
 
 
 class BatchEngine:
@@ -162,8 +171,8 @@ class BatchEngine:
         self._pending: deque[_Sequence] = deque()
         self._closing = False
         # the MLX thread's own state (the driver only reads the sizes between turns)
-        self._prefilling: list[_Sequence] = []
-        self._rows: list[_Sequence] = []
+        self._prefilling: list[_Run] = []
+        self._rows: list[_Run] = []
         self._cache: list | None = None
         self.steps = 0  # decode steps so far
         self._thread = threading.Thread(target=self._drive, name="expertmesh-batch", daemon=True)
@@ -249,7 +258,7 @@ class BatchEngine:
     def _fail_all(self, error: BaseException) -> None:
         """End every generation in the engine with `error` (between turns only)."""
         with self._cond:
-            waiting = list(self._pending) + self._prefilling + self._rows
+            waiting = list(self._pending) + [run.seq for run in self._prefilling + self._rows]
             self._pending.clear()
         self._prefilling, self._rows, self._cache = [], [], None
         for seq in waiting:
@@ -264,23 +273,23 @@ class BatchEngine:
         self._drop_leavers()
         budget = self.prefill_step
         while self._prefilling and budget > 0:
-            seq = self._prefilling[0]
+            run = self._prefilling[0]
             try:
-                budget -= self._prefill(seq, budget)
+                budget -= self._prefill(run, budget)
             except Exception as e:  # noqa: BLE001 - only this request fails
-                if seq in self._prefilling:
-                    self._prefilling.remove(seq)
-                self._fail(seq, e)
+                if run in self._prefilling:
+                    self._prefilling.remove(run)
+                self._fail(run, e)
         if self._rows:
             try:
                 self._decode()
             except Exception as e:  # noqa: BLE001 - every row of the failed step gets it
                 rows, self._rows, self._cache = self._rows, [], None
-                for seq in rows:
-                    self._fail(seq, e)
+                for run in rows:
+                    self._fail(run, e)
 
     def _admit(self) -> None:
-        started = []
+        started: list[_Sequence] = []
         with self._cond:
             while self._pending and len(self._rows) + len(self._prefilling) + len(started) < self.max_batch:
                 seq = self._pending.popleft()
@@ -288,43 +297,42 @@ class BatchEngine:
                     started.append(seq)
         for seq in started:
             sm = self.sm
-            seq.todo, seq.cache = list(seq.prompt), make_prompt_cache(sm.model)
-            seq.sampler = make_row_sampler(seq.settings)
             seq.summary.prompt_tokens = len(seq.prompt)
             sm.settle()  # what an earlier pass used is not this request's
-            seq.before = sm.store.stats.snapshot()
+            before = sm.store.stats.snapshot()
             detok = sm.tokenizer.detokenizer  # a copy per caller
             detok.reset()
-            seq.book = _TokenBook(
+            book = _TokenBook(
                 seq.summary,
                 seq.settings,
                 sm.token_observer,
                 set(sm.tokenizer.eos_token_ids),
                 detok,
-                lambda s=seq: s.left or s.should_stop(),
+                functools.partial(_stopped, seq),
                 seq.t0,
             )
+            run = _Run(seq, book, make_row_sampler(seq.settings), before, list(seq.prompt), make_prompt_cache(sm.model))
             if sm.token_observer is not None:
                 sm.token_observer.prompt(len(seq.prompt))
-            self._prefilling.append(seq)
+            self._prefilling.append(run)
 
     def _drop_leavers(self) -> None:
         """Rows whose caller left or asked to stop go before the step (their tokens would be for nobody)."""
-        for seq in [s for s in self._prefilling if s.left or s.should_stop()]:
-            self._prefilling.remove(seq)
-            self._finish(seq, "interrupted")
-        keep = [i for i, s in enumerate(self._rows) if not (s.left or s.should_stop())]
+        for run in [r for r in self._prefilling if _stopped(r.seq)]:
+            self._prefilling.remove(run)
+            self._finish(run, "interrupted")
+        keep = [i for i, r in enumerate(self._rows) if not _stopped(r.seq)]
         if len(keep) < len(self._rows):
-            for i, seq in enumerate(self._rows):
+            for i, run in enumerate(self._rows):
                 if i not in keep:
-                    self._finish(seq, "interrupted")
+                    self._finish(run, "interrupted")
             self._filter(keep)
 
     def _decode(self) -> None:
         """One token for every row: one forward pass over the batch."""
         rows = self._rows
-        tokens = mx.array([[s.next_token] for s in rows])
-        logits = self.sm.forward(tokens, self._cache, ledgers=[s.uses for s in rows])[:, -1, :]
+        tokens = mx.array([[r.next_token] for r in rows])
+        logits = self.sm.forward(tokens, self._cache, ledgers=[r.seq.uses for r in rows])[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
         self.steps += 1
@@ -332,92 +340,96 @@ class BatchEngine:
         if observe is not None:
             observe(len(rows))
         keep = []
-        for i, seq in enumerate(rows):
-            seq.fed += 1
-            if self._emit(seq, logprobs[i : i + 1]):
+        for i, run in enumerate(rows):
+            run.fed += 1
+            if self._emit(run, logprobs[i : i + 1]):
                 keep.append(i)
         if len(keep) < len(rows):
             self._filter(keep)
 
-    def _prefill(self, seq: _Sequence, budget: int) -> int:
-        """Feed up to `budget` of `seq`'s prompt as `Generator._prefill` does (all but the last
+    def _prefill(self, run: _Run, budget: int) -> int:
+        """Feed up to `budget` of the run's prompt as `Generator._prefill` does (all but the last
         token in chunks, then the last alone, which gives the first token); returns tokens fed."""
         sm = self.sm
-        if len(seq.todo) > 1:
-            n = min(budget, len(seq.todo) - 1)
-            chunk, seq.todo = seq.todo[:n], seq.todo[n:]
-            sm.forward(mx.array(chunk)[None], seq.cache, ledgers=[seq.uses])
-            mx.eval([c.state for c in seq.cache])
-            seq.fed += n
+        if len(run.todo) > 1:
+            n = min(budget, len(run.todo) - 1)
+            chunk, run.todo = run.todo[:n], run.todo[n:]
+            sm.forward(mx.array(chunk)[None], run.cache, ledgers=[run.seq.uses])
+            mx.eval([c.state for c in run.cache or []])
+            run.fed += n
             return n
-        logits = sm.forward(mx.array(seq.todo)[None], seq.cache, ledgers=[seq.uses])[:, -1, :]
-        seq.fed, seq.todo = seq.fed + 1, []
-        self._prefilling.remove(seq)
-        if self._emit(seq, logits - mx.logsumexp(logits, keepdims=True)):
-            self._join(seq)
+        logits = sm.forward(mx.array(run.todo)[None], run.cache, ledgers=[run.seq.uses])[:, -1, :]
+        run.fed, run.todo = run.fed + 1, []
+        self._prefilling.remove(run)
+        if self._emit(run, logits - mx.logsumexp(logits, keepdims=True)):
+            self._join(run)
         return 1
 
-    def _emit(self, seq: _Sequence, logprobs: mx.array) -> bool:
-        """Sample `seq`'s next token from its (1, vocab) log-probabilities and hand it over;
+    def _emit(self, run: _Run, logprobs: mx.array) -> bool:
+        """Sample the run's next token from its (1, vocab) log-probabilities and hand it over;
         whether it goes on (the same stops as `Generator._plain`, in the same order)."""
-        y = seq.sampler(logprobs)
+        y = run.sampler(logprobs)
         mx.eval(y, logprobs)
         self.sm.settle()  # the pass's uses are in its rows' ledgers before a token is handed out
-        token = seq.book.emit(int(y.item()), logprobs.squeeze(0))
+        token = run.book.emit(int(y), logprobs.squeeze(0))
         if token is None:
-            self._finish(seq, "eos")
+            self._finish(run, "eos")
             return False
-        seq.out.put(token)
-        stop = seq.book.stop_after()
+        run.seq.out.put(token)
+        stop = run.book.stop_after()
         if stop is not None:
-            self._finish(seq, stop)
+            self._finish(run, stop)
             return False
         limit = self.sm.max_context
-        if limit is not None and seq.fed + 1 >= limit:
-            self._finish(seq, "context")
+        if limit is not None and run.fed + 1 >= limit:
+            self._finish(run, "context")
             return False
-        seq.next_token = token.id
+        run.next_token = token.id
         return True
 
-    def _join(self, seq: _Sequence) -> None:
-        """Merge `seq`'s own cache into the batch's (mlx-lm's merge/extend, left padding)."""
-        merged = [c.merge([c]) for c in seq.cache]
-        seq.cache = None
+    def _join(self, run: _Run) -> None:
+        """Merge the run's own cache into the batch's (mlx-lm's merge/extend, left padding)."""
+        merged = [c.merge([c]) for c in run.cache or []]
+        run.cache = None
         if self._cache is None:
             self._cache = merged
         else:
             for batch, one in zip(self._cache, merged):
                 batch.extend(one)
-        self._rows.append(seq)
+        self._rows.append(run)
 
     def _filter(self, keep: list[int]) -> None:
         self._rows = [self._rows[i] for i in keep]
-        if not keep:
+        if not keep or self._cache is None:
             self._cache = None
             return
         for c in self._cache:
             c.filter(keep)
 
-    def _close_summary(self, seq: _Sequence) -> None:
-        summary = seq.summary
-        summary.seconds = time.perf_counter() - seq.t0
+    def _close_summary(self, run: _Run) -> None:
+        summary = run.seq.summary
+        summary.seconds = time.perf_counter() - run.seq.t0
         self.sm.settle()  # the last pass's resident layers, into every ledger of that pass
-        if seq.before is not None:
-            experts = self.sm.store.stats.since(seq.before)
-            own = seq.uses.snapshot()  # the request's own expert uses, not its batch's (module docstring)
-            experts.uses, experts.bytes, experts.fetch_seconds = own.uses, own.bytes, own.fetch_seconds
-            summary.experts = experts
+        experts = self.sm.store.stats.since(run.before)
+        own = run.seq.uses.snapshot()  # the request's own expert uses, not its batch's (module docstring)
+        experts.uses, experts.bytes, experts.fetch_seconds = own.uses, own.bytes, own.fetch_seconds
+        summary.experts = experts
         observe_request(self.sm.token_observer, summary.seconds)
 
-    def _finish(self, seq: _Sequence, reason: str) -> None:
-        seq.summary.stop_reason = reason
-        detok = seq.book.detok
+    def _finish(self, run: _Run, reason: str) -> None:
+        run.seq.summary.stop_reason = reason
+        detok = run.book.detok
         detok.finalize()
-        seq.summary.trailing_text = detok.last_segment
-        self._close_summary(seq)
-        seq.out.put(_Done())
+        run.seq.summary.trailing_text = detok.last_segment
+        self._close_summary(run)
+        run.seq.out.put(_Done())
 
-    def _fail(self, seq: _Sequence, error: BaseException) -> None:
+    def _fail(self, run: _Run, error: BaseException) -> None:
         logger.debug("a batched generation failed: %s", error)
-        self._close_summary(seq)
-        seq.out.put(_Done(backend_error(error, self.sm.config.get("model_type"))))
+        self._close_summary(run)
+        run.seq.out.put(_Done(backend_error(error, self.sm.config.get("model_type"))))
+
+
+def _stopped(seq: _Sequence) -> bool:
+    """Whether the caller left or asked to stop."""
+    return seq.left or seq.should_stop()

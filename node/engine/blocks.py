@@ -24,16 +24,22 @@ Two ways a layer runs:
 A forward pass's context comes in explicitly: `ExpertPass` (given to the blocks by
 `StreamedModel.forward`) carries a batch's per-row ledgers, and the store's answer carries which
 tier served each expert.
+
+What a block asks of the store and of remote execution is written down as two protocols,
+`BlockStore` and `RemoteExecution`: the store (node/store/store.py) and the household's
+`RemoteExperts` (node/household/remote_experts.py, a layer above, which this module may not
+import) satisfy them as they are, and a test may bind a block to anything that does.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,11 +50,53 @@ from mlx_lm.utils import load_model
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
 from expertmesh.node.model.codec import QuantSpec
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS, layer_number, model_classes
 from expertmesh.node.store.stats import StoreStats
 from expertmesh.node.store.store import ExpertGroup, Served
+from expertmesh.node.store.tiers.ram import RamCache
 
 PLACE_ATTEMPTS = 3  # an expert let go of between the store's look and its placing is asked for again
+
+Guess = tuple[int, list[int]]  # (the next MoE layer, the experts its router would likely choose)
+
+
+class BlockStore(Protocol):
+    """The expert store as the blocks use it (node/store/store.py's `ExpertStore`): the experts of
+    one layer per call, the RAM tier whose slots the kernels read, and the counters of every use."""
+
+    @property
+    def index(self) -> ExpertIndex: ...
+
+    @property
+    def ram(self) -> RamCache: ...
+
+    @property
+    def stats(self) -> StoreStats: ...
+
+    def layer_groups(
+        self,
+        layer: int,
+        experts: Iterable[int],
+        guess: tuple[int, Iterable[int]] | None = None,
+        routed: Iterable[int] | None = None,
+    ) -> Iterator[ExpertGroup]: ...
+
+    def wants_guesses(self) -> bool: ...
+
+    def resident_uses(self, layer: int, experts: list[int]) -> None: ...
+
+
+class RemoteExecution(Protocol):
+    """Running a streamed layer's experts where they are cheapest, here or on the household's
+    compute peers (node/household/remote_experts.py's `RemoteExperts`)."""
+
+    def run(
+        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: Guess | None
+    ) -> tuple[dict[int, mx.array], dict[int, Served]]:
+        """Each expert's output rows for `block`'s layer (`rows[e]`: the rows routed to expert e,
+        grouped), and which tier (or `remote`) served each."""
+        ...
 
 
 @dataclass
@@ -62,19 +110,18 @@ class ExpertPass:
     """
 
     ledgers: list[StoreStats] | None = None
-    unread: list[tuple[StreamingExperts, mx.array]] = field(default_factory=list)
+    unread: list[tuple[BlockStore, int, mx.array]] = field(default_factory=list)  # (store, layer, routing)
 
     def settle(self) -> None:
         """Count the uses of the layers that ran resident. After the pass's output is evaluated
         their routings are too, and reading them waits for nothing."""
         unread, self.unread = self.unread, []
-        for block, indices in unread:
+        for store, layer, indices in unread:
             flat = np.array(indices).reshape(-1)
             experts = np.unique(flat).tolist()
-            block.store.resident_uses(block.layer, experts)
+            store.resident_uses(layer, experts)
             if self.ledgers is not None:
-                index = block.store.index
-                served = {e: Served("ram", index.expert(block.layer, e).nbytes, 0.0) for e in experts}
+                served = {e: Served("ram", store.index.expert(layer, e).nbytes, 0.0) for e in experts}
                 _count_by_row(self.ledgers, flat, served)
 
 
@@ -107,6 +154,16 @@ class StreamingExperts(nn.Module):
     """A `SwitchGLU` or `SwitchMLP` whose experts come from an expert store, one layer's set per
     call; the same call signature, so the architecture's MoE module calls it unchanged."""
 
+    # Plain attributes (set with object.__setattr__ by `_set`), not parameters or child modules:
+    _store: BlockStore | None
+    _next: tuple[StreamingExperts, nn.Module] | None  # the next MoE layer's block and its parent MoE module
+    _predicting: bool  # while True, a call only records its routing
+    _predicted: mx.array | None
+    _guess: mx.array | None  # the next layer's routing guessed from this layer's input
+    _remote: RemoteExecution | None  # set when peers can compute
+    expert_pass: ExpertPass | None  # the pass running now (StreamedModel.forward), if any
+    _linears: dict[str, nn.Module] | None  # projection -> slot linear, made at the first compute
+
     def __init__(self, layer: int, path: str, original: SwitchGLU | SwitchMLP):
         super().__init__()
         self.layer = layer
@@ -120,27 +177,31 @@ class StreamingExperts(nn.Module):
         self.input_dims = {p: getattr(original, p).input_dims for p in self.projections}
         self.output_dims = getattr(original, self.projections[-1]).output_dims
         self.num_experts = getattr(original, self.projections[0]).num_experts
-        # Plain attributes (object.__setattr__), not parameters or child modules:
         self._set("_store", None)
-        self._set("_next", None)  # (next MoE layer's block, its parent MoE module), for guesses
-        self._set("_predicting", False)  # while True, a call only records its routing
+        self._set("_next", None)
+        self._set("_predicting", False)
         self._set("_predicted", None)
-        self._set("_guess", None)  # the next layer's routing guessed from this layer's input
-        self._set("_remote", None)  # a RemoteExperts (node/household/remote_experts.py) when peers can compute
-        self._set("expert_pass", None)  # the pass running now (StreamedModel.forward), if any
-        self._set("_linears", None)  # projection -> slot linear, made at the first compute
+        self._set("_guess", None)
+        self._set("_remote", None)
+        self._set("expert_pass", None)
+        self._set("_linears", None)
 
-    def _set(self, name: str, value) -> None:
+    def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
 
-    def bind(self, store) -> None:
+    def bind(self, store: BlockStore) -> None:
         self._set("_store", store)
 
-    def bind_remote(self, remote) -> None:
+    def bind_remote(self, remote: RemoteExecution) -> None:
         self._set("_remote", remote)
 
     @property
-    def store(self):
+    def store(self) -> BlockStore | None:
+        return self._store
+
+    def _bound_store(self) -> BlockStore:
+        if self._store is None:
+            raise RuntimeError(f"expert block of layer {self.layer} has no expert store bound")
         return self._store
 
     @property
@@ -162,13 +223,12 @@ class StreamingExperts(nn.Module):
         if self._predicting:  # a guess of this layer's routing: no experts needed, output unused
             self._set("_predicted", indices)
             return mx.zeros((*indices.shape, self.output_dims), dtype=x.dtype)
-        store = self._store
-        if store is None:
-            raise RuntimeError(f"expert block of layer {self.layer} has no expert store bound")
-        slot_map = store.ram.slot_map(self.layer) if self.expert_pass is not None else None
-        if slot_map is not None:  # every expert resident: no sync, the ids mapped on the device
+        store = self._bound_store()
+        expert_pass = self.expert_pass
+        if expert_pass is not None and (slot_map := store.ram.slot_map(self.layer)) is not None:
+            # every expert resident: no sync, the ids mapped on the device
             self._set("_guess", None)
-            self.expert_pass.unread.append((self, indices))
+            expert_pass.unread.append((store, self.layer, indices))
             store.stats.record_layer("resident")
             return self._switch(x, slot_map[indices])
         guess = self._guess
@@ -177,15 +237,15 @@ class StreamingExperts(nn.Module):
         model_thread().between_layers()  # a peer's ComputeExperts waits one layer, not a generation
         flat = np.array(indices).reshape(-1)
         experts = np.unique(flat).tolist()
-        next_guess = None
-        if guess is not None:
+        next_guess: Guess | None = None
+        if guess is not None and self._next is not None:  # only a block with a next layer guesses
             next_guess = (self._next[0].layer, np.unique(np.array(guess)).tolist())
         if self._remote is not None:  # some experts may run on the peers that hold them
-            y, served = self._run_remote(x, indices.shape[-1], flat, experts, next_guess)
+            y, served = self._run_remote(self._remote, x, indices.shape[-1], flat, experts, next_guess)
         else:
             y, served = self._run_here(store, x, indices, flat, experts, next_guess)
         store.stats.record_layer("streamed")
-        ledgers = self.expert_pass.ledgers if self.expert_pass is not None else None
+        ledgers = expert_pass.ledgers if expert_pass is not None else None
         if ledgers is not None:
             _count_by_row(ledgers, flat, served)
         return y.reshape(*indices.shape, self.output_dims)
@@ -199,24 +259,27 @@ class StreamingExperts(nn.Module):
         The slot linears hold the pool's stacks only while the call builds its graph: a stack
         referenced anywhere else when a slot is written could not give its buffer to the write,
         and the write would copy the whole stack."""
-        pool = self._store.ram.pool(self.layer)
-        if self._linears is None:
+        pool = self._bound_store().ram.pool(self.layer)
+        if pool.arrays is None:  # made at the first slot write: no slot yet that the ids could name
+            raise RuntimeError(f"expert block of layer {self.layer}: no expert placed in a RAM slot yet")
+        stacks = pool.arrays
+        linears = self._linears
+        if linears is None:
             quants = {name: quant for name, _, quant in pool.layout.projections}
-            self._set(
-                "_linears",
-                {
-                    p: _SlotQuantizedLinear(quants[p]) if quants[p] is not None else _SlotLinear()
-                    for p in self.projections
-                },
-            )
-        for p, linear in self._linears.items():
-            _bind_slots(linear, pool.arrays[p])
+            linears = {
+                p: _SlotQuantizedLinear(q) if (q := quants[p]) is not None else _SlotLinear() for p in self.projections
+            }
+            self._set("_linears", linears)
+        for p, linear in linears.items():
+            _bind_slots(linear, stacks[p])
             object.__setattr__(self, p, linear)  # where mlx-lm's call looks for it, outside the parameters
         try:
-            switch = SwitchGLU if self.kind == "SwitchGLU" else SwitchMLP
-            return switch.__call__(self, x, slots)
+            # mlx-lm's call, unbound, over this block: it reads only the projections and the
+            # activation, which the block holds under the same names
+            switch: Callable[..., mx.array] = SwitchGLU.__call__ if self.kind == "SwitchGLU" else SwitchMLP.__call__
+            return switch(self, x, slots)
         finally:
-            for linear in self._linears.values():
+            for linear in linears.values():
                 _bind_slots(linear, {})
 
     def compute_rows(self, slots: dict[int, int], rows: dict[int, mx.array]) -> dict[int, mx.array]:
@@ -233,7 +296,7 @@ class StreamingExperts(nn.Module):
         return {e: y[end - n : end] for e, n, end in zip(experts, counts, ends)}
 
     @contextmanager
-    def placed(self, store, group: ExpertGroup) -> Iterator[dict[int, int]]:
+    def placed(self, store: BlockStore, group: ExpertGroup) -> Iterator[dict[int, int]]:
         """`group.placed()`, with any expert it could not place asked for again (an expert let go
         of between the store's look and the placing: peers' calls place experts while a token
         waits). Slots stay pinned while inside."""
@@ -256,20 +319,25 @@ class StreamingExperts(nn.Module):
     # -- a streamed layer ---------------------------------------------------------------------
 
     def _run_here(
-        self, store, x: mx.array, indices: mx.array, flat: np.ndarray, experts: list[int], next_guess
+        self,
+        store: BlockStore,
+        x: mx.array,
+        indices: mx.array,
+        flat: np.ndarray,
+        experts: list[int],
+        next_guess: Guess | None,
     ) -> tuple[mx.array, dict[int, Served]]:
         """The layer on this node: one group (mlx-lm's call over all the rows), or several where
         the layer wants more experts than memory holds (each group computed, then let go)."""
         served: dict[int, Served] = {}
         groups = store.layer_groups(self.layer, experts, guess=next_guess)
         first = next(groups)
-        if len(first.served) == len(experts):
+        if len(first.served) == len(experts):  # one group held them all: the store has no other
             with self.placed(store, first) as slots:
                 lut = np.zeros(self.num_experts, dtype=np.uint32)
                 lut[list(slots)] = list(slots.values())
                 y = self._switch(x, mx.array(lut[flat].reshape(indices.shape)))
             served.update(first.served)
-            groups.close()
             return y, served
         k = indices.shape[-1]
         order = np.argsort(flat, kind="stable")
@@ -290,7 +358,13 @@ class StreamingExperts(nn.Module):
         return y, served
 
     def _run_remote(
-        self, x: mx.array, k: int, flat: np.ndarray, experts: list[int], next_guess
+        self,
+        remote: RemoteExecution,
+        x: mx.array,
+        k: int,
+        flat: np.ndarray,
+        experts: list[int],
+        next_guess: Guess | None,
     ) -> tuple[mx.array, dict[int, Served]]:
         """The layer with compute peers: each expert's rows go where RemoteExperts places them."""
         order = np.argsort(flat, kind="stable")
@@ -298,7 +372,7 @@ class StreamingExperts(nn.Module):
         x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
         ends = [*starts[1:].tolist(), len(order)]
         rows = {e: x_rows[start:end] for e, start, end in zip(experts, starts.tolist(), ends)}
-        out, served = self._remote.run(self, experts, rows, next_guess)
+        out, served = remote.run(self, experts, rows, next_guess)
         y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
         return y, served
 
@@ -316,11 +390,16 @@ def _count_by_row(ledgers: list[StoreStats], flat: np.ndarray, served: dict[int,
             ledger.record(s.source, s.nbytes, s.seconds)
 
 
+def _child(parent: nn.Module | list, part: str) -> nn.Module | list:
+    """A module's child by one part of its dotted path: a list (mlx-lm's `layers`) is indexed."""
+    return parent[int(part)] if isinstance(parent, list) else parent[part]
+
+
 def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent: object = root
+    parent: nn.Module | list = root
     parts = path.split(".")
     for part in parts[:-1]:
-        parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        parent = _child(parent, part)
     if isinstance(parent, list):
         parent[int(parts[-1])] = module
     else:
@@ -372,10 +451,10 @@ def _guessing_class(moe_class: type) -> type:
     return _GUESSING_CLASSES[moe_class]
 
 
-def _module_at(root: nn.Module, path: str) -> nn.Module:
-    node: object = root
+def _module_at(root: nn.Module, path: str) -> nn.Module | list:
+    node: nn.Module | list = root
     for part in path.split("."):
-        node = node[int(part)] if isinstance(node, list) else node[part]
+        node = _child(node, part)
     return node
 
 
@@ -394,7 +473,10 @@ def streaming_blocks(model: nn.Module) -> list[StreamingExperts]:
     return sorted((m for _, m in model.named_modules() if isinstance(m, StreamingExperts)), key=lambda b: b.layer)
 
 
-def _streaming_classes(config: dict, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None):
+def _streaming_classes(
+    config: dict, expert_standins: dict[str, tuple[str, tuple[int, ...]]] | None = None
+) -> tuple[type[nn.Module], type]:
+    model_class: Any  # the architecture's class, found in mlx-lm's registry by the config's name
     model_class, args_class = model_classes(config)
 
     class StreamingModel(model_class):
@@ -411,7 +493,9 @@ def _streaming_classes(config: dict, expert_standins: dict[str, tuple[str, tuple
     return StreamingModel, args_class
 
 
-def _sanitize_with_standins(model: nn.Module, sanitize, weights: dict, standins: dict) -> dict:
+def _sanitize_with_standins(
+    model: nn.Module, sanitize: Callable[[dict], dict], weights: dict, standins: dict[str, tuple[str, tuple[int, ...]]]
+) -> dict:
     """mlx-lm's sanitize over the core plus lazy zero stand-ins of the expert tensors, for an
     architecture whose sanitize treats the core differently when they are absent (see
     model/expert_index.py, `sanitize_with_experts`). What it makes of the stand-ins is dropped before
@@ -424,7 +508,7 @@ def _sanitize_with_standins(model: nn.Module, sanitize, weights: dict, standins:
     return {k: v for k, v in made.items() if not k.startswith(streamed) and k not in standins}
 
 
-def core_standins(index, core_bits: int) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+def core_standins(index: ExpertIndex, core_bits: int) -> dict[str, tuple[str, tuple[int, ...]]] | None:
     """The stand-ins `load_core_model` needs for this index's core: only while the core is still
     the upstream one (16 bits); an 8-bit core was saved already sanitized (engine/core_quantization.py)."""
     return index.expert_tensors() if index.sanitize_with_experts and core_bits == 16 else None

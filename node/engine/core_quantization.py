@@ -57,12 +57,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.convert import QUANT_RECIPES, mixed_quant_predicate_builder
 from mlx_lm.models.mla import MultiLinear
 
@@ -73,7 +74,7 @@ from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import PullResult, pull
 from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
-from expertmesh.node.model.mlx_lm_models import layer_number
+from expertmesh.node.model.mlx_lm_models import flat_parameters, layer_number
 
 CORE_BITS = (16, 8, 4)  # 16: the upstream precision (BF16), as pulled
 RECIPES = tuple(QUANT_RECIPES)  # mlx-lm's mixed recipes: mixed_2_6, mixed_3_4, mixed_3_6, mixed_4_6
@@ -109,7 +110,7 @@ class CoreQuantization:
 def core_parameter_bytes(model: nn.Module) -> int:
     """Bytes of the core's parameters as they sit in memory (the resident core); for a lazily
     loaded or built model, what they would take (shapes are known without evaluating)."""
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return sum(v.nbytes for v in flat_parameters(model).values())
 
 
 def is_router(path: str) -> bool:
@@ -179,10 +180,17 @@ def quantize_model(model: nn.Module, bits: int = 8, recipe: str | None = None) -
         CoreBitsError: the recipe cannot be applied to this architecture (mlx-lm's builder refuses it).
     """
     arch_predicate = getattr(model, "quant_predicate", None)
-    by_recipe = None
+    by_recipe: Callable[[str, nn.Module], dict] | None = None
     if recipe is not None:
         try:
-            by_recipe = mixed_quant_predicate_builder(recipe, _AsMlxLmBuildsIt(model), GROUP_SIZE)
+            by_recipe = cast(
+                Callable[[str, nn.Module], dict],  # mlx-lm annotates a third argument its predicate does not take
+                mixed_quant_predicate_builder(
+                    recipe,
+                    _AsMlxLmBuildsIt(model),  # type: ignore[arg-type]  # mlx-lm reads named_modules() and layers only
+                    GROUP_SIZE,
+                ),
+            )
         except (ValueError, AttributeError, TypeError) as e:
             raise CoreBitsError(
                 f"mlx-lm's recipe {recipe} does not apply to this model ({e}): use --core-bits"
@@ -239,7 +247,8 @@ def quantize_core(model_dir: Path, bits: int = 8, recipe: str | None = None) -> 
     """
     from expertmesh.node.engine.model_thread import model_thread
 
-    bits, recipe = check_core_format(bits, recipe)
+    checked, recipe = check_core_format(bits, recipe)
+    bits = checked if checked is not None else bits
     if bits == 16:
         raise CoreBitsError("a 16-bit core is the one pulled: nothing to quantise")
     model_dir = Path(model_dir)
@@ -254,7 +263,7 @@ def _quantize_core(model_dir: Path, bits: int, recipe: str | None) -> CoreQuanti
     model, config, blocks = load_core_model(model_dir, core_standins(index, 16), lazy=True)  # BF16 only
     before = core_parameter_bytes(model)
     layer_bits, kept = quantize_model(model, bits, recipe)
-    weights = dict(tree_flatten(model.parameters()))
+    weights = flat_parameters(model)
     del model, blocks  # from here on only `weights` holds the arrays: each goes once written
     after = sum(v.nbytes for v in weights.values())
 

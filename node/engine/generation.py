@@ -23,11 +23,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import Sampler, make_sampler
 
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.model_thread import model_thread
@@ -35,12 +34,13 @@ from expertmesh.node.engine.speculative import (
     CacheRollback,
     Draft,
     DraftController,
+    DraftSource,
     SpeculationStats,
     accept_drafts,
     check_rollback_supported,
     make_draft_source,
 )
-from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.engine.streamed_model import StreamedModel, TokenObserver
 from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
 from expertmesh.node.store.stats import SOURCES, StoreStats
 
@@ -72,21 +72,6 @@ class Token:
     id: int
     text: str  # the text this token completes (may be empty mid-character)
     logprobs: mx.array
-
-
-class TokenObserver(Protocol):
-    """What watches every generation (observability/metrics.py's NodeMetrics)."""
-
-    def prompt(self, tokens: int) -> None: ...
-
-    def first_token(self, seconds: float) -> None: ...
-
-    def token(self, seconds: float) -> None: ...
-
-    def speculative(self, drafted: int, accepted: int) -> None: ...
-
-    # optional (looked up with getattr, so an observer may leave them out):
-    # request(seconds) once per generation at its end; batch(size) per batched decode step
 
 
 def backend_error(error: BaseException, model_type: str | None) -> BaseException:
@@ -256,9 +241,11 @@ class Generator:
     keeps what it learnt about acceptance. `speculation_stats` sums every call's counters.
     """
 
-    def __init__(self, sm: StreamedModel, speculation: SpeculationConfig | None = None, draft_source=None):
-        """`draft_source` (anything with `propose(context, k, temp, top_p) -> Draft`) replaces the
-        one `speculation.mode` names: benchmarks and tests script drafts with it.
+    def __init__(
+        self, sm: StreamedModel, speculation: SpeculationConfig | None = None, draft_source: DraftSource | None = None
+    ):
+        """`draft_source` replaces the one `speculation.mode` names: benchmarks and tests script
+        drafts with it.
 
         Raises:
             SpeculationError: the draft model cannot be used, or this model's cache cannot roll back.
@@ -266,7 +253,8 @@ class Generator:
         self.sm = sm
         self.speculation = speculation if speculation is not None and speculation.mode != "off" else None
         self.speculation_stats = SpeculationStats()
-        self._source = self._controller = None
+        self._source: DraftSource | None = None  # both set while speculation is on
+        self._controller: DraftController | None = None
         mlx = model_thread()
         if self.speculation is not None:
             check_rollback_supported(mlx.call(make_prompt_cache, sm.model))
@@ -298,7 +286,7 @@ class Generator:
         logits = logits[:, -1, :]
         return logits - mx.logsumexp(logits, keepdims=True)
 
-    def _plain(self, tokens: list[int], book: _TokenBook, sampler) -> Iterator[Token]:
+    def _plain(self, tokens: list[int], book: _TokenBook, sampler: Sampler) -> Iterator[Token]:
         """One token per forward pass, exactly mlx-lm's `generate_step`."""
         summary, limit = book.summary, self.sm.max_context
         logprobs = self._prefill(list(tokens))
@@ -306,7 +294,7 @@ class Generator:
             y = sampler(logprobs)
             mx.eval(y, logprobs)
             self.sm.settle()  # the pass's uses are counted before its token is handed out
-            token = book.emit(int(y.item()), logprobs.squeeze(0))
+            token = book.emit(int(y), logprobs.squeeze(0))
             if token is None:
                 summary.stop_reason = "eos"
                 return
@@ -320,7 +308,9 @@ class Generator:
                 return
             logprobs = self._logprobs(self._forward([token.id]))
 
-    def _speculative(self, tokens: list[int], book: _TokenBook, sampler) -> Iterator[Token]:
+    def _speculative(
+        self, tokens: list[int], book: _TokenBook, sampler: Sampler, source: DraftSource, ctl: DraftController
+    ) -> Iterator[Token]:
         """Decoding with drafts: each pass feeds `todo` (what must enter the cache, ending with the
         current token) plus k drafts, and yields the accepted drafts and one token more.
 
@@ -332,7 +322,6 @@ class Generator:
         """
         summary, settings = book.summary, book.settings
         stats = summary.speculation = SpeculationStats()
-        source, ctl = self._source, self._controller
         rollback = CacheRollback(self.cache)
         limit = self.sm.max_context
         todo: list[int] = []  # the pass in flight fed `todo` and `draft.tokens`
@@ -366,7 +355,7 @@ class Generator:
                 else:
                     y = sampler(rows[:1])  # exactly the plain path's step
                     mx.eval(y)
-                    j, nxt = 0, int(y.item())
+                    j, nxt = 0, int(y)
                 self.sm.settle()  # the pass's uses are counted before its tokens are handed out
                 out, settled, stop = [], False, None
                 for i, tok in enumerate([*draft.tokens[:j], nxt]):
@@ -461,8 +450,8 @@ class Generator:
         )
         try:
             try:
-                if self.speculation is not None:
-                    yield from self._speculative(tokens, book, sampler)
+                if self._source is not None and self._controller is not None:
+                    yield from self._speculative(tokens, book, sampler, self._source, self._controller)
                 else:
                     yield from self._plain(tokens, book, sampler)
             except RuntimeError as e:

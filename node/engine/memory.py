@@ -207,7 +207,7 @@ class MemoryPlan:
         core = f"core {self.core_label} {format_size(self.core_bytes)}"
         if self.split is not None:
             core += (
-                f" streamed from the SSD within {format_size(self.core_held_bytes)} "
+                f" streamed from the SSD within {format_size(self.core_memory_bytes)} "
                 f"({self.split.pinned} layers kept, {format_size(self.split.read_bytes_per_token)} read a token)"
             )
         context = f"context {_tokens(self.max_context)} {format_size(self.context_bytes)}, " if self.max_context else ""

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_map_with_path
 
 from expertmesh.node.engine.blocks import install_streaming_blocks
 from expertmesh.node.engine.core_quantization import format_name, quantize_model
-from expertmesh.node.engine.memory import CoreLayout
+from expertmesh.node.engine.memory import CoreLayout, CoreTooLargeError, DeviceMemory, MemoryPlan, plan_memory
 from expertmesh.node.engine.streamed_core import split_parameters
-from expertmesh.node.model.mlx_lm_models import build_model
+from expertmesh.node.model.mlx_lm_models import build_model, tree_arrays
+from expertmesh.node.sizes import format_size
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def _state_bytes(cache) -> int:
         state = cache.state
     except (AttributeError, TypeError, ValueError):
         return 0
-    return sum(a.nbytes for _, a in tree_flatten(state) if isinstance(a, mx.array))
+    return sum(a.nbytes for a in tree_arrays(state))
 
 
 # in order of how much they give up: the first that fits is the smallest change of bits
@@ -189,7 +190,7 @@ class Planner:
 
     repo_id: str
     sizes: ModelSizes
-    device: object  # memory.DeviceMemory
+    device: DeviceMemory
     expert_bytes: int
     layout: CoreLayout
     fetch_workers: int = 8
@@ -199,10 +200,10 @@ class Planner:
     core_bits: int = 16
     pulled_bits: int | None = None
 
-    def plan(self, layout: CoreLayout | None = None, max_context: int | None = None, ram_budget: str | None = None):
-        """The plan (memory.MemoryPlan) with these settings changed. Raises memory.CoreTooLargeError."""
-        from expertmesh.node.engine.memory import plan_memory
-
+    def plan(
+        self, layout: CoreLayout | None = None, max_context: int | None = None, ram_budget: str | None = None
+    ) -> MemoryPlan:
+        """The plan with these settings changed. Raises memory.CoreTooLargeError."""
         context = max_context or self.max_context
         layout = layout or self.layout
         return plan_memory(
@@ -219,20 +220,17 @@ class Planner:
             core_budget=self.core_budget,
         )
 
-    def _fits(self, **changes) -> bool:
-        from expertmesh.node.engine.memory import CoreTooLargeError
-
+    def _fits(
+        self, layout: CoreLayout | None = None, max_context: int | None = None, ram_budget: str | None = None
+    ) -> bool:
         try:
-            return self.plan(**changes).fits
+            return self.plan(layout, max_context, ram_budget).fits
         except CoreTooLargeError:
             return False
 
     def changes(self) -> list[str]:
         """Each single change that would hold the core whole: a smaller `--ram-budget` (when it
         is a size), a shorter `--max-context`, fewer core bits; empty when it fits already."""
-        from expertmesh.node.engine.memory import CoreTooLargeError
-        from expertmesh.node.sizes import format_size
-
         if self._fits():
             return []
         out = []

@@ -245,12 +245,15 @@ class ModelThread:
         task.started = time.perf_counter()
         if task.kind == PEER:
             self.waits.peer.append(task.started - task.queued)
+        fn, task.fn = task.fn, None
         try:
-            task.result = task.fn()
+            if fn is None:
+                raise RuntimeError("a task of the MLX thread runs once")
+            task.result = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
             task.error = e
         finally:
-            task.fn = None
+            del fn
             task.done.set()
 
     def stop(self) -> None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -34,6 +36,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.errors import SpeculationError
@@ -79,6 +82,16 @@ class SpeculationStats:
 class Draft:
     tokens: list[int]
     probs: list[mx.array] | None = None  # q(x) per draft (1-D over the vocabulary); None: deterministic
+
+
+class DraftSource(Protocol):
+    """What proposes drafts (NgramDraft, ModelDraft, or a benchmark's or test's script)."""
+
+    def propose(self, context: list[int], k: int, temp: float = 0.0, top_p: float = 1.0) -> Draft:
+        """Up to `k` tokens likely to follow `context`."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class NgramDraft:
@@ -130,7 +143,7 @@ class ModelDraft:
 
     name = "draft"
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(self, model: nn.Module, vocab_size: int):
         self.model = model
         self.vocab_size = vocab_size
         self.cache = make_prompt_cache(model)
@@ -145,7 +158,7 @@ class ModelDraft:
         return all(c.is_trimmable() for c in self.cache)
 
     @classmethod
-    def load(cls, repo_or_path: str, tokenizer, home: Path | None = None) -> ModelDraft:
+    def load(cls, repo_or_path: str, tokenizer: TokenizerWrapper, home: Path | None = None) -> ModelDraft:
         """Load a draft model from a local folder, or a repo pulled with huggingface_hub.
 
         Raises:
@@ -165,7 +178,7 @@ class ModelDraft:
                     f"draft model {repo_or_path!r} is neither a folder nor a reachable repository ({type(e).__name__})"
                 ) from None
         try:
-            model, draft_tok = mlx_lm.load(str(path))
+            model, draft_tok = mlx_lm.load(str(path))[:2]  # (model, tokenizer): no config asked for
         except (ValueError, FileNotFoundError, KeyError) as e:
             raise SpeculationError(f"mlx-lm cannot load the draft model at {path}: {e}") from None
         if draft_tok.get_vocab() != tokenizer.get_vocab():
@@ -205,29 +218,34 @@ class ModelDraft:
         if k > 1:  # drafts will be fed: remember the cache as it holds the context (see the class)
             self._mark = (len(self.fed), [_save(c) for c in self.cache])
         tokens: list[int] = []
-        probs: list[mx.array] | None = None if temp == 0 else []
+        probs: list[mx.array] = []
         for i in range(k):
             if temp == 0:
-                tok = int(mx.argmax(logits).item())
+                tok = int(mx.argmax(logits))
             else:
                 q = target_probs(logits - mx.logsumexp(logits), temp, top_p)
-                tok = int(mx.random.categorical(mx.log(q)).item())
+                tok = int(mx.random.categorical(mx.log(q)))
                 probs.append(q)
             tokens.append(tok)
             if i + 1 < k:
                 logits = self._feed([tok])
-        return Draft(tokens, probs)
+        return Draft(tokens, probs if temp != 0 else None)
 
     def close(self) -> None:
         self.cache, self._mark = [], None
 
 
-def make_draft_source(cfg: SpeculationConfig, tokenizer):
+def make_draft_source(cfg: SpeculationConfig, tokenizer: TokenizerWrapper) -> DraftSource:
+    """The draft source `cfg.mode` names.
+
+    Raises:
+        SpeculationError: the mode drafts nothing (`off`), or the draft model cannot be used.
+    """
     if cfg.mode == "ngram":
         return NgramDraft(cfg.ngram_max, cfg.ngram_min)
-    if cfg.mode == "draft":
+    if cfg.mode == "draft" and cfg.draft_repo:  # (SpeculationConfig refuses "draft" without one)
         return ModelDraft.load(cfg.draft_repo, tokenizer)
-    return None
+    raise SpeculationError(f"speculation mode {cfg.mode!r} has no draft source")
 
 
 # -- verification ----------------------------------------------------------------------------
@@ -251,7 +269,8 @@ def accept_drafts(logprobs: mx.array, draft: Draft, temp: float, top_p: float) -
     """
     k = len(draft.tokens)
     if temp == 0:
-        best = mx.argmax(logprobs, axis=-1).tolist()
+        # rows 0..k: the argmax of each is one token id, so the list is flat
+        best = cast(list[int], mx.argmax(logprobs, axis=-1).tolist())
         j = 0
         while j < k and best[j] == draft.tokens[j]:
             j += 1
@@ -262,16 +281,16 @@ def accept_drafts(logprobs: mx.array, draft: Draft, temp: float, top_p: float) -
             q = mx.zeros_like(p).at[x].add(1.0)
         else:
             q = draft.probs[i]
-        ratio = (p[x] / mx.maximum(q[x], 1e-20)).item()
-        if mx.random.uniform().item() < min(1.0, ratio):
+        ratio = float(p[x] / mx.maximum(q[x], 1e-20))
+        if float(mx.random.uniform()) < min(1.0, ratio):
             continue
         residual = mx.maximum(p - q, 0.0)
-        total = residual.sum().item()
+        total = float(residual.sum())
         if total <= 0:  # p == q: nothing left to correct towards; p itself is the residual
             residual = p
-        return i, int(mx.random.categorical(mx.log(residual)).item())
+        return i, int(mx.random.categorical(mx.log(residual)))
     p = target_probs(logprobs[k], temp, top_p)
-    return k, int(mx.random.categorical(mx.log(p)).item())
+    return k, int(mx.random.categorical(mx.log(p)))
 
 
 # -- draft length and the off-switch -----------------------------------------------------------

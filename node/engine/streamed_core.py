@@ -57,7 +57,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.core_quantization import is_router
@@ -66,7 +66,7 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.model import expert_trace, safetensors_format
 from expertmesh.node.model.codec import read_host, to_mx
-from expertmesh.node.model.mlx_lm_models import layer_number
+from expertmesh.node.model.mlx_lm_models import flat_parameters, layer_number
 from expertmesh.node.store.buffers import BufferPool
 from expertmesh.node.store.disk_reads import pieces
 
@@ -108,7 +108,7 @@ class _Layer:
     parked: list[tuple[str, mx.array]]  # the lazy, never evaluated arrays the module holds between calls
     nbytes: int  # what the layer's arrays take when held
     read_bytes: int  # what reading it takes from the disk
-    future: Future | None = None
+    future: Future[dict[str, mx.array]] | None = None  # its arrays being read
     pinned: bool = False
 
 
@@ -149,14 +149,13 @@ class StreamedCore:
         """Before layer `number` computes: its arrays installed (waiting for their reads), the next
         layers' reads started."""
         layer = self.layers[number]
-        if layer.future is None:
-            self._start(layer)
-        if not layer.future.done():
+        future = layer.future if layer.future is not None else self._start(layer)
+        if not future.done():
             t0 = time.perf_counter()
-            model_thread().wait([layer.future])
+            model_thread().wait([future])
             self.stats.wait_s += time.perf_counter() - t0
         try:
-            arrays = self.install(layer, layer.future.result())
+            arrays = self.install(layer, future.result())
         except OSError as e:  # a core file cut or unreadable since it was loaded
             layer.future = None
             with self._lock:
@@ -195,20 +194,21 @@ class StreamedCore:
             if nxt.future is None and nxt.number != number:
                 self._start(nxt)
 
-    def _start(self, layer: _Layer) -> None:
+    def _start(self, layer: _Layer) -> Future[dict[str, mx.array]]:
         with self._lock:
             self._held += layer.nbytes
             self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._held)
         layer.future = self.read(layer)
+        return layer.future
 
-    def read(self, layer: _Layer) -> Future:
+    def read(self, layer: _Layer) -> Future[dict[str, mx.array]]:
         """Read a layer's parameters; the future's result maps each to its array."""
         return self._layer_pool.submit(self._read_layer, layer)
 
     def _read_layer(self, layer: _Layer) -> dict[str, mx.array]:
         """One tensor after another, each in pieces read at once on the pool: a layer in flight
         holds its arrays so far and one tensor's buffer, never a second copy of the layer."""
-        out = {}
+        out: dict[str, mx.array] = {}
         for param in layer.params:
             views = [self._buffers.lend(t.nbytes) if t.nbytes else memoryview(bytearray(0)) for t in param.inputs]
             reads = [
@@ -233,7 +233,9 @@ class StreamedCore:
         the reading thread). BF16 stored as it is crosses as its 16 bits, viewed on install."""
         if param.recipe is None:
             t = param.inputs[0]
-            values = np.frombuffer(views[0], dtype=_NP[t.dtype], count=t.nbytes // np.dtype(_NP[t.dtype]).itemsize)
+            values: np.ndarray = np.frombuffer(
+                views[0], dtype=_NP[t.dtype], count=t.nbytes // np.dtype(_NP[t.dtype]).itemsize
+            )
             return mx.array(values.reshape(t.shape))
         hosts = [read_host(v, 0, t.nbytes, t.dtype, t.shape) for t, v in zip(param.inputs, views)]
         ((_, host),) = expert_trace.evaluate(param.recipe, hosts).items()
@@ -358,7 +360,8 @@ def core_files(model_dir: Path) -> list[Path]:
 def file_layout(model_dir: Path, label: str) -> CoreLayout:
     """The core as the plan sees it, from its files' headers alone (before anything is loaded):
     tensors outside the decoder layers and the routers kept, the rest by layer."""
-    resident, layers = 0, {}
+    resident = 0
+    layers: dict[int, int] = {}  # layer number -> its bytes
     for path in core_files(model_dir):
         for t in safetensors_format.read_header(path).values():
             n = layer_number(t.name)
@@ -416,7 +419,7 @@ def split_parameters(model: nn.Module) -> tuple[dict[str, mx.array], dict[int, t
     kept_paths = kept_modules(model)
     kept: dict[str, mx.array] = {}
     layers: dict[int, tuple[str, dict[str, mx.array]]] = {}
-    for path, array in tree_flatten(model.parameters()):
+    for path, array in flat_parameters(model).items():
         owner = next((p for p in _prefixes(path) if p in layer_paths), None)
         if owner is None or is_kept(path, kept_paths):
             kept[path] = array
@@ -447,8 +450,8 @@ def stream_core(
     layers: dict[int, _Layer] = {}
     for n, (owner, params) in streamable.items():
         ps, parked = [], []
-        for path, array in params.items():
-            param = _param(path, owner, array, exprs, stored)
+        for name, array in params.items():
+            param = _param(name, owner, array, exprs, stored)
             if param is None:  # made by sanitize in a way not followed: kept
                 kept.append(array)
             else:
@@ -506,6 +509,6 @@ def _trace(model: nn.Module, stored: dict[str, _Tensor], standins: dict | None) 
     tensors.update(standins or {})
     base = super(type(model), model)  # mlx-lm's own class: the loading subclass adds stand-ins of its own
     try:
-        return expert_trace.trace_sanitize(types.SimpleNamespace(sanitize=base.sanitize), tensors)
+        return expert_trace.trace_sanitize(base, tensors)
     except expert_trace.Untraceable as e:
         raise UnsupportedModelError(f"the core cannot be streamed: {e}") from None

@@ -10,17 +10,40 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from expertmesh.node.engine.blocks import ExpertPass, StreamingExperts
 from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.codec import ExpertCodec
 from expertmesh.node.model.expert_index import ExpertIndex
+from expertmesh.node.store.stats import StoreStats
+from expertmesh.node.store.store import ExpertStore
+from expertmesh.node.store.tiers.disk import DiskCache
+
+if TYPE_CHECKING:  # loaded with a streamed core only (`load_streamed_model`)
+    from expertmesh.node.engine.streamed_core import StreamedCore
 
 logger = logging.getLogger(__name__)
+
+
+class TokenObserver(Protocol):
+    """What watches every generation (observability/metrics.py's NodeMetrics)."""
+
+    def prompt(self, tokens: int) -> None: ...
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def token(self, seconds: float) -> None: ...
+
+    def speculative(self, drafted: int, accepted: int) -> None: ...
+
+    # optional (looked up with getattr, so an observer may leave them out):
+    # request(seconds) once per generation at its end; batch(size) per batched decode step
 
 
 @dataclass
@@ -29,7 +52,7 @@ class StreamedModel:
     commit: str
     path: Path
     model: nn.Module
-    tokenizer: object  # mlx-lm's TokenizerWrapper
+    tokenizer: TokenizerWrapper
     config: dict
     index: ExpertIndex
     codec: ExpertCodec  # how the blocks' expert bytes become MLX arrays
@@ -37,12 +60,11 @@ class StreamedModel:
     core_bytes: int
     core_bits: int = 16  # 8, 4...: stored and run as MLX quantised weights (`pull --core-bits`)
     core_quant: str | None = None  # mlx-lm's mixed recipe of a quantised core (`pull --core-quant`)
-    core_stream: object | None = None  # engine/streamed_core.py's StreamedCore when the core is streamed
+    core_stream: StreamedCore | None = None  # when the core is streamed
     context_limit: int | None = None  # `--max-context`: the tokens a conversation may hold here
-    store: object | None = None  # store.store.ExpertStore, once bound
-    disk: object | None = None  # store.tiers.disk.DiskCache, once bound
-    # per-token observer (observability/metrics.py): prompt(n), first_token(s), token(s), speculative(k, j)
-    token_observer: object | None = None
+    token_observer: TokenObserver | None = None
+    _store: ExpertStore | None = field(default=None, repr=False)  # once bound
+    _disk: DiskCache | None = field(default=None, repr=False)
     _close: Callable[[], None] | None = field(default=None, repr=False)
     _pass: ExpertPass | None = field(default=None, repr=False)  # the last forward pass, until settled
 
@@ -59,18 +81,36 @@ class StreamedModel:
         limits = [n for n in (self.context_limit, self.model_context) if n]
         return min(limits) if limits else None
 
+    @property
+    def store(self) -> ExpertStore:
+        """The expert store the blocks stream from.
+
+        Raises:
+            RuntimeError: the model is not bound yet (`bind`: build_node binds it as it builds the node).
+        """
+        if self._store is None:
+            raise RuntimeError(f"the model of {self.repo_id} is not bound to an expert store yet")
+        return self._store
+
+    @property
+    def disk(self) -> DiskCache:
+        """The disk tier of the store (raises RuntimeError before `bind`, as `store` does)."""
+        if self._disk is None:
+            raise RuntimeError(f"the model of {self.repo_id} is not bound to an expert store yet")
+        return self._disk
+
     def core_read_bytes(self) -> int:
         """Core bytes read from the SSD so far (0 unless the core is streamed)."""
         return self.core_stream.stats.read_bytes if self.core_stream is not None else 0
 
-    def bind(self, store, disk, close: Callable[[], None]) -> StreamedModel:
+    def bind(self, store: ExpertStore, disk: DiskCache, close: Callable[[], None]) -> StreamedModel:
         """Route every expert block to `store`; `close` closes what the model belongs to (its node)."""
-        self.store, self.disk, self._close = store, disk, close
+        self._store, self._disk, self._close = store, disk, close
         for block in self.blocks:
             block.bind(store)
         return self
 
-    def forward(self, inputs: mx.array, cache, ledgers: list | None = None) -> mx.array:
+    def forward(self, inputs: mx.array, cache: list | None, ledgers: list[StoreStats] | None = None) -> mx.array:
         """mlx-lm's forward pass of `inputs` (lazy logits), its expert uses counted: in the store,
         and with `ledgers` (a batch's: one StoreStats per row of `inputs`) per row too. Layers
         whose experts are all resident run without a sync; their uses are counted when the pass
@@ -98,7 +138,7 @@ class StreamedModel:
 
     def all_resident(self) -> bool:
         """Whether every expert of every MoE layer is in a RAM-tier slot (a pass then syncs once)."""
-        return self.store is not None and all(self.store.ram.resident(b.layer) for b in self.blocks)
+        return self._store is not None and all(self._store.ram.resident(b.layer) for b in self.blocks)
 
     def close(self) -> None:
         if self._close is not None:

@@ -30,6 +30,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -121,7 +122,7 @@ class PeerSource:
         self._lock = threading.Lock()
         # called as transfer_observer(peer, nbytes, seconds) after each expert that came from a
         # peer: how remote execution measures each peer's bandwidth
-        self.transfer_observer = None
+        self.transfer_observer: Callable[[Peer, int, float], None] | None = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         # one strike: a peer given up costs one expert from the next tier, and a token waits on it

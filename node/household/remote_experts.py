@@ -33,16 +33,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import grpc
 import mlx.core as mx
 
 from expertmesh.node.config import RemoteConfig
+from expertmesh.node.engine.blocks import Guess, StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.household.peers_tier import PeerSource
 from expertmesh.node.rpc import activations
+from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.store import ExpertStore, Served
 from expertmesh.v1 import node_pb2
 
@@ -138,7 +141,9 @@ class Placement:
 class RemoteExperts:
     """Places and runs each layer's experts on this node and the household's compute peers."""
 
-    def __init__(self, store: ExpertStore, peers: PeerSource, disk, config: RemoteConfig | None = None):
+    def __init__(
+        self, store: ExpertStore, peers: PeerSource, disk: Container[ExpertKey], config: RemoteConfig | None = None
+    ):
         self.store = store
         self.peers = peers
         self.disk = disk
@@ -161,7 +166,7 @@ class RemoteExperts:
                 link.pinged_at = time.monotonic()  # the call itself will find out
         return link
 
-    def _fetch_latency_s(self, source: str, nbytes: int, stats) -> float:
+    def _fetch_latency_s(self, source: str, nbytes: int, stats: StoreStats) -> float:
         """Seconds one fetch from `source` takes here: measured by the store (`stats`), else a prior."""
         if stats.uses[source] >= 4 and stats.bytes[source] > 0:
             return stats.fetch_seconds[source] / stats.uses[source]
@@ -199,7 +204,9 @@ class RemoteExperts:
         busy: dict[str, float] = {"here": 0.0, "hub": 0.0}
         stats = self.store.stats.snapshot()
         called: set[str] = set()
-        todo = []
+        # (fetch seconds, expert, bytes, (where it is fetched, fetch seconds, seconds on our NIC),
+        #  [(a peer that could compute it, whether it must fetch it first)])
+        todo: list[tuple[float, int, int, tuple[str, float, float], list[tuple[str, bool]]]] = []
         for e in experts:
             key = (layer, e)
             if key in self.store.ram:
@@ -207,10 +214,10 @@ class RemoteExperts:
             loc = index.expert(layer, e)
             holders = [p for p in computers if key in held[p.node_id]]
             owner = self.peers.table.ranked(expert_key(index, layer, e))[0]
+            source = holders[0] if holders else owner
             if key in self.disk:
                 fetch = ("here", self._fetch_latency_s("disk", loc.nbytes, stats) / lanes, 0.0)
-            elif holders or owner is not None:
-                source = holders[0] if holders else owner
+            elif source is not None:
                 link = links.get(source.node_id) or self._link(source)
                 # an owner that lacks the expert fetches it from the Hub before sending it
                 hub_first = self._fetch_latency_s("hub", loc.nbytes, stats) if not holders else 0.0
@@ -260,7 +267,7 @@ class RemoteExperts:
     # -- one layer ----------------------------------------------------------------------------
 
     def run(
-        self, block, experts: list[int], rows: dict[int, mx.array], guess: tuple[int, list[int]] | None
+        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: Guess | None
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Every expert's output rows for `block`'s layer, computed here or on peers, and which
         tier (or `remote`) served each."""
@@ -283,12 +290,12 @@ class RemoteExperts:
 
     def _compute_here(
         self,
-        block,
+        block: StreamingExperts,
         experts: list[int],
         rows: dict[int, mx.array],
         out: dict[int, mx.array],
         served: dict[int, Served],
-        guess: tuple[int, list[int]] | None,
+        guess: Guess | None,
         routed: list[int],
     ) -> None:
         """`experts` fetched and computed on this node, a group at a time within the hold limit."""
@@ -302,7 +309,7 @@ class RemoteExperts:
             out.update(part)
             served.update(group.served)
 
-    def _send(self, block, placement: Placement, rows: dict[int, mx.array]) -> list[_Call]:
+    def _send(self, block: StreamingExperts, placement: Placement, rows: dict[int, mx.array]) -> list[_Call]:
         by_peer: dict[str, list[int]] = {}
         peers = {}
         for e, p in placement.remote.items():
@@ -335,7 +342,9 @@ class RemoteExperts:
                     batch, size = [], 0
         return calls
 
-    def _collect(self, block, calls: list[_Call], out: dict[int, mx.array], served: dict[int, Served]) -> list[int]:
+    def _collect(
+        self, block: StreamingExperts, calls: list[_Call], out: dict[int, mx.array], served: dict[int, Served]
+    ) -> list[int]:
         """Put each call's outputs into `out` (`served` says `remote`); returns the experts to
         fetch and compute here instead."""
         failed: list[int] = []
@@ -345,12 +354,13 @@ class RemoteExperts:
             asked = list(call.rows)
             try:
                 response = call.future.result()
-            except grpc.RpcError as e:
-                deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            except grpc.RpcError as error:
+                code = error.code()
+                deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED
                 reason = "deadline" if deadline else "error"
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
+                if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
                     self.peers.penalise_call(
-                        call.peer, e.code(), "compute_deadline" if deadline else f"compute_{e.code().name.lower()}"
+                        call.peer, code, "compute_deadline" if deadline else f"compute_{code.name.lower()}"
                     )
                 stats.record_remote(**{f"fallback_{reason}": len(asked)})
                 failed.extend(asked)
@@ -358,9 +368,9 @@ class RemoteExperts:
             wall = (call.finished[0] if call.finished else time.perf_counter()) - call.started
             try:
                 got = self._check(block, call, response)
-            except activations.BadTensor as e:
+            except activations.BadTensor as error:
                 logger.warning(
-                    "peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, e
+                    "peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, error
                 )
                 self.peers.penalise(call.peer, "bad_output")
                 stats.record_remote(fallback_bad_output=len(asked))
@@ -389,7 +399,9 @@ class RemoteExperts:
             failed.extend(response.missing)
         return failed
 
-    def _check(self, block, call: _Call, response: node_pb2.ComputeExpertsResponse) -> dict[int, mx.array]:
+    def _check(
+        self, block: StreamingExperts, call: _Call, response: node_pb2.ComputeExpertsResponse
+    ) -> dict[int, mx.array]:
         """The response's rows, if it answers exactly what was asked with rows of the right shape.
 
         Raises:

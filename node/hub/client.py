@@ -24,7 +24,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import NoReturn, TypeVar, overload
 
 import httpx2
 from huggingface_hub import HfApi, get_token, hf_hub_download, hf_hub_url
@@ -184,12 +184,13 @@ def access_error(status: int | None, headers, repo_id: str, where: str) -> Excep
 def _response_of(e: BaseException) -> httpx2.Response | None:
     """The HTTP answer behind an error of huggingface_hub (hf_hub_download wraps a failed HEAD
     in another error, whose cause holds it)."""
+    error: BaseException | None = e
     seen = 0
-    while e is not None and seen < 5:
-        response = getattr(e, "response", None)
+    while error is not None and seen < 5:
+        response = getattr(error, "response", None)
         if isinstance(response, httpx2.Response):
             return response
-        e, seen = e.__cause__ or e.__context__, seen + 1
+        error, seen = error.__cause__ or error.__context__, seen + 1
     return None
 
 
@@ -433,6 +434,16 @@ class RangeReader:
             raise ValueError(f"a buffer of {len(out)} bytes for a range of {end - start}")
         return len(self.read_with_size(remote, start, end, out, ctx)[0])
 
+    @overload
+    def read_with_size(
+        self, remote: RemoteFile, start: int, end: int, out: None = None, ctx: FetchContext = DEMAND
+    ) -> tuple[bytearray, int | None]: ...
+
+    @overload
+    def read_with_size(
+        self, remote: RemoteFile, start: int, end: int, out: memoryview, ctx: FetchContext = DEMAND
+    ) -> tuple[bytearray | memoryview, int | None]: ...
+
     def read_with_size(
         self,
         remote: RemoteFile,
@@ -442,7 +453,7 @@ class RangeReader:
         ctx: FetchContext = DEMAND,
     ) -> tuple[bytearray | memoryview, int | None]:
         """`read` (into `out` if given), plus the file's total size from the `Content-Range`
-        (None if the server hides it)."""
+        (None if the server hides it). Without `out` the bytes come in a bytearray of their own."""
         if end <= start:
             raise ValueError(f"empty range {start}-{end}")
         # a range under ABANDON_MIN_LEFT_BYTES is fetched whatever `abandon` says, as a nearly done
@@ -652,8 +663,8 @@ class RangeReader:
         gives the connection up (`_too_slow`)."""
         # Without `out`, the buffer grows with the bytes that arrive: a Content-Range is only a
         # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
-        grown = bytearray() if out is None else None
-        body, n = (None if out is None else out[:want]), 0
+        body: bytearray | memoryview = bytearray() if out is None else out[:want]
+        n = 0
         # the first window counts the wait for the first byte, as curl's
         speed = _SpeedWindow(asked_at, self.speed_window_s, self._too_slow)
         for chunk in r.iter_bytes():
@@ -667,8 +678,8 @@ class RangeReader:
                     if whole
                     else "more bytes than the range"
                 )
-            if grown is not None:
-                grown += chunk
+            if isinstance(body, bytearray):
+                body += chunk
             else:
                 body[n : n + len(chunk)] = chunk
             n += len(chunk)
@@ -679,9 +690,7 @@ class RangeReader:
             speed.count(n)
         if n != want and not whole:
             raise _Retryable(f"connection ended after {n} of {want} bytes")
-        if grown is not None:
-            return grown
-        return body.obj if len(body.obj) == n else body[:n]
+        return body if isinstance(body, bytearray) else body[:n]
 
 
 class _SpeedWindow:

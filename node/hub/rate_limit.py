@@ -27,7 +27,7 @@ import math
 import threading
 import time
 import urllib.parse
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,7 +123,7 @@ class RateGate:
         self._reopens: dict[str, float] = {}  # bucket -> when its gate opens again
         self._windows: dict[str, _Window] = {}
         self.limited: Counter[str] = Counter()  # 429s for a used-up quota, by bucket
-        self.waited_s: Counter[str] = Counter()  # seconds each bucket's gate was closed
+        self.waited_s: defaultdict[str, float] = defaultdict(float)  # seconds each bucket's gate was closed
 
     def reset(self) -> None:
         """Open every gate and forget every count (a test's fresh start)."""

@@ -29,12 +29,13 @@ work on a fetch worker, beside the MLX thread's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import mlx.core as mx
 import numpy as np
 
 from expertmesh.node.errors import UnsupportedModelError
-from expertmesh.node.model.expert_index import ExpertLocation
+from expertmesh.node.model.expert_index import ExpertLocation, Recipe
 from expertmesh.node.model.expert_trace import SAFETENSORS_DTYPES
 from expertmesh.node.model.expert_trace import evaluate as evaluate_recipe
 from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS
@@ -167,7 +168,9 @@ def read_host(blob: memoryview, offset: int, nbytes: int, dtype: str, shape: tup
     np_dtype = _NUMPY_DTYPES.get(dtype)
     if np_dtype is None:
         raise UnsupportedModelError(f"expert tensors of dtype {dtype} are not supported yet")
-    a = np.frombuffer(blob, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=offset).reshape(shape)
+    a: np.ndarray = np.frombuffer(
+        blob, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=offset
+    ).reshape(shape)
     if dtype == "BF16":
         a = (a.astype(np.uint32) << 16).view(np.float32)  # a bfloat16 is the top half of a float32
     return a, _MX_DTYPES[dtype]
@@ -192,6 +195,14 @@ def _cast(t: _Host, dtype: mx.Dtype) -> _Host:
     return t[0].astype(np.float32), mx.float32
 
 
+@overload
+def to_mx(t: _Host) -> mx.array: ...
+
+
+@overload
+def to_mx(t: None) -> None: ...
+
+
 def to_mx(t: _Host | None) -> mx.array | None:
     """The MLX array of `t`, made from its buffer: no graph, nothing to evaluate."""
     if t is None:
@@ -200,17 +211,17 @@ def to_mx(t: _Host | None) -> mx.array | None:
     return mx.array(np.ascontiguousarray(values), dtype=dtype)
 
 
-def _plain(loc: ExpertLocation) -> bool:
-    """Whether every parameter of the recipe is an upstream tensor as stored (or its bytes viewed)
-    whose name says the same projection: then decoding by name gives the same arrays."""
-    if sorted(loc.recipe.inputs) != list(range(len(loc.tensors))):
+def _plain(loc: ExpertLocation, recipe: Recipe) -> bool:
+    """Whether every parameter of the expert's recipe is an upstream tensor as stored (or its
+    bytes viewed) whose name says the same projection: then decoding by name gives the same arrays."""
+    if sorted(recipe.inputs) != list(range(len(loc.tensors))):
         return False  # tensors the recipe leaves out, or takes twice
-    for param, node in loc.recipe.parameters.items():
+    for param, node in recipe.parameters.items():
         if node[0] == "view":
             node = node[1]
         if node[0] != "in":
             return False
-        proj = _projection_and_kind(loc.tensors[loc.recipe.inputs[node[1]]].name)[0]
+        proj = _projection_and_kind(loc.tensors[recipe.inputs[node[1]]].name)[0]
         if PROJECTION_ALIASES.get(proj) != param.rpartition(".")[0]:
             return False
     return True
@@ -267,9 +278,10 @@ class ExpertCodec:
     def decode(self, loc: ExpertLocation, blob: bytes | bytearray | memoryview) -> ExpertWeights:
         """The expert's kernel arrays. Raises UnsupportedModelError for an unknown encoding."""
         view = memoryview(blob)
-        if loc.recipe is not None and not _plain(loc):
+        recipe = loc.recipe
+        if recipe is not None and not _plain(loc, recipe):
             by_proj = self._from_recipe(
-                loc, view
+                loc, recipe, view
             )  # what mlx-lm's sanitize makes of these bytes (model/expert_trace.py)
         else:
             # an index of format 1, or a recipe that only takes tensors as they are stored: by
@@ -279,23 +291,23 @@ class ExpertCodec:
             try:
                 by_proj = self._by_name(loc, view)
             except UnsupportedModelError:
-                if loc.recipe is None:
+                if recipe is None:
                     raise
-                by_proj = self._from_recipe(loc, view)
+                by_proj = self._from_recipe(loc, recipe, view)
         wanted = tuple(self.input_dims.get(loc.layer, ())) or PROJECTIONS
         missing = [p for p in wanted if p not in by_proj]
         if missing:
             raise UnsupportedModelError(f"expert {loc.layer}/{loc.expert} has no {', '.join(missing)} tensors")
         return ExpertWeights(loc.layer, loc.expert, {p: self._projection(loc.layer, p, by_proj[p]) for p in wanted})
 
-    def _from_recipe(self, loc: ExpertLocation, view: memoryview) -> dict[str, dict[str, _Host]]:
+    def _from_recipe(self, loc: ExpertLocation, recipe: Recipe, view: memoryview) -> dict[str, dict[str, _Host]]:
         offsets = loc.blob_offsets()
         inputs = [
             read_host(view, offsets[i], loc.tensors[i].nbytes, loc.tensors[i].dtype, loc.tensors[i].shape)
-            for i in loc.recipe.inputs
+            for i in recipe.inputs
         ]
         by_proj: dict[str, dict[str, _Host]] = {}
-        for name, host in evaluate_recipe(loc.recipe.parameters, inputs).items():
+        for name, host in evaluate_recipe(recipe.parameters, inputs).items():
             proj, _, kind = name.rpartition(".")
             by_proj.setdefault(proj, {})[kind] = host
         return by_proj

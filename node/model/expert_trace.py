@@ -519,12 +519,12 @@ def _symbolic_mx() -> Iterator[None]:
             m for n, m in list(sys.modules.items()) if n.startswith("mlx_lm.models.") and getattr(m, "mx", None) is mx
         ]
         for m in patched:
-            m.mx = proxy
+            vars(m)["mx"] = proxy
         try:
             yield
         finally:
             for m in patched:
-                m.mx = mx
+                vars(m)["mx"] = mx
 
 
 def trace_sanitize(model: Any, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
@@ -676,7 +676,15 @@ def select(x: Sym, axis: int, i: int) -> Sym:
 
 
 def _describe(x: Sym) -> str:
-    return f"{x.attrs[0]} {_DTYPE_NAMES.get(x.dtype, x.dtype)}{list(x.shape)}"
+    name = _DTYPE_NAMES.get(x.dtype) if x.dtype is not None else None
+    return f"{x.attrs[0]} {name or x.dtype}{list(x.shape)}"
+
+
+def _dtype_name(x: Sym) -> str:
+    """The MLX name of the dtype of `x`'s result. Raises Unaddressable when it is not known."""
+    if x.dtype is None:
+        raise Unaddressable(f"{_describe_all(x)} (a result of unknown dtype)")
+    return _DTYPE_NAMES[x.dtype]
 
 
 def _describe_all(x: Sym) -> str:
@@ -721,7 +729,7 @@ def encode_expert(targets: dict[str, Sym]) -> tuple[list[tuple[str, int | None]]
         elif n.op == "negative":
             out = ["negative", enc(n.args[0])]
         elif n.op in ("multiply", "add", "subtract", "divide"):
-            out = [n.op, enc(n.args[0]), enc(n.args[1]), _DTYPE_NAMES[n.dtype]]
+            out = [n.op, enc(n.args[0]), enc(n.args[1]), _dtype_name(n)]
         elif n.op == "pad":
             out = ["pad", enc(n.args[0]), [list(w) for w in n.attrs[0]], n.attrs[1]]
         else:
@@ -815,7 +823,7 @@ def _view(values: Any, src: mx.Dtype, dst: mx.Dtype) -> Host:
     raw = np.ascontiguousarray(values)
     if src == mx.bfloat16:
         raw = (raw.view(np.uint32) >> 16).astype(np.uint16)
-    out = raw.view(np.uint16 if dst == mx.bfloat16 else _NP[dst])
+    out: np.ndarray = raw.view(np.uint16 if dst == mx.bfloat16 else _NP[dst])
     if dst == mx.bfloat16:
         out = (out.astype(np.uint32) << 16).view(np.float32)
     return out, dst

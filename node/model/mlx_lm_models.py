@@ -175,3 +175,10 @@ def layer_number(path: str) -> int | None:
 def flat_parameters(module: nn.Module) -> dict[str, mx.array]:
     """The module's parameters by their dotted names, as mlx-lm saves and loads them."""
     return dict(cast(list[tuple[str, mx.array]], tree_flatten(module.parameters())))
+
+
+def tree_arrays(tree: object) -> list[mx.array]:
+    """Every MLX array in a tree of lists, tuples and dicts (a cache's state, a call's arguments)."""
+    # tree_flatten's return type names both of its forms; without a dict to fill it is the list
+    pairs = cast(list[tuple[str, object]], tree_flatten(tree))
+    return [a for _, a in pairs if isinstance(a, mx.array)]

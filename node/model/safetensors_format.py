@@ -87,7 +87,7 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     return count * bits // 8
 
 
-def header_length(prefix: bytes) -> int:
+def header_length(prefix: bytes | bytearray) -> int:
     """The JSON header's length, from the first 8 bytes of a file."""
     if len(prefix) < 8:
         raise SafetensorsFormatError("file shorter than the 8-byte header length")
@@ -97,7 +97,7 @@ def header_length(prefix: bytes) -> int:
     return n
 
 
-def parse_header(header: bytes, file_size: int | None = None) -> tuple[dict[str, TensorEntry], dict]:
+def parse_header(header: bytes | bytearray, file_size: int | None = None) -> tuple[dict[str, TensorEntry], dict]:
     """Parse the JSON header (without its 8-byte length) into entries with absolute offsets.
 
     The header comes from the network: every value is checked for its type before it is used,

@@ -193,11 +193,11 @@ class _StateCollector(Collector):
             PREFIX + "cache_evictions", "Experts dropped by each cache tier to stay within its budget.", labels=["tier"]
         )
         for tier, cache in (("ram", src.ram), ("disk", src.disk)):
-            held = cache is not None  # a cache peer has no RAM tier: its series stay at 0
-            cache_bytes.add_metric([tier], cache.nbytes if held else 0)
-            cache_experts.add_metric([tier], len(cache) if held else 0)
-            budget.add_metric([tier], cache.budget_bytes if held else 0)
-            evictions.add_metric([tier], cache.evictions if held else 0)
+            # a cache peer has no RAM tier: its series stay at 0
+            cache_bytes.add_metric([tier], cache.nbytes if cache is not None else 0)
+            cache_experts.add_metric([tier], len(cache) if cache is not None else 0)
+            budget.add_metric([tier], cache.budget_bytes if cache is not None else 0)
+            evictions.add_metric([tier], cache.evictions if cache is not None else 0)
         yield from (cache_bytes, cache_experts, budget, evictions)
 
         disk = src.disk
@@ -432,9 +432,12 @@ class NodeMetrics:
         scrapes = _Scrapes()
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, sockaddr = infos[0][0], infos[0][4]
-        server_class = type("MetricsHTTPServer", (_ThreadingWSGIServer,), {"address_family": family})
+        address = str(sockaddr[0])  # an IPv4 or IPv6 address: a TCP port's passive address
+        server_class: type[_ThreadingWSGIServer] = type(
+            "MetricsHTTPServer", (_ThreadingWSGIServer,), {"address_family": family}
+        )
         server = make_server(
-            sockaddr[0], port, scrapes.wrap(make_wsgi_app(self.registry)), server_class, handler_class=_QuietHandler
+            address, port, scrapes.wrap(make_wsgi_app(self.registry)), server_class, handler_class=_QuietHandler
         )
         thread = threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True)
         thread.start()

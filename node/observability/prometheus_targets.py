@@ -107,18 +107,18 @@ class TargetsWatcher:
         target = None
         if sighting is not None and sighting.ad.cluster == self.cluster and sighting.ad.metrics_port:
             ad = sighting.ad
-            node_id, role = ad.node_id, ad.role
+            who: tuple[str, str] | None = (ad.node_id, ad.role)
             if self._secret is not None:
-                proven = self._proven(name, sighting)
-                node_id, role = (proven.node_id, proven.role) if proven is not None else (None, None)
-            if node_id is not None:
-                target = MetricsTarget(f"{sighting.host}:{ad.metrics_port}", node_id, role, self.cluster)
+                proven = self._proven(name, sighting, self._secret)
+                who = (proven.node_id, proven.role) if proven is not None else None
+            if who is not None:
+                target = MetricsTarget(f"{sighting.host}:{ad.metrics_port}", *who, self.cluster)
         self._set(name, target)  # None: gone, another cluster, unproven, or a node that serves no metrics
 
-    def _proven(self, name: str, sighting: Sighting) -> Peer | None:
+    def _proven(self, name: str, sighting: Sighting, secret: str) -> Peer | None:
         """The advertised node as it proves itself at its gRPC address, or None (logged)."""
         try:
-            peer = prove_peer(sighting.address, self._secret, self._tls_ca)
+            peer = prove_peer(sighting.address, secret, self._tls_ca)
         except (ProofError, grpc.RpcError) as e:
             why = "its proof does not check" if isinstance(e, ProofError) else "it did not answer Prove"
         else:

@@ -17,9 +17,20 @@ from __future__ import annotations
 import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Protocol
 
 Key = Hashable
 AGEING_BUDGETS = 64
+
+
+class Policy(Protocol):
+    """What the RAM tier and the replay ask of a replacement policy (see the module's docstring)."""
+
+    def access(self, key: Key) -> tuple[bool, list[Key]]:
+        """(whether `key` was kept, what admitting it evicted)."""
+        ...
+
+    def discard(self, key: Key) -> None: ...
 
 
 class LRU:
@@ -203,7 +214,7 @@ POLICIES = {p.name: p for p in (LFUAged, ARC, LRU)}
 DEFAULT_POLICY = "lfu"
 
 
-def make_policy(name: str, slots: int):
+def make_policy(name: str, slots: int) -> Policy:
     try:
         return POLICIES[name](slots)
     except KeyError:

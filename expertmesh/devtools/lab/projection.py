@@ -100,8 +100,7 @@ def project(p: ProjectionInputs) -> dict:
                         "fetch_s_per_token": token_seconds(p, macs, link, compute, False),
                     }
                 )
-    moon = next(r for r in rows if r["compute"] == "metal_input" and r["link"] == "1GbE" and r["macs"] == 4)
-    moon_s = float(moon["remote_s_per_token"])  # type: ignore[arg-type]
+    moon_s = token_seconds(p, 4, LINKS["1GbE"], p.metal_compute_s, True)  # the row of 4 Macs, Metal, 1GbE
     # the call time outside the peer that would just meet the moonshot, all else as given (< 0: out of reach)
     metal_rest = layer_seconds(
         ProjectionInputs(**{**asdict(p), "call_s": 0.0}), 4, LINKS["1GbE"], p.metal_compute_s, True

@@ -42,8 +42,12 @@ class Tier(Protocol):
 class RunFetcher(Tier, Protocol):
     """A tier that also fetches adjacent experts as one set of range requests (see store/runs.py)."""
 
-    connections: int  # requests in flight at once
     min_piece_bytes: int  # an expert at least this large is already split across connections
+
+    @property
+    def connections(self) -> int:
+        """Requests in flight at once (the Hub's count adapts to what the link carries)."""
+        ...
 
     @property
     def run_bytes(self) -> int: ...

@@ -203,7 +203,7 @@ class DiskCache:
     def __len__(self) -> int:
         return len(self._files)
 
-    def __contains__(self, key: tuple[int, int]) -> bool:
+    def __contains__(self, key: object) -> bool:
         """Held: published, or queued for the writer (readable from memory until it is written)."""
         return key in self._files and (key not in self._writing or key in self._pending)
 

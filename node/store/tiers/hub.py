@@ -186,7 +186,7 @@ class HubSource:
         for m in merged:
             where[m] = off
             off += m.nbytes
-        out = []
+        out: list[ExpertBytes] = []
         for loc in locs:
             parts = []
             for r in loc.ranges:

@@ -36,13 +36,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
 
 from expertmesh.node.model.codec import ExpertCodec, ExpertWeights, SlotLayout
 from expertmesh.node.model.expert_index import ExpertIndex, ExpertLocation
-from expertmesh.node.store.policies import DEFAULT_POLICY, make_policy
+from expertmesh.node.store.policies import DEFAULT_POLICY, Policy, make_policy
 from expertmesh.node.store.stats import ExpertKey
 
 
@@ -53,7 +54,7 @@ class SlotPool:
     layout: SlotLayout
     capacity: int
     layers: frozenset[int]
-    policy: object
+    policy: Policy
     keeps_all: bool = False  # the policy's budget holds every expert of the layers: it never evicts
     free: list[int] = field(default_factory=list)
     # projection -> array kind -> (capacity, *shape); made at the first write (on the MLX thread)
@@ -172,7 +173,7 @@ class RamCache:
     def __len__(self) -> int:
         return len(self._slot)
 
-    def __contains__(self, key: ExpertKey) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._slot
 
     def resident(self, layer: int) -> bool:
@@ -226,7 +227,7 @@ class RamCache:
                 return None  # every slot in use: the policy is not even asked
             _, evicted = pool.policy.access(key)
             kept = key not in evicted
-            for old in evicted:
+            for old in cast(list[ExpertKey], evicted):  # the policy holds only the keys this tier gave it
                 self.evictions += 1
                 if old != key:
                     self._let_go(pool, old)
@@ -277,7 +278,7 @@ class RamCache:
         for n, pool in enumerate({id(p): p for p in self._pools.values()}.values()):
             for name, stacks in (pool.arrays or {}).items():
                 for kind, stack in stacks.items():
-                    view = memoryview(stack)
+                    view = memoryview(stack)  # type: ignore[arg-type]  # mlx's stubs omit the buffer protocol mx.array has
                     try:
                         out[(n, name, kind)] = (np.asarray(view).ctypes.data, stack.nbytes)
                     finally:
