@@ -22,18 +22,19 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from expertmesh.node import constants
+from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.model.codec import ExpertWeights
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import CLOSE_TIMEOUT_S, FetchQueue
 from expertmesh.node.store.fill import IdleFill
 from expertmesh.node.store.flights import Flights
 from expertmesh.node.store.prefetch import Prefetcher
+from expertmesh.node.store.routing import RoutingRecorder
 from expertmesh.node.store.runs import demand_runs
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tier_chain import Fetched, TierChain
 from expertmesh.node.store.tiers.ram import RamCache
-
-DEFAULT_FETCH_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,12 @@ class ExpertStore:
         index: ExpertIndex,
         ram: RamCache,
         chain: TierChain,
-        workers: int = DEFAULT_FETCH_WORKERS,
+        workers: int = constants.EXPERT_FETCH_CONCURRENCY,
         prefetch: bool = True,
         fill_order: list[ExpertKey] | None = None,
         owns: Callable[[ExpertKey], bool] | None = None,
         coalesce: bool = True,
-        trace=None,
+        trace: RoutingRecorder | None = None,
         wait: Callable[[list[Future]], None] | None = None,
     ):
         self.index = index
@@ -184,12 +185,12 @@ class ExpertStore:
             return
         size = max(1, limit // 2)
         groups = [experts[i : i + size] for i in range(0, len(experts), size)]
-        pending = self._start(layer, groups[0], guess)
-        for n in range(len(groups)):
-            current = pending
-            pending = self._start(layer, groups[n + 1], None) if n + 1 < len(groups) else None
+        current = self._start(layer, groups[0], guess)
+        for group in groups[1:]:
+            pending = self._start(layer, group, None)  # queued before the group before it is handed over
             yield self._finish(layer, *current)
-            del current
+            current = pending  # the group handed over is let go of
+        yield self._finish(layer, *current)
 
     def _begin_layer(self, layer: int, experts: list[int], record: bool, own_pass: bool = True) -> None:
         """A layer is asked for: generation is on (fill), its routing is traced, its guesses settle."""
@@ -269,6 +270,8 @@ class ExpertStore:
         nbytes = self.index.expert(*key).nbytes
         self.stats.record(fetched.source, nbytes, fetched.seconds)
         served[key[1]] = Served(fetched.source, nbytes, fetched.seconds)
+        if fetched.weights is None:  # a demand's fetch is always decoded (a fill keeps only the bytes)
+            raise ExpertmeshError(f"expert {key[1]} of layer {key[0]} arrived undecoded")
         return fetched.weights
 
     # -- guesses ------------------------------------------------------------------------------
