@@ -285,9 +285,8 @@ class ExpertCodec:
             )  # what mlx-lm's sanitize makes of these bytes (model/expert_trace.py)
         else:
             # an index of format 1, or a recipe that only takes tensors as they are stored: by
-            # name. Measured on the K3 layout (tests/test_memory.py's probe): peak RSS 10.5-11
-            # experts over the base by name, 28-29 through the recipe (identical values; the
-            # cause is not yet found), so the plain case keeps the leaner path.
+            # name, which peaks at far less memory than the recipe's path for the same values
+            # (docs/benchmarks.md, "One-off measurements without a script": decode paths).
             try:
                 by_proj = self._by_name(loc, view)
             except UnsupportedModelError:

@@ -546,8 +546,7 @@ class MetricsServer:
 
         Why: `run` lasts seconds, often less than Prometheus' scrape interval, and its counters
         are final only when its generation ends. Stopping the server right then leaves Prometheus
-        with whatever an earlier scrape saw (130 tokens where the summary said 151, issue 21), or
-        nothing. One scrape that began after the counts stopped moving carries them all, so there
+        with whatever an earlier scrape saw (fewer tokens than the summary printed), or nothing. One scrape that began after the counts stopped moving carries them all, so there
         is nothing to wait for after it; the bound keeps a `run` that nobody scrapes (no
         Prometheus, or one that does not know this port) from waiting long. A scrape already in
         flight when this is called may have read the counts before they were final: it does not

@@ -14,8 +14,8 @@ how good its guesses are now without paying for a wrong one to find out. Over th
 PREFETCH_WINDOW guessed experts (at least MIN_JUDGED of them): below PREFETCH_MIN_ACCURACY
 nothing is fetched; from it, guesses are fetched on the link a layer's compute leaves idle; from
 SHARE_MIN_ACCURACY, they may also start while a layer's last demanded pieces are still arriving
-(the fetch queue's `may_share`). Measured on K3-sized experts with a random model's guesses (17%
-right), fetching them anyway cost a cold decode 0.79 of the link's use against 0.95 without.
+(the fetch queue's `may_share`). Why a wrong guess is not fetched to find out: docs/benchmarks.md,
+"expertmesh bench --model k3-proportions" (guesses judged without being fetched).
 """
 
 from __future__ import annotations
