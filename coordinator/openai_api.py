@@ -29,13 +29,12 @@ from urllib.parse import unquote
 from expertmesh.coordinator.api_access import AccessPolicy
 from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
 from expertmesh.coordinator.generation_threads import GenerationThreads, ThreadedGeneration
-from expertmesh.coordinator.http_server import Exchange, HttpServer, ServerLimits
+from expertmesh.coordinator.http_server import RETRY_AFTER_S, Exchange, HttpServer, ServerLimits
 from expertmesh.coordinator.openai_request import ApiError, Ask, decode_body, parse_ask
 from expertmesh.coordinator.request_queue import QueueFull
 
 __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 
-RETRY_AFTER_S = 5
 GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _GET_PATHS = ("/v1/models", "/metrics", "/healthz")

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from expertmesh.node.constants import MAX_TOKENS_LIMIT
 from expertmesh.v1 import node_pb2
 
-MAX_TOKENS_LIMIT = 32768  # as the node's own limit
 MAX_STOPS = 4  # as OpenAI's
 # A stop is a short marker ("\n\n", "User:"); the scanner's work per token grows with its length.
 MAX_STOP_CHARS = 512

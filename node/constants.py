@@ -85,6 +85,17 @@ DEFAULT_MAX_CONTEXT = 32768
 # not the link, bounds the bench on 2 cores (docs/benchmarks.md, benchmarks/bench_time_scale.py).
 BENCH_TIME_SCALE = 0.2
 
+# The most tokens one request may ask to generate, at the node and at the API alike.
+MAX_TOKENS_LIMIT = 32768
+
+# Kimi K3's shape (../shared/DESIGN.md §1; the expert size is the upstream bytes of one routed
+# expert), for what is computed or emulated at K3's size: memory plans, link and LAN emulation.
+K3_MOE_LAYERS = 92
+K3_EXPERTS_PER_LAYER = 896
+K3_TOP_K = 16
+K3_EXPERT_BYTES = 17_547_264
+K3_HIDDEN = 7168
+
 # The built-in demo model (expertmesh/devtools/tiny/demo_model.py), served by `expertmesh demo` from a local Hub.
 DEMO_REPO = "expertmesh/demo-kimi-k3"
 # Its draft model for `--speculate draft` (expertmesh/devtools/tiny/draft/), published next to it.

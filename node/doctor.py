@@ -231,9 +231,10 @@ def plan_model(
         DamagedModelError: its local files cannot be read (`pull` repairs them).
         CoreBitsError: a bad `core_bits`/`core_quant`.
     """
+    from expertmesh.node.constants import K3_EXPERT_BYTES
     from expertmesh.node.engine.core_quantization import check_core_format, format_name
     from expertmesh.node.engine.memory import device_memory, mac
-    from expertmesh.node.engine.model_sizes import K3_EXPERT_BYTES, ModelSizes, Planner
+    from expertmesh.node.engine.model_sizes import ModelSizes, Planner
     from expertmesh.node.engine.model_thread import model_thread
     from expertmesh.node.engine.streamed_core import file_layout
     from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex

@@ -69,7 +69,6 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024  # well under gRPC's 4 MB message limit
 DEFAULT_MAX_TOKENS = 256
-MAX_TOKENS_LIMIT = 32768
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 10_000
 MAX_TEMPERATURE = 2.0  # as the OpenAI API's
@@ -393,8 +392,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 refuse(f"the messages must have at most {MAX_PROMPT_CHARS} characters")
         elif not 0 < len(request.prompt) <= MAX_PROMPT_CHARS:
             refuse(f"the prompt must have 1 to {MAX_PROMPT_CHARS} characters")
-        if request.max_tokens > MAX_TOKENS_LIMIT:
-            refuse(f"max_tokens must be at most {MAX_TOKENS_LIMIT}")
+        if request.max_tokens > constants.MAX_TOKENS_LIMIT:
+            refuse(f"max_tokens must be at most {constants.MAX_TOKENS_LIMIT}")
         if not (math.isfinite(request.temperature) and 0 <= request.temperature <= MAX_TEMPERATURE):
             refuse(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, not {request.temperature}")
         if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):

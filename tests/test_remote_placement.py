@@ -7,11 +7,11 @@ import time
 from types import SimpleNamespace
 
 from expertmesh.node.config import RemoteConfig
+from expertmesh.node.constants import K3_EXPERT_BYTES
 from expertmesh.node.household.membership import Peer, PeerTable
 from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
 from expertmesh.node.store.stats import StoreStats
 
-K3_EXPERT_BYTES = 17_547_264
 GIGABIT = 118e6
 ROW_BYTES = 3584 * 4
 

@@ -31,6 +31,7 @@ import httpx2
 
 from expertmesh.devtools.local_hub import HubKnobs, HubServer
 from expertmesh.node import constants
+from expertmesh.node.constants import K3_EXPERT_BYTES
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.hub import client as hub_client
@@ -49,7 +50,6 @@ class FreshConnectionReader(hub_client.RangeReader):
             yield session
 
 
-K3_EXPERT_BYTES = 17.5e6
 K3_LINK = {"bandwidth": 100e6, "per_connection": 12.5e6, "ttfb_s": 0.050, "connection_s": 0.100}
 PROMPTS = (
     "Return the number of items in the",

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from expertmesh.node.constants import K3_EXPERT_BYTES, K3_HIDDEN
+
 
 class TokenBucket:
     """Bytes per second shared by whoever takes from it; sleeping happens outside the lock."""
@@ -90,8 +92,7 @@ class LanEmulation:
 
 
 # Kimi K3 on gigabit Ethernet: a 17.5 MB expert, a 7168-wide BF16 activation row, 118 MB/s, 1 ms.
-K3_EXPERT_BYTES = 17.5e6
-K3_ROW_BYTES = 7168 * 2
+K3_ROW_BYTES = K3_HIDDEN * 2
 GIGABIT = {"bandwidth": 118e6, "rtt_s": 1e-3}
 
 

@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+from expertmesh.node.constants import K3_EXPERTS_PER_LAYER
 from expertmesh.node.engine.blocks import install_streaming_blocks
 from expertmesh.node.engine.core_quantization import format_name, quantize_model
 from expertmesh.node.engine.memory import CoreLayout, CoreTooLargeError, DeviceMemory, MemoryPlan, plan_memory
@@ -40,9 +41,6 @@ from expertmesh.node.sizes import format_size
 logger = logging.getLogger(__name__)
 
 PROBE_TOKENS = (256, 512)  # two prompt lengths: what grows between them grows per token
-K3_EXPERT_BYTES = 17_547_264
-K3_EXPERTS_PER_LAYER = 896
-K3_MOE_LAYERS = 92
 K3_LABEL = "K3 (computed from its shape, not measured)"
 
 

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-K3_MOE_LAYERS = 92
-K3_TOP_K = 16
-K3_EXPERT_BYTES = 17_547_264
+from expertmesh.node.constants import K3_EXPERT_BYTES, K3_MOE_LAYERS, K3_TOP_K
+
 LINKS = {"1GbE": 118e6, "10GbE": 1.15e9}  # payload bytes/s
 MACS = (1, 2, 4)
 MOONSHOT_S = 1.5
