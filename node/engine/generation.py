@@ -1,12 +1,15 @@
 """Token generation on a streamed model: the same steps as mlx-lm's `generate_step`, one token
-at a time, so the KV cache and recurrent state always hold exactly the tokens we fed.
+at a time, so the KV cache and recurrent state hold exactly the tokens fed between calls.
 
-mlx-lm pipelines the next step with `async_eval`. We step plainly: where experts must be fetched
-every MoE layer synchronises to learn its routing, so there is nothing to overlap; and stepping
-plainly lets Ctrl-C stop between tokens with the cache holding exactly the tokens fed, which
-multi-turn chat relies on (a pipelined step feeds a token nobody may read, and a recurrent state
-cannot give one back). A model whose experts are all resident syncs once a token either way
-(engine/blocks.py); on Metal, overlapping its graph building with the GPU is what is left.
+mlx-lm pipelines the next step with `async_eval`: it builds token n + 1's graph while the device
+computes token n. We do the same where it can gain anything: when every expert is resident, a
+pass syncs once, at its end (engine/blocks.py); where experts must be fetched every MoE layer
+synchronises to learn its routing, and the next pass would only wait for this one. A pipelined
+step feeds a token that nobody may read (generation stops, Ctrl-C closes the stream), and
+multi-turn chat relies on the cache holding exactly the tokens handed out but the last, so that
+pass is taken back: trimmed from a KV cache, a recurrent state restored from the snapshot held
+before it (speculative.py's CacheRollback; a cache that could be given back only by copying it
+is not pipelined).
 
 Whoever iterates `generate`, every step runs on the process's MLX thread
 (node/engine/model_thread.py), one token per turn: the caller's thread only waits for tokens.
@@ -39,6 +42,7 @@ from expertmesh.node.engine.speculative import (
     accept_drafts,
     check_rollback_supported,
     make_draft_source,
+    rolls_back_cheaply,
 )
 from expertmesh.node.engine.streamed_model import StreamedModel, TokenObserver
 from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
@@ -108,6 +112,7 @@ class GenerationSummary:
     # Generate can tell each token's uses apart from its batch's; None: the node's counters are its
     routed: StoreStats | None = None
     core_read_bytes: int = 0  # core bytes read from the SSD by this generation (a streamed core)
+    passes_built_ahead: int = 0  # decode passes built while the one before computed (`_plain`)
 
     @property
     def core_read_bytes_per_token(self) -> float:
@@ -149,7 +154,10 @@ class GenerationSummary:
         out.append(f"expert uses by source: {', '.join(parts)}; {self.experts.total_uses} in all")
         resident, streamed = self.experts.layers["resident"], self.experts.layers["streamed"]
         if resident and not streamed:
-            out.append("all experts resident: every MoE layer ran from RAM slots without a sync, one sync per token")
+            out.append(
+                "all experts resident: every MoE layer ran from RAM slots without a sync, one sync per token"
+                + (", each token's pass built while the one before computed" if self.passes_built_ahead else "")
+            )
         elif resident:
             out.append(
                 f"{resident} of {resident + streamed} MoE layer passes ran on resident experts without a sync; "
@@ -287,26 +295,65 @@ class Generator:
         return logits - mx.logsumexp(logits, keepdims=True)
 
     def _plain(self, tokens: list[int], book: _TokenBook, sampler: Sampler) -> Iterator[Token]:
-        """One token per forward pass, exactly mlx-lm's `generate_step`."""
+        """One token per forward pass, exactly mlx-lm's `generate_step`.
+
+        As there, the next token's pass is built and started (`mx.async_eval`) before this
+        token is read, so the host builds one graph while the device computes the other —
+        whenever the pass does not sync inside (`_builds_ahead`). A pass built ahead for a token
+        that is then not fed (generation stops) is taken back out of the cache and uncounted,
+        so the cache ends as it would without it: the last token handed out is not fed."""
         summary, limit = book.summary, self.sm.max_context
+        max_tokens = book.settings.max_tokens
+        rollback = CacheRollback(self.cache)
         logprobs = self._prefill(list(tokens))
-        for _ in range(book.settings.max_tokens):
-            y = sampler(logprobs)
-            mx.eval(y, logprobs)
-            self.sm.settle()  # the pass's uses are counted before its token is handed out
-            token = book.emit(int(y), logprobs.squeeze(0))
-            if token is None:
-                summary.stop_reason = "eos"
-                return
-            yield token
-            stop = book.stop_after()
-            if stop is not None:
-                summary.stop_reason = stop
-                return
-            if limit is not None and len(self.history) + 1 >= limit:
-                summary.stop_reason = "context"
-                return
-            logprobs = self._logprobs(self._forward([token.id]))
+        y = sampler(logprobs)
+        fed_ahead = False  # whether `y` is already fed, in the pass built ahead
+        in_history = False  # ...and, once read, in `self.history`
+        try:
+            for n in range(max_tokens):
+                if n + 1 < max_tokens and (limit is None or len(self.history) + 1 < limit) and self._builds_ahead():
+                    rollback.snapshot()
+                    next_logprobs = self._logprobs(self.sm.forward(y[None], self.cache, ahead=True))
+                    next_y = sampler(next_logprobs)
+                    mx.async_eval(next_y, next_logprobs)
+                    fed_ahead = True
+                    summary.passes_built_ahead += 1
+                mx.eval(y, logprobs)
+                self.sm.settle(keep_latest=fed_ahead)  # the pass's uses are counted before its token is handed out
+                tok = int(y)
+                if fed_ahead:
+                    self.history.append(tok)
+                    in_history = True
+                token = book.emit(tok, logprobs.squeeze(0))
+                if token is None:
+                    summary.stop_reason = "eos"
+                    return
+                yield token
+                stop = book.stop_after()
+                if stop is not None:
+                    summary.stop_reason = stop
+                    return
+                if limit is not None and len(self.history) + (0 if fed_ahead else 1) >= limit:
+                    summary.stop_reason = "context"
+                    return
+                if fed_ahead:
+                    rollback.keep(1, 1)  # fed for good: the snapshot can go
+                    y, logprobs, fed_ahead, in_history = next_y, next_logprobs, False, False
+                else:
+                    logprobs = self._logprobs(self._forward([token.id]))
+                    y = sampler(logprobs)
+        finally:
+            if fed_ahead:  # stopped (or closed) with the next pass built: it never was
+                rollback.keep(1, 0)
+                if in_history:
+                    self.history.pop()
+                self.sm.discard_latest()
+
+    def _builds_ahead(self) -> bool:
+        """Whether the next pass can be built while this one computes: it must not sync inside
+        (every expert resident, the core held whole; a syncing layer would wait for this pass
+        anyway) and the cache must give the pass back cheaply if its token is never fed."""
+        return self.sm.core_stream is None and self.sm.all_resident() and rolls_back_cheaply(self.cache)
 
     def _speculative(
         self, tokens: list[int], book: _TokenBook, sampler: Sampler, source: DraftSource, ctl: DraftController

@@ -448,6 +448,19 @@ class CacheRollback:
         return 0
 
 
+def rolls_back_cheaply(cache: list) -> bool:
+    """Whether one pass can be undone in `cache` without holding a copy of anything that grows:
+    every layer's cache trims exactly (at any length) or is a recurrent state, which a new
+    token replaces rather than updates in place (so holding it costs no copy)."""
+
+    def cheap(c) -> bool:
+        if isinstance(c, CacheList):
+            return all(cheap(x) for x in c.caches)
+        return isinstance(c, (_ALWAYS_TRIMMABLE, ArraysCache))
+
+    return all(cheap(c) for c in cache)
+
+
 def check_rollback_supported(cache: list) -> None:
     """Raises SpeculationError if some layer's cache can be neither trimmed nor restored."""
     for c in cache:

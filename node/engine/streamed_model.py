@@ -66,7 +66,8 @@ class StreamedModel:
     _store: ExpertStore | None = field(default=None, repr=False)  # once bound
     _disk: DiskCache | None = field(default=None, repr=False)
     _close: Callable[[], None] | None = field(default=None, repr=False)
-    _pass: ExpertPass | None = field(default=None, repr=False)  # the last forward pass, until settled
+    # forward passes not settled yet, oldest first: the last one, or two while a pass is built ahead
+    _passes: list[ExpertPass] = field(default_factory=list, repr=False)
 
     @property
     def model_context(self) -> int | None:
@@ -110,31 +111,49 @@ class StreamedModel:
             block.bind(store)
         return self
 
-    def forward(self, inputs: mx.array, cache: list | None, ledgers: list[StoreStats] | None = None) -> mx.array:
+    def forward(
+        self, inputs: mx.array, cache: list | None, ledgers: list[StoreStats] | None = None, ahead: bool = False
+    ) -> mx.array:
         """mlx-lm's forward pass of `inputs` (lazy logits), its expert uses counted: in the store,
         and with `ledgers` (a batch's: one StoreStats per row of `inputs`) per row too. Layers
         whose experts are all resident run without a sync; their uses are counted when the pass
         is settled: by `settle`, which a caller calls once the logits are evaluated and before it
         hands out a token (so a token's uses are counted with it), or else by the next `forward`.
-        MLX thread only."""
-        self.settle()
-        expert_pass = self._pass = ExpertPass(ledgers)
+
+        `ahead`: the pass is built while the one before it is still computing (mlx-lm's
+        `generate_step` overlaps them so; engine/generation.py), so the one before is left
+        unsettled: settling it here would wait for it. MLX thread only."""
+        if not ahead:
+            self.settle()
+        expert_pass = ExpertPass(ledgers)
+        self._passes.append(expert_pass)
         for block in self.blocks:
             block._set("expert_pass", expert_pass)
         return self.model(inputs, cache=cache)
 
-    def settle(self) -> None:
-        """Count the expert uses of the last forward pass not counted yet; call it once its output
-        is evaluated (before reading the store's counters), else reading them syncs."""
-        expert_pass, self._pass = self._pass, None
-        if expert_pass is None:
-            return
-        for block in self.blocks:
-            block._set("expert_pass", None)
-        try:
-            expert_pass.settle()
-        except RuntimeError:  # MLX could not evaluate the pass (it failed): its uses go uncounted
-            logger.debug("the last pass's resident expert uses were not counted", exc_info=True)
+    def settle(self, keep_latest: bool = False) -> None:
+        """Count the expert uses of the forward passes not counted yet; call it once their output
+        is evaluated (before reading the store's counters), else reading them syncs.
+        `keep_latest`: all but the last pass, the one built ahead and still computing."""
+        done = self._passes[:-1] if keep_latest else self._passes
+        self._passes = self._passes[len(done) :]
+        if not self._passes:
+            for block in self.blocks:
+                block._set("expert_pass", None)
+        for expert_pass in done:
+            try:
+                expert_pass.settle()
+            except RuntimeError:  # MLX could not evaluate the pass (it failed): its uses go uncounted
+                logger.debug("a pass's resident expert uses were not counted", exc_info=True)
+
+    def discard_latest(self) -> None:
+        """Forget the last pass uncounted: it was built ahead for a token that is never handed
+        out (generation stopped), so its uses are no token's."""
+        if self._passes:
+            self._passes.pop()
+        if not self._passes:
+            for block in self.blocks:
+                block._set("expert_pass", None)
 
     def all_resident(self) -> bool:
         """Whether every expert of every MoE layer is in a RAM-tier slot (a pass then syncs once)."""
