@@ -310,6 +310,7 @@ def test_every_dashboard_expression_returns_data_from_a_real_prometheus(promethe
         "Errors by reason",
         "API responses by code",
         "API generations",
+        "Hub rate limits",
     ):
         assert wanted in titles
     for title, expr in exprs:
