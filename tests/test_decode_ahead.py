@@ -109,3 +109,22 @@ def test_a_conversation_continues_after_generation_stops_with_a_pass_built_ahead
     stream.close()
     assert len(gen.history) == len(ids) + 1
     assert early + _generate(gen, early[-1:], TOKENS - 2) == whole
+
+
+def test_the_context_limit_stops_at_the_same_token_built_ahead_or_not(resident, monkeypatch) -> None:
+    """A pass is built ahead only where the token it feeds still fits the context: generation
+    stops with "context" after the same tokens, and nothing past the limit entered the cache."""
+    _, sm, ahead = resident
+    ids = sm.tokenizer.encode(PROMPT)
+    monkeypatch.setattr(sm, "context_limit", len(ids) + 4)
+    runs = []
+    for builds in (True, False):
+        if not builds:
+            monkeypatch.setattr(Generator, "_builds_ahead", lambda self: False)
+        ahead.clear()
+        gen, summary = Generator(sm), GenerationSummary()
+        tokens = _generate(gen, ids, TOKENS, summary)
+        runs.append((tokens, summary.stop_reason, len(gen.history), bool(ahead)))
+    (built, reason, held, was_ahead), (serial, serial_reason, serial_held, _) = runs
+    assert was_ahead and reason == serial_reason == "context"
+    assert built == serial and held == serial_held < len(ids) + 4
