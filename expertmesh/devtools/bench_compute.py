@@ -18,11 +18,12 @@ Shapes, made with the tiny makers (expertmesh/devtools/tiny/):
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SHAPES = ("k3_depth", "qwen3_depth", "demo")
@@ -127,14 +128,44 @@ def _run_on_mlx_thread(fn: Callable, *args):
     return model_thread().call(fn, *args)
 
 
-def _counted(generate: Callable[[Callable[[], None]], list[int]], extra: Callable[[], dict]) -> dict:
-    """Kernels, syncs (and what `extra` reads) per decode token of one generation, and its tokens."""
+@contextlib.contextmanager
+def _passes_of(model) -> Iterator[list[int]]:
+    """Forward passes of `model` (calls of mlx-lm's model object, ours and mlx-lm's alike) while
+    inside: `[n]`."""
+    cls = type(model)
+    call = cls.__call__
+    count = [0]
+
+    def counted(self, *args, **kwargs):
+        if self is model:
+            count[0] += 1
+        return call(self, *args, **kwargs)
+
+    cls.__call__ = counted
+    try:
+        yield count
+    finally:
+        cls.__call__ = call
+
+
+def _counted(generate: Callable[[Callable[[], None]], list[int]], extra: Callable[[], dict], model) -> dict:
+    """Kernels per decode pass, syncs (and what `extra` reads) per decode token of one generation,
+    and its tokens.
+
+    Kernels are counted per pass of `model`, not per token handed out: a generator that builds
+    the next pass before handing out a token (mlx-lm's, and ours with every expert resident) has
+    counted a different number of passes by its first and last tokens than one that does not."""
     from expertmesh.devtools.graph_counts import GraphCounter
 
-    with GraphCounter() as counts:
-        tokens = _Tokens(lambda: {"kernels": counts.fast_adjusted_kernels, "syncs": counts.syncs, **extra()})
+    with GraphCounter() as counts, _passes_of(model) as passes:
+        tokens = _Tokens(
+            lambda: {"kernels": counts.fast_adjusted_kernels, "passes": passes[0], "syncs": counts.syncs, **extra()}
+        )
         out = generate(tokens.tick)
-    return {"tokens": out, **{k: tokens.per_token(k) for k in tokens.samples[0] if k not in ("wall", "cpu", "host")}}
+        first, end = tokens.samples[0], {"kernels": counts.fast_adjusted_kernels, "passes": passes[0]}
+    per_pass = (end["kernels"] - first["kernels"]) / max(1, end["passes"] - first["passes"])
+    keys = [k for k in first if k not in ("wall", "cpu", "host", "kernels", "passes")]
+    return {"tokens": out, "kernels": per_pass, **{k: tokens.per_token(k) for k in keys}}
 
 
 def _timed(runs: dict[str, Callable[[Callable[[], None]], list[int]]], repeats: int) -> dict[str, dict]:
@@ -224,8 +255,8 @@ def _shape(
         def ours(tick: Callable[[], None]) -> list[int]:
             return _ours(sm, ids, tokens, tick)
 
-        resident = _counted(ours, _copied(sm))
-        reference = _counted(theirs, dict)
+        resident = _counted(ours, _copied(sm), sm.model)
+        reference = _counted(theirs, dict, ref)
         times = _timed({"ours": ours, "mlx_lm": theirs}, repeats)
         experts, moe_layers = len(sm.index.experts), len(sm.blocks)
         slot_bytes = sm.store.ram.pool(sm.blocks[0].layer).layout.nbytes
@@ -235,7 +266,7 @@ def _shape(
     share = str(int(STREAMING_SHARE * experts * slot_bytes))
     sm = open_model(repo_id, home=home, store=StoreConfig(ram_budget=share, prefetch=True, fill=False))
     try:
-        streaming = _counted(lambda tick: _ours(sm, ids, tokens, tick), _copied(sm))
+        streaming = _counted(lambda tick: _ours(sm, ids, tokens, tick), _copied(sm), sm.model)
     finally:
         sm.close()
     return {
