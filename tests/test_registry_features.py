@@ -234,9 +234,27 @@ def test_batched_rows_get_their_tokens_and_their_own_expert_uses_alone(arch: str
     engine = BatchEngine(sm, max_batch=4, prefill_step=128)  # one chunk, as alone: the same passes
     try:
         runs = [_Run(engine, ids, n) for ids, n in requests]
-        runs[0].start()
-        runs[1].start()
-        deadline = time.monotonic() + IO_TIMEOUT_S
+        # the first two are queued before the batch's first turn, so they share their steps
+        # whatever the machine's load: the MLX thread is held until both wait for a row
+        holding, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            holding.set()
+            release.wait(IO_TIMEOUT_S)
+
+        holder = threading.Thread(target=model_thread().call, args=(hold,))
+        holder.start()
+        try:
+            assert holding.wait(IO_TIMEOUT_S)
+            runs[0].start()
+            runs[1].start()
+            deadline = time.monotonic() + IO_TIMEOUT_S
+            while engine.waiting() < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert engine.waiting() == 2
+        finally:
+            release.set()
+            holder.join(IO_TIMEOUT_S)
         while len(runs[0].tokens) < 4 and runs[0].is_alive() and time.monotonic() < deadline:
             time.sleep(0.005)
         runs[2].start()  # joins while the others decode

@@ -224,6 +224,11 @@ class BatchEngine:
                 seq.left = True
                 self._cond.notify_all()
 
+    def waiting(self) -> int:
+        """Sequences queued for a row, not admitted yet."""
+        with self._cond:
+            return len(self._pending)
+
     def active(self) -> int:
         """Sequences decoding or prefilling now (read between turns: approximate)."""
         return len(self._rows) + len(self._prefilling)
