@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,63 +30,39 @@ RUNS = ("ahead", "serial", "mlx_lm")
 
 def measure(shape: str, tokens: int, rounds: int) -> dict:
     """Seconds per decode token of each run on `shape`, the median over `rounds` taken in turns."""
-    import mlx_lm
-
-    from expertmesh.assembly import open_model
-    from expertmesh.devtools.local_hub import HubServer
-    from expertmesh.node.config import StoreConfig
     from expertmesh.node.engine.generation import Generator
-    from expertmesh.node.hub import client as hub_client
-    from expertmesh.node.hub.pull import pull
 
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-ahead-") as tmp:
-        hub_dir, home = Path(tmp) / "hub", Path(tmp) / "home"
-        repo_id = bench_compute._make(shape, hub_dir)
-        with HubServer(hub_dir) as hub, hub_client.using_endpoint(hub.url):
-            pull(repo_id, home=home, progress=False)
-            ref, tokenizer = bench_compute._run_on_mlx_thread(mlx_lm.load, str(hub_dir / repo_id))
-            ids = tokenizer.encode(bench_compute.PROMPT)
-            store = StoreConfig(ram_budget=bench_compute.RAM_ALL, prefetch=False, fill=False)
-            sm = open_model(repo_id, home=home, store=store)
-            try:
-                if sm.codec.dense_dtype is not None:  # as bench --compute: mlx-lm in the dtype we run
-                    bench_compute._run_on_mlx_thread(ref.set_dtype, sm.codec.dense_dtype)
-                bench_compute._warm_ram(sm)
-                if not sm.all_resident():
-                    raise SystemExit(f"{shape}: the RAM tier did not take every expert")
-                builds_ahead = Generator._builds_ahead
+        with (
+            bench_compute.served(shape, Path(tmp)) as (repo_id, repo_dir, home),
+            bench_compute.resident(repo_id, repo_dir, home) as (sm, ref, tokenizer, ids),
+        ):
+            builds_ahead = Generator._builds_ahead
 
-                def serial(tick: Callable[[], None]) -> list[int]:
-                    Generator._builds_ahead = lambda self: False  # type: ignore[method-assign]
-                    try:
-                        return bench_compute._ours(sm, ids, tokens, tick)
-                    finally:
-                        Generator._builds_ahead = builds_ahead  # type: ignore[method-assign]
+            def serial(tick: Callable[[], None]) -> list[int]:
+                Generator._builds_ahead = lambda self: False  # type: ignore[method-assign]
+                try:
+                    return bench_compute._ours(sm, ids, tokens, tick)
+                finally:
+                    Generator._builds_ahead = builds_ahead  # type: ignore[method-assign]
 
-                runs: dict[str, Callable[[Callable[[], None]], list[int]]] = {
+            times = bench_compute._timed(
+                {
                     "ahead": lambda tick: bench_compute._ours(sm, ids, tokens, tick),
                     "serial": serial,
                     "mlx_lm": lambda tick: bench_compute._run_on_mlx_thread(
                         bench_compute._mlx_lm, ref, tokenizer, ids, tokens, tick
                     ),
-                }
-                seen: dict[str, dict[str, list[float]]] = {r: {"wall": [], "cpu": [], "host": []} for r in RUNS}
-                outputs: dict[str, list[int]] = {}
-                for _ in range(rounds):
-                    for name in RUNS:
-                        ticks = bench_compute._Tokens(dict)
-                        outputs[name] = runs[name](ticks.tick)
-                        for key, values in seen[name].items():
-                            values.append(ticks.per_token(key))
-            finally:
-                sm.close()
+                },
+                rounds,
+            )
     entry: dict = {"shape": shape, "tokens": tokens, "rounds": rounds}
     for name in RUNS:
-        for key, values in seen[name].items():
-            entry[f"{name}_{key}_s_per_token"] = round(statistics.median(values), 5)
+        for key in ("wall", "cpu", "host"):
+            entry[f"{name}_{key}_s_per_token"] = round(times[name][f"{key}_s"], 5)
     entry["wall_ahead_over_serial"] = round(entry["ahead_wall_s_per_token"] / entry["serial_wall_s_per_token"], 3)
     entry["wall_ahead_over_mlx_lm"] = round(entry["ahead_wall_s_per_token"] / entry["mlx_lm_wall_s_per_token"], 3)
-    entry["tokens_equal"] = outputs["ahead"] == outputs["serial"] == outputs["mlx_lm"]
+    entry["tokens_equal"] = times["ahead"]["tokens"] == times["serial"]["tokens"] == times["mlx_lm"]["tokens"]
     return entry
 
 

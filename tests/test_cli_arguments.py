@@ -84,3 +84,17 @@ def test_a_hub_over_a_folder_that_is_not_there_is_refused(tmp_path, capsys) -> N
     """It served an empty Hub, and every pull then said "no such model repository"."""
     assert main(["hub", str(tmp_path / "no-such-folder")]) != 0
     assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["bench", "--compute", "--shapes", "k3_depth,nope"], "--shapes"),
+        (["bench", "--model", "k3-proportions", "--configs", ","], "--configs"),
+        (["lab", "--scenarios", "remote,elsewhere"], "--scenarios"),
+    ],
+)
+def test_a_list_of_names_with_an_unknown_one_is_refused_before_anything_runs(argv, flag, capsys) -> None:
+    assert main(argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {flag}: unknown") and "choose from" in err and "\n" not in err

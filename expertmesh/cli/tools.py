@@ -196,17 +196,20 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(flag: str, value: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated list of `known` names from `flag`, in its order; raises ExpertmeshError
+    naming the unknown ones (or an empty list) and the choices."""
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ExpertmeshError(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+    return names
+
+
 def _bench_compute(args: argparse.Namespace) -> int:
     from expertmesh.devtools import bench_compute
 
-    shapes = bench_compute.SHAPES
-    if args.shapes:
-        shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
-        unknown = [s for s in shapes if s not in bench_compute.SHAPES]
-        if unknown or not shapes:
-            raise ExpertmeshError(
-                f"--shapes: unknown {', '.join(unknown)}; choose from {', '.join(bench_compute.SHAPES)}"
-            )
+    shapes = _names("--shapes", args.shapes, bench_compute.SHAPES) if args.shapes else bench_compute.SHAPES
     doc = bench_compute.run(shapes, tokens=args.tokens or 24, progress=lambda m: print(m, file=sys.stderr))
     bench_compute.print_table(doc)
     if args.json:
@@ -223,14 +226,7 @@ def _bench_k3(args: argparse.Namespace) -> int:
         caps = [float(parse_size(c)) for c in args.per_connection_bandwidth.split(",")]
     except ValueError as e:
         raise ExpertmeshError(f"--per-connection-bandwidth: {e}") from None
-    configs = bench_k3.CONFIGS
-    if args.configs:
-        configs = tuple(c.strip() for c in args.configs.split(",") if c.strip())
-        unknown = [c for c in configs if c not in bench_k3.ALL_CONFIGS]
-        if unknown or not configs:
-            raise ExpertmeshError(
-                f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(bench_k3.ALL_CONFIGS)}"
-            )
+    configs = _names("--configs", args.configs, bench_k3.ALL_CONFIGS) if args.configs else bench_k3.CONFIGS
     from expertmesh.devtools.tiny import k3_proportions
 
     shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}
@@ -292,10 +288,7 @@ def lab(args: argparse.Namespace) -> int:
     from expertmesh.devtools.lab.household import SCENARIOS, Lab, LabConfig, print_table
     from expertmesh.node.sizes import parse_size
 
-    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown:
-        raise ExpertmeshError(f"--scenarios: unknown {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    scenarios = _names("--scenarios", args.scenarios, SCENARIOS)
     try:
         lan, hub_bw = float(parse_size(args.lan)), float(parse_size(args.hub_bandwidth))
     except ValueError as e:

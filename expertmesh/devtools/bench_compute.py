@@ -170,15 +170,19 @@ def _counted(generate: Callable[[Callable[[], None]], list[int]], extra: Callabl
 
 def _timed(runs: dict[str, Callable[[Callable[[], None]], list[int]]], repeats: int) -> dict[str, dict]:
     """Wall, CPU and host seconds per decode token of each of `runs`, taken in turns `repeats`
-    times without the counting's own cost; the median of each."""
+    times without the counting's own cost; the median of each, and the run's last tokens."""
     seen: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": [], "host": []} for name in runs}
+    made: dict[str, list[int]] = {}
     for _ in range(repeats):
         for name, generate in runs.items():
             tokens = _Tokens(dict)
-            generate(tokens.tick)
+            made[name] = generate(tokens.tick)
             for key, values in seen[name].items():
                 values.append(tokens.per_token(key))
-    return {name: {f"{k}_s": statistics.median(v) for k, v in got.items()} for name, got in seen.items()}
+    return {
+        name: {**{f"{k}_s": statistics.median(v) for k, v in got.items()}, "tokens": made[name]}
+        for name, got in seen.items()
+    }
 
 
 def _copied(sm) -> Callable[[], dict]:
@@ -198,6 +202,45 @@ def _copied(sm) -> Callable[[], dict]:
     return read
 
 
+@contextlib.contextmanager
+def served(shape: str, tmp: Path, progress: Callable[[str], None] = lambda m: None) -> Iterator[tuple[str, Path, Path]]:
+    """`shape`'s repo made under `tmp`, served by a local Hub and pulled: (repo id, its folder, the
+    home it was pulled into), while inside."""
+    from expertmesh.devtools.local_hub import HubServer
+    from expertmesh.node.hub import client as hub_client
+    from expertmesh.node.hub.pull import pull
+
+    hub_dir, home = tmp / "hub", tmp / "home"
+    t0 = time.perf_counter()
+    repo_id = _make(shape, hub_dir)
+    progress(f"{shape}: made {repo_id} in {time.perf_counter() - t0:.0f} s")
+    with HubServer(hub_dir) as hub, hub_client.using_endpoint(hub.url):
+        pull(repo_id, home=home, progress=False)
+        yield repo_id, hub_dir / repo_id, home
+
+
+@contextlib.contextmanager
+def resident(repo_id: str, repo_dir: Path, home: Path) -> Iterator[tuple]:
+    """(our model with every expert in a RAM slot, mlx-lm's model of the same repo, its tokenizer,
+    the prompt's ids), while inside; mlx-lm's runs in the dtype ours runs dense experts in."""
+    import mlx_lm
+
+    from expertmesh.assembly import open_model
+    from expertmesh.node.config import StoreConfig
+
+    ref, tokenizer = _run_on_mlx_thread(mlx_lm.load, str(repo_dir))
+    sm = open_model(repo_id, home=home, store=StoreConfig(ram_budget=RAM_ALL, prefetch=False, fill=False))
+    try:
+        if sm.codec.dense_dtype is not None:  # dense experts on a CPU run in float32: so must mlx-lm
+            _run_on_mlx_thread(ref.set_dtype, sm.codec.dense_dtype)
+        _warm_ram(sm)
+        if not sm.all_resident():
+            raise RuntimeError(f"{repo_id}: the RAM tier did not take every expert")
+        yield sm, ref, tokenizer, tokenizer.encode(PROMPT)
+    finally:
+        sm.close()
+
+
 def run(
     shapes: tuple[str, ...] = SHAPES,
     tokens: int = 24,
@@ -207,20 +250,11 @@ def run(
     """Every shape measured side by side with mlx-lm; the JSON document `--json` writes."""
     import mlx.core as mx
 
-    from expertmesh.devtools.local_hub import HubServer
-    from expertmesh.node.hub import client as hub_client
-    from expertmesh.node.hub.pull import pull
-
     doc: dict = {"tokens": tokens, "repeats": repeats, "prompt": PROMPT, "shapes": []}
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-compute-") as tmp:
-        hub_dir, home = Path(tmp) / "hub", Path(tmp) / "home"
         for shape in shapes:
-            t0 = time.perf_counter()
-            repo_id = _make(shape, hub_dir)
-            progress(f"{shape}: made {repo_id} in {time.perf_counter() - t0:.0f} s")
-            with HubServer(hub_dir) as hub, hub_client.using_endpoint(hub.url):
-                pull(repo_id, home=home, progress=False)
-                entry = _shape(shape, repo_id, hub_dir / repo_id, home, tokens, repeats, progress)
+            with served(shape, Path(tmp), progress) as (repo_id, repo_dir, home):
+                entry = _shape(shape, repo_id, repo_dir, home, tokens, repeats, progress)
             doc["shapes"].append(entry)
             progress(
                 f"{shape}: kernels {entry['kernels_per_token']} vs mlx-lm {entry['mlx_lm_kernels_per_token']}, "
@@ -233,35 +267,23 @@ def run(
 def _shape(
     shape: str, repo_id: str, repo_dir: Path, home: Path, tokens: int, repeats: int, progress: Callable[[str], None]
 ) -> dict:
-    import mlx_lm
-
     from expertmesh.assembly import open_model
     from expertmesh.node.config import StoreConfig
 
-    ref, tokenizer = _run_on_mlx_thread(mlx_lm.load, str(repo_dir))
-    ids = tokenizer.encode(PROMPT)
-
-    def theirs(tick: Callable[[], None]) -> list[int]:
-        return _run_on_mlx_thread(_mlx_lm, ref, tokenizer, ids, tokens, tick)
-
-    sm = open_model(repo_id, home=home, store=StoreConfig(ram_budget=RAM_ALL, prefetch=False, fill=False))
-    try:
-        if sm.codec.dense_dtype is not None:  # dense experts on a CPU run in float32: so must mlx-lm
-            _run_on_mlx_thread(ref.set_dtype, sm.codec.dense_dtype)
-        _warm_ram(sm)
-        assert sm.all_resident(), "the RAM tier did not take every expert"
+    with resident(repo_id, repo_dir, home) as (sm, ref, tokenizer, ids):
         progress(f"{shape}: every expert resident; measuring")
+
+        def theirs(tick: Callable[[], None]) -> list[int]:
+            return _run_on_mlx_thread(_mlx_lm, ref, tokenizer, ids, tokens, tick)
 
         def ours(tick: Callable[[], None]) -> list[int]:
             return _ours(sm, ids, tokens, tick)
 
-        resident = _counted(ours, _copied(sm), sm.model)
+        resident_counts = _counted(ours, _copied(sm), sm.model)
         reference = _counted(theirs, dict, ref)
         times = _timed({"ours": ours, "mlx_lm": theirs}, repeats)
         experts, moe_layers = len(sm.index.experts), len(sm.blocks)
         slot_bytes = sm.store.ram.pool(sm.blocks[0].layer).layout.nbytes
-    finally:
-        sm.close()
     # streaming: a RAM tier for a quarter of the experts, the rest read from the disk
     share = str(int(STREAMING_SHARE * experts * slot_bytes))
     sm = open_model(repo_id, home=home, store=StoreConfig(ram_budget=share, prefetch=True, fill=False))
@@ -272,9 +294,9 @@ def _shape(
     return {
         "name": shape,
         "moe_layers": moe_layers,
-        "kernels_per_token": round(resident["kernels"], 1),
+        "kernels_per_token": round(resident_counts["kernels"], 1),
         "mlx_lm_kernels_per_token": round(reference["kernels"], 1),
-        "syncs_per_token_resident": round(resident["syncs"], 2),
+        "syncs_per_token_resident": round(resident_counts["syncs"], 2),
         "syncs_per_token_streaming": round(streaming["syncs"], 2),
         "mlx_lm_syncs_per_token": round(reference["syncs"], 2),
         "host_s_per_token": round(times["ours"]["host_s"], 5),
@@ -283,10 +305,10 @@ def _shape(
         "mlx_lm_cpu_s_per_token": round(times["mlx_lm"]["cpu_s"], 5),
         "wall_s_per_token": round(times["ours"]["wall_s"], 5),
         "mlx_lm_wall_s_per_token": round(times["mlx_lm"]["wall_s"], 5),
-        "copied_bytes_per_token": round(resident["copied"]),
+        "copied_bytes_per_token": round(resident_counts["copied"]),
         "kernels_per_token_streaming": round(streaming["kernels"], 1),
         "copied_bytes_per_token_streaming": round(streaming["copied"]),
-        "tokens_equal_mlx_lm": resident["tokens"] == reference["tokens"] == streaming["tokens"],
+        "tokens_equal_mlx_lm": resident_counts["tokens"] == reference["tokens"] == streaming["tokens"],
     }
 
 

@@ -305,13 +305,19 @@ class Generator:
         summary, limit = book.summary, self.sm.max_context
         max_tokens = book.settings.max_tokens
         rollback = CacheRollback(self.cache)
+        gives_back = rolls_back_cheaply(self.cache)  # the caches' kinds: fixed for the generation
         logprobs = self._prefill(list(tokens))
         y = sampler(logprobs)
         fed_ahead = False  # whether `y` is already fed, in the pass built ahead
         in_history = False  # ...and, once read, in `self.history`
         try:
             for n in range(max_tokens):
-                if n + 1 < max_tokens and (limit is None or len(self.history) + 1 < limit) and self._builds_ahead():
+                if (
+                    n + 1 < max_tokens
+                    and (limit is None or len(self.history) + 1 < limit)
+                    and gives_back
+                    and self._builds_ahead()
+                ):
                     rollback.snapshot()
                     next_logprobs = self._logprobs(self.sm.forward(y[None], self.cache, ahead=True))
                     next_y = sampler(next_logprobs)
@@ -350,10 +356,11 @@ class Generator:
                 self.sm.discard_latest()
 
     def _builds_ahead(self) -> bool:
-        """Whether the next pass can be built while this one computes: it must not sync inside
-        (every expert resident, the core held whole; a syncing layer would wait for this pass
-        anyway) and the cache must give the pass back cheaply if its token is never fed."""
-        return self.sm.core_stream is None and self.sm.all_resident() and rolls_back_cheaply(self.cache)
+        """Whether the next pass can be built while this one computes (asked every token: what is
+        resident may change between tokens): it must not sync inside (every expert
+        resident, the core held whole), or it would only wait for this pass. The cache must
+        also give the pass back cheaply if its token is never fed (`_plain` checks that once)."""
+        return self.sm.core_stream is None and self.sm.all_resident()
 
     def _speculative(
         self, tokens: list[int], book: _TokenBook, sampler: Sampler, source: DraftSource, ctl: DraftController
