@@ -49,6 +49,7 @@ class Served:
     """A `serve` subprocess, its output in files (no pipe to fill), its addresses parsed from them."""
 
     def __init__(self, name: str, home: Path, hub: HubServer, logs: Path, *extra: str):
+        self.extra = extra
         self.name = name
         self.out, self.err = logs / f"{name}.out", logs / f"{name}.err"
         env = {**os.environ, "EXPERTMESH_HOME": str(home), "EXPERTMESH_SECRET": SECRET, "HF_ENDPOINT": hub.url}
@@ -65,10 +66,15 @@ class Served:
         self.metrics_url = ""
 
     def wait_started(self) -> None:
+        # serve prints its API's address after "advertising": a node with an API is started once
+        # both are out, or the address may be read before it is printed
+        wanted = ["advertising"] + (["OpenAI-compatible API on"] if "--http-port" in self.extra else [])
+
         def advertising() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited {self.proc.returncode}: {self.err.read_text()[-3000:]}")
-            return "advertising" in self.out.read_text()
+            out = self.out.read_text()
+            return all(w in out for w in wanted)
 
         assert wait_until(advertising, timeout_s=START_S, interval_s=0.2), f"{self.name} did not start"
         out, err = self.out.read_text(), self.err.read_text()
