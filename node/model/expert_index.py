@@ -460,6 +460,7 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         core |= expert_trace.leaves_of(value)
 
     params = _parameter_names(model)
+    modules = dict(model.named_modules())
     layers: dict[int, str] = {}
     experts: dict[tuple[int, int], tuple[list[tuple[str, int | None]], str]] = {}
     shared_inputs: dict[str, int] = {}
@@ -487,6 +488,7 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         missing = [p for p in projections if f"{p}.weight" not in targets]
         if missing:
             raise UnsupportedModelError(cannot.format(f"tensors that give {path} no {', '.join(missing)}"))
+        _check_quantization(repo_id, config.get("quantization"), modules, path, layer, projections, targets)
         shared = sorted(set().union(*(expert_trace.leaves_of(v) for v in targets.values())) & core)
         if shared:
             raise UnsupportedModelError(cannot.format(f"tensors shared with the core ({_sample(shared)})"))
@@ -513,6 +515,41 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
     expert_inputs = {name for inputs, _ in experts.values() for name, _ in inputs}
     standins = _core_needs_expert_standins(model, model_type, tensors, core, expert_inputs, core_out, streamed)
     return _Plan(core, experts, standins)
+
+
+def _check_quantization(
+    repo_id: str,
+    quantization: dict | None,
+    modules: dict[str, Any],
+    path: str,
+    layer: int,
+    projections: tuple[str, ...],
+    targets: dict[str, Any],
+) -> None:
+    """Refuse, at pull, experts whose stored packing mlx-lm's loader would not build from the
+    config's quantization, or that the streamed kernels cannot take: the reading the codec decodes
+    with (node/model/mlx_quantization.py), so a model that pulls runs.
+
+    Raises:
+        UnsupportedModelError: one line naming the layer, the projection and why.
+    """
+    from expertmesh.node.model.mlx_quantization import StoredPacking, projection_quantization
+
+    for proj in projections:
+        scales, weight = targets.get(f"{proj}.scales"), targets[f"{proj}.weight"]
+        stored = StoredPacking(
+            modules[f"{path}.{proj}"].weight.shape[-1],  # mlx-lm's unquantised SwitchLinear
+            tuple(weight.shape),
+            None if scales is None else tuple(scales.shape),
+            None if scales is None else scales.dtype,
+            f"{proj}.biases" in targets,
+        )
+        try:
+            projection_quantization(quantization, f"{path}.{proj}", stored, f"layer {layer} {proj}")
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(
+                f"{repo_id}: the routed experts' quantization cannot be streamed: {e}"
+            ) from None
 
 
 def _core_needs_expert_standins(
