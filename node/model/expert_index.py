@@ -476,6 +476,8 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
             unused = sorted(k for k in out if f"layers.{layer}." in k and k not in params)
             stored = _sample(unused) or "tensors mlx-lm's sanitize does not map onto it"
             raise UnsupportedModelError(cannot.format(stored) + f": nothing in the checkpoint feeds {path}")
+        # first: a packing mlx-lm would not build or the kernels cannot take is said as such
+        _check_quantization(repo_id, config.get("quantization"), modules, path, layer, projections, targets)
         for rel, value in targets.items():
             proj, _, kind = rel.rpartition(".")
             if kind not in PARAMETER_KINDS:
@@ -488,7 +490,6 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         missing = [p for p in projections if f"{p}.weight" not in targets]
         if missing:
             raise UnsupportedModelError(cannot.format(f"tensors that give {path} no {', '.join(missing)}"))
-        _check_quantization(repo_id, config.get("quantization"), modules, path, layer, projections, targets)
         shared = sorted(set().union(*(expert_trace.leaves_of(v) for v in targets.values())) & core)
         if shared:
             raise UnsupportedModelError(cannot.format(f"tensors shared with the core ({_sample(shared)})"))
@@ -530,13 +531,21 @@ def _check_quantization(
     config's quantization, or that the streamed kernels cannot take: the reading the codec decodes
     with (node/model/mlx_quantization.py), so a model that pulls runs.
 
+    A projection whose tensors sanitize does not make plainly (no weight, a shape the trace
+    cannot know) is left to the checks after this one, which say what is wrong with it.
+
     Raises:
         UnsupportedModelError: one line naming the layer, the projection and why.
     """
+    from expertmesh.node.model.expert_trace import Sym
     from expertmesh.node.model.mlx_quantization import StoredPacking, projection_quantization
 
     for proj in projections:
-        scales, weight = targets.get(f"{proj}.scales"), targets[f"{proj}.weight"]
+        scales, weight = targets.get(f"{proj}.scales"), targets.get(f"{proj}.weight")
+        if weight is None or not all(
+            isinstance(t, Sym) and t._shape is not None for t in (weight, scales) if t is not None
+        ):
+            continue
         stored = StoredPacking(
             modules[f"{path}.{proj}"].weight.shape[-1],  # mlx-lm's unquantised SwitchLinear
             tuple(weight.shape),
