@@ -30,6 +30,7 @@ import traceback
 from pathlib import Path
 
 import mlx.core as mx
+import transformers
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.devtools.tiny import registry
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", default=",".join(WIDTHS), help="comma list of: tiny, 64")
     parser.add_argument("--json", type=Path, help="write the matrix here")
     args = parser.parse_args(argv)
+    transformers.logging.set_verbosity_error()  # one warning per tokenizer loaded would bury the table
     quants = args.quants.split(",")
     widths = args.widths.split(",")
     for name in quants:

@@ -347,8 +347,13 @@ class ExpertCodec:
         else:
             raise UnsupportedModelError(f"layer {layer} {proj}: unknown expert encoding {sorted(t)}")
         quant = self._quant(layer, proj, weight, scales, biases is not None)
-        if self.dense_dtype is not None:  # every float array, as `set_dtype` casts the model's
-            weight, scales, biases, bias = (_cast(a, self.dense_dtype) for a in (weight, scales, biases, bias))
+        if (dtype := self.dense_dtype) is not None:  # every float array, as `set_dtype` casts the model's
+            weight, scales, biases, bias = (
+                _cast(weight, dtype),
+                _cast(scales, dtype),
+                _cast(biases, dtype),
+                _cast(bias, dtype),
+            )
         return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
 
     def _quant(self, layer: int, proj: str, weight: _Host, scales: _Host | None, has_biases: bool) -> QuantSpec | None:
@@ -364,8 +369,7 @@ class ExpertCodec:
             has_biases,
         )
         key = (layer, proj, stored)
-        spec = self._specs.get(key, False)
-        if spec is False:
+        if key not in self._specs:
             path = f"{self.block_paths.get(layer, '')}.{proj}"
-            spec = self._specs[key] = projection_quantization(self.quantization, path, stored, f"layer {layer} {proj}")
-        return spec
+            self._specs[key] = projection_quantization(self.quantization, path, stored, f"layer {layer} {proj}")
+        return self._specs[key]

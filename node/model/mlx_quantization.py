@@ -29,7 +29,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwitchLinear
@@ -100,7 +100,7 @@ def projection_quantization(
             f"{path}.weight": SimpleNamespace(shape=stored.weight_shape),
         }
         try:
-            params = infer_quant_config(path, module, arrays)
+            params = infer_quant_config(path, cast(Any, module), arrays)  # it reads shapes and a dtype only
         except ValueError as e:
             raise UnsupportedModelError(f"{where}: {e}") from None
         spec = QuantSpec(params["mode"], params["bits"], params["group_size"])
@@ -118,9 +118,10 @@ def projection_quantization(
         entry = _defaults(quantization)
     if not isinstance(entry, dict):
         raise UnsupportedModelError(f"{where}: the config's quantization entry {entry!r} is neither a table nor true")
-    spec = _configured(json.dumps(entry, sort_keys=True), stored.in_dims)
-    if isinstance(spec, str):
-        raise UnsupportedModelError(f"{where}: {spec}")
+    configured = _configured(json.dumps(entry, sort_keys=True), stored.in_dims)
+    if isinstance(configured, str):
+        raise UnsupportedModelError(f"{where}: {configured}")
+    spec = configured
     asked = f"{spec.bits} bits, groups of {spec.group_size}, {spec.mode}"
     if stored.scales_shape is None:
         raise UnsupportedModelError(

@@ -94,7 +94,8 @@ def compare(repo_id: str, folder: Path, home: Path) -> Comparison:
     sm = open_model(repo_id, home=home, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
     try:
         summary = GenerationSummary()
-        ref, tokenizer = mlx_lm.load(str(folder))
+        loaded = mlx_lm.load(str(folder))
+        ref, tokenizer = loaded[0], loaded[1]
         ids = tokenizer.encode(PROMPT)
         settings = SamplingSettings(max_tokens=MAX_TOKENS, temp=0.0)
         got = [t.id for t in Generator(sm).generate(ids, settings, lambda: False, summary)]
