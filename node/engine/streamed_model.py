@@ -191,10 +191,14 @@ def load_streamed_model(
             f"the local copy of {repo_id} in {path} is damaged ({type(e).__name__}: {str(e)[:200]}): "
             f"`expertmesh pull {repo_id}` repairs it"
         ) from None
-    dense_dtype = None
-    if not mx.metal.is_available() and _has_dense_experts(index):
-        dense_dtype = mx.float32  # MLX's CPU gather_mm computes in float32 only
-        model.set_dtype(mx.float32)
+    missing = sorted(set(index.moe_layers) - {b.layer for b in blocks})
+    if missing:
+        raise UnsupportedModelError(
+            f"{repo_id}: the index has experts for layers {missing} that the model does not route"
+        )
+    codec = _expert_codec(index, config, blocks)
+    if codec.dense_dtype is not None:
+        model.set_dtype(codec.dense_dtype)
         if core_budget_bytes is None:
             # computed here: a lazy cast belongs to this thread's stream, and MLX refuses to evaluate
             # it on another (the gRPC worker that generates: "There is no Stream(cpu, 0) in current thread")
@@ -206,17 +210,6 @@ def load_streamed_model(
 
         label = format_name(marker.get("core_bits", 16), marker.get("core_quant"))
         core_stream = stream_core(model, path, standins, core_budget_bytes, label)
-    codec = ExpertCodec(
-        config.get("quantization"),
-        {b.layer: b.path for b in blocks},
-        {b.layer: b.input_dims for b in blocks},
-        dense_dtype,
-    )
-    missing = sorted(set(index.moe_layers) - {b.layer for b in blocks})
-    if missing:
-        raise UnsupportedModelError(
-            f"{repo_id}: the index has experts for layers {missing} that the model does not route"
-        )
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except (OSError, ValueError) as e:
@@ -242,6 +235,17 @@ def load_streamed_model(
     )
 
 
-def _has_dense_experts(index: ExpertIndex) -> bool:
-    loc = next(iter(index.experts.values()))
-    return not any(t.name.endswith((".scales", ".weight_scale", ".weight_packed")) for t in loc.tensors)
+def _expert_codec(index: ExpertIndex, config: dict, blocks: list) -> ExpertCodec:
+    """The codec of the model's experts. On a CPU, MLX's `gather_mm` computes in float32 only: a
+    model with any expert projection stored unquantised (an upstream BF16 repo; a conversion
+    whose group size does not divide a width) then runs in float32 (`dense_dtype`), its float
+    arrays cast as its core's are. Which projections are dense is what decoding one expert of each
+    layer gives, so the codec's own reading of the quantization decides."""
+    paths, dims = {b.layer: b.path for b in blocks}, {b.layer: b.input_dims for b in blocks}
+    codec = ExpertCodec(config.get("quantization"), paths, dims)
+    if mx.metal.is_available():
+        return codec
+    for layer in index.moe_layers:
+        if any(quant is None for _, _, quant in codec.layout(index.expert(layer, 0)).projections):
+            return ExpertCodec(config.get("quantization"), paths, dims, mx.float32)
+    return codec

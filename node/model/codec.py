@@ -39,6 +39,7 @@ from expertmesh.node.model.expert_index import ExpertLocation, Recipe
 from expertmesh.node.model.expert_trace import SAFETENSORS_DTYPES
 from expertmesh.node.model.expert_trace import evaluate as evaluate_recipe
 from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS
+from expertmesh.node.model.mlx_quantization import QuantSpec, StoredPacking, prepare, projection_quantization
 
 # Upstream projection names -> SwitchGLU's (for an index of format 1, decoded by name).
 PROJECTION_ALIASES = {
@@ -71,22 +72,13 @@ _NUMPY_DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class QuantSpec:
-    """How one projection's weights feed `gather_qmm`; None in `ProjectionWeights.quant` = dense."""
-
-    mode: str
-    bits: int
-    group_size: int
-
-
 @dataclass
 class ProjectionWeights:
     weight: mx.array  # (out, in) dense, or packed (out, in*bits/32) uint32
     scales: mx.array | None = None
     biases: mx.array | None = None
     bias: mx.array | None = None  # an additive bias of the projection (rare: gpt-oss)
-    quant: QuantSpec | None = None
+    quant: QuantSpec | None = None  # how `gather_qmm` reads it; None: dense
 
     @property
     def nbytes(self) -> int:
@@ -189,7 +181,21 @@ def _zero_point_biases(scales: _Host) -> _Host:
         return -8 * values.astype(np.float32), dtype
 
 
-def _cast(t: _Host, dtype: mx.Dtype) -> _Host:
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+@overload
+def _cast(t: _Host, dtype: mx.Dtype) -> _Host: ...
+
+
+@overload
+def _cast(t: None, dtype: mx.Dtype) -> None: ...
+
+
+def _cast(t: _Host | None, dtype: mx.Dtype) -> _Host | None:
+    """`t` in `dtype` if it is a float array (packed words and byte scales are left as they are)."""
+    if t is None or t[1] not in _FLOATS or t[1] == dtype:
+        return t
     if dtype != mx.float32:
         raise UnsupportedModelError(f"expert weights can be cast to float32 only, not {dtype}")
     return t[0].astype(np.float32), mx.float32
@@ -232,12 +238,14 @@ class ExpertCodec:
 
     Args:
         quantization: mlx-lm's resolved `config["quantization"]` (defaults and per-module
-            overrides keyed by module path), or None for an unquantised model.
+            entries keyed by module path), or None for an unquantised model: read as mlx-lm's
+            loader reads it (node/model/mlx_quantization.py).
         block_paths: layer -> the module path of that layer's expert block, for the overrides.
         input_dims: layer -> {projection: input width}, in the block's order: which projections an
             expert of the layer has (`BLOCK_PROJECTIONS`), and the input widths that check the packing we infer.
-        dense_dtype: cast unquantised experts to this dtype once, on decode (MLX's CPU
-            `gather_mm` takes only float32); None keeps the upstream dtype.
+        dense_dtype: cast experts' float arrays to this dtype once, on decode, as the model's
+            were (MLX's CPU `gather_mm` takes only float32, so a model with any unquantised
+            expert projection runs in float32 there); None keeps the upstream dtype.
     """
 
     def __init__(
@@ -252,6 +260,11 @@ class ExpertCodec:
         self.input_dims = input_dims
         self.dense_dtype = dense_dtype
         self._layouts: dict[tuple, SlotLayout] = {}
+        self._specs: dict[tuple, QuantSpec | None] = {}  # read once per way a projection is stored
+        prepare(
+            self.quantization,
+            {f"{block_paths.get(layer, '')}.{p}": d for layer, dims in input_dims.items() for p, d in dims.items()},
+        )
 
     def layout(self, loc: ExpertLocation) -> SlotLayout:
         """The slot layout of `loc`'s layer, without its bytes: an expert of zeros decoded once per
@@ -327,36 +340,36 @@ class ExpertCodec:
         if "weight_packed" in t:  # compressed-tensors pack-quantized
             weight, scales = _as_uint32(t["weight_packed"]), t["weight_scale"]
             biases = _zero_point_biases(scales) if "weight_shape" in t else None  # int4 symmetric: zero point 8
-            quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
-            return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
-        if "scales" in t:  # MLX-quantized
+        elif "scales" in t:  # MLX-quantized
             weight, scales, biases = t["weight"], t["scales"], t.get("biases")
-            quant = self._quant(layer, proj, weight[0].shape, scales[0].shape, biases is not None)
-            return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
-        if "weight" in t:
-            weight = t["weight"]
-            if self.dense_dtype is not None and weight[1] != self.dense_dtype:
-                weight = _cast(weight, self.dense_dtype)
-                bias = _cast(bias, self.dense_dtype) if bias is not None else None
-            return ProjectionWeights(to_mx(weight), bias=to_mx(bias))
-        raise UnsupportedModelError(f"layer {layer} {proj}: unknown expert encoding {sorted(t)}")
+        elif "weight" in t:
+            weight, scales, biases = t["weight"], None, None
+        else:
+            raise UnsupportedModelError(f"layer {layer} {proj}: unknown expert encoding {sorted(t)}")
+        quant = self._quant(layer, proj, weight, scales, biases is not None)
+        if (dtype := self.dense_dtype) is not None:  # every float array, as `set_dtype` casts the model's
+            weight, scales, biases, bias = (
+                _cast(weight, dtype),
+                _cast(scales, dtype),
+                _cast(biases, dtype),
+                _cast(bias, dtype),
+            )
+        return ProjectionWeights(to_mx(weight), to_mx(scales), to_mx(biases), to_mx(bias), quant)
 
-    def _quant(
-        self, layer: int, proj: str, weight_shape: tuple[int, ...], scales_shape: tuple[int, ...], has_biases: bool
-    ) -> QuantSpec:
-        path = f"{self.block_paths.get(layer, '')}.{proj}"
-        params = self.quantization.get(path)
-        if not isinstance(params, dict):
-            params = self.quantization
+    def _quant(self, layer: int, proj: str, weight: _Host, scales: _Host | None, has_biases: bool) -> QuantSpec | None:
+        """How mlx-lm's loader quantises this projection (None: dense), checked against its arrays."""
         in_dims = self.input_dims.get(layer, {}).get(proj)
         if in_dims is None:
             raise UnsupportedModelError(f"layer {layer} has no expert block in the model")
-        bits = weight_shape[-1] * 32 // in_dims
-        group_size = in_dims // scales_shape[-1]
-        mode = params.get("mode") or ("affine" if has_biases else "mxfp4")
-        if params.get("bits", bits) != bits or params.get("group_size", group_size) != group_size:
-            raise UnsupportedModelError(
-                f"layer {layer} {proj}: expert packing ({bits} bits, groups of {group_size}) disagrees "
-                f"with the config's quantization ({params.get('bits')} bits, groups of {params.get('group_size')})"
-            )
-        return QuantSpec(mode, bits, group_size)
+        stored = StoredPacking(
+            in_dims,
+            tuple(weight[0].shape),
+            None if scales is None else tuple(scales[0].shape),
+            None if scales is None else scales[1],
+            has_biases,
+        )
+        key = (layer, proj, stored)
+        if key not in self._specs:
+            path = f"{self.block_paths.get(layer, '')}.{proj}"
+            self._specs[key] = projection_quantization(self.quantization, path, stored, f"layer {layer} {proj}")
+        return self._specs[key]

@@ -460,6 +460,7 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
         core |= expert_trace.leaves_of(value)
 
     params = _parameter_names(model)
+    modules = dict(model.named_modules())
     layers: dict[int, str] = {}
     experts: dict[tuple[int, int], tuple[list[tuple[str, int | None]], str]] = {}
     shared_inputs: dict[str, int] = {}
@@ -475,6 +476,8 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
             unused = sorted(k for k in out if f"layers.{layer}." in k and k not in params)
             stored = _sample(unused) or "tensors mlx-lm's sanitize does not map onto it"
             raise UnsupportedModelError(cannot.format(stored) + f": nothing in the checkpoint feeds {path}")
+        # first: a packing mlx-lm would not build or the kernels cannot take is said as such
+        _check_quantization(repo_id, config.get("quantization"), modules, path, layer, projections, targets)
         for rel, value in targets.items():
             proj, _, kind = rel.rpartition(".")
             if kind not in PARAMETER_KINDS:
@@ -513,6 +516,49 @@ def _plan(repo_id: str, config: dict, tensors: dict[str, tuple[str, tuple[int, .
     expert_inputs = {name for inputs, _ in experts.values() for name, _ in inputs}
     standins = _core_needs_expert_standins(model, model_type, tensors, core, expert_inputs, core_out, streamed)
     return _Plan(core, experts, standins)
+
+
+def _check_quantization(
+    repo_id: str,
+    quantization: dict | None,
+    modules: dict[str, Any],
+    path: str,
+    layer: int,
+    projections: tuple[str, ...],
+    targets: dict[str, Any],
+) -> None:
+    """Refuse, at pull, experts whose stored packing mlx-lm's loader would not build from the
+    config's quantization, or that the streamed kernels cannot take: the reading the codec decodes
+    with (node/model/mlx_quantization.py), so a model that pulls runs.
+
+    A projection whose tensors sanitize does not make plainly (no weight, a shape the trace
+    cannot know) is left to the checks after this one, which say what is wrong with it.
+
+    Raises:
+        UnsupportedModelError: one line naming the layer, the projection and why.
+    """
+    from expertmesh.node.model.expert_trace import Sym
+    from expertmesh.node.model.mlx_quantization import StoredPacking, projection_quantization
+
+    for proj in projections:
+        scales, weight = targets.get(f"{proj}.scales"), targets.get(f"{proj}.weight")
+        if weight is None or not all(
+            isinstance(t, Sym) and t._shape is not None for t in (weight, scales) if t is not None
+        ):
+            continue
+        stored = StoredPacking(
+            modules[f"{path}.{proj}"].weight.shape[-1],  # mlx-lm's unquantised SwitchLinear
+            tuple(weight.shape),
+            None if scales is None else tuple(scales.shape),
+            None if scales is None else scales.dtype,
+            f"{proj}.biases" in targets,
+        )
+        try:
+            projection_quantization(quantization, f"{path}.{proj}", stored, f"layer {layer} {proj}")
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(
+                f"{repo_id}: the routed experts' quantization cannot be streamed: {e}"
+            ) from None
 
 
 def _core_needs_expert_standins(

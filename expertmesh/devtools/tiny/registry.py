@@ -321,8 +321,9 @@ NO_MAKER: dict[str, str] = {
 }
 
 
-def tiny_config(module: str) -> dict:
-    """A tiny config.json for mlx-lm's `module`, from TINY and the module's OVERRIDES.
+def tiny_config(module: str, sizes: dict[str, int] | None = None) -> dict:
+    """A tiny config.json for mlx-lm's `module`, from TINY (its widths replaced by `sizes`) and
+    the module's OVERRIDES.
 
     Raises:
         ValueError: a required ModelArgs field has no tiny value (the message names it).
@@ -332,25 +333,26 @@ def tiny_config(module: str) -> dict:
     text = overrides.pop("text", {})
     overrides.pop("core_names", None)
     args_class = importlib.import_module(f"mlx_lm.models.{module}").ModelArgs
-    config = _fill(args_class, {"model_type": MODEL_TYPES.get(module, module), **overrides})
+    tiny = {**TINY, **(sizes or {})}
+    config = _fill(args_class, {"model_type": MODEL_TYPES.get(module, module), **overrides}, tiny)
     if text_args:
         mod, cls = text_args.split(".")
         text_class = getattr(importlib.import_module(f"mlx_lm.models.{mod}"), cls)
-        config["text_config"] = _fill(text_class, {**{k: v for k, v in overrides.items()}, **text})
+        config["text_config"] = _fill(text_class, {**{k: v for k, v in overrides.items()}, **text}, tiny)
         for key in ("vocab_size", "tie_word_embeddings"):
             if config["text_config"].get(key) is not None:
                 config.setdefault(key, config["text_config"][key])
     return config
 
 
-def _fill(args_class: type, overrides: dict) -> dict:
+def _fill(args_class: type, overrides: dict, tiny: dict[str, Any]) -> dict:
     out = {}
     for f in dataclasses.fields(args_class):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if f.name in overrides:
             out[f.name] = overrides[f.name]
-        elif f.name in TINY and (required or f.name not in _ONLY_IF_REQUIRED):
-            out[f.name] = TINY[f.name]
+        elif f.name in tiny and (required or f.name not in _ONLY_IF_REQUIRED):
+            out[f.name] = tiny[f.name]
         elif required:
             if f.name in ("text_config", "vision_config"):
                 out[f.name] = {}
@@ -529,8 +531,9 @@ class Made:
     config: dict
 
 
-def build(out: Path, module: str, seed: int = 0) -> Made:
-    """Write a tiny repo of mlx-lm's `module` into `out` in the first layout sanitize accepts.
+def build(out: Path, module: str, seed: int = 0, sizes: dict[str, int] | None = None) -> Made:
+    """Write a tiny repo of mlx-lm's `module` into `out` in the first layout sanitize accepts;
+    `sizes` replaces some of TINY's widths.
 
     Raises:
         ValueError: no tiny config, no SwitchGLU in it, or no layout sanitize maps exactly onto
@@ -538,7 +541,7 @@ def build(out: Path, module: str, seed: int = 0) -> Made:
     """
     if module in NO_MAKER:
         raise ValueError(NO_MAKER[module])
-    config = tiny_config(module)
+    config = tiny_config(module, sizes)
     model = mlx_lm_models.build_model(config)
     blocks = mlx_lm_models.expert_blocks(model)
     if not blocks:
