@@ -126,6 +126,7 @@ def test_a_kernel_link_without_namespaces_fails_clearly_instead_of_falling_back(
         (["--experts-per-layer", "8"], "--experts-per-layer"),  # fewer than the 16 a token routes to
         (["--configs", "cold,warm_ram"], "warm_ram"),
         (["--per-connection-bandwidth", "fast"], "--per-connection-bandwidth"),
+        (["--baseline", "/nonexistent/baseline.json"], "--baseline"),
     ],
 )
 def test_bad_bench_arguments_fail_before_anything_is_made(
@@ -138,3 +139,41 @@ def test_bad_bench_arguments_fail_before_anything_is_made(
     err = capsys.readouterr().err
     assert err.startswith("error:") and named in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # no repo made, nothing downloaded
+
+
+@pytest.mark.e2e
+def test_a_run_is_held_against_its_recorded_baseline(doc: dict, tmp_path: Path) -> None:
+    """`bench --baseline`: the run's CPU per GB and useful link beside a recorded run of the same
+    shape; one doubled CPU per GB, a halved useful link or a row that gave no figure is a regression."""
+    from expertmesh.devtools import fetch_baseline
+
+    shape = fetch_baseline.Shape(TINY.experts, TINY.moe_layers, TINY.router, ("cold", "k3_replay"), (CAP,), 2)
+    path = tmp_path / "baseline.json"
+    fetch_baseline.record(doc, shape, path)
+    loaded_shape, baseline = fetch_baseline.load(path)
+    assert loaded_shape == shape and {r["name"] for r in baseline["rows"]} == {"cold", "k3_replay"}
+    same = fetch_baseline.compare(doc, baseline)
+    assert same and not any(c.regressed for c in same)
+    assert fetch_baseline.print_comparison(same, baseline, out=lambda _line: None)
+
+    worse = json.loads(json.dumps(doc))
+    replay = next(r for r in worse["configs"] if r["name"] == "k3_replay")
+    replay["node_cpu_s_per_gb"] *= 2
+    replay["useful_link_use"] /= 2
+    regressed = {(c.config, c.figure) for c in fetch_baseline.compare(worse, baseline) if c.regressed}
+    assert regressed == {("k3_replay", "node_cpu_s_per_gb"), ("k3_replay", "useful_link_use")}
+    lines: list[str] = []
+    assert not fetch_baseline.print_comparison(fetch_baseline.compare(worse, baseline), baseline, out=lines.append)
+    assert sum("REGRESSED" in line for line in lines) == 2
+
+    worse["configs"] = [r for r in worse["configs"] if r["name"] != "cold"]
+    assert {c.config for c in fetch_baseline.compare(worse, baseline) if c.regressed} == {"cold", "k3_replay"}
+
+
+def test_a_baseline_that_is_not_one_is_refused_by_name(tmp_path: Path) -> None:
+    from expertmesh.devtools import fetch_baseline
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": []}')
+    with pytest.raises(fetch_baseline.BaselineError, match="bad.json"):
+        fetch_baseline.load(bad)

@@ -1,23 +1,32 @@
 """`expertmesh warm` against real cache peers on loopback: each expert lands on its owner's disk
 once, the Hub serves it once, a second warm costs nothing, a budget is filled most-used first and
 never by evicting, and a wrong secret warms nothing. Also the peers tier's use of inventories:
-after the owner, only nodes that hold an expert are asked for it."""
+after the owner, only nodes that hold an expert are asked for it; and an owner, once warmed,
+computes every expert it owns when a peer sends it activations (never answers one `missing`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
 
+import grpc
+import mlx.core as mx
+import numpy as np
 import pytest
 from nodes import serving
-from repos import QWEN3_MOE
+from repos import KIMI_K3, QWEN3_MOE
 
 from expertmesh.cli import main
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.household.warm import WarmNode, owners, warm, warm_order
+from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.rpc import activations
+from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.node.service import NodeService
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SECRET = "warm-test-secret"
 
@@ -160,3 +169,58 @@ def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(
     finally:
         for node in made:
             node.close()
+
+
+def _compute(address: str, index: ExpertIndex, layer: int, experts: list[int], width: int):
+    """A peer's ComputeExperts call for `experts` of `layer`, one row each (as remote execution sends them)."""
+    rng = np.random.default_rng(len(experts))
+    request = node_pb2.ComputeExpertsRequest(
+        model=node_pb2.ModelKey(repo_id=index.repo_id, commit=index.commit),
+        layer=layer,
+        experts=[
+            node_pb2.ExpertRows(
+                expert=e, rows=activations.encode(mx.array(rng.standard_normal((1, width)).astype(np.float32)))
+            )
+            for e in experts
+        ],
+    )
+    with grpc.insecure_channel(address) as channel:
+        return node_pb2_grpc.NodeStub(channel).ComputeExperts(
+            request, metadata=call_metadata(SECRET, node_method("ComputeExperts")), timeout=30
+        )
+
+
+def test_a_warmed_owner_computes_every_expert_it_owns_never_missing(home: Path) -> None:
+    """After `warm` an owner holds its experts, so a ComputeExperts call for them gets every one
+    computed: an expert answered `missing` crosses the LAN whole instead (the lab's
+    `fallback_missing`). A call for more experts than the owner holds at once comes in groups, the
+    next queued before the last is placed; here placing the first group lets go of expert b, the
+    least recently used, which the store had already found in RAM for the next group."""
+    index = ExpertIndex.load(local_models.find_index(home, KIMI_K3) / INDEX_FILENAME)
+    layer = index.moe_layers[0]
+    nbytes = index.expert(layer, 0).nbytes
+    store = StoreConfig(
+        ram_budget=str(4 * nbytes),
+        disk_budget="100MB",
+        fetch_concurrency=2,
+        ram_policy="lru",
+        prefetch=False,
+        fill=False,
+    )
+    node = serving(KIMI_K3, home, SECRET, node_id="owner", store=store)
+    try:
+        kept, limit = node.store.ram.slots(nbytes), node.store.hold_limit()
+        group = max(1, limit // 2)  # the store's group size for a call of more than `limit`
+        assert kept >= 1 and kept + limit + 1 <= sum(lay == layer for lay, _ in index.experts)  # experts enough
+        [warmed] = warm(index, [WarmNode("owner", node.rpc.address, node.experts.disk.budget_bytes)], SECRET)
+        assert warmed.kept == warmed.owned == len(index.experts)  # the only node: it owns every expert
+        width = node.model.blocks[0].input_width
+        residents = list(range(kept))  # expert 0 is b: into RAM first, so least recently used
+        others = list(range(kept, kept + limit))  # with b, a call of limit + 1: more than one group
+        calls = [[e] for e in residents] + [others[:group] + [residents[0]] + others[group:]]
+        for experts in calls:
+            response = _compute(node.rpc.address, index, layer, experts, width)
+            assert list(response.missing) == [], f"answered {list(response.missing)} missing after warm"
+            assert [x.expert for x in response.experts] == experts
+    finally:
+        node.close()

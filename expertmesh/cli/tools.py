@@ -116,6 +116,17 @@ def add_commands(sub) -> None:
         metavar="NAME[,NAME...]",
         help="--compute: which shapes, in order (default: k3_depth,qwen3_depth,demo)",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="FILE",
+        help="k3-proportions: run the shape recorded in FILE (e.g. benchmarks/fetch_path_baseline.json) and "
+        "compare the fetch path's CPU per GB and useful link with it; exit 1 when one is beyond its tolerance",
+    )
+    p.add_argument(
+        "--record-baseline",
+        metavar="FILE",
+        help="k3-proportions: write this run's CPU per GB and useful link, with its shape, as a baseline to FILE",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=bench)
 
@@ -219,24 +230,36 @@ def _bench_compute(args: argparse.Namespace) -> int:
 
 
 def _bench_k3(args: argparse.Namespace) -> int:
-    from expertmesh.devtools import bench_k3
+    from expertmesh.devtools import bench_k3, fetch_baseline
+    from expertmesh.devtools.tiny import k3_proportions
     from expertmesh.node.sizes import parse_size
 
-    try:
-        caps = [float(parse_size(c)) for c in args.per_connection_bandwidth.split(",")]
-    except ValueError as e:
-        raise ExpertmeshError(f"--per-connection-bandwidth: {e}") from None
-    configs = _names("--configs", args.configs, bench_k3.ALL_CONFIGS) if args.configs else bench_k3.CONFIGS
-    from expertmesh.devtools.tiny import k3_proportions
-
-    shape = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}
-    proportions = k3_proportions.Proportions(**{k: v for k, v in shape.items() if v is not None})
+    baseline = None
+    if args.baseline:
+        try:
+            shape, baseline = fetch_baseline.load(Path(args.baseline))
+        except fetch_baseline.BaselineError as e:
+            raise ExpertmeshError(f"--baseline: {e}") from None
+        unknown = [c for c in shape.configs if c not in bench_k3.ALL_CONFIGS]
+        if unknown:
+            raise ExpertmeshError(f"--baseline: {args.baseline} names configurations this bench lacks: {unknown}")
+        print(f"running the shape of {args.baseline} (its configs, caps, repo and tokens)", file=sys.stderr)
+    else:
+        try:
+            caps = [float(parse_size(c)) for c in args.per_connection_bandwidth.split(",")]
+        except ValueError as e:
+            raise ExpertmeshError(f"--per-connection-bandwidth: {e}") from None
+        configs = _names("--configs", args.configs, bench_k3.ALL_CONFIGS) if args.configs else bench_k3.CONFIGS
+        given = {"experts": args.experts_per_layer, "moe_layers": args.moe_layers, "router": args.router}
+        made = k3_proportions.Proportions(**{k: v for k, v in given.items() if v is not None})
+        shape = fetch_baseline.Shape(made.experts, made.moe_layers, made.router, configs, tuple(caps), args.tokens or 4)
+    proportions = k3_proportions.Proportions(experts=shape.experts, moe_layers=shape.moe_layers, router=shape.router)
     if proportions.top_k > proportions.experts:
         raise ExpertmeshError(f"--experts-per-layer: at least the {proportions.top_k} experts a token uses")
     doc = bench_k3.run(
-        caps,
-        tokens=args.tokens or 4,
-        configs=configs,
+        list(shape.per_connection),
+        tokens=shape.tokens,
+        configs=shape.configs,
         proportions=proportions,
         progress=lambda m: print(m, file=sys.stderr),
         kernel_link=args.kernel_link,
@@ -245,6 +268,11 @@ def _bench_k3(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.record_baseline:
+        fetch_baseline.record(doc, shape, Path(args.record_baseline))
+        print(f"wrote the baseline {args.record_baseline}", file=sys.stderr)
+    if baseline is not None:
+        return 0 if fetch_baseline.print_comparison(fetch_baseline.compare(doc, baseline), baseline) else 1
     return 0
 
 

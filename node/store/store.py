@@ -46,15 +46,45 @@ class Served:
     seconds: float
 
 
+@dataclass
+class _Started:
+    """A group the store has looked at and queued, not yet handed over: its RAM hits are pinned."""
+
+    layer: int
+    served: dict[int, Served]
+    arrived: dict[int, ExpertWeights]
+    held: dict[int, int]  # expert -> slot, pinned
+    waiting: dict[int, Future]
+
+    def let_go(self, ram: RamCache) -> None:
+        held, self.held = self.held, {}
+        if held:
+            ram.release([(self.layer, e) for e in held])
+
+
 class ExpertGroup:
     """Some of a layer's experts, as the store hands them over: which tier served each (`served`),
-    and the ones that arrived, to be written into RAM-tier slots on the MLX thread (`placed`)."""
+    and the ones that arrived, to be written into RAM-tier slots on the MLX thread (`placed`).
 
-    def __init__(self, ram: RamCache, layer: int, served: dict[int, Served], arrived: dict[int, ExpertWeights]):
+    The experts RAM answered for are pinned when the store looks (`held`), not when the group is
+    placed: the store queues the next group before handing this one over, and placing one group's
+    arrivals may make the policy let go of experts RAM held for the next; unpinned, those would be
+    gone by the time their group is placed, and a peer's ComputeExperts would answer an expert it
+    holds as missing. Pins the caller never places are let go of by `let_go`."""
+
+    def __init__(
+        self,
+        ram: RamCache,
+        layer: int,
+        served: dict[int, Served],
+        arrived: dict[int, ExpertWeights],
+        held: dict[int, int] | None = None,
+    ):
         self.ram = ram
         self.layer = layer
         self.served = served
         self._arrived = arrived
+        self._held = dict(held or {})  # expert -> slot, pinned when the store found it in RAM
         self.missing: list[int] = []
 
     @property
@@ -65,10 +95,9 @@ class ExpertGroup:
     def placed(self) -> Iterator[dict[int, int]]:
         """On the MLX thread: expert -> slot for the group's experts, pinned while inside, so
         nothing else takes their slots before their kernels are built. `missing` then lists
-        what has no slot: an expert the RAM tier let go of since the store looked, or one that
-        found every slot in use; the caller asks for it again (or a peer's call reports it)."""
-        keys = [(self.layer, e) for e in self.served if e not in self._arrived]
-        slots = {key[1]: slot for key, slot in self.ram.acquire(keys).items()}
+        what has no slot: an arrival that found every slot in use; the caller asks for it again
+        (or a peer's call reports it)."""
+        slots, self._held = self._held, {}  # the pins taken when the store looked are now these
         for e, weights in self._arrived.items():
             slot = self.ram.place((self.layer, e), weights)
             if slot is not None:
@@ -79,6 +108,12 @@ class ExpertGroup:
             yield slots
         finally:
             self.ram.release([(self.layer, e) for e in slots])
+
+    def let_go(self) -> None:
+        """Unpin the RAM hits of a group that was handed over but never placed."""
+        held, self._held = self._held, {}
+        if held:
+            self.ram.release([(self.layer, e) for e in held])
 
 
 class ExpertStore:
@@ -180,17 +215,33 @@ class ExpertStore:
         routed = experts if routed is None else [int(e) for e in routed]
         self._begin_layer(layer, routed, record=bool(routed), own_pass=bool(routed))
         limit = self.hold_limit()
-        if len(experts) <= limit:
-            yield self._finish(layer, *self._start(layer, experts, guess))
-            return
-        size = max(1, limit // 2)
-        groups = [experts[i : i + size] for i in range(0, len(experts), size)]
-        current = self._start(layer, groups[0], guess)
-        for group in groups[1:]:
-            pending = self._start(layer, group, None)  # queued before the group before it is handed over
-            yield self._finish(layer, *current)
-            current = pending  # the group handed over is let go of
-        yield self._finish(layer, *current)
+        size = limit if len(experts) <= limit else max(1, limit // 2)
+        # no experts: one empty group all the same (a call that only announces the pass)
+        groups = [experts[i : i + size] for i in range(0, len(experts), size)] or [[]]
+        started: list[_Started] = []  # pinned RAM hits not yet handed over
+        try:
+            started.append(self._start(layer, groups[0], guess))
+            for group in groups[1:]:
+                started.append(self._start(layer, group, None))  # queued before the group before it is handed over
+                yield from self._hand_over(layer, started.pop(0))
+            while started:
+                yield from self._hand_over(layer, started.pop(0))
+        finally:  # the caller stopped early, or a fetch failed: no pin outlives the call
+            for rest in started:
+                rest.let_go(self.ram)
+
+    def _hand_over(self, layer: int, started: _Started) -> Iterator[ExpertGroup]:
+        """Wait for a started group and hand it over; once the caller is done with it, its pins
+        that the caller did not place are let go of."""
+        try:
+            group = self._finish(layer, started)
+        except BaseException:
+            started.let_go(self.ram)
+            raise
+        try:
+            yield group
+        finally:
+            group.let_go()
 
     def _begin_layer(self, layer: int, experts: list[int], record: bool, own_pass: bool = True) -> None:
         """A layer is asked for: generation is on (fill), its routing is traced, its guesses settle."""
@@ -209,16 +260,15 @@ class ExpertStore:
         self.stats.record_ram([self.index.expert(layer, e).nbytes for e in experts])
         self.ram.touch([(layer, e) for e in experts])
 
-    def _start(
-        self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None
-    ) -> tuple[dict[int, Served], dict[int, ExpertWeights], dict[int, Future]]:
-        """Note what RAM holds, take the guesses that arrived, and queue the rest (then the guess behind them)."""
+    def _start(self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None) -> _Started:
+        """Pin what RAM holds, take the guesses that arrived, and queue the rest (then the guess behind them)."""
+        held = {key[1]: slot for key, slot in self.ram.acquire([(layer, e) for e in experts]).items()}
         served: dict[int, Served] = {}
         arrived: dict[int, ExpertWeights] = {}
         missing: list[int] = []
         for e in experts:
             key = (layer, e)
-            if key in self.ram:
+            if e in held:
                 served[e] = Served("ram", self.index.expert(layer, e).nbytes, 0.0)
                 self.stats.record("ram", served[e].nbytes)
                 continue
@@ -227,15 +277,19 @@ class ExpertStore:
                 arrived[e] = self._use(key, staged, served)
             else:
                 missing.append(e)
-        waiting = self._demand(layer, missing)
+        started = _Started(layer, served, arrived, held, {})
+        try:
+            started.waiting = self._demand(layer, missing)
+        except BaseException:
+            started.let_go(self.ram)
+            raise
         if guess is not None:
             self.prefetch(*guess)
-        return served, arrived, waiting
+        return started
 
-    def _finish(
-        self, layer: int, served: dict[int, Served], arrived: dict[int, ExpertWeights], waiting: dict[int, Future]
-    ) -> ExpertGroup:
+    def _finish(self, layer: int, started: _Started) -> ExpertGroup:
         """Wait for the queued experts (timed: the wait is what a token pays for the link or disk)."""
+        served, arrived, waiting = started.served, started.arrived, started.waiting
         if waiting:
             t0 = time.perf_counter()
             if self.wait is not None:
@@ -249,7 +303,8 @@ class ExpertStore:
             far = sum(self.index.expert(layer, e).nbytes for e, f in fetched.items() if f.source in ("hub", "peer"))
             if far:
                 self.stats.record_wait(far, seconds)
-        return ExpertGroup(self.ram, layer, served, arrived)
+        held, started.held = started.held, {}  # the group owns the pins from here
+        return ExpertGroup(self.ram, layer, served, arrived, held)
 
     def _demand(self, layer: int, experts: list[int]) -> dict[int, Future]:
         """Queue the demands of one layer; where the Hub is the only remote tier and the layer wants
