@@ -27,7 +27,7 @@ from http import HTTPStatus
 from urllib.parse import unquote
 
 from expertmesh.coordinator.api_access import AccessPolicy
-from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
+from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Usage
 from expertmesh.coordinator.generation_threads import GenerationThreads, ThreadedGeneration
 from expertmesh.coordinator.http_server import RETRY_AFTER_S, Exchange, HttpServer, ServerLimits
 from expertmesh.coordinator.openai_request import ApiError, Ask, decode_body, parse_ask
@@ -170,7 +170,7 @@ class OpenAIServer:
         # GIL while it runs, so parses side by side would stall the loop as long as all of them.
         ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse, raw, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        usage = Usage()
         generation = self._threads.start(ask, usage)
         try:
             if ask.stream:
@@ -202,10 +202,14 @@ class OpenAIServer:
         return {"id": rid, "object": kind, "created": int(time.time()), "model": ask.model}
 
     @staticmethod
-    def _usage(usage: dict) -> dict:
-        return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+    def _usage(u: Usage) -> dict:
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+        }
 
-    async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
+    async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
         text, finish = [], "length"
         async for piece in pieces:
             if isinstance(piece, Finish):
@@ -216,7 +220,7 @@ class OpenAIServer:
         body.update(choices=[self._choice(ask, "".join(text), finish, delta=False)], usage=self._usage(usage))
         await self._json(ex, 200, body)
 
-    async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
+    async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
         try:
             first = await anext(pieces)  # errors before the first token are still plain HTTP errors
         except StopAsyncIteration:
