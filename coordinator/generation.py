@@ -26,7 +26,7 @@ import logging
 import threading
 from collections.abc import Callable, Generator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from http import HTTPStatus
 
@@ -40,6 +40,7 @@ from expertmesh.coordinator.stop_sequences import StopScanner
 from expertmesh.node.constants import CONTEXT_LENGTH_EXCEEDED, REASON_METADATA_KEY
 from expertmesh.node.rpc.call_watch import QUIET_S, CallWatch, Watched
 from expertmesh.node.rpc.client import NodeClient
+from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,48 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log probability, as OpenAI shows it: its text, its UTF-8 bytes (a
+    token that is part of a character has bytes but no whole text), and the most likely ones'."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list[TokenLogprob] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, raw: bytes, logprob: float, top: list[TokenLogprob] | None = None) -> TokenLogprob:
+        return cls(raw.decode("utf-8", errors="replace"), list(raw), logprob, top or [])
+
+
+@dataclass
+class Logprobs:
+    """Yielded just before the text its tokens made (with `logprobs` asked only): the tokens
+    whose text reaches the client, so those cut at a stop sequence are not reported either."""
+
+    tokens: list[TokenLogprob]
+
+
+class _LogprobBook:
+    """Tokens' log probabilities held until their text is released by the stop scanner."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[int, TokenLogprob]] = []  # (where its text starts, the token)
+        self._received = 0  # characters received from the node
+
+    def add(self, token: node_pb2.TokenEvent) -> None:
+        top = [TokenLogprob.of(t.token_bytes, t.logprob) for t in token.top_logprobs]
+        self._pending.append((self._received, TokenLogprob.of(token.token_bytes, token.logprob, top)))
+        self._received += len(token.text)
+
+    def release(self, sent: int | None) -> Logprobs | None:
+        """The tokens whose text starts before character `sent` (None: all of them)."""
+        n = len(self._pending) if sent is None else sum(1 for start, _ in self._pending if start < sent)
+        released, self._pending = self._pending[:n], self._pending[n:]
+        return Logprobs([t for _, t in released]) if released else None
 
 
 @dataclass
@@ -307,7 +350,9 @@ class Coordinator:
         self._forget_departed()
         return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
 
-    def generate(self, ask: Ask, usage: Usage, cancel: Cancellation | None = None) -> Generator[str | Finish]:
+    def generate(
+        self, ask: Ask, usage: Usage, cancel: Cancellation | None = None
+    ) -> Generator[str | Logprobs | Finish]:
         """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive.
 
         Raises QueueFull when too many requests wait already, ApiError when no node can answer.
@@ -347,7 +392,7 @@ class Coordinator:
 
     def _attempt(
         self, address: str, ask: Ask, usage: Usage, cancel: Cancellation
-    ) -> Generator[str | Finish, None, Outcome | None]:
+    ) -> Generator[str | Logprobs | Finish, None, Outcome | None]:
         """One node's try at the whole answer: its pieces, then None once the answer is done (or
         the client left), or the Outcome of a failure after which another node should try.
 
@@ -396,19 +441,26 @@ class Coordinator:
         usage: Usage,
         cancel: Cancellation,
         progress: _Progress,
-    ) -> Generator[str | Finish]:
+    ) -> Generator[str | Logprobs | Finish]:
         """The node's events as the client's pieces, stop sequences applied; raises _Cut when the
         stream ends without a whole answer, grpc.RpcError as the call fails."""
         scanner = StopScanner(ask.stop)
+        book = _LogprobBook() if ask.logprobs else None
+        sent = 0  # characters that went to the client
         for event in call:
             watched.heard()
             if event.HasField("token"):
                 self.pool.answered(address)
                 usage.completion_tokens += 1
                 usage.prompt_tokens = usage.prompt_tokens or event.token.prompt_tokens
+                if book is not None:
+                    book.add(event.token)
                 text = scanner.feed(event.token.text)
                 if text:
                     progress.started = True
+                    sent += len(text)
+                    if book is not None and (logprobs := book.release(sent)):
+                        yield logprobs
                     yield text
                 if scanner.stopped:
                     call.cancel()
@@ -421,6 +473,8 @@ class Coordinator:
                 raise _Cut(f"the node ended the generation early ({done.stop_reason or 'no reason'})")
             usage.prompt_tokens = done.prompt_tokens
             tail = scanner.feed(done.trailing_text) + scanner.finish()
+            if book is not None and (logprobs := book.release(None if not scanner.stopped else sent + len(tail))):
+                yield logprobs
             if tail:
                 yield tail
             yield Finish("stop" if scanner.stopped or reason != "length" else "length")

@@ -27,7 +27,7 @@ from http import HTTPStatus
 from urllib.parse import unquote
 
 from expertmesh.coordinator.api_access import AccessPolicy
-from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Usage
+from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Logprobs, TokenLogprob, Usage
 from expertmesh.coordinator.generation_threads import GenerationThreads, ThreadedGeneration
 from expertmesh.coordinator.http_server import RETRY_AFTER_S, Exchange, HttpServer, ServerLimits
 from expertmesh.coordinator.openai_request import ApiError, Ask, decode_body, parse_ask
@@ -187,14 +187,41 @@ class OpenAIServer:
     # -- OpenAI's response shapes --------------------------------------------------------------
 
     @staticmethod
-    def _choice(ask: Ask, text: str | None, finish: str | None, delta: bool) -> dict:
+    def _choice(
+        ask: Ask, text: str | None, finish: str | None, delta: bool, tokens: list[TokenLogprob], offset: int = 0
+    ) -> dict:
+        """One choice; `tokens`: the log probabilities of the tokens behind `text` (if asked), and
+        `offset` where `text` starts in the whole answer (the legacy shape counts from there)."""
         if not ask.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            logprobs = OpenAIServer._legacy_logprobs(tokens, offset) if ask.logprobs else None
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         content = {"content": text} if text is not None else {}
         if not delta:
             content = {"role": "assistant", "content": text or ""}
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+        logprobs = (
+            {"content": [OpenAIServer._chat_logprob(t) for t in tokens], "refusal": None} if ask.logprobs else None
+        )
+        return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def _chat_logprob(t: TokenLogprob, top: bool = True) -> dict:
+        entry = {"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+        return {**entry, "top_logprobs": [OpenAIServer._chat_logprob(a, top=False) for a in t.top]} if top else entry
+
+    @staticmethod
+    def _legacy_logprobs(tokens: list[TokenLogprob], offset: int) -> dict:
+        """The completions API's shape: parallel lists, the alternatives as {token: logprob}."""
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t.token)
+        return {
+            "tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
+            "text_offset": offsets,
+        }
 
     @staticmethod
     def _envelope(ask: Ask, rid: str, chunk: bool) -> dict:
@@ -210,14 +237,17 @@ class OpenAIServer:
         }
 
     async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
-        text, finish = [], "length"
+        text, tokens, finish = [], [], "length"
         async for piece in pieces:
             if isinstance(piece, Finish):
                 finish = piece.reason
+            elif isinstance(piece, Logprobs):
+                tokens.extend(piece.tokens)
             else:
                 text.append(piece)
         body = self._envelope(ask, rid, chunk=False)
-        body.update(choices=[self._choice(ask, "".join(text), finish, delta=False)], usage=self._usage(usage))
+        choice = self._choice(ask, "".join(text), finish, delta=False, tokens=tokens)
+        body.update(choices=[choice], usage=self._usage(usage))
         await self._json(ex, 200, body)
 
     async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
@@ -231,8 +261,15 @@ class OpenAIServer:
             data = obj if isinstance(obj, str) else json.dumps(obj)
             await ex.write(f"data: {data}\n\n".encode())
 
+        tokens: list[TokenLogprob] = []  # log probabilities of the next text's tokens
+        offset = 0  # characters sent so far (the legacy logprobs count from the answer's start)
+
         def chunk(text: str | None, reason: str | None) -> dict:
-            return {**self._envelope(ask, rid, chunk=True), "choices": [self._choice(ask, text, reason, delta=True)]}
+            nonlocal offset
+            choice = self._choice(ask, text, reason, delta=True, tokens=tokens, offset=offset)
+            offset += len(text or "")
+            tokens.clear()
+            return {**self._envelope(ask, rid, chunk=True), "choices": [choice]}
 
         if ask.chat:
             await send(
@@ -242,16 +279,20 @@ class OpenAIServer:
                 }
             )
         finish = "length"
-        try:
-            if isinstance(first, Finish):
-                finish = first.reason
+
+        async def relay(piece: str | Logprobs | Finish) -> None:
+            nonlocal finish
+            if isinstance(piece, Finish):
+                finish = piece.reason
+            elif isinstance(piece, Logprobs):
+                tokens.extend(piece.tokens)
             else:
-                await send(chunk(first, None))
+                await send(chunk(piece, None))
+
+        try:
+            await relay(first)
             async for piece in pieces:
-                if isinstance(piece, Finish):
-                    finish = piece.reason
-                else:
-                    await send(chunk(piece, None))
+                await relay(piece)
         except ApiError as e:  # after the first token: the stream ends with the error
             await send({"error": e.body()["error"]})
             await send("[DONE]")

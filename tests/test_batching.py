@@ -29,8 +29,9 @@ from expertmesh.node.config import (
     SpeculationConfig,
     StoreConfig,
 )
-from expertmesh.node.engine.batching import BatchEngine, make_row_sampler
+from expertmesh.node.engine.batching import BatchEngine
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.sampling import make_row_sampler
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -201,7 +202,7 @@ def test_a_keyed_sampler_splits_its_key_as_mlx_seeds_the_global_one() -> None:
     mx.random.seed(123)
     plain = make_sampler(0.7, 0.8)
     expected = [plain(logprobs).item() for _ in range(12)]
-    keyed = make_row_sampler(settings)
+    keyed = make_row_sampler(settings, 64, keyed=True)
     assert [keyed(logprobs).item() for _ in range(12)] == expected
     assert len(set(expected)) > 1  # it really samples
 
