@@ -21,6 +21,7 @@ The gRPC client is blocking, so `Coordinator.generate` runs on a thread of its o
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import threading
@@ -77,7 +78,7 @@ class TokenLogprob:
     top: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
-    def of(cls, raw: bytes, logprob: float, top: list[TokenLogprob] | None = None) -> TokenLogprob:
+    def of(cls, raw: builtins.bytes, logprob: float, top: list[TokenLogprob] | None = None) -> TokenLogprob:
         return cls(raw.decode("utf-8", errors="replace"), list(raw), logprob, top or [])
 
 

@@ -193,6 +193,28 @@ def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(models) -> None:
     assert len({tuple(a) for a in alone}) > 1
 
 
+def test_penalties_and_logprobs_in_a_batch_are_what_they_are_alone(models) -> None:
+    """Each row runs its own logits processors on its own tokens (engine/sampling.py's Decoder),
+    and hands out the same log probabilities as the request alone."""
+    sm, engine = models("kimi_k3")
+    ids = [sm.tokenizer.encode(p) for p in PROMPTS]
+    settings = [
+        SamplingSettings(max_tokens=8, presence_penalty=2.0, logprobs=True, top_logprobs=3),
+        SamplingSettings(max_tokens=8, repetition_penalty=3.0, top_k=2, temp=0.5, seed=3),
+        SamplingSettings(max_tokens=8, logit_bias={5: 100.0}),
+        SamplingSettings(max_tokens=8, frequency_penalty=-2.0, min_p=0.5, temp=1.0, seed=4),
+    ]
+    alone = [_alone(sm, i, s) for i, s in zip(ids, settings)]
+    runs = [_Run(engine, i, s) for i, s in zip(ids, settings)]
+    for r in runs:
+        r.start()
+    _finish(runs)
+    assert [r.tokens for r in runs] == alone
+    assert alone[2] == [5] * 8  # the bias is honoured
+    chosen = [t.chosen for t in Generator(sm).generate(ids[0], settings[0])]
+    assert all(c is not None and len(c.top) == 3 and c.top[0].logprob == c.logprob for c in chosen)
+
+
 def test_a_keyed_sampler_splits_its_key_as_mlx_seeds_the_global_one() -> None:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler

@@ -14,6 +14,7 @@ batch draws exactly what it would alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -155,11 +156,12 @@ class TokenLogprobs:
 
 def token_logprobs(logprobs: mx.array, token: int, top: int) -> TokenLogprobs:
     """Read `token`'s log probability and the `top` most likely ones from one row (evaluated)."""
-    chosen = float(logprobs[token].item())
+    chosen = cast(float, logprobs[token].item())
     if top <= 0:
         return TokenLogprobs(chosen, [])
-    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-    values = logprobs[ids]
+    best = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    values = logprobs[best]
     order = mx.argsort(-values)
-    ids, values = ids[order].tolist(), values[order].tolist()
-    return TokenLogprobs(chosen, [TopLogprob(int(i), float(v)) for i, v in zip(ids, values, strict=True)])
+    ids = cast(list[int], best[order].tolist())
+    logs = cast(list[float], values[order].tolist())
+    return TokenLogprobs(chosen, [TopLogprob(i, v) for i, v in zip(ids, logs, strict=True)])
