@@ -114,6 +114,7 @@ class Finish:
     """The last item a generation yields: why it ended, as OpenAI's finish_reason."""
 
     reason: str  # stop | length
+    stop_sequence: str | None = None  # the client's stop sequence that ended it, if one did
 
 
 @dataclass
@@ -373,6 +374,31 @@ class Coordinator:
                 if outcome.full:
                     admitted.busy.add(address)
 
+    def count_tokens(self, ask: Ask) -> int:
+        """The tokens of `ask`'s prompt as its model's template and tokenizer make them (the
+        Messages API's count_tokens), asked of the least busy node; no queue slot: nothing runs.
+
+        Raises ApiError: the node refused the prompt (400), or no node could answer (503)."""
+        self._forget_departed()
+        request = generate_request(ask)
+        request.count_only = True
+        tried = 0
+        for address in self.pool.ranked(exclude=set()):
+            tried += 1
+            try:
+                for event in self._client(address).generate(request, HEALTH_DEADLINE_S * 10):
+                    if event.HasField("done"):
+                        return event.done.prompt_tokens
+            except grpc.RpcError as e:
+                if e.code() in _NODE_ERRORS:
+                    raise _refusal(e, _NODE_ERRORS[e.code()], ask.chat) from None
+                logger.warning("node %s could not count tokens (%s); trying another", address, e.code().name.lower())
+        raise ApiError(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"no full node of the household could count the tokens (tried {tried})",
+            type_="server_error",
+        )
+
     def _next_node(self, admitted: _Admission) -> str | None:
         """The least busy node the request has not tried; None if its client left while it
         waited again for a slot. Raises ApiError 503 when no node is left to try."""
@@ -465,7 +491,7 @@ class Coordinator:
                     yield text
                 if scanner.stopped:
                     call.cancel()
-                    yield Finish("stop")
+                    yield Finish("stop", scanner.matched)
                     return
                 continue
             done = event.done
@@ -478,7 +504,7 @@ class Coordinator:
                 yield logprobs
             if tail:
                 yield tail
-            yield Finish("stop" if scanner.stopped or reason != "length" else "length")
+            yield Finish("stop" if scanner.stopped or reason != "length" else "length", scanner.matched)
             return
         if not cancel.cancelled:  # an OK status without GenerationDone: not a whole answer
             raise _Cut("the node's stream ended before its generation was done")

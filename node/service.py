@@ -457,6 +457,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with"
             )
         self._check_generate(request, context)
+        if request.count_only:  # tokenising only: no slot, no model thread
+            counted = len(self._prompt_ids(sm, request, context))
+            yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(prompt_tokens=counted, stop_reason="counted"))
+            return
         slots = self.generation_slots
         if not slots.admit():
             context.abort(
