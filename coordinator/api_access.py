@@ -201,11 +201,15 @@ class AccessPolicy:
                 HTTPStatus.FORBIDDEN, "requests from other web origins are not allowed", code="forbidden_origin"
             )
         if self.needs_key and request.path.rstrip("/") not in OPEN_PATHS:
+            # OpenAI's clients send `Authorization: Bearer KEY`, Anthropic's `x-api-key: KEY`: either
             scheme, _, key = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not self.keys.accepts(key.strip()):
+            anthropic_key = request.headers.get("x-api-key")
+            bearer_ok = scheme.lower() == "bearer" and self.keys.accepts(key.strip())
+            if not bearer_ok and not (anthropic_key is not None and self.keys.accepts(anthropic_key.strip())):
                 return ApiError(
                     HTTPStatus.UNAUTHORIZED,
-                    "a valid API key is required (Authorization: Bearer KEY; see the api-keys file in the node's home)",
+                    "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY; see the api-keys "
+                    "file in the node's home)",
                     code="invalid_api_key",
                 )
         return None

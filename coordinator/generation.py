@@ -21,12 +21,14 @@ The gRPC client is blocking, so `Coordinator.generate` runs on a thread of its o
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import threading
 from collections.abc import Callable, Generator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from http import HTTPStatus
 
 import grpc
@@ -37,8 +39,9 @@ from expertmesh.coordinator.openai_request import ApiError, Ask, generate_reques
 from expertmesh.coordinator.request_queue import LeftQueue, QueueFull, RequestQueue
 from expertmesh.coordinator.stop_sequences import StopScanner
 from expertmesh.node.constants import CONTEXT_LENGTH_EXCEEDED, REASON_METADATA_KEY
-from expertmesh.node.rpc.call_watch import QUIET_S, CallWatch
+from expertmesh.node.rpc.call_watch import QUIET_S, CallWatch, Watched
 from expertmesh.node.rpc.client import NodeClient
+from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +56,65 @@ FULL_PAUSE_MAX_S = 2.0
 
 
 @dataclass
+class Usage:
+    """The tokens one answer cost, as OpenAI's `usage` counts them; filled in as tokens arrive."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log probability, as OpenAI shows it: its text, its UTF-8 bytes (a
+    token that is part of a character has bytes but no whole text), and the most likely ones'."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list[TokenLogprob] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, raw: builtins.bytes, logprob: float, top: list[TokenLogprob] | None = None) -> TokenLogprob:
+        return cls(raw.decode("utf-8", errors="replace"), list(raw), logprob, top or [])
+
+
+@dataclass
+class Logprobs:
+    """Yielded just before the text its tokens made (with `logprobs` asked only): the tokens
+    whose text reaches the client, so those cut at a stop sequence are not reported either."""
+
+    tokens: list[TokenLogprob]
+
+
+class _LogprobBook:
+    """Tokens' log probabilities held until their text is released by the stop scanner."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[int, TokenLogprob]] = []  # (where its text starts, the token)
+        self._received = 0  # characters received from the node
+
+    def add(self, token: node_pb2.TokenEvent) -> None:
+        top = [TokenLogprob.of(t.token_bytes, t.logprob) for t in token.top_logprobs]
+        self._pending.append((self._received, TokenLogprob.of(token.token_bytes, token.logprob, top)))
+        self._received += len(token.text)
+
+    def release(self, sent: int | None) -> Logprobs | None:
+        """The tokens whose text starts before character `sent` (None: all of them)."""
+        n = len(self._pending) if sent is None else sum(1 for start, _ in self._pending if start < sent)
+        released, self._pending = self._pending[:n], self._pending[n:]
+        return Logprobs([t for _, t in released]) if released else None
+
+
+@dataclass
 class Finish:
     """The last item a generation yields: why it ended, as OpenAI's finish_reason."""
 
     reason: str  # stop | length
+    stop_sequence: str | None = None  # the client's stop sequence that ended it, if one did
 
 
 @dataclass
@@ -116,7 +174,48 @@ _TRY_ANOTHER = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.CANCELLED,  # from the node (it stopped) or from the watch (it hung), not from us
 )
+
+
+class Fate(Enum):
+    """What one node's failed attempt means for the request."""
+
+    OURS = "ours"  # our own cancel: the client left, nobody reads the answer
+    RETRY = "retry"  # nothing reached the client yet: another node may answer
+    REFUSED = "refused"  # the node refused the request itself: the client's error, as is
+    BROKEN = "broken"  # the answer was cut after text went out: a 502
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A failed attempt, classified: its fate, whether the node is ranked last a while (it failed,
+    rather than refused or was full), whether it was full, and what to tell."""
+
+    fate: Fate
+    node_failed: bool
+    full: bool
+    what: str
+
+
+def classify(code: grpc.StatusCode | None, *, cancelled: bool, hung: bool, started: bool) -> Outcome:
+    """The outcome of an attempt that ended in gRPC status `code`, or, with `code` None, in a stream
+    that ended without a whole answer. Pure: the caller acts on it.
+
+    `cancelled`: the request was cancelled (by its client); `hung`: the call watch gave the node up;
+    `started`: text went to the client already, so the ask can no longer move to another node."""
+    if code is None:
+        return Outcome(Fate.BROKEN if started else Fate.RETRY, node_failed=True, full=False, what="cut")
+    if code == grpc.StatusCode.CANCELLED and cancelled and not hung:
+        return Outcome(Fate.OURS, node_failed=False, full=False, what="cancelled")
+    what = "stopped answering" if hung else code.name.lower()
+    full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    node_failed = not full and code not in _NODE_ERRORS
+    if not started and (hung or code in _TRY_ANOTHER):
+        return Outcome(Fate.RETRY, node_failed, full, what)
+    if not started and code in _NODE_ERRORS:
+        return Outcome(Fate.REFUSED, node_failed, full, what)
+    return Outcome(Fate.BROKEN, node_failed, full, what)
 
 
 def _refusal(e: grpc.RpcError, status: HTTPStatus, chat: bool) -> ApiError:
@@ -132,6 +231,62 @@ def _refusal(e: grpc.RpcError, status: HTTPStatus, chat: bool) -> ApiError:
 
 class _Cut(Exception):
     """The node's stream ended without a whole answer (no GenerationDone, or one it did not finish)."""
+
+
+class _Admission:
+    """One admitted request: its place in the queue, and the nodes it tried since it got it.
+
+    Every node refusing as full although the queue gave the request a slot means the queue
+    counted slots the household does not have (a node's Info not heard in time, or another API's
+    requests on it). Each node's slots are now what runs there; the request gives its slot back
+    and waits in the queue again, as an admitted request should, rather than get a 429. Bounded:
+    a household kept full from elsewhere ends in the 429 after FULL_ROUNDS."""
+
+    def __init__(self, queue: RequestQueue, cancel: Cancellation):
+        self.queue, self.cancel = queue, cancel
+        self.tried: set[str] = set()
+        self.busy: set[str] = set()  # nodes that answered RESOURCE_EXHAUSTED: every slot taken
+        self.full_rounds = 0
+        self._held = contextlib.ExitStack()
+
+    def __enter__(self) -> _Admission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._held.close()
+
+    def wait(self) -> bool:
+        """Wait for a slot; False if the client left meanwhile (its place went to the next one)."""
+        try:
+            self._held.enter_context(self.queue.slot(cancelled=lambda: self.cancel.cancelled))
+        except LeftQueue:
+            return False
+        return not self.cancel.cancelled
+
+    def all_full(self) -> bool:
+        return bool(self.tried) and self.busy == self.tried
+
+    def wait_again(self) -> bool:
+        """Give the slot back, pause, and wait for one again; False if the client left.
+
+        Raises QueueFull after FULL_ROUNDS rounds."""
+        self.full_rounds += 1
+        if self.full_rounds > FULL_ROUNDS:
+            raise QueueFull(f"every full node is generating already ({len(self.busy)} asked)")
+        self._held.close()
+        if self.cancel.wait(min(FULL_PAUSE_MAX_S, FULL_PAUSE_S * self.full_rounds)) or not self.wait():
+            return False
+        self.tried.clear()
+        self.busy.clear()
+        return True
+
+
+@dataclass
+class _Progress:
+    """How far one attempt got: whether text reached the client, and the usage before it began."""
+
+    counted: int
+    started: bool = False
 
 
 class Coordinator:
@@ -197,124 +352,163 @@ class Coordinator:
         self._forget_departed()
         return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
 
-    def generate(self, ask: Ask, usage: dict, cancel: Cancellation | None = None) -> Generator[str | Finish]:
+    def generate(
+        self, ask: Ask, usage: Usage, cancel: Cancellation | None = None
+    ) -> Generator[str | Logprobs | Finish]:
         """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive.
 
         Raises QueueFull when too many requests wait already, ApiError when no node can answer.
         Once `cancel` is cancelled it yields nothing more of use (at most a Finish)."""
         cancel = cancel or Cancellation()
-        tried: set[str] = set()
-        busy: set[str] = set()  # nodes that answered RESOURCE_EXHAUSTED: every slot taken
-        full_rounds = 0
         self._learn_new_nodes()
-        with contextlib.ExitStack() as held:
-            try:
-                held.enter_context(self.queue.slot(cancelled=lambda: cancel.cancelled))
-            except LeftQueue:
-                return  # the client left while this waited: its place went to the next one
-            while True:
-                if cancel.cancelled:  # the client left while this waited for its slot: no generation at all
+        with _Admission(self.queue, cancel) as admitted:
+            if not admitted.wait():
+                return
+            while not cancel.cancelled:  # cancelled between attempts: no generation at all
+                address = self._next_node(admitted)
+                if address is None:
                     return
-                candidates = self.pool.ranked(exclude=tried)
-                if not candidates and tried and busy == tried:
-                    # Every node refused as full although the queue gave this request a slot: the
-                    # queue counted slots the household does not have (a node's Info not heard in
-                    # time, or another API's requests on it). Each node's slots are now what runs
-                    # there; the request gives its slot back and waits in the queue again, as an
-                    # admitted request should, rather than get a 429. Bounded: a household kept
-                    # full from elsewhere ends in the 429 after FULL_ROUNDS.
-                    full_rounds += 1
-                    if full_rounds > FULL_ROUNDS:
-                        raise QueueFull(f"every full node is generating already ({len(busy)} asked)")
-                    held.close()
-                    if cancel.wait(min(FULL_PAUSE_MAX_S, FULL_PAUSE_S * full_rounds)):
-                        return
-                    try:
-                        held.enter_context(self.queue.slot(cancelled=lambda: cancel.cancelled))
-                    except LeftQueue:
-                        return
-                    tried.clear()
-                    busy.clear()
-                    continue
-                if not candidates:
-                    raise ApiError(
-                        HTTPStatus.SERVICE_UNAVAILABLE,
-                        "no full node of the household could generate" + (f" (tried {len(tried)})" if tried else ""),
-                        type_="server_error",
-                    )
-                address = candidates[0]
-                tried.add(address)
-                with contextlib.ExitStack() as attempt:
-                    attempt.enter_context(self.pool.using(address))
-                    call = self._client(address).generate(generate_request(ask), GENERATE_DEADLINE_S)
-                    cancel.attach(call)
-                    watched = attempt.enter_context(self.watch.watching(address, call))
-                    scanner = StopScanner(ask.stop)
-                    counted = usage["completion_tokens"]
-                    started = False  # text went to the client: from here a failure cannot move to another node
-                    try:
-                        for event in call:
-                            watched.heard()
-                            if event.HasField("token"):
-                                self.pool.answered(address)
-                                usage["completion_tokens"] += 1
-                                usage["prompt_tokens"] = usage["prompt_tokens"] or event.token.prompt_tokens
-                                text = scanner.feed(event.token.text)
-                                if text:
-                                    started = True
-                                    yield text
-                                if scanner.stopped:
-                                    call.cancel()
-                                    yield Finish("stop")
-                                    return
-                            else:
-                                done = event.done
-                                reason = _FINISHED.get(done.stop_reason)
-                                if reason is None and not cancel.cancelled:
-                                    raise _Cut(
-                                        f"the node ended the generation early ({done.stop_reason or 'no reason'})"
-                                    )
-                                usage["prompt_tokens"] = done.prompt_tokens
-                                tail = scanner.feed(done.trailing_text) + scanner.finish()
-                                if tail:
-                                    yield tail
-                                yield Finish("stop" if scanner.stopped or reason != "length" else "length")
-                                return
-                        if not cancel.cancelled:  # an OK status without GenerationDone: not a whole answer
-                            raise _Cut("the node's stream ended before its generation was done")
-                        yield Finish("stop")
-                        return
-                    except _Cut as e:
-                        self.pool.failed(address)
-                        if not started:
-                            logger.warning("node %s failed before its first token (%s); trying another", address, e)
-                            usage["completion_tokens"] = counted
-                            continue
-                        raise ApiError(HTTPStatus.BAD_GATEWAY, str(e), type_="server_error") from None
-                    except grpc.RpcError as e:
-                        code = e.code()
-                        if code == grpc.StatusCode.CANCELLED and cancel.cancelled and not watched.hung:
-                            yield Finish("stop")  # our own cancel: the client left, nobody reads this
-                            return
-                        # CANCELLED otherwise came from the node (it stopped) or from the watch (it hung)
-                        what = "stopped answering" if watched.hung else code.name.lower()
-                        if code != grpc.StatusCode.RESOURCE_EXHAUSTED and code not in _NODE_ERRORS:
-                            self.pool.failed(address)
-                        if not started and (watched.hung or code in (*_TRY_ANOTHER, grpc.StatusCode.CANCELLED)):
-                            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                                busy.add(address)
-                                self.pool.full(address)
-                                self._learn_slots(address)  # it may have restarted with another --max-batch
-                            logger.warning("node %s failed before its first token (%s); trying another", address, what)
-                            usage["completion_tokens"] = counted
-                            continue
-                        if not started and code in _NODE_ERRORS:
-                            raise _refusal(e, _NODE_ERRORS[code], ask.chat) from None
-                        raise ApiError(
-                            HTTPStatus.BAD_GATEWAY, f"the node failed mid-generation: {what}", type_="server_error"
-                        ) from None
-                    finally:
-                        call.cancel()  # no-op when finished; stops the node when the client went away
+                outcome = yield from self._attempt(address, ask, usage, cancel)
+                if outcome is None:
+                    return
+                if outcome.full:
+                    admitted.busy.add(address)
+
+    def count_tokens(self, ask: Ask) -> int:
+        """The tokens of `ask`'s prompt as its model's template and tokenizer make them (the
+        Messages API's count_tokens), asked of the least busy node; no queue slot: nothing runs.
+
+        Raises ApiError: the node refused the prompt (400), or no node could answer (503)."""
+        self._forget_departed()
+        request = generate_request(ask)
+        request.count_only = True
+        tried = 0
+        for address in self.pool.ranked(exclude=set()):
+            tried += 1
+            try:
+                for event in self._client(address).generate(request, HEALTH_DEADLINE_S * 10):
+                    if event.HasField("done"):
+                        return event.done.prompt_tokens
+            except grpc.RpcError as e:
+                if e.code() in _NODE_ERRORS:
+                    raise _refusal(e, _NODE_ERRORS[e.code()], ask.chat) from None
+                logger.warning("node %s could not count tokens (%s); trying another", address, e.code().name.lower())
+        raise ApiError(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"no full node of the household could count the tokens (tried {tried})",
+            type_="server_error",
+        )
+
+    def _next_node(self, admitted: _Admission) -> str | None:
+        """The least busy node the request has not tried; None if its client left while it
+        waited again for a slot. Raises ApiError 503 when no node is left to try."""
+        while True:
+            candidates = self.pool.ranked(exclude=admitted.tried)
+            if candidates:
+                admitted.tried.add(candidates[0])
+                return candidates[0]
+            if not admitted.all_full():
+                tried = len(admitted.tried)
+                raise ApiError(
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    "no full node of the household could generate" + (f" (tried {tried})" if tried else ""),
+                    type_="server_error",
+                )
+            if not admitted.wait_again():
+                return None
+
+    def _attempt(
+        self, address: str, ask: Ask, usage: Usage, cancel: Cancellation
+    ) -> Generator[str | Logprobs | Finish, None, Outcome | None]:
+        """One node's try at the whole answer: its pieces, then None once the answer is done (or
+        the client left), or the Outcome of a failure after which another node should try.
+
+        Raises ApiError for a refusal, or a failure after text went to the client."""
+        progress = _Progress(counted=usage.completion_tokens)
+        with contextlib.ExitStack() as attempt:
+            attempt.enter_context(self.pool.using(address))
+            call = self._client(address).generate(generate_request(ask), GENERATE_DEADLINE_S)
+            cancel.attach(call)
+            watched = attempt.enter_context(self.watch.watching(address, call))
+            try:
+                yield from self._relay(address, call, watched, ask, usage, cancel, progress)
+                return None
+            except _Cut as e:
+                code, error, detail = None, None, str(e)
+            except grpc.RpcError as e:
+                code, error, detail = e.code(), e, ""
+            finally:
+                call.cancel()  # a no-op when finished; stops the node when the client went away
+        outcome = classify(code, cancelled=cancel.cancelled, hung=watched.hung, started=progress.started)
+        if outcome.fate is Fate.OURS:
+            yield Finish("stop")  # nobody reads this
+            return None
+        if outcome.node_failed:
+            self.pool.failed(address)
+        if outcome.fate is Fate.RETRY:
+            if outcome.full:
+                self.pool.full(address)
+                self._learn_slots(address)  # it may have restarted with another --max-batch
+            logger.warning(
+                "node %s failed before its first token (%s); trying another", address, detail or outcome.what
+            )
+            usage.completion_tokens = progress.counted
+            return outcome
+        if outcome.fate is Fate.REFUSED and error is not None:
+            raise _refusal(error, _NODE_ERRORS[error.code()], ask.chat) from None
+        message = detail or f"the node failed mid-generation: {outcome.what}"
+        raise ApiError(HTTPStatus.BAD_GATEWAY, message, type_="server_error") from None
+
+    def _relay(
+        self,
+        address: str,
+        call: grpc.Future,
+        watched: Watched,
+        ask: Ask,
+        usage: Usage,
+        cancel: Cancellation,
+        progress: _Progress,
+    ) -> Generator[str | Logprobs | Finish]:
+        """The node's events as the client's pieces, stop sequences applied; raises _Cut when the
+        stream ends without a whole answer, grpc.RpcError as the call fails."""
+        scanner = StopScanner(ask.stop)
+        book = _LogprobBook() if ask.logprobs else None
+        sent = 0  # characters that went to the client
+        for event in call:
+            watched.heard()
+            if event.HasField("token"):
+                self.pool.answered(address)
+                usage.completion_tokens += 1
+                usage.prompt_tokens = usage.prompt_tokens or event.token.prompt_tokens
+                if book is not None:
+                    book.add(event.token)
+                text = scanner.feed(event.token.text)
+                if text:
+                    progress.started = True
+                    sent += len(text)
+                    if book is not None and (logprobs := book.release(sent)):
+                        yield logprobs
+                    yield text
+                if scanner.stopped:
+                    call.cancel()
+                    yield Finish("stop", scanner.matched)
+                    return
+                continue
+            done = event.done
+            reason = _FINISHED.get(done.stop_reason)
+            if reason is None and not cancel.cancelled:
+                raise _Cut(f"the node ended the generation early ({done.stop_reason or 'no reason'})")
+            usage.prompt_tokens = done.prompt_tokens
+            tail = scanner.feed(done.trailing_text) + scanner.finish()
+            if book is not None and (logprobs := book.release(None if not scanner.stopped else sent + len(tail))):
+                yield logprobs
+            if tail:
+                yield tail
+            yield Finish("stop" if scanner.stopped or reason != "length" else "length", scanner.matched)
+            return
+        if not cancel.cancelled:  # an OK status without GenerationDone: not a whole answer
+            raise _Cut("the node's stream ended before its generation was done")
+        yield Finish("stop")
 
     def close(self) -> None:
         self.watch.close()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from expertmesh.coordinator.generation import Cancellation, Coordinator, Finish
+from expertmesh.coordinator.generation import Cancellation, Coordinator, Finish, Logprobs, Usage
 from expertmesh.coordinator.openai_request import ApiError, Ask
 from expertmesh.coordinator.request_queue import QueueFull
 
@@ -36,7 +36,7 @@ class _Raised:
 class ThreadedGeneration:
     """`async for piece in generation`: the pieces of `Coordinator.generate`, or its exception."""
 
-    def __init__(self, coordinator: Coordinator, ask: Ask, usage: dict, done: Callable[[], None]):
+    def __init__(self, coordinator: Coordinator, ask: Ask, usage: Usage, done: Callable[[], None]):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancel = Cancellation()
@@ -54,7 +54,7 @@ class ThreadedGeneration:
         except RuntimeError:  # the loop is closed: the server stopped, nobody reads any more
             return False
 
-    def _run(self, coordinator: Coordinator, ask: Ask, usage: dict) -> None:
+    def _run(self, coordinator: Coordinator, ask: Ask, usage: Usage) -> None:
         pieces = coordinator.generate(ask, usage, self._cancel)
         try:
             for piece in pieces:
@@ -81,7 +81,7 @@ class ThreadedGeneration:
     def __aiter__(self) -> ThreadedGeneration:
         return self
 
-    async def __anext__(self) -> str | Finish:
+    async def __anext__(self) -> str | Logprobs | Finish:
         if self._ended:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -102,7 +102,7 @@ class GenerationThreads:
         self.limit = limit
         self.running = 0
 
-    def start(self, ask: Ask, usage: dict) -> ThreadedGeneration:
+    def start(self, ask: Ask, usage: Usage) -> ThreadedGeneration:
         """A running generation, or QueueFull when `limit` threads generate or wait already."""
         if self.running >= self.limit:
             raise QueueFull(f"{self.running} generations are running or waiting")

@@ -1,11 +1,14 @@
 """The household's front door: an OpenAI-compatible HTTP API over the full nodes' Generate.
 
 `/v1/models`, `/v1/completions` and `/v1/chat/completions` (SSE with `stream: true`),
-`/healthz`, and `/metrics` (coordinator/api_metrics.py). The parts, each in its module:
+Anthropic's `/v1/messages` and `/v1/messages/count_tokens`, `/healthz`, and `/metrics`
+(coordinator/api_metrics.py). The parts, each in its module:
 
 - http_server.py: the HTTP/1.1 server (asyncio and h11), with its timeouts and caps;
 - api_access.py: the bearer key beyond loopback, and the Host and Origin checks;
 - openai_request.py: what a request body may hold;
+- anthropic_request.py, anthropic_api.py: the Messages API as a translation of the chat API's
+  request and answer shapes;
 - generation.py: the queue, the choice of node, failover, stop sequences, cancelling;
 - generation_threads.py: a generation's blocking gRPC stream on a thread of its own.
 
@@ -21,13 +24,14 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from urllib.parse import unquote
 
+from expertmesh.coordinator import anthropic_api, anthropic_request
 from expertmesh.coordinator.api_access import AccessPolicy
-from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
+from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Logprobs, TokenLogprob, Usage
 from expertmesh.coordinator.generation_threads import GenerationThreads, ThreadedGeneration
 from expertmesh.coordinator.http_server import RETRY_AFTER_S, Exchange, HttpServer, ServerLimits
 from expertmesh.coordinator.openai_request import ApiError, Ask, decode_body, parse_ask
@@ -37,6 +41,8 @@ __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 
 GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+Piece = str | Logprobs | Finish  # what a generation yields (coordinator/generation.py)
+_MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's (anthropic_api.py)
 _GET_PATHS = ("/v1/models", "/metrics", "/healthz")
 _MODEL_PREFIX = "/v1/models/"  # + a model id, percent-encoded: OpenAI's "retrieve model"
 
@@ -105,7 +111,9 @@ class OpenAIServer:
                 await self._get(ex, path, model)
             elif request.method == "POST" and path in _GENERATE_PATHS:
                 await self._complete(ex, chat=path == "/v1/chat/completions")
-            elif path in _GET_PATHS or path in _GENERATE_PATHS or model:
+            elif request.method == "POST" and path in _MESSAGES_PATHS:
+                await self._messages(ex, counting=path.endswith("/count_tokens"))
+            elif path in (*_GET_PATHS, *_GENERATE_PATHS, *_MESSAGES_PATHS) or model:
                 await self._error(
                     ex, ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{request.method} is not allowed on {path}")
                 )
@@ -127,8 +135,10 @@ class OpenAIServer:
         elif e.status == HTTPStatus.UNAUTHORIZED:
             headers.append(("WWW-Authenticate", "Bearer"))
         elif e.status == HTTPStatus.METHOD_NOT_ALLOWED:
-            headers.append(("Allow", "POST" if ex.request.path.rstrip("/") in _GENERATE_PATHS else "GET, HEAD"))
-        await self._json(ex, e.status, e.body(), headers)
+            post = ex.request.path.rstrip("/") in (*_GENERATE_PATHS, *_MESSAGES_PATHS)
+            headers.append(("Allow", "POST" if post else "GET, HEAD"))
+        anthropic = ex.request.path.rstrip("/") in _MESSAGES_PATHS
+        await self._json(ex, e.status, anthropic_api.error_body(e) if anthropic else e.body(), headers)
 
     async def _get(self, ex: Exchange, path: str, model: str | None = None) -> None:
         c = self.coordinator
@@ -170,7 +180,7 @@ class OpenAIServer:
         # GIL while it runs, so parses side by side would stall the loop as long as all of them.
         ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse, raw, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        usage = Usage()
         generation = self._threads.start(ask, usage)
         try:
             if ask.stream:
@@ -180,6 +190,46 @@ class OpenAIServer:
         finally:
             generation.cancel()  # a no-op once it ended; else the client left (or the server stops)
 
+    async def _messages(self, ex: Exchange, counting: bool) -> None:
+        """Anthropic's Messages API: the request translated into a chat request (anthropic_request.py),
+        the answer translated back (anthropic_api.py)."""
+        raw = await ex.body()
+        ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse_messages, raw, counting)
+        if counting:
+            tokens = await asyncio.get_running_loop().run_in_executor(None, self.coordinator.count_tokens, ask)
+            await self._json(ex, 200, anthropic_api.count_body(tokens))
+            return
+        mid, rid = "msg_" + uuid.uuid4().hex[:24], "chatcmpl-" + uuid.uuid4().hex[:24]
+        usage = Usage()
+        generation = self._threads.start(ask, usage)
+        try:
+            if not ask.stream:
+                completion, finish = await self._completion(ask, rid, generation, usage)
+                await self._json(ex, 200, anthropic_api.message(completion, finish, usage, ask.model, mid))
+                return
+            first = await self._first(generation)
+            await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+            events = anthropic_api.EventStream(ask.model, mid, usage)
+
+            async def send(pairs: list[tuple[str, dict]]) -> None:
+                for name, data in pairs:
+                    await ex.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+
+            await send(events.start())
+            try:
+                async for chunk in self._chunks(ask, rid, first, generation):
+                    await send(events.end(chunk) if isinstance(chunk, Finish) else events.chunk(chunk))
+            except ApiError as e:  # after the first token: the stream ends with the error
+                await send([("error", anthropic_api.error_body(e))])
+            await ex.end_stream()
+        finally:
+            generation.cancel()
+
+    def _parse_messages(self, raw: bytes, counting: bool) -> Ask:
+        c = self.coordinator
+        body = anthropic_request.openai_body(decode_body(raw), counting)
+        return parse_ask(body, True, c.config.models(), c.config.default_max_tokens, checked=True)
+
     def _parse(self, raw: bytes, chat: bool) -> Ask:
         c = self.coordinator
         return parse_ask(decode_body(raw), chat, c.config.models(), c.config.default_max_tokens, checked=True)
@@ -187,14 +237,41 @@ class OpenAIServer:
     # -- OpenAI's response shapes --------------------------------------------------------------
 
     @staticmethod
-    def _choice(ask: Ask, text: str | None, finish: str | None, delta: bool) -> dict:
+    def _choice(
+        ask: Ask, text: str | None, finish: str | None, delta: bool, tokens: list[TokenLogprob], offset: int = 0
+    ) -> dict:
+        """One choice; `tokens`: the log probabilities of the tokens behind `text` (if asked), and
+        `offset` where `text` starts in the whole answer (the legacy shape counts from there)."""
         if not ask.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            logprobs = OpenAIServer._legacy_logprobs(tokens, offset) if ask.logprobs else None
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         content = {"content": text} if text is not None else {}
         if not delta:
             content = {"role": "assistant", "content": text or ""}
-        return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+        logprobs = (
+            {"content": [OpenAIServer._chat_logprob(t) for t in tokens], "refusal": None} if ask.logprobs else None
+        )
+        return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def _chat_logprob(t: TokenLogprob, top: bool = True) -> dict:
+        entry = {"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+        return {**entry, "top_logprobs": [OpenAIServer._chat_logprob(a, top=False) for a in t.top]} if top else entry
+
+    @staticmethod
+    def _legacy_logprobs(tokens: list[TokenLogprob], offset: int) -> dict:
+        """The completions API's shape: parallel lists, the alternatives as {token: logprob}."""
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t.token)
+        return {
+            "tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
+            "text_offset": offsets,
+        }
 
     @staticmethod
     def _envelope(ask: Ask, rid: str, chunk: bool) -> dict:
@@ -202,59 +279,95 @@ class OpenAIServer:
         return {"id": rid, "object": kind, "created": int(time.time()), "model": ask.model}
 
     @staticmethod
-    def _usage(usage: dict) -> dict:
-        return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+    def _usage(u: Usage) -> dict:
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+        }
 
-    async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
-        text, finish = [], "length"
+    async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
+        body, _ = await self._completion(ask, rid, pieces, usage)
+        await self._json(ex, 200, body)
+
+    async def _completion(self, ask: Ask, rid: str, pieces: AsyncIterator[Piece], usage: Usage) -> tuple[dict, Finish]:
+        """The whole answer in OpenAI's shape, and how it finished (the Messages API reads both)."""
+        text, tokens, finish = [], [], Finish("length")
         async for piece in pieces:
             if isinstance(piece, Finish):
-                finish = piece.reason
+                finish = piece
+            elif isinstance(piece, Logprobs):
+                tokens.extend(piece.tokens)
             else:
                 text.append(piece)
         body = self._envelope(ask, rid, chunk=False)
-        body.update(choices=[self._choice(ask, "".join(text), finish, delta=False)], usage=self._usage(usage))
-        await self._json(ex, 200, body)
+        choice = self._choice(ask, "".join(text), finish.reason, delta=False, tokens=tokens)
+        body.update(choices=[choice], usage=self._usage(usage))
+        return body, finish
 
-    async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
+    @staticmethod
+    async def _first(pieces: ThreadedGeneration) -> Piece:
+        """The first piece, before a stream starts: errors until then are still plain HTTP errors."""
         try:
-            first = await anext(pieces)  # errors before the first token are still plain HTTP errors
+            return await anext(pieces)
         except StopAsyncIteration:
-            first = Finish("length")
+            return Finish("length")
+
+    async def _chunks(
+        self, ask: Ask, rid: str, first: Piece, pieces: AsyncIterator[Piece]
+    ) -> AsyncIterator[dict | Finish]:
+        """The stream's chunks in OpenAI's shape, the last with its finish_reason, then the Finish
+        itself (the Messages API reads the stop sequence from it). Raises ApiError mid-way."""
+        tokens: list[TokenLogprob] = []  # log probabilities of the next text's tokens
+        offset = 0  # characters sent so far (the legacy logprobs count from the answer's start)
+
+        def chunk(text: str | None, reason: str | None) -> dict:
+            nonlocal offset
+            choice = self._choice(ask, text, reason, delta=True, tokens=tokens, offset=offset)
+            offset += len(text or "")
+            tokens.clear()
+            return {**self._envelope(ask, rid, chunk=True), "choices": [choice]}
+
+        if ask.chat:
+            yield {
+                **self._envelope(ask, rid, chunk=True),
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
+        finish = Finish("length")
+        async for piece in _chained(first, pieces):
+            if isinstance(piece, Finish):
+                finish = piece
+            elif isinstance(piece, Logprobs):
+                tokens.extend(piece.tokens)
+            else:
+                yield chunk(piece, None)
+        yield chunk(None if ask.chat else "", finish.reason)
+        yield finish
+
+    async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
+        first = await self._first(pieces)
         await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
 
         async def send(obj: dict | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
             await ex.write(f"data: {data}\n\n".encode())
 
-        def chunk(text: str | None, reason: str | None) -> dict:
-            return {**self._envelope(ask, rid, chunk=True), "choices": [self._choice(ask, text, reason, delta=True)]}
-
-        if ask.chat:
-            await send(
-                {
-                    **self._envelope(ask, rid, chunk=True),
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                }
-            )
-        finish = "length"
         try:
-            if isinstance(first, Finish):
-                finish = first.reason
-            else:
-                await send(chunk(first, None))
-            async for piece in pieces:
-                if isinstance(piece, Finish):
-                    finish = piece.reason
-                else:
-                    await send(chunk(piece, None))
+            async for chunk in self._chunks(ask, rid, first, pieces):
+                if not isinstance(chunk, Finish):
+                    await send(chunk)
         except ApiError as e:  # after the first token: the stream ends with the error
             await send({"error": e.body()["error"]})
             await send("[DONE]")
             await ex.end_stream()
             return
-        await send(chunk(None if ask.chat else "", finish))
         if ask.include_usage:
             await send({**self._envelope(ask, rid, chunk=True), "choices": [], "usage": self._usage(usage)})
         await send("[DONE]")
         await ex.end_stream()
+
+
+async def _chained(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    yield first
+    async for piece in rest:
+        yield piece

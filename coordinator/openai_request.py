@@ -24,6 +24,8 @@ from expertmesh.node.constants import MAX_TOKENS_LIMIT
 from expertmesh.v1 import node_pb2
 
 MAX_STOPS = 4  # as OpenAI's
+MAX_TOP_LOGPROBS = 20  # as OpenAI's
+MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI's
 # A stop is a short marker ("\n\n", "User:"); the scanner's work per token grows with its length.
 MAX_STOP_CHARS = 512
 # Values a body may hold (every key, string and number counts): a long chat is a few thousand; a
@@ -140,37 +142,60 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0  # 0 or 1: off
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+# Every field of OpenAI's two request schemas (the `openai` package's CompletionCreateParams lists
+# them), and what this server does with each. HONOURED fields change the answer as OpenAI says
+# they do; CALLER fields describe who asks (abuse monitoring, billing, cache routing hints), not
+# the answer, so accepting them changes no answer anywhere; NEUTRAL fields are accepted at the
+# value that asks for nothing (their default) and refused at any other. Any other field, of the
+# schemas or not (a typo, another server's extension), is refused by name: a client that asked
+# for something and got an answer without it would fail later, further from the cause.
+HONOURED_COMMON = frozenset(
+    {
+        "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+        "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+        # not OpenAI's, but sent by chat front-ends to servers like this one (vLLM's names)
+        "top_k", "min_p", "repetition_penalty",
+    }
+)  # fmt: skip
+HONOURED_CHAT = HONOURED_COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+HONOURED_COMPLETIONS = HONOURED_COMMON | {"prompt"}
+CALLER_FIELDS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+# name -> the values that ask for nothing. Tool calling and structured output (`tools`,
+# `tool_choice`, `parallel_tool_calls`, `response_format`) are refused here until they are served.
+NEUTRAL_CHAT: dict[str, tuple] = {
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+}
+NEUTRAL_COMPLETIONS: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    """Fields that change what an answer must contain are refused by name rather than ignored: a
-    client that asked for log probabilities, an echoed prompt, a forced tool call or JSON output
-    would otherwise get an answer without them and fail later, further from the cause. Fields that
-    only tune sampling (penalties, logit_bias) or describe the caller (user, metadata) are ignored."""
-    asked = []
-    if chat:
-        if body.get("logprobs") not in (None, False):
-            asked.append("logprobs")
-        if body.get("top_logprobs") not in (None, 0):
-            asked.append("top_logprobs")
-        if body.get("tool_choice") not in (None, "none", "auto"):
-            asked.append("tool_choice")  # "required" or a named function: a call this server cannot make
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            asked.append("response_format")  # json_object / json_schema: output it cannot guarantee
-        if body.get("audio") is not None:
-            asked.append("audio")
-        if body.get("modalities") not in (None, ["text"]):
-            asked.append("modalities")
-    else:
-        if body.get("logprobs") not in (None, 0):
-            asked.append("logprobs")
-        if body.get("echo") not in (None, False):
-            asked.append("echo")
-        if body.get("best_of") not in (None, 1):
-            asked.append("best_of")
-        if body.get("suffix") not in (None, ""):
-            asked.append("suffix")
+    """Refuse by name every field that is neither honoured nor neutral at its value (null means absent)."""
+    honoured = HONOURED_CHAT if chat else HONOURED_COMPLETIONS
+    neutral = NEUTRAL_CHAT if chat else NEUTRAL_COMPLETIONS
+    asked = [
+        name
+        for name, value in body.items()
+        if value is not None
+        and name not in honoured
+        and name not in CALLER_FIELDS
+        and value not in neutral.get(name, ())
+    ]
     if asked:
         names = ", ".join(f"'{a}'" for a in asked)
         raise _bad(
@@ -286,6 +311,8 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise _bad(f"a stop sequence may be at most {MAX_STOP_CHARS} characters long", param="stop")
     ask.stop = stops
+    _sampling(body, ask)
+    _logprobs(body, ask, chat)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise _bad("'stream' must be true or false", param="stream")
@@ -297,6 +324,47 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
         raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
     ask.include_usage = bool((options or {}).get("include_usage"))
     return ask
+
+
+def _sampling(body: dict, ask: Ask) -> None:
+    """The sampling fields beyond temperature and top-p, in the ranges OpenAI (and vLLM, for
+    top_k, min_p and repetition_penalty) take them."""
+    ask.presence_penalty = float(_number(body, "presence_penalty", 0.0, -2, 2))
+    ask.frequency_penalty = float(_number(body, "frequency_penalty", 0.0, -2, 2))
+    ask.repetition_penalty = float(_number(body, "repetition_penalty", 0.0, 0, 10))
+    ask.min_p = float(_number(body, "min_p", 0.0, 0, 1))
+    top_k = _number(body, "top_k", 0, -1, 2**31 - 1, integer=True)
+    ask.top_k = max(0, top_k)  # vLLM's -1: off
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise _bad(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS_TOKENS} token ids", param="logit_bias")
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= 2**32:
+            raise _bad(
+                f"'logit_bias' keys must be token ids (integers as strings), not {key[:20]!r}", param="logit_bias"
+            )
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100
+        if not ok:
+            raise _bad("'logit_bias' values must be numbers from -100 to 100", param="logit_bias")
+        ask.logit_bias[int(key)] = float(value)
+
+
+def _logprobs(body: dict, ask: Ask, chat: bool) -> None:
+    """Chat: `logprobs` true, and `top_logprobs` 0-20 with it. Completions: `logprobs` is how
+    many most likely tokens to return beside each chosen one (0-20; OpenAI's legacy API takes 5)."""
+    if chat:
+        logprobs = body.get("logprobs")
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise _bad("'logprobs' must be true or false", param="logprobs")
+        ask.logprobs = bool(logprobs)
+        ask.top_logprobs = _number(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, integer=True)
+        if body.get("top_logprobs") is not None and not ask.logprobs:
+            raise _bad("'top_logprobs' may be set only with 'logprobs': true", param="top_logprobs")
+    else:
+        top = _number(body, "logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+        ask.logprobs, ask.top_logprobs = top is not None, top or 0
 
 
 def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
@@ -319,4 +387,9 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
         req.prompt = ask.prompt
     if ask.seed is not None:
         req.seed = ask.seed
+    req.top_k, req.min_p = ask.top_k, ask.min_p
+    req.presence_penalty, req.frequency_penalty = ask.presence_penalty, ask.frequency_penalty
+    req.repetition_penalty = ask.repetition_penalty
+    req.logit_bias.update(ask.logit_bias)
+    req.logprobs, req.top_logprobs = ask.logprobs, ask.top_logprobs
     return req

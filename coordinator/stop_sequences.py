@@ -10,6 +10,7 @@ class StopScanner:
         self._text = ""
         self._sent = 0
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, piece: str) -> str:
         """The text that is now safe to send after `piece` arrived ('' once stopped)."""
@@ -17,10 +18,10 @@ class StopScanner:
             return ""
         unsent = len(self._text) - self._sent + len(piece)  # only unsent text can start a stop
         self._text += piece
-        hits = [i for i in (self._text.find(s, max(0, self._sent - len(s))) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s in self.stops if (i := self._text.find(s, max(0, self._sent - len(s)))) >= 0]
         if hits:
             self.stopped = True
-            end = min(hits)
+            end, self.matched = min(hits)
         else:
             end = len(self._text)
             for s in self.stops:  # hold back a tail that is a prefix of a stop string

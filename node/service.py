@@ -48,8 +48,10 @@ from expertmesh.node.engine.generation import (
     Generator,
     PromptError,
     SamplingSettings,
+    Token,
 )
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.sampling import MAX_TOP_LOGPROBS
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
@@ -72,6 +74,10 @@ DEFAULT_MAX_TOKENS = 256
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 10_000
 MAX_TEMPERATURE = 2.0  # as the OpenAI API's
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2 to 2
+MAX_REPETITION_PENALTY = 10.0  # multiplicative: beyond this every repeated token is gone anyway
+MAX_LOGIT_BIAS = 100.0  # as OpenAI's: -100 bans a token, 100 forces it
+MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI's
 CHAT_ROLES = ("system", "user", "assistant")
 DEFAULT_WAITING_GENERATIONS = 3  # calls that may wait for the running one; more are refused
 WAIT_POLL_S = 0.25  # how often a waiting call checks that its client is still there
@@ -207,6 +213,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         # Tokenisers keep "parse special tokens or not" as shared state that each encode sets, and
         # chat encoding switches it per piece: one encode at a time keeps each piece as intended.
         self._tokenize_lock = threading.Lock()
+        self._vocab: int | None = None  # the tokenizer's size, once asked (logit_bias)
         self._generated_tokens, self._generation_seconds = 0, 0.0  # of every Generate so far (for Info)
         self._generated_lock = threading.Lock()  # batched calls end on several threads at once
         self._route_lock = threading.Lock()
@@ -398,6 +405,33 @@ class NodeService(node_pb2_grpc.NodeServicer):
             refuse(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, not {request.temperature}")
         if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
             refuse(f"top_p must be a number from 0 to 1, not {request.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(request, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                refuse(f"{name} must be a number from {-MAX_PENALTY:g} to {MAX_PENALTY:g}, not {value}")
+        if not (
+            math.isfinite(request.repetition_penalty) and 0 <= request.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            refuse(f"repetition_penalty must be a number from 0 to {MAX_REPETITION_PENALTY:g}")
+        if not (math.isfinite(request.min_p) and 0 <= request.min_p <= 1):
+            refuse(f"min_p must be a number from 0 to 1, not {request.min_p}")
+        if request.top_logprobs > MAX_TOP_LOGPROBS:
+            refuse(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}")
+        if len(request.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            refuse(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        vocab = self._vocab_size()
+        for token, bias in request.logit_bias.items():
+            if token >= vocab:
+                refuse(f"logit_bias names token {token}, and this model's tokens are 0 to {vocab - 1}")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                refuse(f"logit_bias values must be numbers from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}")
+
+    def _vocab_size(self) -> int:
+        """The tokens the model's tokenizer knows, counted once (a large vocabulary's dict is costly)."""
+        if self._vocab is None and self.sm is not None:
+            with self._tokenize_lock:
+                self._vocab = len(self.sm.tokenizer.get_vocab())
+        return self._vocab or 0
 
     def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> list[int]:
         """The prompt's tokens: a chat through its template, message text kept as plain text (so
@@ -423,6 +457,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with"
             )
         self._check_generate(request, context)
+        if request.count_only:  # tokenising only: no slot, no model thread
+            counted = len(self._prompt_ids(sm, request, context))
+            yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(prompt_tokens=counted, stop_reason="counted"))
+            return
         slots = self.generation_slots
         if not slots.admit():
             context.abort(
@@ -440,6 +478,20 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 slots.done()
         finally:
             slots.leave()
+
+    def _logprob_fields(self, sm: StreamedModel, t: Token) -> dict:
+        """TokenEvent's log probability fields for `t`, when its request asked for them."""
+        if t.chosen is None:
+            return {}
+        with self._tokenize_lock:
+            return {
+                "logprob": t.chosen.logprob,
+                "token_bytes": _token_bytes(sm, t.id),
+                "top_logprobs": [
+                    node_pb2.ApiTopLogprob(id=top.id, logprob=top.logprob, token_bytes=_token_bytes(sm, top.id))
+                    for top in t.chosen.top
+                ],
+            }
 
     def _take_speculation(self) -> bool:
         """Whether this call runs alone with speculation (then it must give it back): only while no
@@ -463,6 +515,14 @@ class NodeService(node_pb2_grpc.NodeServicer):
             top_p=request.top_p if request.top_p > 0 else 1.0,  # the proto's 0: off
             # any int64 (OpenAI's seeds may be negative) onto MLX's uint64, one seed to one seed
             seed=request.seed % SEED_MODULUS if request.HasField("seed") else None,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=dict(request.logit_bias),
+            logprobs=request.logprobs or request.top_logprobs > 0,
+            top_logprobs=request.top_logprobs,
         )
         summary = GenerationSummary()
         alone = self._take_speculation()
@@ -489,6 +549,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                         expert_uses=d[0],
                         hub_bytes=d[1],
                         prompt_tokens=summary.prompt_tokens if first else 0,
+                        **self._logprob_fields(sm, t),
                     )
                 )
                 first = False
@@ -524,6 +585,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 accepted_tokens=spec.accepted if spec else 0,
             )
         )
+
+
+def _token_bytes(sm: StreamedModel, token: int) -> bytes:
+    """A token's own text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
+    return sm.tokenizer.decode([token]).encode("utf-8")
 
 
 def _delta(now, before) -> tuple[int, int]:

@@ -29,8 +29,9 @@ from expertmesh.node.config import (
     SpeculationConfig,
     StoreConfig,
 )
-from expertmesh.node.engine.batching import BatchEngine, make_row_sampler
+from expertmesh.node.engine.batching import BatchEngine
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.sampling import make_row_sampler
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -192,6 +193,28 @@ def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(models) -> None:
     assert len({tuple(a) for a in alone}) > 1
 
 
+def test_penalties_and_logprobs_in_a_batch_are_what_they_are_alone(models) -> None:
+    """Each row runs its own logits processors on its own tokens (engine/sampling.py's Decoder),
+    and hands out the same log probabilities as the request alone."""
+    sm, engine = models("kimi_k3")
+    ids = [sm.tokenizer.encode(p) for p in PROMPTS]
+    settings = [
+        SamplingSettings(max_tokens=8, presence_penalty=2.0, logprobs=True, top_logprobs=3),
+        SamplingSettings(max_tokens=8, repetition_penalty=3.0, top_k=2, temp=0.5, seed=3),
+        SamplingSettings(max_tokens=8, logit_bias={5: 100.0}),
+        SamplingSettings(max_tokens=8, frequency_penalty=-2.0, min_p=0.5, temp=1.0, seed=4),
+    ]
+    alone = [_alone(sm, i, s) for i, s in zip(ids, settings)]
+    runs = [_Run(engine, i, s) for i, s in zip(ids, settings)]
+    for r in runs:
+        r.start()
+    _finish(runs)
+    assert [r.tokens for r in runs] == alone
+    assert alone[2] == [5] * 8  # the bias is honoured
+    chosen = [t.chosen for t in Generator(sm).generate(ids[0], settings[0])]
+    assert all(c is not None and len(c.top) == 3 and c.top[0].logprob == c.logprob for c in chosen)
+
+
 def test_a_keyed_sampler_splits_its_key_as_mlx_seeds_the_global_one() -> None:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
@@ -201,7 +224,7 @@ def test_a_keyed_sampler_splits_its_key_as_mlx_seeds_the_global_one() -> None:
     mx.random.seed(123)
     plain = make_sampler(0.7, 0.8)
     expected = [plain(logprobs).item() for _ in range(12)]
-    keyed = make_row_sampler(settings)
+    keyed = make_row_sampler(settings, 64, keyed=True)
     assert [keyed(logprobs).item() for _ in range(12)] == expected
     assert len(set(expected)) > 1  # it really samples
 

@@ -16,7 +16,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
+from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Usage
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_request import Ask
 from expertmesh.node.rpc.call_watch import HEALTH_DEADLINE_S, CallWatch
@@ -137,7 +137,7 @@ def test_a_node_that_stalls_past_one_health_check_finishes_the_answer() -> None:
         coordinator = Coordinator(config, NodePool([address]))
         try:
             ask = Ask(model="m", chat=False, prompt="p", max_tokens=4)
-            pieces = list(coordinator.generate(ask, {"prompt_tokens": 0, "completion_tokens": 0}))
+            pieces = list(coordinator.generate(ask, Usage()))
             assert "".join(p for p in pieces if isinstance(p, str)) == "0 1 2 3 "  # not a 502 after "0 1 "
             assert pieces[-1] == Finish("length")
             assert hs.checks >= 2

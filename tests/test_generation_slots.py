@@ -15,7 +15,7 @@ import grpc
 from fake_nodes import fake_node
 from repos import KIMI_K3
 
-from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
+from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Usage
 from expertmesh.coordinator.node_pool import MAX_NODE_SLOTS, NodePool
 from expertmesh.coordinator.openai_request import Ask
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -58,7 +58,7 @@ class _OneAtATime(node_pb2_grpc.NodeServicer):
 
 def _answer(coordinator: Coordinator) -> str:
     ask = Ask(model="m", chat=False, prompt="hi", max_tokens=8)
-    pieces = list(coordinator.generate(ask, {"prompt_tokens": 0, "completion_tokens": 0}))
+    pieces = list(coordinator.generate(ask, Usage()))
     assert isinstance(pieces[-1], Finish) and pieces[-1].reason == "stop"
     return "".join(p for p in pieces if isinstance(p, str))
 

@@ -239,12 +239,10 @@ def test_parse_ask_holds_a_body_decoded_elsewhere_to_the_same_rules() -> None:
 @pytest.mark.parametrize(
     "path, extra, named",
     [
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"tool_choice": "required", "tools": []}, "tool_choice"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/completions", {"echo": True}, "echo"),
-        ("/v1/completions", {"logprobs": 2}, "logprobs"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
     ],

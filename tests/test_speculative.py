@@ -291,3 +291,20 @@ def test_drafted_and_accepted_reach_the_prometheus_counter(models) -> None:
         got = metrics.registry.get_sample_value("expertmesh_speculative_tokens_total", {"outcome": outcome})
         assert got == want, outcome
     assert "passes per generated token" in "\n".join(summary.lines())
+
+
+def test_sampling_speculation_cannot_verify_takes_the_plain_path(models) -> None:
+    """Verification reproduces temperature and top-p over the model's own distribution only; a
+    request with logits processors (penalties, bias) or min-p/top-k sampling runs without drafts,
+    and gets exactly the plain path's tokens."""
+    sm = models("kimi_k3")
+    ids = sm.tokenizer.encode(PROMPT)
+    for settings in (
+        SamplingSettings(max_tokens=TOKENS, presence_penalty=2.0),
+        SamplingSettings(max_tokens=TOKENS, temp=0.7, top_k=3, seed=5),
+    ):
+        plain, _, _ = _run(Generator(sm), ids, settings)
+        got, _, summary = _run(Generator(sm, SPEC, draft_source=_Echo()), ids, settings)
+        assert got == plain and summary.speculation is None
+    _, _, summary = _run(Generator(sm, SPEC, draft_source=_Echo()), ids, GREEDY)
+    assert summary.speculation is not None  # greedy still speculates

@@ -57,20 +57,19 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, make_prompt_cache
-from mlx_lm.sample_utils import Sampler, apply_top_p, make_sampler
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     EmptyPromptError,
     GenerationSummary,
-    SamplingSettings,
     Token,
     _TokenBook,
     backend_error,
     observe_request,
 )
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.sampling import Decoder, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.store.stats import StoreStats
@@ -100,29 +99,6 @@ def check_batchable(model: nn.Module) -> None:
         raise BatchingUnsupported(f"mlx-lm cannot batch this model's {', '.join(missing)}: one request at a time")
 
 
-class KeyedSampler:
-    """Sampling with a key of its own: `mx.random.seed(s)` then mlx-lm's sampler draws from the
-    global key, split once per draw; this splits its own key the same way, so one seeded request
-    among others draws exactly what it would alone."""
-
-    def __init__(self, temp: float, top_p: float, seed: int):
-        self.temp, self.top_p = temp, top_p
-        self.key = mx.random.key(seed)
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        if 0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        self.key, sub = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / self.temp), key=sub)
-
-
-def make_row_sampler(settings: SamplingSettings) -> Sampler:
-    """The sampler of one request: greedy, seeded (its own key), or from the global key."""
-    if settings.temp > 0 and settings.seed is not None:
-        return KeyedSampler(settings.temp, settings.top_p, settings.seed)
-    return make_sampler(settings.temp, settings.top_p)
-
-
 @dataclass
 class _Done:
     error: BaseException | None = None
@@ -148,7 +124,7 @@ class _Run:
 
     seq: _Sequence
     book: _TokenBook
-    sampler: Sampler
+    decoder: Decoder  # its processors and sampler: a seeded one with a key of its own
     before: StoreStats  # the store's counters when it was admitted
     todo: list[int]  # prompt tokens not yet fed
     cache: list | None  # its own cache while it prefills
@@ -316,7 +292,14 @@ class BatchEngine:
                 functools.partial(_stopped, seq),
                 seq.t0,
             )
-            run = _Run(seq, book, make_row_sampler(seq.settings), before, list(seq.prompt), make_prompt_cache(sm.model))
+            run = _Run(
+                seq,
+                book,
+                Decoder(seq.settings, seq.prompt, keyed=True),
+                before,
+                list(seq.prompt),
+                make_prompt_cache(sm.model),
+            )
             if sm.token_observer is not None:
                 sm.token_observer.prompt(len(seq.prompt))
             self._prefilling.append(run)
@@ -338,8 +321,7 @@ class BatchEngine:
         rows = self._rows
         tokens = mx.array([[r.next_token] for r in rows])
         logits = self.sm.forward(tokens, self._cache, ledgers=[r.seq.uses for r in rows])[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        mx.eval(logprobs)
+        mx.eval(logits)
         self.steps += 1
         observe = getattr(self.sm.token_observer, "batch", None)
         if observe is not None:
@@ -347,7 +329,7 @@ class BatchEngine:
         keep = []
         for i, run in enumerate(rows):
             run.fed += 1
-            if self._emit(run, logprobs[i : i + 1]):
+            if self._emit(run, logits[i : i + 1]):
                 keep.append(i)
         if len(keep) < len(rows):
             self._filter(keep)
@@ -366,15 +348,17 @@ class BatchEngine:
         logits = sm.forward(mx.array(run.todo)[None], run.cache, ledgers=[run.seq.uses])[:, -1, :]
         run.fed, run.todo = run.fed + 1, []
         self._prefilling.remove(run)
-        if self._emit(run, logits - mx.logsumexp(logits, keepdims=True)):
+        if self._emit(run, logits):
             self._join(run)
         return 1
 
-    def _emit(self, run: _Run, logprobs: mx.array) -> bool:
-        """Sample the run's next token from its (1, vocab) log-probabilities and hand it over;
-        whether it goes on (the same stops as `Generator._plain`, in the same order)."""
-        y = run.sampler(logprobs)
+    def _emit(self, run: _Run, logits: mx.array) -> bool:
+        """Sample the run's next token from its (1, vocab) logits and hand it over; whether it
+        goes on (the same stops as `Generator._plain`, in the same order)."""
+        logprobs = run.decoder.logprobs(logits)
+        y = run.decoder.sample(logprobs)
         mx.eval(y, logprobs)
+        run.decoder.fed(int(y))
         self.sm.settle()  # the pass's uses are in its rows' ledgers before a token is handed out
         token = run.book.emit(int(y), logprobs.squeeze(0))
         if token is None:

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import Sampler, make_sampler
+from mlx_lm.sample_utils import Sampler
 
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.sampling import Decoder, SamplingSettings, TokenLogprobs, token_logprobs
 from expertmesh.node.engine.speculative import (
     CacheRollback,
     Draft,
@@ -64,18 +65,11 @@ class EmptyPromptError(PromptError):
 
 
 @dataclass
-class SamplingSettings:
-    max_tokens: int = 256
-    temp: float = 0.0  # 0 is greedy
-    top_p: float = 1.0
-    seed: int | None = None
-
-
-@dataclass
 class Token:
     id: int
     text: str  # the text this token completes (may be empty mid-character)
     logprobs: mx.array
+    chosen: TokenLogprobs | None = None  # read off `logprobs` when the request asked for them
 
 
 def backend_error(error: BaseException, model_type: str | None) -> BaseException:
@@ -230,7 +224,8 @@ class _TokenBook:
             self.observer.token(t_now - self.t_prev)
         self.t_prev = t_now
         self.detok.add_token(tok)
-        return Token(tok, self.detok.last_segment, logprobs)
+        chosen = token_logprobs(logprobs, tok, self.settings.top_logprobs) if self.settings.logprobs else None
+        return Token(tok, self.detok.last_segment, logprobs, chosen)
 
     def stop_after(self) -> str | None:
         """Why generation stops after the token just yielded, if it does."""
@@ -287,26 +282,23 @@ class Generator:
             chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1) :]
             self._forward(chunk)
             mx.eval([c.state for c in self.cache])
-        return self._logprobs(self._forward(tokens))
+        return self._forward(tokens)
 
-    @staticmethod
-    def _logprobs(logits: mx.array) -> mx.array:
-        logits = logits[:, -1, :]
-        return logits - mx.logsumexp(logits, keepdims=True)
-
-    def _plain(self, tokens: list[int], book: _TokenBook, sampler: Sampler) -> Iterator[Token]:
+    def _plain(self, tokens: list[int], book: _TokenBook, decoder: Decoder) -> Iterator[Token]:
         """One token per forward pass, exactly mlx-lm's `generate_step`.
 
         As there, the next token's pass is built and started (`mx.async_eval`) before this
         token is read, so the host builds one graph while the device computes the other —
         whenever the pass does not sync inside (`_builds_ahead`). A pass built ahead for a token
         that is then not fed (generation stops) is taken back out of the cache and uncounted,
-        so the cache ends as it would without it: the last token handed out is not fed."""
+        so the cache ends as it would without it: the last token handed out is not fed. Logits
+        processors (penalties) need the token before its successor's pass: nothing is built ahead."""
         summary, limit = book.summary, self.sm.max_context
+        sampler = decoder.sample
         max_tokens = book.settings.max_tokens
         rollback = CacheRollback(self.cache)
-        gives_back = rolls_back_cheaply(self.cache)  # the caches' kinds: fixed for the generation
-        logprobs = self._prefill(list(tokens))
+        gives_back = rolls_back_cheaply(self.cache) and not decoder.processors  # fixed for the generation
+        logprobs = decoder.logprobs(self._prefill(list(tokens))[:, -1, :])
         y = sampler(logprobs)
         fed_ahead = False  # whether `y` is already fed, in the pass built ahead
         in_history = False  # ...and, once read, in `self.history`
@@ -319,7 +311,7 @@ class Generator:
                     and self._builds_ahead()
                 ):
                     rollback.snapshot()
-                    next_logprobs = self._logprobs(self.sm.forward(y[None], self.cache, ahead=True))
+                    next_logprobs = decoder.logprobs(self.sm.forward(y[None], self.cache, ahead=True)[:, -1, :])
                     next_y = sampler(next_logprobs)
                     mx.async_eval(next_y, next_logprobs)
                     fed_ahead = True
@@ -327,6 +319,7 @@ class Generator:
                 mx.eval(y, logprobs)
                 self.sm.settle(keep_latest=fed_ahead)  # the pass's uses are counted before its token is handed out
                 tok = int(y)
+                decoder.fed(tok)
                 if fed_ahead:
                     self.history.append(tok)
                     in_history = True
@@ -346,7 +339,7 @@ class Generator:
                     rollback.keep(1, 1)  # fed for good: the snapshot can go
                     y, logprobs, fed_ahead, in_history = next_y, next_logprobs, False, False
                 else:
-                    logprobs = self._logprobs(self._forward([token.id]))
+                    logprobs = decoder.logprobs(self._forward([token.id])[:, -1, :])
                     y = sampler(logprobs)
         finally:
             if fed_ahead:  # stopped (or closed) with the next pass built: it never was
@@ -395,7 +388,8 @@ class Generator:
             return pass_tokens[kept:keep] + ([] if eos_stop or not out else [out[-1]])
 
         try:
-            rows = self._prefill(list(tokens))
+            logits = self._prefill(list(tokens))[0, -1:]
+            rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             while True:
                 k = len(draft.tokens)
                 if k:
@@ -488,7 +482,7 @@ class Generator:
             )
         summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
-        sampler = make_sampler(settings.temp, settings.top_p)
+        decoder = Decoder(settings, tokens)
         if settings.seed is not None:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
         detok = self.sm.tokenizer.detokenizer
@@ -504,10 +498,12 @@ class Generator:
         )
         try:
             try:
-                if self._source is not None and self._controller is not None:
-                    yield from self._speculative(tokens, book, sampler, self._source, self._controller)
+                # Verification reproduces temperature and top-p over the model's own distribution
+                # (speculative.py, target_probs); other sampling runs on the plain path.
+                if self._source is not None and self._controller is not None and settings.plain:
+                    yield from self._speculative(tokens, book, decoder.sample, self._source, self._controller)
                 else:
-                    yield from self._plain(tokens, book, sampler)
+                    yield from self._plain(tokens, book, decoder)
             except RuntimeError as e:
                 clear = backend_error(e, self.sm.config.get("model_type"))
                 if clear is e:

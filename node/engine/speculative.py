@@ -39,7 +39,8 @@ from mlx_lm.sample_utils import apply_top_p
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from expertmesh.node.config import SpeculationConfig
-from expertmesh.node.errors import SpeculationError
+from expertmesh.node.errors import ExpertmeshError, SpeculationError
+from expertmesh.node.hub.client import download_repo
 
 
 @dataclass
@@ -168,14 +169,11 @@ class ModelDraft:
 
         path = Path(repo_or_path).expanduser()
         if not path.is_dir():
-            from huggingface_hub import snapshot_download
-            from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
             try:
-                path = Path(snapshot_download(repo_or_path))
-            except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as e:
+                path = download_repo(repo_or_path)
+            except ExpertmeshError as e:
                 raise SpeculationError(
-                    f"draft model {repo_or_path!r} is neither a folder nor a reachable repository ({type(e).__name__})"
+                    f"draft model {repo_or_path!r} is neither a folder nor a reachable repository: {e}"
                 ) from None
         try:
             model, draft_tok = mlx_lm.load(str(path))[:2]  # (model, tokenizer): no config asked for

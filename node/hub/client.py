@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar, overload
 
 import httpx2
-from huggingface_hub import HfApi, get_token, hf_hub_download, hf_hub_url
+from huggingface_hub import HfApi, get_token, hf_hub_download, hf_hub_url, snapshot_download
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import errors as hf_errors
 from huggingface_hub.utils import build_hf_headers
@@ -337,6 +337,35 @@ def download_file(remote: RemoteFile, local_dir: Path) -> Path:
         ),
         remote.repo_id,
         remote.commit,
+        bucket="resolvers",
+    )
+    return Path(path)
+
+
+def download_repo(repo_id: str, revision: str | None = None, cache_dir: Path | None = None) -> Path:
+    """A whole (small) repository, such as a draft model, pinned to the commit `revision` names
+    and downloaded in huggingface_hub's cache layout under `cache_dir` (its own cache if None),
+    through the same rate gate, retries and error messages as every other Hub call.
+
+    Offline (HF_HUB_OFFLINE, or an endpoint that cannot be reached) a copy already in the cache is
+    used, so a draft pulled once keeps working without the Hub.
+
+    Raises:
+        ModelNotFoundError, AuthError, EndpointUnreachableError, DownloadError: as the endpoint answers.
+    """
+    try:
+        commit = resolve_commit(repo_id, revision)
+    except EndpointUnreachableError:
+        try:
+            return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+        except (hf_errors.LocalEntryNotFoundError, ValueError, OSError):
+            raise EndpointUnreachableError(
+                f"cannot reach {endpoint()} for {repo_id}, and no copy of it was downloaded before"
+            ) from None
+    path = _api_call(
+        lambda: snapshot_download(repo_id, revision=commit, cache_dir=cache_dir, endpoint=endpoint()),
+        repo_id,
+        commit,
         bucket="resolvers",
     )
     return Path(path)

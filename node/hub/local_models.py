@@ -229,23 +229,19 @@ def drafts_dir(home: Path) -> Path:
     return home / DRAFTS_DIRNAME
 
 
-def fetch_draft(home: Path, repo_id: str) -> Path:
-    """The folder of draft model `repo_id`, downloaded into the home (not huggingface_hub's own
-    cache, so `rm -r $EXPERTMESH_HOME` and a home on another disk hold everything expertmesh
-    keeps); reused offline once there.
+def fetch_draft(home: Path, repo_id: str, revision: str | None = None) -> Path:
+    """The folder of draft model `repo_id` at `revision` (default `main`, pinned to its commit),
+    downloaded into the home (not huggingface_hub's own cache, so `rm -r $EXPERTMESH_HOME` and a
+    home on another disk hold everything expertmesh keeps) through the hub layer (node/hub/client.py:
+    its rate gate, retries and messages); reused offline once there.
 
     Raises:
-        SpeculationError: the repository cannot be had.
+        SpeculationError: the repository cannot be had, with the hub layer's reason.
     """
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    from expertmesh.node.errors import SpeculationError
-    from expertmesh.node.hub.client import endpoint
+    from expertmesh.node.errors import ExpertmeshError, SpeculationError
+    from expertmesh.node.hub.client import download_repo
 
     try:
-        return Path(snapshot_download(repo_id, cache_dir=drafts_dir(home), endpoint=endpoint()))
-    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as e:
-        raise SpeculationError(
-            f"draft model {repo_id!r} is neither a folder nor a reachable repository ({type(e).__name__})"
-        ) from None
+        return download_repo(repo_id, revision, cache_dir=drafts_dir(home))
+    except ExpertmeshError as e:
+        raise SpeculationError(f"draft model {repo_id!r} is neither a folder nor a reachable repository: {e}") from None

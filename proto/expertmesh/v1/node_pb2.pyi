@@ -143,7 +143,14 @@ class ExpertChunk(_message.Message):
     def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed", "messages")
+    __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed", "messages", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias", "logprobs", "top_logprobs", "count_only")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +159,15 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: ModelKey
     prompt: str
     chat: bool
@@ -160,7 +176,16 @@ class GenerateRequest(_message.Message):
     top_p: float
     seed: int
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    top_k: int
+    min_p: float
+    logit_bias: _containers.ScalarMap[int, float]
+    logprobs: bool
+    top_logprobs: int
+    count_only: bool
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., count_only: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -171,20 +196,36 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("id", "text", "seconds", "expert_uses", "hub_bytes", "prompt_tokens")
+    __slots__ = ("id", "text", "seconds", "expert_uses", "hub_bytes", "prompt_tokens", "logprob", "token_bytes", "top_logprobs")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_USES_FIELD_NUMBER: _ClassVar[int]
     HUB_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     id: int
     text: str
     seconds: float
     expert_uses: int
     hub_bytes: int
     prompt_tokens: int
-    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., seconds: _Optional[float] = ..., expert_uses: _Optional[int] = ..., hub_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    logprob: float
+    token_bytes: bytes
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[ApiTopLogprob]
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., seconds: _Optional[float] = ..., expert_uses: _Optional[int] = ..., hub_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ..., top_logprobs: _Optional[_Iterable[_Union[ApiTopLogprob, _Mapping]]] = ...) -> None: ...
+
+class ApiTopLogprob(_message.Message):
+    __slots__ = ("id", "logprob", "token_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    logprob: float
+    token_bytes: bytes
+    def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens")
