@@ -60,6 +60,7 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.sample_utils import Sampler, apply_top_p, make_sampler
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
+from expertmesh.node.engine.constraint import constrained
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     EmptyPromptError,
@@ -119,8 +120,8 @@ class KeyedSampler:
 def make_row_sampler(settings: SamplingSettings) -> Sampler:
     """The sampler of one request: greedy, seeded (its own key), or from the global key."""
     if settings.temp > 0 and settings.seed is not None:
-        return KeyedSampler(settings.temp, settings.top_p, settings.seed)
-    return make_sampler(settings.temp, settings.top_p)
+        return constrained(KeyedSampler(settings.temp, settings.top_p, settings.seed), settings.constraint)
+    return constrained(make_sampler(settings.temp, settings.top_p), settings.constraint)
 
 
 @dataclass

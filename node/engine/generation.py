@@ -32,6 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import Sampler, make_sampler
 
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine.constraint import TokenConstraint, constrained
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import (
     CacheRollback,
@@ -69,6 +70,8 @@ class SamplingSettings:
     temp: float = 0.0  # 0 is greedy
     top_p: float = 1.0
     seed: int | None = None
+    # which tokens may come next (a grammar: node/engine/constraint.py); served without speculation
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -217,6 +220,8 @@ class _TokenBook:
     def emit(self, tok: int, logprobs: mx.array) -> Token | None:
         """The Token to yield for `tok`, or None for an end-of-sequence token."""
         mx.eval(logprobs)  # the caller reads it on its own thread: nothing lazy may leave this one
+        if self.settings.constraint is not None:
+            self.settings.constraint.advance(tok)
         t_now = time.perf_counter()
         summary = self.summary
         if summary.generated_tokens == 0:
@@ -316,6 +321,7 @@ class Generator:
                     n + 1 < max_tokens
                     and (limit is None or len(self.history) + 1 < limit)
                     and gives_back
+                    and book.settings.constraint is None  # its mask needs this token first
                     and self._builds_ahead()
                 ):
                     rollback.snapshot()
@@ -488,7 +494,7 @@ class Generator:
             )
         summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
-        sampler = make_sampler(settings.temp, settings.top_p)
+        sampler = constrained(make_sampler(settings.temp, settings.top_p), settings.constraint)
         if settings.seed is not None:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
         detok = self.sm.tokenizer.detokenizer
@@ -504,7 +510,8 @@ class Generator:
         )
         try:
             try:
-                if self._source is not None and self._controller is not None:
+                # a constrained request is not speculated (node/engine/constraint.py)
+                if self._source is not None and self._controller is not None and settings.constraint is None:
                     yield from self._speculative(tokens, book, sampler, self._source, self._controller)
                 else:
                     yield from self._plain(tokens, book, sampler)
