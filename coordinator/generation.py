@@ -31,6 +31,7 @@ from http import HTTPStatus
 
 import grpc
 
+from expertmesh.coordinator import tool_calls
 from expertmesh.coordinator.api_metrics import ApiMetrics
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_request import ApiError, Ask, generate_request
@@ -57,6 +58,9 @@ class Finish:
     """The last item a generation yields: why it ended, as OpenAI's finish_reason."""
 
     reason: str  # stop | length
+
+
+Piece = str | tool_calls.ToolCall | tool_calls.UnparsedToolCall | Finish
 
 
 @dataclass
@@ -197,8 +201,9 @@ class Coordinator:
         self._forget_departed()
         return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
 
-    def generate(self, ask: Ask, usage: dict, cancel: Cancellation | None = None) -> Generator[str | Finish]:
-        """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive.
+    def generate(self, ask: Ask, usage: dict, cancel: Cancellation | None = None) -> Generator[Piece]:
+        """Yield text pieces and tool calls (coordinator/tool_calls.py), then a Finish; `usage` is
+        filled in as tokens arrive.
 
         Raises QueueFull when too many requests wait already, ApiError when no node can answer.
         Once `cancel` is cancelled it yields nothing more of use (at most a Finish)."""
@@ -263,6 +268,9 @@ class Coordinator:
                                 if text:
                                     started = True
                                     yield text
+                                for tool in tool_calls.pieces(event.token):  # never text: no stop scan
+                                    started = True
+                                    yield tool
                                 if scanner.stopped:
                                     call.cancel()
                                     yield Finish("stop")
@@ -278,6 +286,7 @@ class Coordinator:
                                 tail = scanner.feed(done.trailing_text) + scanner.finish()
                                 if tail:
                                     yield tail
+                                yield from tool_calls.pieces(done)
                                 yield Finish("stop" if scanner.stopped or reason != "length" else "length")
                                 return
                         if not cancel.cancelled:  # an OK status without GenerationDone: not a whole answer

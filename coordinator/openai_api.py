@@ -27,11 +27,12 @@ from http import HTTPStatus
 from urllib.parse import unquote
 
 from expertmesh.coordinator.api_access import AccessPolicy
-from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish
+from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Piece
 from expertmesh.coordinator.generation_threads import GenerationThreads, ThreadedGeneration
 from expertmesh.coordinator.http_server import RETRY_AFTER_S, Exchange, HttpServer, ServerLimits
 from expertmesh.coordinator.openai_request import ApiError, Ask, decode_body, parse_ask
 from expertmesh.coordinator.request_queue import QueueFull
+from expertmesh.coordinator.tool_calls import ToolCall, UnparsedToolCall, invalid_call, openai_call
 
 __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 
@@ -206,14 +207,23 @@ class OpenAIServer:
         return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
     async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
-        text, finish = [], "length"
+        text, calls, invalid, finish = [], [], [], "length"
         async for piece in pieces:
             if isinstance(piece, Finish):
                 finish = piece.reason
+            elif isinstance(piece, ToolCall):
+                calls.append(openai_call(piece))
+            elif isinstance(piece, UnparsedToolCall):
+                invalid.append(invalid_call(piece))
             else:
                 text.append(piece)
         body = self._envelope(ask, rid, chunk=False)
-        body.update(choices=[self._choice(ask, "".join(text), finish, delta=False)], usage=self._usage(usage))
+        choice = self._choice(ask, "".join(text), "tool_calls" if calls and finish == "stop" else finish, delta=False)
+        if calls:  # as OpenAI answers a call: no text is null content
+            choice["message"].update(content=choice["message"]["content"] or None, tool_calls=calls)
+        if invalid:
+            choice["message"]["invalid_tool_calls"] = invalid
+        body.update(choices=[choice], usage=self._usage(usage))
         await self._json(ex, 200, body)
 
     async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
@@ -237,23 +247,33 @@ class OpenAIServer:
                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                 }
             )
-        finish = "length"
-        try:
-            if isinstance(first, Finish):
-                finish = first.reason
-            else:
-                await send(chunk(first, None))
-            async for piece in pieces:
-                if isinstance(piece, Finish):
-                    finish = piece.reason
+        finish, calls = "length", 0
+
+        async def forward(piece: Piece) -> None:
+            nonlocal finish, calls
+            if isinstance(piece, Finish):
+                finish = piece.reason
+            elif isinstance(piece, (ToolCall, UnparsedToolCall)):
+                choice = self._choice(ask, None, None, delta=True)
+                if isinstance(piece, ToolCall):
+                    choice["delta"]["tool_calls"] = [openai_call(piece, index=calls)]
+                    calls += 1
                 else:
-                    await send(chunk(piece, None))
+                    choice["delta"]["invalid_tool_calls"] = [invalid_call(piece)]
+                await send({**self._envelope(ask, rid, chunk=True), "choices": [choice]})
+            else:
+                await send(chunk(piece, None))
+
+        try:
+            await forward(first)
+            async for piece in pieces:
+                await forward(piece)
         except ApiError as e:  # after the first token: the stream ends with the error
             await send({"error": e.body()["error"]})
             await send("[DONE]")
             await ex.end_stream()
             return
-        await send(chunk(None if ask.chat else "", finish))
+        await send(chunk(None if ask.chat else "", "tool_calls" if calls and finish == "stop" else finish))
         if ask.include_usage:
             await send({**self._envelope(ask, rid, chunk=True), "choices": [], "usage": self._usage(usage)})
         await send("[DONE]")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from expertmesh.coordinator.tool_calls import ToolAsk, ToolRequestError, parse_tool_ask, tool_message
 from expertmesh.node.constants import MAX_TOKENS_LIMIT
 from expertmesh.v1 import node_pb2
 
@@ -132,7 +133,7 @@ class Ask:
     model: str
     chat: bool
     prompt: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -140,12 +141,12 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    tools: ToolAsk = field(default_factory=ToolAsk)  # tools, tool_choice, response_format (tool_calls.py)
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """Fields that change what an answer must contain are refused by name rather than ignored: a
-    client that asked for log probabilities, an echoed prompt, a forced tool call or JSON output
-    would otherwise get an answer without them and fail later, further from the cause. Fields that
+    client that asked for log probabilities or an echoed prompt would otherwise get an answer without them and fail later, further from the cause. Fields that
     only tune sampling (penalties, logit_bias) or describe the caller (user, metadata) are ignored."""
     asked = []
     if chat:
@@ -153,11 +154,6 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             asked.append("logprobs")
         if body.get("top_logprobs") not in (None, 0):
             asked.append("top_logprobs")
-        if body.get("tool_choice") not in (None, "none", "auto"):
-            asked.append("tool_choice")  # "required" or a named function: a call this server cannot make
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            asked.append("response_format")  # json_object / json_schema: output it cannot guarantee
         if body.get("audio") is not None:
             asked.append("audio")
         if body.get("modalities") not in (None, ["text"]):
@@ -216,17 +212,17 @@ def _parts_text(i: int, role: str, parts: list) -> str:
     return PART_SEPARATOR.join(texts)
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
     """One message as the chat template takes it: a template role and a string content."""
     if not isinstance(m, dict):
         raise _bad(f"messages[{i}] must be an object with a role and a content", param="messages")
     role = m.get("role")
-    if role in ("tool", "function"):
-        raise _bad(f"messages[{i}]: '{role}' messages are not supported: this server calls no tools", param="messages")
-    if role not in ROLES:
-        raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", param="messages")
-    if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
-        raise _bad(f"messages[{i}]: tool calls are not supported: this server calls no tools", param="messages")
+    if role == "function":
+        raise _bad(f"messages[{i}]: 'function' messages are not supported: send 'tool' messages", param="messages")
+    if role not in ROLES and role != "tool":
+        raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, tool", param="messages")
+    if role == "assistant" and m.get("function_call"):
+        raise _bad(f"messages[{i}]: 'function_call' is not supported: send 'tool_calls'", param="messages")
     content = m.get("content")
     if content is None and role == "assistant":  # the reference allows it (with tool_calls): no text
         content = ""
@@ -235,6 +231,11 @@ def _message(i: int, m: Any) -> dict[str, str]:
     elif not isinstance(content, str):
         allowed = "a string or a list of text parts" + (" or null" if role == "assistant" else "")
         raise _bad(f"messages[{i}].content must be {allowed}", param="messages")
+    if role == "tool" or (role == "assistant" and m.get("tool_calls")):
+        try:
+            return tool_message(i, m, content)
+        except ToolRequestError as e:
+            raise _bad(str(e), param=e.param) from None
     return {"role": ROLES[role], "content": content}
 
 
@@ -263,6 +264,10 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
         if not isinstance(messages, list) or not messages:
             raise _bad("'messages' must be a non-empty list", param="messages")
         ask.messages = [_message(i, m) for i, m in enumerate(messages)]
+        try:
+            ask.tools = parse_tool_ask(body)
+        except ToolRequestError as e:
+            raise _bad(str(e), param=e.param) from None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -314,9 +319,24 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
         top_p=1.0 if greedy else ask.top_p,
     )
     if ask.chat:
-        req.messages.extend(node_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in ask.messages)
+        req.messages.extend(_chat_message(m) for m in ask.messages)
+        t = ask.tools
+        if t.tools:
+            req.tools = json.dumps(t.tools)
+        req.tool_choice, req.tool_choice_name = t.choice, t.choice_name
+        if t.response_format is not None:
+            req.response_format = json.dumps(t.response_format)
     else:
         req.prompt = ask.prompt
     if ask.seed is not None:
         req.seed = ask.seed
     return req
+
+
+def _chat_message(m: dict[str, Any]) -> node_pb2.ChatMessage:
+    msg = node_pb2.ChatMessage(role=m["role"], content=m["content"])
+    if m.get("tool_calls"):
+        msg.tool_calls = json.dumps(m["tool_calls"])
+    msg.tool_call_id = m.get("tool_call_id", "")
+    msg.name = m.get("name", "")
+    return msg

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import threading
@@ -41,7 +42,8 @@ import grpc
 from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
-from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
+from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids, encode_rendered, render_chat
+from expertmesh.node.engine.constraint import TokenConstraint
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     GenerationSummary,
@@ -52,6 +54,16 @@ from expertmesh.node.engine.generation import (
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.engine.tools import (
+    Split,
+    ToolCallSplitter,
+    ToolFormat,
+    ToolsError,
+    chat_messages,
+    check_renders_tools,
+    tool_format,
+    tools_from_json,
+)
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.hub.rate_limit import GATE
@@ -72,7 +84,7 @@ DEFAULT_MAX_TOKENS = 256
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 10_000
 MAX_TEMPERATURE = 2.0  # as the OpenAI API's
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_WAITING_GENERATIONS = 3  # calls that may wait for the running one; more are refused
 WAIT_POLL_S = 0.25  # how often a waiting call checks that its client is still there
 SEED_MODULUS = 2**64  # MLX seeds are unsigned 64-bit; the proto's (and OpenAI's) are signed
@@ -399,22 +411,32 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
             refuse(f"top_p must be a number from 0 to 1, not {request.top_p}")
 
-    def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> list[int]:
-        """The prompt's tokens: a chat through its template, message text kept as plain text (so
-        it cannot forge a turn; node/engine/chat.py), or the raw prompt as the client wrote it."""
+    def _prompt_ids(
+        self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext
+    ) -> tuple[list[int], ToolFormat | None, list[dict] | None]:
+        """The prompt's tokens: a chat through its template (with its tools, node/engine/tools.py),
+        message text kept as plain text (so it cannot forge a turn; node/engine/chat.py), or the
+        raw prompt as the client wrote it; the model's tool-call format, if it has one, and the tools."""
         tok = sm.tokenizer
+        fmt = tool_format(tok)
         with self._tokenize_lock:
-            if request.messages or request.chat:
-                messages = (
-                    [{"role": m.role, "content": m.content} for m in request.messages]
-                    if request.messages
-                    else [{"role": "user", "content": request.prompt}]
-                )
-                try:
-                    return chat_token_ids(tok, messages)
-                except ChatTemplateError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return tok.encode(request.prompt)
+            try:
+                tools = tools_from_json(request.tools) if request.tools else None
+                if request.messages or request.chat:
+                    messages = (
+                        [_chat_message(m) for m in request.messages]
+                        if request.messages
+                        else [{"role": "user", "content": request.prompt}]
+                    )
+                    messages = chat_messages(messages, tok)
+                    if tools and request.tool_choice != "none":
+                        with_tools = render_chat(tok, messages, tools=tools)
+                        fmt = check_renders_tools(tok, with_tools, render_chat(tok, messages))
+                        return encode_rendered(tok, with_tools), fmt, tools
+                    return chat_token_ids(tok, messages), fmt, tools
+            except (ChatTemplateError, ToolsError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return tok.encode(request.prompt), None, tools  # a raw completion's text is the model's, markup too
 
     def Generate(self, request: node_pb2.GenerateRequest, context: CallContext) -> Iterator[node_pb2.GenerateEvent]:
         sm = self.sm
@@ -431,15 +453,27 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 "try another node or later",
             )
         try:
-            ids = self._prompt_ids(sm, request, context)
+            ids, fmt, tools = self._prompt_ids(sm, request, context)
+            constraint = self._constraint(sm, request, fmt, tools, context)
             if not slots.turn(context.is_active):
                 return  # the client left while waiting
             try:
-                yield from self._generate(sm, request, ids, context)
+                yield from self._generate(sm, request, ids, context, fmt, tools, constraint)
             finally:
                 slots.done()
         finally:
             slots.leave()
+
+    def _constraint(
+        self,
+        sm: StreamedModel,
+        request: node_pb2.GenerateRequest,
+        fmt: ToolFormat | None,
+        tools: list[dict] | None,
+        context: CallContext,
+    ) -> TokenConstraint | None:
+        """What the request's sampling must follow (its grammar), or None: free text."""
+        return None
 
     def _take_speculation(self) -> bool:
         """Whether this call runs alone with speculation (then it must give it back): only while no
@@ -454,17 +488,27 @@ class NodeService(node_pb2_grpc.NodeServicer):
             return True
 
     def _generate(
-        self, sm: StreamedModel, request: node_pb2.GenerateRequest, ids: list[int], context: CallContext
+        self,
+        sm: StreamedModel,
+        request: node_pb2.GenerateRequest,
+        ids: list[int],
+        context: CallContext,
+        fmt: ToolFormat | None = None,
+        tools: list[dict] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[node_pb2.GenerateEvent]:
-        """Generate's stream once the call's turn has come."""
+        """Generate's stream once the call's turn has come. Tool markup the model writes is split
+        out of the text into calls (node/engine/tools.py), declared tools or not."""
         settings = SamplingSettings(
             max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
             temp=request.temperature,
             top_p=request.top_p if request.top_p > 0 else 1.0,  # the proto's 0: off
             # any int64 (OpenAI's seeds may be negative) onto MLX's uint64, one seed to one seed
             seed=request.seed % SEED_MODULUS if request.HasField("seed") else None,
+            constraint=constraint,
         )
         summary = GenerationSummary()
+        splitter = ToolCallSplitter(fmt, tools) if fmt is not None else None
         alone = self._take_speculation()
         batch = self.batch if not alone else None
         if batch is not None:  # its tokens' expert uses are its own rows', not the whole step's
@@ -481,14 +525,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
             for t in tokens:
                 now, t_now = stats.snapshot(), time.perf_counter()
                 d = _delta(now, last)
+                split = splitter.feed(t.text) if splitter is not None else Split(t.text)
                 yield node_pb2.GenerateEvent(
                     token=node_pb2.TokenEvent(
                         id=t.id,
-                        text=t.text,
+                        text=split.text,
                         seconds=t_now - t_last,
                         expert_uses=d[0],
                         hub_bytes=d[1],
                         prompt_tokens=summary.prompt_tokens if first else 0,
+                        tool_calls=_parsed(split),
+                        unparsed_tool_calls=_unparsed(split),
                     )
                 )
                 first = False
@@ -509,6 +556,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self._generated_tokens += summary.generated_tokens
                 self._generation_seconds += summary.seconds
         spec = summary.speculation
+        tail = Split(summary.trailing_text)
+        if splitter is not None:
+            tail = splitter.feed(summary.trailing_text)
+            end = splitter.finish()
+            tail = Split(tail.text + end.text, tail.calls + end.calls, tail.unparsed + end.unparsed)
         yield node_pb2.GenerateEvent(
             done=node_pb2.GenerationDone(
                 prompt_tokens=summary.prompt_tokens,
@@ -516,7 +568,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 time_to_first_token_s=summary.time_to_first_token_s,
                 seconds=summary.seconds,
                 stop_reason=summary.stop_reason,
-                trailing_text=summary.trailing_text,
+                trailing_text=tail.text,
+                tool_calls=_parsed(tail),
+                unparsed_tool_calls=_unparsed(tail),
                 expert_uses={s: summary.experts.uses[s] for s in SOURCES},
                 expert_bytes={s: summary.experts.bytes[s] for s in SOURCES},
                 forward_passes=spec.passes if spec else 0,
@@ -524,6 +578,32 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 accepted_tokens=spec.accepted if spec else 0,
             )
         )
+
+
+def _chat_message(m: node_pb2.ChatMessage) -> dict:
+    """A wire message as the chat template takes it (OpenAI's shape); bad JSON: INVALID_ARGUMENT."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        try:
+            calls = json.loads(m.tool_calls)
+        except ValueError:
+            raise ToolsError("a message's tool_calls are not JSON") from None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise ToolsError("a message's tool_calls must be a list of objects")
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _parsed(split: Split) -> list[node_pb2.ToolsParsedCall]:
+    return [node_pb2.ToolsParsedCall(name=c.name, arguments=c.arguments) for c in split.calls]
+
+
+def _unparsed(split: Split) -> list[node_pb2.ToolsUnparsedCall]:
+    return [node_pb2.ToolsUnparsedCall(text=c.text, reason=c.reason) for c in split.unparsed]
 
 
 def _delta(now, before) -> tuple[int, int]:
