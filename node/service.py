@@ -51,6 +51,7 @@ from expertmesh.node.engine.generation import (
     PromptError,
     SamplingSettings,
 )
+from expertmesh.node.engine.grammar import GrammarError, request_constraint
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
@@ -472,8 +473,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
         tools: list[dict] | None,
         context: CallContext,
     ) -> TokenConstraint | None:
-        """What the request's sampling must follow (its grammar), or None: free text."""
-        return None
+        """What the request's sampling must follow (its grammar: node/engine/grammar.py), or None:
+        free text. A grammar that cannot be compiled is INVALID_ARGUMENT, with the reason."""
+        try:
+            response_format = json.loads(request.response_format) if request.response_format else None
+            if response_format is not None and not isinstance(response_format, dict):
+                raise GrammarError("response_format must be a JSON object")
+            return request_constraint(
+                sm.tokenizer, response_format, request.tool_choice, request.tool_choice_name, tools, fmt
+            )
+        except ValueError as e:  # GrammarError, or response_format that is not JSON
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot enforce the requested format: {e}")
 
     def _take_speculation(self) -> bool:
         """Whether this call runs alone with speculation (then it must give it back): only while no

@@ -171,3 +171,63 @@ def test_bad_tool_fields_are_400s_that_name_them(family) -> None:
         )
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         client.chat.completions.create(model=repo, messages=[*msgs, {"role": "tool", "content": "x"}])
+
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "forecast"}}])
+def test_a_required_or_named_call_is_enforced_by_the_grammar(family, choice) -> None:
+    """Random weights write no call by themselves: under `tool_choice` the grammar makes them write
+    one, in the model's own markup, whose arguments follow the function's schema."""
+    repo, client = family
+    ask = {"model": repo, "messages": [SYSTEM, {"role": "user", "content": "Forecast?"}], "max_tokens": MAX_TOKENS}
+    if repo == PYTHON_TEMPLATE:  # DSML writes each argument apart: no JSON object to constrain
+        with pytest.raises(openai.BadRequestError, match="one JSON object"):
+            client.chat.completions.create(**ask, tools=[FORECAST], tool_choice=choice)
+        return
+    tools = [TOOLS[0], FORECAST] if choice != "required" else [FORECAST]
+    r = client.chat.completions.create(**ask, tools=tools, tool_choice=choice)
+    [call] = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "forecast" and r.choices[0].finish_reason == "tool_calls"
+    assert set(args) == {"unit", "days"} and args["unit"] in ("celsius", "fahrenheit") and 1 <= args["days"] <= 7
+
+
+def test_response_format_is_enforced_through_the_api(family) -> None:
+    repo, client = family
+    if repo != KIMI_K3_TOOLS:
+        pytest.skip("the wire path is the same for every family; the grammar is tested in test_grammar.py")
+    ask = {
+        "model": repo,
+        "messages": [SYSTEM, {"role": "user", "content": "JSON?"}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
+    schema = FORECAST["function"]["parameters"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(**ask, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"unit", "days"} and value["unit"] in ("celsius", "fahrenheit")
+    streamed = client.chat.completions.create(**ask, response_format=fmt, stream=True)
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)) == value
+    anything = client.chat.completions.create(**ask, response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}
+    with pytest.raises(openai.BadRequestError, match="(?s)cannot enforce.*look-around"):
+        client.chat.completions.create(**ask, response_format=bad)
