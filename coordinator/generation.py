@@ -33,6 +33,7 @@ from http import HTTPStatus
 
 import grpc
 
+from expertmesh.coordinator import tool_calls
 from expertmesh.coordinator.api_metrics import ApiMetrics
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_request import ApiError, Ask, generate_request
@@ -115,6 +116,9 @@ class Finish:
 
     reason: str  # stop | length
     stop_sequence: str | None = None  # the client's stop sequence that ended it, if one did
+
+
+Piece = str | Logprobs | tool_calls.ToolCall | tool_calls.UnparsedToolCall | Finish
 
 
 @dataclass
@@ -352,10 +356,9 @@ class Coordinator:
         self._forget_departed()
         return [address for address in self.pool.addresses() if self._client(address).serving(HEALTH_DEADLINE_S)]
 
-    def generate(
-        self, ask: Ask, usage: Usage, cancel: Cancellation | None = None
-    ) -> Generator[str | Logprobs | Finish]:
-        """Yield text pieces, then a Finish; `usage` is filled in as tokens arrive.
+    def generate(self, ask: Ask, usage: Usage, cancel: Cancellation | None = None) -> Generator[Piece]:
+        """Yield text pieces, log probabilities and tool calls (coordinator/tool_calls.py), then a
+        Finish; `usage` is filled in as tokens arrive.
 
         Raises QueueFull when too many requests wait already, ApiError when no node can answer.
         Once `cancel` is cancelled it yields nothing more of use (at most a Finish)."""
@@ -419,7 +422,7 @@ class Coordinator:
 
     def _attempt(
         self, address: str, ask: Ask, usage: Usage, cancel: Cancellation
-    ) -> Generator[str | Logprobs | Finish, None, Outcome | None]:
+    ) -> Generator[Piece, None, Outcome | None]:
         """One node's try at the whole answer: its pieces, then None once the answer is done (or
         the client left), or the Outcome of a failure after which another node should try.
 
@@ -468,7 +471,7 @@ class Coordinator:
         usage: Usage,
         cancel: Cancellation,
         progress: _Progress,
-    ) -> Generator[str | Logprobs | Finish]:
+    ) -> Generator[Piece]:
         """The node's events as the client's pieces, stop sequences applied; raises _Cut when the
         stream ends without a whole answer, grpc.RpcError as the call fails."""
         scanner = StopScanner(ask.stop)
@@ -489,6 +492,9 @@ class Coordinator:
                     if book is not None and (logprobs := book.release(sent)):
                         yield logprobs
                     yield text
+                for tool in tool_calls.pieces(event.token):  # never text: no stop scan
+                    progress.started = True
+                    yield tool
                 if scanner.stopped:
                     call.cancel()
                     yield Finish("stop", scanner.matched)
@@ -504,6 +510,7 @@ class Coordinator:
                 yield logprobs
             if tail:
                 yield tail
+            yield from tool_calls.pieces(done)
             yield Finish("stop" if scanner.stopped or reason != "length" else "length", scanner.matched)
             return
         if not cancel.cancelled:  # an OK status without GenerationDone: not a whole answer

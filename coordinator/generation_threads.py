@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from expertmesh.coordinator.generation import Cancellation, Coordinator, Finish, Logprobs, Usage
+from expertmesh.coordinator.generation import Cancellation, Coordinator, Piece, Usage
 from expertmesh.coordinator.openai_request import ApiError, Ask
 from expertmesh.coordinator.request_queue import QueueFull
 
@@ -81,7 +81,7 @@ class ThreadedGeneration:
     def __aiter__(self) -> ThreadedGeneration:
         return self
 
-    async def __anext__(self) -> str | Logprobs | Finish:
+    async def __anext__(self) -> Piece:
         if self._ended:
             raise StopAsyncIteration
         item = await self._queue.get()

@@ -31,17 +31,25 @@ from urllib.parse import unquote
 
 from expertmesh.coordinator import anthropic_api, anthropic_request
 from expertmesh.coordinator.api_access import AccessPolicy
-from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Logprobs, TokenLogprob, Usage
+from expertmesh.coordinator.generation import (
+    Coordinator,
+    CoordinatorConfig,
+    Finish,
+    Logprobs,
+    Piece,
+    TokenLogprob,
+    Usage,
+)
 from expertmesh.coordinator.generation_threads import GenerationThreads, ThreadedGeneration
 from expertmesh.coordinator.http_server import RETRY_AFTER_S, Exchange, HttpServer, ServerLimits
 from expertmesh.coordinator.openai_request import ApiError, Ask, decode_body, parse_ask
 from expertmesh.coordinator.request_queue import QueueFull
+from expertmesh.coordinator.tool_calls import ToolCall, UnparsedToolCall, invalid_call, openai_call
 
 __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 
 GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
-Piece = str | Logprobs | Finish  # what a generation yields (coordinator/generation.py)
 _MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's (anthropic_api.py)
 _GET_PATHS = ("/v1/models", "/metrics", "/healthz")
 _MODEL_PREFIX = "/v1/models/"  # + a model id, percent-encoded: OpenAI's "retrieve model"
@@ -292,16 +300,25 @@ class OpenAIServer:
 
     async def _completion(self, ask: Ask, rid: str, pieces: AsyncIterator[Piece], usage: Usage) -> tuple[dict, Finish]:
         """The whole answer in OpenAI's shape, and how it finished (the Messages API reads both)."""
-        text, tokens, finish = [], [], Finish("length")
+        text, tokens, calls, invalid, finish = [], [], [], [], Finish("length")
         async for piece in pieces:
             if isinstance(piece, Finish):
                 finish = piece
             elif isinstance(piece, Logprobs):
                 tokens.extend(piece.tokens)
+            elif isinstance(piece, ToolCall):
+                calls.append(openai_call(piece))
+            elif isinstance(piece, UnparsedToolCall):
+                invalid.append(invalid_call(piece))
             else:
                 text.append(piece)
         body = self._envelope(ask, rid, chunk=False)
-        choice = self._choice(ask, "".join(text), finish.reason, delta=False, tokens=tokens)
+        reason = "tool_calls" if calls and finish.reason == "stop" else finish.reason
+        choice = self._choice(ask, "".join(text), reason, delta=False, tokens=tokens)
+        if calls:  # as OpenAI answers a call: no text is null content
+            choice["message"].update(content=choice["message"]["content"] or None, tool_calls=calls)
+        if invalid:
+            choice["message"]["invalid_tool_calls"] = invalid
         body.update(choices=[choice], usage=self._usage(usage))
         return body, finish
 
@@ -333,15 +350,23 @@ class OpenAIServer:
                 **self._envelope(ask, rid, chunk=True),
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
             }
-        finish = Finish("length")
+        finish, calls = Finish("length"), 0
         async for piece in _chained(first, pieces):
             if isinstance(piece, Finish):
                 finish = piece
             elif isinstance(piece, Logprobs):
                 tokens.extend(piece.tokens)
+            elif isinstance(piece, (ToolCall, UnparsedToolCall)):
+                choice = self._choice(ask, None, None, delta=True, tokens=[])
+                if isinstance(piece, ToolCall):
+                    choice["delta"]["tool_calls"] = [openai_call(piece, index=calls)]
+                    calls += 1
+                else:
+                    choice["delta"]["invalid_tool_calls"] = [invalid_call(piece)]
+                yield {**self._envelope(ask, rid, chunk=True), "choices": [choice]}
             else:
                 yield chunk(piece, None)
-        yield chunk(None if ask.chat else "", finish.reason)
+        yield chunk(None if ask.chat else "", "tool_calls" if calls and finish.reason == "stop" else finish.reason)
         yield finish
 
     async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from expertmesh.coordinator.tool_calls import ToolAsk, ToolRequestError, parse_tool_ask, tool_message
 from expertmesh.node.constants import MAX_TOKENS_LIMIT
 from expertmesh.v1 import node_pb2
 
@@ -134,7 +135,7 @@ class Ask:
     model: str
     chat: bool
     prompt: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -150,6 +151,7 @@ class Ask:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    tools: ToolAsk = field(default_factory=ToolAsk)  # tools, tool_choice, response_format (tool_calls.py)
 
 
 # Every field of OpenAI's two request schemas (the `openai` package's CompletionCreateParams lists
@@ -167,16 +169,16 @@ HONOURED_COMMON = frozenset(
         "top_k", "min_p", "repetition_penalty",
     }
 )  # fmt: skip
-HONOURED_CHAT = HONOURED_COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+HONOURED_CHAT = HONOURED_COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs",
+    "tools", "tool_choice", "response_format",  # rendered by the model's template, enforced by a grammar
+}  # fmt: skip
 HONOURED_COMPLETIONS = HONOURED_COMMON | {"prompt"}
 CALLER_FIELDS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
-# name -> the values that ask for nothing. Tool calling and structured output (`tools`,
-# `tool_choice`, `parallel_tool_calls`, `response_format`) are refused here until they are served.
+# name -> the values that ask for nothing. `parallel_tool_calls: false` asks for at most one call,
+# which nothing enforces yet: only its default is accepted.
 NEUTRAL_CHAT: dict[str, tuple] = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (),
-    "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (True,),
     "modalities": (["text"],),
     "store": (False,),
     "service_tier": ("auto", "default"),
@@ -241,17 +243,17 @@ def _parts_text(i: int, role: str, parts: list) -> str:
     return PART_SEPARATOR.join(texts)
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
     """One message as the chat template takes it: a template role and a string content."""
     if not isinstance(m, dict):
         raise _bad(f"messages[{i}] must be an object with a role and a content", param="messages")
     role = m.get("role")
-    if role in ("tool", "function"):
-        raise _bad(f"messages[{i}]: '{role}' messages are not supported: this server calls no tools", param="messages")
-    if role not in ROLES:
-        raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}", param="messages")
-    if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
-        raise _bad(f"messages[{i}]: tool calls are not supported: this server calls no tools", param="messages")
+    if role == "function":
+        raise _bad(f"messages[{i}]: 'function' messages are not supported: send 'tool' messages", param="messages")
+    if role not in ROLES and role != "tool":
+        raise _bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, tool", param="messages")
+    if role == "assistant" and m.get("function_call"):
+        raise _bad(f"messages[{i}]: 'function_call' is not supported: send 'tool_calls'", param="messages")
     content = m.get("content")
     if content is None and role == "assistant":  # the reference allows it (with tool_calls): no text
         content = ""
@@ -260,6 +262,11 @@ def _message(i: int, m: Any) -> dict[str, str]:
     elif not isinstance(content, str):
         allowed = "a string or a list of text parts" + (" or null" if role == "assistant" else "")
         raise _bad(f"messages[{i}].content must be {allowed}", param="messages")
+    if role == "tool" or (role == "assistant" and m.get("tool_calls")):
+        try:
+            return tool_message(i, m, content)
+        except ToolRequestError as e:
+            raise _bad(str(e), param=e.param) from None
     return {"role": ROLES[role], "content": content}
 
 
@@ -288,6 +295,10 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
         if not isinstance(messages, list) or not messages:
             raise _bad("'messages' must be a non-empty list", param="messages")
         ask.messages = [_message(i, m) for i, m in enumerate(messages)]
+        try:
+            ask.tools = parse_tool_ask(body)
+        except ToolRequestError as e:
+            raise _bad(str(e), param=e.param) from None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -382,7 +393,13 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
         top_p=1.0 if greedy else ask.top_p,
     )
     if ask.chat:
-        req.messages.extend(node_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in ask.messages)
+        req.messages.extend(_chat_message(m) for m in ask.messages)
+        t = ask.tools
+        if t.tools:
+            req.tools = json.dumps(t.tools)
+        req.tool_choice, req.tool_choice_name = t.choice, t.choice_name
+        if t.response_format is not None:
+            req.response_format = json.dumps(t.response_format)
     else:
         req.prompt = ask.prompt
     if ask.seed is not None:
@@ -393,3 +410,12 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
     req.logit_bias.update(ask.logit_bias)
     req.logprobs, req.top_logprobs = ask.logprobs, ask.top_logprobs
     return req
+
+
+def _chat_message(m: dict[str, Any]) -> node_pb2.ChatMessage:
+    msg = node_pb2.ChatMessage(role=m["role"], content=m["content"])
+    if m.get("tool_calls"):
+        msg.tool_calls = json.dumps(m["tool_calls"])
+    msg.tool_call_id = m.get("tool_call_id", "")
+    msg.name = m.get("name", "")
+    return msg

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import threading
@@ -41,7 +42,8 @@ import grpc
 from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
-from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
+from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids, encode_rendered, render_chat
+from expertmesh.node.engine.constraint import TokenConstraint
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     GenerationSummary,
@@ -50,10 +52,21 @@ from expertmesh.node.engine.generation import (
     SamplingSettings,
     Token,
 )
+from expertmesh.node.engine.grammar import GrammarError, request_constraint
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.sampling import MAX_TOP_LOGPROBS
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.engine.tools import (
+    Split,
+    ToolCallSplitter,
+    ToolFormat,
+    ToolsError,
+    chat_messages,
+    check_renders_tools,
+    tool_format,
+    tools_from_json,
+)
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.hub.rate_limit import GATE
@@ -78,7 +91,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's range is -2 to 2
 MAX_REPETITION_PENALTY = 10.0  # multiplicative: beyond this every repeated token is gone anyway
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: -100 bans a token, 100 forces it
 MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI's
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_WAITING_GENERATIONS = 3  # calls that may wait for the running one; more are refused
 WAIT_POLL_S = 0.25  # how often a waiting call checks that its client is still there
 SEED_MODULUS = 2**64  # MLX seeds are unsigned 64-bit; the proto's (and OpenAI's) are signed
@@ -433,22 +446,32 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self._vocab = len(self.sm.tokenizer.get_vocab())
         return self._vocab or 0
 
-    def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> list[int]:
-        """The prompt's tokens: a chat through its template, message text kept as plain text (so
-        it cannot forge a turn; node/engine/chat.py), or the raw prompt as the client wrote it."""
+    def _prompt_ids(
+        self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext
+    ) -> tuple[list[int], ToolFormat | None, list[dict] | None]:
+        """The prompt's tokens: a chat through its template (with its tools, node/engine/tools.py),
+        message text kept as plain text (so it cannot forge a turn; node/engine/chat.py), or the
+        raw prompt as the client wrote it; the model's tool-call format, if it has one, and the tools."""
         tok = sm.tokenizer
+        fmt = tool_format(tok)
         with self._tokenize_lock:
-            if request.messages or request.chat:
-                messages = (
-                    [{"role": m.role, "content": m.content} for m in request.messages]
-                    if request.messages
-                    else [{"role": "user", "content": request.prompt}]
-                )
-                try:
-                    return chat_token_ids(tok, messages)
-                except ChatTemplateError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return tok.encode(request.prompt)
+            try:
+                tools = tools_from_json(request.tools) if request.tools else None
+                if request.messages or request.chat:
+                    messages = (
+                        [_chat_message(m) for m in request.messages]
+                        if request.messages
+                        else [{"role": "user", "content": request.prompt}]
+                    )
+                    messages = chat_messages(messages, tok)
+                    if tools and request.tool_choice != "none":
+                        with_tools = render_chat(tok, messages, tools=tools)
+                        fmt = check_renders_tools(tok, with_tools, render_chat(tok, messages))
+                        return encode_rendered(tok, with_tools), fmt, tools
+                    return chat_token_ids(tok, messages), fmt, tools
+            except (ChatTemplateError, ToolsError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return tok.encode(request.prompt), None, tools  # a raw completion's text is the model's, markup too
 
     def Generate(self, request: node_pb2.GenerateRequest, context: CallContext) -> Iterator[node_pb2.GenerateEvent]:
         sm = self.sm
@@ -469,11 +492,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 "try another node or later",
             )
         try:
-            ids = self._prompt_ids(sm, request, context)
+            ids, fmt, tools = self._prompt_ids(sm, request, context)
+            constraint = self._constraint(sm, request, fmt, tools, context)
             if not slots.turn(context.is_active):
                 return  # the client left while waiting
             try:
-                yield from self._generate(sm, request, ids, context)
+                yield from self._generate(sm, request, ids, context, fmt, tools, constraint)
             finally:
                 slots.done()
         finally:
@@ -493,6 +517,26 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 ],
             }
 
+    def _constraint(
+        self,
+        sm: StreamedModel,
+        request: node_pb2.GenerateRequest,
+        fmt: ToolFormat | None,
+        tools: list[dict] | None,
+        context: CallContext,
+    ) -> TokenConstraint | None:
+        """What the request's sampling must follow (its grammar: node/engine/grammar.py), or None:
+        free text. A grammar that cannot be compiled is INVALID_ARGUMENT, with the reason."""
+        try:
+            response_format = json.loads(request.response_format) if request.response_format else None
+            if response_format is not None and not isinstance(response_format, dict):
+                raise GrammarError("response_format must be a JSON object")
+            return request_constraint(
+                sm.tokenizer, response_format, request.tool_choice, request.tool_choice_name, tools, fmt
+            )
+        except ValueError as e:  # GrammarError, or response_format that is not JSON
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot enforce the requested format: {e}")
+
     def _take_speculation(self) -> bool:
         """Whether this call runs alone with speculation (then it must give it back): only while no
         other call generates or waits, since drafts cannot be verified inside a batch. A call that
@@ -506,9 +550,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
             return True
 
     def _generate(
-        self, sm: StreamedModel, request: node_pb2.GenerateRequest, ids: list[int], context: CallContext
+        self,
+        sm: StreamedModel,
+        request: node_pb2.GenerateRequest,
+        ids: list[int],
+        context: CallContext,
+        fmt: ToolFormat | None = None,
+        tools: list[dict] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[node_pb2.GenerateEvent]:
-        """Generate's stream once the call's turn has come."""
+        """Generate's stream once the call's turn has come. Tool markup the model writes is split
+        out of the text into calls (node/engine/tools.py), declared tools or not."""
         settings = SamplingSettings(
             max_tokens=request.max_tokens or DEFAULT_MAX_TOKENS,
             temp=request.temperature,
@@ -523,8 +575,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
             logit_bias=dict(request.logit_bias),
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
+            constraint=constraint,
         )
         summary = GenerationSummary()
+        splitter = ToolCallSplitter(fmt, tools) if fmt is not None else None
         alone = self._take_speculation()
         batch = self.batch if not alone else None
         if batch is not None:  # its tokens' expert uses are its own rows', not the whole step's
@@ -541,15 +595,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
             for t in tokens:
                 now, t_now = stats.snapshot(), time.perf_counter()
                 d = _delta(now, last)
+                split = splitter.feed(t.text) if splitter is not None else Split(t.text)
                 yield node_pb2.GenerateEvent(
                     token=node_pb2.TokenEvent(
                         id=t.id,
-                        text=t.text,
+                        text=split.text,
                         seconds=t_now - t_last,
                         expert_uses=d[0],
                         hub_bytes=d[1],
                         prompt_tokens=summary.prompt_tokens if first else 0,
                         **self._logprob_fields(sm, t),
+                        tool_calls=_parsed(split),
+                        unparsed_tool_calls=_unparsed(split),
                     )
                 )
                 first = False
@@ -570,6 +627,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self._generated_tokens += summary.generated_tokens
                 self._generation_seconds += summary.seconds
         spec = summary.speculation
+        tail = Split(summary.trailing_text)
+        if splitter is not None:
+            tail = splitter.feed(summary.trailing_text)
+            end = splitter.finish()
+            tail = Split(tail.text + end.text, tail.calls + end.calls, tail.unparsed + end.unparsed)
         yield node_pb2.GenerateEvent(
             done=node_pb2.GenerationDone(
                 prompt_tokens=summary.prompt_tokens,
@@ -577,7 +639,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 time_to_first_token_s=summary.time_to_first_token_s,
                 seconds=summary.seconds,
                 stop_reason=summary.stop_reason,
-                trailing_text=summary.trailing_text,
+                trailing_text=tail.text,
+                tool_calls=_parsed(tail),
+                unparsed_tool_calls=_unparsed(tail),
                 expert_uses={s: summary.experts.uses[s] for s in SOURCES},
                 expert_bytes={s: summary.experts.bytes[s] for s in SOURCES},
                 forward_passes=spec.passes if spec else 0,
@@ -590,6 +654,32 @@ class NodeService(node_pb2_grpc.NodeServicer):
 def _token_bytes(sm: StreamedModel, token: int) -> bytes:
     """A token's own text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
     return sm.tokenizer.decode([token]).encode("utf-8")
+
+
+def _chat_message(m: node_pb2.ChatMessage) -> dict:
+    """A wire message as the chat template takes it (OpenAI's shape); bad JSON: INVALID_ARGUMENT."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        try:
+            calls = json.loads(m.tool_calls)
+        except ValueError:
+            raise ToolsError("a message's tool_calls are not JSON") from None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise ToolsError("a message's tool_calls must be a list of objects")
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def _parsed(split: Split) -> list[node_pb2.ToolsParsedCall]:
+    return [node_pb2.ToolsParsedCall(name=c.name, arguments=c.arguments) for c in split.calls]
+
+
+def _unparsed(split: Split) -> list[node_pb2.ToolsUnparsedCall]:
+    return [node_pb2.ToolsUnparsedCall(text=c.text, reason=c.reason) for c in split.unparsed]
 
 
 def _delta(now, before) -> tuple[int, int]:

@@ -37,6 +37,16 @@ def hub_root(tiny_repos: dict[str, Path]) -> Path:
     return next(iter(tiny_repos.values())).parent.parent
 
 
+@pytest.fixture(scope="session")
+def tool_repos(tiny_repos: dict[str, Path], hub_root: Path) -> dict[str, Path]:
+    """family -> the tiny repo that speaks that tool-call format (expertmesh/devtools/tiny/tool_formats.py),
+    written beside the tiny repos so the Hub serves it and `pulled_home(family, ...)` pulls it.
+    Made only for the tests that ask: linked weights and a tokenizer each, a second or so."""
+    from expertmesh.devtools.tiny.tool_formats import FORMATS, make_tool_repo
+
+    return {f: make_tool_repo(hub_root / tiny_id(f), f, tiny_repos[fmt.base]) for f, fmt in FORMATS.items()}
+
+
 @pytest.fixture(scope="module")
 def hub(hub_root: Path):
     """A local Hub serving the tiny repos on loopback, with huggingface_hub pointed at it; one per

@@ -100,7 +100,7 @@ def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answ
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 40000}, "max_tokens"),
         ({"prompt": ""}, "prompt"),
-        ({"messages": [node_pb2.ChatMessage(role="tool", content="x")]}, "role"),
+        ({"messages": [node_pb2.ChatMessage(role="robot", content="x")]}, "role"),
     ],
 )
 def test_every_generate_field_is_checked(node, channel, fields: dict, named: str) -> None:

@@ -81,12 +81,15 @@ def control_tokens(tokenizer: Any) -> ControlTokens:
     return ControlTokens(tokenizer)
 
 
-def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The chat template's text for `messages`, with the control tokens in their contents marked
-    for `encode_rendered`."""
+def render_chat(
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """The chat template's text for `messages` (and `tools`, which the template renders itself),
+    with the control tokens in their contents marked for `encode_rendered`."""
     ct = control_tokens(tokenizer)
     marked = [{**m, "content": ct.mark(m["content"])} for m in messages]
-    return tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
 
 
 def encode_rendered(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -112,10 +115,12 @@ def encode_rendered(tokenizer: Any, text: str, add_special_tokens: bool = False)
     return ids
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_token_ids(
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> list[int]:
     """The prompt tokens of a conversation: its template rendered and encoded so that only the
     template's own markup becomes control tokens (see the module's docstring)."""
-    return encode_rendered(tokenizer, render_chat(tokenizer, messages, add_generation_prompt))
+    return encode_rendered(tokenizer, render_chat(tokenizer, messages, add_generation_prompt, tools))
 
 
 def _inner(tokenizer: Any, piece: str, newline: list[int], split_special: bool) -> list[int]:

@@ -211,6 +211,8 @@ class _TokenBook:
     def emit(self, tok: int, logprobs: mx.array) -> Token | None:
         """The Token to yield for `tok`, or None for an end-of-sequence token."""
         mx.eval(logprobs)  # the caller reads it on its own thread: nothing lazy may leave this one
+        if self.settings.constraint is not None:
+            self.settings.constraint.advance(tok)
         t_now = time.perf_counter()
         summary = self.summary
         if summary.generated_tokens == 0:
@@ -308,6 +310,7 @@ class Generator:
                     n + 1 < max_tokens
                     and (limit is None or len(self.history) + 1 < limit)
                     and gives_back
+                    and book.settings.constraint is None  # its mask needs this token first
                     and self._builds_ahead()
                 ):
                     rollback.snapshot()
@@ -499,8 +502,14 @@ class Generator:
         try:
             try:
                 # Verification reproduces temperature and top-p over the model's own distribution
-                # (speculative.py, target_probs); other sampling runs on the plain path.
-                if self._source is not None and self._controller is not None and settings.plain:
+                # (speculative.py, target_probs); other sampling, and a constrained request
+                # (node/engine/constraint.py), runs on the plain path.
+                if (
+                    self._source is not None
+                    and self._controller is not None
+                    and settings.plain
+                    and settings.constraint is None
+                ):
                     yield from self._speculative(tokens, book, decoder.sample, self._source, self._controller)
                 else:
                     yield from self._plain(tokens, book, decoder)

@@ -27,6 +27,8 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from expertmesh.node.engine.constraint import TokenConstraint
+
 # The penalties look this far back, mlx-lm's default context for each.
 PENALTY_CONTEXT_TOKENS = 20
 MAX_TOP_LOGPROBS = 20  # as OpenAI's
@@ -46,6 +48,8 @@ class SamplingSettings:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False  # hand out each token's log probability
     top_logprobs: int = 0  # ...and this many most likely tokens'
+    # which tokens may come next (a grammar: node/engine/constraint.py); served without speculation
+    constraint: TokenConstraint | None = None
 
     @property
     def processed(self) -> bool:
@@ -123,8 +127,12 @@ class Decoder:
         self.tokens = list(prompt[-PENALTY_CONTEXT_TOKENS:]) if self.processors else []
 
     def sample(self, logprobs: mx.array) -> mx.array:
+        """A token from `logprobs`, within the request's constraint (a grammar) if it has one: only
+        the sampler sees the mask, the log probabilities handed out stay the model's."""
         if self._sampler is None:
             self._sampler = make_row_sampler(self.settings, logprobs.shape[-1], self.keyed)
+        if self.settings.constraint is not None:
+            logprobs = self.settings.constraint.mask(logprobs)
         return self._sampler(logprobs)
 
     def logprobs(self, logits: mx.array) -> mx.array:

@@ -35,19 +35,20 @@ user: hello! assistant: hi, how can I help you today? user: tell me a story.
 """
 
 
-def build_tokenizer(vocab_size: int) -> Tokenizer:
+def build_tokenizer(vocab_size: int, special_tokens: Iterable[str] = ()) -> Tokenizer:
     """Train the tokenizer; the same `vocab_size` always gives the same vocabulary."""
-    return train_tokenizer(_TRAINING_TEXT.splitlines() * 4, vocab_size)
+    return train_tokenizer(_TRAINING_TEXT.splitlines() * 4, vocab_size, special_tokens)
 
 
-def train_tokenizer(lines: Iterable[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE with our special tokens on `lines` (the same lines, the same vocabulary)."""
+def train_tokenizer(lines: Iterable[str], vocab_size: int, special_tokens: Iterable[str] = ()) -> Tokenizer:
+    """Train a byte-level BPE with our special tokens (and `special_tokens`, a chat format's markup)
+    on `lines` (the same lines, the same vocabulary)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

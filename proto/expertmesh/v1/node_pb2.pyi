@@ -143,7 +143,7 @@ class ExpertChunk(_message.Message):
     def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed", "messages", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias", "logprobs", "top_logprobs", "count_only")
+    __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed", "messages", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias", "logprobs", "top_logprobs", "count_only", "tools", "tool_choice", "tool_choice_name", "response_format")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,10 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     COUNT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: ModelKey
     prompt: str
     chat: bool
@@ -185,18 +189,44 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     count_only: bool
-    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., count_only: _Optional[bool] = ...) -> None: ...
+    tools: str
+    tool_choice: str
+    tool_choice_name: str
+    response_format: str
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., count_only: _Optional[bool] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_choice_name: _Optional[str] = ..., response_format: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: str
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ToolsParsedCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ToolsUnparsedCall(_message.Message):
+    __slots__ = ("text", "reason")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    reason: str
+    def __init__(self, text: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("id", "text", "seconds", "expert_uses", "hub_bytes", "prompt_tokens", "logprob", "token_bytes", "top_logprobs")
+    __slots__ = ("id", "text", "seconds", "expert_uses", "hub_bytes", "prompt_tokens", "logprob", "token_bytes", "top_logprobs", "tool_calls", "unparsed_tool_calls")
     ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +236,8 @@ class TokenEvent(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    UNPARSED_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     id: int
     text: str
     seconds: float
@@ -215,7 +247,9 @@ class TokenEvent(_message.Message):
     logprob: float
     token_bytes: bytes
     top_logprobs: _containers.RepeatedCompositeFieldContainer[ApiTopLogprob]
-    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., seconds: _Optional[float] = ..., expert_uses: _Optional[int] = ..., hub_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ..., top_logprobs: _Optional[_Iterable[_Union[ApiTopLogprob, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsParsedCall]
+    unparsed_tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsUnparsedCall]
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., seconds: _Optional[float] = ..., expert_uses: _Optional[int] = ..., hub_bytes: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ..., top_logprobs: _Optional[_Iterable[_Union[ApiTopLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolsParsedCall, _Mapping]]] = ..., unparsed_tool_calls: _Optional[_Iterable[_Union[ToolsUnparsedCall, _Mapping]]] = ...) -> None: ...
 
 class ApiTopLogprob(_message.Message):
     __slots__ = ("id", "logprob", "token_bytes")
@@ -228,7 +262,7 @@ class ApiTopLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens", "tool_calls", "unparsed_tool_calls")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +288,8 @@ class GenerationDone(_message.Message):
     FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    UNPARSED_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     time_to_first_token_s: float
@@ -265,7 +301,9 @@ class GenerationDone(_message.Message):
     forward_passes: int
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., forward_passes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsParsedCall]
+    unparsed_tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsUnparsedCall]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., forward_passes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolsParsedCall, _Mapping]]] = ..., unparsed_tool_calls: _Optional[_Iterable[_Union[ToolsUnparsedCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token", "done")
