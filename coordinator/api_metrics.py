@@ -16,7 +16,15 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/healthz", "/metrics")
+ENDPOINTS = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/healthz",
+    "/metrics",
+)
 # Every label name used here; none may be a target label (node/observability/prometheus_targets.py).
 LABELS = ("endpoint", "code", "state")
 

@@ -249,17 +249,17 @@ class OpenAIServer:
         ask: Ask, text: str | None, finish: str | None, delta: bool, tokens: list[TokenLogprob], offset: int = 0
     ) -> dict:
         """One choice; `tokens`: the log probabilities of the tokens behind `text` (if asked), and
-        `offset` where `text` starts in the whole answer (the legacy shape counts from there)."""
+        `offset` where `text` starts in the whole answer (the legacy shape counts from there).
+        A chunk without tokens (the last, with the finish_reason) has null logprobs, as OpenAI's."""
+        listed = ask.logprobs and (bool(tokens) or not delta)
         if not ask.chat:
-            logprobs = OpenAIServer._legacy_logprobs(tokens, offset) if ask.logprobs else None
+            logprobs = OpenAIServer._legacy_logprobs(tokens, offset) if listed else None
             return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         key = "delta" if delta else "message"
         content = {"content": text} if text is not None else {}
         if not delta:
             content = {"role": "assistant", "content": text or ""}
-        logprobs = (
-            {"content": [OpenAIServer._chat_logprob(t) for t in tokens], "refusal": None} if ask.logprobs else None
-        )
+        logprobs = {"content": [OpenAIServer._chat_logprob(t) for t in tokens], "refusal": None} if listed else None
         return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod

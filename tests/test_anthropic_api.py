@@ -124,6 +124,14 @@ def test_count_tokens_counts_the_templated_prompt(client: anthropic.Anthropic, o
     assert _create(client).usage.input_tokens == counted.input_tokens
 
 
+def test_messages_are_counted_under_their_own_endpoint(client: anthropic.Anthropic, api: OpenAIServer) -> None:
+    from prometheus_client import generate_latest
+
+    _create(client)
+    text = generate_latest(api.coordinator.metrics.registry).decode()
+    assert 'expertmesh_api_responses_total{code="200",endpoint="/v1/messages"}' in text
+
+
 def test_errors_come_in_anthropics_shape(client: anthropic.Anthropic, api: OpenAIServer) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=KIMI_K3, max_tokens=0, messages=[{"role": "user", "content": "hi"}])

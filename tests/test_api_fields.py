@@ -297,3 +297,17 @@ def test_chat_logprobs_streamed_or_not_are_the_log_softmax_of_the_logits(
     tops = [[t.logprob for t in e.top_logprobs] for e in entries]
     assert all(len(t) == 20 for t in tops)
     _check(_reference_logprobs(oracle, ids, generated), generated, [e.logprob for e in entries], tops)
+
+
+def test_streamed_completion_logprobs_equal_the_whole_ones(client: openai.OpenAI) -> None:
+    """The legacy shape streamed: each chunk lists its own tokens, offsets run on across chunks."""
+    kwargs = {"model": KIMI_K3, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "logprobs": 3}
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    tokens, logprobs, offsets = [], [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            logprobs += lp.token_logprobs
+            offsets += lp.text_offset
+    assert tokens == whole.tokens and logprobs == whole.token_logprobs and offsets == whole.text_offset

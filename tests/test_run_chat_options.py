@@ -104,8 +104,27 @@ def test_a_draft_repo_downloads_into_the_home(client_home: Path, tmp_path: Path,
     assert not hf_cache.exists() or not any(hf_cache.iterdir())
     assert arguments.speculation(args).draft_repo == str(path)  # resolved once: now a folder
     args = build_parser().parse_args(["run", KIMI_K3, "x", "--speculate", "draft", "--draft", "nobody/no-such-draft"])
-    with pytest.raises(SpeculationError, match="neither a folder nor a reachable repository"):
+    with pytest.raises(SpeculationError, match="neither a folder nor a reachable repository") as e:
         arguments.speculation(args)
+    assert "was not found at" in str(e.value)  # the hub layer's reason, not an exception's name
+
+
+def test_a_draft_goes_through_the_hub_layer_pinned_and_reused_offline(client_home: Path, monkeypatch) -> None:
+    """Pinned to the commit its revision names, in a folder keyed by that commit; a revision the
+    Hub does not have is the hub layer's message; once downloaded it is used without the Hub."""
+    import huggingface_hub.constants as hf_constants
+
+    from expertmesh.node.hub import client as hub_client
+
+    commit = hub_client.resolve_commit(QWEN3_MOE)
+    path = local_models.fetch_draft(client_home, QWEN3_MOE, "main")
+    assert path.name == commit
+    with pytest.raises(SpeculationError, match="revision 'no-such-branch' not found"):
+        local_models.fetch_draft(client_home, QWEN3_MOE, "no-such-branch")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    assert local_models.fetch_draft(client_home, QWEN3_MOE) == path
+    with pytest.raises(SpeculationError, match="no copy of it was downloaded before"):
+        local_models.fetch_draft(client_home, KIMI_K3 + "-not-here")
 
 
 def test_demo_help_shows_its_real_defaults(capsys) -> None:

@@ -362,13 +362,23 @@ def download_repo(repo_id: str, revision: str | None = None, cache_dir: Path | N
             raise EndpointUnreachableError(
                 f"cannot reach {endpoint()} for {repo_id}, and no copy of it was downloaded before"
             ) from None
-    path = _api_call(
-        lambda: snapshot_download(repo_id, revision=commit, cache_dir=cache_dir, endpoint=endpoint()),
-        repo_id,
-        commit,
-        bucket="resolvers",
+    path = Path(
+        _api_call(
+            lambda: snapshot_download(repo_id, revision=commit, cache_dir=cache_dir, endpoint=endpoint()),
+            repo_id,
+            commit,
+            bucket="resolvers",
+        )
     )
-    return Path(path)
+    # Downloaded by its commit, the cache has no ref for the revision's name; huggingface_hub's
+    # documented cache layout keeps one per name (refs/NAME holds the commit): written here, an
+    # offline start finds the draft by the name it was asked by.
+    ref = path.parent.parent / "refs" / (revision or "main")
+    if ref.resolve().is_relative_to(path.parent.parent.resolve()):  # a revision name such as `..` writes nothing
+        with contextlib.suppress(OSError):
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            ref.write_text(commit)
+    return path
 
 
 class RangeReader:
