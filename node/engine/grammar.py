@@ -60,21 +60,13 @@ class GrammarConstraint:
         self.matcher = llguidance.LLMatcher(self.ll, grammar)
         if self.matcher.is_error():
             raise GrammarError("the grammar engine cannot compile it: " + self.matcher.get_error())
-        self._unpack: tuple[int, mx.array, mx.array, mx.array] | None = None  # per logits width
 
     def mask(self, logprobs: mx.array) -> mx.array:
-        """The packed bitmask (one bit a token, in 32-bit words) goes to MLX as it is and is
-        unpacked there, in the sampler's graph: no per-token array the size of the vocabulary is
-        made on the host."""
-        words = mx.array(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32))
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         width = logprobs.shape[-1]
-        if self._unpack is None or self._unpack[0] != width:
-            ids = mx.arange(width, dtype=mx.uint32)
-            # ids the model has and the tokenizer does not (past the mask's words) are never allowed
-            inside = ids < min(width, self.ll.vocab_size)
-            self._unpack = (width, mx.minimum(ids >> 5, words.shape[0] - 1), ids & 31, inside)
-        _, word, bit, inside = self._unpack
-        allowed = ((words[word] >> bit) & 1).astype(mx.bool_) & inside
+        allowed = mx.array(bits[: min(width, self.ll.vocab_size)].astype(np.bool_))
+        if width > allowed.shape[0]:  # ids the model has and the tokenizer does not: never
+            allowed = mx.concatenate([allowed, mx.zeros(width - allowed.shape[0], dtype=mx.bool_)])
         return mx.where(allowed, logprobs, -mx.inf)
 
     def advance(self, token: int) -> None:
