@@ -87,9 +87,22 @@ def render_chat(
     """The chat template's text for `messages` (and `tools`, which the template renders itself),
     with the control tokens in their contents marked for `encode_rendered`."""
     ct = control_tokens(tokenizer)
-    marked = [{**m, "content": ct.mark(m["content"])} for m in messages]
-    extra = {"tools": tools} if tools else {}
+    marked = [_marked(ct, m) for m in messages]
+    # a tool's description or a call's arguments are text from the client too
+    extra = {"tools": _marked(ct, tools)} if tools else {}
     return tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+
+
+def _marked(ct: ControlTokens, value: Any) -> Any:
+    """`value` with the control tokens in every string of it marked (keys too: JSON a template
+    writes out whole, such as a tool's schema, holds client text in its keys)."""
+    if isinstance(value, str):
+        return ct.mark(value)
+    if isinstance(value, dict):
+        return {_marked(ct, k): _marked(ct, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_marked(ct, v) for v in value]
+    return value
 
 
 def encode_rendered(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
