@@ -481,7 +481,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             )
         self._check_generate(request, context)
         if request.count_only:  # tokenising only: no slot, no model thread
-            counted = len(self._prompt_ids(sm, request, context))
+            counted = len(self._prompt_ids(sm, request, context)[0])
             yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(prompt_tokens=counted, stop_reason="counted"))
             return
         slots = self.generation_slots

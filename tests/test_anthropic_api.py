@@ -13,7 +13,8 @@ import openai
 import pytest
 from anthropic.types import message_create_params
 from nodes import api_server, serving
-from repos import KIMI_K3
+from repos import JSON_TOOLS, KIMI_K3
+from tool_forcing import FORCE_MARK, ForcingService
 
 from expertmesh.coordinator import anthropic_request
 from expertmesh.coordinator.api_access import AccessPolicy, KeyRing
@@ -174,11 +175,8 @@ def test_the_same_keys_work_through_x_api_key_or_authorization(node) -> None:
         server.stop()
 
 
-def test_tools_are_translated_and_refused_as_the_chat_api_refuses_them(client: anthropic.Anthropic) -> None:
-    """Until tool calling is served, a tool request is the chat API's 400 naming `tools`."""
+def test_tools_are_translated_to_the_chat_apis_shapes() -> None:
     tool = {"name": "get_weather", "description": "Weather", "input_schema": {"type": "object"}}
-    with pytest.raises(anthropic.BadRequestError, match="'tools'"):
-        client.messages.create(model=KIMI_K3, max_tokens=2, tools=[tool], messages=[{"role": "user", "content": "hi"}])
     body = anthropic_request.openai_body(
         {
             "model": KIMI_K3,
@@ -304,3 +302,59 @@ def test_blocks_that_are_not_text_are_refused_by_name(api: OpenAIServer, content
     body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
     status, text = _raw(api, "/v1/messages", body)
     assert status == 400 and named in json.loads(text)["error"]["message"]
+
+
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+@pytest.fixture(scope="module")
+def tools_client(tool_repos, pulled_home, hub, tmp_path_factory):
+    """An anthropic client of a node serving the `json_tools` family, whose sampler writes the
+    text after "FORCE:" (tests/tool_forcing.py): random tiny weights never write a call."""
+    home = pulled_home(JSON_TOOLS.split("tiny-", 1)[1], tmp_path_factory.mktemp("anthropic-tools"))
+    with serving(JSON_TOOLS, home, SECRET, node_id="anthropic-tools", service_class=ForcingService) as node:
+        server = api_server([node.rpc.address], SECRET, [JSON_TOOLS])
+        try:
+            yield anthropic.Anthropic(base_url=_base(server), api_key="unused", max_retries=0, timeout=120)
+        finally:
+            server.stop()
+
+
+def test_a_tool_use_and_its_tool_result_make_a_round_trip(tools_client: anthropic.Anthropic) -> None:
+    """The model's call (forced through its sampler) comes back as a tool_use block, whole and
+    streamed; the tool_result sent back is rendered by the template and the next turn answers."""
+    ask = {"model": JSON_TOOLS, "max_tokens": 240, "tools": [WEATHER_TOOL], "system": "Be brief."}
+    first = [{"role": "user", "content": FORCE_MARK + "Sure. " + TOOL_CALL}]
+    whole = tools_client.messages.create(**ask, messages=first)
+    assert whole.stop_reason == "tool_use"
+    uses = [b for b in whole.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("get_weather", {"city": "Paris"})]
+    assert all("<tool_call>" not in b.text for b in whole.content if b.type == "text")
+
+    with tools_client.messages.stream(**ask, messages=first) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [("get_weather", {"city": "Paris"})]
+
+    follow = [
+        *first,
+        {"role": "assistant", "content": [u.model_dump(exclude_none=True) for u in uses]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny, 21 C"},
+                {"type": "text", "text": FORCE_MARK + "It is sunny."},
+            ],
+        },
+    ]
+    answer = tools_client.messages.create(**ask, messages=follow)
+    assert answer.stop_reason == "end_turn"
+    assert [b.text for b in answer.content if b.type == "text"] == ["It is sunny."]
+    counted = tools_client.messages.count_tokens(model=JSON_TOOLS, tools=[WEATHER_TOOL], messages=follow)
+    without_result = tools_client.messages.count_tokens(model=JSON_TOOLS, tools=[WEATHER_TOOL], messages=first)
+    assert counted.input_tokens > without_result.input_tokens  # the tool result is in the prompt

@@ -69,16 +69,13 @@ REFUSED = {
         "functions": [{"name": "f"}],
         "modalities": ["text", "audio"],
         "moderation": {"type": "auto"},
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": False,  # at most one call: nothing enforces it
         "prediction": {"type": "content", "content": "x"},
         "prompt_cache_options": {"mode": "x"},
         "prompt_cache_retention": "24h",
         "reasoning_effort": "high",
-        "response_format": {"type": "json_object"},
         "service_tier": "flex",
         "store": True,
-        "tool_choice": "required",
-        "tools": [{"type": "function", "function": {"name": "f"}}],
         "verbosity": "low",
         "web_search_options": {},
         "not_a_field": 1,  # a typo, or another server's extension
@@ -87,7 +84,8 @@ REFUSED = {
 }
 # Fields whose effect this module checks against mlx-lm (the others: test_coordinator_api.py,
 # test_openai_edges.py and test_api_server.py check model, messages, prompt, max_tokens,
-# max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options and n).
+# max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options and n;
+# test_tool_calls.py and test_grammar.py check tools, tool_choice and response_format).
 EFFECT_CHECKED_HERE = {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
                        "logprobs", "top_logprobs"}  # fmt: skip
 
