@@ -74,13 +74,33 @@ def _settle(per_connection: float, link: float = 100e6, ttfb_s: float = 0.075, p
     pieces on `link`: each connection carries `per_connection` while transferring and nothing
     while it waits for the first byte, and together they carry at most the link."""
     counts = AdaptiveConnections(12, 32)
+    now = 0.0
     while not counts.settled:
         n = counts.allowed
         alone = piece / (ttfb_s + piece / per_connection)  # one connection's rate, its first byte included
         rate = min(n * alone, link) / n
         for _ in range(PIECES_PER_CONNECTION * n):
-            counts.record(int(piece), piece / rate, busy_at_start=n)
+            now += piece / (n * rate)  # n connections side by side: a piece ends every piece / (n x rate) s
+            counts.record(int(piece), piece / rate, busy_at_start=n, ended_at=now)
     return counts.allowed
+
+
+def test_a_full_link_shared_unevenly_does_not_read_as_room_for_more() -> None:
+    """On a full link some pieces wait longer for their share than others: the pieces' rates
+    spread while what the connections carry together stays the link's. Judged by that (bytes
+    over the window's time), the count stays where the link was full; the median piece's rate
+    times the count would have read the spread as a gain, and climbed to the most."""
+    counts = AdaptiveConnections(12, 32)
+    link, piece, now = 100e6, 4.4e6, 0.0
+    while not counts.settled:
+        n = counts.allowed
+        starved = (n - 12) / n  # beyond the 12 that fill the link, connections mostly wait for a share
+        rest = (1 - 0.2 * starved) / (1 - starved)  # the others' share: on average an even one
+        for i in range(PIECES_PER_CONNECTION * n):
+            now += piece / link  # together they carry the link, whatever the count
+            share = 0.2 if i < starved * PIECES_PER_CONNECTION * n else rest
+            counts.record(int(piece), piece / (share * link / n), busy_at_start=n, ended_at=now)
+    assert counts.allowed == 12
 
 
 def test_the_count_grows_while_more_connections_carry_more_and_stops_where_the_link_is_full() -> None:
