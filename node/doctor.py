@@ -527,7 +527,7 @@ class HouseholdProbe:
 
     def finish(self) -> Check:
         if self._browser is not None:
-            self._browser.settle()
+            self._browser.wait_resolved()
             self._browser.close()
         if self.error is not None:
             return Check(

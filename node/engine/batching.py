@@ -60,6 +60,7 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 from mlx_lm.sample_utils import Sampler, apply_top_p, make_sampler
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
+from expertmesh.node.engine.forward_pass import ForwardPass
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     EmptyPromptError,
@@ -303,7 +304,7 @@ class BatchEngine:
         for seq in started:
             sm = self.sm
             seq.summary.prompt_tokens = len(seq.prompt)
-            sm.settle()  # what an earlier pass used is not this request's
+            sm.count_open()  # what an earlier pass used is not this request's
             before = sm.store.stats.snapshot()
             detok = sm.tokenizer.detokenizer  # a copy per caller
             detok.reset()
@@ -337,9 +338,12 @@ class BatchEngine:
         """One token for every row: one forward pass over the batch."""
         rows = self._rows
         tokens = mx.array([[r.next_token] for r in rows])
-        logits = self.sm.forward(tokens, self._cache, ledgers=[r.seq.uses for r in rows])[:, -1, :]
+        step = self.sm.forward(tokens, self._cache, ledgers=[r.seq.uses for r in rows])
+        step.commit()
+        logits = step.logits[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
+        step.count_uses()  # the pass's uses are in its rows' ledgers before a token is handed out
         self.steps += 1
         observe = getattr(self.sm.token_observer, "batch", None)
         if observe is not None:
@@ -359,23 +363,29 @@ class BatchEngine:
         if len(run.todo) > 1:
             n = min(budget, len(run.todo) - 1)
             chunk, run.todo = run.todo[:n], run.todo[n:]
-            sm.forward(mx.array(chunk)[None], run.cache, ledgers=[run.seq.uses])
+            step = sm.forward(mx.array(chunk)[None], run.cache, ledgers=[run.seq.uses])
+            step.commit()
             mx.eval([c.state for c in run.cache or []])
+            step.count_uses()
             run.fed += n
             return n
-        logits = sm.forward(mx.array(run.todo)[None], run.cache, ledgers=[run.seq.uses])[:, -1, :]
+        step = sm.forward(mx.array(run.todo)[None], run.cache, ledgers=[run.seq.uses])
+        step.commit()
+        logits = step.logits[:, -1, :]
         run.fed, run.todo = run.fed + 1, []
         self._prefilling.remove(run)
-        if self._emit(run, logits - mx.logsumexp(logits, keepdims=True)):
+        if self._emit(run, logits - mx.logsumexp(logits, keepdims=True), step):
             self._join(run)
         return 1
 
-    def _emit(self, run: _Run, logprobs: mx.array) -> bool:
+    def _emit(self, run: _Run, logprobs: mx.array, step: ForwardPass | None = None) -> bool:
         """Sample the run's next token from its (1, vocab) log-probabilities and hand it over;
-        whether it goes on (the same stops as `Generator._plain`, in the same order)."""
+        whether it goes on (the same stops as `Generator._plain`, in the same order). `step`:
+        the pass that made them, if its uses are not counted yet."""
         y = run.sampler(logprobs)
         mx.eval(y, logprobs)
-        self.sm.settle()  # the pass's uses are in its rows' ledgers before a token is handed out
+        if step is not None:
+            step.count_uses()  # the pass's uses are in its rows' ledgers before a token is handed out
         token = run.book.emit(int(y), logprobs.squeeze(0))
         if token is None:
             self._finish(run, "eos")
@@ -414,7 +424,7 @@ class BatchEngine:
     def _close_summary(self, run: _Run) -> None:
         summary = run.seq.summary
         summary.seconds = time.perf_counter() - run.seq.t0
-        self.sm.settle()  # the last pass's resident layers, into every ledger of that pass
+        self.sm.count_open()  # the last pass's resident layers, into every ledger of that pass
         experts = self.sm.store.stats.since(run.before)
         own = run.seq.uses.snapshot()  # the request's own expert uses, not its batch's (module docstring)
         experts.uses, experts.bytes, experts.fetch_seconds = own.uses, own.bytes, own.fetch_seconds

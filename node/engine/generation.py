@@ -32,9 +32,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import Sampler, make_sampler
 
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine.forward_pass import ForwardPass
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import (
-    CacheRollback,
     Draft,
     DraftController,
     DraftSource,
@@ -276,18 +276,23 @@ class Generator:
         self.cache = model_thread().call(make_prompt_cache, self.sm.model)
         self.history: list[int] = []  # exactly the tokens the cache has seen
 
-    def _forward(self, tokens: list[int]) -> mx.array:
-        logits = self.sm.forward(mx.array(tokens)[None], self.cache)
+    def _forward(self, tokens: list[int], rollback: bool = False) -> ForwardPass:
+        step = self.sm.forward(mx.array(tokens)[None], self.cache, rollback=rollback)
         self.history.extend(tokens)
-        return logits
+        return step
 
-    def _prefill(self, tokens: list[int]) -> mx.array:
-        """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone."""
+    def _prefill(self, tokens: list[int]) -> ForwardPass:
+        """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone; returns
+        the last pass (its logits give the first token)."""
         while len(tokens) > 1:
             chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1) :]
-            self._forward(chunk)
+            step = self._forward(chunk)
             mx.eval([c.state for c in self.cache])
-        return self._logprobs(self._forward(tokens))
+            step.commit()
+            step.count_uses()
+        step = self._forward(tokens)
+        step.commit()  # the tokens are the prompt's: they stay
+        return step
 
     @staticmethod
     def _logprobs(logits: mx.array) -> mx.array:
@@ -304,12 +309,12 @@ class Generator:
         so the cache ends as it would without it: the last token handed out is not fed."""
         summary, limit = book.summary, self.sm.max_context
         max_tokens = book.settings.max_tokens
-        rollback = CacheRollback(self.cache)
         gives_back = rolls_back_cheaply(self.cache)  # the caches' kinds: fixed for the generation
-        logprobs = self._prefill(list(tokens))
+        step = self._prefill(list(tokens))
+        logprobs = self._logprobs(step.logits)
         y = sampler(logprobs)
-        fed_ahead = False  # whether `y` is already fed, in the pass built ahead
-        in_history = False  # ...and, once read, in `self.history`
+        ahead: ForwardPass | None = None  # the pass feeding `y`, built before `y` was read
+        in_history = False  # whether `y`, fed ahead, is in `self.history` yet
         try:
             for n in range(max_tokens):
                 if (
@@ -318,16 +323,15 @@ class Generator:
                     and gives_back
                     and self._builds_ahead()
                 ):
-                    rollback.snapshot()
-                    next_logprobs = self._logprobs(self.sm.forward(y[None], self.cache, ahead=True))
+                    ahead = self.sm.forward(y[None], self.cache, rollback=True)
+                    next_logprobs = self._logprobs(ahead.logits)
                     next_y = sampler(next_logprobs)
                     mx.async_eval(next_y, next_logprobs)
-                    fed_ahead = True
                     summary.passes_built_ahead += 1
                 mx.eval(y, logprobs)
-                self.sm.settle(keep_latest=fed_ahead)  # the pass's uses are counted before its token is handed out
+                step.count_uses()  # the pass's uses are counted before its token is handed out
                 tok = int(y)
-                if fed_ahead:
+                if ahead is not None:
                     self.history.append(tok)
                     in_history = True
                 token = book.emit(tok, logprobs.squeeze(0))
@@ -339,21 +343,23 @@ class Generator:
                 if stop is not None:
                     summary.stop_reason = stop
                     return
-                if limit is not None and len(self.history) + (0 if fed_ahead else 1) >= limit:
+                if limit is not None and len(self.history) + (0 if ahead is not None else 1) >= limit:
                     summary.stop_reason = "context"
                     return
-                if fed_ahead:
-                    rollback.keep(1, 1)  # fed for good: the snapshot can go
-                    y, logprobs, fed_ahead, in_history = next_y, next_logprobs, False, False
+                if ahead is not None:  # its token is fed for good: it is the pass to read next
+                    ahead.commit()
+                    step, ahead, in_history = ahead, None, False
+                    y, logprobs = next_y, next_logprobs
                 else:
-                    logprobs = self._logprobs(self._forward([token.id]))
+                    step = self._forward([token.id])
+                    step.commit()
+                    logprobs = self._logprobs(step.logits)
                     y = sampler(logprobs)
         finally:
-            if fed_ahead:  # stopped (or closed) with the next pass built: it never was
-                rollback.keep(1, 0)
+            if ahead is not None:  # stopped (or closed) with the next pass built: it never was
+                ahead.discard()
                 if in_history:
                     self.history.pop()
-                self.sm.discard_latest()
 
     def _builds_ahead(self) -> bool:
         """Whether the next pass can be built while this one computes (asked every token: what is
@@ -376,26 +382,28 @@ class Generator:
         """
         summary, settings = book.summary, book.settings
         stats = summary.speculation = SpeculationStats()
-        rollback = CacheRollback(self.cache)
         limit = self.sm.max_context
         todo: list[int] = []  # the pass in flight fed `todo` and `draft.tokens`
         draft = Draft([])
         out: list[int] = []  # tokens of the pass in flight yielded so far
-        settled = True  # whether the cache has been fixed up after the pass in flight
+        step: ForwardPass | None = None  # the pass in flight (None: the prompt's, committed)
+        reading = False  # whether its tokens are being handed out (it is not committed yet)
         eos_stop = False
 
-        def settle() -> list[int]:
-            """Keep in the cache what the pass in flight must leave; returns the new `todo`."""
+        def commit_accepted() -> list[int]:
+            """Commit of the pass in flight what the cache must keep; returns the new `todo`."""
             fed = len(todo) + len(draft.tokens)
             keep = len(todo) + len(out) - (0 if eos_stop else 1)
             start = len(self.history) - fed
             pass_tokens = self.history[start:]
-            kept = rollback.keep(fed, keep) if fed else 0
+            kept = step.commit(keep) if step is not None else 0
             del self.history[start + kept :]
             return pass_tokens[kept:keep] + ([] if eos_stop or not out else [out[-1]])
 
         try:
-            rows = self._prefill(list(tokens))
+            first = self._prefill(list(tokens))
+            first.count_uses()  # evaluated with the first token's sampling below
+            rows = self._logprobs(first.logits)
             while True:
                 k = len(draft.tokens)
                 if k:
@@ -410,8 +418,9 @@ class Generator:
                     y = sampler(rows[:1])  # exactly the plain path's step
                     mx.eval(y)
                     j, nxt = 0, int(y)
-                self.sm.settle()  # the pass's uses are counted before its tokens are handed out
-                out, settled, stop = [], False, None
+                if step is not None:
+                    step.count_uses()  # the pass's uses are counted before its tokens are handed out
+                out, stop, reading = [], None, True
                 for i, tok in enumerate([*draft.tokens[:j], nxt]):
                     token = book.emit(tok, rows[i])
                     if token is None:
@@ -424,7 +433,7 @@ class Generator:
                     if stop is not None:
                         break
                 eos_stop = stop == "eos"
-                todo, draft, settled = settle(), Draft([]), True
+                todo, step, draft, reading = commit_accepted(), None, Draft([]), False
                 if stop is not None:
                     summary.stop_reason = stop
                     break
@@ -437,17 +446,16 @@ class Generator:
                 k = min(ctl.draft_length(stats.generated), max(0, room))
                 if k:
                     draft = source.propose(self.history + todo, k, settings.temp, settings.top_p)
-                if draft.tokens:
-                    rollback.snapshot()
-                logits = self._forward(todo + draft.tokens)[0, len(todo) - 1 :]
+                step = self._forward(todo + draft.tokens, rollback=bool(draft.tokens))
+                logits = step.logits[0, len(todo) - 1 :]
                 stats.passes += 1
                 rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         finally:
-            if not settled and out:  # the caller stopped consuming in the middle of a pass
-                todo = settle()
+            if reading and out:  # the caller stopped consuming in the middle of a pass
+                todo = commit_accepted()
             flush = todo if eos_stop else todo[:-1]
             if flush:
-                self._forward(flush)
+                self._forward(flush).commit()
                 mx.eval([c.state for c in self.cache])
                 stats.passes += 1
             self.speculation_stats.add(stats)
@@ -493,7 +501,7 @@ class Generator:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
         detok = self.sm.tokenizer.detokenizer
         detok.reset()
-        self.sm.settle()  # what an earlier pass used is not this generation's
+        self.sm.count_open()  # what an earlier pass used is not this generation's
         before = self.sm.store.stats.snapshot()
         core_before = self.sm.core_read_bytes()
         t0 = time.perf_counter()
@@ -516,7 +524,7 @@ class Generator:
             detok.finalize()
             summary.trailing_text = detok.last_segment
         finally:
-            self.sm.settle()  # the last pass's resident layers: evaluated by now, counted now
+            self.sm.count_open()  # the last pass's resident layers: evaluated by now, counted now
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
             summary.core_read_bytes = self.sm.core_read_bytes() - core_before

@@ -40,7 +40,7 @@ class AdaptiveConnections:
         self._rates: list[float] = []  # bytes/s of pieces finished with the allowed connections busy
         self._before: float | None = None  # what the connections carried together at the count before
         self._previous = self.start  # the count before
-        self.settled = self.most == self.start  # no larger count left to try
+        self.converged = self.most == self.start  # no larger count left to try
 
     @property
     def allowed(self) -> int:
@@ -49,7 +49,7 @@ class AdaptiveConnections:
     def record(self, nbytes: int, seconds: float, busy_at_start: int) -> int | None:
         """A piece of `nbytes` finished in `seconds`, `busy_at_start` pieces in flight (itself
         included) when it started. Returns the new count when it changes, else None."""
-        if self.settled or seconds <= 0 or nbytes <= 0:
+        if self.converged or seconds <= 0 or nbytes <= 0:
             return None
         with self._lock:
             if busy_at_start < SATURATED * self._allowed:
@@ -60,10 +60,10 @@ class AdaptiveConnections:
             total = statistics.median(self._rates) * self._allowed
             self._rates = []
             if self._before is not None and total < (1 + GAIN) * self._before:
-                self.settled = True  # the link was full at the count before
+                self.converged = True  # the link was full at the count before
                 self._allowed = self._previous
                 return self._allowed
             self._before, self._previous = total, self._allowed
             self._allowed = min(self.most, math.ceil(self._allowed * GROW))
-            self.settled = self._allowed == self.most
+            self.converged = self._allowed == self.most
             return self._allowed
