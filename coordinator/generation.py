@@ -259,6 +259,7 @@ class Coordinator:
                                 self.pool.answered(address)
                                 usage["completion_tokens"] += 1
                                 usage["prompt_tokens"] = usage["prompt_tokens"] or event.token.prompt_tokens
+                                usage["cached_tokens"] = usage.get("cached_tokens") or event.token.cached_tokens
                                 text = scanner.feed(event.token.text)
                                 if text:
                                     started = True
@@ -275,6 +276,7 @@ class Coordinator:
                                         f"the node ended the generation early ({done.stop_reason or 'no reason'})"
                                     )
                                 usage["prompt_tokens"] = done.prompt_tokens
+                                usage["cached_tokens"] = done.cached_tokens
                                 tail = scanner.feed(done.trailing_text) + scanner.finish()
                                 if tail:
                                     yield tail

@@ -169,8 +169,9 @@ class OpenAIServer:
         # connection (streams, /healthz) would wait for it. One parser thread: `json.loads` holds the
         # GIL while it runs, so parses side by side would stall the loop as long as all of them.
         ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse, raw, chat)
+        ask.prefix_space = self.access.prefix_space(ex.request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         generation = self._threads.start(ask, usage)
         try:
             if ask.stream:
@@ -203,7 +204,13 @@ class OpenAIServer:
 
     @staticmethod
     def _usage(usage: dict) -> dict:
-        return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
+        counts = {k: v for k, v in usage.items() if k != "cached_tokens"}
+        return {
+            **counts,
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+            # OpenAI's field: prompt tokens a node's prefix cache held, so not computed again
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+        }
 
     async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
         text, finish = [], "length"

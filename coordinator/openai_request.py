@@ -140,6 +140,7 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    prefix_space: str = ""  # whose stored prefixes the nodes may reuse (AccessPolicy.prefix_space)
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -319,4 +320,5 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
         req.prompt = ask.prompt
     if ask.seed is not None:
         req.seed = ask.seed
+    req.prefix_space = ask.prefix_space
     return req

@@ -41,7 +41,7 @@ import grpc
 from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
-from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids
+from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids, message_ends
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     GenerationSummary,
@@ -50,6 +50,7 @@ from expertmesh.node.engine.generation import (
     SamplingSettings,
 )
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefix_cache import PrefixCache
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
@@ -171,6 +172,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         speculation: SpeculationConfig | None = None,
         waiting_generations: int = DEFAULT_WAITING_GENERATIONS,
         max_batch: int = 1,
+        prefix_cache_bytes: int = 0,
     ):
         """`speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
         cache cannot roll back generates without it (logged once, here). `waiting_generations`:
@@ -178,8 +180,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         `max_batch`: Generate calls decoded together in one batch (node/engine/batching.py); a
         batch cannot verify drafts exactly, so a call speculates only when it runs alone (the most
         common case at home: one person asking), and calls that come while it runs form the batch.
-        A model whose caches mlx-lm cannot batch runs one call at a time (logged once, here)."""
+        A model whose caches mlx-lm cannot batch runs one call at a time (logged once, here).
+        `prefix_cache_bytes`: the states of earlier prompts kept for the next request that shares
+        a prefix with one (node/engine/prefix_cache.py); 0: none."""
         self.sm = sm
+        self.prefix: PrefixCache | None = None
+        if sm is not None and prefix_cache_bytes > 0:
+            self.prefix = model_thread().call(PrefixCache.for_model, sm.model, prefix_cache_bytes)
         self.speculation, self._draft = None, None
         self.batch: BatchEngine | None = None
         if sm is not None and max_batch > 1:
@@ -399,9 +406,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
         if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
             refuse(f"top_p must be a number from 0 to 1, not {request.top_p}")
 
-    def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> list[int]:
+    def _prompt_ids(
+        self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext
+    ) -> tuple[list[int], list[int]]:
         """The prompt's tokens: a chat through its template, message text kept as plain text (so
-        it cannot forge a turn; node/engine/chat.py), or the raw prompt as the client wrote it."""
+        it cannot forge a turn; node/engine/chat.py), or the raw prompt as the client wrote it;
+        and where its messages end, when the prefix cache checkpoints there."""
         tok = sm.tokenizer
         with self._tokenize_lock:
             if request.messages or request.chat:
@@ -411,10 +421,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     else [{"role": "user", "content": request.prompt}]
                 )
                 try:
-                    return chat_token_ids(tok, messages)
+                    ids = chat_token_ids(tok, messages)
                 except ChatTemplateError as e:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return tok.encode(request.prompt)
+                ends = message_ends(tok, messages, ids) if self.prefix is not None and self.prefix.checkpoints else []
+                return ids, ends
+            return tok.encode(request.prompt), []
 
     def Generate(self, request: node_pb2.GenerateRequest, context: CallContext) -> Iterator[node_pb2.GenerateEvent]:
         sm = self.sm
@@ -431,11 +443,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 "try another node or later",
             )
         try:
-            ids = self._prompt_ids(sm, request, context)
+            ids, ends = self._prompt_ids(sm, request, context)
             if not slots.turn(context.is_active):
                 return  # the client left while waiting
             try:
-                yield from self._generate(sm, request, ids, context)
+                yield from self._generate(sm, request, ids, ends, context)
             finally:
                 slots.done()
         finally:
@@ -454,7 +466,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
             return True
 
     def _generate(
-        self, sm: StreamedModel, request: node_pb2.GenerateRequest, ids: list[int], context: CallContext
+        self,
+        sm: StreamedModel,
+        request: node_pb2.GenerateRequest,
+        ids: list[int],
+        ends: list[int],
+        context: CallContext,
     ) -> Iterator[node_pb2.GenerateEvent]:
         """Generate's stream once the call's turn has come."""
         settings = SamplingSettings(
@@ -472,12 +489,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         else:
             stats = sm.store.stats
         last, t_last, first = stats.snapshot(), time.perf_counter(), True
+        prefix = self.prefix.session(_prefix_space(request), ids, ends) if self.prefix is not None else None
         try:
             if batch is not None:
-                tokens = batch.generate(ids, settings, lambda: not context.is_active(), summary)
+                tokens = batch.generate(ids, settings, lambda: not context.is_active(), summary, prefix)
             else:
                 generator = Generator(sm, self.speculation, draft_source=self._draft)
-                tokens = generator.generate(ids, settings, lambda: not context.is_active(), summary)
+                tokens = generator.generate(ids, settings, lambda: not context.is_active(), summary, prefix)
             for t in tokens:
                 now, t_now = stats.snapshot(), time.perf_counter()
                 d = _delta(now, last)
@@ -488,7 +506,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                         seconds=t_now - t_last,
                         expert_uses=d[0],
                         hub_bytes=d[1],
-                        prompt_tokens=summary.prompt_tokens if first else 0,
+                        prompt_tokens=summary.prompt_tokens + summary.cached_tokens if first else 0,
+                        cached_tokens=summary.cached_tokens if first else 0,
                     )
                 )
                 first = False
@@ -511,7 +530,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         spec = summary.speculation
         yield node_pb2.GenerateEvent(
             done=node_pb2.GenerationDone(
-                prompt_tokens=summary.prompt_tokens,
+                prompt_tokens=summary.prompt_tokens + summary.cached_tokens,
                 generated_tokens=summary.generated_tokens,
                 time_to_first_token_s=summary.time_to_first_token_s,
                 seconds=summary.seconds,
@@ -522,6 +541,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 forward_passes=spec.passes if spec else 0,
                 drafted_tokens=spec.drafted if spec else 0,
                 accepted_tokens=spec.accepted if spec else 0,
+                cached_tokens=summary.cached_tokens,
             )
         )
 
@@ -530,3 +550,9 @@ def _delta(now, before) -> tuple[int, int]:
     """(expert uses, hub bytes) between two snapshots of the store's stats."""
     uses = sum(now.uses[s] - before.uses[s] for s in SOURCES)
     return uses, now.bytes["hub"] - before.bytes["hub"]
+
+
+def _prefix_space(request: node_pb2.GenerateRequest) -> str:
+    """Whose stored prefixes a request may resume from: one API key's (the coordinator sends a
+    hash of it, never the key); a request without one shares the loopback space."""
+    return request.prefix_space

@@ -382,6 +382,7 @@ def _plan(args: argparse.Namespace) -> int:
         core_quant=args.core_quant,
         ram_budget=args.ram_budget,
         core_budget=args.core_budget,
+        prefix_cache=args.prefix_cache,
     )
     changes = planned.planner.changes()
     try:

@@ -72,6 +72,7 @@ from expertmesh.node.engine.generation import (
     observe_request,
 )
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefix_cache import PrefixSession
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.store.stats import StoreStats
@@ -141,6 +142,7 @@ class _Sequence:
     out: queue.Queue[Token | _Done] = field(default_factory=queue.Queue)
     left: bool = False  # the caller stopped reading: drop it at the next turn
     uses: StoreStats = field(default_factory=StoreStats)  # the experts its own tokens routed to
+    prefix: PrefixSession | None = None
 
 
 @dataclass
@@ -155,6 +157,7 @@ class _Run:
     cache: list | None  # its own cache while it prefills
     fed: int = 0  # tokens its cache has seen
     next_token: int = 0  # fed at the next decode step
+    history: list[int] = field(default_factory=list)  # the tokens its cache has seen (with a prefix cache)
 
 
 class BatchEngine:
@@ -187,8 +190,10 @@ class BatchEngine:
         settings: SamplingSettings,
         should_stop: Callable[[], bool] = lambda: False,
         summary: GenerationSummary | None = None,
+        prefix: PrefixSession | None = None,
     ) -> Iterator[Token]:
-        """`Generator.generate` for one request of a fresh conversation, run in the batch.
+        """`Generator.generate` for one request of a fresh conversation, run in the batch
+        (`prefix`: its row starts from a stored prefix, as `Generator.generate`'s does).
 
         Raises:
             ValueError: no prompt tokens.
@@ -206,7 +211,9 @@ class BatchEngine:
         summary = summary if summary is not None else GenerationSummary()
         if summary.routed is None:
             summary.routed = StoreStats()
-        seq = _Sequence(list(tokens), settings, should_stop, summary, time.perf_counter(), uses=summary.routed)
+        seq = _Sequence(
+            list(tokens), settings, should_stop, summary, time.perf_counter(), uses=summary.routed, prefix=prefix
+        )
         with self._cond:
             if self._closing:
                 raise ExpertmeshError("the node is stopping: no new generation")
@@ -303,7 +310,6 @@ class BatchEngine:
                     started.append(seq)
         for seq in started:
             sm = self.sm
-            seq.summary.prompt_tokens = len(seq.prompt)
             sm.count_open()  # what an earlier pass used is not this request's
             before = sm.store.stats.snapshot()
             detok = sm.tokenizer.detokenizer  # a copy per caller
@@ -317,9 +323,15 @@ class BatchEngine:
                 functools.partial(_stopped, seq),
                 seq.t0,
             )
-            run = _Run(seq, book, make_row_sampler(seq.settings), before, list(seq.prompt), make_prompt_cache(sm.model))
+            cache, reused = seq.prefix.start() if seq.prefix is not None else (None, 0)
+            cache = cache if cache is not None else make_prompt_cache(sm.model)
+            run = _Run(seq, book, make_row_sampler(seq.settings), before, seq.prompt[reused:], cache, fed=reused)
+            seq.summary.prompt_tokens, seq.summary.cached_tokens = len(run.todo), reused
+            if seq.prefix is not None:
+                seq.prefix.plan(cache)
+                run.history = seq.prompt[:reused]
             if sm.token_observer is not None:
-                sm.token_observer.prompt(len(seq.prompt))
+                sm.token_observer.prompt(len(run.todo))
             self._prefilling.append(run)
 
     def _drop_leavers(self) -> None:
@@ -351,6 +363,8 @@ class BatchEngine:
         keep = []
         for i, run in enumerate(rows):
             run.fed += 1
+            if run.seq.prefix is not None:
+                run.history.append(run.next_token)
             if self._emit(run, logprobs[i : i + 1]):
                 keep.append(i)
         if len(keep) < len(rows):
@@ -360,15 +374,24 @@ class BatchEngine:
         """Feed up to `budget` of the run's prompt as `Generator._prefill` does (all but the last
         token in chunks, then the last alone, which gives the first token); returns tokens fed."""
         sm = self.sm
+        prefix = run.seq.prefix
         if len(run.todo) > 1:
             n = min(budget, len(run.todo) - 1)
+            mark = prefix.next_mark(run.fed) if prefix is not None else None
+            if mark is not None:  # a chunk ends at each checkpoint of the prompt
+                n = min(n, mark - run.fed)
             chunk, run.todo = run.todo[:n], run.todo[n:]
             step = sm.forward(mx.array(chunk)[None], run.cache, ledgers=[run.seq.uses])
             step.commit()
             mx.eval([c.state for c in run.cache or []])
             step.count_uses()
             run.fed += n
+            if prefix is not None and run.cache is not None:
+                run.history += chunk
+                prefix.at(run.fed, run.history, run.cache)
             return n
+        if prefix is not None:
+            run.history += run.todo
         step = sm.forward(mx.array(run.todo)[None], run.cache, ledgers=[run.seq.uses])
         step.commit()
         logits = step.logits[:, -1, :]
@@ -433,11 +456,25 @@ class BatchEngine:
 
     def _finish(self, run: _Run, reason: str) -> None:
         run.seq.summary.stop_reason = reason
+        if run.seq.prefix is not None and reason != "interrupted":
+            self._keep_prefix(run)
         detok = run.book.detok
         detok.finalize()
         run.seq.summary.trailing_text = detok.last_segment
         self._close_summary(run)
         run.seq.out.put(_Done())
+
+    def _keep_prefix(self, run: _Run) -> None:
+        """Hand the run's state at the end of its reply to the prefix cache: its own cache if it
+        never joined the batch, else its row taken out of the batch's (mlx-lm's `extract`)."""
+        prefix = run.seq.prefix
+        if prefix is None or len(run.history) != run.fed:
+            return
+        if run.cache is not None:
+            prefix.finish(run.history, run.cache)
+        elif self._cache is not None and run in self._rows:
+            i = self._rows.index(run)
+            prefix.finish(run.history, [c.extract(i) for c in self._cache])
 
     def _fail(self, run: _Run, error: BaseException) -> None:
         logger.debug("a batched generation failed: %s", error)

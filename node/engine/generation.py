@@ -34,6 +34,7 @@ from mlx_lm.sample_utils import Sampler, make_sampler
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.forward_pass import ForwardPass
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefix_cache import PrefixSession
 from expertmesh.node.engine.speculative import (
     Draft,
     DraftController,
@@ -100,7 +101,8 @@ def observe_request(observer: TokenObserver | None, seconds: float) -> None:
 
 @dataclass
 class GenerationSummary:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens fed to the model
+    cached_tokens: int = 0  # prompt tokens a stored prefix held, not fed (engine/prefix_cache.py)
     generated_tokens: int = 0
     time_to_first_token_s: float = 0.0  # the prompt's prefill and the first token
     seconds: float = 0.0  # the whole generation
@@ -140,9 +142,10 @@ class GenerationSummary:
                 f"; decode {self.decode_tokens_per_s:.2f} tokens/s "
                 f"({self.generated_tokens - 1} after the first in {self.decode_seconds:.2f} s)"
             )
+        reused = f" fed, {self.cached_tokens} reused from the prefix cache" if self.cached_tokens else ""
         out = [
             f"{self.generated_tokens} tokens in {self.seconds:.2f} s: time to first token "
-            f"{self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens){decode}; "
+            f"{self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens{reused}){decode}; "
             f"stopped by {self.stop_reason}"
         ]
         parts = [
@@ -275,6 +278,7 @@ class Generator:
     def reset(self) -> None:
         self.cache = model_thread().call(make_prompt_cache, self.sm.model)
         self.history: list[int] = []  # exactly the tokens the cache has seen
+        self._prefix: PrefixSession | None = None  # the prefix cache's part in the generation under way
 
     def _forward(self, tokens: list[int], rollback: bool = False) -> ForwardPass:
         step = self.sm.forward(mx.array(tokens)[None], self.cache, rollback=rollback)
@@ -285,11 +289,17 @@ class Generator:
         """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone; returns
         the last pass (its logits give the first token)."""
         while len(tokens) > 1:
-            chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1) :]
+            n = min(PREFILL_STEP, len(tokens) - 1)
+            mark = self._prefix.next_mark(len(self.history)) if self._prefix is not None else None
+            if mark is not None:  # a chunk ends at each checkpoint of the prompt
+                n = min(n, mark - len(self.history))
+            chunk, tokens = tokens[:n], tokens[n:]
             step = self._forward(chunk)
             mx.eval([c.state for c in self.cache])
             step.commit()
             step.count_uses()
+            if self._prefix is not None:
+                self._prefix.at(len(self.history), self.history, self.cache)
         step = self._forward(tokens)
         step.commit()  # the tokens are the prompt's: they stay
         return step
@@ -466,8 +476,13 @@ class Generator:
         settings: SamplingSettings,
         should_stop: Callable[[], bool] = lambda: False,
         summary: GenerationSummary | None = None,
+        prefix: PrefixSession | None = None,
     ) -> Iterator[Token]:
         """Feed `tokens` after what the cache holds and yield new tokens as they are made.
+
+        `prefix` (a fresh conversation's only: engine/prefix_cache.py) starts from the stored
+        state holding the longest prefix of `tokens`, checkpoints the prompt where it says, and
+        keeps the state at the end; `summary.cached_tokens` says how many tokens were not fed.
 
         The last token yielded is not fed back (there is nothing to predict after it); the next
         call's tokens follow it. `summary`, if given, is filled in as generation goes. Each step
@@ -476,7 +491,7 @@ class Generator:
         Raises:
             ContextLengthError: the conversation would not fit the model's context.
         """
-        yield from model_thread().iterate(self._generate(tokens, settings, should_stop, summary))
+        yield from model_thread().iterate(self._generate(tokens, settings, should_stop, summary, prefix))
 
     def _generate(
         self,
@@ -484,17 +499,28 @@ class Generator:
         settings: SamplingSettings,
         should_stop: Callable[[], bool],
         summary: GenerationSummary | None,
+        prefix: PrefixSession | None = None,
     ) -> Iterator[Token]:
         """`generate`'s steps, on the MLX thread."""
         if not tokens:
             raise EmptyPromptError("nothing to generate from: the prompt has no tokens")
+        summary = summary if summary is not None else GenerationSummary()
+        if prefix is not None:
+            if self.history:
+                raise ValueError("a prefix cache serves a fresh conversation only")
+            cache, reused = prefix.start()
+            if cache is not None:
+                self.cache, self.history = cache, list(tokens[:reused])
+            tokens = tokens[reused:]
+            summary.cached_tokens = reused
+            prefix.plan(self.cache)
+        self._prefix = prefix
         limit = self.sm.max_context
         if limit is not None and len(self.history) + len(tokens) >= limit:
             raise ContextLengthError(
                 f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
                 f"context is {limit}{_context_source(self.sm)}: it leaves no room for an answer; shorten it"
             )
-        summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
         sampler = make_sampler(settings.temp, settings.top_p)
         if settings.seed is not None:
@@ -510,6 +536,7 @@ class Generator:
         book = _TokenBook(
             summary, settings, self.observer, set(self.sm.tokenizer.eos_token_ids), detok, should_stop, t0
         )
+        failed = False
         try:
             try:
                 if self._source is not None and self._controller is not None:
@@ -523,7 +550,13 @@ class Generator:
                 raise clear from None
             detok.finalize()
             summary.trailing_text = detok.last_segment
+        except BaseException as e:
+            failed = not isinstance(e, GeneratorExit)  # a reader that stopped leaves the cache whole
+            raise
         finally:
+            self._prefix = None
+            if prefix is not None and not failed:
+                prefix.finish(self.history, self.cache)
             self.sm.count_open()  # the last pass's resident layers: evaluated by now, counted now
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)

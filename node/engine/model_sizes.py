@@ -196,6 +196,7 @@ class Planner:
     core_budget: str | None = None
     core_bits: int = 16
     pulled_bits: int | None = None
+    prefix_cache_bytes: int = 0
 
     def plan(
         self, layout: CoreLayout | None = None, max_context: int | None = None, ram_budget: str | None = None
@@ -215,6 +216,7 @@ class Planner:
             context_bytes=self.sizes.context_bytes(context) or 0,
             max_context=context,
             core_budget=self.core_budget,
+            prefix_cache_bytes=self.prefix_cache_bytes,
         )
 
     def _fits(
