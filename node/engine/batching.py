@@ -69,6 +69,7 @@ from expertmesh.node.engine.generation import (
     Token,
     _TokenBook,
     backend_error,
+    observe_prefix,
     observe_request,
 )
 from expertmesh.node.engine.model_thread import model_thread
@@ -332,6 +333,8 @@ class BatchEngine:
                 run.history = seq.prompt[:reused]
             if sm.token_observer is not None:
                 sm.token_observer.prompt(len(run.todo))
+            if seq.prefix is not None:
+                observe_prefix(sm.token_observer, reused)
             self._prefilling.append(run)
 
     def _drop_leavers(self) -> None:

@@ -92,6 +92,13 @@ def backend_error(error: BaseException, model_type: str | None) -> BaseException
     return error
 
 
+def observe_prefix(observer: TokenObserver | None, reused: int) -> None:
+    """A prefix cache lookup, to an observer that wants it (NodeMetrics' prompt_tokens_reused)."""
+    hook = getattr(observer, "prefix", None)
+    if hook is not None:
+        hook(reused)
+
+
 def observe_request(observer: TokenObserver | None, seconds: float) -> None:
     """The generation's whole time, to an observer that wants it (NodeMetrics' `request_seconds`)."""
     hook = getattr(observer, "request", None)
@@ -533,6 +540,8 @@ class Generator:
         t0 = time.perf_counter()
         if self.observer is not None:
             self.observer.prompt(len(tokens))
+        if prefix is not None:
+            observe_prefix(self.observer, summary.cached_tokens)
         book = _TokenBook(
             summary, settings, self.observer, set(self.sm.tokenizer.eos_token_ids), detok, should_stop, t0
         )

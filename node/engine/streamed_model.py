@@ -45,7 +45,8 @@ class TokenObserver(Protocol):
     def speculative(self, drafted: int, accepted: int) -> None: ...
 
     # optional (looked up with getattr, so an observer may leave them out):
-    # request(seconds) once per generation at its end; batch(size) per batched decode step
+    # request(seconds) once per generation at its end; batch(size) per batched decode step;
+    # prefix(reused) once per generation that looked for a stored prefix of its prompt
 
 
 @dataclass
