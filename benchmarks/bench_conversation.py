@@ -8,8 +8,8 @@ so the machine's load falls on both alike.
             tokens, each answered
 
 Per turn and configuration: the prompt's tokens, the tokens fed to the model (prompt minus what
-the API reports as `cached_tokens`), the expert bytes the turn read from every tier, and the time
-to the first streamed token. `tokens_equal`: both configurations replied the same on every turn.
+the API reports as `cached_tokens`), the expert bytes it fetched (disk, peers, Hub) and used (every
+tier, RAM included, counted per forward pass), and the time to the first streamed token. `tokens_equal`: both configurations replied the same on every turn.
 
     python benchmarks/bench_conversation.py [--arch kimi_k3] [--turns 6] [--steps 12] [--system 1500]
         [--reply 12] [--json FILE]
@@ -35,20 +35,24 @@ QUESTIONS = (
 )
 
 
-def _words(rng: random.Random, n: int) -> str:
+def _words(rng: random.Random, n: int, per_word: float = 1.0) -> str:
+    """About `n` tokens of text (`per_word`: the tokenizer's tokens a word)."""
     vocabulary = ("the", "tool", "returned", "rows", "for", "query", "value", "of", "field", "error", "ok", "list")
-    return " ".join(rng.choice(vocabulary) for _ in range(n))
+    return " ".join(rng.choice(vocabulary) for _ in range(max(1, round(n / per_word))))
 
 
-def _conversations(turns: int, steps: int, system: int) -> tuple[list[list[dict]], dict[str, list[list[dict]]]]:
+def _conversations(
+    turns: int, steps: int, system: int, per_word: float
+) -> tuple[list[list[dict]], dict[str, list[list[dict]]]]:
     """Each scenario's first messages, and the messages each turn adds (the replies come between)."""
     rng = random.Random(0)
     chat = [{"role": "system", "content": "You answer briefly."}]
-    agent = [{"role": "system", "content": "You are an agent with tools. " + _words(rng, system)}]
+    agent = [{"role": "system", "content": "You are an agent with tools. " + _words(rng, system, per_word)}]
     return [chat, agent], {
         "chat": [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(turns)],
         "agent": [
-            [{"role": "user", "content": "Tool result: " + _words(rng, rng.randrange(50, 200))}] for _ in range(steps)
+            [{"role": "user", "content": "Tool result: " + _words(rng, rng.randrange(50, 200), per_word)}]
+            for _ in range(steps)
         ],
     }
 
@@ -91,11 +95,13 @@ def _turn(client, node, repo_id: str, messages: list[dict], reply: int) -> tuple
         if chunk.usage is not None:
             usage = chunk.usage
     spent = stats.since(before)
+    fetched = sum(n for source, n in spent.bytes.items() if source != "ram")
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
     return "".join(text), {
         "prompt_tokens": usage.prompt_tokens,
         "fed_tokens": usage.prompt_tokens - cached,
-        "expert_bytes": sum(spent.bytes.values()),
+        "expert_bytes": fetched,  # read from the disk, peers or the Hub
+        "expert_use_bytes": sum(spent.bytes.values()),  # every tier's, RAM included (per pass)
         "ttft_s": round(ttft if ttft is not None else time.perf_counter() - t0, 4),
     }
 
@@ -108,12 +114,16 @@ def run(arch: str, turns: int, steps: int, system: int, reply: int) -> dict:
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.hub.pull import pull
 
-    heads, requests = _conversations(turns, steps, system)
     out: dict = {"arch": arch, "reply_tokens": reply, "turns": []}
     equal = True
     with tempfile.TemporaryDirectory(prefix="expertmesh-bench-conversation-") as tmp:
         repo_id = f"bench/tiny-{arch}"
-        make_tiny_model(Path(tmp) / "hub" / repo_id, arch, seed=0)
+        repo = make_tiny_model(Path(tmp) / "hub" / repo_id, arch, seed=0)
+        from transformers import AutoTokenizer
+
+        sample = _words(random.Random(1), 200)
+        per_word = len(AutoTokenizer.from_pretrained(repo).encode(sample)) / 200
+        heads, requests = _conversations(turns, steps, system, per_word)
         with HubServer(Path(tmp) / "hub") as hub, hub_client.using_endpoint(hub.url):
             homes = {c: Path(tmp) / f"home-{c}" for c in ("on", "off")}
             for home in homes.values():

@@ -109,7 +109,9 @@ def observe_request(observer: TokenObserver | None, seconds: float) -> None:
 @dataclass
 class GenerationSummary:
     prompt_tokens: int = 0  # prompt tokens fed to the model
-    cached_tokens: int = 0  # prompt tokens a stored prefix held, not fed (engine/prefix_cache.py)
+    # prompt tokens the cache held, not fed: a stored prefix's (engine/prefix_cache.py), or a
+    # going conversation's earlier turns (`chat`)
+    cached_tokens: int = 0
     generated_tokens: int = 0
     time_to_first_token_s: float = 0.0  # the prompt's prefill and the first token
     seconds: float = 0.0  # the whole generation
@@ -149,7 +151,7 @@ class GenerationSummary:
                 f"; decode {self.decode_tokens_per_s:.2f} tokens/s "
                 f"({self.generated_tokens - 1} after the first in {self.decode_seconds:.2f} s)"
             )
-        reused = f" fed, {self.cached_tokens} reused from the prefix cache" if self.cached_tokens else ""
+        reused = f" fed, {self.cached_tokens} reused from the cache" if self.cached_tokens else ""
         out = [
             f"{self.generated_tokens} tokens in {self.seconds:.2f} s: time to first token "
             f"{self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens{reused}){decode}; "
@@ -521,6 +523,8 @@ class Generator:
             tokens = tokens[reused:]
             summary.cached_tokens = reused
             prefix.plan(self.cache)
+        else:  # a conversation that goes on (`chat`) reuses what its cache holds
+            summary.cached_tokens = len(self.history)
         self._prefix = prefix
         limit = self.sm.max_context
         if limit is not None and len(self.history) + len(tokens) >= limit:
