@@ -475,9 +475,10 @@ class BatchEngine:
             return
         if run.cache is not None:
             prefix.finish(run.history, run.cache)
-        elif self._cache is not None and run in self._rows:
-            i = self._rows.index(run)
-            prefix.finish(run.history, [c.extract(i) for c in self._cache])
+        elif self._cache is not None:
+            i = next((i for i, r in enumerate(self._rows) if r is run), None)  # by identity: runs hold arrays
+            if i is not None:
+                prefix.finish(run.history, [c.extract(i) for c in self._cache])
 
     def _fail(self, run: _Run, error: BaseException) -> None:
         logger.debug("a batched generation failed: %s", error)

@@ -420,8 +420,7 @@ class Generator:
             return pass_tokens[kept:keep] + ([] if eos_stop or not out else [out[-1]])
 
         try:
-            first = self._prefill(list(tokens))
-            first.count_uses()  # evaluated with the first token's sampling below
+            first = self._prefill(list(tokens))  # committed; its uses are counted with the first token
             rows = self._logprobs(first.logits)
             while True:
                 k = len(draft.tokens)
@@ -437,8 +436,7 @@ class Generator:
                     y = sampler(rows[:1])  # exactly the plain path's step
                     mx.eval(y)
                     j, nxt = 0, int(y)
-                if step is not None:
-                    step.count_uses()  # the pass's uses are counted before its tokens are handed out
+                (step or first).count_uses()  # the pass's uses are counted before its tokens are handed out
                 out, stop, reading = [], None, True
                 for i, tok in enumerate([*draft.tokens[:j], nxt]):
                     token = book.emit(tok, rows[i])
