@@ -480,6 +480,7 @@ def _build_rpc(
         speculation=speculation,
         max_batch=node.config.max_batch,
         prefix_cache_bytes=parse_budget(node.config.prefix_cache, 0),
+        prefix_dir=(node.config.home or constants.expertmesh_home()) / "prefixes",
     )
     try:
         server = node.rpc = NodeServer(

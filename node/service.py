@@ -34,6 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NoReturn
 
 import grpc
@@ -50,7 +51,8 @@ from expertmesh.node.engine.generation import (
     SamplingSettings,
 )
 from expertmesh.node.engine.model_thread import model_thread
-from expertmesh.node.engine.prefix_cache import PrefixCache
+from expertmesh.node.engine.prefix_cache import CHECKPOINT_EVERY, PrefixCache
+from expertmesh.node.engine.prefix_disk import PrefixDisk
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
@@ -173,6 +175,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         waiting_generations: int = DEFAULT_WAITING_GENERATIONS,
         max_batch: int = 1,
         prefix_cache_bytes: int = 0,
+        prefix_dir: Path | None = None,
     ):
         """`speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
         cache cannot roll back generates without it (logged once, here). `waiting_generations`:
@@ -182,11 +185,20 @@ class NodeService(node_pb2_grpc.NodeServicer):
         common case at home: one person asking), and calls that come while it runs form the batch.
         A model whose caches mlx-lm cannot batch runs one call at a time (logged once, here).
         `prefix_cache_bytes`: the states of earlier prompts kept for the next request that shares
-        a prefix with one (node/engine/prefix_cache.py); 0: none."""
+        a prefix with one (node/engine/prefix_cache.py); 0: none. `prefix_dir`: where long ones are
+        kept across restarts (node/engine/prefix_disk.py), one folder a model commit."""
         self.sm = sm
         self.prefix: PrefixCache | None = None
         if sm is not None and prefix_cache_bytes > 0:
-            self.prefix = model_thread().call(PrefixCache.for_model, sm.model, prefix_cache_bytes)
+            disk = None
+            if prefix_dir is not None:
+                try:
+                    disk = PrefixDisk(prefix_dir / sm.commit, sm.commit, constants.PREFIX_DISK_BUDGET_BYTES)
+                except OSError as e:  # a home that cannot hold it: prefixes stay in memory only
+                    logger.warning("prompt prefixes are kept in memory only: %s", e)
+            self.prefix = model_thread().call(
+                PrefixCache.for_model, sm.model, prefix_cache_bytes, CHECKPOINT_EVERY, disk
+            )
         self.speculation, self._draft = None, None
         self.batch: BatchEngine | None = None
         if sm is not None and max_batch > 1:

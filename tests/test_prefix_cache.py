@@ -26,7 +26,8 @@ from expertmesh.node.engine.batching import BatchEngine
 from expertmesh.node.engine.chat import message_ends
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
-from expertmesh.node.engine.prefix_cache import PrefixCache, PrefixSession, common_prefix
+from expertmesh.node.engine.prefix_cache import CHECKPOINT_EVERY, PrefixCache, PrefixSession, common_prefix
+from expertmesh.node.engine.prefix_disk import MIN_TOKENS, PrefixDisk
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.hub import client as hub_client
 
@@ -195,3 +196,32 @@ def test_a_checkpoint_restored_one_token_off_is_caught(model, monkeypatch) -> No
     cache = model_thread().call(PrefixCache.for_model, sm.model, 1 << 30, EVERY)
     with pytest.raises(AssertionError, match="differs from a fresh node's"):
         _conversation(sm, cache)
+
+
+def test_a_long_prefix_outlives_a_restart_and_a_damaged_file_is_never_used(model, tmp_path: Path) -> None:
+    """A system prompt of more than MIN_TOKENS is not fed again after a restart (a new prefix cache
+    over the same folder); a file cut short is dropped, and the request is served from scratch."""
+    arch, sm = model
+    if arch != "kimi_k3":
+        pytest.skip("one architecture with a state that cannot trim shows the disk tier")
+    system = SYSTEM * 12
+
+    def ask(cache: PrefixCache, question: str) -> tuple[list, GenerationSummary, list, list[int]]:
+        ids, ends = _prompt(sm, [{"role": "system", "content": system}, {"role": "user", "content": question}])
+        tokens, summary = _generate(sm, ids, cache.session("", ids, ends))
+        return tokens, summary, _generate(sm, ids)[0], ids
+
+    def restarted() -> PrefixCache:
+        disk = PrefixDisk(tmp_path, sm.commit, 1 << 30)
+        return model_thread().call(PrefixCache.for_model, sm.model, 1 << 30, CHECKPOINT_EVERY, disk)
+
+    _, _, _, ids = ask(restarted(), TURNS[0])
+    assert len(ids) > MIN_TOKENS + 64 and list(tmp_path.glob("*.safetensors"))
+    tokens, summary, fresh, ids = ask(restarted(), TURNS[1])
+    assert summary.cached_tokens >= MIN_TOKENS and summary.prompt_tokens <= len(ids) - MIN_TOKENS
+    assert [t.id for t in tokens] == [t.id for t in fresh]
+    for path in tmp_path.glob("*.safetensors"):  # damaged: cut in the middle of its arrays
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    tokens, summary, fresh, _ = ask(restarted(), TURNS[2])
+    assert summary.cached_tokens == 0 and [t.id for t in tokens] == [t.id for t in fresh]
+    assert not any(p.stat().st_size < 1024 for p in tmp_path.glob("*.safetensors"))  # dropped, new ones whole

@@ -38,6 +38,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import CacheList, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from expertmesh.node.engine.prefix_disk import PrefixDisk
 from expertmesh.node.engine.speculative import hold
 
 CHECKPOINT_EVERY = 1024  # tokens of a long prefill between two checkpoints of a state that cannot trim
@@ -101,14 +102,24 @@ class PrefixStats:
 class PrefixCache:
     """The states a full node keeps between requests, within `budget_bytes` (LRU by bytes)."""
 
-    def __init__(self, budget_bytes: int, checkpoint_every: int = CHECKPOINT_EVERY, checkpoints: bool = True):
+    def __init__(
+        self,
+        budget_bytes: int,
+        checkpoint_every: int = CHECKPOINT_EVERY,
+        checkpoints: bool = True,
+        disk: PrefixDisk | None = None,
+        model: nn.Module | None = None,
+    ):
         """`checkpoints`: whether the model's states need checkpoints (some cannot trim); a
-        caller then says where a prompt's messages end (`session`'s `boundaries`)."""
+        caller then says where a prompt's messages end (`session`'s `boundaries`). `disk` (with
+        the `model` its states are loaded into) keeps long prefixes across restarts
+        (engine/prefix_disk.py)."""
         if checkpoint_every < 1:
             raise ValueError("checkpoint_every must be at least 1")
         self.budget_bytes = budget_bytes
         self.checkpoint_every = checkpoint_every
         self.checkpoints = checkpoints
+        self.disk, self.model = disk, model
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next_id = 0
@@ -116,9 +127,16 @@ class PrefixCache:
         self.stats = PrefixStats()
 
     @classmethod
-    def for_model(cls, model: nn.Module, budget_bytes: int, checkpoint_every: int = CHECKPOINT_EVERY) -> PrefixCache:
+    def for_model(
+        cls,
+        model: nn.Module,
+        budget_bytes: int,
+        checkpoint_every: int = CHECKPOINT_EVERY,
+        disk: PrefixDisk | None = None,
+    ) -> PrefixCache:
         """The cache for `model`'s states (on the MLX thread: it makes one to look at)."""
-        return cls(budget_bytes, checkpoint_every, checkpoints=not always_trims(make_prompt_cache(model)))
+        checkpoints = not always_trims(make_prompt_cache(model))
+        return cls(budget_bytes, checkpoint_every, checkpoints, disk, model)
 
     def __len__(self) -> int:
         with self._lock:
@@ -136,17 +154,9 @@ class PrefixCache:
         and that prefix's length; (None, 0) when none. At least one token is left to feed."""
         ids = np.asarray(prompt, dtype=np.int64)
         most = len(prompt) - 1
+        self._from_disk(space, ids, self._best(space, ids, most)[1])
         with self._lock:
-            best: _Entry | None = None
-            best_n = 0
-            for entry in self._entries.values():
-                if entry.space != space:
-                    continue
-                n = min(common_prefix(entry.tokens, ids), most)
-                if n < len(entry.tokens) and not entry.trims:
-                    continue  # a state that cannot trim serves only prompts that contain all of it
-                if n > best_n:
-                    best, best_n = entry, n
+            best, best_n = self._best(space, ids, most)
             if best is None:
                 self.stats.misses += 1
                 return None, 0
@@ -159,7 +169,35 @@ class PrefixCache:
             trim_prompt_cache(cache, extra)
         return cache, best_n
 
-    def put(self, space: str, tokens: list[int], cache: list) -> bool:
+    def _best(self, space: str, ids: np.ndarray, most: int) -> tuple[_Entry | None, int]:
+        best: _Entry | None = None
+        best_n = 0
+        for entry in list(self._entries.values()):
+            if entry.space != space:
+                continue
+            n = min(common_prefix(entry.tokens, ids), most)
+            if n < len(entry.tokens) and not entry.trims:
+                continue  # a state that cannot trim serves only prompts that contain all of it
+            if n > best_n:
+                best, best_n = entry, n
+        return best, best_n
+
+    def _from_disk(self, space: str, ids: np.ndarray, have: int) -> None:
+        """Bring into memory the longest prefix on disk that covers more of `ids` than `have`."""
+        if self.disk is None or self.model is None:
+            return
+        found = None
+        for entry in self.disk.entries():
+            n = len(entry.tokens)
+            if entry.space == space and have < n < len(ids) and common_prefix(np.asarray(entry.tokens), ids) == n:
+                if found is None or n > len(found.tokens):
+                    found = entry
+        if found is not None:
+            cache = self.disk.load(found, self.model)
+            if cache is not None:
+                self.put(space, found.tokens, cache, to_disk=False)
+
+    def put(self, space: str, tokens: list[int], cache: list, to_disk: bool = True) -> bool:
         """Keep a copy of `cache`, which holds exactly `tokens`; False when it alone is over the
         budget. Stored states that it makes useless (the same tokens, or a prefix of them in a
         state that trims, which this one serves by trimming) go."""
@@ -185,6 +223,8 @@ class PrefixCache:
             while self.bytes > self.budget_bytes and self._entries:
                 self._drop(next(iter(self._entries)))
                 self.stats.evicted += 1
+        if to_disk and self.disk is not None:
+            self.disk.save(space, list(tokens), held)
         return True
 
     def clear(self) -> None:
