@@ -27,7 +27,7 @@ from expertmesh.node.engine.chat import message_ends
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.prefix_cache import CHECKPOINT_EVERY, PrefixCache, PrefixSession, common_prefix
-from expertmesh.node.engine.prefix_disk import MIN_TOKENS, PrefixDisk
+from expertmesh.node.engine.prefix_disk import MIN_TOKENS, PrefixDisk, prune_prefixes, stored_prefixes
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.hub import client as hub_client
 
@@ -212,16 +212,18 @@ def test_a_long_prefix_outlives_a_restart_and_a_damaged_file_is_never_used(model
         return tokens, summary, _generate(sm, ids)[0], ids
 
     def restarted() -> PrefixCache:
-        disk = PrefixDisk(tmp_path, sm.commit, 1 << 30)
+        disk = PrefixDisk(tmp_path / sm.commit, sm.commit, 1 << 30)
         return model_thread().call(PrefixCache.for_model, sm.model, 1 << 30, CHECKPOINT_EVERY, disk)
 
     _, _, _, ids = ask(restarted(), TURNS[0])
-    assert len(ids) > MIN_TOKENS + 64 and list(tmp_path.glob("*.safetensors"))
+    stored = stored_prefixes(tmp_path)  # what `expertmesh cache --prefixes` lists
+    assert len(ids) > MIN_TOKENS + 64 and stored and all(p.tokens >= MIN_TOKENS for p in stored)
     tokens, summary, fresh, ids = ask(restarted(), TURNS[1])
     assert summary.cached_tokens >= MIN_TOKENS and summary.prompt_tokens <= len(ids) - MIN_TOKENS
     assert [t.id for t in tokens] == [t.id for t in fresh]
-    for path in tmp_path.glob("*.safetensors"):  # damaged: cut in the middle of its arrays
+    for path in (tmp_path / sm.commit).glob("*.safetensors"):  # damaged: cut in the middle of its arrays
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     tokens, summary, fresh, _ = ask(restarted(), TURNS[2])
     assert summary.cached_tokens == 0 and [t.id for t in tokens] == [t.id for t in fresh]
-    assert not any(p.stat().st_size < 1024 for p in tmp_path.glob("*.safetensors"))  # dropped, new ones whole
+    assert not any(p.stat().st_size < 1024 for p in (tmp_path / sm.commit).glob("*.safetensors"))  # dropped
+    assert prune_prefixes(tmp_path, 0) > 0 and not stored_prefixes(tmp_path)

@@ -80,17 +80,49 @@ def storable(cache: list) -> bool:
     return all(type(c) in (KVCache, ArraysCache) for c in cache)
 
 
+@dataclass
+class StoredPrefix:
+    """One file as `expertmesh cache --prefixes` lists it."""
+
+    commit: str
+    path: Path
+    tokens: int
+    nbytes: int
+    used: float  # when it was last written or loaded (its mtime)
+
+
+def stored_prefixes(root: Path) -> list[StoredPrefix]:
+    """Every prefix file under `root` (the home's `prefixes/`), least recently used first; an
+    unreadable one is left out (a node deletes it when it next starts)."""
+    out = []
+    for folder in sorted(p for p in Path(root).glob("*") if p.is_dir()):
+        for entry in _scan(folder, None, drop=False):
+            st = entry.path.stat()
+            out.append(StoredPrefix(folder.name, entry.path, len(entry.tokens), st.st_size, st.st_mtime))
+    return sorted(out, key=lambda p: p.used)
+
+
+def prune_prefixes(root: Path, budget_bytes: int) -> int:
+    """Delete the least recently used prefix files until they hold at most `budget_bytes`;
+    returns how many were deleted."""
+    stored = stored_prefixes(root)
+    total, gone = sum(p.nbytes for p in stored), 0
+    for p in stored:
+        if total <= budget_bytes:
+            break
+        p.path.unlink(missing_ok=True)
+        total -= p.nbytes
+        gone += 1
+    return gone
+
+
 class PrefixDisk:
     """The files of one model's prefixes under `root` (the home's `prefixes/<commit>`)."""
 
     def __init__(self, root: Path, commit: str, budget_bytes: int):
         self.root, self.commit, self.budget_bytes = Path(root), commit, budget_bytes
         self.root.mkdir(parents=True, exist_ok=True)
-        self._index: dict[Path, DiskPrefix] = {}
-        for path in sorted(self.root.glob("*.safetensors")):
-            entry = self._read_header(path)
-            if entry is not None:
-                self._index[path] = entry
+        self._index: dict[Path, DiskPrefix] = {e.path: e for e in _scan(self.root, commit, drop=True)}
 
     def entries(self) -> list[DiskPrefix]:
         return list(self._index.values())
@@ -173,18 +205,30 @@ class PrefixDisk:
             total -= sizes[path]
             self.forget(self._index[path])
 
-    def _read_header(self, path: Path) -> DiskPrefix | None:
-        """The space and tokens from a file's safetensors header (the arrays are not read)."""
-        try:
-            with path.open("rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > 64 << 20:
-                    raise ValueError("header too large")
-                meta = json.loads(f.read(n))["__metadata__"]
-            if meta.get("format") != FORMAT or meta.get("commit") != self.commit:
-                return None  # another model's (or not ours): left alone
-            return DiskPrefix(path, meta["space"], json.loads(meta["tokens"]))
-        except Exception as e:  # noqa: BLE001 - unreadable: dropped
+
+def _scan(root: Path, commit: str | None, drop: bool) -> list[DiskPrefix]:
+    """The prefixes (of `commit`, if given) under `root`, from their headers (`drop`: delete the unreadable)."""
+    found = []
+    for path in sorted(Path(root).glob("*.safetensors")):
+        entry = _read_header(path, commit, drop)
+        if entry is not None:
+            found.append(entry)
+    return found
+
+
+def _read_header(path: Path, commit: str | None, drop: bool) -> DiskPrefix | None:
+    """The space and tokens from a file's safetensors header (the arrays are not read)."""
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 64 << 20:
+                raise ValueError("header too large")
+            meta = json.loads(f.read(n))["__metadata__"]
+        if meta.get("format") != FORMAT or (commit is not None and meta.get("commit") != commit):
+            return None  # another model's (or not ours): left alone
+        return DiskPrefix(path, meta["space"], json.loads(meta["tokens"]))
+    except Exception as e:  # noqa: BLE001 - unreadable: dropped
+        if drop:
             logger.warning("dropped an unreadable prompt prefix %s: %s", path.name, e)
             path.unlink(missing_ok=True)
-            return None
+        return None
