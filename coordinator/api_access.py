@@ -214,6 +214,17 @@ class AccessPolicy:
                 )
         return None
 
+    def prefix_space(self, request: Request) -> str:
+        """Whose stored prompt prefixes `request` may resume from on a node (GenerateRequest's
+        `prefix_space`): its API key's, as a hash (the key itself never leaves this process), so a
+        caller cannot tell by the time to first token what another key sent; a request with no
+        key (loopback while no key exists) is in the one shared space, ""."""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key or not self.needs_key:
+            return ""
+        return hashlib.sha256(b"expertmesh prefix space\0" + key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
     def _host_ok(self, name: str, port: int | None, local_address: str, bound_port: int) -> bool:
         if (port if port is not None else 80) != bound_port:
             return False

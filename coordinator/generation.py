@@ -62,6 +62,7 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, those a node's prefix cache held (not computed again)
 
     @property
     def total_tokens(self) -> int:
@@ -483,6 +484,7 @@ class Coordinator:
                 self.pool.answered(address)
                 usage.completion_tokens += 1
                 usage.prompt_tokens = usage.prompt_tokens or event.token.prompt_tokens
+                usage.cached_tokens = usage.cached_tokens or event.token.cached_tokens
                 if book is not None:
                     book.add(event.token)
                 text = scanner.feed(event.token.text)
@@ -505,6 +507,7 @@ class Coordinator:
             if reason is None and not cancel.cancelled:
                 raise _Cut(f"the node ended the generation early ({done.stop_reason or 'no reason'})")
             usage.prompt_tokens = done.prompt_tokens
+            usage.cached_tokens = done.cached_tokens
             tail = scanner.feed(done.trailing_text) + scanner.finish()
             if book is not None and (logprobs := book.release(None if not scanner.stopped else sent + len(tail))):
                 yield logprobs

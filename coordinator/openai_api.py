@@ -187,6 +187,7 @@ class OpenAIServer:
         # connection (streams, /healthz) would wait for it. One parser thread: `json.loads` holds the
         # GIL while it runs, so parses side by side would stall the loop as long as all of them.
         ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse, raw, chat)
+        ask.prefix_space = self.access.prefix_space(ex.request)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         usage = Usage()
         generation = self._threads.start(ask, usage)
@@ -292,6 +293,8 @@ class OpenAIServer:
             "prompt_tokens": u.prompt_tokens,
             "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
+            # OpenAI's field: prompt tokens a node's prefix cache held, so not computed again
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         }
 
     async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:

@@ -152,6 +152,7 @@ class Ask:
     logprobs: bool = False
     top_logprobs: int = 0
     tools: ToolAsk = field(default_factory=ToolAsk)  # tools, tool_choice, response_format (tool_calls.py)
+    prefix_space: str = ""  # whose stored prefixes the nodes may reuse (AccessPolicy.prefix_space)
 
 
 # Every field of OpenAI's two request schemas (the `openai` package's CompletionCreateParams lists
@@ -409,6 +410,7 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
     req.repetition_penalty = ask.repetition_penalty
     req.logit_bias.update(ask.logit_bias)
     req.logprobs, req.top_logprobs = ask.logprobs, ask.top_logprobs
+    req.prefix_space = ask.prefix_space
     return req
 
 

@@ -338,6 +338,7 @@ def plan_node_memory(config: NodeConfig, index: ExpertIndex, home: Path) -> Memo
         ram_budget=config.store.ram_budget,
         core_budget=config.core_budget,
         fetch_workers=config.store.fetch_concurrency,
+        prefix_cache=config.prefix_cache,
     )
     return planned.planner.plan()
 
@@ -478,6 +479,8 @@ def _build_rpc(
         peers=node.peers,
         speculation=speculation,
         max_batch=node.config.max_batch,
+        prefix_cache_bytes=parse_budget(node.config.prefix_cache, 0),
+        prefix_dir=(node.config.home or constants.expertmesh_home()) / "prefixes",
     )
     try:
         server = node.rpc = NodeServer(

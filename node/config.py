@@ -171,3 +171,5 @@ class NodeConfig:
     # streamed from the SSD within it (node/engine/streamed_core.py); None: held whole where it
     # fits, else streamed within what the plan leaves it
     core_budget: str | None = None
+    # the states of earlier prompts kept for reuse (`--prefix-cache`, node/engine/prefix_cache.py); "0": none
+    prefix_cache: str = constants.DEFAULT_PREFIX_CACHE

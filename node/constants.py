@@ -80,6 +80,11 @@ MIN_RAM_BUDGET_BYTES = 64 * 1024**2
 # tokens a conversation may hold unless `--max-context` says otherwise: the memory plan counts its KV
 # cache / linear-attention state, and a model's own maximum (a million tokens for K3) would not fit a Mac
 DEFAULT_MAX_CONTEXT = 32768
+# the states of earlier prompts a full node keeps for the next request sharing a prefix
+# (node/engine/prefix_cache.py): a few conversations' worth at a home's context lengths
+DEFAULT_PREFIX_CACHE = "1GB"
+# long prompt prefixes (1,024 tokens or more) kept on disk across restarts, under the home's `prefixes/`
+PREFIX_DISK_BUDGET_BYTES = 4 * 1024**3
 
 # `expertmesh bench`: emulated link seconds per K3 second; below 0.1 the emulated Hub's own CPU,
 # not the link, bounds the bench on 2 cores (docs/benchmarks.md, benchmarks/bench_time_scale.py).

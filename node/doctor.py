@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from expertmesh.node import constants
 from expertmesh.node.errors import DamagedModelError, ExpertmeshError
 from expertmesh.node.hub import local_models
-from expertmesh.node.sizes import format_size
+from expertmesh.node.sizes import format_size, parse_budget
 
 if TYPE_CHECKING:  # imported where used: doctor still runs, and says so, where MLX does not load
     from expertmesh.node.engine.model_sizes import Planner
@@ -222,6 +222,7 @@ def plan_model(
     ram_budget: str = constants.DEFAULT_RAM_BUDGET,
     core_budget: str | None = None,
     fetch_workers: int = constants.EXPERT_FETCH_CONCURRENCY,
+    prefix_cache: str = constants.DEFAULT_PREFIX_CACHE,
 ) -> PlannedModel:
     """The memory plan of `model` ("k3", or a repo id pulled here) on this machine or on a Mac of
     `memory` bytes, with the core at `core_bits`/`core_quant` (default: as pulled; BF16 for K3).
@@ -246,6 +247,7 @@ def plan_model(
         sizes = _k3_sizes()
         layout = model_thread().call(sizes.layout, bits or 16, recipe)
         planner = Planner("moonshotai/Kimi-K3", sizes, device, K3_EXPERT_BYTES, layout, core_bits=bits or 16)
+        planner.prefix_cache_bytes = parse_budget(prefix_cache, 0)
         title, computed = f"K3 on {machine} (computed from its shape, not measured)", True
     else:
         path = local_models.find_pulled(home, model, revision)
@@ -265,6 +267,7 @@ def plan_model(
             layout = model_thread().call(sizes.layout, bits, recipe)
         expert = max((loc.nbytes for loc in index.experts.values()), default=0)
         planner = Planner(model, sizes, device, expert, layout, core_bits=bits or pulled[0], pulled_bits=pulled[0])
+        planner.prefix_cache_bytes = parse_budget(prefix_cache, 0)
         title = f"{model} on {machine}" + (" (its core computed at those bits, not measured)" if computed else "")
     planner.max_context, planner.ram_budget, planner.core_budget = max_context, ram_budget, core_budget
     planner.fetch_workers = fetch_workers
@@ -527,7 +530,7 @@ class HouseholdProbe:
 
     def finish(self) -> Check:
         if self._browser is not None:
-            self._browser.settle()
+            self._browser.wait_resolved()
             self._browser.close()
         if self.error is not None:
             return Check(

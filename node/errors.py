@@ -7,7 +7,7 @@ for an `ExpertmeshError`.
 import traceback
 
 
-def settled(error: BaseException) -> BaseException:
+def without_locals(error: BaseException) -> BaseException:
     """`error` with the locals of its traceback's finished frames cleared, to hand to a future.
 
     A stored exception keeps its traceback, the traceback every frame it passed, and a frame its

@@ -35,6 +35,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import grpc
@@ -42,7 +44,7 @@ import grpc
 from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
-from expertmesh.node.engine.chat import ChatTemplateError, chat_token_ids, encode_rendered, render_chat
+from expertmesh.node.engine.chat import ChatTemplateError, encode_rendered, message_ends, render_chat
 from expertmesh.node.engine.constraint import TokenConstraint
 from expertmesh.node.engine.generation import (
     ContextLengthError,
@@ -54,6 +56,8 @@ from expertmesh.node.engine.generation import (
 )
 from expertmesh.node.engine.grammar import GrammarError, request_constraint
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefix_cache import CHECKPOINT_EVERY, PrefixCache
+from expertmesh.node.engine.prefix_disk import PrefixDisk
 from expertmesh.node.engine.sampling import MAX_TOP_LOGPROBS
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
@@ -176,6 +180,16 @@ def _version() -> str:
         return "unknown"
 
 
+@dataclass
+class _Prompt:
+    """A Generate call's prompt as the node reads it."""
+
+    ids: list[int]
+    ends: list[int]  # where its messages end: the prefix cache's checkpoints (node/engine/prefix_cache.py)
+    fmt: ToolFormat | None  # the model's tool-call format, if it has one
+    tools: list[dict] | None  # the tools the request declared
+
+
 class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
@@ -190,6 +204,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         speculation: SpeculationConfig | None = None,
         waiting_generations: int = DEFAULT_WAITING_GENERATIONS,
         max_batch: int = 1,
+        prefix_cache_bytes: int = 0,
+        prefix_dir: Path | None = None,
     ):
         """`speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
         cache cannot roll back generates without it (logged once, here). `waiting_generations`:
@@ -197,8 +213,22 @@ class NodeService(node_pb2_grpc.NodeServicer):
         `max_batch`: Generate calls decoded together in one batch (node/engine/batching.py); a
         batch cannot verify drafts exactly, so a call speculates only when it runs alone (the most
         common case at home: one person asking), and calls that come while it runs form the batch.
-        A model whose caches mlx-lm cannot batch runs one call at a time (logged once, here)."""
+        A model whose caches mlx-lm cannot batch runs one call at a time (logged once, here).
+        `prefix_cache_bytes`: the states of earlier prompts kept for the next request that shares
+        a prefix with one (node/engine/prefix_cache.py); 0: none. `prefix_dir`: where long ones are
+        kept across restarts (node/engine/prefix_disk.py), one folder a model commit."""
         self.sm = sm
+        self.prefix: PrefixCache | None = None
+        if sm is not None and prefix_cache_bytes > 0:
+            disk = None
+            if prefix_dir is not None:
+                try:
+                    disk = PrefixDisk(prefix_dir / sm.commit, sm.commit, constants.PREFIX_DISK_BUDGET_BYTES)
+                except OSError as e:  # a home that cannot hold it: prefixes stay in memory only
+                    logger.warning("prompt prefixes are kept in memory only: %s", e)
+            self.prefix = model_thread().call(
+                PrefixCache.for_model, sm.model, prefix_cache_bytes, CHECKPOINT_EVERY, disk
+            )
         self.speculation, self._draft = None, None
         self.batch: BatchEngine | None = None
         if sm is not None and max_batch > 1:
@@ -446,12 +476,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self._vocab = len(self.sm.tokenizer.get_vocab())
         return self._vocab or 0
 
-    def _prompt_ids(
-        self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext
-    ) -> tuple[list[int], ToolFormat | None, list[dict] | None]:
+    def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> _Prompt:
         """The prompt's tokens: a chat through its template (with its tools, node/engine/tools.py),
         message text kept as plain text (so it cannot forge a turn; node/engine/chat.py), or the
-        raw prompt as the client wrote it; the model's tool-call format, if it has one, and the tools."""
+        raw prompt as the client wrote it; where its messages end, when the prefix cache
+        checkpoints there; the model's tool-call format, if it has one, and the tools."""
         tok = sm.tokenizer
         fmt = tool_format(tok)
         with self._tokenize_lock:
@@ -464,14 +493,17 @@ class NodeService(node_pb2_grpc.NodeServicer):
                         else [{"role": "user", "content": request.prompt}]
                     )
                     messages = chat_messages(messages, tok)
-                    if tools and request.tool_choice != "none":
-                        with_tools = render_chat(tok, messages, tools=tools)
-                        fmt = check_renders_tools(tok, with_tools, render_chat(tok, messages))
-                        return encode_rendered(tok, with_tools), fmt, tools
-                    return chat_token_ids(tok, messages), fmt, tools
+                    rendered = tools if tools and request.tool_choice != "none" else None
+                    text = render_chat(tok, messages, tools=rendered)
+                    if rendered is not None:
+                        fmt = check_renders_tools(tok, text, render_chat(tok, messages))
+                    ids = encode_rendered(tok, text)
+                    checkpoints = self.prefix is not None and self.prefix.checkpoints
+                    ends = message_ends(tok, messages, ids, tools=rendered) if checkpoints else []
+                    return _Prompt(ids, ends, fmt, tools)
             except (ChatTemplateError, ToolsError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return tok.encode(request.prompt), None, tools  # a raw completion's text is the model's, markup too
+            return _Prompt(tok.encode(request.prompt), [], None, tools)  # a raw completion's text is the model's
 
     def Generate(self, request: node_pb2.GenerateRequest, context: CallContext) -> Iterator[node_pb2.GenerateEvent]:
         sm = self.sm
@@ -481,7 +513,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             )
         self._check_generate(request, context)
         if request.count_only:  # tokenising only: no slot, no model thread
-            counted = len(self._prompt_ids(sm, request, context)[0])
+            counted = len(self._prompt_ids(sm, request, context).ids)
             yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(prompt_tokens=counted, stop_reason="counted"))
             return
         slots = self.generation_slots
@@ -492,12 +524,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 "try another node or later",
             )
         try:
-            ids, fmt, tools = self._prompt_ids(sm, request, context)
-            constraint = self._constraint(sm, request, fmt, tools, context)
+            prompt = self._prompt_ids(sm, request, context)
+            constraint = self._constraint(sm, request, prompt.fmt, prompt.tools, context)
             if not slots.turn(context.is_active):
                 return  # the client left while waiting
             try:
-                yield from self._generate(sm, request, ids, context, fmt, tools, constraint)
+                yield from self._generate(sm, request, prompt, context, constraint)
             finally:
                 slots.done()
         finally:
@@ -553,10 +585,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self,
         sm: StreamedModel,
         request: node_pb2.GenerateRequest,
-        ids: list[int],
+        prompt: _Prompt,
         context: CallContext,
-        fmt: ToolFormat | None = None,
-        tools: list[dict] | None = None,
         constraint: TokenConstraint | None = None,
     ) -> Iterator[node_pb2.GenerateEvent]:
         """Generate's stream once the call's turn has come. Tool markup the model writes is split
@@ -578,7 +608,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             constraint=constraint,
         )
         summary = GenerationSummary()
-        splitter = ToolCallSplitter(fmt, tools) if fmt is not None else None
+        splitter = ToolCallSplitter(prompt.fmt, prompt.tools) if prompt.fmt is not None else None
         alone = self._take_speculation()
         batch = self.batch if not alone else None
         if batch is not None:  # its tokens' expert uses are its own rows', not the whole step's
@@ -586,12 +616,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
         else:
             stats = sm.store.stats
         last, t_last, first = stats.snapshot(), time.perf_counter(), True
+        prefix = (
+            self.prefix.session(_prefix_space(request), prompt.ids, prompt.ends) if self.prefix is not None else None
+        )
         try:
             if batch is not None:
-                tokens = batch.generate(ids, settings, lambda: not context.is_active(), summary)
+                tokens = batch.generate(prompt.ids, settings, lambda: not context.is_active(), summary, prefix)
             else:
                 generator = Generator(sm, self.speculation, draft_source=self._draft)
-                tokens = generator.generate(ids, settings, lambda: not context.is_active(), summary)
+                tokens = generator.generate(prompt.ids, settings, lambda: not context.is_active(), summary, prefix)
             for t in tokens:
                 now, t_now = stats.snapshot(), time.perf_counter()
                 d = _delta(now, last)
@@ -603,7 +636,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
                         seconds=t_now - t_last,
                         expert_uses=d[0],
                         hub_bytes=d[1],
-                        prompt_tokens=summary.prompt_tokens if first else 0,
+                        prompt_tokens=summary.prompt_tokens + summary.cached_tokens if first else 0,
+                        cached_tokens=summary.cached_tokens if first else 0,
                         **self._logprob_fields(sm, t),
                         tool_calls=_parsed(split),
                         unparsed_tool_calls=_unparsed(split),
@@ -634,7 +668,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             tail = Split(tail.text + end.text, tail.calls + end.calls, tail.unparsed + end.unparsed)
         yield node_pb2.GenerateEvent(
             done=node_pb2.GenerationDone(
-                prompt_tokens=summary.prompt_tokens,
+                prompt_tokens=summary.prompt_tokens + summary.cached_tokens,
                 generated_tokens=summary.generated_tokens,
                 time_to_first_token_s=summary.time_to_first_token_s,
                 seconds=summary.seconds,
@@ -647,6 +681,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 forward_passes=spec.passes if spec else 0,
                 drafted_tokens=spec.drafted if spec else 0,
                 accepted_tokens=spec.accepted if spec else 0,
+                cached_tokens=summary.cached_tokens,
             )
         )
 
@@ -686,3 +721,9 @@ def _delta(now, before) -> tuple[int, int]:
     """(expert uses, hub bytes) between two snapshots of the store's stats."""
     uses = sum(now.uses[s] - before.uses[s] for s in SOURCES)
     return uses, now.bytes["hub"] - before.bytes["hub"]
+
+
+def _prefix_space(request: node_pb2.GenerateRequest) -> str:
+    """Whose stored prefixes a request may resume from: one API key's (the coordinator sends a
+    hash of it, never the key); a request without one shares the loopback space."""
+    return request.prefix_space

@@ -39,10 +39,10 @@ def resident(request, pulled_home, hub: HubServer, tmp_path_factory: pytest.Temp
         ahead: list[int] = []
         forward = sm.forward
 
-        def counted(inputs, cache, ledgers=None, ahead_of_read: bool = False, **kw):
-            if kw.get("ahead", ahead_of_read):
+        def counted(inputs, cache, ledgers=None, rollback: bool = False):
+            if rollback:  # only a pass built ahead keeps a way back: its token may never be fed
                 ahead.append(int(inputs.size))
-            return forward(inputs, cache, ledgers, ahead=kw.get("ahead", ahead_of_read))
+            return forward(inputs, cache, ledgers, rollback=rollback)
 
         sm.forward = counted  # type: ignore[method-assign]
         yield arch, sm, ahead

@@ -99,7 +99,7 @@ def _handled_what_came_before(d: Discovery) -> None:
     before = d.duplicates
     with _advertised(f"behind-{d.ad.node_id}", d.ad.port, d.ad.properties()):
         assert wait_until(lambda: d.duplicates > before), "the advertisement behind the others never arrived"
-    d.settle()
+    d.wait_resolved()
 
 
 def test_nodes_of_a_cluster_find_each_other_and_notice_leaving() -> None:
@@ -183,7 +183,7 @@ def test_a_stranger_advertising_in_the_cluster_is_not_joined_and_never_sent_the_
             with _advertised("stranger", _port(address), claims.properties()):
                 assert wait_until(recorder.proved), "the stranger was never asked to prove itself"
                 assert wait_until(lambda: observer.unproven > 0)
-                observer.settle()
+                observer.wait_resolved()
                 assert observer.table.all() == []
                 assert NodePool.following([], observer.table).addresses() == []
             assert recorder.credentials() == []
@@ -202,7 +202,7 @@ def test_a_stranger_relaying_a_members_proof_is_not_joined(rewrite: bool) -> Non
             claims = Advertisement("node-m", CLUSTER, "full", _port(address), 10**9, compute=True)
             with _advertised("relay", _port(address), claims.properties()):
                 assert wait_until(recorder.proved) and wait_until(lambda: observer.unproven > 0)
-                observer.settle()
+                observer.wait_resolved()
                 assert observer.table.all() == []
             assert recorder.credentials() == []
     finally:

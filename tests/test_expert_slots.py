@@ -107,12 +107,12 @@ def test_a_prefill_of_64_rows_runs_the_sorted_kernels_switchglu_runs(
         if resident:
             _warm(sm)
         calls = _gather_calls(monkeypatch)
-        model_thread().call(lambda: mx.eval(sm.forward(mx.array(ids)[None], None)))
+        model_thread().call(lambda: mx.eval(sm.forward(mx.array(ids)[None], None).logits))
         ours = list(calls)
         calls.clear()
         model_thread().call(lambda: mx.eval(ref(mx.array(ids)[None])))
         theirs = list(calls)
-        sm.settle()
+        sm.count_open()
     finally:
         sm.close()
     assert len(ids) * 4 >= 64 and theirs and all(theirs)  # mlx-lm sorted every projection's call

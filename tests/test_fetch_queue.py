@@ -84,7 +84,7 @@ def test_a_wrong_guess_gives_its_link_up_and_a_wanted_one_does_not() -> None:
         tier.gate((1, 1))
         _guess(flights, (1, 1))
         assert wait_until(lambda: tier.has_started((1, 1)))
-        flights.settle(1, set())  # its pass came and did not want it
+        flights.judge_guesses(1, set())  # its pass came and did not want it
         assert wait_until(lambda: not flights.holds((1, 1)))
         assert tier.gave_up == [(1, 1)]
 
@@ -92,7 +92,7 @@ def test_a_wrong_guess_gives_its_link_up_and_a_wanted_one_does_not() -> None:
         _guess(flights, (1, 2))
         assert wait_until(lambda: tier.has_started((1, 2)))
         demand = _demand(flights, (1, 2))  # the demand joins the guess's fetch
-        flights.settle(1, set())  # judged wrong, but a demand waits for it
+        flights.judge_guesses(1, set())  # judged wrong, but a demand waits for it
         gate.set()
         assert demand.result(timeout=10).source == "hub"
         assert (1, 2) not in tier.gave_up and flights.in_flight_count() == 0
@@ -105,7 +105,7 @@ def test_a_held_guess_its_pass_did_not_want_starts_at_once_and_gives_up() -> Non
     flights, q, first = _guess_beside_a_demand(tier, 2, lambda: False)
     try:
         assert wait_until(lambda: flights.state((2, 0)) is State.HELD)
-        flights.settle(2, {5})
+        flights.judge_guesses(2, {5})
         assert wait_until(lambda: (2, 0) in tier.gave_up)  # not held until the demand is over
         assert not first.done()
         assert wait_until(lambda: not flights.holds((2, 0)))
@@ -152,7 +152,7 @@ def test_a_demand_that_comes_as_a_guess_gives_up_gets_the_expert_not_the_give_up
     try:
         _guess(flights, (1, 1))
         assert wait_until(lambda: tier.has_started((1, 1)))
-        flights.settle(1, set())
+        flights.judge_guesses(1, set())
         assert wait_until(lambda: (1, 1) in asked), "the guess never gave up"
         assert asked[(1, 1)].result(timeout=10).source == "hub"
         assert tier.started == [(1, 1), (1, 1)]  # fetched again, for the demand

@@ -67,7 +67,7 @@ def test_guesses_outstanding_stay_within_the_budget_until_taken() -> None:
     _fetch_next(flights)
     assert flights.guesses_in_flight() == 1 and flights.state((3, 0)) is State.ARRIVED
     assert flights.guess((3, 2), budget=2) is Guessed.NO_ROOM  # an arrived guess holds memory too
-    assert flights.settle(3, {0, 1}) == (2, 0)
+    assert flights.judge_guesses(3, {0, 1}) == (2, 0)
     assert flights.take((3, 0)) is ARRIVED and not flights.holds((3, 0))  # judged and taken: let go
     assert flights.guess((3, 2), budget=2) is Guessed.ISSUED
 
@@ -79,7 +79,7 @@ def test_a_guess_its_pass_did_not_want_gives_up_unless_a_demand_waits() -> None:
     assert _start(flights) == ((4, 0),)
     assert not flights.stale((4, 0))  # its pass has not come
     _fetch_next(flights)  # (4, 1) arrives
-    assert flights.settle(4, {2}) == (1, 2)
+    assert flights.judge_guesses(4, {2}) == (1, 2)
     assert flights.stale((4, 0))  # being fetched: it may give its link up
     assert not flights.holds((4, 1))  # arrived: let go
     assert flights.state((4, 2)) is State.QUEUED  # wanted: fetched on for its demand
@@ -100,7 +100,7 @@ def test_a_held_guess_its_pass_did_not_want_goes_at_once(monkeypatch) -> None:
     worker = threading.Thread(target=lambda: taken.append(flights.next_work(may_share=lambda: False)), daemon=True)
     worker.start()
     assert wait_until(lambda: flights.state((5, 0)) is State.HELD)
-    assert flights.settle(5, {1}) == (0, 1)
+    assert flights.judge_guesses(5, {1}) == (0, 1)
     worker.join(10)
     assert not worker.is_alive(), "the guess its pass did not want was still held"
     assert taken[0].keys == ((5, 0),) and flights.stale((5, 0))
@@ -125,7 +125,7 @@ def test_a_held_guess_its_pass_wanted_waits_for_its_demand_and_goes_as_a_demand(
     worker = threading.Thread(target=lambda: taken.append(flights.next_work(may_share)), daemon=True)
     worker.start()
     assert asked.acquire(timeout=10) and flights.state((5, 1)) is State.HELD
-    assert flights.settle(5, {1}) == (1, 0)
+    assert flights.judge_guesses(5, {1}) == (1, 0)
     assert asked.acquire(timeout=10), "the worker did not weigh the guess again once its pass came"
     assert flights.state((5, 1)) is State.HELD
     flights.demand([(5, 1)])
@@ -140,7 +140,7 @@ def test_a_guess_whose_pass_wanted_it_stays_staged_until_taken() -> None:
     flights = Flights()
     flights.guess((6, 0), budget=8)
     assert _start(flights) == ((6, 0),)
-    assert flights.settle(6, {0}) == (1, 0)
+    assert flights.judge_guesses(6, {0}) == (1, 0)
     assert not flights.stale((6, 0))
     assert flights.fetched((6, 0), ARRIVED, None)
     assert flights.take((6, 0)) is ARRIVED and not flights.holds((6, 0))
@@ -192,7 +192,7 @@ def test_settling_is_per_layer_and_demands_are_never_guesses() -> None:
     flights = Flights()
     flights.guess((1, 0), budget=8)
     flights.demand([(2, 0)])
-    assert flights.settle(2, set()) == (0, 0)
+    assert flights.judge_guesses(2, set()) == (0, 0)
     assert flights.state((1, 0)) is State.QUEUED and flights.state((2, 0)) is State.QUEUED
     work = flights.next_work()
     assert work is not None and work.priority is Priority.DEMAND
@@ -253,7 +253,7 @@ def test_the_counts_the_waiters_read_come_back_to_nothing_after_any_mix_of_chang
             if rng.random() < 0.5 or not flights.release_fill_unless_demanded(k):
                 flights.release_fill([k])
         elif op == 7:
-            flights.settle(key[0], {e for e in range(6) if rng.random() < 0.5})
+            flights.judge_guesses(key[0], {e for e in range(6) if rng.random() < 0.5})
         elif op == 8:
             flights.take(key)
         assert flights.guesses_in_flight() <= flights.in_flight_count()
@@ -261,7 +261,7 @@ def test_the_counts_the_waiters_read_come_back_to_nothing_after_any_mix_of_chang
         finish(fetching.pop() if fetching else _next(flights))
     flights.release_fill(filling)
     for layer in range(3):
-        flights.settle(layer, set())
+        flights.judge_guesses(layer, set())
     assert flights.in_flight_count() == 0 and not any(flights.holds(k) for k in keys)
     assert flights.guesses_in_flight() == 0 and flights.fill_bytes() == 0 and not flights.demand_busy
     assert flights.claim_fill([(9, 9)], [7], cap_bytes=50)  # the link is idle again

@@ -69,13 +69,13 @@ def test_a_cold_shard_costs_one_redirect_however_many_reads_start_at_once(hub: H
 # -- the count adapts to what the CDN gives each connection (store/tiers/hub_connections.py) ----
 
 
-def _settle(per_connection: float, link: float = 100e6, ttfb_s: float = 0.075, piece: float = 4.4e6) -> int:
-    """The count AdaptiveConnections settles at when every allowed connection is busy with K3's
+def _converged_count(per_connection: float, link: float = 100e6, ttfb_s: float = 0.075, piece: float = 4.4e6) -> int:
+    """The count AdaptiveConnections converges to when every allowed connection is busy with K3's
     pieces on `link`: each connection carries `per_connection` while transferring and nothing
     while it waits for the first byte, and together they carry at most the link."""
     counts = AdaptiveConnections(12, 32)
     now = 0.0
-    while not counts.settled:
+    while not counts.converged:
         n = counts.allowed
         alone = piece / (ttfb_s + piece / per_connection)  # one connection's rate, its first byte included
         rate = min(n * alone, link) / n
@@ -92,7 +92,7 @@ def test_a_full_link_shared_unevenly_does_not_read_as_room_for_more() -> None:
     times the count would have read the spread as a gain, and climbed to the most."""
     counts = AdaptiveConnections(12, 32)
     link, piece, now = 100e6, 4.4e6, 0.0
-    while not counts.settled:
+    while not counts.converged:
         n = counts.allowed
         starved = (n - 12) / n  # beyond the 12 that fill the link, connections mostly wait for a share
         rest = (1 - 0.2 * starved) / (1 - starved)  # the others' share: on average an even one
@@ -104,9 +104,9 @@ def test_a_full_link_shared_unevenly_does_not_read_as_room_for_more() -> None:
 
 
 def test_the_count_grows_while_more_connections_carry_more_and_stops_where_the_link_is_full() -> None:
-    assert _settle(8.7e6) == 18  # 12 carry 91 MB/s of a 100 MB/s link: 18 fill it
-    assert _settle(50e6) == 12  # 12 already fill it: 18 would only share it
-    assert _settle(2e6) == 32  # a slow edge: as many as allowed
+    assert _converged_count(8.7e6) == 18  # 12 carry 91 MB/s of a 100 MB/s link: 18 fill it
+    assert _converged_count(50e6) == 12  # 12 already fill it: 18 would only share it
+    assert _converged_count(2e6) == 32  # a slow edge: as many as allowed
     assert 12 * 50e6 > 100e6 and 18 * 8.7e6 > 100e6 and 32 * 2e6 < 100e6
 
 
@@ -114,7 +114,7 @@ def test_pieces_in_flight_below_the_count_say_nothing_of_the_link() -> None:
     counts = AdaptiveConnections(12, 32)
     for _ in range(1000):
         counts.record(4_400_000, 0.5, busy_at_start=3)  # a quiet moment: only 3 connections busy
-    assert counts.allowed == 12 and not counts.settled
+    assert counts.allowed == 12 and not counts.converged
 
 
 def test_the_pool_runs_as_many_at_once_as_it_is_resized_to() -> None:

@@ -136,7 +136,7 @@ def test_requests_of_every_kind_leave_no_thread_connection_or_generation_behind(
         lambda i: _burst(port, i),
     ]
 
-    def settled() -> bool:
+    def closed_down() -> bool:
         return api.http.open_connections == 0 and api._threads.running == 0 and api.coordinator.queue.depth() == (0, 0)
 
     def rounds(n: int) -> list[int]:
@@ -145,7 +145,7 @@ def test_requests_of_every_kind_leave_no_thread_connection_or_generation_behind(
             for kind in kinds:
                 got = kind(i)
                 codes += got if isinstance(got, list) else [got]
-        assert wait_until(settled, timeout_s=30), (api.http.open_connections, api._threads.running)
+        assert wait_until(closed_down, timeout_s=30), (api.http.open_connections, api._threads.running)
         return codes
 
     rounds(2)  # warm-up: the pools' threads (the parser, the loop's executor) exist from here on

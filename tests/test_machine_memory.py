@@ -28,6 +28,7 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_core import file_layout
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
+from expertmesh.node.sizes import parse_budget
 
 GiB, MiB = 1024**3, 1024**2
 ARCH = "kimi_k3"
@@ -82,6 +83,7 @@ def _expected(home: Path, ram_budget: str, device: DeviceMemory):
         context_bytes=context,
         max_context=constants.DEFAULT_MAX_CONTEXT,
         layout=file_layout(path, "bf16"),
+        prefix_cache_bytes=parse_budget(constants.DEFAULT_PREFIX_CACHE, 0),  # the node's default, planned
     )
 
 

@@ -225,7 +225,13 @@ def test_counters_equal_the_generations_own_summary(generation) -> None:
     before, after, done = generation
     assert done.generated_tokens > 0
     assert _delta(before, after, "expertmesh_tokens_generated_total") == done.generated_tokens
-    assert _delta(before, after, "expertmesh_prompt_tokens_total") == done.prompt_tokens
+    # prompt_tokens counts only what was fed; what a stored prefix held is counted as reused
+    assert _delta(before, after, "expertmesh_prompt_tokens_total") == done.prompt_tokens - done.cached_tokens
+    assert _delta(before, after, "expertmesh_prompt_tokens_reused_total") == done.cached_tokens
+    assert (
+        _delta(before, after, "expertmesh_prefix_cache_lookups_total", outcome="hit" if done.cached_tokens else "miss")
+        == 1
+    )
     assert _delta(before, after, "expertmesh_token_seconds_count") == done.generated_tokens
     assert _delta(before, after, "expertmesh_time_to_first_token_seconds_count") == 1
     for s in SOURCES:

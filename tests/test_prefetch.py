@@ -42,7 +42,7 @@ def test_every_guess_is_used_or_wasted_and_the_output_is_unchanged(home: Path) -
         try:
             ids = sm.tokenizer.encode("Guess the next layer")
             outputs[prefetch] = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=16))]
-            take_layer(sm.store, sm.index.moe_layers[0], [])  # a last pass settles the last guesses
+            take_layer(sm.store, sm.index.moe_layers[0], [])  # a last pass judges the last guesses
             take_layer(sm.store, sm.index.moe_layers[-1], [])
             pf = sm.store.stats.prefetch
         finally:
@@ -212,10 +212,10 @@ def test_a_right_guess_keeps_its_link_between_its_pass_and_its_demand() -> None:
     try:
         for _ in range(MIN_JUDGED):  # right every time, judged without being fetched
             prefetcher.guess(0, [1])
-            prefetcher.settle(0, {1})
+            prefetcher.judge_guesses(0, {1})
         prefetcher.guess(1, [7])
         assert prefetcher.in_flight == 1
-        prefetcher.settle(1, {7})  # its pass: judged right, and its demand comes next
+        prefetcher.judge_guesses(1, {7})  # its pass: judged right, and its demand comes next
         gate.set()
         assert wait_until(lambda: prefetcher.in_flight == 0)
         assert told == [False]  # it was not told to give up

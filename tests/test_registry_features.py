@@ -151,7 +151,7 @@ class _Scripted:
 
 
 def _next_logits(gen: Generator, token: int) -> mx.array:
-    logits = gen._forward([token])[0, -1]
+    logits = gen._forward([token]).logits[0, -1]
     mx.eval(logits)
     return logits
 

@@ -183,7 +183,7 @@ def test_a_remote_expert_equals_the_local_computation(pairs) -> None:
 
 def _watch_store(store, handed: list[int], judged: list[set[int]]):
     """Record the size of each group the store hands over and each routing that judges guesses."""
-    groups, settle = store.layer_groups, store.prefetcher.settle
+    groups, judge = store.layer_groups, store.prefetcher.judge_guesses
 
     def layer_groups(layer, experts, **kw):
         for group in groups(layer, experts, **kw):
@@ -192,9 +192,9 @@ def _watch_store(store, handed: list[int], judged: list[set[int]]):
 
     def judging(layer, demanded):
         judged.append(set(demanded))
-        return settle(layer, demanded)
+        return judge(layer, demanded)
 
-    store.layer_groups, store.prefetcher.settle = layer_groups, judging
+    store.layer_groups, store.prefetcher.judge_guesses = layer_groups, judging
 
 
 @pytest.mark.parametrize("peer", ["honest", "nan"])
@@ -214,7 +214,7 @@ def test_remote_execution_asks_the_store_as_a_local_pass_does(pairs, peer: str) 
         ids = sm.tokenizer.encode(PROMPT * 6)
         list(Generator(sm).generate(ids, SamplingSettings(max_tokens=2)))
     finally:
-        del store.layer_groups, store.prefetcher.settle
+        del store.layer_groups, store.prefetcher.judge_guesses
     d = store.stats.since(before)
     assert sum(len(j) for j in judged) == d.total_uses  # every routed expert judged, wherever it ran
     if peer == "honest":

@@ -97,7 +97,7 @@ def _float32(model) -> None:
 
 def _next_logits(gen: Generator, token: int) -> mx.array:
     """The logits after feeding `token` to the generator's cache (run on the MLX thread)."""
-    logits = gen._forward([token])[0, -1]
+    logits = gen._forward([token]).logits[0, -1]
     mx.eval(logits)
     return logits
 

@@ -188,6 +188,14 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         help="memory for the core: a size or a %% of the core; below the core's size it is streamed from the "
         "SSD within it, layer by layer (default: held whole where it fits, else streamed)",
     )
+    p.add_argument(
+        "--prefix-cache",
+        type=budget,
+        default=constants.DEFAULT_PREFIX_CACHE,
+        metavar="SIZE",
+        help="memory for the states of earlier prompts, so a request sharing a prefix with one (a chat's next "
+        "turn, an agent's system prompt) feeds only its new tokens; 0 keeps none (default %(default)s)",
+    )
 
 
 def add_peer_arguments(p: argparse.ArgumentParser) -> None:

@@ -76,6 +76,7 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
         metrics=metrics_config,
         max_context=args.max_context,
         core_budget=args.core_budget,
+        prefix_cache=args.prefix_cache,
     )
 
 

@@ -44,7 +44,13 @@ def add_commands(sub) -> None:
         "--prune",
         metavar="SIZE",
         help="delete the least recently used experts until the caches (or REPO's) hold at most SIZE "
-        "(a size like 100GB, or a %% of what they hold now)",
+        "(a size like 100GB, or a %% of what they hold now); with --prefixes, the prompt prefixes instead",
+    )
+    p.add_argument(
+        "--prefixes",
+        action="store_true",
+        help="the prompt prefixes full nodes keep on disk (1,024 tokens or more, under the home's prefixes/) "
+        "instead of the experts: list them, or --prune them to SIZE, least recently used first",
     )
     p.set_defaults(func=cache)
 
@@ -236,12 +242,34 @@ def cache(args: argparse.Namespace) -> int:
     home = constants.expertmesh_home()
     commit = _commit(home, args.repo, args.revision) if args.repo else None
     status = 0
+    if args.prefixes:
+        return _prefixes(home, args.prune)
     if args.verify:
         status |= _verify(home, args.repo, commit)
     if args.prune is not None:
         status |= _prune(home, args.repo, commit, args.prune)
     _usage(home, args.repo, commit)
     return status
+
+
+def _prefixes(home: Path, prune: str | None) -> int:
+    from expertmesh.node.engine.prefix_disk import prune_prefixes, stored_prefixes
+    from expertmesh.node.sizes import parse_budget
+
+    root = home / "prefixes"
+    if prune is not None:
+        total = sum(p.nbytes for p in stored_prefixes(root))
+        gone = prune_prefixes(root, parse_budget(prune, total))
+        print(f"deleted {gone} prompt prefix file(s)")
+    stored = stored_prefixes(root)
+    if not stored:
+        print(f"no prompt prefixes kept in {root}")
+        return 0
+    print(f"{'COMMIT':<12}  {'TOKENS':>7}  {'SIZE':>10}  LAST USED")
+    for p in reversed(stored):
+        print(f"{p.commit[:12]:<12}  {p.tokens:>7}  {format_size(p.nbytes):>10}  {_ago(p.used)}")
+    print(f"total {format_size(sum(p.nbytes for p in stored))} in {len(stored)} prefix(es)")
+    return 0
 
 
 def _caches(home: Path, repo: str | None, commit: str | None):
@@ -382,6 +410,7 @@ def _plan(args: argparse.Namespace) -> int:
         core_quant=args.core_quant,
         ram_budget=args.ram_budget,
         core_budget=args.core_budget,
+        prefix_cache=args.prefix_cache,
     )
     changes = planned.planner.changes()
     try:

@@ -116,6 +116,7 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         max_batch=arguments.max_batch(args),
         max_context=args.max_context,
         core_budget=args.core_budget,
+        prefix_cache=args.prefix_cache,
     )
 
 

@@ -309,7 +309,7 @@ class _Digests:
 class _Stats:
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.settled = threading.Condition(self.lock)
+        self.all_sent = threading.Condition(self.lock)
         self.waiting = 0  # requests waiting for their first byte now (not reset: they still wait)
         self.sending = 0  # bodies being sent now: a client may hold every byte before they are counted
         self.reset()
@@ -344,11 +344,11 @@ class _Stats:
     def file(self, key: str) -> dict:
         return self.files.setdefault(key, {"requests": 0, "bytes": 0, "ranges": {}})
 
-    def as_json(self, settle_s: float = 2.0) -> dict:
-        """The counts, once every body being sent has been counted (at most `settle_s` later): the
+    def as_json(self, wait_s: float = 2.0) -> dict:
+        """The counts, once every body being sent has been counted (at most `wait_s` later): the
         last bytes reach a client before the thread that sent them records them."""
         with self.lock:
-            self.settled.wait_for(lambda: self.sending == 0, timeout=settle_s)
+            self.all_sent.wait_for(lambda: self.sending == 0, timeout=wait_s)
             files = {
                 k: {
                     "requests": v["requests"],
@@ -1022,7 +1022,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.hub.stats_.file(key)["bytes"] += sent
                 self.hub.stats_.count_range(key, start, start + sent - 1)
                 self.hub.stats_.sending -= 1
-                self.hub.stats_.settled.notify_all()
+                self.hub.stats_.all_sent.notify_all()
         if fault is not None and limit < length:
             self.wfile.flush()
             if fault.kind == "stall":

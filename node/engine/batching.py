@@ -59,6 +59,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from expertmesh.node.config import DEFAULT_MAX_BATCH
+from expertmesh.node.engine.forward_pass import ForwardPass
 from expertmesh.node.engine.generation import (
     ContextLengthError,
     EmptyPromptError,
@@ -66,9 +67,11 @@ from expertmesh.node.engine.generation import (
     Token,
     _TokenBook,
     backend_error,
+    observe_prefix,
     observe_request,
 )
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefix_cache import PrefixSession
 from expertmesh.node.engine.sampling import Decoder, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import ExpertmeshError
@@ -116,6 +119,7 @@ class _Sequence:
     out: queue.Queue[Token | _Done] = field(default_factory=queue.Queue)
     left: bool = False  # the caller stopped reading: drop it at the next turn
     uses: StoreStats = field(default_factory=StoreStats)  # the experts its own tokens routed to
+    prefix: PrefixSession | None = None
 
 
 @dataclass
@@ -130,6 +134,7 @@ class _Run:
     cache: list | None  # its own cache while it prefills
     fed: int = 0  # tokens its cache has seen
     next_token: int = 0  # fed at the next decode step
+    history: list[int] = field(default_factory=list)  # the tokens its cache has seen (with a prefix cache)
 
 
 class BatchEngine:
@@ -162,8 +167,10 @@ class BatchEngine:
         settings: SamplingSettings,
         should_stop: Callable[[], bool] = lambda: False,
         summary: GenerationSummary | None = None,
+        prefix: PrefixSession | None = None,
     ) -> Iterator[Token]:
-        """`Generator.generate` for one request of a fresh conversation, run in the batch.
+        """`Generator.generate` for one request of a fresh conversation, run in the batch
+        (`prefix`: its row starts from a stored prefix, as `Generator.generate`'s does).
 
         Raises:
             ValueError: no prompt tokens.
@@ -181,7 +188,9 @@ class BatchEngine:
         summary = summary if summary is not None else GenerationSummary()
         if summary.routed is None:
             summary.routed = StoreStats()
-        seq = _Sequence(list(tokens), settings, should_stop, summary, time.perf_counter(), uses=summary.routed)
+        seq = _Sequence(
+            list(tokens), settings, should_stop, summary, time.perf_counter(), uses=summary.routed, prefix=prefix
+        )
         with self._cond:
             if self._closing:
                 raise ExpertmeshError("the node is stopping: no new generation")
@@ -278,8 +287,7 @@ class BatchEngine:
                     started.append(seq)
         for seq in started:
             sm = self.sm
-            seq.summary.prompt_tokens = len(seq.prompt)
-            sm.settle()  # what an earlier pass used is not this request's
+            sm.count_open()  # what an earlier pass used is not this request's
             before = sm.store.stats.snapshot()
             detok = sm.tokenizer.detokenizer  # a copy per caller
             detok.reset()
@@ -292,16 +300,18 @@ class BatchEngine:
                 functools.partial(_stopped, seq),
                 seq.t0,
             )
-            run = _Run(
-                seq,
-                book,
-                Decoder(seq.settings, seq.prompt, keyed=True),
-                before,
-                list(seq.prompt),
-                make_prompt_cache(sm.model),
-            )
+            cache, reused = seq.prefix.start() if seq.prefix is not None else (None, 0)
+            cache = cache if cache is not None else make_prompt_cache(sm.model)
+            decoder = Decoder(seq.settings, seq.prompt, keyed=True)
+            run = _Run(seq, book, decoder, before, seq.prompt[reused:], cache, fed=reused)
+            seq.summary.prompt_tokens, seq.summary.cached_tokens = len(run.todo), reused
+            if seq.prefix is not None:
+                seq.prefix.plan(cache)
+                run.history = seq.prompt[:reused]
             if sm.token_observer is not None:
-                sm.token_observer.prompt(len(seq.prompt))
+                sm.token_observer.prompt(len(run.todo))
+            if seq.prefix is not None:
+                observe_prefix(sm.token_observer, reused)
             self._prefilling.append(run)
 
     def _drop_leavers(self) -> None:
@@ -320,8 +330,11 @@ class BatchEngine:
         """One token for every row: one forward pass over the batch."""
         rows = self._rows
         tokens = mx.array([[r.next_token] for r in rows])
-        logits = self.sm.forward(tokens, self._cache, ledgers=[r.seq.uses for r in rows])[:, -1, :]
+        step = self.sm.forward(tokens, self._cache, ledgers=[r.seq.uses for r in rows])
+        step.commit()
+        logits = step.logits[:, -1, :]
         mx.eval(logits)
+        step.count_uses()  # the pass's uses are in its rows' ledgers before a token is handed out
         self.steps += 1
         observe = getattr(self.sm.token_observer, "batch", None)
         if observe is not None:
@@ -329,6 +342,8 @@ class BatchEngine:
         keep = []
         for i, run in enumerate(rows):
             run.fed += 1
+            if run.seq.prefix is not None:
+                run.history.append(run.next_token)
             if self._emit(run, logits[i : i + 1]):
                 keep.append(i)
         if len(keep) < len(rows):
@@ -338,28 +353,43 @@ class BatchEngine:
         """Feed up to `budget` of the run's prompt as `Generator._prefill` does (all but the last
         token in chunks, then the last alone, which gives the first token); returns tokens fed."""
         sm = self.sm
+        prefix = run.seq.prefix
         if len(run.todo) > 1:
             n = min(budget, len(run.todo) - 1)
+            mark = prefix.next_mark(run.fed) if prefix is not None else None
+            if mark is not None:  # a chunk ends at each checkpoint of the prompt
+                n = min(n, mark - run.fed)
             chunk, run.todo = run.todo[:n], run.todo[n:]
-            sm.forward(mx.array(chunk)[None], run.cache, ledgers=[run.seq.uses])
+            step = sm.forward(mx.array(chunk)[None], run.cache, ledgers=[run.seq.uses])
+            step.commit()
             mx.eval([c.state for c in run.cache or []])
+            step.count_uses()
             run.fed += n
+            if prefix is not None and run.cache is not None:
+                run.history += chunk
+                prefix.at(run.fed, run.history, run.cache)
             return n
-        logits = sm.forward(mx.array(run.todo)[None], run.cache, ledgers=[run.seq.uses])[:, -1, :]
+        if prefix is not None:
+            run.history += run.todo
+        step = sm.forward(mx.array(run.todo)[None], run.cache, ledgers=[run.seq.uses])
+        step.commit()
+        logits = step.logits[:, -1, :]
         run.fed, run.todo = run.fed + 1, []
         self._prefilling.remove(run)
-        if self._emit(run, logits):
+        if self._emit(run, logits, step):
             self._join(run)
         return 1
 
-    def _emit(self, run: _Run, logits: mx.array) -> bool:
+    def _emit(self, run: _Run, logits: mx.array, step: ForwardPass | None = None) -> bool:
         """Sample the run's next token from its (1, vocab) logits and hand it over; whether it
-        goes on (the same stops as `Generator._plain`, in the same order)."""
+        goes on (the same stops as `Generator._plain`, in the same order). `step`: the pass that
+        made them, if its uses are not counted yet."""
         logprobs = run.decoder.logprobs(logits)
         y = run.decoder.sample(logprobs)
         mx.eval(y, logprobs)
         run.decoder.fed(int(y))
-        self.sm.settle()  # the pass's uses are in its rows' ledgers before a token is handed out
+        if step is not None:
+            step.count_uses()  # the pass's uses are in its rows' ledgers before a token is handed out
         token = run.book.emit(int(y), logprobs.squeeze(0))
         if token is None:
             self._finish(run, "eos")
@@ -398,7 +428,7 @@ class BatchEngine:
     def _close_summary(self, run: _Run) -> None:
         summary = run.seq.summary
         summary.seconds = time.perf_counter() - run.seq.t0
-        self.sm.settle()  # the last pass's resident layers, into every ledger of that pass
+        self.sm.count_open()  # the last pass's resident layers, into every ledger of that pass
         experts = self.sm.store.stats.since(run.before)
         own = run.seq.uses.snapshot()  # the request's own expert uses, not its batch's (module docstring)
         experts.uses, experts.bytes, experts.fetch_seconds = own.uses, own.bytes, own.fetch_seconds
@@ -407,11 +437,26 @@ class BatchEngine:
 
     def _finish(self, run: _Run, reason: str) -> None:
         run.seq.summary.stop_reason = reason
+        if run.seq.prefix is not None and reason != "interrupted":
+            self._keep_prefix(run)
         detok = run.book.detok
         detok.finalize()
         run.seq.summary.trailing_text = detok.last_segment
         self._close_summary(run)
         run.seq.out.put(_Done())
+
+    def _keep_prefix(self, run: _Run) -> None:
+        """Hand the run's state at the end of its reply to the prefix cache: its own cache if it
+        never joined the batch, else its row taken out of the batch's (mlx-lm's `extract`)."""
+        prefix = run.seq.prefix
+        if prefix is None or len(run.history) != run.fed:
+            return
+        if run.cache is not None:
+            prefix.finish(run.history, run.cache)
+        elif self._cache is not None:
+            i = next((i for i, r in enumerate(self._rows) if r is run), None)  # by identity: runs hold arrays
+            if i is not None:
+                prefix.finish(run.history, [c.extract(i) for c in self._cache])
 
     def _fail(self, run: _Run, error: BaseException) -> None:
         logger.debug("a batched generation failed: %s", error)

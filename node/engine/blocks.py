@@ -16,14 +16,15 @@ mlx-lm sorts from 64 rows on. A token copies no resident expert.
 Two ways a layer runs:
 - resident: every expert of the layer is in a slot. The id -> slot map is an MLX array, so the
   layer runs without a host sync, as mlx-lm's does; its uses are counted once the pass has been
-  evaluated (`ExpertPass.settle`, which then reads the routing without waiting);
+  evaluated (`ForwardPass.count_uses`, which then reads the routing without waiting);
 - streamed: the block evaluates the routing (the one synchronisation of the layer, which the
   next layer's guess rides on), asks the store for the layer's distinct experts in one call
   (`layer_groups`), places the arrivals in slots and maps ids to slots on the host.
 
-A forward pass's context comes in explicitly: `ExpertPass` (given to the blocks by
-`StreamedModel.forward`) carries a batch's per-row ledgers, and the store's answer carries which
-tier served each expert.
+A forward pass's context comes in explicitly: the `ForwardPass` being built
+(engine/forward_pass.py, made by `StreamedModel.forward`) carries a batch's per-row ledgers and the
+next-layer guesses the MoE layers leave each other, and the store's answer carries which tier
+served each expert. A block reads and writes only the pass, never another block.
 
 What a block asks of the store and of remote execution is written down as two protocols,
 `BlockStore` and `RemoteExecution`: the store (node/store/store.py) and the household's
@@ -37,7 +38,6 @@ import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +47,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 from mlx_lm.utils import load_model
 
+from expertmesh.node.engine.forward_pass import building, count_by_row
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
 from expertmesh.node.model.codec import QuantSpec
@@ -99,32 +100,6 @@ class RemoteExecution(Protocol):
         ...
 
 
-@dataclass
-class ExpertPass:
-    """One forward pass of the model as its expert blocks see it.
-
-    `ledgers[r]` (a batch's, engine/batching.py) counts the experts batch row r's tokens routed
-    to, each under the tier that served it; rows are the leading dimension of the model's input.
-    Resident layers leave their routing here unread, to be counted by `settle` once the pass's
-    output has been evaluated.
-    """
-
-    ledgers: list[StoreStats] | None = None
-    unread: list[tuple[BlockStore, int, mx.array]] = field(default_factory=list)  # (store, layer, routing)
-
-    def settle(self) -> None:
-        """Count the uses of the layers that ran resident. After the pass's output is evaluated
-        their routings are too, and reading them waits for nothing."""
-        unread, self.unread = self.unread, []
-        for store, layer, indices in unread:
-            flat = np.array(indices).reshape(-1)
-            experts = np.unique(flat).tolist()
-            store.resident_uses(layer, experts)
-            if self.ledgers is not None:
-                served = {e: Served("ram", store.index.expert(layer, e).nbytes, 0.0) for e in experts}
-                _count_by_row(self.ledgers, flat, served)
-
-
 class _SlotQuantizedLinear(QuantizedSwitchLinear):
     """mlx-lm's `QuantizedSwitchLinear`, its stacked weights a RAM-tier pool's slots."""
 
@@ -157,11 +132,7 @@ class StreamingExperts(nn.Module):
     # Plain attributes (set with object.__setattr__ by `_set`), not parameters or child modules:
     _store: BlockStore | None
     _next: tuple[StreamingExperts, nn.Module] | None  # the next MoE layer's block and its parent MoE module
-    _predicting: bool  # while True, a call only records its routing
-    _predicted: mx.array | None
-    _guess: mx.array | None  # the next layer's routing guessed from this layer's input
     _remote: RemoteExecution | None  # set when peers can compute
-    expert_pass: ExpertPass | None  # the pass running now (StreamedModel.forward), if any
     _linears: dict[str, nn.Module] | None  # projection -> slot linear, made at the first compute
 
     def __init__(self, layer: int, path: str, original: SwitchGLU | SwitchMLP):
@@ -179,11 +150,7 @@ class StreamingExperts(nn.Module):
         self.num_experts = getattr(original, self.projections[0]).num_experts
         self._set("_store", None)
         self._set("_next", None)
-        self._set("_predicting", False)
-        self._set("_predicted", None)
-        self._set("_guess", None)
         self._set("_remote", None)
-        self._set("expert_pass", None)
         self._set("_linears", None)
 
     def _set(self, name: str, value: object) -> None:
@@ -210,7 +177,7 @@ class StreamingExperts(nn.Module):
 
     def runs_resident(self) -> bool:
         """Whether a call now runs without a sync: inside a pass, with every expert resident."""
-        return self.expert_pass is not None and self._store is not None and self._store.ram.resident(self.layer)
+        return building() is not None and self._store is not None and self._store.ram.resident(self.layer)
 
     def wants_guesses(self) -> bool:
         """Guess the next layer only where a guess can be fetched in time: this layer syncs (it
@@ -220,34 +187,33 @@ class StreamingExperts(nn.Module):
         return not self.runs_resident() and not self._next[0].runs_resident()
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        if self._predicting:  # a guess of this layer's routing: no experts needed, output unused
-            self._set("_predicted", indices)
+        step = building()
+        if step is not None and step.predicts(self.layer):  # a guess of this layer's routing: output unused
+            step.guesses[self.layer] = indices
             return mx.zeros((*indices.shape, self.output_dims), dtype=x.dtype)
         store = self._bound_store()
-        expert_pass = self.expert_pass
-        if expert_pass is not None and (slot_map := store.ram.slot_map(self.layer)) is not None:
+        nxt = self._next[0].layer if self._next is not None else None
+        guess = step.guesses.pop(nxt, None) if step is not None and nxt is not None else None
+        if step is not None and (slot_map := store.ram.slot_map(self.layer)) is not None:
             # every expert resident: no sync, the ids mapped on the device
-            self._set("_guess", None)
-            expert_pass.unread.append((store, self.layer, indices))
+            step.unread.append((store, self.layer, indices))
             store.stats.record_layer("resident")
             return self._switch(x, slot_map[indices])
-        guess = self._guess
-        self._set("_guess", None)
         mx.eval(indices, *([] if guess is None else [guess]))  # the one sync of this layer; the guess rides on it
         model_thread().between_layers()  # a peer's ComputeExperts waits one layer, not a generation
         flat = np.array(indices).reshape(-1)
         experts = np.unique(flat).tolist()
         next_guess: Guess | None = None
-        if guess is not None and self._next is not None:  # only a block with a next layer guesses
-            next_guess = (self._next[0].layer, np.unique(np.array(guess)).tolist())
+        if guess is not None and nxt is not None:  # only a block with a next layer guesses
+            next_guess = (nxt, np.unique(np.array(guess)).tolist())
         if self._remote is not None:  # some experts may run on the peers that hold them
             y, served = self._run_remote(self._remote, x, indices.shape[-1], flat, experts, next_guess)
         else:
             y, served = self._run_here(store, x, indices, flat, experts, next_guess)
         store.stats.record_layer("streamed")
-        ledgers = expert_pass.ledgers if expert_pass is not None else None
+        ledgers = step.ledgers if step is not None else None
         if ledgers is not None:
-            _count_by_row(ledgers, flat, served)
+            count_by_row(ledgers, flat, served)
         return y.reshape(*indices.shape, self.output_dims)
 
     # -- the kernels ----------------------------------------------------------------------------
@@ -377,19 +343,6 @@ class StreamingExperts(nn.Module):
         return y, served
 
 
-def _count_by_row(ledgers: list[StoreStats], flat: np.ndarray, served: dict[int, Served]) -> None:
-    """Count in each row's ledger the distinct experts its tokens routed to (`flat`: the layer's
-    routing, row after row), each under the tier that served it. A routing that does not split
-    into the rows (no architecture does so) counts the whole layer's experts for every row
-    rather than guessing."""
-    per_row, extra = divmod(len(flat), len(ledgers))
-    for r, ledger in enumerate(ledgers):
-        mine = flat if extra else flat[r * per_row : (r + 1) * per_row]
-        for e in np.unique(mine).tolist():
-            s = served[e]
-            ledger.record(s.source, s.nbytes, s.seconds)
-
-
 def _child(parent: nn.Module | list, part: str) -> nn.Module | list:
     """A module's child by one part of its dotted path: a list (mlx-lm's `layers`) is indexed."""
     return parent[int(part)] if isinstance(parent, list) else parent[part]
@@ -436,14 +389,20 @@ def _guessing_class(moe_class: type) -> type:
         class Guessing(moe_class):
             def __call__(self, x, *args, **kwargs):
                 block = self.__dict__.get("_expertmesh_block")
-                if block is not None and not block._predicting and block.wants_guesses():
+                step = building()
+                if (
+                    block is not None
+                    and step is not None
+                    and step.predicting is None
+                    and not step.routing_only
+                    and block.wants_guesses()
+                ):
                     next_block, next_moe = block._next
-                    next_block._set("_predicting", True)
+                    step.predicting = next_block.layer  # its block records the routing in the pass
                     try:
                         next_moe(x, *args, **kwargs)
                     finally:
-                        next_block._set("_predicting", False)
-                    block._set("_guess", next_block._predicted)
+                        step.predicting = None
                 return super().__call__(x, *args, **kwargs)
 
         Guessing.__name__ = Guessing.__qualname__ = f"Guessing{moe_class.__name__}"

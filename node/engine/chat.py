@@ -213,3 +213,25 @@ class ChatSession:
             # The next rendering marks the reply's control-token text as it marks any message's.
             marked = control_tokens(self.tokenizer).mark(fed_text)
             self._seen_text = rendered + marked if consistent else None
+
+
+def message_ends(tokenizer: Any, messages: list[dict], ids: list[int], tools: list[dict] | None = None) -> list[int]:
+    """Where each message ends in `ids` (the tokens of `messages` with the generation prompt): the
+    positions a prefix cache checkpoints a state that cannot trim at (engine/prefix_cache.py), so
+    a later turn or another conversation with the same system prompt resumes there. A template
+    that renders a message differently once others follow it gives the common part's end."""
+    import numpy as np
+
+    full = np.asarray(ids)
+    ends = []
+    for k in range(1, len(messages) + 1):
+        try:
+            head = np.asarray(chat_token_ids(tokenizer, messages[:k], add_generation_prompt=False, tools=tools))
+        except Exception:  # noqa: BLE001 - a template that refuses a partial conversation: no mark there
+            continue
+        n = min(len(head), len(full))
+        diff = np.flatnonzero(head[:n] != full[:n])
+        end = int(diff[0]) if len(diff) else n
+        if end:
+            ends.append(end)
+    return sorted(set(ends))

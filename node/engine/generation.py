@@ -32,10 +32,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import Sampler
 
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine.forward_pass import ForwardPass
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefix_cache import PrefixSession
 from expertmesh.node.engine.sampling import Decoder, SamplingSettings, TokenLogprobs, token_logprobs
 from expertmesh.node.engine.speculative import (
-    CacheRollback,
     Draft,
     DraftController,
     DraftSource,
@@ -85,6 +86,13 @@ def backend_error(error: BaseException, model_type: str | None) -> BaseException
     return error
 
 
+def observe_prefix(observer: TokenObserver | None, reused: int) -> None:
+    """A prefix cache lookup, to an observer that wants it (NodeMetrics' prompt_tokens_reused)."""
+    hook = getattr(observer, "prefix", None)
+    if hook is not None:
+        hook(reused)
+
+
 def observe_request(observer: TokenObserver | None, seconds: float) -> None:
     """The generation's whole time, to an observer that wants it (NodeMetrics' `request_seconds`)."""
     hook = getattr(observer, "request", None)
@@ -94,7 +102,10 @@ def observe_request(observer: TokenObserver | None, seconds: float) -> None:
 
 @dataclass
 class GenerationSummary:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens fed to the model
+    # prompt tokens the cache held, not fed: a stored prefix's (engine/prefix_cache.py), or a
+    # going conversation's earlier turns (`chat`)
+    cached_tokens: int = 0
     generated_tokens: int = 0
     time_to_first_token_s: float = 0.0  # the prompt's prefill and the first token
     seconds: float = 0.0  # the whole generation
@@ -134,9 +145,10 @@ class GenerationSummary:
                 f"; decode {self.decode_tokens_per_s:.2f} tokens/s "
                 f"({self.generated_tokens - 1} after the first in {self.decode_seconds:.2f} s)"
             )
+        reused = f" fed, {self.cached_tokens} reused from the cache" if self.cached_tokens else ""
         out = [
             f"{self.generated_tokens} tokens in {self.seconds:.2f} s: time to first token "
-            f"{self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens){decode}; "
+            f"{self.time_to_first_token_s:.2f} s ({self.prompt_tokens} prompt tokens{reused}){decode}; "
             f"stopped by {self.stop_reason}"
         ]
         parts = [
@@ -272,19 +284,31 @@ class Generator:
     def reset(self) -> None:
         self.cache = model_thread().call(make_prompt_cache, self.sm.model)
         self.history: list[int] = []  # exactly the tokens the cache has seen
+        self._prefix: PrefixSession | None = None  # the prefix cache's part in the generation under way
 
-    def _forward(self, tokens: list[int]) -> mx.array:
-        logits = self.sm.forward(mx.array(tokens)[None], self.cache)
+    def _forward(self, tokens: list[int], rollback: bool = False) -> ForwardPass:
+        step = self.sm.forward(mx.array(tokens)[None], self.cache, rollback=rollback)
         self.history.extend(tokens)
-        return logits
+        return step
 
-    def _prefill(self, tokens: list[int]) -> mx.array:
-        """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone."""
+    def _prefill(self, tokens: list[int]) -> ForwardPass:
+        """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone; returns
+        the last pass (its logits give the first token)."""
         while len(tokens) > 1:
-            chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1) :]
-            self._forward(chunk)
+            n = min(PREFILL_STEP, len(tokens) - 1)
+            mark = self._prefix.next_mark(len(self.history)) if self._prefix is not None else None
+            if mark is not None:  # a chunk ends at each checkpoint of the prompt
+                n = min(n, mark - len(self.history))
+            chunk, tokens = tokens[:n], tokens[n:]
+            step = self._forward(chunk)
             mx.eval([c.state for c in self.cache])
-        return self._forward(tokens)
+            step.commit()
+            step.count_uses()
+            if self._prefix is not None:
+                self._prefix.at(len(self.history), self.history, self.cache)
+        step = self._forward(tokens)
+        step.commit()  # the tokens are the prompt's: they stay
+        return step
 
     def _plain(self, tokens: list[int], book: _TokenBook, decoder: Decoder) -> Iterator[Token]:
         """One token per forward pass, exactly mlx-lm's `generate_step`.
@@ -298,12 +322,12 @@ class Generator:
         summary, limit = book.summary, self.sm.max_context
         sampler = decoder.sample
         max_tokens = book.settings.max_tokens
-        rollback = CacheRollback(self.cache)
         gives_back = rolls_back_cheaply(self.cache) and not decoder.processors  # fixed for the generation
-        logprobs = decoder.logprobs(self._prefill(list(tokens))[:, -1, :])
+        step = self._prefill(list(tokens))
+        logprobs = decoder.logprobs(step.logits[:, -1, :])
         y = sampler(logprobs)
-        fed_ahead = False  # whether `y` is already fed, in the pass built ahead
-        in_history = False  # ...and, once read, in `self.history`
+        ahead: ForwardPass | None = None  # the pass feeding `y`, built before `y` was read
+        in_history = False  # whether `y`, fed ahead, is in `self.history` yet
         try:
             for n in range(max_tokens):
                 if (
@@ -313,17 +337,16 @@ class Generator:
                     and book.settings.constraint is None  # its mask needs this token first
                     and self._builds_ahead()
                 ):
-                    rollback.snapshot()
-                    next_logprobs = decoder.logprobs(self.sm.forward(y[None], self.cache, ahead=True)[:, -1, :])
+                    ahead = self.sm.forward(y[None], self.cache, rollback=True)
+                    next_logprobs = decoder.logprobs(ahead.logits[:, -1, :])
                     next_y = sampler(next_logprobs)
                     mx.async_eval(next_y, next_logprobs)
-                    fed_ahead = True
                     summary.passes_built_ahead += 1
                 mx.eval(y, logprobs)
-                self.sm.settle(keep_latest=fed_ahead)  # the pass's uses are counted before its token is handed out
+                step.count_uses()  # the pass's uses are counted before its token is handed out
                 tok = int(y)
                 decoder.fed(tok)
-                if fed_ahead:
+                if ahead is not None:
                     self.history.append(tok)
                     in_history = True
                 token = book.emit(tok, logprobs.squeeze(0))
@@ -335,21 +358,23 @@ class Generator:
                 if stop is not None:
                     summary.stop_reason = stop
                     return
-                if limit is not None and len(self.history) + (0 if fed_ahead else 1) >= limit:
+                if limit is not None and len(self.history) + (0 if ahead is not None else 1) >= limit:
                     summary.stop_reason = "context"
                     return
-                if fed_ahead:
-                    rollback.keep(1, 1)  # fed for good: the snapshot can go
-                    y, logprobs, fed_ahead, in_history = next_y, next_logprobs, False, False
+                if ahead is not None:  # its token is fed for good: it is the pass to read next
+                    ahead.commit()
+                    step, ahead, in_history = ahead, None, False
+                    y, logprobs = next_y, next_logprobs
                 else:
-                    logprobs = decoder.logprobs(self._forward([token.id])[:, -1, :])
+                    step = self._forward([token.id])
+                    step.commit()
+                    logprobs = decoder.logprobs(step.logits[:, -1, :])
                     y = sampler(logprobs)
         finally:
-            if fed_ahead:  # stopped (or closed) with the next pass built: it never was
-                rollback.keep(1, 0)
+            if ahead is not None:  # stopped (or closed) with the next pass built: it never was
+                ahead.discard()
                 if in_history:
                     self.history.pop()
-                self.sm.discard_latest()
 
     def _builds_ahead(self) -> bool:
         """Whether the next pass can be built while this one computes (asked every token: what is
@@ -372,26 +397,27 @@ class Generator:
         """
         summary, settings = book.summary, book.settings
         stats = summary.speculation = SpeculationStats()
-        rollback = CacheRollback(self.cache)
         limit = self.sm.max_context
         todo: list[int] = []  # the pass in flight fed `todo` and `draft.tokens`
         draft = Draft([])
         out: list[int] = []  # tokens of the pass in flight yielded so far
-        settled = True  # whether the cache has been fixed up after the pass in flight
+        step: ForwardPass | None = None  # the pass in flight (None: the prompt's, committed)
+        reading = False  # whether its tokens are being handed out (it is not committed yet)
         eos_stop = False
 
-        def settle() -> list[int]:
-            """Keep in the cache what the pass in flight must leave; returns the new `todo`."""
+        def commit_accepted() -> list[int]:
+            """Commit of the pass in flight what the cache must keep; returns the new `todo`."""
             fed = len(todo) + len(draft.tokens)
             keep = len(todo) + len(out) - (0 if eos_stop else 1)
             start = len(self.history) - fed
             pass_tokens = self.history[start:]
-            kept = rollback.keep(fed, keep) if fed else 0
+            kept = step.commit(keep) if step is not None else 0
             del self.history[start + kept :]
             return pass_tokens[kept:keep] + ([] if eos_stop or not out else [out[-1]])
 
         try:
-            logits = self._prefill(list(tokens))[0, -1:]
+            first = self._prefill(list(tokens))  # committed; its uses are counted with the first token
+            logits = first.logits[0, -1:]
             rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             while True:
                 k = len(draft.tokens)
@@ -407,8 +433,8 @@ class Generator:
                     y = sampler(rows[:1])  # exactly the plain path's step
                     mx.eval(y)
                     j, nxt = 0, int(y)
-                self.sm.settle()  # the pass's uses are counted before its tokens are handed out
-                out, settled, stop = [], False, None
+                (step or first).count_uses()  # the pass's uses are counted before its tokens are handed out
+                out, stop, reading = [], None, True
                 for i, tok in enumerate([*draft.tokens[:j], nxt]):
                     token = book.emit(tok, rows[i])
                     if token is None:
@@ -421,7 +447,7 @@ class Generator:
                     if stop is not None:
                         break
                 eos_stop = stop == "eos"
-                todo, draft, settled = settle(), Draft([]), True
+                todo, step, draft, reading = commit_accepted(), None, Draft([]), False
                 if stop is not None:
                     summary.stop_reason = stop
                     break
@@ -434,17 +460,16 @@ class Generator:
                 k = min(ctl.draft_length(stats.generated), max(0, room))
                 if k:
                     draft = source.propose(self.history + todo, k, settings.temp, settings.top_p)
-                if draft.tokens:
-                    rollback.snapshot()
-                logits = self._forward(todo + draft.tokens)[0, len(todo) - 1 :]
+                step = self._forward(todo + draft.tokens, rollback=bool(draft.tokens))
+                logits = step.logits[0, len(todo) - 1 :]
                 stats.passes += 1
                 rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         finally:
-            if not settled and out:  # the caller stopped consuming in the middle of a pass
-                todo = settle()
+            if reading and out:  # the caller stopped consuming in the middle of a pass
+                todo = commit_accepted()
             flush = todo if eos_stop else todo[:-1]
             if flush:
-                self._forward(flush)
+                self._forward(flush).commit()
                 mx.eval([c.state for c in self.cache])
                 stats.passes += 1
             self.speculation_stats.add(stats)
@@ -455,8 +480,13 @@ class Generator:
         settings: SamplingSettings,
         should_stop: Callable[[], bool] = lambda: False,
         summary: GenerationSummary | None = None,
+        prefix: PrefixSession | None = None,
     ) -> Iterator[Token]:
         """Feed `tokens` after what the cache holds and yield new tokens as they are made.
+
+        `prefix` (a fresh conversation's only: engine/prefix_cache.py) starts from the stored
+        state holding the longest prefix of `tokens`, checkpoints the prompt where it says, and
+        keeps the state at the end; `summary.cached_tokens` says how many tokens were not fed.
 
         The last token yielded is not fed back (there is nothing to predict after it); the next
         call's tokens follow it. `summary`, if given, is filled in as generation goes. Each step
@@ -465,7 +495,7 @@ class Generator:
         Raises:
             ContextLengthError: the conversation would not fit the model's context.
         """
-        yield from model_thread().iterate(self._generate(tokens, settings, should_stop, summary))
+        yield from model_thread().iterate(self._generate(tokens, settings, should_stop, summary, prefix))
 
     def _generate(
         self,
@@ -473,32 +503,48 @@ class Generator:
         settings: SamplingSettings,
         should_stop: Callable[[], bool],
         summary: GenerationSummary | None,
+        prefix: PrefixSession | None = None,
     ) -> Iterator[Token]:
         """`generate`'s steps, on the MLX thread."""
         if not tokens:
             raise EmptyPromptError("nothing to generate from: the prompt has no tokens")
+        summary = summary if summary is not None else GenerationSummary()
+        if prefix is not None:
+            if self.history:
+                raise ValueError("a prefix cache serves a fresh conversation only")
+            cache, reused = prefix.start()
+            if cache is not None:
+                self.cache, self.history = cache, list(tokens[:reused])
+            tokens = tokens[reused:]
+            summary.cached_tokens = reused
+            prefix.plan(self.cache)
+        else:  # a conversation that goes on (`chat`) reuses what its cache holds
+            summary.cached_tokens = len(self.history)
+        self._prefix = prefix
         limit = self.sm.max_context
         if limit is not None and len(self.history) + len(tokens) >= limit:
             raise ContextLengthError(
                 f"the prompt is {len(self.history) + len(tokens)} tokens and this model's "
                 f"context is {limit}{_context_source(self.sm)}: it leaves no room for an answer; shorten it"
             )
-        summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
         decoder = Decoder(settings, tokens)
         if settings.seed is not None:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
         detok = self.sm.tokenizer.detokenizer
         detok.reset()
-        self.sm.settle()  # what an earlier pass used is not this generation's
+        self.sm.count_open()  # what an earlier pass used is not this generation's
         before = self.sm.store.stats.snapshot()
         core_before = self.sm.core_read_bytes()
         t0 = time.perf_counter()
         if self.observer is not None:
             self.observer.prompt(len(tokens))
+        if prefix is not None:
+            observe_prefix(self.observer, summary.cached_tokens)
         book = _TokenBook(
             summary, settings, self.observer, set(self.sm.tokenizer.eos_token_ids), detok, should_stop, t0
         )
+        failed = False
         try:
             try:
                 # Verification reproduces temperature and top-p over the model's own distribution
@@ -520,8 +566,14 @@ class Generator:
                 raise clear from None
             detok.finalize()
             summary.trailing_text = detok.last_segment
+        except BaseException as e:
+            failed = not isinstance(e, GeneratorExit)  # a reader that stopped leaves the cache whole
+            raise
         finally:
-            self.sm.settle()  # the last pass's resident layers: evaluated by now, counted now
+            self._prefix = None
+            if prefix is not None and not failed:
+                prefix.finish(self.history, self.cache)
+            self.sm.count_open()  # the last pass's resident layers: evaluated by now, counted now
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
             summary.core_read_bytes = self.sm.core_read_bytes() - core_before

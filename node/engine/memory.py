@@ -173,6 +173,7 @@ class MemoryPlan:
     core_label: str = "bf16"
     split: StreamSplit | None = None  # how a streamed core spends its budget
     over_bytes: int = 0  # how far a RAM budget given as a size goes beyond what the core leaves
+    prefix_cache_bytes: int = 0  # states of earlier prompts kept for reuse (engine/prefix_cache.py)
 
     @property
     def streamed(self) -> bool:
@@ -200,7 +201,13 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.core_memory_bytes + self.context_bytes + self.in_flight_bytes + self.ram_budget_bytes
+        return (
+            self.core_memory_bytes
+            + self.context_bytes
+            + self.prefix_cache_bytes
+            + self.in_flight_bytes
+            + self.ram_budget_bytes
+        )
 
     def parts(self) -> str:
         """The plan in one line's words: "core 4-bit 32.85 GB, context 32k 1.36 GB, RAM tier ..."."""
@@ -211,6 +218,8 @@ class MemoryPlan:
                 f"({self.split.pinned} layers kept, {format_size(self.split.read_bytes_per_token)} read a token)"
             )
         context = f"context {_tokens(self.max_context)} {format_size(self.context_bytes)}, " if self.max_context else ""
+        if self.prefix_cache_bytes:
+            context += f"prefix cache {format_size(self.prefix_cache_bytes)}, "
         return (
             f"{core}, {context}RAM tier {format_size(self.ram_tier_bytes)}, MLX cache "
             f"{format_size(self.buffer_cache_bytes)}, fetch buffers {format_size(self.in_flight_bytes)}: "
@@ -226,6 +235,7 @@ class MemoryPlan:
             "core_held_bytes": self.core_memory_bytes,
             "core_read_bytes_per_token": self.split.read_bytes_per_token if self.split else 0,
             "context_bytes": self.context_bytes,
+            "prefix_cache_bytes": self.prefix_cache_bytes,
             "max_context": self.max_context,
             "ram_tier_bytes": self.ram_tier_bytes,
             "buffer_cache_bytes": self.buffer_cache_bytes,
@@ -254,6 +264,7 @@ def plan_memory(
     context_bytes: int = 0,
     max_context: int | None = None,
     core_budget: str | None = None,
+    prefix_cache_bytes: int = 0,
 ) -> MemoryPlan:
     """The core held whole or streamed, and the RAM tier and buffer cache for `ram_budget` (a
     size, or a share of what the core, the context and the fetch buffers leave).
@@ -272,6 +283,7 @@ def plan_memory(
     limit = device.limit_bytes
     in_flight = 2 * fetch_workers * expert_bytes  # each worker's expert as bytes and as arrays
     explicit_ram = None if ram_budget.strip().endswith("%") else parse_budget(ram_budget, 0)
+    context_bytes += prefix_cache_bytes  # conversation state, kept and live, comes before the core
     room = limit - context_bytes - in_flight  # what the core may take: it comes before the RAM tier
     held = None
     split = None
@@ -303,12 +315,13 @@ def plan_memory(
         budget - cache,
         cache,
         in_flight,
-        context_bytes,
+        context_bytes - prefix_cache_bytes,
         max_context,
         held,
         layout.label,
         split,
         over,
+        prefix_cache_bytes,
     )
 
 

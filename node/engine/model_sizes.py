@@ -137,16 +137,15 @@ class ModelSizes:
     def _probe(self) -> tuple:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from expertmesh.node.engine.blocks import streaming_blocks
+        from expertmesh.node.engine.forward_pass import ForwardPass
 
         try:
             model = self._model()
-            for block in streaming_blocks(model):
-                block._set("_predicting", True)  # routing recorded, no expert needed: nothing computes
             sizes = []
             for n in PROBE_TOKENS:
                 cache = make_prompt_cache(model)
-                model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
+                with ForwardPass(routing_only=True).build():  # routing recorded, no expert needed: nothing computes
+                    model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
                 sizes.append([(_state_bytes(c), getattr(c, "max_size", None), getattr(c, "step", 1)) for c in cache])
         except Exception as e:  # noqa: BLE001 - an architecture the probe cannot drive: said, not fatal
             logger.warning("the context's memory could not be computed for this model (%s: %s)", type(e).__name__, e)
@@ -197,6 +196,7 @@ class Planner:
     core_budget: str | None = None
     core_bits: int = 16
     pulled_bits: int | None = None
+    prefix_cache_bytes: int = 0
 
     def plan(
         self, layout: CoreLayout | None = None, max_context: int | None = None, ram_budget: str | None = None
@@ -216,6 +216,7 @@ class Planner:
             context_bytes=self.sizes.context_bytes(context) or 0,
             max_context=context,
             core_budget=self.core_budget,
+            prefix_cache_bytes=self.prefix_cache_bytes,
         )
 
     def _fits(

@@ -360,13 +360,13 @@ class DraftController:
 _ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache)
 
 
-def _hold(value):
+def hold(value):
     """`value` as it is now, for later: an MLX array is held through a fresh graph node, so a
     layer writing into the live array in place (`keys[..., i:j, :] = ...`) cannot change it."""
     if isinstance(value, mx.array):
         return mx.stop_gradient(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_hold(v) for v in value)
+        return type(value)(hold(v) for v in value)
     return value
 
 
@@ -377,8 +377,8 @@ def _save(cache):
     if isinstance(cache, CacheList):
         return [_save(c) for c in cache.caches]
     if isinstance(cache, ArraysCache):
-        return [_hold(a) for a in cache.cache]
-    return {k: _hold(v) for k, v in vars(cache).items()}
+        return [hold(a) for a in cache.cache]
+    return {k: hold(v) for k, v in vars(cache).items()}
 
 
 def _undo(cache, saved, fed: int) -> None:

@@ -16,7 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from expertmesh.node.engine.blocks import ExpertPass, StreamingExperts
+from expertmesh.node.engine.blocks import StreamingExperts
+from expertmesh.node.engine.forward_pass import ForwardPass
+from expertmesh.node.engine.speculative import CacheRollback
 from expertmesh.node.errors import DamagedModelError, UnsupportedModelError
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.codec import ExpertCodec
@@ -43,7 +45,8 @@ class TokenObserver(Protocol):
     def speculative(self, drafted: int, accepted: int) -> None: ...
 
     # optional (looked up with getattr, so an observer may leave them out):
-    # request(seconds) once per generation at its end; batch(size) per batched decode step
+    # request(seconds) once per generation at its end; batch(size) per batched decode step;
+    # prefix(reused) once per generation that looked for a stored prefix of its prompt
 
 
 @dataclass
@@ -66,8 +69,8 @@ class StreamedModel:
     _store: ExpertStore | None = field(default=None, repr=False)  # once bound
     _disk: DiskCache | None = field(default=None, repr=False)
     _close: Callable[[], None] | None = field(default=None, repr=False)
-    # forward passes not settled yet, oldest first: the last one, or two while a pass is built ahead
-    _passes: list[ExpertPass] = field(default_factory=list, repr=False)
+    # forward passes whose uses are not counted yet, oldest first (two while a pass is built ahead)
+    _open: list[ForwardPass] = field(default_factory=list, repr=False)
 
     @property
     def model_context(self) -> int | None:
@@ -112,48 +115,35 @@ class StreamedModel:
         return self
 
     def forward(
-        self, inputs: mx.array, cache: list | None, ledgers: list[StoreStats] | None = None, ahead: bool = False
-    ) -> mx.array:
-        """mlx-lm's forward pass of `inputs` (lazy logits), its expert uses counted: in the store,
-        and with `ledgers` (a batch's: one StoreStats per row of `inputs`) per row too. Layers
-        whose experts are all resident run without a sync; their uses are counted when the pass
-        is settled: by `settle`, which a caller calls once the logits are evaluated and before it
-        hands out a token (so a token's uses are counted with it), or else by the next `forward`.
+        self, inputs: mx.array, cache: list | None, ledgers: list[StoreStats] | None = None, rollback: bool = False
+    ) -> ForwardPass:
+        """mlx-lm's forward pass of `inputs` (its logits lazy, in `.logits`), its expert uses
+        counted: in the store, and with `ledgers` (a batch's: one StoreStats per row of `inputs`)
+        per row too. Layers whose experts are all resident run without a sync; their uses are
+        counted by the pass's `count_uses`, which a caller calls once the logits are evaluated
+        and before it hands out a token (so a token's uses are counted with it).
 
-        `ahead`: the pass is built while the one before it is still computing (mlx-lm's
-        `generate_step` overlaps them so; engine/generation.py), so the one before is left
-        unsettled: settling it here would wait for it. MLX thread only."""
-        if not ahead:
-            self.settle()
-        expert_pass = ExpertPass(ledgers)
-        self._passes.append(expert_pass)
-        for block in self.blocks:
-            block._set("expert_pass", expert_pass)
-        return self.model(inputs, cache=cache)
+        `rollback`: the pass keeps what puts `cache` back as it was before it, so `discard()`
+        (or `commit(keep)`) can take its tokens out again where a trim cannot. Nothing here
+        waits for an earlier pass: one may be built while the one before still computes
+        (engine/generation.py does, as mlx-lm's `generate_step`). MLX thread only."""
+        saved = CacheRollback(cache) if cache is not None else None
+        if rollback and saved is not None:
+            saved.snapshot()
+        step = ForwardPass(ledgers=ledgers, rollback=saved, fed=int(inputs.shape[-1]), _open=self._open)
+        self._open.append(step)
+        with step.build():
+            step.output = self.model(inputs, cache=cache)
+        return step
 
-    def settle(self, keep_latest: bool = False) -> None:
-        """Count the expert uses of the forward passes not counted yet; call it once their output
-        is evaluated (before reading the store's counters), else reading them syncs.
-        `keep_latest`: all but the last pass, the one built ahead and still computing."""
-        done = self._passes[:-1] if keep_latest else self._passes
-        self._passes = self._passes[len(done) :]
-        if not self._passes:
-            for block in self.blocks:
-                block._set("expert_pass", None)
-        for expert_pass in done:
+    def count_open(self) -> None:
+        """Count the uses of every pass not counted yet; call it once their output is evaluated
+        (a generation does at its start and its end), else reading them syncs."""
+        for step in list(self._open):
             try:
-                expert_pass.settle()
+                step.count_uses()
             except RuntimeError:  # MLX could not evaluate the pass (it failed): its uses go uncounted
                 logger.debug("a pass's resident expert uses were not counted", exc_info=True)
-
-    def discard_latest(self) -> None:
-        """Forget the last pass uncounted: it was built ahead for a token that is never handed
-        out (generation stopped), so its uses are no token's."""
-        if self._passes:
-            self._passes.pop()
-        if not self._passes:
-            for block in self.blocks:
-                block._set("expert_pass", None)
 
     def all_resident(self) -> bool:
         """Whether every expert of every MoE layer is in a RAM-tier slot (a pass then syncs once)."""

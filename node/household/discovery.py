@@ -47,7 +47,7 @@ DEFAULT_CLUSTER = "home"
 RESOLVE_TIMEOUT_MS = 3000
 RESOLVE_WORKERS = 4  # threads that resolve (and prove) advertisements, however many names arrive
 MAX_PENDING = 256  # names waiting for a worker; more are dropped (a flood of invented names)
-SETTLE_LIMIT_S = 10.0  # the longest `settle` waits
+RESOLVE_LIMIT_S = 10.0  # the longest `wait_resolved` waits
 # After a goodbye for a member's name, the pauses before each check that it really left. mDNS
 # goodbyes carry no proof (anyone on the LAN can send one for any name), so a member that still
 # proves itself and says SERVING through all of them stays; a node that leaves stops its gRPC
@@ -222,9 +222,9 @@ class Browser:
         if not self._closed:
             self._on_change(name, None)
 
-    def settle(self) -> None:
-        """Wait for the resolutions queued and under way (SETTLE_LIMIT_S at most)."""
-        deadline = time.monotonic() + SETTLE_LIMIT_S
+    def wait_resolved(self) -> None:
+        """Wait for the resolutions queued and under way (RESOLVE_LIMIT_S at most)."""
+        deadline = time.monotonic() + RESOLVE_LIMIT_S
         with self._cond:
             while (self._pending or self._busy) and not self._closed:
                 left = deadline - time.monotonic()
@@ -496,8 +496,8 @@ class Discovery:
         self.table.remove(node_id)
         logger.info("peer %s left", node_id)
 
-    def settle(self) -> None:
-        self.browser.settle()
+    def wait_resolved(self) -> None:
+        self.browser.wait_resolved()
 
     def close(self) -> None:
         self._stopping.set()

@@ -38,7 +38,7 @@ def browse(table: PeerTable, cluster: str, interface: str | None, seconds: float
     browser = Browser(seen, [interface] if interface else None)
     try:
         done.wait(seconds)
-        browser.settle()
+        browser.wait_resolved()
     finally:
         browser.close()
 

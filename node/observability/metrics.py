@@ -340,6 +340,19 @@ class NodeMetrics:
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens fed to the model.", registry=self.registry
         )
+        self.prompt_tokens_reused = Counter(
+            PREFIX + "prompt_tokens_reused",
+            "Prompt tokens a stored prefix held (node/engine/prefix_cache.py), so not fed to the model.",
+            registry=self.registry,
+        )
+        self.prefix_lookups = Counter(
+            PREFIX + "prefix_cache_lookups",
+            "Generations that looked for a stored prefix of their prompt: found one (hit) or not (miss).",
+            labelnames=["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("hit", "miss"):
+            self.prefix_lookups.labels(outcome)
         self.generations = Counter(PREFIX + "generations", "Generations started.", registry=self.registry)
         self.token_seconds = Histogram(
             PREFIX + "token_seconds",
@@ -397,6 +410,11 @@ class NodeMetrics:
     def prompt(self, tokens: int) -> None:
         self.generations.inc()
         self.prompt_tokens.inc(tokens)
+
+    def prefix(self, reused: int) -> None:
+        """A generation looked for a stored prefix of its prompt; `reused` tokens were held (0: none)."""
+        self.prefix_lookups.labels("hit" if reused else "miss").inc()
+        self.prompt_tokens_reused.inc(reused)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

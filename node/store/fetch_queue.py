@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from expertmesh.node.errors import settled
+from expertmesh.node.errors import without_locals
 from expertmesh.node.fetching import FetchContext, Priority
 from expertmesh.node.store.flights import Flights
 from expertmesh.node.store.stats import ExpertKey
@@ -82,7 +82,7 @@ class FetchQueue:
             try:
                 fetched, error = self._fetch_one(key, ctx=FetchContext(priority, abandon)), None
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                fetched, error = None, settled(e)
+                fetched, error = None, without_locals(e)
             if self.flights.fetched(key, fetched, error):
                 return
             priority = Priority.DEMAND  # a demand came as the guess gave up: fetched to the end for it
@@ -91,7 +91,7 @@ class FetchQueue:
         try:
             results = self._fetch_run(list(keys), ctx=FetchContext(Priority.DEMAND))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            results = [settled(e)] * len(keys)
+            results = [without_locals(e)] * len(keys)
         self.flights.fetched_run(keys, results)
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:

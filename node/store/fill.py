@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from expertmesh.node.errors import Abandoned, settled
+from expertmesh.node.errors import Abandoned, without_locals
 from expertmesh.node.fetching import FetchContext, Priority
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.flights import Flights
@@ -179,7 +179,7 @@ class IdleFill:
                 else r
                 for k, r in zip(run, results)
             ]
-            going_on = self._settle(run, futs, results)
+            going_on = self._hand_out(run, futs, results)
             del futs, results  # nothing of this run stays referenced while the thread waits
             if not going_on:
                 return
@@ -187,12 +187,12 @@ class IdleFill:
     def _finish_abandoned(self, run: list[ExpertKey], futs: list, results: list) -> tuple[list, list, list]:
         """Fills that gave their link up: one a demand came for meanwhile is fetched now, for it;
         the others are released (their futures fail, nobody waits) and tried again later."""
-        done = []  # (key, future, result) still to settle
+        done = []  # (key, future, result) still to hand out
         for key, fut, result in zip(run, futs, results):
             if not isinstance(result, Abandoned):
                 done.append((key, fut, result))
             elif self.flights.release_fill_unless_demanded(key):
-                fut.set_exception(settled(result))
+                fut.set_exception(without_locals(result))
                 with self._lock:
                     self._retry.append(key)
                     self._note_done()
@@ -205,13 +205,13 @@ class IdleFill:
                 done.append((key, fut, fetched))
         return [d[0] for d in done], [d[1] for d in done], [d[2] for d in done]
 
-    def _settle(self, run: list[ExpertKey], futs: list, results: list) -> bool:
+    def _hand_out(self, run: list[ExpertKey], futs: list, results: list) -> bool:
         """Hand each result to whoever joined; False when the disk kept nothing (fill stops)."""
         kept = True
         for key, fut, result in zip(run, futs, results):
             if isinstance(result, BaseException):
                 logger.debug("filling expert %s failed: %s", key, result)
-                fut.set_exception(settled(result))
+                fut.set_exception(without_locals(result))
                 continue
             fut.set_result(result)
             if result.source != "disk" and key not in self.disk:

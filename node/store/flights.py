@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
-from expertmesh.node.errors import Abandoned, DownloadError, settled
+from expertmesh.node.errors import Abandoned, DownloadError, without_locals
 from expertmesh.node.fetching import Priority
 from expertmesh.node.store.stats import ExpertKey
 from expertmesh.node.store.tier_chain import Fetched
@@ -262,7 +262,7 @@ class Flights:
             self._forget_if_over(rec)
             return fetched
 
-    def settle(self, layer: int, demanded: set[int]) -> tuple[int, int]:
+    def judge_guesses(self, layer: int, demanded: set[int]) -> tuple[int, int]:
         """`layer`'s pass has come and wants `demanded`: its pending guesses are used or wasted.
         A wasted guess that arrived is let go; one in flight gives its link up when it can (a
         queued one is no longer held back, so it starts and gives up at once, or is fetched
@@ -493,6 +493,6 @@ def _shares(may_share: Callable[[], bool] | None) -> bool:
 
 def _resolve(fut: Future, fetched: Fetched | None, error: BaseException | None) -> None:
     if error is not None:
-        fut.set_exception(settled(error))
+        fut.set_exception(without_locals(error))
     else:
         fut.set_result(fetched)

@@ -139,10 +139,10 @@ class Prefetcher:
             self.stats.record_prefetch("ready")
         return fetched
 
-    def settle(self, layer: int, demanded: set[int]) -> None:
+    def judge_guesses(self, layer: int, demanded: set[int]) -> None:
         """This layer's pass is here: its guess is judged, and its fetched guesses were used or wasted."""
         self.accuracy.judge(layer, demanded)
-        used, wasted = self.flights.settle(layer, demanded)
+        used, wasted = self.flights.judge_guesses(layer, demanded)
         if used:
             self.stats.record_prefetch("used", used)
         if wasted:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from expertmesh.node.errors import settled
+from expertmesh.node.errors import without_locals
 
 
 class PriorityPool:
@@ -80,7 +80,7 @@ class PriorityPool:
             try:
                 fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(settled(e))
+                fut.set_exception(without_locals(e))
 
     def shutdown(self) -> None:
         """Fail what is queued (its waiters wake with an error instead of waiting forever), let

@@ -244,13 +244,13 @@ class ExpertStore:
             group.let_go()
 
     def _begin_layer(self, layer: int, experts: list[int], record: bool, own_pass: bool = True) -> None:
-        """A layer is asked for: generation is on (fill), its routing is traced, its guesses settle."""
+        """A layer is asked for: generation is on (fill), its routing is traced, its guesses are judged."""
         if self.fill is not None:
             self.fill.touch()
         if self.trace is not None and record:
             self.trace.record(layer, experts)
         if own_pass:
-            self.prefetcher.settle(layer, set(experts))
+            self.prefetcher.judge_guesses(layer, set(experts))
 
     def resident_uses(self, layer: int, experts: list[int]) -> None:
         """Count uses of `layer`'s experts that ran from their slots without asking the store: a

@@ -53,7 +53,7 @@ def even_bias(scores: np.ndarray, top_k: int, steps: int = STEPS) -> np.ndarray:
     """A per-expert bias under which top-k of (scores + bias) picks every expert about equally.
 
     A proportional form of DeepSeek-V3's sign update: each step moves an expert's bias by its
-    relative under- or over-load, with a step that shrinks so the loads settle.
+    relative under- or over-load, with a step that shrinks so the loads converge.
     """
     positions, experts = scores.shape
     share = positions * top_k / experts

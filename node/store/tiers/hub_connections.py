@@ -49,7 +49,7 @@ class AdaptiveConnections:
         self._last = 0.0  # when its last piece ended
         self._before: float | None = None  # what the connections carried together at the count before
         self._previous = self.start  # the count before
-        self.settled = self.most == self.start  # no larger count left to try
+        self.converged = self.most == self.start  # no larger count left to try
 
     @property
     def allowed(self) -> int:
@@ -59,7 +59,7 @@ class AdaptiveConnections:
         """A piece of `nbytes` finished in `seconds` at `ended_at` (monotonic; default now),
         `busy_at_start` pieces in flight (itself included) when it started. Returns the new count
         when it changes, else None."""
-        if self.settled or seconds <= 0 or nbytes <= 0:
+        if self.converged or seconds <= 0 or nbytes <= 0:
             return None
         ended_at = time.monotonic() if ended_at is None else ended_at
         with self._lock:
@@ -76,10 +76,10 @@ class AdaptiveConnections:
             total = self._bytes / (self._last - self._since)
             self._pieces, self._bytes, self._since, self._last = 0, 0, None, 0.0
             if self._before is not None and total < (1 + GAIN) * self._before:
-                self.settled = True  # the link was full at the count before
+                self.converged = True  # the link was full at the count before
                 self._allowed = self._previous
                 return self._allowed
             self._before, self._previous = total, self._allowed
             self._allowed = min(self.most, math.ceil(self._allowed * GROW))
-            self.settled = self._allowed == self.most
+            self.converged = self._allowed == self.most
             return self._allowed
