@@ -163,6 +163,7 @@ class StreamingExperts(nn.Module):
     _remote: RemoteExecution | None  # set when peers can compute
     expert_pass: ExpertPass | None  # the pass running now (StreamedModel.forward), if any
     _linears: dict[str, nn.Module] | None  # projection -> slot linear, made at the first compute
+    _prefill: Any  # while a prompt is prefilled layer-major, its gatherer (engine/prefill.py's LayerMajor)
 
     def __init__(self, layer: int, path: str, original: SwitchGLU | SwitchMLP):
         super().__init__()
@@ -185,6 +186,7 @@ class StreamingExperts(nn.Module):
         self._set("_remote", None)
         self._set("expert_pass", None)
         self._set("_linears", None)
+        self._set("_prefill", None)
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
@@ -223,6 +225,8 @@ class StreamingExperts(nn.Module):
         if self._predicting:  # a guess of this layer's routing: no experts needed, output unused
             self._set("_predicted", indices)
             return mx.zeros((*indices.shape, self.output_dims), dtype=x.dtype)
+        if self._prefill is not None:  # a layer-major prompt: every chunk's rows first (engine/prefill.py)
+            return self._prefill.park(self, x, indices)
         store = self._bound_store()
         expert_pass = self.expert_pass
         if expert_pass is not None and (slot_map := store.ram.slot_map(self.layer)) is not None:

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import Sampler, make_sampler
 
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine import prefill as layer_major
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.speculative import (
     CacheRollback,
@@ -49,6 +50,13 @@ from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
 from expertmesh.node.store.stats import SOURCES, StoreStats
 
 PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the same numerics
+
+
+def prefill_chunks(tokens: list[int]) -> list[list[int]]:
+    """The forward passes mlx-lm feeds a prompt in: all but the last token in chunks of
+    `PREFILL_STEP`, then the last token alone."""
+    body, last = tokens[:-1], tokens[-1:]
+    return [body[i : i + PREFILL_STEP] for i in range(0, len(body), PREFILL_STEP)] + [last]
 
 
 class PromptError(ExpertmeshError):
@@ -282,12 +290,27 @@ class Generator:
         return logits
 
     def _prefill(self, tokens: list[int]) -> mx.array:
-        """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone."""
+        """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone; where
+        experts stream, the chunks go layer by layer together, so that each MoE layer fetches
+        each of the prompt's experts once (engine/prefill.py)."""
+        if len(tokens) > 1 and self._layer_major():
+            chunks = prefill_chunks(tokens)
+            logits = layer_major.prefill(
+                lambda x: self.sm.forward(x, self.cache, ahead=True), self.sm.blocks, chunks, self.cache
+            )
+            self.history.extend(tokens)
+            return self._logprobs(logits)
         while len(tokens) > 1:
             chunk, tokens = tokens[: min(PREFILL_STEP, len(tokens) - 1)], tokens[min(PREFILL_STEP, len(tokens) - 1) :]
             self._forward(chunk)
             mx.eval([c.state for c in self.cache])
         return self._logprobs(self._forward(tokens))
+
+    def _layer_major(self) -> bool:
+        """Whether a prompt goes layer-major: only where experts stream (a model wholly resident
+        runs mlx-lm's own chunks), and not with a streamed core, whose reads follow token order."""
+        sm = self.sm
+        return sm.core_stream is None and not sm.all_resident() and layer_major.usable(sm.blocks)
 
     @staticmethod
     def _logprobs(logits: mx.array) -> mx.array:
