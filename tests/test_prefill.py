@@ -47,8 +47,17 @@ def test_a_prompt_of_several_chunks_fetches_each_expert_once_and_equals_mlx_lm(
     sm = open_model(tiny_id(arch), home=tmp_path, store=store)
     try:
         summary = GenerationSummary()
-        out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1), summary=summary)]
+        generator = Generator(sm)
+        seen: list = []
+        generator.prefill_progress = seen.append
+        out = [t.id for t in generator.generate(ids, SamplingSettings(max_tokens=1), summary=summary)]
         assert out == want[:1]
+        # the progress `run` shows: every MoE layer in turn, each to its whole union, the bytes read
+        layers = len(sm.blocks)
+        ends = [p for p in seen if p.experts_done == p.experts_needed]
+        assert [p.layer for p in ends] == list(range(layers)) and all(p.layers == layers for p in seen)
+        assert len(seen) > layers  # the groups within a layer are reported too
+        assert ends[-1].bytes_read == summary.experts.bytes["hub"] and ends[-1].eta_s == 0
         prompt_distinct = {a for a in read_trace(trace).accesses()}
         uses = summary.experts.uses
         # the prompt's passes routed to these experts; each came from the Hub once and from no other tier

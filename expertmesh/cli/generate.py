@@ -80,7 +80,7 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
 
 
 def _generate_once(node: Node, prompt: str, args: argparse.Namespace) -> None:
-    from expertmesh.cli.terminal import StopFlag, ctrl_c_stops, print_summary, stream_text
+    from expertmesh.cli.terminal import PrefillLine, StopFlag, ctrl_c_stops, print_summary, stream_text
     from expertmesh.node.engine.generation import GenerationSummary, Generator
 
     sm = node.require_model()
@@ -88,6 +88,7 @@ def _generate_once(node: Node, prompt: str, args: argparse.Namespace) -> None:
     summary = GenerationSummary()
     with ctrl_c_stops(StopFlag()) as flag:
         generator = Generator(sm, arguments.speculation(args))
+        generator.prefill_progress = PrefillLine()  # a cold prompt can fetch for minutes: say where it is
         stream_text(generator.generate(tokens, arguments.sampling(args), flag, summary), summary)
     print_summary(summary)
 
@@ -169,7 +170,11 @@ def chat(args: argparse.Namespace) -> int:
         _mark_used(node)
         print(node.describe(), file=sys.stderr)
         print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
-        session = ChatSession(Generator(node.require_model(), speculation), system_prompt=args.system)
+        from expertmesh.cli.terminal import PrefillLine
+
+        generator = Generator(node.require_model(), speculation)
+        generator.prefill_progress = PrefillLine()  # a cold prompt can fetch for minutes: say where it is
+        session = ChatSession(generator, system_prompt=args.system)
         settings = arguments.sampling(args)
         chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary), read_line=read_line)
     return 0

@@ -12,8 +12,9 @@ a node whose RAM budget is smaller than a layer's union answers one token in a p
     fetch_redundancy   fetched ÷ distinct: 1.0 reads each expert once
     ttft_s             the first token's time
     floor_s            distinct bytes ÷ the link's rate (cold) or ÷ the disk's parallel-read rate
-                       (disk), and never less than the prompt's compute: the same run's time
-                       outside waits for experts (what it would take with every expert resident)
+                       (disk), and never less than the prompt's compute: its first token with every
+                       expert of the model in RAM where the model fits (`compute_measured`:
+                       "resident"), else the same run's time outside waits for experts
     ttft_over_floor    ttft_s ÷ floor_s
     peak_rss_bytes     the node process's peak resident memory
     tokens_equal       the first token equals mlx-lm's on the same prompt (with every expert in
@@ -79,6 +80,29 @@ def _one_token(spec: dict, home: Path, trace: Path | None) -> dict:
         sm.close()
 
 
+def _resident(spec: dict, home: Path) -> dict:
+    """The prompt's first token with every expert of the model in RAM (an untimed run puts them
+    there): its compute floor on this machine."""
+    from expertmesh.assembly import open_model
+    from expertmesh.node.config import StoreConfig
+    from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+
+    store = {**spec["store"], "ram_budget": str(2 * spec["all_expert_bytes"])}
+    sm = open_model(spec["repo_id"], home=home, store=StoreConfig(**store))
+    try:
+        ids = prompt_ids(spec["prompt_tokens"], spec["vocab"])
+        list(Generator(sm).generate(ids, SamplingSettings(max_tokens=1)))
+        summary = GenerationSummary()
+        out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1), summary=summary)]
+        return {
+            "token": out[0] if out else None,
+            "ttft_s": summary.time_to_first_token_s,
+            "all_resident": sm.all_resident(),
+        }
+    finally:
+        sm.close()
+
+
 def worker(spec: dict) -> dict:
     """One row's measurement: the prompt once untimed first where the experts are to be on disk."""
     from expertmesh.devtools.bench_k3 import _hub_bytes, _peak_rss
@@ -90,6 +114,8 @@ def worker(spec: dict) -> dict:
     home = work / "home"
     shutil.copytree(spec["template"], home)
     with hub_client.using_endpoint(spec["hub_url"]):
+        if spec["cache"] == "resident":
+            return {**_resident(spec, home), "peak_rss_bytes": _peak_rss()}
         if spec["cache"] == "disk":
             _one_token({**spec, "store": {**spec["store"], "ram_budget": "0"}}, home, None)
             drop_page_cache(_expert_files(home))
@@ -118,12 +144,21 @@ def _mlx_lm_token(repo_dir: str, ids: list[int]) -> int:
 # -- the driver -----------------------------------------------------------------------------
 
 
-def row(spec: dict, got: dict, link_bytes_per_s: float, reference: int | None, reference_name: str) -> dict:
+def row(
+    spec: dict,
+    got: dict,
+    link_bytes_per_s: float,
+    reference: int | None,
+    reference_name: str,
+    resident_s: float | None = None,
+) -> dict:
     """The issue's JSON row of one measurement, with what it was computed from beside it."""
     distinct = got["distinct_bytes"]
     fetched = sum(got["bytes"].get(s, 0) for s in ("hub", "disk", "peer"))
     rate = link_bytes_per_s if spec["cache"] == "cold" else got["disk_floor"]["bytes_per_s"]
-    compute_s = max(0.0, got["ttft_s"] - got["wait_s"])
+    # the prompt's compute: measured with every expert resident where the model fits in RAM, else
+    # the run's own time outside waits for experts (what it would take if none were waited for)
+    compute_s = resident_s if resident_s is not None else max(0.0, got["ttft_s"] - got["wait_s"])
     floor = max(distinct / rate if rate else 0.0, compute_s)
     return {
         "name": "prompt",
@@ -145,6 +180,7 @@ def row(spec: dict, got: dict, link_bytes_per_s: float, reference: int | None, r
         "hub_moved_bytes": got["hub_moved_bytes"],
         "wait_s": got["wait_s"],
         "compute_s": compute_s,
+        "compute_measured": "resident" if resident_s is not None else "ttft minus waits",
         "floor_rate_bytes_per_s": rate,
         "ram_budget": spec["store"]["ram_budget"],
     }
@@ -234,9 +270,11 @@ def run(
                 reference: int | None = None
                 reference_name = "cold"
                 total_expert_bytes = per_layer * expert_bytes * len(_index(template, repo_id).moe_layers)
-                if total_expert_bytes < MLX_LM_LIMIT_BYTES:
+                resident_s: float | None = None
+                small = total_expert_bytes < MLX_LM_LIMIT_BYTES
+                if small:
                     reference, reference_name = _mlx_lm_token(str(root), prompt_ids(n, vocab)), "mlx_lm"
-                for cache in caches:
+                for cache in (("resident",) if small else ()) + tuple(caches):
                     spec: dict[str, Any] = {
                         "repo_id": repo_id,
                         "hub_url": hub.url,
@@ -246,6 +284,7 @@ def run(
                         "vocab": vocab,
                         "cache": cache,
                         "store": store,
+                        "all_expert_bytes": total_expert_bytes,
                     }
                     progress(f"  {n} tokens, {cache} ...")
                     t0 = time.perf_counter()
@@ -253,9 +292,13 @@ def run(
                         got = _run_worker(spec)
                     finally:
                         shutil.rmtree(spec["work"], ignore_errors=True)  # a cold run's caches hold GBs
+                    if cache == "resident":
+                        resident_s = got["ttft_s"]
+                        progress(f"  {n} tokens, every expert resident: TTFT {resident_s:.2f} s")
+                        continue
                     firsts[cache] = got["token"]
                     ref = reference if reference_name == "mlx_lm" else firsts.get("cold")
-                    r = row(spec, got, link, ref, reference_name)
+                    r = row(spec, got, link, ref, reference_name, resident_s)
                     rows.append(r)
                     progress(
                         f"  {n} tokens, {cache}: {r['distinct_experts']} distinct experts, redundancy "

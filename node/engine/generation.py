@@ -278,6 +278,8 @@ class Generator:
             self._source = draft_source or mlx.call(make_draft_source, self.speculation, sm.tokenizer)
             self._controller = DraftController(self.speculation)
         self.observer: TokenObserver | None = sm.token_observer
+        # told where a streamed prompt stands after each group of its experts (`run` and `chat` show it)
+        self.prefill_progress: Callable[[layer_major.PrefillProgress], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -296,7 +298,11 @@ class Generator:
         if len(tokens) > 1 and self._layer_major():
             chunks = prefill_chunks(tokens)
             logits = layer_major.prefill(
-                lambda x: self.sm.forward(x, self.cache, ahead=True), self.sm.blocks, chunks, self.cache
+                lambda x: self.sm.forward(x, self.cache, ahead=True),
+                self.sm.blocks,
+                chunks,
+                self.cache,
+                self.prefill_progress,
             )
             self.history.extend(tokens)
             return self._logprobs(logits)

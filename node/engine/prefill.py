@@ -25,6 +25,7 @@ equal mlx-lm's.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,8 +50,57 @@ class _Parked:
     guess: mx.array | None  # the next layer's routing this chunk guessed, if the layer guessed
 
 
+@dataclass
+class PrefillProgress:
+    """Where a layer-major prompt stands, after each group of experts computed (what `run` and
+    `chat` show while a cold prompt fetches its experts)."""
+
+    layer: int  # MoE layers done before this one, 0-based: this is layer `layer + 1` of `layers`
+    layers: int
+    experts_done: int  # of this layer's union, computed so far
+    experts_needed: int  # this layer's union over every chunk
+    bytes_read: int  # expert bytes read for the prompt so far, from every tier
+    seconds: float  # since the prompt started
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate measured so far: the layers still to come take what the
+        layers so far took a layer (their unions are known only once they are reached)."""
+        done = self.layer + (self.experts_done / self.experts_needed if self.experts_needed else 0.0)
+        if done <= 0 or self.seconds <= 0:
+            return None
+        return self.seconds / done * (self.layers - done)
+
+    def line(self) -> str:
+        from expertmesh.node.sizes import format_size
+
+        rate = self.bytes_read / self.seconds if self.seconds > 0 else 0.0
+        eta = self.eta_s
+        return (
+            f"prompt: MoE layer {self.layer + 1}/{self.layers}, experts {self.experts_done}/{self.experts_needed}, "
+            f"{format_size(self.bytes_read)} read ({format_size(rate)}/s)"
+            + (f", about {eta:.0f} s left" if eta is not None else "")
+        )
+
+
 class LayerMajor:
     """Set on every expert block while a prompt is prefilled layer-major (`StreamingExperts._prefill`)."""
+
+    def __init__(self, layers: int, progress: Callable[[PrefillProgress], None] | None = None):
+        self.layers, self.progress = layers, progress
+        self.done = 0  # MoE layers run
+        self.t0 = time.perf_counter()
+        self.before: dict[str, int] | None = None  # the store's bytes by tier when the prompt started
+
+    def report(self, store, experts_done: int, experts_needed: int) -> None:
+        if self.progress is None:
+            return
+        if self.before is None:
+            self.before = dict(store.stats.bytes)
+        read = sum(store.stats.bytes[s] - self.before.get(s, 0) for s in ("hub", "disk", "peer"))
+        self.progress(
+            PrefillProgress(self.done, self.layers, experts_done, experts_needed, read, time.perf_counter() - self.t0)
+        )
 
     def park(self, block: StreamingExperts, x: mx.array, indices: mx.array) -> mx.array:
         """Called by `block` in place of its own call: wait for the other chunks, return this one's output."""
@@ -69,13 +119,20 @@ def usable(blocks: list[StreamingExperts]) -> bool:
 
 
 def prefill(
-    forward: Callable[[mx.array], mx.array], blocks: list[StreamingExperts], chunks: list[list[int]], cache: list
+    forward: Callable[[mx.array], mx.array],
+    blocks: list[StreamingExperts],
+    chunks: list[list[int]],
+    cache: list,
+    progress: Callable[[PrefillProgress], None] | None = None,
 ) -> mx.array:
     """The logits of the last chunk, every chunk fed through `forward` (mlx-lm's model call over
-    `cache`) layer-major, as the module says. `chunks` in the order mlx-lm feeds them."""
+    `cache`) layer-major, as the module says. `chunks` in the order mlx-lm feeds them;
+    `progress` is told where the prompt stands after each group of experts."""
     lengths = [len(c) for c in chunks]
     starts = [_offsets(cache)]
-    gatherer = LayerMajor()
+    gatherer = LayerMajor(len(blocks), progress)
+    if progress is not None and blocks and blocks[0].store is not None:
+        gatherer.before = dict(blocks[0]._bound_store().stats.bytes)
     for block in blocks:
         block._set("_prefill", gatherer)
     try:
@@ -103,6 +160,7 @@ def prefill(
                     "a layer-major prefill's chunks reached different layers: the model's passes differ"
                 )
             ys = run_layer(parked[0][1].block, [p for _, p in parked])
+            gatherer.done += 1
             for (i, _), y in zip(parked, ys):
                 sent[i] = y
             live = [i for i, _ in parked]
@@ -171,8 +229,11 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
             lut[list(slots)] = list(slots.values())
             ys = [block._switch(p.x, mx.array(lut[f].reshape(p.indices.shape))) for p, f in zip(parts, flats)]
         served.update(first.served)
+        if gatherer is not None:
+            gatherer.report(store, len(experts), len(experts))
     else:
-        ys = _by_groups(block, store, parts, flats, itertools.chain([first], groups), served)
+        report = (lambda n: gatherer.report(store, n, len(experts))) if gatherer is not None else None
+        ys = _by_groups(block, store, parts, flats, itertools.chain([first], groups), served, report)
     store.stats.record_layer("streamed")
     ledgers = block.expert_pass.ledgers if block.expert_pass is not None else None
     if ledgers is not None:
@@ -181,7 +242,15 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
     return [y.reshape(*p.indices.shape, block.output_dims) for y, p in zip(ys, parts)]
 
 
-def _by_groups(block, store, parts: list[_Parked], flats: list[np.ndarray], groups, served: dict) -> list[mx.array]:
+def _by_groups(
+    block,
+    store,
+    parts: list[_Parked],
+    flats: list[np.ndarray],
+    groups,
+    served: dict,
+    report: Callable[[int], None] | None = None,
+) -> list[mx.array]:
     """More experts than memory holds: each group, as it is placed, over every chunk's rows routed
     to it (grouped by expert, one gather per chunk), computed, then let go for the next group."""
     orders = [np.argsort(f, kind="stable") for f in flats]
@@ -202,4 +271,6 @@ def _by_groups(block, store, parts: list[_Parked], flats: list[np.ndarray], grou
                     made.append(part)
             mx.eval(made)  # computed now, so this group's slots can go to the next one
         served.update(group.served)
+        if report is not None:
+            report(len(served))
     return [mx.concatenate(o, axis=0)[mx.array(np.argsort(order))] for o, order in zip(outs, orders)]
