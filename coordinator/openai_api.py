@@ -35,6 +35,9 @@ from expertmesh.coordinator.request_queue import QueueFull
 
 __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 
+# while a prompt is prefilled (a cold one at K3's size fetches for minutes), a streaming client
+# gets an SSE comment this often, so that it and any proxy between see the connection alive
+SSE_KEEPALIVE_S = 10.0
 GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _GET_PATHS = ("/v1/models", "/metrics", "/healthz")
@@ -217,15 +220,38 @@ class OpenAIServer:
         await self._json(ex, 200, body)
 
     async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
-        try:
-            first = await anext(pieces)  # errors before the first token are still plain HTTP errors
-        except StopAsyncIteration:
-            first = Finish("length")
-        await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
-
         async def send(obj: dict | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
             await ex.write(f"data: {data}\n\n".encode())
+
+        async def start() -> None:
+            await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+
+        # errors before the first token are plain HTTP errors, unless the prompt took so long that
+        # the stream was started to keep the client alive: then they end the stream, as later ones do
+        waiting = asyncio.ensure_future(anext(pieces))
+        started = False
+        try:
+            while not (await asyncio.wait({waiting}, timeout=SSE_KEEPALIVE_S))[0]:
+                if not started:
+                    await start()
+                    started = True
+                await ex.write(b": prefilling the prompt\n\n")
+        finally:
+            waiting.cancel()  # a no-op once done; else the client left while the prompt was prefilled
+        try:
+            first = waiting.result()
+        except StopAsyncIteration:
+            first = Finish("length")
+        except ApiError as e:
+            if not started:
+                raise
+            await send({"error": e.body()["error"]})
+            await send("[DONE]")
+            await ex.end_stream()
+            return
+        if not started:
+            await start()
 
         def chunk(text: str | None, reason: str | None) -> dict:
             return {**self._envelope(ask, rid, chunk=True), "choices": [self._choice(ask, text, reason, delta=True)]}
