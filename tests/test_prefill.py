@@ -4,6 +4,7 @@ mlx-lm's fed in the same chunks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -69,3 +70,40 @@ def test_a_prompt_of_several_chunks_fetches_each_expert_once_and_equals_mlx_lm(
         assert rest == want
     finally:
         sm.close()
+
+
+def test_run_shows_a_cold_prompts_progress_and_doctor_says_what_a_prompt_costs(
+    home: Path, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from expertmesh.cli import main
+
+    monkeypatch.setenv("EXPERTMESH_HOME", str(home))
+    argv = ["run", tiny_id("kimi_k3"), TEXT, "--no-discovery", "--no-fill", "--max-tokens", "1"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    progress = [line for line in err.splitlines() if line.startswith("prompt: MoE layer")]
+    assert progress and "about 0 s left" in progress[-1], err  # every layer done: nothing left
+    out = tmp_path / "plan.json"
+    plan = ["doctor", "--plan", tiny_id("kimi_k3"), "--memory", "16GB", "--link", "1MB", "--disk-rate", "4MB"]
+    assert main([*plan, "--prompt-tokens", "4", "--json", str(out)]) == 0
+    few = json.loads(out.read_text())["prompt"]
+    assert main([*plan, "--prompt-tokens", "4096", "--json", str(out)]) == 0
+    many = json.loads(out.read_text())["prompt"]
+    # a longer prompt's union is larger, at most every expert; cold is the link's time, warm the disk's
+    assert 0 < few["union_bytes"] < many["union_bytes"]
+    assert many["cold_s"] == pytest.approx(many["union_bytes"] / 1e6) and many["warm_s"] == pytest.approx(
+        many["cold_s"] / 4
+    )
+    assert "a prompt of 4096 tokens" in capsys.readouterr().out
+
+
+def test_the_expected_union_is_what_an_even_router_draws() -> None:
+    import numpy as np
+
+    from expertmesh.node.prompt_cost import expected_union
+
+    rng = np.random.default_rng(0)
+    experts, k, tokens = 64, 8, 12
+    drawn = [len({e for _ in range(tokens) for e in rng.choice(experts, k, replace=False)}) for _ in range(400)]
+    assert expected_union(experts, k, tokens) == pytest.approx(np.mean(drawn), rel=0.02)
+    assert expected_union(experts, k, 10_000) == pytest.approx(experts)
