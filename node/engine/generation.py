@@ -23,6 +23,7 @@ between passes and at the end it holds what the plain path's would.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from mlx_lm.sample_utils import Sampler, make_sampler
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine import prefill as layer_major
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prompt_experts import Approximation, PromptCount, PromptExperts
 from expertmesh.node.engine.speculative import (
     CacheRollback,
     Draft,
@@ -77,6 +79,8 @@ class SamplingSettings:
     temp: float = 0.0  # 0 is greedy
     top_p: float = 1.0
     seed: int | None = None
+    # which experts the prompt's rows use (engine/prompt_experts.py); decoding is always exact
+    prompt_experts: PromptExperts = field(default_factory=PromptExperts)
 
 
 @dataclass
@@ -121,6 +125,13 @@ class GenerationSummary:
     routed: StoreStats | None = None
     core_read_bytes: int = 0  # core bytes read from the SSD by this generation (a streamed core)
     passes_built_ahead: int = 0  # decode passes built while the one before computed (`_plain`)
+    # an approximate prompt's (`--prompt-experts` other than exact): its expert uses and how many
+    # were substituted; None: the prompt was exact
+    prompt_approx: PromptCount | None = None
+
+    @property
+    def prompt_substituted(self) -> int:
+        return self.prompt_approx.substituted if self.prompt_approx is not None else 0
 
     @property
     def core_read_bytes_per_token(self) -> float:
@@ -193,6 +204,8 @@ class GenerationSummary:
             )
         if self.speculation is not None:
             out.append(self.speculation.line())
+        if self.prompt_approx is not None:
+            out.append(self.prompt_approx.line())
         return out
 
 
@@ -280,6 +293,7 @@ class Generator:
         self.observer: TokenObserver | None = sm.token_observer
         # told where a streamed prompt stands after each group of its experts (`run` and `chat` show it)
         self.prefill_progress: Callable[[layer_major.PrefillProgress], None] | None = None
+        self._prompt_experts: tuple[PromptExperts, GenerationSummary | None] = (PromptExperts(), None)
         self.reset()
 
     def reset(self) -> None:
@@ -297,13 +311,16 @@ class Generator:
         each of the prompt's experts once (engine/prefill.py)."""
         if len(tokens) > 1 and self._layer_major():
             chunks = prefill_chunks(tokens)
-            logits = layer_major.prefill(
-                lambda x: self.sm.forward(x, self.cache, ahead=True),
-                self.sm.blocks,
-                chunks,
-                self.cache,
-                self.prefill_progress,
-            )
+            approx = self._approximation()
+            with approx.routers(self.sm.model, self.sm.blocks) if approx is not None else contextlib.nullcontext():
+                logits = layer_major.prefill(
+                    lambda x: self.sm.forward(x, self.cache, ahead=True),
+                    self.sm.blocks,
+                    chunks,
+                    self.cache,
+                    self.prefill_progress,
+                    approx,
+                )
             self.history.extend(tokens)
             return self._logprobs(logits)
         while len(tokens) > 1:
@@ -311,6 +328,18 @@ class Generator:
             self._forward(chunk)
             mx.eval([c.state for c in self.cache])
         return self._logprobs(self._forward(tokens))
+
+    def _approximation(self) -> Approximation | None:
+        """This prompt's approximation (engine/prompt_experts.py), None when it is exact; the
+        summary gets its counts."""
+        spec, summary = self._prompt_experts
+        if spec.exact:
+            return None
+        approx = Approximation(spec, len(self.sm.blocks))
+        approx.start(self.sm.store)
+        if summary is not None:
+            summary.prompt_approx = approx.count
+        return approx
 
     def _layer_major(self) -> bool:
         """Whether a prompt goes layer-major: only where experts stream (a model wholly resident
@@ -517,6 +546,7 @@ class Generator:
             )
         summary = summary if summary is not None else GenerationSummary()
         summary.prompt_tokens = len(tokens)
+        self._prompt_experts = (settings.prompt_experts, summary)
         sampler = make_sampler(settings.temp, settings.top_p)
         if settings.seed is not None:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -91,6 +92,7 @@ class LayerMajor:
         self.done = 0  # MoE layers run
         self.t0 = time.perf_counter()
         self.before: dict[str, int] | None = None  # the store's bytes by tier when the prompt started
+        self.approx: Any = None  # an approximate prompt's (engine/prompt_experts.py's Approximation)
 
     def report(self, store, experts_done: int, experts_needed: int) -> None:
         if self.progress is None:
@@ -124,6 +126,7 @@ def prefill(
     chunks: list[list[int]],
     cache: list,
     progress: Callable[[PrefillProgress], None] | None = None,
+    approx: Any = None,
 ) -> mx.array:
     """The logits of the last chunk, every chunk fed through `forward` (mlx-lm's model call over
     `cache`) layer-major, as the module says. `chunks` in the order mlx-lm feeds them;
@@ -131,6 +134,7 @@ def prefill(
     lengths = [len(c) for c in chunks]
     starts = [_offsets(cache)]
     gatherer = LayerMajor(len(blocks), progress)
+    gatherer.approx = approx  # None: exact, as mlx-lm
     if progress is not None and blocks and blocks[0].store is not None:
         gatherer.before = dict(blocks[0]._bound_store().stats.bytes)
     for block in blocks:
@@ -206,12 +210,17 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
     block._set("_prefill", None)  # the block's own call, for a layer whose experts are all resident
     try:
         if block.expert_pass is not None and store.ram.slot_map(block.layer) is not None:
+            if gatherer is not None and gatherer.approx is not None:
+                gatherer.approx.skip(block, parts)  # every expert held: nothing to approximate
             return [block(p.x, p.indices) for p in parts]
     finally:
         block._set("_prefill", gatherer)
     guesses = [p.guess for p in parts if p.guess is not None]
     mx.eval(*[p.indices for p in parts], *guesses)  # the layer's one sync; the guesses ride on it
     model_thread().between_layers()
+    scales: list = [None] * len(parts)
+    if gatherer is not None and gatherer.approx is not None:  # an approximate prompt's rows rerouted
+        parts, scales = gatherer.approx.rewrite(block, store, parts)
     flats = [np.array(p.indices).reshape(-1) for p in parts]
     experts = np.unique(np.concatenate(flats)).tolist()
     next_guess: Guess | None = None
@@ -239,7 +248,8 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
     if ledgers is not None:
         for f in flats:
             _count_by_row(ledgers, f, served)
-    return [y.reshape(*p.indices.shape, block.output_dims) for y, p in zip(ys, parts)]
+    outs = [y.reshape(*p.indices.shape, block.output_dims) for y, p in zip(ys, parts)]
+    return [y if s is None else y * s for y, s in zip(outs, scales)]  # dropped choices to 0
 
 
 def _by_groups(
