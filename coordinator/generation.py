@@ -275,6 +275,8 @@ class Coordinator:
                                         f"the node ended the generation early ({done.stop_reason or 'no reason'})"
                                     )
                                 usage["prompt_tokens"] = done.prompt_tokens
+                                # said to the client (body and header): the prompt was approximate
+                                usage["prompt_expert_uses_substituted"] = done.prompt_expert_uses_substituted
                                 tail = scanner.feed(done.trailing_text) + scanner.finish()
                                 if tail:
                                     yield tail

@@ -38,6 +38,8 @@ __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 # while a prompt is prefilled (a cold one at K3's size fetches for minutes), a streaming client
 # gets an SSE comment this often, so that it and any proxy between see the connection alive
 SSE_KEEPALIVE_S = 10.0
+# how many of the prompt's expert uses an approximate prompt substituted (0: the prompt was exact)
+SUBSTITUTED_HEADER = "X-Expertmesh-Prompt-Expert-Uses-Substituted"
 GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _GET_PATHS = ("/v1/models", "/metrics", "/healthz")
@@ -173,7 +175,7 @@ class OpenAIServer:
         # GIL while it runs, so parses side by side would stall the loop as long as all of them.
         ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse, raw, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "prompt_expert_uses_substituted": 0}
         generation = self._threads.start(ask, usage)
         try:
             if ask.stream:
@@ -206,6 +208,8 @@ class OpenAIServer:
 
     @staticmethod
     def _usage(usage: dict) -> dict:
+        """OpenAI's usage, with expertmesh's `prompt_expert_uses_substituted`: how many of the
+        prompt's expert uses an approximate prompt (`prompt_experts`) substituted; 0: exact."""
         return {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
 
     async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
@@ -217,7 +221,8 @@ class OpenAIServer:
                 text.append(piece)
         body = self._envelope(ask, rid, chunk=False)
         body.update(choices=[self._choice(ask, "".join(text), finish, delta=False)], usage=self._usage(usage))
-        await self._json(ex, 200, body)
+        substituted = str(usage["prompt_expert_uses_substituted"])
+        await self._json(ex, 200, body, [(SUBSTITUTED_HEADER, substituted)])
 
     async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: dict) -> None:
         async def send(obj: dict | str) -> None:
@@ -279,7 +284,9 @@ class OpenAIServer:
             await send("[DONE]")
             await ex.end_stream()
             return
-        await send(chunk(None if ask.chat else "", finish))
+        # a stream's headers left before the prompt ran: the last chunk says whether it was approximate
+        last = chunk(None if ask.chat else "", finish)
+        await send({**last, "prompt_expert_uses_substituted": usage["prompt_expert_uses_substituted"]})
         if ask.include_usage:
             await send({**self._envelope(ask, rid, chunk=True), "choices": [], "usage": self._usage(usage)})
         await send("[DONE]")

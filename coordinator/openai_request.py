@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from expertmesh.node.config import PromptExperts
 from expertmesh.node.constants import MAX_TOKENS_LIMIT
 from expertmesh.v1 import node_pb2
 
@@ -140,6 +141,8 @@ class Ask:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    # expertmesh's own: which experts the prompt uses (node/config.py's PromptExperts); "": the node's default
+    prompt_experts: str = ""
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -296,6 +299,16 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
     if options is not None and not ask.stream:  # as OpenAI and vLLM answer: usage then comes in the body
         raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
     ask.include_usage = bool((options or {}).get("include_usage"))
+    mode = body.get("prompt_experts")
+    if mode is not None:
+        if not isinstance(mode, str):
+            raise _bad(
+                "'prompt_experts' must be a string: exact, held, drop, topp:P or budget:SECONDS", param="prompt_experts"
+            )
+        try:
+            ask.prompt_experts = str(PromptExperts.parse(mode))
+        except ValueError as e:
+            raise _bad(f"'prompt_experts': {e}", param="prompt_experts") from None
     return ask
 
 
@@ -319,4 +332,5 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
         req.prompt = ask.prompt
     if ask.seed is not None:
         req.seed = ask.seed
+    req.prompt_experts = ask.prompt_experts
     return req

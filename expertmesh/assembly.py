@@ -460,6 +460,7 @@ def _build_rpc(
     service_class: type[NodeService] | None,
     interceptors: Sequence[grpc.ServerInterceptor],
 ) -> None:
+    from expertmesh.node.engine.prompt_experts import PromptExperts
     from expertmesh.node.rpc.server import NodeServer
     from expertmesh.node.service import NodeService
 
@@ -479,6 +480,7 @@ def _build_rpc(
         speculation=speculation,
         max_batch=node.config.max_batch,
     )
+    service.prompt_experts = PromptExperts.parse(node.config.prompt_experts)
     try:
         server = node.rpc = NodeServer(
             service,

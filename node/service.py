@@ -50,6 +50,7 @@ from expertmesh.node.engine.generation import (
     SamplingSettings,
 )
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prompt_experts import PromptExperts
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
@@ -161,6 +162,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
     prover: Prover | None = None  # answers Prove; set by expertmesh/assembly.py once the port is known
+    # a call's prompt experts when it names none (`serve --prompt-experts`); set by expertmesh/assembly.py
+    prompt_experts: PromptExperts = PromptExperts()
 
     def __init__(
         self,
@@ -398,6 +401,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
             refuse(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, not {request.temperature}")
         if not (math.isfinite(request.top_p) and 0 <= request.top_p <= 1):
             refuse(f"top_p must be a number from 0 to 1, not {request.top_p}")
+        if request.prompt_experts:
+            try:
+                PromptExperts.parse(request.prompt_experts)
+            except ValueError as e:
+                refuse(str(e))
 
     def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> list[int]:
         """The prompt's tokens: a chat through its template, message text kept as plain text (so
@@ -463,6 +471,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
             top_p=request.top_p if request.top_p > 0 else 1.0,  # the proto's 0: off
             # any int64 (OpenAI's seeds may be negative) onto MLX's uint64, one seed to one seed
             seed=request.seed % SEED_MODULUS if request.HasField("seed") else None,
+            prompt_experts=PromptExperts.parse(request.prompt_experts)
+            if request.prompt_experts
+            else self.prompt_experts,
         )
         summary = GenerationSummary()
         alone = self._take_speculation()
@@ -522,6 +533,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 forward_passes=spec.passes if spec else 0,
                 drafted_tokens=spec.drafted if spec else 0,
                 accepted_tokens=spec.accepted if spec else 0,
+                prompt_expert_uses_substituted=summary.prompt_substituted,
             )
         )
 

@@ -79,3 +79,74 @@ def test_held_with_nothing_held_fetches_what_the_prompt_chose_and_equals_exact(
             sm.close()
     assert out["held"][0] == out["exact"][0]
     assert out["held"][1].prompt_substituted == 0
+
+
+def test_the_api_says_an_approximate_prompt_in_its_usage_header_and_metric(
+    pulled_home, hub: HubServer, tmp_path: Path
+) -> None:
+    import urllib.request
+
+    import openai
+    from nodes import api_server, serving
+    from repos import KIMI_K3
+
+    from expertmesh.coordinator.openai_api import SUBSTITUTED_HEADER
+    from expertmesh.node.config import MetricsConfig
+
+    home = pulled_home("kimi_k3", tmp_path / "home")
+    probe = open_model(tiny_id("kimi_k3"), home=home, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    store = StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False)
+    secret = "prompt-experts-secret"
+    with serving(KIMI_K3, home, secret, node_id="approx", store=store, metrics=MetricsConfig("127.0.0.1", 0)) as node:
+        api = api_server([node.rpc.address], secret, [KIMI_K3])
+        try:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+
+            def complete(prompt: str, **extra):
+                raw = client.completions.with_raw_response.create(
+                    model=KIMI_K3, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+                )
+                r = raw.parse()
+                return int(raw.headers[SUBSTITUTED_HEADER]), r.usage.model_extra["prompt_expert_uses_substituted"]
+
+            assert complete(WARM) == (0, 0)  # exact by default: said as 0
+            header, field = complete(TEXT, prompt_experts="held")
+            assert header == field > 0
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_server.port}/metrics", timeout=30) as m:
+                text = m.read().decode()
+            line = next(x for x in text.splitlines() if x.startswith("expertmesh_prompt_expert_uses_substituted_total"))
+            assert float(line.split()[-1]) == header
+            stream = client.completions.create(
+                model=KIMI_K3,
+                prompt=TEXT + " again",
+                max_tokens=2,
+                temperature=0,
+                stream=True,
+                extra_body={"prompt_experts": "held"},
+            )
+            last = list(stream)[-1]
+            assert last.model_extra["prompt_expert_uses_substituted"] > 0
+            with pytest.raises(openai.BadRequestError, match="prompt_experts"):
+                client.completions.create(model=KIMI_K3, prompt="x", extra_body={"prompt_experts": "fastest"})
+        finally:
+            api.stop()
+
+
+def test_run_says_how_many_prompt_expert_uses_were_substituted(
+    home: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from expertmesh.cli import main
+
+    monkeypatch.setenv("EXPERTMESH_HOME", str(home))
+    argv = ["run", tiny_id("kimi_k3"), TEXT, "--no-discovery", "--no-fill", "--max-tokens", "1"]
+    assert main([*argv, "--prompt-experts", "held"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt expert uses substituted" in captured.out + captured.err
+    assert main([*argv, "--prompt-experts", "exact"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt expert uses substituted" not in captured.out + captured.err
+    with pytest.raises(SystemExit):
+        main([*argv, "--prompt-experts", "budget:soon"])
+    assert "budget needs a number" in capsys.readouterr().err

@@ -26,6 +26,7 @@ def add_commands(sub) -> None:
     arguments.add_peer_arguments(p)
     arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p)
+    arguments.add_prompt_experts_argument(p)
     arguments.add_speculation_arguments(p)
     arguments.add_metrics_arguments(p, default=None)
     p.add_argument(
@@ -46,6 +47,7 @@ def add_commands(sub) -> None:
     arguments.add_peer_arguments(p)
     arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p, max_tokens=512)
+    arguments.add_prompt_experts_argument(p)
     arguments.add_speculation_arguments(p)
     p.set_defaults(func=chat)
 

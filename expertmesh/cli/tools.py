@@ -65,6 +65,14 @@ def add_commands(sub) -> None:
         "with the Hub's connection count fixed at its start)",
     )
     p.add_argument(
+        "--prompt-experts",
+        action="store_true",
+        help="what an approximate prompt (run --prompt-experts) saves and costs on the trained demo model: "
+        "expert bytes and TTFT against the exact prompt, KL and greedy agreement over 64 decoded tokens, "
+        "perplexity, beside the 4-bit core's KL (devtools/bench_prompt_experts.py; prompts of 128 tokens "
+        "unless --prompt-lengths says)",
+    )
+    p.add_argument(
         "--prompt-lengths",
         default="16,128,1024,4096",
         metavar="N[,N...]",
@@ -187,6 +195,8 @@ def bench(args: argparse.Namespace) -> int:
         return _bench_compute(args)
     if args.configs and args.configs.strip() == "prompt":
         return _bench_prompt(args)
+    if args.prompt_experts:
+        return _bench_prompt_experts(args)
     if args.model == "k3-proportions":
         return _bench_k3(args)
     doc = run_bench(
@@ -252,6 +262,25 @@ def _bench_prompt(args: argparse.Namespace) -> int:
         progress=lambda m: print(m, file=sys.stderr),
     )
     bench_prompt.print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _bench_prompt_experts(args: argparse.Namespace) -> int:
+    """`--prompt-experts`: each approximate prompt mode against the exact prompt (devtools/bench_prompt_experts.py)."""
+    from expertmesh.devtools import bench_prompt_experts
+
+    given = args.prompt_lengths != "16,128,1024,4096"
+    try:
+        lengths = tuple(int(n) for n in args.prompt_lengths.split(",") if n.strip()) if given else (128,)
+    except ValueError as e:
+        raise ExpertmeshError(f"--prompt-lengths: {e}") from None
+    if not lengths or min(lengths) < 2:
+        raise ExpertmeshError("--prompt-lengths: one or more lengths of at least 2 tokens")
+    doc = bench_prompt_experts.run(lengths)
+    bench_prompt_experts.print_table(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)

@@ -579,4 +579,8 @@ class Generator:
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
             summary.core_read_bytes = self.sm.core_read_bytes() - core_before
+            if summary.prompt_approx is not None:
+                hook = getattr(self.observer, "prompt_approximated", None)  # NodeMetrics' counter
+                if hook is not None:
+                    hook(summary.prompt_approx.substituted)
             observe_request(self.observer, summary.seconds)

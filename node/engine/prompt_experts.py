@@ -39,44 +39,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-MODES = ("exact", "held", "drop", "topp", "budget")
+from expertmesh.node.config import PromptExperts
+
+__all__ = ["Approximation", "PromptCount", "PromptExperts"]
+
 # the link's rate when nothing has been fetched yet to measure it: the rate the issue plans for
 DEFAULT_LINK_BYTES_PER_S = 100e6
-
-
-@dataclass(frozen=True)
-class PromptExperts:
-    """A prompt's expert mode as `--prompt-experts` names it: exact | held | drop | topp:P | budget:SECONDS."""
-
-    mode: str = "exact"
-    value: float = 0.0  # topp's P, budget's seconds
-
-    @classmethod
-    def parse(cls, text: str) -> PromptExperts:
-        """Raises ValueError naming what is wrong (a 400 over the API, a usage error on the CLI)."""
-        name, _, arg = (text or "exact").strip().partition(":")
-        if name not in MODES:
-            raise ValueError(f"prompt experts must be one of exact, held, drop, topp:P, budget:SECONDS, not {text!r}")
-        if name in ("topp", "budget"):
-            try:
-                value = float(arg)
-            except ValueError:
-                raise ValueError(f"prompt experts {name} needs a number after the colon, not {arg!r}") from None
-            if name == "topp" and not 0 < value <= 1:
-                raise ValueError(f"prompt experts topp:P needs 0 < P <= 1, not {value}")
-            if name == "budget" and not (value >= 0 and np.isfinite(value)):
-                raise ValueError(f"prompt experts budget:SECONDS needs a non-negative number of seconds, not {value}")
-            return cls(name, value)
-        if arg:
-            raise ValueError(f"prompt experts {name} takes no argument, not {text!r}")
-        return cls(name)
-
-    @property
-    def exact(self) -> bool:
-        return self.mode == "exact"
-
-    def __str__(self) -> str:
-        return f"{self.mode}:{self.value:g}" if self.mode in ("topp", "budget") else self.mode
 
 
 @dataclass
