@@ -477,7 +477,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
         )
         summary = GenerationSummary()
         alone = self._take_speculation()
-        batch = self.batch if not alone else None
+        # an approximate prompt goes layer-major through a Generator of its own (the batch's prefill
+        # is exact), taking turns with the batch on the MLX thread as a speculating call does
+        batch = self.batch if not alone and settings.prompt_experts.exact else None
         if batch is not None:  # its tokens' expert uses are its own rows', not the whole step's
             stats = summary.routed = StoreStats()
         else:

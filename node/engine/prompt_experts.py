@@ -96,9 +96,9 @@ class Approximation:
         """While inside, each block's MoE module keeps its router logits here."""
         from expertmesh.node.engine.blocks import _module_at
 
-        swapped = []
+        swapped: list[tuple[Any, nn.Module]] = []
         for block in blocks:
-            moe = _module_at(model, block.path.rsplit(".", 1)[0])
+            moe: Any = _module_at(model, block.path.rsplit(".", 1)[0])
             gate = getattr(moe, "gate", None) if isinstance(moe, nn.Module) else None
             if not isinstance(gate, nn.Module):
                 continue
