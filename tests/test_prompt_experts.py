@@ -150,3 +150,15 @@ def test_run_says_how_many_prompt_expert_uses_were_substituted(
     with pytest.raises(SystemExit):
         main([*argv, "--prompt-experts", "budget:soon"])
     assert "budget needs a number" in capsys.readouterr().err
+
+
+def test_the_plan_of_each_mode_fetches_nothing_held_and_a_budget_within_its_seconds() -> None:
+    from expertmesh.node.prompt_cost import PromptCost
+    from expertmesh.node.prompt_mode_cost import mode_costs
+
+    cost = PromptCost(128, 4, 64, 8, 1000, link_bytes_per_s=1e3, disk_bytes_per_s=1e5)
+    exact, held, budget = mode_costs(cost, disk_share=0.25, budget_s=10)
+    assert exact.link_bytes == pytest.approx(cost.union_bytes * 0.75) and held.link_bytes == 0
+    assert budget.link_bytes == pytest.approx(10 * 1e3) and held.seconds < budget.seconds < exact.seconds
+    cold = mode_costs(cost, disk_share=0.0, budget_s=10)
+    assert {c.link_bytes for c in cold} == {cost.union_bytes}  # nothing held: every mode fetches

@@ -120,6 +120,21 @@ def add_commands(sub) -> None:
         metavar="B",
         help="--prompt-tokens: the disk's parallel-read bytes/s (default %(default)s, a Mac's SSD)",
     )
+    g.add_argument(
+        "--disk-share",
+        type=float,
+        default=0.25,
+        metavar="F",
+        help="--prompt-tokens: the share of the experts on this Mac's disk, for the cost of each --prompt-experts "
+        "mode (default %(default)s: a quarter, as a 350 GB disk holds of K3's; node/prompt_mode_cost.py)",
+    )
+    g.add_argument(
+        "--prompt-budget",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="--prompt-tokens: the seconds of --prompt-experts budget:S planned (default %(default)s)",
+    )
     g.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
     arguments.add_memory_arguments(g)
     g.add_argument(
@@ -456,7 +471,12 @@ def _plan(args: argparse.Namespace) -> int:
         cost = _prompt_cost(args)
         for line in cost.lines():
             print(line)
-        doc.update(prompt=cost.as_json())
+        from expertmesh.node import prompt_mode_cost
+
+        modes = prompt_mode_cost.mode_costs(cost, args.disk_share, args.prompt_budget)
+        for line in prompt_mode_cost.lines(modes, args.disk_share):
+            print(line)
+        doc.update(prompt={**cost.as_json(), "modes": [m.as_json() for m in modes]})
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if doc["fits"] else 1
