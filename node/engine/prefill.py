@@ -216,6 +216,8 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
     finally:
         block._set("_prefill", gatherer)
     guesses = [p.guess for p in parts if p.guess is not None]
+    if gatherer is not None and gatherer.approx is not None:
+        guesses = []  # an approximate prompt would not use much of what a guess fetches
     mx.eval(*[p.indices for p in parts], *guesses)  # the layer's one sync; the guesses ride on it
     model_thread().between_layers()
     scales: list = [None] * len(parts)
