@@ -73,6 +73,13 @@ def add_commands(sub) -> None:
         "unless --prompt-lengths says)",
     )
     p.add_argument(
+        "--prompts",
+        type=arguments.positive_int,
+        default=3,
+        metavar="N",
+        help="--prompt-experts: held-out prompts per length, each in every mode (default %(default)s)",
+    )
+    p.add_argument(
         "--prompt-lengths",
         default="16,128,1024,4096",
         metavar="N[,N...]",
@@ -279,7 +286,7 @@ def _bench_prompt_experts(args: argparse.Namespace) -> int:
         raise ExpertmeshError(f"--prompt-lengths: {e}") from None
     if not lengths or min(lengths) < 2:
         raise ExpertmeshError("--prompt-lengths: one or more lengths of at least 2 tokens")
-    doc = bench_prompt_experts.run(lengths)
+    doc = bench_prompt_experts.run(lengths, prompts=args.prompts)
     bench_prompt_experts.print_table(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

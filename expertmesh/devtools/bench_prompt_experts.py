@@ -62,16 +62,26 @@ def _put_on_disk(home: Path, repo: str, expert_bytes: int, share: float, seed: i
 def _one(home: Path, repo: str, expert_bytes: int, prompt: list[int], follow: list[int], mode: str) -> dict:
     """One prompt in `mode`, then `follow` fed token by token: bytes, TTFT, every position's log-probs."""
     from expertmesh.node.config import PromptExperts
-    from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+    from expertmesh.node.engine.generation import GenerationSummary, Generator
     from expertmesh.node.engine.model_thread import model_thread
 
     sm = _open(home, repo, expert_bytes)
     try:
         gen = Generator(sm)
         summary = GenerationSummary()
-        settings = SamplingSettings(max_tokens=1, prompt_experts=PromptExperts.parse(mode))
-        first = list(gen.generate(prompt, settings, summary=summary))
-        rows = [np.array(first[0].logprobs.astype(mx.float32)).reshape(-1)]
+        # the prompt's pass as Generator.generate runs it, without sampling (the first token may be
+        # an end of sequence, which generate would not yield): its log-probs, bytes and time
+        gen._prompt_experts = (PromptExperts.parse(mode), summary)
+
+        def prompt_pass() -> tuple[np.ndarray, float, int]:
+            sm.settle()
+            before, t0 = sm.store.stats.snapshot(), time.perf_counter()
+            lp = gen._prefill(list(prompt)).astype(mx.float32)
+            mx.eval(lp)
+            return np.array(lp).reshape(-1), time.perf_counter() - t0, sm.store.stats.since(before).bytes["hub"]
+
+        first, ttft, fetched = model_thread().call(prompt_pass)
+        rows = [first]
 
         def step(t: int) -> np.ndarray:
             logits = gen._forward([t])[:, -1, :].astype(mx.float32)
@@ -81,8 +91,8 @@ def _one(home: Path, repo: str, expert_bytes: int, prompt: list[int], follow: li
         for t in follow[:-1]:
             rows.append(model_thread().call(step, t))
         return {
-            "fetched_bytes": summary.experts.bytes["hub"],
-            "ttft_s": summary.time_to_first_token_s,
+            "fetched_bytes": fetched,
+            "ttft_s": ttft,
             "substituted": summary.prompt_substituted,
             "uses": summary.prompt_approx.uses if summary.prompt_approx is not None else 0,
             "logprobs": np.stack(rows),
