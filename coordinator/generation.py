@@ -63,6 +63,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # of the prompt's, those a node's prefix cache held (not computed again)
+    prompt_expert_uses_substituted: int = 0  # by an approximate prompt (`prompt_experts`); 0: exact
 
     @property
     def total_tokens(self) -> int:
@@ -508,6 +509,8 @@ class Coordinator:
                 raise _Cut(f"the node ended the generation early ({done.stop_reason or 'no reason'})")
             usage.prompt_tokens = done.prompt_tokens
             usage.cached_tokens = done.cached_tokens
+            # said to the client (body and header): the prompt was approximate
+            usage.prompt_expert_uses_substituted = done.prompt_expert_uses_substituted
             tail = scanner.feed(done.trailing_text) + scanner.finish()
             if book is not None and (logprobs := book.release(None if not scanner.stopped else sent + len(tail))):
                 yield logprobs

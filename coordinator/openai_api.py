@@ -48,6 +48,11 @@ from expertmesh.coordinator.tool_calls import ToolCall, UnparsedToolCall, invali
 
 __all__ = ["Coordinator", "CoordinatorConfig", "Finish", "OpenAIServer"]
 
+# while a prompt is prefilled (a cold one at K3's size fetches for minutes), a streaming client
+# gets an SSE comment this often, so that it and any proxy between see the connection alive
+SSE_KEEPALIVE_S = 10.0
+# how many of the prompt's expert uses an approximate prompt substituted (0: the prompt was exact)
+SUBSTITUTED_HEADER = "X-Expertmesh-Prompt-Expert-Uses-Substituted"
 GENERATION_THREAD_HEADROOM = 32  # generation threads beyond max_waiting: running ones, up to 32 per batch row
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's (anthropic_api.py)
@@ -295,11 +300,14 @@ class OpenAIServer:
             "total_tokens": u.total_tokens,
             # OpenAI's field: prompt tokens a node's prefix cache held, so not computed again
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            # expertmesh's: how many of the prompt's expert uses an approximate prompt
+            # (`prompt_experts`) substituted; 0: exact
+            "prompt_expert_uses_substituted": u.prompt_expert_uses_substituted,
         }
 
     async def _whole(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
         body, _ = await self._completion(ask, rid, pieces, usage)
-        await self._json(ex, 200, body)
+        await self._json(ex, 200, body, [(SUBSTITUTED_HEADER, str(usage.prompt_expert_uses_substituted))])
 
     async def _completion(self, ask: Ask, rid: str, pieces: AsyncIterator[Piece], usage: Usage) -> tuple[dict, Finish]:
         """The whole answer in OpenAI's shape, and how it finished (the Messages API reads both)."""
@@ -373,18 +381,40 @@ class OpenAIServer:
         yield finish
 
     async def _stream(self, ex: Exchange, ask: Ask, rid: str, pieces: ThreadedGeneration, usage: Usage) -> None:
-        first = await self._first(pieces)
-        await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
-
         async def send(obj: dict | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
             await ex.write(f"data: {data}\n\n".encode())
 
+        async def start() -> None:
+            await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+
+        # errors before the first token are plain HTTP errors, unless the prompt took so long that
+        # the stream was started to keep the client alive: then they end the stream, as later ones do
+        waiting = asyncio.ensure_future(self._first(pieces))
+        started = False
         try:
+            while not (await asyncio.wait({waiting}, timeout=SSE_KEEPALIVE_S))[0]:
+                if not started:
+                    await start()
+                    started = True
+                await ex.write(b": prefilling the prompt\n\n")
+        finally:
+            waiting.cancel()  # a no-op once done; else the client left while the prompt was prefilled
+        try:
+            first = waiting.result()
+            if not started:
+                await start()
+                started = True
             async for chunk in self._chunks(ask, rid, first, pieces):
-                if not isinstance(chunk, Finish):
-                    await send(chunk)
-        except ApiError as e:  # after the first token: the stream ends with the error
+                if isinstance(chunk, Finish):
+                    continue
+                if chunk["choices"] and chunk["choices"][0].get("finish_reason") is not None:
+                    # a stream's headers left before the prompt ran: its last chunk says whether it was approximate
+                    chunk = {**chunk, "prompt_expert_uses_substituted": usage.prompt_expert_uses_substituted}
+                await send(chunk)
+        except ApiError as e:  # after the first token, or once the stream was kept alive: it ends with the error
+            if not started:
+                raise
             await send({"error": e.body()["error"]})
             await send("[DONE]")
             await ex.end_stream()

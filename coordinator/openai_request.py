@@ -21,6 +21,7 @@ from http import HTTPStatus
 from typing import Any
 
 from expertmesh.coordinator.tool_calls import ToolAsk, ToolRequestError, parse_tool_ask, tool_message
+from expertmesh.node.config import PromptExperts
 from expertmesh.node.constants import MAX_TOKENS_LIMIT
 from expertmesh.v1 import node_pb2
 
@@ -153,6 +154,8 @@ class Ask:
     top_logprobs: int = 0
     tools: ToolAsk = field(default_factory=ToolAsk)  # tools, tool_choice, response_format (tool_calls.py)
     prefix_space: str = ""  # whose stored prefixes the nodes may reuse (AccessPolicy.prefix_space)
+    # expertmesh's own: which experts the prompt uses (node/config.py's PromptExperts); "": the node's default
+    prompt_experts: str = ""
 
 
 # Every field of OpenAI's two request schemas (the `openai` package's CompletionCreateParams lists
@@ -168,6 +171,7 @@ HONOURED_COMMON = frozenset(
         "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
         # not OpenAI's, but sent by chat front-ends to servers like this one (vLLM's names)
         "top_k", "min_p", "repetition_penalty",
+        "prompt_experts",  # expertmesh's own: an approximate prompt, opt-in (node/config.py's PromptExperts)
     }
 )  # fmt: skip
 HONOURED_CHAT = HONOURED_COMMON | {
@@ -335,6 +339,16 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
     if options is not None and not ask.stream:  # as OpenAI and vLLM answer: usage then comes in the body
         raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
     ask.include_usage = bool((options or {}).get("include_usage"))
+    mode = body.get("prompt_experts")
+    if mode is not None:
+        if not isinstance(mode, str):
+            raise _bad(
+                "'prompt_experts' must be a string: exact, held, drop, topp:P or budget:SECONDS", param="prompt_experts"
+            )
+        try:
+            ask.prompt_experts = str(PromptExperts.parse(mode))
+        except ValueError as e:
+            raise _bad(f"'prompt_experts': {e}", param="prompt_experts") from None
     return ask
 
 
@@ -411,6 +425,7 @@ def generate_request(ask: Ask) -> node_pb2.GenerateRequest:
     req.logit_bias.update(ask.logit_bias)
     req.logprobs, req.top_logprobs = ask.logprobs, ask.top_logprobs
     req.prefix_space = ask.prefix_space
+    req.prompt_experts = ask.prompt_experts
     return req
 
 

@@ -461,6 +461,7 @@ def _build_rpc(
     service_class: type[NodeService] | None,
     interceptors: Sequence[grpc.ServerInterceptor],
 ) -> None:
+    from expertmesh.node.engine.prompt_experts import PromptExperts
     from expertmesh.node.rpc.server import NodeServer
     from expertmesh.node.service import NodeService
 
@@ -482,6 +483,7 @@ def _build_rpc(
         prefix_cache_bytes=parse_budget(node.config.prefix_cache, 0),
         prefix_dir=(node.config.home or constants.expertmesh_home()) / "prefixes",
     )
+    service.prompt_experts = PromptExperts.parse(node.config.prompt_experts)
     try:
         server = node.rpc = NodeServer(
             service,

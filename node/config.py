@@ -8,6 +8,7 @@ command line stays fast.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,44 @@ class SpeculationConfig:
 DEFAULT_MAX_BATCH = 4
 
 
+PROMPT_EXPERT_MODES = ("exact", "held", "drop", "topp", "budget")
+
+
+@dataclass(frozen=True)
+class PromptExperts:
+    """A prompt's expert mode as `--prompt-experts` names it: exact | held | drop | topp:P | budget:SECONDS."""
+
+    mode: str = "exact"
+    value: float = 0.0  # topp's P, budget's seconds
+
+    @classmethod
+    def parse(cls, text: str) -> PromptExperts:
+        """Raises ValueError naming what is wrong (a 400 over the API, a usage error on the CLI)."""
+        name, _, arg = (text or "exact").strip().partition(":")
+        if name not in PROMPT_EXPERT_MODES:
+            raise ValueError(f"prompt experts must be one of exact, held, drop, topp:P, budget:SECONDS, not {text!r}")
+        if name in ("topp", "budget"):
+            try:
+                value = float(arg)
+            except ValueError:
+                raise ValueError(f"prompt experts {name} needs a number after the colon, not {arg!r}") from None
+            if name == "topp" and not 0 < value <= 1:
+                raise ValueError(f"prompt experts topp:P needs 0 < P <= 1, not {value}")
+            if name == "budget" and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"prompt experts budget:SECONDS needs a non-negative number of seconds, not {value}")
+            return cls(name, value)
+        if arg:
+            raise ValueError(f"prompt experts {name} takes no argument, not {text!r}")
+        return cls(name)
+
+    @property
+    def exact(self) -> bool:
+        return self.mode == "exact"
+
+    def __str__(self) -> str:
+        return f"{self.mode}:{self.value:g}" if self.mode in ("topp", "budget") else self.mode
+
+
 @dataclass
 class NodeConfig:
     """One node: which model, where its home is, and which of its parts run.
@@ -173,3 +212,6 @@ class NodeConfig:
     core_budget: str | None = None
     # the states of earlier prompts kept for reuse (`--prefix-cache`, node/engine/prefix_cache.py); "0": none
     prefix_cache: str = constants.DEFAULT_PREFIX_CACHE
+    # which experts a prompt's rows use when a Generate call does not say (`--prompt-experts`,
+    # node/engine/prompt_experts.py): exact by default; decoding is always exact
+    prompt_experts: str = "exact"

@@ -58,6 +58,7 @@ from expertmesh.node.engine.grammar import GrammarError, request_constraint
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.prefix_cache import CHECKPOINT_EVERY, PrefixCache
 from expertmesh.node.engine.prefix_disk import PrefixDisk
+from expertmesh.node.engine.prompt_experts import PromptExperts
 from expertmesh.node.engine.sampling import MAX_TOP_LOGPROBS
 from expertmesh.node.engine.speculative import make_draft_source
 from expertmesh.node.engine.streamed_model import StreamedModel
@@ -194,6 +195,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
     """Serves `experts` to peers; with `sm` (a loaded model) it is a full node and generates too."""
 
     prover: Prover | None = None  # answers Prove; set by expertmesh/assembly.py once the port is known
+    # a call's prompt experts when it names none (`serve --prompt-experts`); set by expertmesh/assembly.py
+    prompt_experts: PromptExperts = PromptExperts()
 
     def __init__(
         self,
@@ -468,6 +471,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 refuse(f"logit_bias names token {token}, and this model's tokens are 0 to {vocab - 1}")
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 refuse(f"logit_bias values must be numbers from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}")
+        if request.prompt_experts:
+            try:
+                PromptExperts.parse(request.prompt_experts)
+            except ValueError as e:
+                refuse(str(e))
 
     def _vocab_size(self) -> int:
         """The tokens the model's tokenizer knows, counted once (a large vocabulary's dict is costly)."""
@@ -606,19 +614,25 @@ class NodeService(node_pb2_grpc.NodeServicer):
             logprobs=request.logprobs or request.top_logprobs > 0,
             top_logprobs=request.top_logprobs,
             constraint=constraint,
+            prompt_experts=PromptExperts.parse(request.prompt_experts)
+            if request.prompt_experts
+            else self.prompt_experts,
         )
         summary = GenerationSummary()
         splitter = ToolCallSplitter(prompt.fmt, prompt.tools) if prompt.fmt is not None else None
         alone = self._take_speculation()
-        batch = self.batch if not alone else None
+        # an approximate prompt goes layer-major through a Generator of its own (the batch's prefill
+        # is exact), taking turns with the batch on the MLX thread as a speculating call does
+        batch = self.batch if not alone and settings.prompt_experts.exact else None
         if batch is not None:  # its tokens' expert uses are its own rows', not the whole step's
             stats = summary.routed = StoreStats()
         else:
             stats = sm.store.stats
         last, t_last, first = stats.snapshot(), time.perf_counter(), True
-        prefix = (
-            self.prefix.session(_prefix_space(request), prompt.ids, prompt.ends) if self.prefix is not None else None
-        )
+        space = _prefix_space(request)
+        if not settings.prompt_experts.exact:  # an approximate prompt's states are never an exact one's
+            space += f"\x00approximate:{settings.prompt_experts}"
+        prefix = self.prefix.session(space, prompt.ids, prompt.ends) if self.prefix is not None else None
         try:
             if batch is not None:
                 tokens = batch.generate(prompt.ids, settings, lambda: not context.is_active(), summary, prefix)
@@ -682,6 +696,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 drafted_tokens=spec.drafted if spec else 0,
                 accepted_tokens=spec.accepted if spec else 0,
                 cached_tokens=summary.cached_tokens,
+                prompt_expert_uses_substituted=summary.prompt_substituted,
             )
         )
 

@@ -189,3 +189,24 @@ def test_the_coordinators_metrics_count_responses_by_status(api: OpenAIServer, c
     assert not any("prompt" in k for key in counts for k in key)  # endpoints and codes only
     states = {s.labels["state"]: s.value for s in families["expertmesh_api_generations"].samples}
     assert states == {"running": 0.0, "waiting": 0.0}
+
+
+def test_a_stream_is_kept_alive_with_comments_while_the_prompt_is_prefilled(
+    api: OpenAIServer, client: openai.OpenAI, completion_text: str, monkeypatch
+) -> None:
+    from expertmesh.coordinator import openai_api
+
+    # a cold prompt at K3's size takes minutes; here any prefill outlasts the interval
+    monkeypatch.setattr(openai_api, "SSE_KEEPALIVE_S", 0.005)
+    body = {"model": KIMI_K3, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+    req = urllib.request.Request(
+        api.url + "/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    first_data = next(i for i, e in enumerate(events) if e.startswith("data: "))
+    assert first_data > 0 and all(e.startswith(": ") for e in events[:first_data])
+    assert all(e.startswith("data: ") for e in events[first_data:])
+    # the official client skips the comments: the same text as without them
+    stream = client.completions.create(model=KIMI_K3, prompt=PROMPT, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == completion_text

@@ -324,6 +324,30 @@ def add_sampling_arguments(
     )
 
 
+def prompt_experts(text: str):
+    """--prompt-experts: exact | held | drop | topp:P | budget:SECONDS (node/engine/prompt_experts.py)."""
+    from expertmesh.node.engine.prompt_experts import PromptExperts
+
+    try:
+        return PromptExperts.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_prompt_experts_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-experts",
+        type=prompt_experts,
+        default="exact",
+        metavar="MODE",
+        help="which experts the prompt uses, to fetch fewer for a cold prompt (decoding stays exact): exact "
+        "(default), held (a prompt token's expert not held here is replaced by the best-scored held one), "
+        "drop (not-held experts dropped, weights renormalised), topp:P (each token keeps its top-P weight), "
+        "budget:SECONDS (fetch the most important missing experts that fit SECONDS of the link, the rest as "
+        "held); the summary says how many of the prompt's expert uses were substituted",
+    )
+
+
 def add_speculation_arguments(
     p: argparse.ArgumentParser, default: str = DEFAULT_SPECULATION, draft_default: str | None = None
 ) -> None:
@@ -381,7 +405,11 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
 def sampling(args: argparse.Namespace):
     from expertmesh.node.engine.generation import SamplingSettings
 
-    return SamplingSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed)
+    settings = SamplingSettings(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed)
+    mode = getattr(args, "prompt_experts", None)
+    if mode is not None:
+        settings.prompt_experts = prompt_experts(mode) if isinstance(mode, str) else mode
+    return settings
 
 
 def max_batch(args: argparse.Namespace) -> int:

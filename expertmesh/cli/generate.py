@@ -26,6 +26,7 @@ def add_commands(sub) -> None:
     arguments.add_peer_arguments(p)
     arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p)
+    arguments.add_prompt_experts_argument(p)
     arguments.add_speculation_arguments(p)
     arguments.add_metrics_arguments(p, default=None)
     p.add_argument(
@@ -46,6 +47,7 @@ def add_commands(sub) -> None:
     arguments.add_peer_arguments(p)
     arguments.add_discovery_arguments(p)
     arguments.add_sampling_arguments(p, max_tokens=512)
+    arguments.add_prompt_experts_argument(p)
     arguments.add_speculation_arguments(p)
     p.set_defaults(func=chat)
 
@@ -81,7 +83,7 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
 
 
 def _generate_once(node: Node, prompt: str, args: argparse.Namespace) -> None:
-    from expertmesh.cli.terminal import StopFlag, ctrl_c_stops, print_summary, stream_text
+    from expertmesh.cli.terminal import PrefillLine, StopFlag, ctrl_c_stops, print_summary, stream_text
     from expertmesh.node.engine.generation import GenerationSummary, Generator
 
     sm = node.require_model()
@@ -89,6 +91,7 @@ def _generate_once(node: Node, prompt: str, args: argparse.Namespace) -> None:
     summary = GenerationSummary()
     with ctrl_c_stops(StopFlag()) as flag:
         generator = Generator(sm, arguments.speculation(args))
+        generator.prefill_progress = PrefillLine()  # a cold prompt can fetch for minutes: say where it is
         stream_text(generator.generate(tokens, arguments.sampling(args), flag, summary), summary)
     print_summary(summary)
 
@@ -170,7 +173,11 @@ def chat(args: argparse.Namespace) -> int:
         _mark_used(node)
         print(node.describe(), file=sys.stderr)
         print("type a message; Ctrl-C stops a reply, Ctrl-D or /exit ends the chat", file=sys.stderr)
-        session = ChatSession(Generator(node.require_model(), speculation), system_prompt=args.system)
+        from expertmesh.cli.terminal import PrefillLine
+
+        generator = Generator(node.require_model(), speculation)
+        generator.prefill_progress = PrefillLine()  # a cold prompt can fetch for minutes: say where it is
+        session = ChatSession(generator, system_prompt=args.system)
         settings = arguments.sampling(args)
         chat_loop(lambda text, stop, summary: session.reply(text, settings, stop, summary), read_line=read_line)
     return 0

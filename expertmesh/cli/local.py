@@ -105,6 +105,42 @@ def add_commands(sub) -> None:
     g.add_argument(
         "--core-quant", metavar="RECIPE", help="the core quantised with mlx-lm's mixed recipe (mixed_4_6...)"
     )
+    g.add_argument(
+        "--prompt-tokens",
+        type=arguments.positive_int,
+        metavar="N",
+        help="also what a prompt of N tokens costs before its first token, cold and warm: its experts' "
+        "expected union, each read once (node/prompt_cost.py)",
+    )
+    g.add_argument(
+        "--link",
+        type=_rate,
+        default="100MB",
+        metavar="B",
+        help="--prompt-tokens: the link's bytes/s to the Hub (default %(default)s, a home link)",
+    )
+    g.add_argument(
+        "--disk-rate",
+        type=_rate,
+        default="2GB",
+        metavar="B",
+        help="--prompt-tokens: the disk's parallel-read bytes/s (default %(default)s, a Mac's SSD)",
+    )
+    g.add_argument(
+        "--disk-share",
+        type=float,
+        default=0.25,
+        metavar="F",
+        help="--prompt-tokens: the share of the experts on this Mac's disk, for the cost of each --prompt-experts "
+        "mode (default %(default)s: a quarter, as a 350 GB disk holds of K3's; node/prompt_mode_cost.py)",
+    )
+    g.add_argument(
+        "--prompt-budget",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="--prompt-tokens: the seconds of --prompt-experts budget:S planned (default %(default)s)",
+    )
     g.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
     arguments.add_memory_arguments(g)
     g.add_argument(
@@ -393,6 +429,38 @@ def doctor(args: argparse.Namespace) -> int:
     return 1 if fails else 0
 
 
+def _rate(text: str) -> float:
+    """Bytes a second: `100MB` is 100 MB/s."""
+    from expertmesh.node.sizes import parse_size
+
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError("a rate above 0")
+    return float(n)
+
+
+def _prompt_cost(args: argparse.Namespace):
+    """The prompt cost of --plan MODEL: K3's shape, or the pulled repo's index and config."""
+    import json
+
+    from expertmesh.node.hub import local_models
+    from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
+    from expertmesh.node.prompt_cost import PromptCost, top_k_of
+
+    if args.plan.lower() in ("k3", "kimi-k3", "moonshotai/kimi-k3"):
+        shape = (constants.K3_MOE_LAYERS, constants.K3_EXPERTS_PER_LAYER, constants.K3_TOP_K, constants.K3_EXPERT_BYTES)
+    else:
+        path = local_models.find_pulled(constants.expertmesh_home(), args.plan)
+        index = ExpertIndex.load(path / INDEX_FILENAME)
+        per_layer = max(sum(1 for lay, _ in index.experts if lay == layer) for layer in index.moe_layers)
+        top_k = top_k_of(json.loads((path / "config.json").read_text())) or 1
+        shape = (len(index.moe_layers), per_layer, top_k, max(loc.nbytes for loc in index.experts.values()))
+    return PromptCost(args.prompt_tokens, *shape, args.link, args.disk_rate)
+
+
 def _plan(args: argparse.Namespace) -> int:
     """The plan of --plan MODEL on one line, what would hold its core whole, --json; exit 0 when
     the core fits whole, 1 when it would be streamed or does not fit at all."""
@@ -428,6 +496,16 @@ def _plan(args: argparse.Namespace) -> int:
     if changes:
         print("  to hold the core whole: " + ", or ".join(changes))
     doc.update(model=args.plan, computed=planned.computed, changes=changes)
+    if args.prompt_tokens:
+        cost = _prompt_cost(args)
+        for line in cost.lines():
+            print(line)
+        from expertmesh.node import prompt_mode_cost
+
+        modes = prompt_mode_cost.mode_costs(cost, args.disk_share, args.prompt_budget)
+        for line in prompt_mode_cost.lines(modes, args.disk_share):
+            print(line)
+        doc.update(prompt={**cost.as_json(), "modes": [m.as_json() for m in modes]})
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if doc["fits"] else 1

@@ -75,6 +75,7 @@ def add_commands(sub) -> None:
     arguments.add_store_arguments(p)
     arguments.add_memory_arguments(p)
     arguments.add_peer_arguments(p)
+    arguments.add_prompt_experts_argument(p)
     arguments.add_speculation_arguments(p)
     arguments.add_batch_arguments(p)
     p.set_defaults(func=serve)
@@ -117,6 +118,7 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         max_context=args.max_context,
         core_budget=args.core_budget,
         prefix_cache=args.prefix_cache,
+        prompt_experts=str(args.prompt_experts),
     )
 
 

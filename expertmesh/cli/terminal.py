@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
@@ -103,3 +104,25 @@ def chat_loop(
         if show_summary:
             print_summary(summary)
         turns += 1
+
+
+class PrefillLine:
+    """A streamed prompt's progress (engine/prefill.py's `PrefillProgress`) on stderr: one line
+    rewritten in place on a terminal, else a line every `every_s` seconds and at each layer's end,
+    so a cold prompt that fetches for minutes says where it is without flooding a log."""
+
+    def __init__(self, out: TextIO | None = None, every_s: float = 2.0):
+        self.out = out or sys.stderr
+        self.every_s = every_s
+        self.last = float("-inf")
+
+    def __call__(self, progress) -> None:
+        now = time.monotonic()
+        layer_done = progress.experts_done >= progress.experts_needed
+        tty = self.out.isatty()
+        if not tty and not layer_done and now - self.last < self.every_s:
+            return
+        self.last = now
+        last = layer_done and progress.layer + 1 >= progress.layers  # the prompt's last line: ended
+        end = "\n" if last or not tty else ""
+        print(("\r\033[K" if tty else "") + progress.line(), end=end, file=self.out, flush=True)

@@ -65,6 +65,28 @@ def add_commands(sub) -> None:
         "with the Hub's connection count fixed at its start)",
     )
     p.add_argument(
+        "--prompt-experts",
+        action="store_true",
+        help="what an approximate prompt (run --prompt-experts) saves and costs on the trained demo model: "
+        "expert bytes and TTFT against the exact prompt, KL and greedy agreement over 64 decoded tokens, "
+        "perplexity, beside the 4-bit core's KL (devtools/bench_prompt_experts.py; prompts of 128 tokens "
+        "unless --prompt-lengths says)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=arguments.positive_int,
+        default=3,
+        metavar="N",
+        help="--prompt-experts: held-out prompts per length, each in every mode (default %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-lengths",
+        default="16,128,1024,4096",
+        metavar="N[,N...]",
+        help="--configs prompt: the prompt lengths in tokens, each cold and with its experts on disk "
+        "(default %(default)s; see expertmesh/devtools/bench_prompt.py)",
+    )
+    p.add_argument(
         "--experts-per-layer",
         type=arguments.positive_int,
         help="k3-proportions: routed experts per MoE layer (default 64; K3 has 896, and a decode token misses "
@@ -189,6 +211,10 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.compute:
         return _bench_compute(args)
+    if args.configs and args.configs.strip() == "prompt":
+        return _bench_prompt(args)
+    if args.prompt_experts:
+        return _bench_prompt_experts(args)
     if args.model == "k3-proportions":
         return _bench_k3(args)
     doc = run_bench(
@@ -223,6 +249,56 @@ def _bench_compute(args: argparse.Namespace) -> int:
     shapes = _names("--shapes", args.shapes, bench_compute.SHAPES) if args.shapes else bench_compute.SHAPES
     doc = bench_compute.run(shapes, tokens=args.tokens or 24, progress=lambda m: print(m, file=sys.stderr))
     bench_compute.print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _bench_prompt(args: argparse.Namespace) -> int:
+    """`--configs prompt`: each prompt length's first token against its floor (devtools/bench_prompt.py)."""
+    from expertmesh.devtools import bench_prompt
+    from expertmesh.devtools.tiny import k3_proportions
+    from expertmesh.node.sizes import parse_size
+
+    try:
+        lengths = tuple(int(n) for n in args.prompt_lengths.split(",") if n.strip())
+        caps = args.per_connection_bandwidth
+        # the decode sweep's default list: the prompt's targets are at 25 MB/s a connection
+        cap = 25e6 if caps == "12.5MB,25MB,100MB" else float(parse_size(caps.split(",")[0]))
+    except ValueError as e:
+        raise ExpertmeshError(f"--prompt-lengths or --per-connection-bandwidth: {e}") from None
+    if not lengths or min(lengths) < 2:
+        raise ExpertmeshError("--prompt-lengths: one or more lengths of at least 2 tokens")
+    # K3's regime by default: 384 experts a layer, as the cold decode figures use
+    shape = {"experts": args.experts_per_layer or 384, "moe_layers": args.moe_layers, "router": args.router}
+    doc = bench_prompt.run(
+        args.model,
+        lengths,
+        per_connection=cap,
+        proportions=k3_proportions.Proportions(**{k: v for k, v in shape.items() if v is not None}),
+        progress=lambda m: print(m, file=sys.stderr),
+    )
+    bench_prompt.print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _bench_prompt_experts(args: argparse.Namespace) -> int:
+    """`--prompt-experts`: each approximate prompt mode against the exact prompt (devtools/bench_prompt_experts.py)."""
+    from expertmesh.devtools import bench_prompt_experts
+
+    given = args.prompt_lengths != "16,128,1024,4096"
+    try:
+        lengths = tuple(int(n) for n in args.prompt_lengths.split(",") if n.strip()) if given else (128,)
+    except ValueError as e:
+        raise ExpertmeshError(f"--prompt-lengths: {e}") from None
+    if not lengths or min(lengths) < 2:
+        raise ExpertmeshError("--prompt-lengths: one or more lengths of at least 2 tokens")
+    doc = bench_prompt_experts.run(lengths, prompts=args.prompts)
+    bench_prompt_experts.print_table(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)

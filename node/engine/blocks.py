@@ -134,6 +134,7 @@ class StreamingExperts(nn.Module):
     _next: tuple[StreamingExperts, nn.Module] | None  # the next MoE layer's block and its parent MoE module
     _remote: RemoteExecution | None  # set when peers can compute
     _linears: dict[str, nn.Module] | None  # projection -> slot linear, made at the first compute
+    _prefill: Any  # while a prompt is prefilled layer-major, its gatherer (engine/prefill.py's LayerMajor)
 
     def __init__(self, layer: int, path: str, original: SwitchGLU | SwitchMLP):
         super().__init__()
@@ -152,6 +153,7 @@ class StreamingExperts(nn.Module):
         self._set("_next", None)
         self._set("_remote", None)
         self._set("_linears", None)
+        self._set("_prefill", None)
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
@@ -191,6 +193,8 @@ class StreamingExperts(nn.Module):
         if step is not None and step.predicts(self.layer):  # a guess of this layer's routing: output unused
             step.guesses[self.layer] = indices
             return mx.zeros((*indices.shape, self.output_dims), dtype=x.dtype)
+        if self._prefill is not None:  # a layer-major prompt: every chunk's rows first (engine/prefill.py)
+            return self._prefill.park(self, x, indices)
         store = self._bound_store()
         nxt = self._next[0].layer if self._next is not None else None
         guess = step.guesses.pop(nxt, None) if step is not None and nxt is not None else None

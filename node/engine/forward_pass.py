@@ -92,6 +92,17 @@ class ForwardPass:
             self.guesses.clear()
             self.predicting = None
 
+    @contextmanager
+    def entered(self) -> Iterator[ForwardPass]:
+        """The blocks see this pass while inside, as in `build`, its guesses left as they are: a
+        layer-major prompt (engine/prefill.py) computes a layer for every chunk's pass from
+        outside the chunks' own calls."""
+        token = _BUILDING.set(self)
+        try:
+            yield self
+        finally:
+            _BUILDING.reset(token)
+
     def count_uses(self) -> None:
         """Count the uses of the layers that ran resident, once. After the pass's output is
         evaluated their routings are too, and reading them waits for nothing; before, it syncs."""

@@ -23,6 +23,7 @@ between passes and at the end it holds what the plain path's would.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,9 +33,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import Sampler
 
 from expertmesh.node.config import SpeculationConfig
+from expertmesh.node.engine import prefill as layer_major
 from expertmesh.node.engine.forward_pass import ForwardPass
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.prefix_cache import PrefixSession
+from expertmesh.node.engine.prompt_experts import Approximation, PromptCount, PromptExperts
 from expertmesh.node.engine.sampling import Decoder, SamplingSettings, TokenLogprobs, token_logprobs
 from expertmesh.node.engine.speculative import (
     Draft,
@@ -51,6 +54,13 @@ from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
 from expertmesh.node.store.stats import SOURCES, StoreStats
 
 PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the same numerics
+
+
+def prefill_chunks(tokens: list[int]) -> list[list[int]]:
+    """The forward passes mlx-lm feeds a prompt in: all but the last token in chunks of
+    `PREFILL_STEP`, then the last token alone."""
+    body, last = tokens[:-1], tokens[-1:]
+    return [body[i : i + PREFILL_STEP] for i in range(0, len(body), PREFILL_STEP)] + [last]
 
 
 class PromptError(ExpertmeshError):
@@ -118,6 +128,13 @@ class GenerationSummary:
     routed: StoreStats | None = None
     core_read_bytes: int = 0  # core bytes read from the SSD by this generation (a streamed core)
     passes_built_ahead: int = 0  # decode passes built while the one before computed (`_plain`)
+    # an approximate prompt's (`--prompt-experts` other than exact): its expert uses and how many
+    # were substituted; None: the prompt was exact
+    prompt_approx: PromptCount | None = None
+
+    @property
+    def prompt_substituted(self) -> int:
+        return self.prompt_approx.substituted if self.prompt_approx is not None else 0
 
     @property
     def core_read_bytes_per_token(self) -> float:
@@ -191,6 +208,8 @@ class GenerationSummary:
             )
         if self.speculation is not None:
             out.append(self.speculation.line())
+        if self.prompt_approx is not None:
+            out.append(self.prompt_approx.line())
         return out
 
 
@@ -279,6 +298,9 @@ class Generator:
             self._source = draft_source or mlx.call(make_draft_source, self.speculation, sm.tokenizer)
             self._controller = DraftController(self.speculation)
         self.observer: TokenObserver | None = sm.token_observer
+        # told where a streamed prompt stands after each group of its experts (`run` and `chat` show it)
+        self.prefill_progress: Callable[[layer_major.PrefillProgress], None] | None = None
+        self._prompt_experts: tuple[PromptExperts, GenerationSummary | None] = (PromptExperts(), None)
         self.reset()
 
     def reset(self) -> None:
@@ -293,7 +315,11 @@ class Generator:
 
     def _prefill(self, tokens: list[int]) -> ForwardPass:
         """Feed `tokens` as mlx-lm does: all but the last in chunks, then the last alone; returns
-        the last pass (its logits give the first token)."""
+        the last pass (its logits give the first token). Where experts stream, the chunks go
+        layer by layer together, so that each MoE layer fetches each of the prompt's experts once
+        (engine/prefill.py)."""
+        if len(tokens) > 1 and self._layer_major():
+            return self._prefill_layer_major(tokens)
         while len(tokens) > 1:
             n = min(PREFILL_STEP, len(tokens) - 1)
             mark = self._prefix.next_mark(len(self.history)) if self._prefix is not None else None
@@ -309,6 +335,59 @@ class Generator:
         step = self._forward(tokens)
         step.commit()  # the tokens are the prompt's: they stay
         return step
+
+    def _prefill_layer_major(self, tokens: list[int]) -> ForwardPass:
+        """`_prefill` layer-major. A prefix cache's checkpoint inside the prompt ends a segment
+        there (its state is stored when the segment is done): each segment's experts are then
+        fetched once per segment, the price of a later turn resuming from that checkpoint."""
+        while self._prefix is not None:
+            mark = self._prefix.next_mark(len(self.history))
+            n = 0 if mark is None else mark - len(self.history)
+            if n <= 0 or n >= len(tokens):
+                break
+            segment, tokens = tokens[:n], tokens[n:]
+            for step in self._layer_major_passes([segment[i : i + PREFILL_STEP] for i in range(0, n, PREFILL_STEP)]):
+                step.commit()
+                step.count_uses()
+            self._prefix.at(len(self.history), self.history, self.cache)
+        passes = self._layer_major_passes(prefill_chunks(tokens))
+        for step in passes:
+            step.commit()  # the tokens are the prompt's: they stay
+        for step in passes[:-1]:
+            step.count_uses()  # the last pass's uses are counted with the first token
+        return passes[-1]
+
+    def _layer_major_passes(self, chunks: list[list[int]]) -> list[ForwardPass]:
+        approx = self._approximation()
+        with approx.routers(self.sm.model, self.sm.blocks) if approx is not None else contextlib.nullcontext():
+            passes = layer_major.prefill(
+                lambda x: self.sm.forward(x, self.cache),
+                self.sm.blocks,
+                chunks,
+                self.cache,
+                self.prefill_progress,
+                approx,
+            )
+        self.history.extend(t for chunk in chunks for t in chunk)
+        return passes
+
+    def _approximation(self) -> Approximation | None:
+        """This prompt's approximation (engine/prompt_experts.py), None when it is exact; the
+        summary gets its counts."""
+        spec, summary = self._prompt_experts
+        if spec.exact:
+            return None
+        approx = Approximation(spec, len(self.sm.blocks))
+        approx.start(self.sm.store)
+        if summary is not None:
+            summary.prompt_approx = approx.count
+        return approx
+
+    def _layer_major(self) -> bool:
+        """Whether a prompt goes layer-major: only where experts stream (a model wholly resident
+        runs mlx-lm's own chunks), and not with a streamed core, whose reads follow token order."""
+        sm = self.sm
+        return sm.core_stream is None and not sm.all_resident() and layer_major.usable(sm.blocks)
 
     def _plain(self, tokens: list[int], book: _TokenBook, decoder: Decoder) -> Iterator[Token]:
         """One token per forward pass, exactly mlx-lm's `generate_step`.
@@ -528,6 +607,7 @@ class Generator:
                 f"context is {limit}{_context_source(self.sm)}: it leaves no room for an answer; shorten it"
             )
         summary.prompt_tokens = len(tokens)
+        self._prompt_experts = (settings.prompt_experts, summary)
         decoder = Decoder(settings, tokens)
         if settings.seed is not None:
             mx.random.seed(settings.seed % 2**64)  # MLX's seeds are unsigned; a user's may be negative
@@ -577,4 +657,8 @@ class Generator:
             summary.seconds = time.perf_counter() - t0
             summary.experts = self.sm.store.stats.since(before)
             summary.core_read_bytes = self.sm.core_read_bytes() - core_before
+            if summary.prompt_approx is not None:
+                hook = getattr(self.observer, "prompt_approximated", None)  # NodeMetrics' counter
+                if hook is not None:
+                    hook(summary.prompt_approx.substituted)
             observe_request(self.observer, summary.seconds)

@@ -27,6 +27,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from expertmesh.node.config import PromptExperts
 from expertmesh.node.engine.constraint import TokenConstraint
 
 # The penalties look this far back, mlx-lm's default context for each.
@@ -50,6 +51,8 @@ class SamplingSettings:
     top_logprobs: int = 0  # ...and this many most likely tokens'
     # which tokens may come next (a grammar: node/engine/constraint.py); served without speculation
     constraint: TokenConstraint | None = None
+    # which experts the prompt's rows use (engine/prompt_experts.py); decoding is always exact
+    prompt_experts: PromptExperts = field(default_factory=PromptExperts)
 
     @property
     def processed(self) -> bool:

@@ -400,6 +400,12 @@ class NodeMetrics:
         )
         for o in SPECULATIVE_OUTCOMES:
             self.speculative_tokens.labels(o)
+        self.prompt_substituted = Counter(
+            PREFIX + "prompt_expert_uses_substituted",
+            "Prompt expert uses an approximate prompt (--prompt-experts other than exact) substituted or "
+            "dropped instead of fetching the chosen expert; 0 while every prompt is exact.",
+            registry=self.registry,
+        )
 
     # -- hooks --------------------------------------------------------------------------------
 
@@ -426,6 +432,10 @@ class NodeMetrics:
     def request(self, seconds: float) -> None:
         """One generation ended, `seconds` after its request."""
         self.request_seconds.observe(seconds)
+
+    def prompt_approximated(self, substituted: int) -> None:
+        """An approximate prompt ended its prefill having substituted `substituted` expert uses."""
+        self.prompt_substituted.inc(substituted)
 
     def batch(self, size: int) -> None:
         """One batched decode step over `size` sequences."""

@@ -143,7 +143,7 @@ class ExpertChunk(_message.Message):
     def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed", "messages", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias", "logprobs", "top_logprobs", "count_only", "tools", "tool_choice", "tool_choice_name", "response_format", "prefix_space")
+    __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed", "messages", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias", "logprobs", "top_logprobs", "count_only", "tools", "tool_choice", "tool_choice_name", "response_format", "prefix_space", "prompt_experts")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_NAME_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     model: ModelKey
     prompt: str
     chat: bool
@@ -195,7 +196,8 @@ class GenerateRequest(_message.Message):
     tool_choice_name: str
     response_format: str
     prefix_space: str
-    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., count_only: _Optional[bool] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_choice_name: _Optional[str] = ..., response_format: _Optional[str] = ..., prefix_space: _Optional[str] = ...) -> None: ...
+    prompt_experts: str
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., count_only: _Optional[bool] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., tool_choice_name: _Optional[str] = ..., response_format: _Optional[str] = ..., prefix_space: _Optional[str] = ..., prompt_experts: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
@@ -266,7 +268,7 @@ class ApiTopLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens", "tool_calls", "unparsed_tool_calls", "cached_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens", "tool_calls", "unparsed_tool_calls", "cached_tokens", "prompt_expert_uses_substituted")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class GenerationDone(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     UNPARSED_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EXPERT_USES_SUBSTITUTED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     time_to_first_token_s: float
@@ -309,7 +312,8 @@ class GenerationDone(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsParsedCall]
     unparsed_tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsUnparsedCall]
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., forward_passes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolsParsedCall, _Mapping]]] = ..., unparsed_tool_calls: _Optional[_Iterable[_Union[ToolsUnparsedCall, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_expert_uses_substituted: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., forward_passes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolsParsedCall, _Mapping]]] = ..., unparsed_tool_calls: _Optional[_Iterable[_Union[ToolsUnparsedCall, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., prompt_expert_uses_substituted: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token", "done")

@@ -1,0 +1,300 @@
+"""A prompt prefilled layer by layer: each MoE layer's experts fetched once for all of its chunks.
+
+mlx-lm feeds a prompt in chunks (`PREFILL_STEP` tokens, then the last token alone), each through
+every layer before the next chunk starts. With less expert memory than a layer's union, the next
+chunk asks the store again for what the last one evicted: the same experts read again from the
+Hub or the disk, once per chunk. Here the chunks go through the model together, layer-major: every
+chunk runs up to a MoE layer's expert block and waits there (`park`); when all have arrived, the
+layer takes the union of all of their rows' routings, asks the store for each distinct expert
+once, computes each group of experts as it is placed with every chunk's rows routed to it, lets
+the group go and hands each chunk its output (`run_layer`). Attention still runs chunk by chunk,
+in order, so the KV caches and recurrent states see exactly the token-major sequence of updates.
+
+How the chunks wait: each chunk's forward pass is mlx-lm's own model call, run in a greenlet of
+its own on the MLX thread (greenlets switch on one OS thread, so MLX's per-thread streams hold).
+A model call reads its caches' offsets once at its start to build its masks; a chunk started while
+the chunks before it have reached only the first MoE layer would read the offsets of the later
+layers' caches too early, so while a chunk starts those caches' offsets are shown as they will be
+once every chunk before it has passed (`_offsets_ahead`), then put back.
+
+Exact: each chunk's rows meet each expert group in the same kernels mlx-lm's chunk would (one
+`SwitchGLU` call per chunk over the rows of the placed experts, sorted as it sorts), so tokens
+equal mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from greenlet import greenlet
+
+from expertmesh.node.engine.blocks import Guess, StreamingExperts
+from expertmesh.node.engine.forward_pass import ForwardPass, building, count_by_row
+from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.store.store import Served
+
+
+@dataclass
+class _Parked:
+    """One chunk's rows waiting at a layer's expert block."""
+
+    block: StreamingExperts
+    x: mx.array
+    indices: mx.array
+    guess: mx.array | None  # the next layer's routing this chunk guessed, if the layer guessed
+    step: ForwardPass | None  # the chunk's forward pass (its ledgers; the blocks read it while inside)
+
+
+@dataclass
+class PrefillProgress:
+    """Where a layer-major prompt stands, after each group of experts computed (what `run` and
+    `chat` show while a cold prompt fetches its experts)."""
+
+    layer: int  # MoE layers done before this one, 0-based: this is layer `layer + 1` of `layers`
+    layers: int
+    experts_done: int  # of this layer's union, computed so far
+    experts_needed: int  # this layer's union over every chunk
+    bytes_read: int  # expert bytes read for the prompt so far, from every tier
+    seconds: float  # since the prompt started
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate measured so far: the layers still to come take what the
+        layers so far took a layer (their unions are known only once they are reached)."""
+        done = self.layer + (self.experts_done / self.experts_needed if self.experts_needed else 0.0)
+        if done <= 0 or self.seconds <= 0:
+            return None
+        return self.seconds / done * (self.layers - done)
+
+    def line(self) -> str:
+        from expertmesh.node.sizes import format_size
+
+        rate = self.bytes_read / self.seconds if self.seconds > 0 else 0.0
+        eta = self.eta_s
+        return (
+            f"prompt: MoE layer {self.layer + 1}/{self.layers}, experts {self.experts_done}/{self.experts_needed}, "
+            f"{format_size(self.bytes_read)} read ({format_size(rate)}/s)"
+            + (f", about {eta:.0f} s left" if eta is not None else "")
+        )
+
+
+class LayerMajor:
+    """Set on every expert block while a prompt is prefilled layer-major (`StreamingExperts._prefill`)."""
+
+    def __init__(self, layers: int, progress: Callable[[PrefillProgress], None] | None = None):
+        self.layers, self.progress = layers, progress
+        self.done = 0  # MoE layers run
+        self.t0 = time.perf_counter()
+        self.before: dict[str, int] | None = None  # the store's bytes by tier when the prompt started
+        self.approx: Any = None  # an approximate prompt's (engine/prompt_experts.py's Approximation)
+
+    def report(self, store, experts_done: int, experts_needed: int) -> None:
+        if self.progress is None:
+            return
+        if self.before is None:
+            self.before = dict(store.stats.bytes)
+        read = sum(store.stats.bytes[s] - self.before.get(s, 0) for s in ("hub", "disk", "peer"))
+        self.progress(
+            PrefillProgress(self.done, self.layers, experts_done, experts_needed, read, time.perf_counter() - self.t0)
+        )
+
+    def park(self, block: StreamingExperts, x: mx.array, indices: mx.array) -> mx.array:
+        """Called by `block` in place of its own call: wait for the other chunks, return this one's output."""
+        step = building()  # this chunk's pass: each greenlet has a context of its own
+        nxt = block._next[0].layer if block._next is not None else None
+        guess = step.guesses.pop(nxt, None) if step is not None and nxt is not None else None
+        parent = greenlet.getcurrent().parent
+        if parent is None:
+            raise RuntimeError("a layer-major prefill's block was called outside a chunk's greenlet")
+        return parent.switch(_Parked(block, x, indices, guess, step))
+
+
+def usable(blocks: list[StreamingExperts]) -> bool:
+    """Whether a prompt may be prefilled layer-major on these blocks: each bound to a store and
+    none computing on peers (a peer's ComputeExperts takes one chunk's rows per call)."""
+    return bool(blocks) and all(b.store is not None and b._remote is None for b in blocks)
+
+
+def prefill(
+    forward: Callable[[mx.array], ForwardPass],
+    blocks: list[StreamingExperts],
+    chunks: list[list[int]],
+    cache: list,
+    progress: Callable[[PrefillProgress], None] | None = None,
+    approx: Any = None,
+) -> list[ForwardPass]:
+    """Every chunk's forward pass, in order, each fed through `forward` (the streamed model's
+    pass over `cache`) layer-major, as the module says; the caller commits them. `chunks` in the
+    order mlx-lm feeds them; `progress` is told where the prompt stands after each group of experts."""
+    lengths = [len(c) for c in chunks]
+    starts = [_offsets(cache)]
+    gatherer = LayerMajor(len(blocks), progress)
+    gatherer.approx = approx  # None: exact, as mlx-lm
+    if progress is not None and blocks and blocks[0].store is not None:
+        gatherer.before = dict(blocks[0]._bound_store().stats.bytes)
+    for block in blocks:
+        block._set("_prefill", gatherer)
+    try:
+        lets = [greenlet(lambda c=c: forward(mx.array(c)[None])) for c in chunks]
+        sent: list[mx.array | None] = [None] * len(chunks)
+        passes: list[ForwardPass | None] = [None] * len(chunks)
+        live = list(range(len(chunks)))
+        first_round = True
+        while live:
+            parked: list[tuple[int, _Parked]] = []
+            for i in live:
+                with _offsets_ahead(cache, starts[0], sum(lengths[:i])) if first_round and i else _nothing():
+                    out = lets[i].switch(sent[i]) if not first_round else lets[i].switch()
+                if lets[i].dead:
+                    passes[i] = out
+                elif isinstance(out, _Parked):
+                    parked.append((i, out))
+                else:
+                    raise RuntimeError("a layer-major prefill's chunk switched back with something else")
+            first_round = False
+            if not parked:
+                break
+            if len(parked) != len(live) or len({id(p.block) for _, p in parked}) != 1:
+                raise ExpertmeshError(
+                    "a layer-major prefill's chunks reached different layers: the model's passes differ"
+                )
+            ys = run_layer(parked[0][1].block, [p for _, p in parked])
+            gatherer.done += 1
+            for (i, _), y in zip(parked, ys):
+                sent[i] = y
+            live = [i for i, _ in parked]
+    finally:
+        for block in blocks:
+            block._set("_prefill", None)
+    done = [p for p in passes if p is not None]
+    if len(done) != len(chunks):
+        raise RuntimeError("a layer-major prefill's chunks did not all finish")
+    return done
+
+
+def _offsets(cache: list) -> list[int | None]:
+    return [c.offset if isinstance(getattr(c, "offset", None), int) else None for c in cache]
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _offsets_ahead(cache: list, base: list[int | None], before: int) -> Iterator[None]:
+    """While a chunk starts (builds its masks), every cache the chunks before it have not reached
+    yet shows the offset it will have once they have: `base` (the offsets before the prompt) plus
+    the `before` tokens of those chunks. A cache that has been reached is left as it is."""
+    moved = []
+    for c, b in zip(cache, base):
+        if b is not None and c.offset < b + before:
+            moved.append((c, c.offset))
+            c.offset = b + before
+    try:
+        yield
+    finally:
+        for c, true in moved:
+            c.offset = true
+
+
+def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
+    """One expert layer over every chunk's rows: the union's experts fetched once, each group
+    computed with all of the chunks' rows routed to it as soon as it is placed, then let go."""
+    store = block._bound_store()
+    gatherer = block._prefill
+    block._set("_prefill", None)  # the block's own call, for a layer whose experts are all resident
+    try:
+        if all(p.step is not None for p in parts) and store.ram.slot_map(block.layer) is not None:
+            if gatherer is not None and gatherer.approx is not None:
+                gatherer.approx.skip(block, parts)  # every expert held: nothing to approximate
+            return [_own_call(block, p) for p in parts]
+    finally:
+        block._set("_prefill", gatherer)
+    guesses = [p.guess for p in parts if p.guess is not None]
+    if gatherer is not None and gatherer.approx is not None:
+        guesses = []  # an approximate prompt would not use much of what a guess fetches
+    mx.eval(*[p.indices for p in parts], *guesses)  # the layer's one sync; the guesses ride on it
+    model_thread().between_layers()
+    scales: list = [None] * len(parts)
+    if gatherer is not None and gatherer.approx is not None:  # an approximate prompt's rows rerouted
+        parts, scales = gatherer.approx.rewrite(block, store, parts)
+    flats = [np.array(p.indices).reshape(-1) for p in parts]
+    experts = np.unique(np.concatenate(flats)).tolist()
+    next_guess: Guess | None = None
+    if guesses and block._next is not None:
+        next_guess = (
+            block._next[0].layer,
+            np.unique(np.concatenate([np.array(g).reshape(-1) for g in guesses])).tolist(),
+        )
+    served: dict[int, Served] = {}
+    groups = store.layer_groups(block.layer, experts, guess=next_guess)
+    first = next(groups)
+    if len(first.served) == len(experts):  # one group holds the union: mlx-lm's call per chunk
+        with block.placed(store, first) as slots:
+            lut = np.zeros(block.num_experts, dtype=np.uint32)
+            lut[list(slots)] = list(slots.values())
+            ys = [block._switch(p.x, mx.array(lut[f].reshape(p.indices.shape))) for p, f in zip(parts, flats)]
+        served.update(first.served)
+        if gatherer is not None:
+            gatherer.report(store, len(experts), len(experts))
+    else:
+        report = (lambda n: gatherer.report(store, n, len(experts))) if gatherer is not None else None
+        ys = _by_groups(block, store, parts, flats, itertools.chain([first], groups), served, report)
+    store.stats.record_layer("streamed")
+    ledgers = parts[0].step.ledgers if parts[0].step is not None else None  # the chunks' passes share them
+    if ledgers is not None:
+        for f in flats:
+            count_by_row(ledgers, f, served)
+    outs = [y.reshape(*p.indices.shape, block.output_dims) for y, p in zip(ys, parts)]
+    return [y if s is None else y * s for y, s in zip(outs, scales)]  # dropped choices to 0
+
+
+def _own_call(block: StreamingExperts, part: _Parked) -> mx.array:
+    """The block's own call over one chunk's rows, inside that chunk's pass (where the block
+    counts a resident layer's uses)."""
+    assert part.step is not None
+    with part.step.entered():
+        return block(part.x, part.indices)
+
+
+def _by_groups(
+    block,
+    store,
+    parts: list[_Parked],
+    flats: list[np.ndarray],
+    groups,
+    served: dict,
+    report: Callable[[int], None] | None = None,
+) -> list[mx.array]:
+    """More experts than memory holds: each group, as it is placed, over every chunk's rows routed
+    to it (grouped by expert, one gather per chunk), computed, then let go for the next group."""
+    orders = [np.argsort(f, kind="stable") for f in flats]
+    by_expert = [f[o] for f, o in zip(flats, orders)]
+    rows = [p.x.reshape(-1, p.x.shape[-1])[mx.array(o // p.indices.shape[-1])] for p, o in zip(parts, orders)]
+    outs: list[list[mx.array]] = [[] for _ in parts]
+    for group in groups:
+        lo, hi = min(group.served), max(group.served)
+        with block.placed(store, group) as slots:
+            lut = np.zeros(block.num_experts, dtype=np.uint32)
+            lut[list(slots)] = list(slots.values())
+            made = []
+            for i, (e, x_rows) in enumerate(zip(by_expert, rows)):
+                a, b = int(np.searchsorted(e, lo)), int(np.searchsorted(e, hi, side="right"))
+                if b > a:
+                    part = block._switch(x_rows[a:b], mx.array(lut[e[a:b]])[:, None]).reshape(b - a, -1)
+                    outs[i].append(part)
+                    made.append(part)
+            mx.eval(made)  # computed now, so this group's slots can go to the next one
+        served.update(group.served)
+        if report is not None:
+            report(len(served))
+    return [mx.concatenate(o, axis=0)[mx.array(np.argsort(order))] for o, order in zip(outs, orders)]

@@ -1,0 +1,109 @@
+"""A prompt longer than one prefill chunk, on a RAM budget below a layer's union: each of its
+experts is fetched once (node/engine/prefill.py's layer-major prefill), and the tokens equal
+mlx-lm's fed in the same chunks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.sample_utils import make_sampler
+from repos import tiny_id
+
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.node.config import StoreConfig
+from expertmesh.node.engine import generation
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.observability.routing_trace import read_trace
+
+STEP = 8  # prefill chunk: the prompt below is several chunks long
+TEXT = "the quick brown fox jumps over the lazy dog while experts stream from the hub layer by layer"
+
+
+@pytest.mark.parametrize("arch", ["kimi_k3", "qwen3_moe"])
+def test_a_prompt_of_several_chunks_fetches_each_expert_once_and_equals_mlx_lm(
+    pulled_home, arch: str, hub: HubServer, oracle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref, ref_tok = oracle.load(arch)
+    ids = ref_tok.encode(TEXT)
+    assert len(ids) > 3 * STEP
+    want = [
+        r.token
+        for r in mlx_lm.stream_generate(
+            ref, ref_tok, mx.array(ids), max_tokens=4, sampler=make_sampler(0.0), prefill_step_size=STEP
+        )
+    ]
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    pulled_home(arch, tmp_path)
+    probe = open_model(tiny_id(arch), home=tmp_path, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    trace = tmp_path / "trace"
+    # two experts of RAM: far below any layer's union, so a layer takes its experts in groups
+    store = StoreConfig(ram_budget=str(2 * expert_bytes + 1), prefetch=False, fill=False, trace_path=trace)
+    sm = open_model(tiny_id(arch), home=tmp_path, store=store)
+    try:
+        summary = GenerationSummary()
+        generator = Generator(sm)
+        seen: list = []
+        generator.prefill_progress = seen.append
+        out = [t.id for t in generator.generate(ids, SamplingSettings(max_tokens=1), summary=summary)]
+        assert out == want[:1]
+        # the progress `run` shows: every MoE layer in turn, each to its whole union, the bytes read
+        layers = len(sm.blocks)
+        ends = [p for p in seen if p.experts_done == p.experts_needed]
+        assert [p.layer for p in ends] == list(range(layers)) and all(p.layers == layers for p in seen)
+        assert len(seen) > layers  # the groups within a layer are reported too
+        assert ends[-1].bytes_read == summary.experts.bytes["hub"] and ends[-1].eta_s == 0
+        prompt_distinct = {a for a in read_trace(trace).accesses()}
+        uses = summary.experts.uses
+        # the prompt's passes routed to these experts; each came from the Hub once and from no other tier
+        assert uses["hub"] == len(prompt_distinct), (uses, len(prompt_distinct))
+        assert uses["disk"] == 0 and uses["peer"] == 0
+        assert summary.experts.layers["streamed"] > 0
+        # the rest of the reply, token by token, still equals mlx-lm's
+        rest = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=4))]
+        assert rest == want
+    finally:
+        sm.close()
+
+
+def test_run_shows_a_cold_prompts_progress_and_doctor_says_what_a_prompt_costs(
+    home: Path, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from expertmesh.cli import main
+
+    monkeypatch.setenv("EXPERTMESH_HOME", str(home))
+    argv = ["run", tiny_id("kimi_k3"), TEXT, "--no-discovery", "--no-fill", "--max-tokens", "1"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    progress = [line for line in err.splitlines() if line.startswith("prompt: MoE layer")]
+    assert progress and "about 0 s left" in progress[-1], err  # every layer done: nothing left
+    out = tmp_path / "plan.json"
+    plan = ["doctor", "--plan", tiny_id("kimi_k3"), "--memory", "16GB", "--link", "1MB", "--disk-rate", "4MB"]
+    assert main([*plan, "--prompt-tokens", "4", "--json", str(out)]) == 0
+    few = json.loads(out.read_text())["prompt"]
+    assert main([*plan, "--prompt-tokens", "4096", "--json", str(out)]) == 0
+    many = json.loads(out.read_text())["prompt"]
+    # a longer prompt's union is larger, at most every expert; cold is the link's time, warm the disk's
+    assert 0 < few["union_bytes"] < many["union_bytes"]
+    assert many["cold_s"] == pytest.approx(many["union_bytes"] / 1e6) and many["warm_s"] == pytest.approx(
+        many["cold_s"] / 4
+    )
+    assert "a prompt of 4096 tokens" in capsys.readouterr().out
+
+
+def test_the_expected_union_is_what_an_even_router_draws() -> None:
+    import numpy as np
+
+    from expertmesh.node.prompt_cost import expected_union
+
+    rng = np.random.default_rng(0)
+    experts, k, tokens = 64, 8, 12
+    drawn = [len({e for _ in range(tokens) for e in rng.choice(experts, k, replace=False)}) for _ in range(400)]
+    assert expected_union(experts, k, tokens) == pytest.approx(np.mean(drawn), rel=0.02)
+    assert expected_union(experts, k, 10_000) == pytest.approx(experts)

@@ -1,0 +1,164 @@
+"""An approximate prompt (`--prompt-experts`, node/engine/prompt_experts.py): the prompt's rows use
+experts this node holds instead of fetching, the count of substituted uses is said, decoding stays
+exact, and the default changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from repos import tiny_id
+
+from expertmesh.assembly import open_model
+from expertmesh.devtools.local_hub import HubServer
+from expertmesh.node.config import StoreConfig
+from expertmesh.node.engine import generation
+from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+from expertmesh.node.engine.prompt_experts import PromptExperts
+
+STEP = 8
+WARM = "the quick brown fox"
+TEXT = "the quick brown fox jumps over the lazy dog while experts stream from the hub layer by layer"
+
+
+def test_the_mode_parses_and_refuses_what_it_cannot_mean() -> None:
+    assert PromptExperts.parse("exact").exact and PromptExperts.parse("").exact
+    assert PromptExperts.parse("budget:2.5") == PromptExperts("budget", 2.5)
+    assert str(PromptExperts.parse("topp:0.9")) == "topp:0.9"
+    for bad in ("fast", "budget", "budget:x", "topp:0", "topp:1.5", "held:3", "budget:-1"):
+        with pytest.raises(ValueError, match="prompt experts"):
+            PromptExperts.parse(bad)
+
+
+def _generate(sm, ids: list[int], mode: str, n: int = 4) -> tuple[list[int], GenerationSummary]:
+    summary = GenerationSummary()
+    settings = SamplingSettings(max_tokens=n, prompt_experts=PromptExperts.parse(mode))
+    return [t.id for t in Generator(sm).generate(ids, settings, summary=summary)], summary
+
+
+def test_held_substitutes_what_is_not_held_says_how_many_and_fetches_less(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    homes = {m: pulled_home("kimi_k3", tmp_path / m) for m in ("exact", "held")}
+    got = {}
+    for mode, home in homes.items():
+        probe = open_model(tiny_id("kimi_k3"), home=home, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
+        expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+        probe.close()
+        store = StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False)
+        sm = open_model(tiny_id("kimi_k3"), home=home, store=store)
+        try:
+            ids = sm.tokenizer.encode(TEXT)
+            _generate(sm, sm.tokenizer.encode(WARM), "exact", 1)  # a short prompt's experts now on disk
+            got[mode] = _generate(sm, ids, mode)
+        finally:
+            sm.close()
+    (exact_ids, exact), (held_ids, held) = got["exact"], got["held"]
+    assert exact.prompt_approx is None and exact.prompt_substituted == 0
+    assert held.prompt_approx is not None
+    count = held.prompt_approx
+    # every MoE layer's prompt rows were counted, and some of their uses went to held experts instead
+    assert count.uses == len(ids) * 4 * 5 and 0 < count.substituted < count.uses
+    assert f"{count.substituted} of {count.uses} prompt expert uses substituted" in "\n".join(held.lines())
+    assert held.experts.bytes["hub"] < exact.experts.bytes["hub"]
+    assert len(held_ids) == len(exact_ids) == 4
+
+
+def test_held_with_nothing_held_fetches_what_the_prompt_chose_and_equals_exact(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    out = {}
+    for mode in ("exact", "held"):
+        home = pulled_home("kimi_k3", tmp_path / mode)
+        sm = open_model(tiny_id("kimi_k3"), home=home, store=StoreConfig(ram_budget="1", prefetch=False, fill=False))
+        try:
+            out[mode] = _generate(sm, sm.tokenizer.encode(TEXT), mode)
+        finally:
+            sm.close()
+    assert out["held"][0] == out["exact"][0]
+    assert out["held"][1].prompt_substituted == 0
+
+
+def test_the_api_says_an_approximate_prompt_in_its_usage_header_and_metric(
+    pulled_home, hub: HubServer, tmp_path: Path
+) -> None:
+    import urllib.request
+
+    import openai
+    from nodes import api_server, serving
+    from repos import KIMI_K3
+
+    from expertmesh.coordinator.openai_api import SUBSTITUTED_HEADER
+    from expertmesh.node.config import MetricsConfig
+
+    home = pulled_home("kimi_k3", tmp_path / "home")
+    probe = open_model(tiny_id("kimi_k3"), home=home, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    store = StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False)
+    secret = "prompt-experts-secret"
+    with serving(KIMI_K3, home, secret, node_id="approx", store=store, metrics=MetricsConfig("127.0.0.1", 0)) as node:
+        api = api_server([node.rpc.address], secret, [KIMI_K3])
+        try:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+
+            def complete(prompt: str, **extra):
+                raw = client.completions.with_raw_response.create(
+                    model=KIMI_K3, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+                )
+                r = raw.parse()
+                return int(raw.headers[SUBSTITUTED_HEADER]), r.usage.model_extra["prompt_expert_uses_substituted"]
+
+            assert complete(WARM) == (0, 0)  # exact by default: said as 0
+            header, field = complete(TEXT, prompt_experts="held")
+            assert header == field > 0
+            with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_server.port}/metrics", timeout=30) as m:
+                text = m.read().decode()
+            line = next(x for x in text.splitlines() if x.startswith("expertmesh_prompt_expert_uses_substituted_total"))
+            assert float(line.split()[-1]) == header
+            stream = client.completions.create(
+                model=KIMI_K3,
+                prompt=TEXT + " again",
+                max_tokens=2,
+                temperature=0,
+                stream=True,
+                extra_body={"prompt_experts": "held"},
+            )
+            last = list(stream)[-1]
+            assert last.model_extra["prompt_expert_uses_substituted"] > 0
+            with pytest.raises(openai.BadRequestError, match="prompt_experts"):
+                client.completions.create(model=KIMI_K3, prompt="x", extra_body={"prompt_experts": "fastest"})
+        finally:
+            api.stop()
+
+
+def test_run_says_how_many_prompt_expert_uses_were_substituted(
+    home: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from expertmesh.cli import main
+
+    monkeypatch.setenv("EXPERTMESH_HOME", str(home))
+    argv = ["run", tiny_id("kimi_k3"), TEXT, "--no-discovery", "--no-fill", "--max-tokens", "1"]
+    assert main([*argv, "--prompt-experts", "held"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt expert uses substituted" in captured.out + captured.err
+    assert main([*argv, "--prompt-experts", "exact"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt expert uses substituted" not in captured.out + captured.err
+    with pytest.raises(SystemExit):
+        main([*argv, "--prompt-experts", "budget:soon"])
+    assert "budget needs a number" in capsys.readouterr().err
+
+
+def test_the_plan_of_each_mode_fetches_nothing_held_and_a_budget_within_its_seconds() -> None:
+    from expertmesh.node.prompt_cost import PromptCost
+    from expertmesh.node.prompt_mode_cost import mode_costs
+
+    cost = PromptCost(128, 4, 64, 8, 1000, link_bytes_per_s=1e3, disk_bytes_per_s=1e5)
+    exact, held, budget = mode_costs(cost, disk_share=0.25, budget_s=10)
+    assert exact.link_bytes == pytest.approx(cost.union_bytes * 0.75) and held.link_bytes == 0
+    assert budget.link_bytes == pytest.approx(10 * 1e3) and held.seconds < budget.seconds < exact.seconds
+    cold = mode_costs(cost, disk_share=0.0, budget_s=10)
+    assert {c.link_bytes for c in cold} == {cost.union_bytes}  # nothing held: every mode fetches
