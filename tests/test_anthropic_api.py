@@ -316,6 +316,7 @@ WEATHER_TOOL = {
 def tools_client(tool_repos, pulled_home, hub, tmp_path_factory):
     """An anthropic client of a node serving the `json_tools` family, whose sampler writes the
     text after "FORCE:" (tests/tool_forcing.py): random tiny weights never write a call."""
+    hub.rescan()  # the module's Hub may have started before the tool repos were written
     home = pulled_home(JSON_TOOLS.split("tiny-", 1)[1], tmp_path_factory.mktemp("anthropic-tools"))
     with serving(JSON_TOOLS, home, SECRET, node_id="anthropic-tools", service_class=ForcingService) as node:
         server = api_server([node.rpc.address], SECRET, [JSON_TOOLS])

@@ -507,6 +507,10 @@ class HubServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def rescan(self) -> None:
+        """Serve the repos under the root as they are now (a repo written after the Hub started)."""
+        self.repos = _scan(self.root)
+
     def stats(self) -> dict:
         return self.stats_.as_json()
 
