@@ -301,6 +301,8 @@ class Generator:
         # told where a streamed prompt stands after each group of its experts (`run` and `chat` show it)
         self.prefill_progress: Callable[[layer_major.PrefillProgress], None] | None = None
         self._prompt_experts: tuple[PromptExperts, GenerationSummary | None] = (PromptExperts(), None)
+        # False: a prompt goes chunk by chunk through every layer, as mlx-lm's (and a batch's) prefill
+        self.layer_major_prefill = True
         self.reset()
 
     def reset(self) -> None:
@@ -387,7 +389,12 @@ class Generator:
         """Whether a prompt goes layer-major: only where experts stream (a model wholly resident
         runs mlx-lm's own chunks), and not with a streamed core, whose reads follow token order."""
         sm = self.sm
-        return sm.core_stream is None and not sm.all_resident() and layer_major.usable(sm.blocks)
+        return (
+            self.layer_major_prefill
+            and sm.core_stream is None
+            and not sm.all_resident()
+            and layer_major.usable(sm.blocks)
+        )
 
     def _plain(self, tokens: list[int], book: _TokenBook, decoder: Decoder) -> Iterator[Token]:
         """One token per forward pass, exactly mlx-lm's `generate_step`.

@@ -30,6 +30,7 @@ were substituted or dropped (`substituted`): what the summary, the API and the m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -155,7 +156,7 @@ class Approximation:
         out, scales, at = [], [], 0
         for p, s in zip(parts, shapes):
             n = int(np.prod(s[:-1]))
-            p2 = type(p)(p.block, p.x, mx.array(new[at : at + n].reshape(s).astype(np.uint32)), p.guess)
+            p2 = dataclasses.replace(p, indices=mx.array(new[at : at + n].reshape(s).astype(np.uint32)))
             out.append(p2)
             sc = scale[at : at + n]
             scales.append(None if sc is None or np.all(sc == 1.0) else mx.array(sc.reshape(*s, 1), dtype=p.x.dtype))
