@@ -29,12 +29,11 @@ import time
 import traceback
 from pathlib import Path
 
-import mlx.core as mx
 import transformers
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.devtools.tiny import registry
-from expertmesh.devtools.tiny.conversions import QUANTS, build_upstream, compare, convert
+from expertmesh.devtools.tiny.conversions import QUANTS, MlxLmFails, build_upstream, compare, convert
 from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.model.mlx_lm_models import expert_modules
@@ -70,12 +69,9 @@ def _cell(key: str, quant: str, base: Path, notes: list[str]) -> str:
     except UnsupportedModelError as e:
         notes.append(f"{key}: refused: {e}")
         return "refused"
-    except RuntimeError as e:
-        if "Metal" in str(e) and not mx.metal.is_available():
-            notes.append(f"{key}: mlx-lm runs it only on Metal: {str(e)[:160]}")
-            return "n/a"
-        notes.append(f"{key}: {traceback.format_exc()}")
-        return "error"
+    except MlxLmFails as e:
+        notes.append(f"{key}: mlx-lm's own run fails: {str(e)[:200]}")
+        return "n/a"
     except Exception:  # noqa: BLE001 - a bug in one cell is a cell, not the end of the matrix
         notes.append(f"{key}: {traceback.format_exc()}")
         return "error"

@@ -90,8 +90,9 @@ def _built(entry) -> tuple[nn.Module, StoredPacking]:
     """What mlx-lm's loader builds for `PATH` given `entry` (its class_predicate returns the entry
     of a path the config names), and that module's parameters as a conversion stores them."""
     model = _Model()
+    asked = dict(entry) if isinstance(entry, dict) else entry  # nn.quantize pops keys of what it is given
     nn.quantize(
-        model, TOP["group_size"], TOP["bits"], mode=TOP["mode"], class_predicate=lambda p, m: p == PATH and entry
+        model, TOP["group_size"], TOP["bits"], mode=TOP["mode"], class_predicate=lambda p, m: p == PATH and asked
     )
     layer = model.layers[0].mlp.switch_mlp.gate_proj
     stored = StoredPacking(
@@ -106,7 +107,7 @@ def _built(entry) -> tuple[nn.Module, StoredPacking]:
         {"group_size": None, "bits": 4, "mode": "affine"},  # what mixed recipes write
         {"group_size": None, "bits": 6, "mode": "affine"},
         {"bits": 3},  # keys left out: SwitchLinear.to_quantized's defaults
-        {"group_size": 128, "bits": 2, "mode": "affine"},
+        {"group_size": 128, "bits": 2, "mode": "affine", "quantize_input": False},  # nn.quantize drops it
         {"group_size": None, "bits": None, "mode": "mxfp4"},
         {"group_size": None, "bits": None, "mode": "nvfp4"},
         {"group_size": None, "bits": None, "mode": "mxfp8"},

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from expertmesh.node.engine.blocks import StreamingExperts
@@ -186,7 +187,7 @@ def load_streamed_model(
         raise UnsupportedModelError(
             f"{repo_id}: the index has experts for layers {missing} that the model does not route"
         )
-    codec = _expert_codec(index, config, blocks)
+    codec = _expert_codec(index, config, blocks, model)
     if codec.dense_dtype is not None:
         model.set_dtype(codec.dense_dtype)
         if core_budget_bytes is None:
@@ -225,17 +226,21 @@ def load_streamed_model(
     )
 
 
-def _expert_codec(index: ExpertIndex, config: dict, blocks: list) -> ExpertCodec:
+def _expert_codec(index: ExpertIndex, config: dict, blocks: list, model: nn.Module) -> ExpertCodec:
     """The codec of the model's experts. On a CPU, MLX's `gather_mm` computes in float32 only: a
-    model with any expert projection stored unquantised (an upstream BF16 repo; a conversion
-    whose group size does not divide a width) then runs in float32 (`dense_dtype`), its float
-    arrays cast as its core's are. Which projections are dense is what decoding one expert of each
-    layer gives, so the codec's own reading of the quantization decides."""
+    model with an unquantised switch layer — an expert projection stored unquantised (an upstream
+    BF16 repo; a conversion whose group size does not divide a width) or one in its core
+    (deepseek_v41's grouped attention output, left dense by a conversion) — then runs in float32
+    (`dense_dtype`), its experts' float arrays cast as its core's are. Which expert projections
+    are dense is what decoding one expert of each layer gives, so the codec's own reading of the
+    quantization decides."""
     paths, dims = {b.layer: b.path for b in blocks}, {b.layer: b.input_dims for b in blocks}
     codec = ExpertCodec(config.get("quantization"), paths, dims)
     if mx.metal.is_available():
         return codec
-    for layer in index.moe_layers:
-        if any(quant is None for _, _, quant in codec.layout(index.expert(layer, 0)).projections):
-            return ExpertCodec(config.get("quantization"), paths, dims, mx.float32)
+    dense_core = any(isinstance(m, SwitchLinear) for _, m in model.named_modules())
+    if dense_core or any(
+        quant is None for layer in index.moe_layers for _, _, quant in codec.layout(index.expert(layer, 0)).projections
+    ):
+        return ExpertCodec(config.get("quantization"), paths, dims, mx.float32)
     return codec

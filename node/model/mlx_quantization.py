@@ -161,6 +161,8 @@ def _configured(entry_json: str, in_dims: int) -> QuantSpec | str:
     `mx.quantize`'s shapes for a row of that width (nothing is evaluated: shapes are known when
     an operation is made)."""
     entry = json.loads(entry_json)
+    if "quantize_input" in entry and not entry["quantize_input"]:
+        del entry["quantize_input"]  # as nn.quantize drops it before calling to_quantized
     try:
         bound = _TO_QUANTIZED.bind(None, **entry)
     except TypeError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import shutil
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +44,7 @@ QUANTS: dict[str, dict] = {
     "mxfp8": {"q_mode": "mxfp8"},
 }
 
-PROMPT = "hello experts"
+PROMPTS = ("hello experts", "w0 and w1 and w2")
 MAX_TOKENS = 8
 
 
@@ -58,12 +58,19 @@ def convert(upstream: Path, out: Path, quant: str) -> Path:
 
 def build_upstream(out: Path, arch: str, **sizes: int) -> registry.Made:
     """The registry's tiny repo of `arch` in `out`, with `sizes` replacing its tiny widths (a
-    wider expert makes every projection one mlx-lm's default group divides).
+    wider expert makes every projection one mlx-lm's default group divides), its config saying
+    `torch_dtype: bfloat16` as makers' configs do: `convert` casts to that dtype, so a parameter
+    the tiny repo keeps in float32 (mimo_v2_flash's attention sinks) is converted as a published
+    one is.
 
     Raises:
         ValueError: as `registry.build`.
     """
-    return registry.build(out, arch, sizes=sizes)
+    made = registry.build(out, arch, sizes=sizes)
+    config = json.loads((out / "config.json").read_text())
+    config.setdefault("torch_dtype", "bfloat16")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return made
 
 
 @dataclass
@@ -81,24 +88,24 @@ class Comparison:
         return bool(self.mlx_lm) and self.streamed == self.mlx_lm
 
 
+class MlxLmFails(Exception):
+    """mlx-lm itself cannot run the folder on this machine: there is nothing to compare with."""
+
+
 def compare(repo_id: str, folder: Path, home: Path) -> Comparison:
-    """Pull `repo_id` (served by a Hub the caller points huggingface_hub at) into `home`, stream
-    `PROMPT` greedily, and run mlx-lm on `folder`, the same repo, as it loads it. Where the
-    streamed model runs in float32 (a CPU, with an unquantised expert projection) mlx-lm's model is
-    cast as ours is.
+    """Pull `repo_id` (served by a Hub the caller points huggingface_hub at) into `home`, run
+    mlx-lm on `folder`, the same repo, as it loads it, then stream the same prompt greedily. Where
+    the streamed model runs in float32 (a CPU, with an unquantised expert or switch layer)
+    mlx-lm's model is cast as ours is. A prompt whose first token mlx-lm says is the end (a 2-bit
+    model can) gives way to the next of `PROMPTS`, so tokens are compared, not two empty lists.
 
     Raises:
-        UnsupportedModelError: `pull` refused the repo.
+        UnsupportedModelError: `pull` or loading the pulled model refused the repo.
+        MlxLmFails: mlx-lm's own run raised (its message).
     """
     pull(repo_id, home=home, progress=False)
     sm = open_model(repo_id, home=home, store=StoreConfig(ram_budget="50%", prefetch=False, fill=False))
     try:
-        summary = GenerationSummary()
-        loaded = mlx_lm.load(str(folder))
-        ref, tokenizer = loaded[0], loaded[1]
-        ids = tokenizer.encode(PROMPT)
-        settings = SamplingSettings(max_tokens=MAX_TOKENS, temp=0.0)
-        got = [t.id for t in Generator(sm).generate(ids, settings, lambda: False, summary)]
         dense_dtype = sm.codec.dense_dtype
         dense = sorted(
             {
@@ -108,20 +115,31 @@ def compare(repo_id: str, folder: Path, home: Path) -> Comparison:
                 if quant is None
             }
         )
+        loaded = mlx_lm.load(str(folder))
+        ref, tokenizer = loaded[0], loaded[1]
+        if dense_dtype is not None:
+            ref.set_dtype(dense_dtype)
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            try:
+                expected = _mlx_lm_tokens(ref, tokenizer, ids)
+            except (RuntimeError, ValueError) as e:
+                raise MlxLmFails(f"{type(e).__name__}: {e}") from e
+            if expected:
+                break
+        summary = GenerationSummary()
+        settings = SamplingSettings(max_tokens=MAX_TOKENS, temp=0.0)
+        got = [t.id for t in Generator(sm).generate(ids, settings, lambda: False, summary)]
     finally:
         sm.close()
-    if dense_dtype is not None:
-        ref.set_dtype(dense_dtype)
-    expected = []
-    sampler = make_sampler(0.0)
-    for r in mlx_lm.stream_generate(ref, tokenizer, mx.array(ids), max_tokens=MAX_TOKENS, sampler=sampler):
-        if r.finish_reason == "stop":
-            break
-        expected.append(r.token)
     return Comparison(got, expected, summary.experts.uses["hub"], tuple(dense), dense_dtype is not None)
 
 
-def fresh(path: Path) -> Path:
-    """`path` emptied away (convert and pull each want their own new folder)."""
-    shutil.rmtree(path, ignore_errors=True)
-    return path
+def _mlx_lm_tokens(model, tokenizer, ids: list[int]) -> list[int]:
+    out = []
+    sampler = make_sampler(0.0)
+    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=MAX_TOKENS, sampler=sampler):
+        if r.finish_reason == "stop":
+            break
+        out.append(r.token)
+    return out
