@@ -113,9 +113,8 @@ class LayerMajor:
 
 
 def usable(blocks: list[StreamingExperts]) -> bool:
-    """Whether a prompt may be prefilled layer-major on these blocks: each bound to a store and
-    none computing on peers (a peer's ComputeExperts takes one chunk's rows per call)."""
-    return bool(blocks) and all(b.store is not None and b._remote is None for b in blocks)
+    """Whether a prompt may be prefilled layer-major on these blocks: each bound to a store."""
+    return bool(blocks) and all(b.store is not None for b in blocks)
 
 
 def prefill(
@@ -221,6 +220,10 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
             np.unique(np.concatenate([np.array(g).reshape(-1) for g in guesses])).tolist(),
         )
     served: dict[int, Served] = {}
+    if block._remote is not None:  # the household: every chunk's rows of an expert in one call per peer
+        ys, served = _remote_layer(block, parts, flats, experts, next_guess)
+        store.stats.record_layer("streamed")
+        return _finish(block, parts, flats, ys, served)
     groups = store.layer_groups(block.layer, experts, guess=next_guess)
     first = next(groups)
     if len(first.served) == len(experts):  # one group holds the union: mlx-lm's call per chunk
@@ -235,11 +238,52 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
         report = (lambda n: gatherer.report(store, n, len(experts))) if gatherer is not None else None
         ys = _by_groups(block, store, parts, flats, itertools.chain([first], groups), served, report)
     store.stats.record_layer("streamed")
+    return _finish(block, parts, flats, ys, served)
+
+
+def _finish(
+    block: StreamingExperts, parts: list[_Parked], flats: list[np.ndarray], ys: list[mx.array], served: dict
+) -> list[mx.array]:
+    """Each chunk's output in the block's shape, its uses counted in a batch's ledgers."""
     ledgers = block.expert_pass.ledgers if block.expert_pass is not None else None
     if ledgers is not None:
         for f in flats:
             _count_by_row(ledgers, f, served)
     return [y.reshape(*p.indices.shape, block.output_dims) for y, p in zip(ys, parts)]
+
+
+def _remote_layer(
+    block: StreamingExperts, parts: list[_Parked], flats: list[np.ndarray], experts: list[int], guess: Guess | None
+) -> tuple[list[mx.array], dict[int, Served]]:
+    """The layer through the household's remote execution (RemoteExperts.run) once for the whole
+    prompt: each expert's rows from every chunk together, so a peer that holds experts gets one
+    ComputeExperts call a layer with all of the prompt's rows for them, placed by the cost model
+    with the prompt's row counts."""
+    remote = block._remote
+    assert remote is not None
+    spans: list[dict[int, tuple[int, int]]] = []  # per chunk: expert -> its rows' span, grouped by expert
+    grouped: list[mx.array] = []
+    orders = []
+    for p, f in zip(parts, flats):
+        order = np.argsort(f, kind="stable")
+        ids, starts, counts = np.unique(f[order], return_index=True, return_counts=True)
+        grouped.append(p.x.reshape(-1, p.x.shape[-1])[mx.array(order // p.indices.shape[-1])])
+        spans.append({int(e): (int(a), int(a + n)) for e, a, n in zip(ids, starts, counts)})
+        orders.append(order)
+    rows = {
+        e: mx.concatenate([g[s[e][0] : s[e][1]] for g, s in zip(grouped, spans) if e in s], axis=0) for e in experts
+    }
+    out, served = remote.run(block, experts, rows, guess)
+    taken = dict.fromkeys(experts, 0)  # rows of each expert's output handed to earlier chunks
+    ys = []
+    for s, order in zip(spans, orders):
+        pieces = []
+        for e in sorted(s):
+            a, b = s[e]
+            pieces.append(out[e][taken[e] : taken[e] + b - a])
+            taken[e] += b - a
+        ys.append(mx.concatenate(pieces, axis=0)[mx.array(np.argsort(order))])
+    return ys, served
 
 
 def _by_groups(
