@@ -128,14 +128,14 @@ def prefill(
     `cache`) layer-major, as the module says. `chunks` in the order mlx-lm feeds them;
     `progress` is told where the prompt stands after each group of experts."""
     lengths = [len(c) for c in chunks]
-    starts = [_offsets(cache)]
+    base = _offsets(cache)
     gatherer = LayerMajor(len(blocks), progress)
     if progress is not None and blocks and blocks[0].store is not None:
         gatherer.before = dict(blocks[0]._bound_store().stats.bytes)
+    lets = [greenlet(lambda c=c: forward(mx.array(c)[None])) for c in chunks]
     for block in blocks:
         block._set("_prefill", gatherer)
     try:
-        lets = [greenlet(lambda c=c: forward(mx.array(c)[None])) for c in chunks]
         sent: list[mx.array | None] = [None] * len(chunks)
         logits: mx.array | None = None
         live = list(range(len(chunks)))
@@ -143,7 +143,7 @@ def prefill(
         while live:
             parked: list[tuple[int, _Parked]] = []
             for i in live:
-                with _offsets_ahead(cache, starts[0], sum(lengths[:i])) if first_round and i else _nothing():
+                with _offsets_ahead(cache, base, sum(lengths[:i])) if first_round and i else _nothing():
                     out = lets[i].switch(sent[i]) if not first_round else lets[i].switch()
                 if lets[i].dead:
                     logits = out if i == len(chunks) - 1 else logits
@@ -164,6 +164,9 @@ def prefill(
                 sent[i] = y
             live = [i for i, _ in parked]
     finally:
+        for let in lets:  # a chunk left waiting by an error is unwound here, on the MLX thread
+            if not let.dead:
+                let.throw()
         for block in blocks:
             block._set("_prefill", None)
     if logits is None:
