@@ -210,8 +210,9 @@ def run(
     `model`: "k3-proportions" (K3's 17.5 MB experts, `proportions` its shape, the link unscaled:
     100 MB/s, `per_connection` a connection, 75 ms to the first byte) or a bench model of
     bench.py's (the demo: the link scaled so that its expert crosses it as a K3 expert would).
-    `ram_experts`: the RAM budget in experts, by default a sixth of a layer's (below the union of
-    any prompt but the shortest)."""
+    `ram_experts`: the RAM budget in experts, by default a sixth of a layer's (64 of 384: about the
+    1 GB a K3 node's RAM tier gave in the issue's measurement) and at least 8 (so that a small
+    model's layer still takes a few groups at once), below the union of any prompt here."""
     from expertmesh.devtools import bench_k3
     from expertmesh.devtools.bench import LinkSettings, _bench_repo
     from expertmesh.node import constants
@@ -249,9 +250,10 @@ def run(
             scaled = LinkSettings.scaled(expert_bytes, time_scale=1.0, stands_for=constants.K3_EXPERT_BYTES)
             link, per_connection = scaled.bandwidth, per_connection * expert_bytes / constants.K3_EXPERT_BYTES
             ttfb = scaled.ttfb_s
-        slots = ram_experts or max(2, per_layer // 6)
+        slots = ram_experts or max(8, per_layer // 6)
         store = {"ram_budget": str(slots * expert_bytes + expert_bytes // 2), "disk_budget": "100%"}
         rows: list[dict] = []
+        skipped: list[int] = []
         hub = bench_k3._Hub(hub_root, per_connection, link, ttfb)
         try:
             template = work / "pulled"
@@ -265,7 +267,12 @@ def run(
                 f"{repo_id}: {per_layer} experts a layer of {expert_bytes:,} bytes; RAM budget {slots} experts; "
                 f"link {link / 1e6:.2f} MB/s, {per_connection / 1e6:.3f} MB/s per connection"
             )
+            context = _context(template, repo_id)
             for n in lengths:
+                if context is not None and n >= context:  # no room for the answer: the node refuses it
+                    progress(f"  {n} tokens: skipped, the model's context is {context}")
+                    skipped.append(n)
+                    continue
                 firsts: dict[str, int] = {}
                 reference: int | None = None
                 reference_name = "cold"
@@ -313,6 +320,7 @@ def run(
         "model": shape,
         "link": {"bytes_per_s": link, "per_connection_bytes_per_s": per_connection, "ttfb_s": ttfb},
         "ram_budget_experts": slots,
+        "skipped_prompt_tokens": skipped,
         "load": os.getloadavg(),
         "configs": rows,
     }
@@ -323,6 +331,13 @@ def _index(home: Path, repo_id: str):
     from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 
     return ExpertIndex.load(local_models.find_pulled(home, repo_id) / INDEX_FILENAME)
+
+
+def _context(home: Path, repo_id: str) -> int | None:
+    from expertmesh.node.hub import local_models
+
+    cfg = json.loads((local_models.find_pulled(home, repo_id) / "config.json").read_text())
+    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
 
 
 def _vocab(home: Path, repo_id: str) -> int:
