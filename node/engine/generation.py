@@ -252,10 +252,15 @@ class _TokenBook:
 class Generator:
     """Generates on one streamed model, keeping its cache between calls (a conversation).
 
+    `layer_major_prefill` (on by default) may be turned off to feed a streamed prompt chunk by
+    chunk as mlx-lm does: the prompt bench compares the two (devtools/bench_prompt.py).
+
     With `speculation` (node/engine/speculative.py) decoding drafts tokens and verifies them in one
     pass; the draft source and its adaptive controller live as long as the Generator, so a chat
     keeps what it learnt about acceptance. `speculation_stats` sums every call's counters.
     """
+
+    layer_major_prefill = True
 
     def __init__(
         self, sm: StreamedModel, speculation: SpeculationConfig | None = None, draft_source: DraftSource | None = None
@@ -316,6 +321,8 @@ class Generator:
         """Whether a prompt goes layer-major: only where experts stream (a model wholly resident
         runs mlx-lm's own chunks), and not with a streamed core, whose reads follow token order."""
         sm = self.sm
+        if not self.layer_major_prefill:
+            return False
         return sm.core_stream is None and not sm.all_resident() and layer_major.usable(sm.blocks)
 
     @staticmethod
