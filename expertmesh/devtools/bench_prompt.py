@@ -8,8 +8,11 @@ a node whose RAM budget is smaller than a layer's union answers one token in a p
 (so its peak RSS is its own), and the row says:
 
     distinct_bytes     the bytes of the distinct experts the prompt routed to, over all layers
-    fetched_bytes      expert bytes read for it from every tier (Hub, disk, peers)
+    fetched_bytes      expert bytes of the prompt's uses served from every tier (Hub, disk, peers),
+                       as the issue counts them (an expert a guess brought to disk counts as a disk use)
     fetch_redundancy   fetched ÷ distinct: 1.0 reads each expert once
+    all_reads_redundancy  every byte the Hub sent (wasted guesses too) plus disk and peer reads,
+                       ÷ distinct: a guess fetched and read back from disk counts twice
     ttft_s             the first token's time
     floor_s            distinct bytes ÷ the link's rate (cold) or ÷ the disk's parallel-read rate
                        (disk), and never less than the prompt's compute: its first token with every
@@ -185,6 +188,12 @@ def row(
         "bytes_by_source": got["bytes"],
         "uses_by_source": got["uses"],
         "hub_moved_bytes": got["hub_moved_bytes"],
+        # stricter: every byte the Hub sent (wasted guesses too) plus every disk and peer read, so
+        # that a guess fetched from the Hub and read back from disk counts twice
+        "all_reads_redundancy": (got["hub_moved_bytes"] + sum(got["bytes"].get(s, 0) for s in ("disk", "peer")))
+        / distinct
+        if distinct
+        else None,
         "wait_s": got["wait_s"],
         "compute_s": compute_s,
         "compute_measured": "resident" if resident_s is not None else "ttft minus waits",
@@ -362,13 +371,13 @@ def _vocab(home: Path, repo_id: str) -> int:
 def print_table(doc: dict, out=print) -> None:
     out(
         f"{'tokens':>6} {'cache':<5} {'prefill':<11} {'distinct':>9} {'GB':>7} {'redund.':>7} {'TTFT s':>8} {'floor s':>8} "
-        f"{'/floor':>6} {'peak RSS':>9} {'equal':>5}"
+        f"{'/floor':>6} {'peak RSS':>9} {'equal':>5} {'all reads':>9}"
     )
     for r in doc["configs"]:
         out(
             f"{r['prompt_tokens']:>6} {r['cache']:<5} {r.get('prefill', 'layer_major'):<11} {r['distinct_experts']:>9} {r['distinct_bytes'] / 1e9:>7.2f} "
             f"{r['fetch_redundancy'] or 0:>7.3f} {r['ttft_s']:>8.2f} {r['floor_s']:>8.2f} "
-            f"{r['ttft_over_floor'] or 0:>6.2f} {r['peak_rss_bytes'] / 1e9:>8.2f}G {str(r['tokens_equal']):>5}"
+            f"{r['ttft_over_floor'] or 0:>6.2f} {r['peak_rss_bytes'] / 1e9:>8.2f}G {str(r['tokens_equal']):>5} {r['all_reads_redundancy'] or 0:>9.3f}"
         )
     rows = {(r["prompt_tokens"], r["cache"], r.get("prefill")): r for r in doc["configs"]}
     for (n, cache, prefill), r in rows.items():
