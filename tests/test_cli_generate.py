@@ -150,7 +150,9 @@ def test_a_trace_of_a_run_replays_through_every_policy(hub: HubServer, module_ho
     assert r.returncode == 0, r.stderr
     out = _run(["replay", str(trace), "--budgets", "25%,40"], _env(module_home))
     assert out.returncode == 0, out.stderr
-    assert "11 passes" in out.stdout  # the prompt but its last token, then 10 single-token passes
+    # the prompt with its last token in one pass a layer (layer-major prefill, node/engine/prefill.py),
+    # then a single-token pass for each of the 9 tokens after the first (the last is not fed)
+    assert "10 passes" in out.stdout
     rows = {ln.split()[0]: [float(x) for x in ln.split()[1:]] for ln in out.stdout.splitlines()[2:]}
     assert set(rows) == {"lru", "lfu", "arc", "freq_oracle", "belady"}
     assert all(0 <= v <= rows["belady"][i] + 1e-9 for name, vals in rows.items() for i, v in enumerate(vals))
