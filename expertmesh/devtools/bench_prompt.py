@@ -196,6 +196,10 @@ def row(
         else None,
         "wait_s": got["wait_s"],
         "compute_s": compute_s,
+        # the bytes alone (no compute): where compute_s is the run's own time outside waits, it
+        # holds this machine's work per expert too (reading, checking, placing), which this does not
+        "byte_floor_s": distinct / rate if rate else None,
+        "ttft_over_byte_floor": got["ttft_s"] / (distinct / rate) if rate and distinct else None,
         "compute_measured": "resident" if resident_s is not None else "ttft minus waits",
         "floor_rate_bytes_per_s": rate,
         "ram_budget": spec["store"]["ram_budget"],
