@@ -34,6 +34,7 @@ from expertmesh.assembly import open_model
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.devtools.tiny import registry
 from expertmesh.node.config import StoreConfig
+from expertmesh.node.engine import generation
 from expertmesh.node.engine.core_quantization import pull_with_core_bits, quantize_core
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.errors import UnsupportedModelError
@@ -45,6 +46,8 @@ from expertmesh.node.model.mlx_lm_models import expert_modules
 ARCHS = list(expert_modules())
 PROMPT = "hello experts"
 MAX_TOKENS = 8
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog while experts stream from the hub layer by layer"
+CHUNK = 5  # prefill chunk of the long prompt: several chunks and the last token
 README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN, END = "<!-- supported-architectures:begin -->", "<!-- supported-architectures:end -->"
 
@@ -71,9 +74,17 @@ def registry_hub(tmp_path_factory: pytest.TempPathFactory):
         yield root / "registry", made, failed
 
 
-def _mlx_lm_tokens(model, tokenizer, ids: list[int]) -> list[int]:
+def _mlx_lm_tokens(model, tokenizer, ids: list[int], prefill_step_size: int = generation.PREFILL_STEP) -> list[int]:
     out = []
-    for r in mlx_lm.stream_generate(model, tokenizer, mx.array(ids), max_tokens=MAX_TOKENS, sampler=make_sampler(0.0)):
+    steps = mlx_lm.stream_generate(
+        model,
+        tokenizer,
+        mx.array(ids),
+        max_tokens=MAX_TOKENS,
+        sampler=make_sampler(0.0),
+        prefill_step_size=prefill_step_size,
+    )
+    for r in steps:
         if r.finish_reason == "stop":
             break
         out.append(r.token)
@@ -86,7 +97,7 @@ def _not_yet(arch: str, reason: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_streams_equal_to_mlx_lm(arch: str, registry_hub, tmp_path: Path) -> None:
+def test_streams_equal_to_mlx_lm(arch: str, registry_hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     repos, made, failed = registry_hub
     if arch in failed:
         _not_yet(arch, f"no tiny repo: {failed[arch]}")
@@ -109,10 +120,17 @@ def test_streams_equal_to_mlx_lm(arch: str, registry_hub, tmp_path: Path) -> Non
         summary = GenerationSummary()
         settings = SamplingSettings(max_tokens=MAX_TOKENS, temp=0.0)
         got = [t.id for t in Generator(sm).generate(ids, settings, lambda: False, summary)]
+        # a prompt of several prefill chunks, prefilled layer-major (node/engine/prefill.py), against
+        # mlx-lm fed in the same chunks: the caches must see mlx-lm's updates, masks and offsets
+        long_ids = tokenizer.encode(LONG_PROMPT)
+        chunked = _mlx_lm_tokens(ref, tokenizer, long_ids, prefill_step_size=CHUNK)
+        monkeypatch.setattr(generation, "PREFILL_STEP", CHUNK)
+        got_chunked = [t.id for t in Generator(sm).generate(long_ids, settings, lambda: False)]
     finally:
         sm.close()
     assert expected, f"{arch}: mlx-lm generated nothing to compare with"
     assert got == expected, f"{arch} ({made[arch].layout.name}): streamed {got}, mlx-lm {expected}"
+    assert got_chunked == chunked, f"{arch}, prompt in chunks of {CHUNK}: streamed {got_chunked}, mlx-lm {chunked}"
     assert summary.experts.uses["hub"] > 0, f"{arch}: no expert came from the Hub: nothing was streamed"
     STREAMED[arch] = made[arch].layout.description
     _quantised_core_streams_equal_to_mlx_lm(arch, repos / arch, tmp_path, ids)

@@ -440,3 +440,29 @@ def test_nodes_with_different_core_bits_serve_each_others_experts(hub: HubServer
                 me.close()
     finally:
         peer.close()
+
+
+def test_a_prompt_of_several_chunks_sends_a_peer_one_call_a_layer(pairs, oracle, monkeypatch) -> None:
+    """Layer-major prefill (node/engine/prefill.py): each MoE layer hands the peer every chunk's
+    rows of its experts in one ComputeExperts call, not one call per chunk; tokens equal mlx-lm's."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from expertmesh.node.engine import generation
+
+    pair = pairs("kimi_k3")
+    sm = pair.me.model
+    ids = sm.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
+    step = 8
+    assert len(ids) > 3 * step
+    ref, ref_tok = oracle.load("kimi_k3")
+    steps = mlx_lm.stream_generate(
+        ref, ref_tok, mx.array(ids), max_tokens=1, sampler=make_sampler(0.0), prefill_step_size=step
+    )
+    want = [r.token for r in steps]
+    monkeypatch.setattr(generation, "PREFILL_STEP", step)
+    before = pair.me.store.stats.snapshot()
+    got = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1))]
+    d = pair.me.store.stats.since(before)
+    assert got == want
+    assert d.uses["remote"] > 0 and 0 < d.remote["calls"] <= len(sm.blocks), d.remote

@@ -8,8 +8,11 @@ a node whose RAM budget is smaller than a layer's union answers one token in a p
 (so its peak RSS is its own), and the row says:
 
     distinct_bytes     the bytes of the distinct experts the prompt routed to, over all layers
-    fetched_bytes      expert bytes read for it from every tier (Hub, disk, peers)
+    fetched_bytes      expert bytes of the prompt's uses served from every tier (Hub, disk, peers),
+                       as the issue counts them (an expert a guess brought to disk counts as a disk use)
     fetch_redundancy   fetched ÷ distinct: 1.0 reads each expert once
+    all_reads_redundancy  every byte the Hub sent (wasted guesses too) plus disk and peer reads,
+                       ÷ distinct: a guess fetched and read back from disk counts twice
     ttft_s             the first token's time
     floor_s            distinct bytes ÷ the link's rate (cold) or ÷ the disk's parallel-read rate
                        (disk), and never less than the prompt's compute: its first token with every
@@ -20,6 +23,10 @@ a node whose RAM budget is smaller than a layer's union answers one token in a p
     tokens_equal       the first token equals mlx-lm's on the same prompt (with every expert in
                        memory), where mlx-lm was run; at K3 size (tens of GB of experts) it is
                        compared with the cold run's instead (`tokens_reference` says which)
+
+A prompt longer than one prefill chunk is also run with `prefill` "token_major" (chunk by chunk,
+as mlx-lm feeds it) beside the default "layer_major" (node/engine/prefill.py), and the table says
+how many times fewer bytes and how much sooner the first token layer-major is.
 
 The prompts are token ids drawn with a fixed seed, so every configuration sees the same ones.
 """
@@ -65,7 +72,9 @@ def _one_token(spec: dict, home: Path, trace: Path | None) -> dict:
     try:
         summary = GenerationSummary()
         ids = prompt_ids(spec["prompt_tokens"], spec["vocab"])
-        out = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1), summary=summary)]
+        generator = Generator(sm)
+        generator.layer_major_prefill = spec.get("prefill", "layer_major") == "layer_major"
+        out = [t.id for t in generator.generate(ids, SamplingSettings(max_tokens=1), summary=summary)]
         sm.store.disk.flush()
         e = summary.experts
         return {
@@ -127,7 +136,7 @@ def worker(spec: dict) -> dict:
     got["distinct_experts"] = len(distinct)
     got["distinct_bytes"] = sum(sizes[k] for k in distinct)
     if spec["cache"] == "disk":
-        got["disk_floor"] = floor_bandwidth(_expert_files(home))
+        got["disk_floor"] = floor_bandwidth(_expert_files(home), rounds=1)  # GBs at K3 size: one cold pass each
     got["peak_rss_bytes"] = _peak_rss()
     return got
 
@@ -164,6 +173,7 @@ def row(
         "name": "prompt",
         "prompt_tokens": spec["prompt_tokens"],
         "cache": spec["cache"],
+        "prefill": spec.get("prefill", "layer_major"),
         "distinct_bytes": distinct,
         "fetched_bytes": fetched,
         "fetch_redundancy": fetched / distinct if distinct else None,
@@ -178,8 +188,18 @@ def row(
         "bytes_by_source": got["bytes"],
         "uses_by_source": got["uses"],
         "hub_moved_bytes": got["hub_moved_bytes"],
+        # stricter: every byte the Hub sent (wasted guesses too) plus every disk and peer read, so
+        # that a guess fetched from the Hub and read back from disk counts twice
+        "all_reads_redundancy": (got["hub_moved_bytes"] + sum(got["bytes"].get(s, 0) for s in ("disk", "peer")))
+        / distinct
+        if distinct
+        else None,
         "wait_s": got["wait_s"],
         "compute_s": compute_s,
+        # the bytes alone (no compute): where compute_s is the run's own time outside waits, it
+        # holds this machine's work per expert too (reading, checking, placing), which this does not
+        "byte_floor_s": distinct / rate if rate else None,
+        "ttft_over_byte_floor": got["ttft_s"] / (distinct / rate) if rate and distinct else None,
         "compute_measured": "resident" if resident_s is not None else "ttft minus waits",
         "floor_rate_bytes_per_s": rate,
         "ram_budget": spec["store"]["ram_budget"],
@@ -210,11 +230,13 @@ def run(
     `model`: "k3-proportions" (K3's 17.5 MB experts, `proportions` its shape, the link unscaled:
     100 MB/s, `per_connection` a connection, 75 ms to the first byte) or a bench model of
     bench.py's (the demo: the link scaled so that its expert crosses it as a K3 expert would).
-    `ram_experts`: the RAM budget in experts, by default a sixth of a layer's (below the union of
-    any prompt but the shortest)."""
+    `ram_experts`: the RAM budget in experts, by default a sixth of a layer's (64 of 384: about the
+    1 GB a K3 node's RAM tier gave in the issue's measurement) and at least 8 (so that a small
+    model's layer still takes a few groups at once), below the union of any prompt here."""
     from expertmesh.devtools import bench_k3
     from expertmesh.devtools.bench import LinkSettings, _bench_repo
     from expertmesh.node import constants
+    from expertmesh.node.engine.generation import PREFILL_STEP
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.hub.pull import pull
 
@@ -249,9 +271,10 @@ def run(
             scaled = LinkSettings.scaled(expert_bytes, time_scale=1.0, stands_for=constants.K3_EXPERT_BYTES)
             link, per_connection = scaled.bandwidth, per_connection * expert_bytes / constants.K3_EXPERT_BYTES
             ttfb = scaled.ttfb_s
-        slots = ram_experts or max(2, per_layer // 6)
+        slots = ram_experts or max(8, per_layer // 6)
         store = {"ram_budget": str(slots * expert_bytes + expert_bytes // 2), "disk_budget": "100%"}
         rows: list[dict] = []
+        skipped: list[int] = []
         hub = bench_k3._Hub(hub_root, per_connection, link, ttfb)
         try:
             template = work / "pulled"
@@ -265,7 +288,12 @@ def run(
                 f"{repo_id}: {per_layer} experts a layer of {expert_bytes:,} bytes; RAM budget {slots} experts; "
                 f"link {link / 1e6:.2f} MB/s, {per_connection / 1e6:.3f} MB/s per connection"
             )
+            context = _context(template, repo_id)
             for n in lengths:
+                if context is not None and n >= context:  # no room for the answer: the node refuses it
+                    progress(f"  {n} tokens: skipped, the model's context is {context}")
+                    skipped.append(n)
+                    continue
                 firsts: dict[str, int] = {}
                 reference: int | None = None
                 reference_name = "cold"
@@ -274,19 +302,23 @@ def run(
                 small = total_expert_bytes < MLX_LM_LIMIT_BYTES
                 if small:
                     reference, reference_name = _mlx_lm_token(str(root), prompt_ids(n, vocab)), "mlx_lm"
-                for cache in (("resident",) if small else ()) + tuple(caches):
+                # a prompt of several chunks also fed chunk by chunk as mlx-lm feeds it, side by side
+                chunked = n > PREFILL_STEP + 1
+                runs = [(c, "layer_major") for c in caches] + ([(c, "token_major") for c in caches] if chunked else [])
+                for cache, prefill in ([("resident", "layer_major")] if small else []) + runs:
                     spec: dict[str, Any] = {
                         "repo_id": repo_id,
                         "hub_url": hub.url,
                         "template": str(template),
-                        "work": str(work / f"{n}-{cache}"),
+                        "work": str(work / f"{n}-{cache}-{prefill}"),
                         "prompt_tokens": n,
                         "vocab": vocab,
                         "cache": cache,
+                        "prefill": prefill,
                         "store": store,
                         "all_expert_bytes": total_expert_bytes,
                     }
-                    progress(f"  {n} tokens, {cache} ...")
+                    progress(f"  {n} tokens, {cache}, {prefill} ...")
                     t0 = time.perf_counter()
                     try:
                         got = _run_worker(spec)
@@ -296,12 +328,12 @@ def run(
                         resident_s = got["ttft_s"]
                         progress(f"  {n} tokens, every expert resident: TTFT {resident_s:.2f} s")
                         continue
-                    firsts[cache] = got["token"]
+                    firsts.setdefault(cache, got["token"])
                     ref = reference if reference_name == "mlx_lm" else firsts.get("cold")
                     r = row(spec, got, link, ref, reference_name, resident_s)
                     rows.append(r)
                     progress(
-                        f"  {n} tokens, {cache}: {r['distinct_experts']} distinct experts, redundancy "
+                        f"  {n} tokens, {cache}, {prefill}: {r['distinct_experts']} distinct experts, redundancy "
                         f"{r['fetch_redundancy']:.3f}, TTFT {r['ttft_s']:.1f} s = {r['ttft_over_floor']:.2f}x the floor "
                         f"({time.perf_counter() - t0:.0f} s)"
                     )
@@ -313,6 +345,7 @@ def run(
         "model": shape,
         "link": {"bytes_per_s": link, "per_connection_bytes_per_s": per_connection, "ttfb_s": ttfb},
         "ram_budget_experts": slots,
+        "skipped_prompt_tokens": skipped,
         "load": os.getloadavg(),
         "configs": rows,
     }
@@ -325,6 +358,13 @@ def _index(home: Path, repo_id: str):
     return ExpertIndex.load(local_models.find_pulled(home, repo_id) / INDEX_FILENAME)
 
 
+def _context(home: Path, repo_id: str) -> int | None:
+    from expertmesh.node.hub import local_models
+
+    cfg = json.loads((local_models.find_pulled(home, repo_id) / "config.json").read_text())
+    return cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings")
+
+
 def _vocab(home: Path, repo_id: str) -> int:
     from expertmesh.node.hub import local_models
 
@@ -334,15 +374,26 @@ def _vocab(home: Path, repo_id: str) -> int:
 
 def print_table(doc: dict, out=print) -> None:
     out(
-        f"{'tokens':>6} {'cache':<5} {'distinct':>9} {'GB':>7} {'redund.':>7} {'TTFT s':>8} {'floor s':>8} "
-        f"{'/floor':>6} {'peak RSS':>9} {'equal':>5}"
+        f"{'tokens':>6} {'cache':<5} {'prefill':<11} {'distinct':>9} {'GB':>7} {'redund.':>7} {'TTFT s':>8} {'floor s':>8} "
+        f"{'/floor':>6} {'peak RSS':>9} {'equal':>5} {'all reads':>9}"
     )
     for r in doc["configs"]:
         out(
-            f"{r['prompt_tokens']:>6} {r['cache']:<5} {r['distinct_experts']:>9} {r['distinct_bytes'] / 1e9:>7.2f} "
+            f"{r['prompt_tokens']:>6} {r['cache']:<5} {r.get('prefill', 'layer_major'):<11} {r['distinct_experts']:>9} {r['distinct_bytes'] / 1e9:>7.2f} "
             f"{r['fetch_redundancy'] or 0:>7.3f} {r['ttft_s']:>8.2f} {r['floor_s']:>8.2f} "
-            f"{r['ttft_over_floor'] or 0:>6.2f} {r['peak_rss_bytes'] / 1e9:>8.2f}G {str(r['tokens_equal']):>5}"
+            f"{r['ttft_over_floor'] or 0:>6.2f} {r['peak_rss_bytes'] / 1e9:>8.2f}G {str(r['tokens_equal']):>5} {r['all_reads_redundancy'] or 0:>9.3f}"
         )
+    rows = {(r["prompt_tokens"], r["cache"], r.get("prefill")): r for r in doc["configs"]}
+    for (n, cache, prefill), r in rows.items():
+        token_major = rows.get((n, cache, "token_major"))
+        if prefill == "layer_major" and token_major:
+            out(
+                f"{n} tokens, {cache}: layer-major reads {token_major['fetch_redundancy'] / r['fetch_redundancy']:.2f}x "
+                f"fewer expert bytes and reaches its first token {token_major['ttft_s'] / r['ttft_s']:.2f}x sooner "
+                "than mlx-lm's chunk-by-chunk order"
+            )
+    if doc.get("skipped_prompt_tokens"):
+        out(f"skipped (beyond the model's context): {doc['skipped_prompt_tokens']}")
     out(f"load average: {', '.join(f'{x:.2f}' for x in doc['load'])}")
 
 

@@ -272,10 +272,15 @@ class _TokenBook:
 class Generator:
     """Generates on one streamed model, keeping its cache between calls (a conversation).
 
+    `layer_major_prefill` (on by default) may be turned off to feed a streamed prompt chunk by
+    chunk as mlx-lm does: the prompt bench compares the two (devtools/bench_prompt.py).
+
     With `speculation` (node/engine/speculative.py) decoding drafts tokens and verifies them in one
     pass; the draft source and its adaptive controller live as long as the Generator, so a chat
     keeps what it learnt about acceptance. `speculation_stats` sums every call's counters.
     """
+
+    layer_major_prefill = True
 
     def __init__(
         self, sm: StreamedModel, speculation: SpeculationConfig | None = None, draft_source: DraftSource | None = None

@@ -118,9 +118,8 @@ class LayerMajor:
 
 
 def usable(blocks: list[StreamingExperts]) -> bool:
-    """Whether a prompt may be prefilled layer-major on these blocks: each bound to a store and
-    none computing on peers (a peer's ComputeExperts takes one chunk's rows per call)."""
-    return bool(blocks) and all(b.store is not None and b._remote is None for b in blocks)
+    """Whether a prompt may be prefilled layer-major on these blocks: each bound to a store."""
+    return bool(blocks) and all(b.store is not None for b in blocks)
 
 
 def prefill(
@@ -135,15 +134,15 @@ def prefill(
     pass over `cache`) layer-major, as the module says; the caller commits them. `chunks` in the
     order mlx-lm feeds them; `progress` is told where the prompt stands after each group of experts."""
     lengths = [len(c) for c in chunks]
-    starts = [_offsets(cache)]
+    base = _offsets(cache)
     gatherer = LayerMajor(len(blocks), progress)
     gatherer.approx = approx  # None: exact, as mlx-lm
     if progress is not None and blocks and blocks[0].store is not None:
         gatherer.before = dict(blocks[0]._bound_store().stats.bytes)
+    lets = [greenlet(lambda c=c: forward(mx.array(c)[None])) for c in chunks]
     for block in blocks:
         block._set("_prefill", gatherer)
     try:
-        lets = [greenlet(lambda c=c: forward(mx.array(c)[None])) for c in chunks]
         sent: list[mx.array | None] = [None] * len(chunks)
         passes: list[ForwardPass | None] = [None] * len(chunks)
         live = list(range(len(chunks)))
@@ -151,7 +150,7 @@ def prefill(
         while live:
             parked: list[tuple[int, _Parked]] = []
             for i in live:
-                with _offsets_ahead(cache, starts[0], sum(lengths[:i])) if first_round and i else _nothing():
+                with _offsets_ahead(cache, base, sum(lengths[:i])) if first_round and i else _nothing():
                     out = lets[i].switch(sent[i]) if not first_round else lets[i].switch()
                 if lets[i].dead:
                     passes[i] = out
@@ -172,6 +171,9 @@ def prefill(
                 sent[i] = y
             live = [i for i, _ in parked]
     finally:
+        for let in lets:  # a chunk left waiting by an error is unwound here, on the MLX thread
+            if not let.dead:
+                let.throw()
         for block in blocks:
             block._set("_prefill", None)
     done = [p for p in passes if p is not None]
@@ -236,6 +238,10 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
             np.unique(np.concatenate([np.array(g).reshape(-1) for g in guesses])).tolist(),
         )
     served: dict[int, Served] = {}
+    if block._remote is not None:  # the household: every chunk's rows of an expert in one call per peer
+        ys, served = _remote_layer(block, parts, flats, experts, next_guess)
+        store.stats.record_layer("streamed")
+        return _finish(block, parts, flats, ys, served, scales)
     groups = store.layer_groups(block.layer, experts, guess=next_guess)
     first = next(groups)
     if len(first.served) == len(experts):  # one group holds the union: mlx-lm's call per chunk
@@ -250,6 +256,19 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
         report = (lambda n: gatherer.report(store, n, len(experts))) if gatherer is not None else None
         ys = _by_groups(block, store, parts, flats, itertools.chain([first], groups), served, report)
     store.stats.record_layer("streamed")
+    return _finish(block, parts, flats, ys, served, scales)
+
+
+def _finish(
+    block: StreamingExperts,
+    parts: list[_Parked],
+    flats: list[np.ndarray],
+    ys: list[mx.array],
+    served: dict,
+    scales: list[mx.array | None],
+) -> list[mx.array]:
+    """Each chunk's output in the block's shape, its uses counted in a batch's ledgers, an
+    approximate prompt's dropped choices scaled to 0 (`scales`)."""
     ledgers = parts[0].step.ledgers if parts[0].step is not None else None  # the chunks' passes share them
     if ledgers is not None:
         for f in flats:
@@ -264,6 +283,40 @@ def _own_call(block: StreamingExperts, part: _Parked) -> mx.array:
     assert part.step is not None
     with part.step.entered():
         return block(part.x, part.indices)
+
+
+def _remote_layer(
+    block: StreamingExperts, parts: list[_Parked], flats: list[np.ndarray], experts: list[int], guess: Guess | None
+) -> tuple[list[mx.array], dict[int, Served]]:
+    """The layer through the household's remote execution (RemoteExperts.run) once for the whole
+    prompt: each expert's rows from every chunk together, so a peer that holds experts gets one
+    ComputeExperts call a layer with all of the prompt's rows for them, placed by the cost model
+    with the prompt's row counts."""
+    remote = block._remote
+    assert remote is not None
+    spans: list[dict[int, tuple[int, int]]] = []  # per chunk: expert -> its rows' span, grouped by expert
+    grouped: list[mx.array] = []
+    orders = []
+    for p, f in zip(parts, flats):
+        order = np.argsort(f, kind="stable")
+        ids, starts, counts = np.unique(f[order], return_index=True, return_counts=True)
+        grouped.append(p.x.reshape(-1, p.x.shape[-1])[mx.array(order // p.indices.shape[-1])])
+        spans.append({int(e): (int(a), int(a + n)) for e, a, n in zip(ids, starts, counts)})
+        orders.append(order)
+    rows = {
+        e: mx.concatenate([g[s[e][0] : s[e][1]] for g, s in zip(grouped, spans) if e in s], axis=0) for e in experts
+    }
+    out, served = remote.run(block, experts, rows, guess)
+    taken = dict.fromkeys(experts, 0)  # rows of each expert's output handed to earlier chunks
+    ys = []
+    for s, order in zip(spans, orders):
+        pieces = []
+        for e in sorted(s):
+            a, b = s[e]
+            pieces.append(out[e][taken[e] : taken[e] + b - a])
+            taken[e] += b - a
+        ys.append(mx.concatenate(pieces, axis=0)[mx.array(np.argsort(order))])
+    return ys, served
 
 
 def _by_groups(
