@@ -162,3 +162,50 @@ def test_the_plan_of_each_mode_fetches_nothing_held_and_a_budget_within_its_seco
     assert budget.link_bytes == pytest.approx(10 * 1e3) and held.seconds < budget.seconds < exact.seconds
     cold = mode_costs(cost, disk_share=0.0, budget_s=10)
     assert {c.link_bytes for c in cold} == {cost.union_bytes}  # nothing held: every mode fetches
+
+
+def test_an_approximate_prompts_prefix_is_never_served_to_an_exact_request(
+    pulled_home, hub: HubServer, tmp_path: Path
+) -> None:
+    """The prefix cache on, experts streamed into a RAM budget of four: `held` substitutes, its
+    prompt's states are stored, and the same conversation asked exactly afterwards reuses none of
+    them and replies as a fresh node does; the approximate conversation reuses its own."""
+    import openai
+    from nodes import api_server, serving
+    from repos import KIMI_K3
+
+    probe = open_model(
+        tiny_id("kimi_k3"),
+        home=pulled_home("kimi_k3", tmp_path / "probe"),
+        store=StoreConfig(ram_budget="0", prefetch=False, fill=False),
+    )
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    store = StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False)
+    secret = "prompt-experts-prefix-secret"
+    messages = [{"role": "system", "content": "You answer in few words."}, {"role": "user", "content": TEXT}]
+
+    def chat(node, content: list[dict], **extra):
+        api = api_server([node.rpc.address], secret, [KIMI_K3])
+        try:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+            return client.chat.completions.create(
+                model=KIMI_K3, messages=content, max_tokens=6, temperature=0, extra_body=extra
+            )
+        finally:
+            api.stop()
+
+    home = pulled_home("kimi_k3", tmp_path / "approx")
+    with serving(KIMI_K3, home, secret, node_id="approx-then-exact", store=store) as node:
+        chat(node, [{"role": "user", "content": WARM}])  # a short prompt's experts now held
+        approx = chat(node, messages, prompt_experts="held")
+        assert approx.usage.model_extra["prompt_expert_uses_substituted"] > 0
+        exact = chat(node, messages)
+        assert exact.usage.model_extra["prompt_expert_uses_substituted"] == 0
+        assert exact.usage.prompt_tokens_details.cached_tokens == 0
+        again = chat(node, messages, prompt_experts="held")  # an approximate prefix is its own kind's to reuse
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+    home = pulled_home("kimi_k3", tmp_path / "fresh")
+    with serving(KIMI_K3, home, secret, node_id="fresh-exact", store=store) as node:
+        fresh = chat(node, messages)
+    assert exact.choices[0].message.content == fresh.choices[0].message.content

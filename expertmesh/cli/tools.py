@@ -298,6 +298,10 @@ def _bench_prompt_experts(args: argparse.Namespace) -> int:
     if not lengths or min(lengths) < 2:
         raise ExpertmeshError("--prompt-lengths: one or more lengths of at least 2 tokens")
     doc = bench_prompt_experts.run(lengths, prompts=args.prompts)
+    if args.model == "k3-proportions":  # its bytes and TTFT, beside the demo's quality figures
+        progress = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        doc["rows"] += bench_prompt_experts.run_k3(doc["rows"], prompt_tokens=min(lengths), progress=progress)
+        doc["not_measured"] = "k3-proportions quality (its rows carry the demo's for the same mode)"
     bench_prompt_experts.print_table(doc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

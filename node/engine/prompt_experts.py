@@ -30,10 +30,9 @@ were substituted or dropped (`substituted`): what the summary, the API and the m
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -156,7 +155,8 @@ class Approximation:
         out, scales, at = [], [], 0
         for p, s in zip(parts, shapes):
             n = int(np.prod(s[:-1]))
-            p2 = dataclasses.replace(p, indices=mx.array(new[at : at + n].reshape(s).astype(np.uint32)))
+            # the parked chunk as it was (its forward pass, its guess), pointing at the experts chosen instead
+            p2 = replace(p, indices=mx.array(new[at : at + n].reshape(s).astype(np.uint32)))
             out.append(p2)
             sc = scale[at : at + n]
             scales.append(None if sc is None or np.all(sc == 1.0) else mx.array(sc.reshape(*s, 1), dtype=p.x.dtype))
