@@ -41,7 +41,13 @@ def _stop(finish: Finish) -> tuple[str, str | None]:
 
 
 def _usage(usage: Usage, output: bool = True) -> dict:
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens if output else 0}
+    """Anthropic's usage: its `input_tokens` are those not read from a cache, and
+    `cache_read_input_tokens` those the node's prefix cache held (OpenAI's `cached_tokens`)."""
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "output_tokens": usage.completion_tokens if output else 0,
+    }
 
 
 def _tool_use(call: dict) -> dict:

@@ -8,11 +8,19 @@ honour and refuse the same things. Tool calling goes through the same door: the 
 request carries `tools` and the OpenAI parser decides whether they are served.
 
 Fields are checked here in Anthropic's names first, so an error names the field the client sent.
+
+One thing is dropped on the way: Claude Code opens its `system` with a line such as
+`x-anthropic-billing-header: cc_version=2.0.14.abc; cc_entrypoint=cli; cch=1f2e3;` whose `cch=`
+hash changes on every request. It is accounting for Anthropic's servers and tells a local model
+nothing, but as the prompt's first tokens it would make every request of one conversation differ
+from the last at its start, so the node's prefix cache would reuse nothing. The line is dropped
+only where Claude Code puts it, at the start of a system text block; no other text is touched.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -37,6 +45,8 @@ NEUTRAL: dict[str, tuple] = {
 COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"})
 # Block kinds that carry no text the models served here can read, refused by name.
 NON_TEXT_BLOCKS = ("image", "document", "search_result", "thinking", "redacted_thinking", "server_tool_use")
+# Claude Code's per-request billing line, as it opens a system text block (the module's docstring)
+BILLING_LINE = re.compile(r"\Ax-anthropic-billing-header:[^\n]*(?:\n|\Z)")
 
 
 def _bad(message: str) -> ApiError:
@@ -58,10 +68,12 @@ def _refuse_unsupported(body: dict, counting: bool) -> None:
         raise _bad(f"{names} {'is' if len(asked) == 1 else 'are'} not supported here")
 
 
-def _text(blocks: Any, where: str) -> str:
-    """The text of a string or a list of text blocks (`system`, a tool result's content)."""
+def _text(blocks: Any, where: str, system: bool = False) -> str:
+    """The text of a string or a list of text blocks (`system`, a tool result's content);
+    `system`: without the billing line that may open each block (a block of that line alone is
+    dropped whole, so it leaves no empty line behind)."""
     if isinstance(blocks, str):
-        return blocks
+        return BILLING_LINE.sub("", blocks) if system else blocks
     if not isinstance(blocks, list):
         raise _bad(f"{where} must be a string or a list of text blocks")
     texts = []
@@ -69,7 +81,9 @@ def _text(blocks: Any, where: str) -> str:
         if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
             kind = block.get("type") if isinstance(block, dict) else None
             raise _bad(f"{where}[{j}] must be a text block" + (f", not '{kind}'" if kind else ""))
-        texts.append(block["text"])
+        text = BILLING_LINE.sub("", block["text"]) if system else block["text"]
+        if text or not system:
+            texts.append(text)
     return "\n".join(texts)
 
 
@@ -164,7 +178,9 @@ def openai_body(body: Any, counting: bool = False) -> dict:
         raise _bad("'messages' must be a non-empty list")
     chat: list[dict] = []
     if body.get("system") is not None:
-        chat.append({"role": "system", "content": _text(body["system"], "system")})
+        system = _text(body["system"], "system", system=True)
+        if system or not _text(body["system"], "system"):  # a system of the billing line alone is none
+            chat.append({"role": "system", "content": system})
     for i, m in enumerate(messages):
         chat.extend(_message(i, m))
     out: dict = {"model": body.get("model"), "messages": chat}

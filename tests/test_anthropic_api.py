@@ -122,7 +122,31 @@ def test_count_tokens_counts_the_templated_prompt(client: anthropic.Anthropic, o
     _, tokenizer = oracle.load("kimi_k3")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     assert counted.input_tokens == len(chat_token_ids(tokenizer, messages))
-    assert _create(client).usage.input_tokens == counted.input_tokens
+    usage = _create(client).usage  # what the prefix cache held is counted apart, as Anthropic does
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens
+
+
+def _billing(cch: str) -> dict:
+    """Claude Code's first system block, whose `cch=` changes on every request."""
+    return {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.14.abc; cc_entrypoint=cli; cch={cch};"}
+
+
+def test_a_billing_line_that_changes_does_not_defeat_prefix_reuse(client: anthropic.Anthropic) -> None:
+    system = [{"type": "text", "text": "You are a coding agent. " * 12}]
+    usages = [_create(client, system=[_billing(cch), *system]).usage for cch in ("1f2e3", "9a8b7")]
+    assert usages[0].cache_read_input_tokens == 0  # this system prompt is new to the node
+    prompt = usages[1].input_tokens + usages[1].cache_read_input_tokens
+    assert usages[1].cache_read_input_tokens > prompt // 2, usages
+
+
+def test_only_the_billing_line_that_opens_a_system_block_is_dropped() -> None:
+    later = "Quote this: x-anthropic-billing-header: cch=1;"
+    body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": _billing("1")["text"]}],
+            "system": [_billing("1f2e3"), {"type": "text", "text": _billing("2")["text"] + "\nBe brief.\n" + later}]}  # fmt: skip
+    chat = anthropic_request.openai_body(body)["messages"]
+    assert chat == [{"role": "system", "content": "Be brief.\n" + later}, body["messages"][0]]
+    alone = anthropic_request.openai_body({**body, "system": _billing("3")["text"]})["messages"]
+    assert alone == body["messages"]  # a system of the billing line alone is no system
 
 
 def test_messages_are_counted_under_their_own_endpoint(client: anthropic.Anthropic, api: OpenAIServer) -> None:
