@@ -24,7 +24,7 @@ import re
 from http import HTTPStatus
 from typing import Any
 
-from expertmesh.coordinator.openai_request import MAX_STOPS, ApiError
+from expertmesh.coordinator.openai_request import MAX_STOPS, ApiError, unsupported_fields
 
 # Every field of Anthropic's MessageCreateParams (the `anthropic` package lists them), by what
 # happens to it. HONOURED: translated and served; `temperature`, `top_p` and `top_k` are no longer
@@ -54,15 +54,7 @@ def _bad(message: str) -> ApiError:
 
 
 def _refuse_unsupported(body: dict, counting: bool) -> None:
-    allowed = COUNT_FIELDS if counting else HONOURED
-    asked = [
-        name
-        for name, value in body.items()
-        if value is not None
-        and name not in allowed
-        and name not in CALLER_FIELDS
-        and value not in NEUTRAL.get(name, ())
-    ]
+    asked = unsupported_fields(body, COUNT_FIELDS if counting else HONOURED, CALLER_FIELDS, NEUTRAL)
     if asked:
         names = ", ".join(f"'{a}'" for a in asked)
         raise _bad(f"{names} {'is' if len(asked) == 1 else 'are'} not supported here")

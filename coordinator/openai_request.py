@@ -191,18 +191,22 @@ NEUTRAL_CHAT: dict[str, tuple] = {
 NEUTRAL_COMPLETIONS: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 
 
+def unsupported_fields(
+    body: dict, honoured: frozenset[str] | set[str], caller: frozenset[str], neutral: dict[str, tuple]
+) -> list[str]:
+    """The fields of `body` that are neither honoured, the caller's, nor neutral at their value
+    (null means absent): what an API refuses by name (this one's, and the Messages API's)."""
+    return [
+        name
+        for name, value in body.items()
+        if value is not None and name not in honoured and name not in caller and value not in neutral.get(name, ())
+    ]
+
+
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """Refuse by name every field that is neither honoured nor neutral at its value (null means absent)."""
     honoured = HONOURED_CHAT if chat else HONOURED_COMPLETIONS
-    neutral = NEUTRAL_CHAT if chat else NEUTRAL_COMPLETIONS
-    asked = [
-        name
-        for name, value in body.items()
-        if value is not None
-        and name not in honoured
-        and name not in CALLER_FIELDS
-        and value not in neutral.get(name, ())
-    ]
+    asked = unsupported_fields(body, honoured, CALLER_FIELDS, NEUTRAL_CHAT if chat else NEUTRAL_COMPLETIONS)
     if asked:
         names = ", ".join(f"'{a}'" for a in asked)
         raise _bad(

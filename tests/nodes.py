@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from expertmesh.assembly import Node, build_node
@@ -86,3 +88,15 @@ def api_server(addresses: list[str], secret: str, models: list[str], max_waiting
 
     config = CoordinatorConfig(secret=secret, models=lambda: list(models), max_waiting=max_waiting)
     return OpenAIServer(Coordinator(config, NodePool(addresses)), "127.0.0.1", 0).start()
+
+
+@contextlib.contextmanager
+def node_with_api(repo_id: str, home, secret: str, node_id: str, **serving_options) -> Iterator:
+    """A full node serving `repo_id` from `home` and a started API over it alone (a module's
+    usual pair); the API is stopped, then the node closed."""
+    with serving(repo_id, home, secret, node_id=node_id, **serving_options) as node:
+        server = api_server([node.rpc.address], secret, [repo_id])
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 from anthropic.types import message_create_params
-from nodes import api_server, serving
+from nodes import api_server, node_with_api, serving
 from repos import JSON_TOOLS, KIMI_K3
 from tool_forcing import FORCE_MARK, ForcingService
 
@@ -342,12 +342,8 @@ def tools_client(tool_repos, pulled_home, hub, tmp_path_factory):
     text after "FORCE:" (tests/tool_forcing.py): random tiny weights never write a call."""
     hub.rescan()  # the module's Hub may have started before the tool repos were written
     home = pulled_home(JSON_TOOLS.split("tiny-", 1)[1], tmp_path_factory.mktemp("anthropic-tools"))
-    with serving(JSON_TOOLS, home, SECRET, node_id="anthropic-tools", service_class=ForcingService) as node:
-        server = api_server([node.rpc.address], SECRET, [JSON_TOOLS])
-        try:
-            yield anthropic.Anthropic(base_url=_base(server), api_key="unused", max_retries=0, timeout=120)
-        finally:
-            server.stop()
+    with node_with_api(JSON_TOOLS, home, SECRET, "anthropic-tools", service_class=ForcingService) as server:
+        yield anthropic.Anthropic(base_url=_base(server), api_key="unused", max_retries=0, timeout=120)
 
 
 def test_a_tool_use_and_its_tool_result_make_a_round_trip(tools_client: anthropic.Anthropic) -> None:

@@ -17,7 +17,7 @@ import mlx_lm
 import openai
 import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-from nodes import api_server, serving
+from nodes import node_with_api
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 from repos import KIMI_K3
@@ -36,12 +36,8 @@ PENALISED = "by an it as the be on that an in it and"
 
 @pytest.fixture(scope="module")
 def api(module_home):
-    with serving(KIMI_K3, module_home, SECRET, node_id="fields-node") as node:
-        server = api_server([node.rpc.address], SECRET, [KIMI_K3])
-        try:
-            yield server
-        finally:
-            server.stop()
+    with node_with_api(KIMI_K3, module_home, SECRET, "fields-node") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
