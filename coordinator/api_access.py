@@ -153,6 +153,11 @@ def _split_authority(value: str) -> tuple[str, int | None] | None:
     return host.rstrip("."), int(rest[1:]) if rest else None
 
 
+def key_space(key: str) -> str:
+    """An API key's prefix space: a domain-separated hash, never the key."""
+    return hashlib.sha256(b"expertmesh prefix space\0" + key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 @dataclass
 class AccessPolicy:
     """The checks of every request; `bind_host` is the address the API listens on."""
@@ -223,7 +228,7 @@ class AccessPolicy:
         key = key.strip()
         if scheme.lower() != "bearer" or not key or not self.needs_key:
             return ""
-        return hashlib.sha256(b"expertmesh prefix space\0" + key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        return key_space(key)
 
     def _host_ok(self, name: str, port: int | None, local_address: str, bound_port: int) -> bool:
         if (port if port is not None else 80) != bound_port:

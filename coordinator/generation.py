@@ -3,7 +3,8 @@
 Each generation waits for a slot in the bounded FIFO queue (request_queue.py; as many slots as the
 full nodes run generations at once, each node's own count from its Info, node_pool.py), goes to
 the least busy full node with a free slot, and moves to another node if the
-first fails before its first token. Stop sequences are applied here, on the streamed text, and
+first fails before its first token; among nodes with a free slot, one that holds a prefix of its
+prompt goes first. Stop sequences are applied here, on the streamed text, and
 the node's generation is cancelled at the stop. A `Cancellation` lets another thread stop a
 generation at any moment: the HTTP server cancels when its client goes away, and cancelling the
 node's Generate call (a gRPC stream) makes the node stop within a token, instead of generating for
@@ -42,6 +43,7 @@ from expertmesh.coordinator.stop_sequences import StopScanner
 from expertmesh.node.constants import CONTEXT_LENGTH_EXCEEDED, REASON_METADATA_KEY
 from expertmesh.node.rpc.call_watch import QUIET_S, CallWatch, Watched
 from expertmesh.node.rpc.client import NodeClient
+from expertmesh.node.rpc.prefix_keys import held_table, message_prefix_keys
 from expertmesh.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -321,7 +323,9 @@ class Coordinator:
         """Ask a node how many generations it runs at once; one that does not answer keeps the
         default and is asked again after SLOTS_ASKED_S."""
         try:
-            self.pool.learn_slots(address, self._client(address).info(HEALTH_DEADLINE_S).generation_slots)
+            info = self._client(address).info(HEALTH_DEADLINE_S)
+            self.pool.learn_slots(address, info.generation_slots)
+            self.pool.learn_held(address, held_table(info.prefixes_held))
         except grpc.RpcError as e:
             logger.debug("node %s did not say its generation slots: %s", address, e.code().name.lower())
         except ValueError:  # its channel was closed under the call: the node just left
@@ -366,11 +370,12 @@ class Coordinator:
         Once `cancel` is cancelled it yields nothing more of use (at most a Finish)."""
         cancel = cancel or Cancellation()
         self._learn_new_nodes()
+        keys = message_prefix_keys(generate_request(ask))  # where its prefix is held (node_pool.py)
         with _Admission(self.queue, cancel) as admitted:
             if not admitted.wait():
                 return
             while not cancel.cancelled:  # cancelled between attempts: no generation at all
-                address = self._next_node(admitted)
+                address = self._next_node(admitted, keys)
                 if address is None:
                     return
                 outcome = yield from self._attempt(address, ask, usage, cancel)
@@ -404,11 +409,12 @@ class Coordinator:
             type_="server_error",
         )
 
-    def _next_node(self, admitted: _Admission) -> str | None:
-        """The least busy node the request has not tried; None if its client left while it
-        waited again for a slot. Raises ApiError 503 when no node is left to try."""
+    def _next_node(self, admitted: _Admission, keys: list[bytes]) -> str | None:
+        """The node the request has not tried that holds most of its prompt (message-prefix
+        `keys`), else the least busy; None if its client left while it waited again for a slot.
+        Raises ApiError 503 when no node is left to try."""
         while True:
-            candidates = self.pool.ranked(exclude=admitted.tried)
+            candidates = self.pool.ranked(exclude=admitted.tried, keys=keys)
             if candidates:
                 admitted.tried.add(candidates[0])
                 return candidates[0]
@@ -509,6 +515,7 @@ class Coordinator:
                 raise _Cut(f"the node ended the generation early ({done.stop_reason or 'no reason'})")
             usage.prompt_tokens = done.prompt_tokens
             usage.cached_tokens = done.cached_tokens
+            self.pool.learn_held(address, held_table(done.prefixes_held))
             # said to the client (body and header): the prompt was approximate
             usage.prompt_expert_uses_substituted = done.prompt_expert_uses_substituted
             tail = scanner.feed(done.trailing_text) + scanner.finish()

@@ -17,6 +17,13 @@ batch its model), which it tells in Info (`generation_slots`); the pool keeps wh
 (`learn_slots`), so the API's queue has as many slots as the household has (`slots`), and a node
 with a free slot is tried before one that would refuse ("busy") and turn a wait into a 429.
 A node that has not said yet counts for `default_slots`.
+
+Among the nodes with a free slot, a request goes first to the one that holds the longest prefix
+of its prompt in its prefix cache (node/engine/prefix_cache.py), so a conversation's next turn or
+an agent's next step resumes where the last one left off instead of feeding the whole prompt
+again on a node that never saw it; with none holding any, to the least busy. What each node holds
+is what it last said (`learn_held`: its GenerationDone after each generation, and its Info), as
+keys of message prefixes (node/rpc/prefix_keys.py), never tokens or text.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +51,7 @@ class NodePool:
     _asked: dict[str, float] = field(default_factory=dict)  # address -> when its slots were last asked
     _busy: dict[str, int] = field(default_factory=dict)
     _failed: dict[str, float] = field(default_factory=dict)  # address -> when its last call failed (monotonic)
+    _held: dict[str, dict[bytes, int]] = field(default_factory=dict)  # address -> prefix key -> tokens it holds
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -56,19 +64,29 @@ class NodePool:
         seen.update(dict.fromkeys(self.discovered()))
         return list(seen)
 
-    def ranked(self, exclude: AbstractSet[str] = frozenset()) -> list[str]:
-        """Full nodes, least busy first, those that failed within `failed_last_s` last; ties keep
-        the configured order (stable)."""
+    def ranked(self, exclude: AbstractSet[str] = frozenset(), keys: Sequence[bytes] = ()) -> list[str]:
+        """Full nodes with a free slot before full ones, and those that failed within
+        `failed_last_s` last; among the first, the node holding the most tokens of the prompt
+        whose message-prefix `keys` are given (none: nobody holds any), then the least busy; ties
+        keep the configured order (stable)."""
         with self._lock:
             nodes = [a for a in self.addresses() if a not in exclude]
             now = time.monotonic()
 
-            def rank(a: str) -> tuple[bool, bool, int]:
+            def rank(a: str) -> tuple[bool, bool, int, int]:
                 recently_failed = now - self._failed.get(a, -math.inf) < self.failed_last_s
                 busy = self._busy.get(a, 0)
-                return recently_failed, busy >= self._slots.get(a, self.default_slots), busy
+                held = self._held.get(a, {})
+                holds = max((held.get(k, 0) for k in keys), default=0) if held else 0
+                return recently_failed, busy >= self._slots.get(a, self.default_slots), -holds, busy
 
             return sorted(nodes, key=rank)
+
+    def learn_held(self, address: str, held: dict[bytes, int]) -> None:
+        """What `address` said it holds now (node/rpc/prefix_keys.py's `held_table`): it replaces
+        what it said before (states it evicted are gone from it)."""
+        with self._lock:
+            self._held[address] = held
 
     def learn_slots(self, address: str, slots: int) -> None:
         """`address` runs `slots` generations at once (its Info); 0 (an older node) is ignored."""
@@ -99,6 +117,7 @@ class NodePool:
                     self._failed.pop(a, None)
                     self._slots.pop(a, None)
                     self._asked.pop(a, None)
+                    self._held.pop(a, None)
 
     def slots(self) -> int:
         """Generations the household's full nodes run at once: the API queue's slots."""

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
@@ -44,7 +44,7 @@ import grpc
 from expertmesh.node import constants
 from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine.batching import BatchEngine, BatchingUnsupported
-from expertmesh.node.engine.chat import ChatTemplateError, encode_rendered, message_ends, render_chat
+from expertmesh.node.engine.chat import ChatTemplateError, encode_rendered, message_ends_by_count, render_chat
 from expertmesh.node.engine.constraint import TokenConstraint
 from expertmesh.node.engine.generation import (
     ContextLengthError,
@@ -79,6 +79,7 @@ from expertmesh.node.model.expert_index import ExpertBytes, ExpertLocation
 from expertmesh.node.rpc.admission import BUSY, CallSlots
 from expertmesh.node.rpc.call_context import CallContext
 from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
+from expertmesh.node.rpc.prefix_keys import MAX_HELD, message_prefix_keys
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
 from expertmesh.node.store.integrity import sha256
 from expertmesh.node.store.served import ServedExperts
@@ -189,6 +190,9 @@ class _Prompt:
     ends: list[int]  # where its messages end: the prefix cache's checkpoints (node/engine/prefix_cache.py)
     fmt: ToolFormat | None  # the model's tool-call format, if it has one
     tools: list[dict] | None  # the tools the request declared
+    # (where its first k messages end, their key: node/rpc/prefix_keys.py): the labels of the
+    # states it leaves in the prefix cache, which the node reports so its next turn comes here
+    labels: list[tuple[int, bytes]] = field(default_factory=list)
 
 
 class NodeService(node_pb2_grpc.NodeServicer):
@@ -312,7 +316,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
             generation_slots=self.generation_slots.running if self.sm is not None else 0,
             hub_requests={bucket: u.requests for bucket, u in hub.items()},
             hub_quota={bucket: u.quota for bucket, u in hub.items() if u.quota is not None},
+            prefixes_held=self._prefixes_held(),
         )
+
+    def _prefixes_held(self) -> list[node_pb2.PrefixHeld]:
+        """What the prefix cache holds, as keys (node/rpc/prefix_keys.py): where a coordinator
+        sends a conversation's next turn."""
+        if self.prefix is None:
+            return []
+        return [node_pb2.PrefixHeld(key=k, tokens=n) for k, n in self.prefix.held(MAX_HELD)]
 
     def Prove(self, request: node_pb2.ProveRequest, context: CallContext) -> node_pb2.ProveResponse:
         """Open to all (rpc/auth.py): this node's signed identity, for a caller that dialed one of
@@ -506,9 +518,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     if rendered is not None:
                         fmt = check_renders_tools(tok, text, render_chat(tok, messages))
                     ids = encode_rendered(tok, text)
-                    checkpoints = self.prefix is not None and self.prefix.checkpoints
-                    ends = message_ends(tok, messages, ids, tools=rendered) if checkpoints else []
-                    return _Prompt(ids, ends, fmt, tools)
+                    if self.prefix is None:
+                        return _Prompt(ids, [], fmt, tools)
+                    by_count = message_ends_by_count(tok, messages, ids, tools=rendered)
+                    ends = sorted({end for _, end in by_count}) if self.prefix.checkpoints else []
+                    keys = message_prefix_keys(request)
+                    labels = [(end, keys[k - 1]) for k, end in by_count if k <= len(keys)]
+                    return _Prompt(ids, ends, fmt, tools, labels)
             except (ChatTemplateError, ToolsError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             return _Prompt(tok.encode(request.prompt), [], None, tools)  # a raw completion's text is the model's
@@ -632,7 +648,8 @@ class NodeService(node_pb2_grpc.NodeServicer):
         space = _prefix_space(request)
         if not settings.prompt_experts.exact:  # an approximate prompt's states are never an exact one's
             space += f"\x00approximate:{settings.prompt_experts}"
-        prefix = self.prefix.session(space, prompt.ids, prompt.ends) if self.prefix is not None else None
+        labels = prompt.labels if settings.prompt_experts.exact else []
+        prefix = self.prefix.session(space, prompt.ids, prompt.ends, labels) if self.prefix is not None else None
         try:
             if batch is not None:
                 tokens = batch.generate(prompt.ids, settings, lambda: not context.is_active(), summary, prefix)
@@ -696,6 +713,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 drafted_tokens=spec.drafted if spec else 0,
                 accepted_tokens=spec.accepted if spec else 0,
                 cached_tokens=summary.cached_tokens,
+                prefixes_held=self._prefixes_held(),
                 prompt_expert_uses_substituted=summary.prompt_substituted,
             )
         )

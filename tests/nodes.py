@@ -33,6 +33,7 @@ def serving(
     metrics: MetricsConfig | None = None,
     service_class=None,
     interceptors=(),
+    max_batch: int = 1,
 ) -> Node:
     """A started node serving gRPC on a free loopback port (`node.rpc.address`), and /metrics if asked."""
     config = NodeConfig(
@@ -45,6 +46,7 @@ def serving(
         rpc=rpc or RpcConfig(host="127.0.0.1", port=0),
         metrics=metrics,
         speculation=speculation,
+        max_batch=max_batch,
     )
     return build_node(config, service_class=service_class, interceptors=interceptors).start()
 

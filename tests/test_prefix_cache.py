@@ -189,8 +189,8 @@ def test_a_checkpoint_restored_one_token_off_is_caught(model, monkeypatch) -> No
         pytest.skip("one architecture with checkpoints shows the check's sharpness")
     put = PrefixCache.put
 
-    def off_by_one(self, space, tokens, cache):
-        return put(self, space, tokens[:-1], cache)
+    def off_by_one(self, space, tokens, cache, **options):
+        return put(self, space, tokens[:-1], cache, **options)
 
     monkeypatch.setattr(PrefixCache, "put", off_by_one)
     cache = model_thread().call(PrefixCache.for_model, sm.model, 1 << 30, EVERY)

@@ -220,6 +220,15 @@ def message_ends(tokenizer: Any, messages: list[dict], ids: list[int], tools: li
     positions a prefix cache checkpoints a state that cannot trim at (engine/prefix_cache.py), so
     a later turn or another conversation with the same system prompt resumes there. A template
     that renders a message differently once others follow it gives the common part's end."""
+    return sorted({end for _, end in message_ends_by_count(tokenizer, messages, ids, tools)})
+
+
+def message_ends_by_count(
+    tokenizer: Any, messages: list[dict], ids: list[int], tools: list[dict] | None = None
+) -> list[tuple[int, int]]:
+    """(k, where the first k messages end in `ids`) for each k the template renders on its own
+    (as `message_ends`): the prefix cache labels a state with the key of the messages it holds
+    (node/rpc/prefix_keys.py), so a coordinator can route the next turn to it."""
     import numpy as np
 
     full = np.asarray(ids)
@@ -233,5 +242,5 @@ def message_ends(tokenizer: Any, messages: list[dict], ids: list[int], tools: li
         diff = np.flatnonzero(head[:n] != full[:n])
         end = int(diff[0]) if len(diff) else n
         if end:
-            ends.append(end)
-    return sorted(set(ends))
+            ends.append((k, end))
+    return ends

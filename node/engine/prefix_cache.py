@@ -22,6 +22,10 @@ holds). The trie is a linear scan of one space's entries (tens of them; a common
 numpy comparison). LRU by bytes (mlx-lm's `nbytes` of each cache) within a byte budget that the
 memory plan counts (engine/memory.py).
 
+A state may carry labels: the keys of the message prefixes whose tokens it holds exactly
+(node/rpc/prefix_keys.py computes them from the request; the engine never reads them). The node
+reports the labels of its states (`held`) so a coordinator sends a conversation's next turn here.
+
 Every method that touches MLX runs on the MLX thread; the bookkeeping is locked, so a request's
 thread may ask for a `PrefixSession` and read the counters.
 """
@@ -88,6 +92,7 @@ class _Entry:
     cache: list
     nbytes: int
     trims: bool
+    labels: dict[bytes, int] = field(default_factory=dict)  # message-prefix key -> tokens it holds of it
 
 
 @dataclass
@@ -142,10 +147,17 @@ class PrefixCache:
         with self._lock:
             return len(self._entries)
 
-    def session(self, space: str, prompt: list[int], boundaries: Iterable[int] = ()) -> PrefixSession:
+    def session(
+        self,
+        space: str,
+        prompt: list[int],
+        boundaries: Iterable[int] = (),
+        labels: Iterable[tuple[int, bytes]] = (),
+    ) -> PrefixSession:
         """A request's use of the cache: where it resumes and where its prompt is checkpointed.
-        `boundaries`: prompt positions that end a message (the caller's chat template knows)."""
-        return PrefixSession(self, space, list(prompt), sorted(set(boundaries)))
+        `boundaries`: prompt positions that end a message (the caller's chat template knows);
+        `labels`: (position, key) of its message prefixes, which the states it leaves carry."""
+        return PrefixSession(self, space, list(prompt), sorted(set(boundaries)), list(labels))
 
     # -- on the MLX thread ----------------------------------------------------------------------
 
@@ -197,10 +209,19 @@ class PrefixCache:
             if cache is not None:
                 self.put(space, found.tokens, cache, to_disk=False)
 
-    def put(self, space: str, tokens: list[int], cache: list, to_disk: bool = True) -> bool:
+    def put(
+        self,
+        space: str,
+        tokens: list[int],
+        cache: list,
+        to_disk: bool = True,
+        labels: Iterable[tuple[int, bytes]] = (),
+    ) -> bool:
         """Keep a copy of `cache`, which holds exactly `tokens`; False when it alone is over the
         budget. Stored states that it makes useless (the same tokens, or a prefix of them in a
-        state that trims, which this one serves by trimming) go."""
+        state that trims, which this one serves by trimming) go, and their labels come here.
+        `labels`: (prompt position, message-prefix key) of the prompt `tokens` begin with; the
+        state keeps those it serves exactly: at its own length, or at any length if it trims."""
         if not tokens:
             return False
         trims = can_trim_prompt_cache(cache) and always_trims(cache)
@@ -209,14 +230,16 @@ class PrefixCache:
         if nbytes > self.budget_bytes:
             return False
         ids = np.asarray(tokens, dtype=np.int64)
+        kept = {k: n for n, k in labels if n == len(ids) or (trims and n <= len(ids))}
         with self._lock:
             for key, entry in list(self._entries.items()):
                 if entry.space != space or len(entry.tokens) > len(ids):
                     continue
                 same = len(entry.tokens) == len(ids)
                 if common_prefix(entry.tokens, ids) == len(entry.tokens) and (same or (trims and entry.trims)):
+                    kept = {**entry.labels, **kept}
                     self._drop(key)
-            self._entries[self._next_id] = _Entry(space, ids, held, nbytes, trims)
+            self._entries[self._next_id] = _Entry(space, ids, held, nbytes, trims, kept)
             self._next_id += 1
             self.bytes += nbytes
             self.stats.stored += 1
@@ -226,6 +249,18 @@ class PrefixCache:
         if to_disk and self.disk is not None:
             self.disk.save(space, list(tokens), held)
         return True
+
+    def held(self, most: int) -> list[tuple[bytes, int]]:
+        """The labels of the stored states, most recently used first, at most `most`: what a
+        node reports of what it holds (never a token)."""
+        out: dict[bytes, int] = {}
+        with self._lock:
+            for entry in reversed(self._entries.values()):
+                for key, n in entry.labels.items():
+                    if len(out) >= most:
+                        return list(out.items())
+                    out[key] = max(out.get(key, 0), n)
+        return list(out.items())
 
     def clear(self) -> None:
         with self._lock:
@@ -249,6 +284,7 @@ class PrefixSession:
     space: str
     prompt: list[int]
     boundaries: list[int]
+    labels: list[tuple[int, bytes]] = field(default_factory=list)
     reused: int = 0
     _marks: list[int] = field(default_factory=list)
     _trims: bool | None = None
@@ -277,8 +313,8 @@ class PrefixSession:
     def at(self, fed: int, history: list[int], cache: list) -> None:
         """Checkpoint `cache` if `fed` (== len(history)) is a mark."""
         if fed in self._marks and len(history) == fed:
-            self.owner.put(self.space, history, cache)
+            self.owner.put(self.space, history, cache, labels=self.labels)
 
     def finish(self, history: list[int], cache: list) -> None:
         """Keep the state at the end of the reply (`cache` holds exactly `history`)."""
-        self.owner.put(self.space, history, cache)
+        self.owner.put(self.space, history, cache, labels=self.labels)

@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes", "compute", "generation_slots", "hub_requests", "hub_quota")
+    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes", "compute", "generation_slots", "hub_requests", "hub_quota", "prefixes_held")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class InfoResponse(_message.Message):
     GENERATION_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HUB_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HUB_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_HELD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     models: _containers.RepeatedCompositeFieldContainer[ModelKey]
@@ -96,7 +97,16 @@ class InfoResponse(_message.Message):
     generation_slots: int
     hub_requests: _containers.ScalarMap[str, int]
     hub_quota: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ..., compute: _Optional[bool] = ..., generation_slots: _Optional[int] = ..., hub_requests: _Optional[_Mapping[str, int]] = ..., hub_quota: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    prefixes_held: _containers.RepeatedCompositeFieldContainer[PrefixHeld]
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ..., compute: _Optional[bool] = ..., generation_slots: _Optional[int] = ..., hub_requests: _Optional[_Mapping[str, int]] = ..., hub_quota: _Optional[_Mapping[str, int]] = ..., prefixes_held: _Optional[_Iterable[_Union[PrefixHeld, _Mapping]]] = ...) -> None: ...
+
+class PrefixHeld(_message.Message):
+    __slots__ = ("key", "tokens")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    tokens: int
+    def __init__(self, key: _Optional[bytes] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class InventoryRequest(_message.Message):
     __slots__ = ("model",)
@@ -268,7 +278,7 @@ class ApiTopLogprob(_message.Message):
     def __init__(self, id: _Optional[int] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class GenerationDone(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens", "tool_calls", "unparsed_tool_calls", "cached_tokens", "prompt_expert_uses_substituted")
+    __slots__ = ("prompt_tokens", "generated_tokens", "time_to_first_token_s", "seconds", "stop_reason", "trailing_text", "expert_uses", "expert_bytes", "forward_passes", "drafted_tokens", "accepted_tokens", "tool_calls", "unparsed_tool_calls", "cached_tokens", "prefixes_held", "prompt_expert_uses_substituted")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +307,7 @@ class GenerationDone(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     UNPARSED_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIXES_HELD_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EXPERT_USES_SUBSTITUTED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
@@ -312,8 +323,9 @@ class GenerationDone(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsParsedCall]
     unparsed_tool_calls: _containers.RepeatedCompositeFieldContainer[ToolsUnparsedCall]
     cached_tokens: int
+    prefixes_held: _containers.RepeatedCompositeFieldContainer[PrefixHeld]
     prompt_expert_uses_substituted: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., forward_passes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolsParsedCall, _Mapping]]] = ..., unparsed_tool_calls: _Optional[_Iterable[_Union[ToolsUnparsedCall, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., prompt_expert_uses_substituted: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., seconds: _Optional[float] = ..., stop_reason: _Optional[str] = ..., trailing_text: _Optional[str] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., forward_passes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolsParsedCall, _Mapping]]] = ..., unparsed_tool_calls: _Optional[_Iterable[_Union[ToolsUnparsedCall, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., prefixes_held: _Optional[_Iterable[_Union[PrefixHeld, _Mapping]]] = ..., prompt_expert_uses_substituted: _Optional[int] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("token", "done")
