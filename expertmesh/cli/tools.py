@@ -149,6 +149,29 @@ def add_commands(sub) -> None:
         metavar="FILE",
         help="k3-proportions: write this run's CPU per GB and useful link, with its shape, as a baseline to FILE",
     )
+    p.add_argument(
+        "--conversation",
+        action="store_true",
+        help="instead: a chat, an agent loop over a long system prompt and that prompt after a restart, with the "
+        "prefix cache on and off side by side: tokens fed, expert bytes and TTFT per turn, and each turn's new "
+        "tokens alone (see expertmesh/devtools/bench_conversation.py; k3-proportions: 2 x 384 experts unless "
+        "--moe-layers/--experts-per-layer say)",
+    )
+    p.add_argument(
+        "--turns", type=arguments.positive_int, default=6, help="--conversation: the chat's turns (default %(default)s)"
+    )
+    p.add_argument(
+        "--steps",
+        type=arguments.whole_number,
+        default=12,
+        help="--conversation: the agent loop's steps (0 leaves out the agent and the restart; default %(default)s)",
+    )
+    p.add_argument(
+        "--system-tokens",
+        type=arguments.positive_int,
+        default=1500,
+        help="--conversation: the agent's system prompt, in tokens (about; default %(default)s)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=bench)
 
@@ -211,6 +234,8 @@ def bench(args: argparse.Namespace) -> int:
 
     if args.compute:
         return _bench_compute(args)
+    if args.conversation:
+        return _bench_conversation(args)
     if args.configs and args.configs.strip() == "prompt":
         return _bench_prompt(args)
     if args.prompt_experts:
@@ -241,6 +266,28 @@ def _names(flag: str, value: str, known: tuple[str, ...]) -> tuple[str, ...]:
     if unknown or not names:
         raise ExpertmeshError(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
     return names
+
+
+def _bench_conversation(args: argparse.Namespace) -> int:
+    """`--conversation`: the prefix cache on and off, turn by turn (devtools/bench_conversation.py)."""
+    from expertmesh.devtools import bench_conversation
+    from expertmesh.devtools.tiny import k3_proportions
+
+    shape = {"experts": args.experts_per_layer or 384, "moe_layers": args.moe_layers or 2, "router": args.router}
+    doc = bench_conversation.run(
+        args.model,
+        turns=args.turns,
+        steps=args.steps,
+        system=args.system_tokens,
+        reply=args.tokens or 12,
+        proportions=k3_proportions.Proportions(**{k: v for k, v in shape.items() if v is not None}),
+        progress=lambda m: print(m, file=sys.stderr),
+    )
+    bench_conversation.print_table(doc)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def _bench_compute(args: argparse.Namespace) -> int:
