@@ -38,7 +38,7 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import EndpointUnreachableError, ExpertmeshError
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
-from expertmesh.node.sizes import format_size, parse_budget
+from expertmesh.node.sizes import format_size, parse_budget, parse_size
 from expertmesh.node.store.integrity import DIGESTS_FILENAME, DigestBook
 from expertmesh.node.store.routing import RoutingRecorder
 from expertmesh.node.store.stats import StoreStats
@@ -482,6 +482,7 @@ def _build_rpc(
         max_batch=node.config.max_batch,
         prefix_cache_bytes=parse_budget(node.config.prefix_cache, 0),
         prefix_dir=(node.config.home or constants.expertmesh_home()) / "prefixes",
+        prefix_disk_bytes=parse_size(node.config.prefix_disk_budget),
     )
     service.prompt_experts = PromptExperts.parse(node.config.prompt_experts)
     try:

@@ -212,6 +212,9 @@ class NodeConfig:
     core_budget: str | None = None
     # the states of earlier prompts kept for reuse (`--prefix-cache`, node/engine/prefix_cache.py); "0": none
     prefix_cache: str = constants.DEFAULT_PREFIX_CACHE
+    # the disk under the home those of 1,024 tokens or more are kept in across restarts
+    # (`--prefix-disk-budget`, node/engine/prefix_disk.py; least recently used go first); "0": none
+    prefix_disk_budget: str = constants.DEFAULT_PREFIX_DISK_BUDGET
     # which experts a prompt's rows use when a Generate call does not say (`--prompt-experts`,
     # node/engine/prompt_experts.py): exact by default; decoding is always exact
     prompt_experts: str = "exact"

@@ -84,7 +84,7 @@ DEFAULT_MAX_CONTEXT = 32768
 # (node/engine/prefix_cache.py): a few conversations' worth at a home's context lengths
 DEFAULT_PREFIX_CACHE = "1GB"
 # long prompt prefixes (1,024 tokens or more) kept on disk across restarts, under the home's `prefixes/`
-PREFIX_DISK_BUDGET_BYTES = 4 * 1024**3
+DEFAULT_PREFIX_DISK_BUDGET = "4GB"
 
 # `expertmesh bench`: emulated link seconds per K3 second; below 0.1 the emulated Hub's own CPU,
 # not the link, bounds the bench on 2 cores (docs/benchmarks.md, benchmarks/bench_time_scale.py).

@@ -81,6 +81,7 @@ from expertmesh.node.rpc.call_context import CallContext
 from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
 from expertmesh.node.rpc.prefix_keys import MAX_HELD, message_prefix_keys
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
+from expertmesh.node.sizes import parse_size
 from expertmesh.node.store.integrity import sha256
 from expertmesh.node.store.served import ServedExperts
 from expertmesh.node.store.stats import SOURCES, StoreStats
@@ -213,6 +214,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         max_batch: int = 1,
         prefix_cache_bytes: int = 0,
         prefix_dir: Path | None = None,
+        prefix_disk_bytes: int = parse_size(constants.DEFAULT_PREFIX_DISK_BUDGET),
     ):
         """`speculation` (`serve --speculate`) drafts and verifies tokens in Generate; a model whose
         cache cannot roll back generates without it (logged once, here). `waiting_generations`:
@@ -223,14 +225,15 @@ class NodeService(node_pb2_grpc.NodeServicer):
         A model whose caches mlx-lm cannot batch runs one call at a time (logged once, here).
         `prefix_cache_bytes`: the states of earlier prompts kept for the next request that shares
         a prefix with one (node/engine/prefix_cache.py); 0: none. `prefix_dir`: where long ones are
-        kept across restarts (node/engine/prefix_disk.py), one folder a model commit."""
+        kept across restarts (node/engine/prefix_disk.py), one folder a model commit, within
+        `prefix_disk_bytes` (0: none kept on disk)."""
         self.sm = sm
         self.prefix: PrefixCache | None = None
         if sm is not None and prefix_cache_bytes > 0:
             disk = None
-            if prefix_dir is not None:
+            if prefix_dir is not None and prefix_disk_bytes > 0:
                 try:
-                    disk = PrefixDisk(prefix_dir / sm.commit, sm.commit, constants.PREFIX_DISK_BUDGET_BYTES)
+                    disk = PrefixDisk(prefix_dir / sm.commit, sm.commit, prefix_disk_bytes)
                 except OSError as e:  # a home that cannot hold it: prefixes stay in memory only
                     logger.warning("prompt prefixes are kept in memory only: %s", e)
             self.prefix = model_thread().call(

@@ -34,6 +34,7 @@ def serving(
     service_class=None,
     interceptors=(),
     max_batch: int = 1,
+    prefix_disk_budget: str | None = None,
 ) -> Node:
     """A started node serving gRPC on a free loopback port (`node.rpc.address`), and /metrics if asked."""
     config = NodeConfig(
@@ -48,6 +49,8 @@ def serving(
         speculation=speculation,
         max_batch=max_batch,
     )
+    if prefix_disk_budget is not None:
+        config.prefix_disk_budget = prefix_disk_budget
     return build_node(config, service_class=service_class, interceptors=interceptors).start()
 
 

@@ -33,6 +33,17 @@ def budget(text: str) -> str:
     return text
 
 
+def size(text: str) -> str:
+    """A size (8GB, 0), checked now so a typo fails before the model loads."""
+    from expertmesh.node.sizes import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _int_in(text: str, lo: int, hi: int | None, what: str) -> int:
     """`text` as a whole number in [lo, hi] (hi None: no bound), or argparse's error saying `what`."""
     try:
@@ -195,6 +206,14 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="memory for the states of earlier prompts, so a request sharing a prefix with one (a chat's next "
         "turn, an agent's system prompt) feeds only its new tokens; 0 keeps none (default %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-disk-budget",
+        type=size,
+        default=constants.DEFAULT_PREFIX_DISK_BUDGET,
+        metavar="SIZE",
+        help="disk under the home for prompt prefixes of 1,024 tokens or more, kept across restarts (least "
+        "recently used go first; `expertmesh cache --prefixes` lists them); 0 keeps none (default %(default)s)",
     )
 
 

@@ -79,6 +79,7 @@ def node_config(args: argparse.Namespace, metrics: bool = False) -> NodeConfig:
         max_context=args.max_context,
         core_budget=args.core_budget,
         prefix_cache=args.prefix_cache,
+        prefix_disk_budget=args.prefix_disk_budget,
     )
 
 

@@ -118,6 +118,7 @@ def node_config(args: argparse.Namespace, secret: str) -> NodeConfig:
         max_context=args.max_context,
         core_budget=args.core_budget,
         prefix_cache=args.prefix_cache,
+        prefix_disk_budget=args.prefix_disk_budget,
         prompt_experts=str(args.prompt_experts),
     )
 

@@ -123,6 +123,7 @@ class PrefixDisk:
         self.root, self.commit, self.budget_bytes = Path(root), commit, budget_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self._index: dict[Path, DiskPrefix] = {e.path: e for e in _scan(self.root, commit, drop=True)}
+        self._prune()  # a budget lowered since the files were written
 
     def entries(self) -> list[DiskPrefix]:
         return list(self._index.values())
