@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+FLAGS = ("--model", "--turns", "--steps", "--system-tokens", "--tokens", "--json")  # passed on as they are
+
 from expertmesh.cli import main
 
 if __name__ == "__main__":
