@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 SCENARIOS = ("chat", "agent", "restart")
 QUESTIONS = (
@@ -113,7 +113,7 @@ def _turn(node, repo_id: str, messages: list[dict], reply: int) -> tuple[str, di
     text, usage = [], None
     stream = client.chat.completions.create(
         model=repo_id,
-        messages=messages,  # type: ignore[arg-type]  # plain role/content dicts, as the API takes them
+        messages=cast(Any, messages),  # plain role/content dicts, as the API takes them
         max_tokens=reply,
         temperature=0,
         stream=True,
