@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import sys
 
-FLAGS = ("--model", "--turns", "--steps", "--system-tokens", "--tokens", "--json")  # passed on as they are
-
 from expertmesh.cli import main
+
+FLAGS = ("--model", "--turns", "--steps", "--system-tokens", "--tokens", "--json")  # passed on as they are
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "--conversation", *sys.argv[1:]]))

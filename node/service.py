@@ -523,7 +523,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     ids = encode_rendered(tok, text)
                     if self.prefix is None:
                         return _Prompt(ids, [], fmt, tools)
-                    by_count = message_ends_by_count(tok, messages, ids, tools=rendered)
+                    # a state that trims serves every prefix of its tokens: it needs no checkpoint,
+                    # only the labels a next turn (all messages) or another conversation with the
+                    # same system prompt (the first) is routed by
+                    counts = None if self.prefix.checkpoints else sorted({1, len(messages)})
+                    by_count = message_ends_by_count(tok, messages, ids, tools=rendered, counts=counts)
                     ends = sorted({end for _, end in by_count}) if self.prefix.checkpoints else []
                     keys = message_prefix_keys(request)
                     labels = [(end, keys[k - 1]) for k, end in by_count if k <= len(keys)]

@@ -224,16 +224,22 @@ def message_ends(tokenizer: Any, messages: list[dict], ids: list[int], tools: li
 
 
 def message_ends_by_count(
-    tokenizer: Any, messages: list[dict], ids: list[int], tools: list[dict] | None = None
+    tokenizer: Any,
+    messages: list[dict],
+    ids: list[int],
+    tools: list[dict] | None = None,
+    counts: list[int] | None = None,
 ) -> list[tuple[int, int]]:
     """(k, where the first k messages end in `ids`) for each k the template renders on its own
-    (as `message_ends`): the prefix cache labels a state with the key of the messages it holds
-    (node/rpc/prefix_keys.py), so a coordinator can route the next turn to it."""
+    (as `message_ends`), of `counts` only if given (each k renders k messages: a long
+    conversation's every k costs its length squared): the prefix cache labels a state with the
+    key of the messages it holds (node/rpc/prefix_keys.py), so a coordinator routes the next
+    turn to it."""
     import numpy as np
 
     full = np.asarray(ids)
     ends = []
-    for k in range(1, len(messages) + 1):
+    for k in counts if counts is not None else range(1, len(messages) + 1):
         try:
             head = np.asarray(chat_token_ids(tokenizer, messages[:k], add_generation_prompt=False, tools=tools))
         except Exception:  # noqa: BLE001 - a template that refuses a partial conversation: no mark there
