@@ -11,8 +11,8 @@ turn so the machine's load falls on both alike:
              (node/engine/prefix_disk.py) instead of being fed again
 
 A row per (scenario, turn, cache): the prompt's tokens, the tokens fed to the model (the prompt
-less the API's `cached_tokens`), the expert bytes read from the disk, peers or the Hub (what the
-turn cost in experts beyond the RAM tier), and the time to the first streamed token. Beside each
+less the API's `cached_tokens`), the expert bytes read from the disk, peers or the Hub up to the
+first streamed token (what the prompt cost in experts beyond the RAM tier), and the time to it. Beside each
 turn after a scenario's first, `new_alone` (unless turned off) gives what the same new tokens cost
 as a fresh prompt of their own on the cache-off node, with its RAM tier and disk as that node's
 run left them: a turn "costs only its new tokens" when its expert bytes and TTFT with the cache on
@@ -109,7 +109,7 @@ def _turn(node, repo_id: str, messages: list[dict], reply: int) -> tuple[str, di
     stats = node.model.store.stats
     before = stats.snapshot()
     t0 = time.perf_counter()
-    ttft = None
+    ttft, at_first = None, None
     text, usage = [], None
     stream = client.chat.completions.create(
         model=repo_id,
@@ -121,7 +121,8 @@ def _turn(node, repo_id: str, messages: list[dict], reply: int) -> tuple[str, di
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
-            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            if ttft is None:
+                ttft, at_first = time.perf_counter() - t0, stats.since(before)
             text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
@@ -132,7 +133,7 @@ def _turn(node, repo_id: str, messages: list[dict], reply: int) -> tuple[str, di
     return "".join(text), {
         "prompt_tokens": usage.prompt_tokens,
         "fed_tokens": usage.prompt_tokens - cached,
-        "expert_bytes": _fetched(stats.since(before)),
+        "expert_bytes": _fetched(at_first or stats.since(before)),  # the prompt's: up to the first token
         "ttft_s": round(ttft if ttft is not None else time.perf_counter() - t0, 4),
     }
 
