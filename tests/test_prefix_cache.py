@@ -229,3 +229,34 @@ def test_a_long_prefix_outlives_a_restart_and_a_damaged_file_is_never_used(model
     assert not any(p.stat().st_size < 1024 for p in (tmp_path / sm.commit).glob("*.safetensors"))  # dropped
     assert prune_prefixes(tmp_path, 0) > 0 and not stored_prefixes(tmp_path)
 
+
+def test_a_growing_conversation_renders_only_its_new_messages_for_its_checkpoints(model, monkeypatch) -> None:
+    """Finding where each message ends renders each head of the conversation; a later request of
+    the same conversation renders only the heads it has not seen (an agent's history is long), and
+    finds the same ends as rendering every head afresh."""
+    from expertmesh.node.engine import chat
+
+    arch, sm = model
+    if arch != "kimi_k3":
+        pytest.skip("the template's rendering is the same bookkeeping for every kind of state")
+    tok = sm.tokenizer
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn in TURNS:
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": f"About {turn}"}]
+    real, rendered = chat.chat_token_ids, []
+
+    def counted(*args, **kwargs):
+        rendered.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "chat_token_ids", counted)
+    ids = real(tok, messages[:-1])  # the last reply's request: everything before it
+    before = message_ends(tok, messages[:-1], ids)
+    assert rendered == list(range(1, len(messages)))
+    rendered.clear()
+    ids = real(tok, messages + [{"role": "user", "content": "And then?"}])
+    ends = message_ends(tok, messages + [{"role": "user", "content": "And then?"}], ids)
+    assert rendered == [len(messages), len(messages) + 1]  # the two new heads only
+    chat._heads_by_tokenizer.pop(tok)  # afresh: every head rendered again
+    assert message_ends(tok, messages + [{"role": "user", "content": "And then?"}], ids) == ends
+    assert ends[: len(before)] == before and len(ends) > len(before)
