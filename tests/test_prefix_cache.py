@@ -240,6 +240,7 @@ def test_a_growing_conversation_renders_only_its_new_messages_for_its_checkpoint
     if arch != "kimi_k3":
         pytest.skip("the template's rendering is the same bookkeeping for every kind of state")
     tok = sm.tokenizer
+    chat._heads_by_tokenizer.pop(tok, None)  # what the module's other conversations rendered
     messages = [{"role": "system", "content": SYSTEM}]
     for turn in TURNS:
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": f"About {turn}"}]
