@@ -27,7 +27,7 @@ from expertmesh.node.engine.chat import message_ends
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.prefix_cache import CHECKPOINT_EVERY, PrefixCache, PrefixSession, common_prefix
-from expertmesh.node.engine.prefix_disk import MIN_TOKENS, PrefixDisk, prune_prefixes, stored_prefixes
+from expertmesh.node.engine.prefix_disk import PrefixDisk, prune_prefixes, stored_prefixes
 from expertmesh.node.engine.streamed_model import StreamedModel
 from expertmesh.node.hub import client as hub_client
 
@@ -199,12 +199,13 @@ def test_a_checkpoint_restored_one_token_off_is_caught(model, monkeypatch) -> No
 
 
 def test_a_long_prefix_outlives_a_restart_and_a_damaged_file_is_never_used(model, tmp_path: Path) -> None:
-    """A system prompt of more than MIN_TOKENS is not fed again after a restart (a new prefix cache
-    over the same folder); a file cut short is dropped, and the request is served from scratch."""
+    """A system prompt longer than the disk tier's threshold is not fed again after a restart (a new
+    prefix cache over the same folder); a file cut short is dropped, and the request is served from
+    scratch. The threshold is lowered from MIN_TOKENS so that a tiny model proves the tier in seconds."""
     arch, sm = model
     if arch != "kimi_k3":
         pytest.skip("one architecture with a state that cannot trim shows the disk tier")
-    system = SYSTEM * 12
+    system, min_tokens = SYSTEM * 3, 160
 
     def ask(cache: PrefixCache, question: str) -> tuple[list, GenerationSummary, list, list[int]]:
         ids, ends = _prompt(sm, [{"role": "system", "content": system}, {"role": "user", "content": question}])
@@ -212,14 +213,14 @@ def test_a_long_prefix_outlives_a_restart_and_a_damaged_file_is_never_used(model
         return tokens, summary, _generate(sm, ids)[0], ids
 
     def restarted() -> PrefixCache:
-        disk = PrefixDisk(tmp_path / sm.commit, sm.commit, 1 << 30)
+        disk = PrefixDisk(tmp_path / sm.commit, sm.commit, 1 << 30, min_tokens)
         return model_thread().call(PrefixCache.for_model, sm.model, 1 << 30, CHECKPOINT_EVERY, disk)
 
     _, _, _, ids = ask(restarted(), TURNS[0])
     stored = stored_prefixes(tmp_path)  # what `expertmesh cache --prefixes` lists
-    assert len(ids) > MIN_TOKENS + 64 and stored and all(p.tokens >= MIN_TOKENS for p in stored)
+    assert len(ids) > min_tokens + 64 and stored and all(p.tokens >= min_tokens for p in stored)
     tokens, summary, fresh, ids = ask(restarted(), TURNS[1])
-    assert summary.cached_tokens >= MIN_TOKENS and summary.prompt_tokens <= len(ids) - MIN_TOKENS
+    assert summary.cached_tokens >= min_tokens and summary.prompt_tokens <= len(ids) - min_tokens
     assert [t.id for t in tokens] == [t.id for t in fresh]
     for path in (tmp_path / sm.commit).glob("*.safetensors"):  # damaged: cut in the middle of its arrays
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -227,3 +228,36 @@ def test_a_long_prefix_outlives_a_restart_and_a_damaged_file_is_never_used(model
     assert summary.cached_tokens == 0 and [t.id for t in tokens] == [t.id for t in fresh]
     assert not any(p.stat().st_size < 1024 for p in (tmp_path / sm.commit).glob("*.safetensors"))  # dropped
     assert prune_prefixes(tmp_path, 0) > 0 and not stored_prefixes(tmp_path)
+
+
+def test_a_growing_conversation_renders_only_its_new_messages_for_its_checkpoints(model, monkeypatch) -> None:
+    """Finding where each message ends renders each head of the conversation; a later request of
+    the same conversation renders only the heads it has not seen (an agent's history is long), and
+    finds the same ends as rendering every head afresh."""
+    from expertmesh.node.engine import chat
+
+    arch, sm = model
+    if arch != "kimi_k3":
+        pytest.skip("the template's rendering is the same bookkeeping for every kind of state")
+    tok = sm.tokenizer
+    chat._heads_by_tokenizer.pop(tok, None)  # what the module's other conversations rendered
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn in TURNS:
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": f"About {turn}"}]
+    real, rendered = chat.chat_token_ids, []
+
+    def counted(*args, **kwargs):
+        rendered.append(len(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "chat_token_ids", counted)
+    ids = real(tok, messages[:-1])  # the last reply's request: everything before it
+    before = message_ends(tok, messages[:-1], ids)
+    assert rendered == list(range(1, len(messages)))
+    rendered.clear()
+    ids = real(tok, messages + [{"role": "user", "content": "And then?"}])
+    ends = message_ends(tok, messages + [{"role": "user", "content": "And then?"}], ids)
+    assert rendered == [len(messages), len(messages) + 1]  # the two new heads only
+    chat._heads_by_tokenizer.pop(tok)  # afresh: every head rendered again
+    assert message_ends(tok, messages + [{"role": "user", "content": "And then?"}], ids) == ends
+    assert ends[: len(before)] == before and len(ends) > len(before)

@@ -28,7 +28,12 @@ cache over the same tokens.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -215,6 +220,44 @@ class ChatSession:
             self._seen_text = rendered + marked if consistent else None
 
 
+class _RenderedHeads:
+    """The tokens of each conversation head (its first k messages) already rendered for this
+    tokenizer, so that a growing conversation renders only its new messages on each request
+    rather than every head again under the tokenizer's lock. Keyed by a digest chained message by
+    message; least recently used heads go first beyond `max_tokens`."""
+
+    def __init__(self, max_tokens: int = 1 << 22):
+        self.max_tokens, self.tokens = max_tokens, 0
+        self._heads: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> Any:
+        with self._lock:
+            head = self._heads.get(key)
+            if head is not None:
+                self._heads.move_to_end(key)
+            return head
+
+    def put(self, key: bytes, head: Any) -> None:
+        with self._lock:
+            if key in self._heads or len(head) > self.max_tokens:
+                return
+            self._heads[key] = head
+            self.tokens += len(head)
+            while self.tokens > self.max_tokens:
+                self.tokens -= len(self._heads.popitem(last=False)[1])
+
+
+_heads_by_tokenizer: weakref.WeakKeyDictionary[Any, _RenderedHeads] = weakref.WeakKeyDictionary()
+
+
+def _heads_of(tokenizer: Any) -> _RenderedHeads | None:
+    try:
+        return _heads_by_tokenizer.setdefault(tokenizer, _RenderedHeads())
+    except TypeError:  # a tokenizer that cannot be weakly referenced: render every time
+        return None
+
+
 def message_ends(tokenizer: Any, messages: list[dict], ids: list[int], tools: list[dict] | None = None) -> list[int]:
     """Where each message ends in `ids` (the tokens of `messages` with the generation prompt): the
     positions a prefix cache checkpoints a state that cannot trim at (engine/prefix_cache.py), so
@@ -237,13 +280,26 @@ def message_ends_by_count(
     turn to it."""
     import numpy as np
 
+    memo = _heads_of(tokenizer)
+    digest = hashlib.sha256(json.dumps(tools, sort_keys=True, default=str).encode())
     full = np.asarray(ids)
     ends = []
-    for k in counts if counts is not None else range(1, len(messages) + 1):
-        try:
-            head = np.asarray(chat_token_ids(tokenizer, messages[:k], add_generation_prompt=False, tools=tools))
-        except Exception:  # noqa: BLE001 - a template that refuses a partial conversation: no mark there
+    wanted = set(counts) if counts is not None else None
+    for k in range(1, len(messages) + 1):
+        digest.update(json.dumps(messages[k - 1], sort_keys=True, default=str).encode() + b"\0")
+        if wanted is not None and k not in wanted:
             continue
+        key = digest.copy().digest()
+        head = memo.get(key) if memo is not None else None
+        if head is None:
+            try:
+                head = np.asarray(
+                    chat_token_ids(tokenizer, messages[:k], add_generation_prompt=False, tools=tools), dtype=np.int64
+                )
+            except Exception:  # noqa: BLE001 - a template that refuses a partial conversation: no mark there
+                continue
+            if memo is not None:
+                memo.put(key, head)
         n = min(len(head), len(full))
         diff = np.flatnonzero(head[:n] != full[:n])
         end = int(diff[0]) if len(diff) else n

@@ -42,7 +42,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import CacheList, KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from expertmesh.node.engine.prefix_disk import MIN_TOKENS, PrefixDisk
+from expertmesh.node.engine.prefix_disk import PrefixDisk
 from expertmesh.node.engine.speculative import hold
 
 CHECKPOINT_EVERY = 1024  # tokens of a long prefill between two checkpoints of a state that cannot trim
@@ -197,7 +197,7 @@ class PrefixCache:
     def _from_disk(self, space: str, ids: np.ndarray, have: int) -> None:
         """Bring into memory the state on disk that covers most of `ids`, if more than `have`: one
         whose tokens `ids` contain all of, or, for a model whose states all trim (no checkpoints),
-        one sharing at least MIN_TOKENS with it (a conversation's end, serving another
+        one sharing at least the disk's `min_tokens` with it (a conversation's end, serving another
         conversation with the same long system prompt once trimmed)."""
         if self.disk is None or self.model is None:
             return
@@ -206,7 +206,7 @@ class PrefixCache:
             if entry.space != space:
                 continue
             n = min(common_prefix(np.asarray(entry.tokens), ids), len(ids) - 1)
-            serves = n == len(entry.tokens) or (not self.checkpoints and n >= MIN_TOKENS)
+            serves = n == len(entry.tokens) or (not self.checkpoints and n >= self.disk.min_tokens)
             if serves and n > found_n:
                 found, found_n = entry, n
         if found is not None:

@@ -119,8 +119,9 @@ def prune_prefixes(root: Path, budget_bytes: int) -> int:
 class PrefixDisk:
     """The files of one model's prefixes under `root` (the home's `prefixes/<commit>`)."""
 
-    def __init__(self, root: Path, commit: str, budget_bytes: int):
+    def __init__(self, root: Path, commit: str, budget_bytes: int, min_tokens: int = MIN_TOKENS):
         self.root, self.commit, self.budget_bytes = Path(root), commit, budget_bytes
+        self.min_tokens = min_tokens  # a test's tiny model proves the tier with shorter prefixes
         self.root.mkdir(parents=True, exist_ok=True)
         self._index: dict[Path, DiskPrefix] = {e.path: e for e in _scan(self.root, commit, drop=True)}
         self._prune()  # a budget lowered since the files were written
@@ -134,7 +135,7 @@ class PrefixDisk:
 
     def save(self, space: str, tokens: list[int], cache: list) -> bool:
         """Write the state (MLX thread); False when it is too short, not storable or written already."""
-        if len(tokens) < MIN_TOKENS or not storable(cache):
+        if len(tokens) < self.min_tokens or not storable(cache):
             return False
         path = self._name(space, tokens)
         if path in self._index:
