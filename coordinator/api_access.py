@@ -223,12 +223,16 @@ class AccessPolicy:
         """Whose stored prompt prefixes `request` may resume from on a node (GenerateRequest's
         `prefix_space`): its API key's, as a hash (the key itself never leaves this process), so a
         caller cannot tell by the time to first token what another key sent; a request with no
-        key (loopback while no key exists) is in the one shared space, ""."""
+        key (loopback while no key exists) is in the one shared space, "". The key is the one
+        `refusal` accepted: OpenAI's `Authorization: Bearer`, else Anthropic's `x-api-key`."""
+        if not self.needs_key:
+            return ""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         key = key.strip()
-        if scheme.lower() != "bearer" or not key or not self.needs_key:
-            return ""
-        return key_space(key)
+        if scheme.lower() == "bearer" and key and self.keys.accepts(key):
+            return key_space(key)
+        anthropic_key = (request.headers.get("x-api-key") or "").strip()
+        return key_space(anthropic_key) if anthropic_key else ""
 
     def _host_ok(self, name: str, port: int | None, local_address: str, bound_port: int) -> bool:
         if (port if port is not None else 80) != bound_port:

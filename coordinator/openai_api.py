@@ -209,6 +209,7 @@ class OpenAIServer:
         the answer translated back (anthropic_api.py)."""
         raw = await ex.body()
         ask = await asyncio.get_running_loop().run_in_executor(self._parser, self._parse_messages, raw, counting)
+        ask.prefix_space = self.access.prefix_space(ex.request)  # as a chat's: one key's, never another's
         if counting:
             tokens = await asyncio.get_running_loop().run_in_executor(None, self.coordinator.count_tokens, ask)
             await self._json(ex, 200, anthropic_api.count_body(tokens))

@@ -169,3 +169,18 @@ def test_loopback_without_keys_stays_open_to_any_client() -> None:
         assert [m.id for m in c.models.list().data] == [KIMI_K3]
     finally:
         server.stop()
+
+
+def test_each_key_has_its_own_prefix_space_in_either_header() -> None:
+    """The space a request's stored prefixes live in is its key's, whichever header carries it
+    (OpenAI's Bearer, Anthropic's x-api-key), never another key's, and never the key itself."""
+    one, two = "em-space-one-0123456789", "em-space-two-0123456789"
+    policy = AccessPolicy("127.0.0.1", KeyRing(keys=[one, two]))
+
+    def space(**headers: str) -> str:
+        return policy.prefix_space(Request("POST", "/v1/messages", "", headers, "1.1", "127.0.0.1:5", "127.0.0.1"))
+
+    assert space(authorization=f"Bearer {one}") == space(**{"x-api-key": one}) != ""
+    assert space(**{"x-api-key": two}) not in (space(**{"x-api-key": one}), "")
+    assert one not in space(authorization=f"Bearer {one}")
+    assert AccessPolicy("127.0.0.1").prefix_space(Request("POST", "/v1/messages", "", {}, "1.1", "a", "b")) == ""

@@ -7,6 +7,7 @@ batched rows."""
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 from nodes import serving
@@ -97,3 +98,8 @@ def test_a_turn_goes_to_the_node_holding_its_prefix_and_never_to_another_keys(ho
     # another key sending the same conversation is routed as a stranger and resumes from nothing
     r = _ask(server, two, other)
     assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # the key's own prefix, through Anthropic's Messages API too (its clients send x-api-key)
+    system, *turns = other
+    client = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key=one, max_retries=0)
+    m = client.messages.create(model=KIMI_K3, system=system["content"], messages=turns, max_tokens=1)
+    assert m.usage.cache_read_input_tokens > 0
