@@ -46,6 +46,10 @@ from expertmesh.node.engine.prefix_disk import PrefixDisk
 from expertmesh.node.engine.speculative import hold
 
 CHECKPOINT_EVERY = 1024  # tokens of a long prefill between two checkpoints of a state that cannot trim
+# A checkpoint this close after where a prompt resumes is not taken: it would end a segment of a
+# few tokens, whose experts a streamed layer-major prefill reads on their own (at K3's density a
+# few tokens' union is a large part of a layer), to spare a later request at most this many tokens.
+CHECKPOINT_MIN_GAP = 16
 
 
 def clone_cache(cache: list) -> list:
@@ -309,7 +313,7 @@ class PrefixSession:
         every = self.owner.checkpoint_every
         end = len(self.prompt) - 1  # the prefill feeds all but the last token in chunks
         marks = set(self.boundaries) | set(range(every, end + 1, every))
-        self._marks = sorted(m for m in marks if self.reused < m <= end)
+        self._marks = sorted(m for m in marks if self.reused + CHECKPOINT_MIN_GAP <= m <= end)
 
     def next_mark(self, fed: int) -> int | None:
         """The next checkpoint after `fed` prompt tokens, if any."""
