@@ -209,3 +209,54 @@ def test_an_approximate_prompts_prefix_is_never_served_to_an_exact_request(
     with serving(KIMI_K3, home, secret, node_id="fresh-exact", store=store) as node:
         fresh = chat(node, messages)
     assert exact.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_held_uses_what_only_a_household_peer_holds(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`held` counts the household's inventories: a node whose own tiers hold nothing, joined to a
+    peer whose disk holds a short prompt's experts, fetches those from the peer instead of
+    substituting them, and answers a `held` prompt as a lone node holding the same experts on its
+    own disk does (same substitutions, same tokens), with no expert from the Hub."""
+    from nodes import joined, serving
+    from repos import KIMI_K3
+
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    probe = open_model(
+        KIMI_K3, home=pulled_home("kimi_k3", tmp_path / "probe"), store=StoreConfig(ram_budget="0", fill=False)
+    )
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    ids, warm = probe.tokenizer.encode(TEXT), probe.tokenizer.encode(WARM)
+    probe.close()
+    ram = str(4 * expert_bytes + 1)
+    alone = open_model(
+        KIMI_K3,
+        home=pulled_home("kimi_k3", tmp_path / "alone"),
+        store=StoreConfig(ram_budget=ram, prefetch=False, fill=False),
+    )
+    try:
+        _generate(alone, warm, "exact", 1)  # the short prompt's experts on its own disk
+        want = _generate(alone, ids, "held", 1)
+    finally:
+        alone.close()
+    secret = "prompt-experts-household-secret"
+    store = StoreConfig(ram_budget=ram, prefetch=False, fill=False)
+    with serving(KIMI_K3, pulled_home("kimi_k3", tmp_path / "peer"), secret, node_id="peer", store=store) as peer:
+        _generate(peer.model, warm, "exact", 1)  # the same experts, on the peer's disk only
+        client_store = StoreConfig(ram_budget=ram, disk_budget="0", prefetch=False, fill=False)
+        client = joined(
+            KIMI_K3,
+            pulled_home("kimi_k3", tmp_path / "client"),
+            secret,
+            [peer.rpc.address],
+            node_id="client",
+            store=client_store,
+        )
+        try:
+            got = _generate(client.model, ids, "held", 1)
+            stats = client.store.stats
+        finally:
+            client.close()
+    assert want[1].prompt_substituted > 0
+    assert got[1].prompt_substituted == want[1].prompt_substituted and got[0] == want[0]
+    assert stats.uses["peer"] > 0 and stats.bytes["hub"] == 0

@@ -5,8 +5,10 @@ prompt's routings, most of it not on this node. These modes change which experts
 rows use; decoding after the prompt stays exact (the modes act only inside the layer-major
 prefill, engine/prefill.py), and the default, `exact`, changes nothing.
 
-- `held`: a prompt row whose chosen expert this node does not hold (RAM or disk) is routed to the
-  best-scored held expert the row did not choose already, by the layer's own router scores; the
+- `held`: a prompt row whose chosen expert is not held — in this node's RAM or disk, or on a
+  household peer's disk (its inventory: fetched over the LAN, or computed there by remote
+  execution, either way no Hub bytes) — is routed to the best-scored held expert the row did not
+  choose already, by the layer's own router scores; the
   substitute takes the replaced expert's weight, so the row's weights still sum as the router made
   them. A layer of which nothing is held fetches what it chose (a prompt never fails for it).
 - `drop`: a row's experts that are not held are dropped and the kept ones' weights scaled up to
@@ -30,7 +32,7 @@ were substituted or dropped (`substituted`): what the summary, the API and the m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -93,6 +95,9 @@ class Approximation:
     bytes_left: float = 0.0
     layers_done: int = 0
     sigmoid: dict[int, mx.array | None] = field(default_factory=dict)  # layer -> correction bias, sigmoid routers
+    # (layer, expert) keys the household's peers hold, as their inventories said when the prompt
+    # started: held as this node's own are (a peer serves or computes them without the Hub)
+    household: Container[tuple[int, int]] = frozenset()
 
     @contextmanager
     def routers(self, model: nn.Module, blocks: list) -> Iterator[None]:
@@ -181,7 +186,7 @@ class Approximation:
         held = np.zeros(rank.shape[1], dtype=bool)
         for e in range(rank.shape[1]):
             key = (layer, e)
-            held[e] = key in store.ram or (disk is not None and key in disk)
+            held[e] = key in store.ram or (disk is not None and key in disk) or key in self.household
         if mode == "budget":
             missing = [e for e in np.unique(inds).tolist() if not held[e]]
             importance = {e: float(weights[inds == e].sum()) for e in missing}
