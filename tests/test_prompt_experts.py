@@ -260,3 +260,64 @@ def test_held_uses_what_only_a_household_peer_holds(
     assert want[1].prompt_substituted > 0
     assert got[1].prompt_substituted == want[1].prompt_substituted and got[0] == want[0]
     assert stats.uses["peer"] > 0 and stats.bytes["hub"] == 0
+
+
+def test_an_approximate_request_on_a_batching_node_says_so_and_its_prefix_serves_no_exact_one(
+    pulled_home, hub: HubServer, tmp_path: Path
+) -> None:
+    """On a node that batches Generate calls (`serve --max-batch 4`), a `held` request (run by a
+    Generator of its own beside the batch) says it is approximate in its usage, its header and the
+    metric; the same conversation asked exactly afterwards goes through the batch, reuses none of
+    the approximate prompt's stored states and says 0; a second `held` request reuses its own."""
+    import openai
+    from nodes import api_server, serving
+    from repos import KIMI_K3
+
+    from expertmesh.coordinator.openai_api import SUBSTITUTED_HEADER
+    from expertmesh.node.config import MetricsConfig
+
+    probe = open_model(
+        KIMI_K3, home=pulled_home("kimi_k3", tmp_path / "probe"), store=StoreConfig(ram_budget="0", fill=False)
+    )
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    store = StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False)
+    secret = "prompt-experts-batch-secret"
+    messages = [{"role": "system", "content": "You answer in few words."}, {"role": "user", "content": TEXT}]
+    home = pulled_home("kimi_k3", tmp_path / "home")
+    metrics = MetricsConfig("127.0.0.1", 0)
+    with serving(KIMI_K3, home, secret, node_id="batching", store=store, metrics=metrics, max_batch=4) as node:
+        assert node.service.batch is not None
+        api = api_server([node.rpc.address], secret, [KIMI_K3])
+        try:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+
+            def chat(content: list[dict], **extra):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=KIMI_K3, messages=content, max_tokens=2, temperature=0, extra_body=extra
+                )
+                r = raw.parse()
+                return r, int(raw.headers[SUBSTITUTED_HEADER]), r.usage.model_extra["prompt_expert_uses_substituted"]
+
+            def metric(name: str) -> float:
+                return node.metrics.registry.get_sample_value(name) or 0.0
+
+            chat([{"role": "user", "content": WARM}])  # a short prompt's experts now held
+            said = metric("expertmesh_prompt_expert_uses_substituted_total")
+            steps = metric("expertmesh_batch_size_count")
+            approx, header, field = chat(messages, prompt_experts="held")
+            assert header == field > 0
+            assert metric("expertmesh_prompt_expert_uses_substituted_total") == said + field
+            assert metric("expertmesh_batch_size_count") == steps  # not the batch's: a Generator of its own
+            exact, header, field = chat(messages)
+            assert header == field == 0
+            assert exact.usage.prompt_tokens_details.cached_tokens == 0
+            assert metric("expertmesh_batch_size_count") > steps  # the exact request went through the batch
+            assert (
+                metric("expertmesh_prompt_expert_uses_substituted_total")
+                == said + approx.usage.model_extra["prompt_expert_uses_substituted"]
+            )
+            again, _, _ = chat(messages, prompt_experts="held")  # an approximate prefix is its own kind's to reuse
+            assert again.usage.prompt_tokens_details.cached_tokens > 0
+        finally:
+            api.stop()
