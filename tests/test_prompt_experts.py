@@ -321,3 +321,63 @@ def test_an_approximate_request_on_a_batching_node_says_so_and_its_prefix_serves
             assert again.usage.prompt_tokens_details.cached_tokens > 0
         finally:
             api.stop()
+
+
+def test_keep_fetches_nothing_and_leaves_its_dropped_choices_uncomputed(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`keep`: a prompt row keeps only its held experts, renormalised; no expert is fetched for the
+    prompt, and its dropped choices take no rows in the layer's kernels, giving exactly the logits
+    that computing them with weight 0 gives (what the mode means) for fewer rows computed."""
+    import mlx.core as mx
+    import numpy as np
+
+    from expertmesh.node.engine import blocks, prefill
+    from expertmesh.node.engine.model_thread import model_thread
+
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    home = pulled_home("kimi_k3", tmp_path / "home")
+    probe = open_model(tiny_id("kimi_k3"), home=home, store=StoreConfig(ram_budget="0", fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    sm = open_model(
+        tiny_id("kimi_k3"),
+        home=home,
+        store=StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False),
+    )
+    rows = [0]
+    switch = blocks.StreamingExperts._switch
+
+    def counting(self, x, slots):
+        rows[0] += int(np.prod(slots.shape))
+        return switch(self, x, slots)
+
+    monkeypatch.setattr(blocks.StreamingExperts, "_switch", counting)
+
+    def prompt(mode: str) -> tuple[np.ndarray, int, int, GenerationSummary]:
+        gen, summary = Generator(sm), GenerationSummary()
+        gen._prompt_experts = (PromptExperts.parse(mode), summary)
+
+        def run():
+            before, rows[0] = sm.store.stats.snapshot(), 0
+            last = gen._prefill(sm.tokenizer.encode(TEXT))
+            logits = last.logits[:, -1, :].astype(mx.float32)
+            mx.eval(logits)
+            last.count_uses()
+            return np.array(logits), sm.store.stats.since(before).bytes["hub"], rows[0]
+
+        return (*model_thread().call(run), summary)
+
+    try:
+        _generate(sm, sm.tokenizer.encode(WARM), "exact", 1)  # a short prompt's experts now on disk
+        kept, fetched, computed, summary = prompt("keep")
+        by_groups = prefill._by_groups
+        monkeypatch.setattr(prefill, "_by_groups", lambda *a: by_groups(*a[:7]))  # dropped choices computed, weight 0
+        weighted, _, all_rows, _ = prompt("keep")
+        held = prompt("held")
+    finally:
+        sm.close()
+    assert fetched == 0 and held[1] == 0
+    assert 0 < summary.prompt_substituted < summary.prompt_approx.uses
+    assert np.array_equal(kept, weighted)
+    assert computed < all_rows == held[2]  # held computes as many rows as the prompt routed
