@@ -24,8 +24,8 @@ TEXT = "the quick brown fox jumps over the lazy dog while experts stream from th
 def test_the_mode_parses_and_refuses_what_it_cannot_mean() -> None:
     assert PromptExperts.parse("exact").exact and PromptExperts.parse("").exact
     assert PromptExperts.parse("budget:2.5") == PromptExperts("budget", 2.5)
-    assert str(PromptExperts.parse("topp:0.9")) == "topp:0.9"
-    for bad in ("fast", "budget", "budget:x", "topp:0", "topp:1.5", "held:3", "budget:-1"):
+    assert str(PromptExperts.parse("topp:0.9")) == "topp:0.9" and str(PromptExperts.parse("keep")) == "keep"
+    for bad in ("fast", "budget", "budget:x", "topp:0", "topp:1.5", "held:3", "keep:2", "budget:-1"):
         with pytest.raises(ValueError, match="prompt experts"):
             PromptExperts.parse(bad)
 
