@@ -8,9 +8,8 @@ prefill, engine/prefill.py), and the default, `exact`, changes nothing.
 - `held`: a prompt row whose chosen expert is not held — in this node's RAM or disk, or on a
   household peer's disk (its inventory: fetched over the LAN, or computed there by remote
   execution, either way no Hub bytes) — is routed to the best-scored held expert the row did not
-  choose already, by the layer's own router scores; the
-  substitute takes the replaced expert's weight, so the row's weights still sum as the router made
-  them. A layer of which nothing is held fetches what it chose (a prompt never fails for it).
+  choose already, by the layer's own router scores; the substitute takes the replaced expert's
+  weight, so the row's weights still sum as the router made them. A layer of which nothing is held fetches what it chose (a prompt never fails for it).
 - `drop`: a row's experts that are not held are dropped and the kept ones' weights scaled up to
   the row's whole weight (the router's renormalisation); a row keeping none fetches.
 - `keep`: fewer experts per prompt token, nothing fetched: a row keeps only its held choices,
