@@ -33,8 +33,10 @@ def serving(
     metrics: MetricsConfig | None = None,
     service_class=None,
     interceptors=(),
+    max_batch: int = 1,
 ) -> Node:
-    """A started node serving gRPC on a free loopback port (`node.rpc.address`), and /metrics if asked."""
+    """A started node serving gRPC on a free loopback port (`node.rpc.address`), and /metrics if
+    asked; `max_batch` > 1: Generate calls share batched steps, as `serve --max-batch`."""
     config = NodeConfig(
         repo_id,
         home=home,
@@ -45,6 +47,7 @@ def serving(
         rpc=rpc or RpcConfig(host="127.0.0.1", port=0),
         metrics=metrics,
         speculation=speculation,
+        max_batch=max_batch,
     )
     return build_node(config, service_class=service_class, interceptors=interceptors).start()
 
