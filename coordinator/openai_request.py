@@ -347,7 +347,8 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
     if mode is not None:
         if not isinstance(mode, str):
             raise _bad(
-                "'prompt_experts' must be a string: exact, held, drop, topp:P or budget:SECONDS", param="prompt_experts"
+                "'prompt_experts' must be a string: exact, held, keep, drop, topp:P or budget:SECONDS",
+                param="prompt_experts",
             )
         try:
             ask.prompt_experts = str(PromptExperts.parse(mode))

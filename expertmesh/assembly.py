@@ -433,6 +433,8 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list[Tier
         wait=model_thread().wait,  # a token waiting for experts lets peers' calls run meanwhile
     )
     node.model = core.bind(node.store, node.disk, close=node.close)
+    if node.peer_tier is not None:  # an approximate prompt counts what peers hold as held
+        node.model.household_holds = node.peer_tier.held_keys
     remote = config.household.remote if config.household is not None else None
     if node.peer_tier is not None and remote is not None:
         from expertmesh.node.household.remote_experts import RemoteExperts

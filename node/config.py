@@ -141,12 +141,12 @@ class SpeculationConfig:
 DEFAULT_MAX_BATCH = 4
 
 
-PROMPT_EXPERT_MODES = ("exact", "held", "drop", "topp", "budget")
+PROMPT_EXPERT_MODES = ("exact", "held", "keep", "drop", "topp", "budget")
 
 
 @dataclass(frozen=True)
 class PromptExperts:
-    """A prompt's expert mode as `--prompt-experts` names it: exact | held | drop | topp:P | budget:SECONDS."""
+    """A prompt's expert mode as `--prompt-experts` names it: exact | held | keep | drop | topp:P | budget:SECONDS."""
 
     mode: str = "exact"
     value: float = 0.0  # topp's P, budget's seconds
@@ -156,7 +156,9 @@ class PromptExperts:
         """Raises ValueError naming what is wrong (a 400 over the API, a usage error on the CLI)."""
         name, _, arg = (text or "exact").strip().partition(":")
         if name not in PROMPT_EXPERT_MODES:
-            raise ValueError(f"prompt experts must be one of exact, held, drop, topp:P, budget:SECONDS, not {text!r}")
+            raise ValueError(
+                f"prompt experts must be one of exact, held, keep, drop, topp:P, budget:SECONDS, not {text!r}"
+            )
         if name in ("topp", "budget"):
             try:
                 value = float(arg)

@@ -11,7 +11,8 @@ disk), each expert read once:
 - budget:S: what S seconds of the link carry of exact's missing part, the rest as held.
 
 drop and topp:P depend on the router's weights and are measured, not planned
-(`expertmesh bench --prompt-experts`).
+(`expertmesh bench --prompt-experts`); keep moves held's bytes (none over the link) and computes
+fewer expert uses, which this plan, of bytes only, does not count.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def lines(costs: list[ModeCost], disk_share: float) -> list[str]:
 
     exact = costs[0].seconds
     out = [
-        f"  by --prompt-experts, with {disk_share:.0%} of the experts on disk (drop and topp are measured, not planned):"
+        f"  by --prompt-experts, with {disk_share:.0%} of the experts on disk (drop, topp and keep are measured, not planned):"
     ]
     for c in costs:
         ratio = f" ({c.seconds / exact:.2f}x exact)" if exact > 0 else ""

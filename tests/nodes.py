@@ -36,7 +36,8 @@ def serving(
     max_batch: int = 1,
     prefix_disk_budget: str | None = None,
 ) -> Node:
-    """A started node serving gRPC on a free loopback port (`node.rpc.address`), and /metrics if asked."""
+    """A started node serving gRPC on a free loopback port (`node.rpc.address`), and /metrics if
+    asked; `max_batch` > 1: Generate calls share batched steps, as `serve --max-batch`."""
     config = NodeConfig(
         repo_id,
         home=home,

@@ -24,8 +24,8 @@ TEXT = "the quick brown fox jumps over the lazy dog while experts stream from th
 def test_the_mode_parses_and_refuses_what_it_cannot_mean() -> None:
     assert PromptExperts.parse("exact").exact and PromptExperts.parse("").exact
     assert PromptExperts.parse("budget:2.5") == PromptExperts("budget", 2.5)
-    assert str(PromptExperts.parse("topp:0.9")) == "topp:0.9"
-    for bad in ("fast", "budget", "budget:x", "topp:0", "topp:1.5", "held:3", "budget:-1"):
+    assert str(PromptExperts.parse("topp:0.9")) == "topp:0.9" and str(PromptExperts.parse("keep")) == "keep"
+    for bad in ("fast", "budget", "budget:x", "topp:0", "topp:1.5", "held:3", "keep:2", "budget:-1"):
         with pytest.raises(ValueError, match="prompt experts"):
             PromptExperts.parse(bad)
 
@@ -209,3 +209,175 @@ def test_an_approximate_prompts_prefix_is_never_served_to_an_exact_request(
     with serving(KIMI_K3, home, secret, node_id="fresh-exact", store=store) as node:
         fresh = chat(node, messages)
     assert exact.choices[0].message.content == fresh.choices[0].message.content
+
+
+def test_held_uses_what_only_a_household_peer_holds(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`held` counts the household's inventories: a node whose own tiers hold nothing, joined to a
+    peer whose disk holds a short prompt's experts, fetches those from the peer instead of
+    substituting them, and answers a `held` prompt as a lone node holding the same experts on its
+    own disk does (same substitutions, same tokens), with no expert from the Hub."""
+    from nodes import joined, serving
+    from repos import KIMI_K3
+
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    probe = open_model(
+        KIMI_K3, home=pulled_home("kimi_k3", tmp_path / "probe"), store=StoreConfig(ram_budget="0", fill=False)
+    )
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    ids, warm = probe.tokenizer.encode(TEXT), probe.tokenizer.encode(WARM)
+    probe.close()
+    ram = str(4 * expert_bytes + 1)
+    alone = open_model(
+        KIMI_K3,
+        home=pulled_home("kimi_k3", tmp_path / "alone"),
+        store=StoreConfig(ram_budget=ram, prefetch=False, fill=False),
+    )
+    try:
+        _generate(alone, warm, "exact", 1)  # the short prompt's experts on its own disk
+        want = _generate(alone, ids, "held", 1)
+    finally:
+        alone.close()
+    secret = "prompt-experts-household-secret"
+    store = StoreConfig(ram_budget=ram, prefetch=False, fill=False)
+    with serving(KIMI_K3, pulled_home("kimi_k3", tmp_path / "peer"), secret, node_id="peer", store=store) as peer:
+        _generate(peer.model, warm, "exact", 1)  # the same experts, on the peer's disk only
+        client_store = StoreConfig(ram_budget=ram, disk_budget="0", prefetch=False, fill=False)
+        client = joined(
+            KIMI_K3,
+            pulled_home("kimi_k3", tmp_path / "client"),
+            secret,
+            [peer.rpc.address],
+            node_id="client",
+            store=client_store,
+        )
+        try:
+            got = _generate(client.model, ids, "held", 1)
+            stats = client.store.stats
+        finally:
+            client.close()
+    assert want[1].prompt_substituted > 0
+    assert got[1].prompt_substituted == want[1].prompt_substituted and got[0] == want[0]
+    assert stats.uses["peer"] > 0 and stats.bytes["hub"] == 0
+
+
+def test_an_approximate_request_on_a_batching_node_says_so_and_its_prefix_serves_no_exact_one(
+    pulled_home, hub: HubServer, tmp_path: Path
+) -> None:
+    """On a node that batches Generate calls (`serve --max-batch 4`), a `held` request (run by a
+    Generator of its own beside the batch) says it is approximate in its usage, its header and the
+    metric; the same conversation asked exactly afterwards goes through the batch, reuses none of
+    the approximate prompt's stored states and says 0; a second `held` request reuses its own."""
+    import openai
+    from nodes import api_server, serving
+    from repos import KIMI_K3
+
+    from expertmesh.coordinator.openai_api import SUBSTITUTED_HEADER
+    from expertmesh.node.config import MetricsConfig
+
+    probe = open_model(
+        KIMI_K3, home=pulled_home("kimi_k3", tmp_path / "probe"), store=StoreConfig(ram_budget="0", fill=False)
+    )
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    store = StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False)
+    secret = "prompt-experts-batch-secret"
+    messages = [{"role": "system", "content": "You answer in few words."}, {"role": "user", "content": TEXT}]
+    home = pulled_home("kimi_k3", tmp_path / "home")
+    metrics = MetricsConfig("127.0.0.1", 0)
+    with serving(KIMI_K3, home, secret, node_id="batching", store=store, metrics=metrics, max_batch=4) as node:
+        assert node.service.batch is not None
+        api = api_server([node.rpc.address], secret, [KIMI_K3])
+        try:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, timeout=120)
+
+            def chat(content: list[dict], **extra):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=KIMI_K3, messages=content, max_tokens=2, temperature=0, extra_body=extra
+                )
+                r = raw.parse()
+                return r, int(raw.headers[SUBSTITUTED_HEADER]), r.usage.model_extra["prompt_expert_uses_substituted"]
+
+            def metric(name: str) -> float:
+                return node.metrics.registry.get_sample_value(name) or 0.0
+
+            chat([{"role": "user", "content": WARM}])  # a short prompt's experts now held
+            said = metric("expertmesh_prompt_expert_uses_substituted_total")
+            steps = metric("expertmesh_batch_size_count")
+            approx, header, field = chat(messages, prompt_experts="held")
+            assert header == field > 0
+            assert metric("expertmesh_prompt_expert_uses_substituted_total") == said + field
+            assert metric("expertmesh_batch_size_count") == steps  # not the batch's: a Generator of its own
+            exact, header, field = chat(messages)
+            assert header == field == 0
+            assert exact.usage.prompt_tokens_details.cached_tokens == 0
+            assert metric("expertmesh_batch_size_count") > steps  # the exact request went through the batch
+            assert (
+                metric("expertmesh_prompt_expert_uses_substituted_total")
+                == said + approx.usage.model_extra["prompt_expert_uses_substituted"]
+            )
+            again, _, _ = chat(messages, prompt_experts="held")  # an approximate prefix is its own kind's to reuse
+            assert again.usage.prompt_tokens_details.cached_tokens > 0
+        finally:
+            api.stop()
+
+
+def test_keep_fetches_nothing_and_leaves_its_dropped_choices_uncomputed(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`keep`: a prompt row keeps only its held experts, renormalised; no expert is fetched for the
+    prompt, and its dropped choices take no rows in the layer's kernels, giving exactly the logits
+    that computing them with weight 0 gives (what the mode means) for fewer rows computed."""
+    import mlx.core as mx
+    import numpy as np
+
+    from expertmesh.node.engine import blocks, prefill
+    from expertmesh.node.engine.model_thread import model_thread
+
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    home = pulled_home("kimi_k3", tmp_path / "home")
+    probe = open_model(tiny_id("kimi_k3"), home=home, store=StoreConfig(ram_budget="0", fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    sm = open_model(
+        tiny_id("kimi_k3"),
+        home=home,
+        store=StoreConfig(ram_budget=str(4 * expert_bytes + 1), prefetch=False, fill=False),
+    )
+    rows = [0]
+    switch = blocks.StreamingExperts._switch
+
+    def counting(self, x, slots):
+        rows[0] += int(np.prod(slots.shape))
+        return switch(self, x, slots)
+
+    monkeypatch.setattr(blocks.StreamingExperts, "_switch", counting)
+
+    def prompt(mode: str) -> tuple[np.ndarray, int, int, GenerationSummary]:
+        gen, summary = Generator(sm), GenerationSummary()
+        gen._prompt_experts = (PromptExperts.parse(mode), summary)
+
+        def run():
+            before, rows[0] = sm.store.stats.snapshot(), 0
+            last = gen._prefill(sm.tokenizer.encode(TEXT))
+            logits = last.logits[:, -1, :].astype(mx.float32)
+            mx.eval(logits)
+            last.count_uses()
+            return np.array(logits), sm.store.stats.since(before).bytes["hub"], rows[0]
+
+        return (*model_thread().call(run), summary)
+
+    try:
+        _generate(sm, sm.tokenizer.encode(WARM), "exact", 1)  # a short prompt's experts now on disk
+        kept, fetched, computed, summary = prompt("keep")
+        by_groups = prefill._by_groups
+        monkeypatch.setattr(prefill, "_by_groups", lambda *a: by_groups(*a[:7]))  # dropped choices computed, weight 0
+        weighted, _, all_rows, _ = prompt("keep")
+        held = prompt("held")
+    finally:
+        sm.close()
+    assert fetched == 0 and held[1] == 0
+    assert 0 < summary.prompt_substituted < summary.prompt_approx.uses
+    assert np.array_equal(kept, weighted)
+    assert computed < all_rows == held[2]  # held computes as many rows as the prompt routed

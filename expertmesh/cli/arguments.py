@@ -344,7 +344,7 @@ def add_sampling_arguments(
 
 
 def prompt_experts(text: str):
-    """--prompt-experts: exact | held | drop | topp:P | budget:SECONDS (node/engine/prompt_experts.py)."""
+    """--prompt-experts: exact | held | keep | drop | topp:P | budget:SECONDS (node/engine/prompt_experts.py)."""
     from expertmesh.node.engine.prompt_experts import PromptExperts
 
     try:
@@ -361,6 +361,7 @@ def add_prompt_experts_argument(p: argparse.ArgumentParser) -> None:
         metavar="MODE",
         help="which experts the prompt uses, to fetch fewer for a cold prompt (decoding stays exact): exact "
         "(default), held (a prompt token's expert not held here is replaced by the best-scored held one), "
+        "keep (a token keeps only its held experts, renormalised: fewer to compute; a token holding none as held), "
         "drop (not-held experts dropped, weights renormalised), topp:P (each token keeps its top-P weight), "
         "budget:SECONDS (fetch the most important missing experts that fit SECONDS of the link, the rest as "
         "held); the summary says how many of the prompt's expert uses were substituted",

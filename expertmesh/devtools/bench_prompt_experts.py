@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 DECODED = 64  # decoded tokens compared after each prompt
-SETTINGS = ("exact", "held", "drop", "topp:0.9", "topp:0.75", "budget:0.02", "budget:0.05")
+SETTINGS = ("exact", "held", "keep", "drop", "topp:0.9", "topp:0.75", "budget:0.02", "budget:0.05")
 RAM_EXPERTS = 8  # the RAM budget, in experts: far below a layer's union, as on a Mac with K3
 LINK_BYTES_PER_S = 4e6  # the throttled Hub: a tiny model's experts take as long to arrive as a big one's
 
@@ -303,12 +303,12 @@ def run(
 # --experts-per-layer 384` makes (17.5 MB experts), on its 100 MB/s link. A budget here is the same
 # share of exact's fetch time as the demo's budget:0.02 is of its own (about a fifth), so that row
 # carries that demo row's quality figures.
-K3_SETTINGS = {"exact": "exact", "held": "held", "budget:20": "budget:0.02"}
+K3_SETTINGS = {"exact": "exact", "held": "held", "keep": "keep", "budget:20": "budget:0.02"}
 K3_EXPERTS, K3_MOE_LAYERS = 384, 2
 
 
 def run_k3(demo_rows: list[dict], prompt_tokens: int = 128, disk_share: float = 0.25, progress=print) -> list[dict]:
-    """Exact, held and budget on the K3-proportioned repo: a cold prompt of `prompt_tokens` held-out
+    """Exact, held, keep and budget on the K3-proportioned repo: a cold prompt of `prompt_tokens` held-out
     tokens with `disk_share` of each layer's experts on disk; bytes fetched and TTFT (the prompt's
     pass), each mode in a fresh copy of the same home. Quality figures are the demo's rows' for the
     same mode (K3_SETTINGS), at the same prompt length and disk share."""

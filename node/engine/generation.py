@@ -384,7 +384,8 @@ class Generator:
         spec, summary = self._prompt_experts
         if spec.exact:
             return None
-        approx = Approximation(spec, len(self.sm.blocks))
+        holds = self.sm.household_holds
+        approx = Approximation(spec, len(self.sm.blocks), household=holds() if holds is not None else frozenset())
         approx.start(self.sm.store)
         if summary is not None:
             summary.prompt_approx = approx.count

@@ -227,8 +227,9 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
     mx.eval(*[p.indices for p in parts], *guesses)  # the layer's one sync; the guesses ride on it
     model_thread().between_layers()
     scales: list = [None] * len(parts)
+    dropped: list[np.ndarray | None] = [None] * len(parts)
     if gatherer is not None and gatherer.approx is not None:  # an approximate prompt's rows rerouted
-        parts, scales = gatherer.approx.rewrite(block, store, parts)
+        parts, scales, dropped = gatherer.approx.rewrite(block, store, parts)
     flats = [np.array(p.indices).reshape(-1) for p in parts]
     experts = np.unique(np.concatenate(flats)).tolist()
     next_guess: Guess | None = None
@@ -254,7 +255,7 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
             gatherer.report(store, len(experts), len(experts))
     else:
         report = (lambda n: gatherer.report(store, n, len(experts))) if gatherer is not None else None
-        ys = _by_groups(block, store, parts, flats, itertools.chain([first], groups), served, report)
+        ys = _by_groups(block, store, parts, flats, itertools.chain([first], groups), served, report, dropped)
     store.stats.record_layer("streamed")
     return _finish(block, parts, flats, ys, served, scales)
 
@@ -327,12 +328,22 @@ def _by_groups(
     groups,
     served: dict,
     report: Callable[[int], None] | None = None,
+    dropped: list[np.ndarray | None] | None = None,
 ) -> list[mx.array]:
     """More experts than memory holds: each group, as it is placed, over every chunk's rows routed
-    to it (grouped by expert, one gather per chunk), computed, then let go for the next group."""
-    orders = [np.argsort(f, kind="stable") for f in flats]
-    by_expert = [f[o] for f, o in zip(flats, orders)]
-    rows = [p.x.reshape(-1, p.x.shape[-1])[mx.array(o // p.indices.shape[-1])] for p, o in zip(parts, orders)]
+    to it (grouped by expert, one gather per chunk), computed, then let go for the next group.
+
+    `dropped[i]` (an approximate prompt's): chunk i's (row, choice) entries that are not computed
+    at all; they sort after every expert, so no group takes them, and their output is 0."""
+    beyond = block.num_experts  # an id past every expert's
+    keys = [f if d is None else np.where(d, beyond, f) for f, d in zip(flats, dropped or [None] * len(flats))]
+    orders = [np.argsort(k, kind="stable") for k in keys]
+    by_expert = [k[o] for k, o in zip(keys, orders)]
+    gone = [int(np.count_nonzero(e == beyond)) for e in by_expert]
+    rows = [
+        p.x.reshape(-1, p.x.shape[-1])[mx.array(o[: len(o) - n] // p.indices.shape[-1])]
+        for p, o, n in zip(parts, orders, gone)
+    ]
     outs: list[list[mx.array]] = [[] for _ in parts]
     for group in groups:
         lo, hi = min(group.served), max(group.served)
@@ -350,4 +361,7 @@ def _by_groups(
         served.update(group.served)
         if report is not None:
             report(len(served))
+    for o, n, p in zip(outs, gone, parts):
+        if n:  # the dropped entries' outputs, last in the sorted order as their ids are
+            o.append(mx.zeros((n, block.output_dims), dtype=o[0].dtype if o else p.x.dtype))
     return [mx.concatenate(o, axis=0)[mx.array(np.argsort(order))] for o, order in zip(outs, orders)]

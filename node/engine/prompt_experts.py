@@ -5,12 +5,17 @@ prompt's routings, most of it not on this node. These modes change which experts
 rows use; decoding after the prompt stays exact (the modes act only inside the layer-major
 prefill, engine/prefill.py), and the default, `exact`, changes nothing.
 
-- `held`: a prompt row whose chosen expert this node does not hold (RAM or disk) is routed to the
-  best-scored held expert the row did not choose already, by the layer's own router scores; the
-  substitute takes the replaced expert's weight, so the row's weights still sum as the router made
-  them. A layer of which nothing is held fetches what it chose (a prompt never fails for it).
+- `held`: a prompt row whose chosen expert is not held — in this node's RAM or disk, or on a
+  household peer's disk (its inventory: fetched over the LAN, or computed there by remote
+  execution, either way no Hub bytes) — is routed to the best-scored held expert the row did not
+  choose already, by the layer's own router scores; the substitute takes the replaced expert's
+  weight, so the row's weights still sum as the router made them. A layer of which nothing is held fetches what it chose (a prompt never fails for it).
 - `drop`: a row's experts that are not held are dropped and the kept ones' weights scaled up to
   the row's whole weight (the router's renormalisation); a row keeping none fetches.
+- `keep`: fewer experts per prompt token, nothing fetched: a row keeps only its held choices,
+  renormalised as `drop` does; a row holding none of its choices is substituted as `held` does.
+  Where `held` computes as many expert uses as the exact prompt (on a CPU, the prompt's time),
+  `keep` computes only the held share of them.
 - `topp:P`: every row keeps its fewest highest-weighted experts whose weights reach P of the row's
   weight and renormalises; an expert no row keeps is not fetched.
 - `budget:SECONDS`: the missing experts are fetched in the order of their summed routed weight
@@ -24,13 +29,16 @@ ranks by sigmoid + bias as it selects; any other ranks by its logits (softmax is
 A module whose router is not a plain `gate` returning logits cannot be ranked, and its layer runs
 exact.
 
+A dropped choice is not computed: `rewrite` says which (row, choice) entries are dropped, and the
+layer (engine/prefill.py) gives them no rows in its expert groups and an output of 0.
+
 Counted: the prompt's expert uses (rows × experts per token, every MoE layer) and how many of them
 were substituted or dropped (`substituted`): what the summary, the API and the metric say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -93,6 +101,9 @@ class Approximation:
     bytes_left: float = 0.0
     layers_done: int = 0
     sigmoid: dict[int, mx.array | None] = field(default_factory=dict)  # layer -> correction bias, sigmoid routers
+    # (layer, expert) keys the household's peers hold, as their inventories said when the prompt
+    # started: held as this node's own are (a peer serves or computes them without the Hub)
+    household: Container[tuple[int, int]] = frozenset()
 
     @contextmanager
     def routers(self, model: nn.Module, blocks: list) -> Iterator[None]:
@@ -131,14 +142,18 @@ class Approximation:
         self.count.uses += sum(int(np.prod(p.indices.shape)) for p in parts)
         return self.logits.pop(block.layer, [])
 
-    def rewrite(self, block: Any, store: Any, parts: list) -> tuple[list, list[mx.array | None]]:
+    def rewrite(
+        self, block: Any, store: Any, parts: list
+    ) -> tuple[list, list[mx.array | None], list[np.ndarray | None]]:
         """`parts` (one per chunk, engine/prefill.py's `_Parked`) with each row's ids rewritten
-        as the mode says, and for each part the scale of each (row, choice) output (None: 1)."""
+        as the mode says; for each part the scale of each (row, choice) output (None: 1), and
+        which (row, choice) entries, flattened, are dropped (None: none), not to be computed."""
         logits = self.skip(block, parts)
         shapes = [p.indices.shape for p in parts]
         inds = np.concatenate([np.array(p.indices).reshape(-1, s[-1]) for p, s in zip(parts, shapes)])
+        nothing: list[np.ndarray | None] = [None] * len(parts)
         if len(logits) != len(parts) or block.layer not in self.sigmoid:
-            return parts, [None] * len(parts)  # no router scores for this layer: exact
+            return parts, [None] * len(parts), nothing  # no router scores for this layer: exact
         raw = np.concatenate([np.array(lg.astype(mx.float32)).reshape(-1, lg.shape[-1]) for lg in logits])
         bias = self.sigmoid[block.layer]
         if bias is not None:
@@ -151,17 +166,19 @@ class Approximation:
             weights = np.exp(chosen - chosen.max(axis=1, keepdims=True))
         new, scale = self._choose(block, store, inds, rank, weights)
         if new is inds:
-            return parts, [None] * len(parts)
-        out, scales, at = [], [], 0
+            return parts, [None] * len(parts), nothing
+        out, scales, dropped, at = [], [], [], 0
         for p, s in zip(parts, shapes):
             n = int(np.prod(s[:-1]))
             # the parked chunk as it was (its forward pass, its guess), pointing at the experts chosen instead
             p2 = replace(p, indices=mx.array(new[at : at + n].reshape(s).astype(np.uint32)))
             out.append(p2)
             sc = scale[at : at + n]
-            scales.append(None if sc is None or np.all(sc == 1.0) else mx.array(sc.reshape(*s, 1), dtype=p.x.dtype))
+            scales.append(None if np.all(sc == 1.0) else mx.array(sc.reshape(*s, 1), dtype=p.x.dtype))
+            gone = (sc == 0.0).reshape(-1)
+            dropped.append(gone if gone.any() else None)
             at += n
-        return out, scales
+        return out, scales, dropped
 
     def _choose(
         self, block: Any, store: Any, inds: np.ndarray, rank: np.ndarray, weights: np.ndarray
@@ -181,7 +198,7 @@ class Approximation:
         held = np.zeros(rank.shape[1], dtype=bool)
         for e in range(rank.shape[1]):
             key = (layer, e)
-            held[e] = key in store.ram or (disk is not None and key in disk)
+            held[e] = key in store.ram or (disk is not None and key in disk) or key in self.household
         if mode == "budget":
             missing = [e for e in np.unique(inds).tolist() if not held[e]]
             importance = {e: float(weights[inds == e].sum()) for e in missing}
@@ -201,11 +218,27 @@ class Approximation:
             return inds, ones
         if mode == "drop":
             return self._drop(inds, weights, ok)
+        if mode == "keep":  # rows holding some of their choices keep those; the others are substituted
+            keeps = ok.any(axis=1)
+            kept_new, kept_scale = self._drop(inds[keeps], weights[keeps], ok[keeps])
+            if keeps.all():
+                return kept_new, kept_scale
+            new, scale = self._substitute(inds, rank, held, ok, rows=~keeps)
+            new[keeps], scale[keeps] = kept_new, kept_scale
+            return new, scale
+        return self._substitute(inds, rank, held, ok)
+
+    def _substitute(
+        self, inds: np.ndarray, rank: np.ndarray, held: np.ndarray, ok: np.ndarray, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`held`'s rewrite of `rows` (None: all): each choice not held (`~ok`) to the best-ranked
+        held expert its row did not choose, with its weight; the other rows as they are."""
+        ones = np.ones(inds.shape, dtype=np.float32)
         new = inds.copy()
         score = np.where(held[None, :], rank, -np.inf)
         np.put_along_axis(score, inds, -np.inf, axis=1)  # a row's own choices are not substitutes
-        rows, cols = np.nonzero(~ok)
-        for r, c in zip(rows.tolist(), cols.tolist()):
+        todo = ~ok if rows is None else ~ok & rows[:, None]
+        for r, c in zip(*(a.tolist() for a in np.nonzero(todo))):
             best = int(np.argmax(score[r]))
             if not np.isfinite(score[r, best]):
                 continue  # every held expert already chosen by this row: fetch
@@ -216,7 +249,8 @@ class Approximation:
 
     def _drop(self, inds: np.ndarray, weights: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Drop the choices `keep` says not to, scaling the kept ones to the row's whole weight.
-        A dropped choice points at a kept expert of its row (computed anyway) with scale 0."""
+        A dropped choice points at a kept expert of its row with scale 0 (the layer does not
+        compute it: `rewrite` lists it as dropped)."""
         keep = keep | ~keep.any(axis=1, keepdims=True)  # a row keeping nothing fetches all it chose
         if keep.all():
             return inds, np.ones(inds.shape, dtype=np.float32)

@@ -7,7 +7,7 @@ tier, MLX's buffer cache, wiring — is planned in engine/memory.py."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -67,6 +67,9 @@ class StreamedModel:
     core_stream: StreamedCore | None = None  # when the core is streamed
     context_limit: int | None = None  # `--max-context`: the tokens a conversation may hold here
     token_observer: TokenObserver | None = None
+    # the (layer, expert) keys the household's peers hold (set by the assembly where the node has
+    # peers): what an approximate prompt counts as held besides this node's own tiers
+    household_holds: Callable[[], Container[tuple[int, int]]] | None = field(default=None, repr=False)
     _store: ExpertStore | None = field(default=None, repr=False)  # once bound
     _disk: DiskCache | None = field(default=None, repr=False)
     _close: Callable[[], None] | None = field(default=None, repr=False)

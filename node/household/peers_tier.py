@@ -158,6 +158,16 @@ class PeerSource:
                 self._inventories[peer.node_id] = known
         return known[1]
 
+    def held_keys(self) -> set[tuple[int, int]]:
+        """Every key some live peer's inventory lists (each asked again when stale): what the
+        household holds, which an approximate prompt uses instead of fetching from the Hub
+        (engine/prompt_experts.py). A peer whose inventory cannot be had adds nothing."""
+        keys: set[tuple[int, int]] = set()
+        for peer in self.table.all():
+            if peer.live:
+                keys |= self.inventory(peer) or set()
+        return keys
+
     def known_inventory(self, peer: Peer) -> set[tuple[int, int]]:
         """What `peer` was last known to hold, without asking (empty if never asked)."""
         with self._lock:
