@@ -188,6 +188,22 @@ def test_copies_of_others_experts_go_first_and_never_push_out_our_own(tmp_path: 
     assert {(int(p.parent.name), int(p.stem)) for p in _files(cache)} == set(cache._files)
 
 
+def test_an_expert_claimed_by_a_peer_is_kept_as_our_own(tmp_path: Path) -> None:
+    """An expert a peer asked for as its owner (`claim`) is kept like one this node owns, though
+    this node's view of the household names another owner: the peer counts on the copy."""
+    cache, locs, blobs = _cache(tmp_path, count=6, budget_experts=3)
+    cache.ownership = _Owns({(1, 0), (1, 1)})
+    cache.put(locs[(1, 3)], blobs[(1, 3)])  # theirs, held before any claim
+    for e in (0, 1):
+        cache.put(locs[(1, e)], blobs[(1, e)])
+    cache.claim((1, 2))
+    cache.put(locs[(1, 2)], blobs[(1, 2)])  # claimed: pushes out theirs, not ours
+    assert set(cache._files) == {(1, 0), (1, 1), (1, 2)}
+    cache.claim((1, 0))  # already ours: nothing changes
+    cache.put(locs[(1, 4)], blobs[(1, 4)])  # theirs, and only our own and the claimed could make room
+    assert set(cache._files) == {(1, 0), (1, 1), (1, 2)}
+
+
 def test_a_second_process_on_the_same_cache_reads_but_never_writes_or_evicts(tmp_path: Path) -> None:
     """One writer per cache folder (a flock, as a second `run` on the same home would meet it):
     the budget holds for both, and the second one takes over when the first closes."""

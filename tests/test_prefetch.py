@@ -156,6 +156,43 @@ def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path
         sm.close()
 
 
+def test_a_layers_guess_goes_out_behind_the_demands_of_all_its_groups(home: Path) -> None:
+    """The next layer's guess is queued with this layer's last group, behind every demand of the
+    layer: queued with the first, it would start while a group is computed and the next group's
+    demands are not queued yet (no demand in flight then), and hold the link they then need."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fetch_concurrency=2, fill=False))
+    try:
+        store = sm.store
+        first, second = sm.index.moe_layers[:2]
+        events: list[tuple[str, list[int]]] = []
+        demand, prefetch = store.flights.demand, store.prefetch
+
+        def queued(keys, plan=None):
+            keys = list(keys)
+            events.append(("queued", sorted(e for _, e in keys)))
+            return demand(keys, plan)
+
+        def guessed(layer, experts):
+            events.append(("guessed", [layer]))
+            return prefetch(layer, experts)
+
+        store.flights.demand, store.prefetch = queued, guessed
+        for group in store.layer_groups(first, range(3), guess=(second, [5, 6])):
+            events.append(("computing", sorted(group.experts)))
+        del store.flights.demand, store.prefetch
+        assert events == [
+            ("queued", [0]),
+            ("queued", [1]),
+            ("computing", [0]),
+            ("queued", [2]),
+            ("guessed", [second]),  # behind the last group's demands
+            ("computing", [1]),
+            ("computing", [2]),
+        ]
+    finally:
+        sm.close()
+
+
 def test_a_peers_call_for_a_layer_leaves_this_nodes_guesses_for_it_alone(home: Path) -> None:
     """A peer's ComputeExperts asks this node's store for a layer while this node may be
     generating too: that is not this node's pass, so its staged guesses for the layer stay, and

@@ -2,7 +2,8 @@
 once, the Hub serves it once, a second warm costs nothing, a budget is filled most-used first and
 never by evicting, and a wrong secret warms nothing. Also the peers tier's use of inventories:
 after the owner, only nodes that hold an expert are asked for it; and an owner, once warmed,
-computes every expert it owns when a peer sends it activations (never answers one `missing`)."""
+computes every expert it owns when a peer sends it activations (never answers one `missing`),
+and a node asked as an expert's owner keeps it even where its own peer table names another."""
 
 from __future__ import annotations
 
@@ -171,12 +172,14 @@ def test_after_a_dead_owner_only_holders_known_from_inventories_are_asked(
             node.close()
 
 
-def _compute(address: str, index: ExpertIndex, layer: int, experts: list[int], width: int):
-    """A peer's ComputeExperts call for `experts` of `layer`, one row each (as remote execution sends them)."""
+def _compute(address: str, index: ExpertIndex, layer: int, experts: list[int], width: int, fetch_on_miss: bool = False):
+    """A peer's ComputeExperts call for `experts` of `layer`, one row each (as remote execution sends
+    them); `fetch_on_miss`: asked as their owner, which fetches what it lacks."""
     rng = np.random.default_rng(len(experts))
     request = node_pb2.ComputeExpertsRequest(
         model=node_pb2.ModelKey(repo_id=index.repo_id, commit=index.commit),
         layer=layer,
+        fetch_on_miss=fetch_on_miss,
         experts=[
             node_pb2.ExpertRows(
                 expert=e, rows=activations.encode(mx.array(rng.standard_normal((1, width)).astype(np.float32)))
@@ -224,3 +227,44 @@ def test_a_warmed_owner_computes_every_expert_it_owns_never_missing(home: Path) 
             assert [x.expert for x in response.experts] == experts
     finally:
         node.close()
+
+
+def test_a_node_asked_as_owner_keeps_what_it_fetched_from_a_peer(pulled_home, hub: HubServer, home: Path) -> None:
+    """A requester whose peer table lacks a node (a static peer list without it, or one skipped after
+    a deadline) counts another node as an expert's owner: it asks that node to fetch the expert on
+    a miss and compute it (`fetch_on_miss`), and from then on counts it as held there. The node asked
+    must keep it, as an owner keeps what it fetches for the household; else, once its RAM lets the
+    expert go, the requester's next call gets it answered `missing` and fetches it whole (the lab's
+    `fallback_missing` after `warm`). Here the node asked, x, knows z, which owns the expert in x's
+    own view and holds it after `warm`, so x fetches it from z over the LAN, not from the Hub."""
+    z = serving(
+        KIMI_K3,
+        pulled_home("kimi_k3", home.parent / "z", index_only=True),
+        SECRET,
+        node_id="z",
+        cache_only=True,
+        store=StoreConfig(disk_budget="100MB"),
+    )
+    index = z.experts.index
+    layer = index.moe_layers[0]
+    nbytes = index.expert(layer, 0).nbytes
+    store = StoreConfig(ram_budget=str(4 * nbytes), disk_budget="100MB", ram_policy="lru", prefetch=False, fill=False)
+    x = serving(KIMI_K3, home, SECRET, node_id="x", store=store, peers=[z.rpc.address])
+    try:
+        nodes = [WarmNode(n.node_id, n.rpc.address, n.experts.disk.budget_bytes) for n in (x, z)]
+        warm(index, nodes, SECRET)
+        owned = owners(index, nodes, [k for k in index.experts if k[0] == layer])
+        [asked] = owned["z"][:1]  # z's: x fetches it from z when asked for it as its owner
+        own = [e for _, e in owned["x"]][: x.store.ram.slots(nbytes)]  # on x's disk: enough to fill its RAM
+        width = x.model.blocks[0].input_width
+        hub_before = hub.stats()["bytes_served"]
+        response = _compute(x.rpc.address, index, layer, [asked[1]], width, fetch_on_miss=True)
+        assert list(response.missing) == [] and hub.stats()["bytes_served"] == hub_before  # from z, not the Hub
+        for e in own:  # x's RAM lets the asked expert go
+            assert list(_compute(x.rpc.address, index, layer, [e], width).missing) == []
+        assert asked not in x.store.ram
+        response = _compute(x.rpc.address, index, layer, [asked[1]], width)
+        assert list(response.missing) == [], "the node asked as owner let go of what it fetched"
+    finally:
+        x.close()
+        z.close()

@@ -4,7 +4,9 @@ A peer that holds an expert computes it with the same block (`StreamingExperts.c
 the same kernels and precision the requester would use) on the rows that arrived, so a remotely
 computed expert gives the requester what its own computation would have given. Only experts
 this node holds in RAM or on disk run unless the caller asks as the owner (`fetch_on_miss`); the
-rest are reported missing so the caller fetches them itself, never silently dropped.
+rest are reported missing so the caller fetches them itself, never silently dropped. What a caller
+asks for as the owner is kept on disk as this node's own (`DiskCache.claim`), even where this
+node's peer table names another owner: the caller counts it as held here from then on.
 
 A call is served in two halves per group of experts: on the gRPC thread that received it, the
 request is checked and the experts are got from the store's one entry point (`layer_groups`,
@@ -100,6 +102,8 @@ class ExpertComputer:
             store, layer = self.sm.store, request.layer
             if request.fetch_on_miss:
                 here = [x.expert for x in request.experts]
+                for e in here:  # the caller counts them as held here from now on: kept as an owner's
+                    self.sm.disk.claim((layer, e))
             else:
                 here = [
                     x.expert

@@ -49,6 +49,7 @@ class ServedExperts:
             DownloadError: no source gave a good copy.
         """
         key = (loc.layer, loc.expert)
+        self.disk.claim(key)  # asked as the owner: kept as one, whoever owns it in this node's view
         with self._lock:
             blob = self.held_copy(loc)
             if blob is not None:
@@ -76,6 +77,7 @@ class ServedExperts:
             DownloadError: no source gave a good copy.
         """
         key = (loc.layer, loc.expert)
+        self.disk.claim(key)
         with self._lock:  # the room check and the fetch as one step: two warms cannot both take the last slot
             if key in self.disk:
                 return True

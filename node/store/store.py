@@ -219,10 +219,15 @@ class ExpertStore:
         # no experts: one empty group all the same (a call that only announces the pass)
         groups = [experts[i : i + size] for i in range(0, len(experts), size)] or [[]]
         started: list[_Started] = []  # pinned RAM hits not yet handed over
+        last = len(groups) - 1
         try:
-            started.append(self._start(layer, groups[0], guess))
-            for group in groups[1:]:
-                started.append(self._start(layer, group, None))  # queued before the group before it is handed over
+            # the guess goes with the last group, behind every demand of this layer: queued with the
+            # first, it would start in the gap while the caller computes a group and the next
+            # group's demands are not queued yet, and hold the link they then need
+            started.append(self._start(layer, groups[0], guess if last == 0 else None))
+            for n, group in enumerate(groups[1:], 1):
+                # queued before the group before it is handed over
+                started.append(self._start(layer, group, guess if n == last else None))
                 yield from self._hand_over(layer, started.pop(0))
             while started:
                 yield from self._hand_over(layer, started.pop(0))

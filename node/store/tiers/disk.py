@@ -7,7 +7,9 @@ a file whose size is not the expert's size, or that has no recorded sha256, is n
 store checks the digest of every file it reads). Least recently used files go first when the
 budget is reached, but in a household (`ownership` set) the copies of experts other nodes own go
 first, and such a copy never pushes out one this node owns: an owner keeps what it owns whatever
-its generations bring in. An expert's bytes are counted against the budget from the moment its write is
+its generations bring in. An expert a peer asked this node for as its owner (`claim`) counts as
+its own from then on, whatever this node's view of the household says: the peer counts on it
+being kept here, and the two views differ while their peer tables do. An expert's bytes are counted against the budget from the moment its write is
 reserved, and its file is renamed into place under the same lock that evicts: a write whose
 reservation was evicted meanwhile drops its temporary file instead of publishing an expert the
 accounting no longer holds, so the published files never exceed the budget. Reads are several
@@ -98,6 +100,7 @@ class DiskCache:
         self._files: OrderedDict[tuple[int, int], int] = OrderedDict()  # key -> size, LRU first
         self._others: OrderedDict[tuple[int, int], None] = OrderedDict()  # held, owned elsewhere, LRU first
         self.ownership: Ownership | None = None  # None: alone, every expert is this node's own
+        self._claimed: set[tuple[int, int]] = set()  # asked for by a peer as their owner: kept as ours
         self._ownership_version: int | None = None
         self._writing: set[tuple[int, int]] = set()  # reserved in _files, file not yet in place
         self._lock = threading.Lock()
@@ -225,7 +228,16 @@ class DiskCache:
 
     def owns(self, key: tuple[int, int]) -> bool:
         """Whether `key` is this node's own expert (alone: every one)."""
-        return self.ownership is None or self.ownership.owns(key)
+        return self.ownership is None or key in self._claimed or self.ownership.owns(key)
+
+    def claim(self, key: tuple[int, int]) -> None:
+        """A peer asked for `key` as its owner (fetch on a miss, or keep): keep it as one of this
+        node's own from now on, so what is fetched for it is written and kept, not dropped or
+        evicted first because this node's peer table names another owner. Bounded by the model's
+        experts; forgotten at restart, when the peers ask again."""
+        with self._lock:
+            self._claimed.add(key)
+            self._others.pop(key, None)
 
     def _off(self) -> bool:
         """Whether writing is off now; after DISK_RETRY_S it is tried again (the disk may have room,
@@ -329,7 +341,7 @@ class DiskCache:
         first (under the lock). False: `key` is owned elsewhere and only this node's own experts
         could make room, so it is not kept."""
         self._sync_ownership()
-        theirs = self.ownership is not None and not self.ownership.owns(key)
+        theirs = not self.owns(key)
         if theirs and self.nbytes - sum(self._files[k] for k in self._others) + size > self.budget_bytes:
             return False
         while self._files and self.nbytes + size > self.budget_bytes:
@@ -362,7 +374,7 @@ class DiskCache:
             return
         version = self.ownership.version
         if version != self._ownership_version:
-            self._others = OrderedDict((k, None) for k in self._files if not self.ownership.owns(k))
+            self._others = OrderedDict((k, None) for k in self._files if not self.owns(k))
             self._ownership_version = version
 
     def _write_queued(self) -> None:
