@@ -62,6 +62,19 @@ class _Started:
             ram.release([(self.layer, e) for e in held])
 
 
+def _tapered(groups: list[list[int]]) -> list[list[int]]:
+    """`groups` with the last of several split in halves down to two (8 -> 4, 2, 2): the experts computed
+    after a layer's last byte has come are the last group's (store.layer_groups)."""
+    if len(groups) < 2:
+        return groups
+    last, out = groups[-1], groups[:-1]
+    while len(last) > 2:
+        half = (len(last) + 1) // 2
+        out.append(last[:half])
+        last = last[half:]
+    return out + [last]
+
+
 class ExpertGroup:
     """Some of a layer's experts, as the store hands them over: which tier served each (`served`),
     and the ones that arrived, to be written into RAM-tier slots on the MLX thread (`placed`).
@@ -199,9 +212,13 @@ class ExpertStore:
         lets its weights go) before taking the next. Every use of the store's experts, this
         node's own passes and peers' ComputeExperts alike, comes through here.
 
-        The groups are pipelined: the next group's fetches are queued before a group is handed
-        over, so the link or the disk keeps working while the caller computes. Each group is half
-        the hold limit, so the group being computed and the one in flight together stay within it.
+        The groups are pipelined: the next groups' fetches are queued before a group is handed
+        over, as many as fit beside it within the hold limit, so the link or the disk keeps
+        working while the caller computes. Each group is half the hold limit, the group being
+        computed and the one in flight together within it, but the last: it comes in halves
+        (`_tapered`), all queued while the group before it is computed. What the caller computes
+        after the layer's last byte has come is then a few experts, not half the hold limit: the
+        link idles through that compute, since the next layer's experts are known only after it.
 
         Args:
             guess: (next layer, its likely experts), prefetched behind this layer's demands.
@@ -217,14 +234,19 @@ class ExpertStore:
         limit = self.hold_limit()
         size = limit if len(experts) <= limit else max(1, limit // 2)
         # no experts: one empty group all the same (a call that only announces the pass)
-        groups = [experts[i : i + size] for i in range(0, len(experts), size)] or [[]]
+        groups = _tapered([experts[i : i + size] for i in range(0, len(experts), size)]) or [[]]
         started: list[_Started] = []  # pinned RAM hits not yet handed over
+        sizes: list[int] = []  # their groups' sizes
         try:
             started.append(self._start(layer, groups[0], guess))
-            for group in groups[1:]:
-                started.append(self._start(layer, group, None))  # queued before the group before it is handed over
-                yield from self._hand_over(layer, started.pop(0))
+            sizes.append(len(groups[0]))
+            rest = groups[1:]
             while started:
+                # queued before the group before them is handed over, as many as the limit holds beside it
+                while rest and (len(started) == 1 or sum(sizes) + len(rest[0]) <= limit):
+                    started.append(self._start(layer, rest[0], None))
+                    sizes.append(len(rest.pop(0)))
+                sizes.pop(0)
                 yield from self._hand_over(layer, started.pop(0))
         finally:  # the caller stopped early, or a fetch failed: no pin outlives the call
             for rest in started:
