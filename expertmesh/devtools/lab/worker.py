@@ -86,7 +86,7 @@ def _generate(sm: StreamedModel, ids: list[int], tokens: int, on_token=None) -> 
     d = sm.store.stats.since(before) if before is not None else sm.store.stats.snapshot()
     ttft_s = t_first - t_start if t_first else 0.0
     p = before.since(at_start) if before is not None else None  # the prompt's, up to its first token
-    prompt = {"uses": dict(p.uses), "remote": dict(p.remote)} if p is not None else {}
+    prompt = {"uses": dict(p.uses), "remote": dict(p.remote), "wait_s": p.wait_seconds} if p is not None else {}
     return {
         "ids": out,
         "decode_s": decode_s,
