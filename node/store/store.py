@@ -240,12 +240,12 @@ class ExpertStore:
         try:
             started.append(self._start(layer, groups[0], guess))
             sizes.append(len(groups[0]))
-            rest = groups[1:]
+            later = groups[1:]
             while started:
                 # queued before the group before them is handed over, as many as the limit holds beside it
-                while rest and (len(started) == 1 or sum(sizes) + len(rest[0]) <= limit):
-                    started.append(self._start(layer, rest[0], None))
-                    sizes.append(len(rest.pop(0)))
+                while later and (len(started) == 1 or sum(sizes) + len(later[0]) <= limit):
+                    started.append(self._start(layer, later[0], None))
+                    sizes.append(len(later.pop(0)))
                 sizes.pop(0)
                 yield from self._hand_over(layer, started.pop(0))
         finally:  # the caller stopped early, or a fetch failed: no pin outlives the call
