@@ -119,6 +119,7 @@ def test_projection_arithmetic_on_given_inputs() -> None:
 
 
 REQUIRED = ("alone_cold", "alone_warm_disk", "fetch_from_owners", "remote")
+PROMPT = ("prompt_fetch_from_owners", "prompt_remote")
 
 
 @pytest.mark.e2e
@@ -135,7 +136,8 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
         prompts=("Count the experts",),
         hub_ttfb_s=0.01,
         ram_experts=1,
-        scenarios=REQUIRED,
+        scenarios=REQUIRED + PROMPT,
+        prompt_tokens=12,
         cache=tmp_path / "cache",
     )
     lines: list[str] = []
@@ -144,7 +146,7 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
     doc = json.loads(json.dumps(doc))  # what --json writes
     assert doc["network"] == ("namespaces" if NEEDS_NAMESPACES is None else "loopback")
     by = {c["name"]: c for c in doc["configs"]}
-    assert tuple(by) == REQUIRED
+    assert tuple(by) == REQUIRED + PROMPT
     for c in by.values():
         for field in ("s_per_token", "lan_bytes_per_token", "hub_bytes_per_token", "tokens_equal_alone"):
             assert field in c, field
@@ -157,6 +159,14 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
     assert by["remote"]["uses"]["remote"] > 0
     assert by["remote"]["lan_bytes_per_token"] < by["fetch_from_owners"]["lan_bytes_per_token"]
     assert set(by["remote"]["placed"]) - {"here"}  # some experts were placed on peers
+    # a long prompt, its first token timed: fetched from the owners, or computed there in at most
+    # one call per peer per MoE layer; the same tokens either way
+    fetched, computed = by["prompt_fetch_from_owners"], by["prompt_remote"]
+    assert fetched["prompt_tokens"] == computed["prompt_tokens"] == 12
+    assert fetched["ttft_s"][0] > 0 and computed["ttft_s"][0] > 0
+    assert fetched["prompt_stats"][0]["uses"]["peer"] > 0 and fetched["prompt_stats"][0]["remote"].get("calls", 0) == 0
+    assert 0 < computed["prompt_stats"][0]["remote"]["calls"] <= 2 * config.moe_layers
+    assert computed["outputs"] == fetched["outputs"]
     assert doc["projection"]["moonshot"]["target_s_per_token"] == 1.5
     assert doc["projection"]["inputs"]["activation_bytes"] > 0
     if NEEDS_NAMESPACES is None:

@@ -261,3 +261,37 @@ def test_a_right_guess_keeps_its_link_between_its_pass_and_its_demand() -> None:
     finally:
         gate.set()
         q.close()
+
+
+def test_a_layers_last_group_comes_in_halves_queued_while_the_group_before_is_computed(home: Path) -> None:
+    """What is computed after a layer's last expert has come waits with the link idle (the next
+    layer's experts are not known yet): the last group is split in halves, and all of them are
+    fetched while the group before them is computed, so that wait is two experts'."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fetch_concurrency=8, fill=False))
+    try:
+        store, layer = sm.store, sm.index.moe_layers[0]
+        assert store.hold_limit() == 8
+        events: list[tuple[str, list[int]]] = []
+        demand = store.flights.demand
+
+        def queued(keys, plan=None):
+            keys = list(keys)
+            events.append(("queued", sorted(e for _, e in keys)))
+            return demand(keys, plan)
+
+        store.flights.demand = queued
+        for group in store.layer_groups(layer, range(12)):
+            events.append(("computing", sorted(group.experts)))
+        del store.flights.demand
+        assert events == [
+            ("queued", [0, 1, 2, 3]),
+            ("queued", [4, 5, 6, 7]),
+            ("computing", [0, 1, 2, 3]),
+            ("queued", [8, 9]),  # the last group of four, in halves: both beside [4..7] within the limit of 8
+            ("queued", [10, 11]),
+            ("computing", [4, 5, 6, 7]),
+            ("computing", [8, 9]),
+            ("computing", [10, 11]),
+        ]
+    finally:
+        sm.close()

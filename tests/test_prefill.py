@@ -107,3 +107,65 @@ def test_the_expected_union_is_what_an_even_router_draws() -> None:
     drawn = [len({e for _ in range(tokens) for e in rng.choice(experts, k, replace=False)}) for _ in range(400)]
     assert expected_union(experts, k, tokens) == pytest.approx(np.mean(drawn), rel=0.02)
     assert expected_union(experts, k, 10_000) == pytest.approx(experts)
+
+
+def test_a_batching_nodes_prompt_of_several_chunks_fetches_each_expert_once_and_others_decode_between_its_layers(
+    pulled_home, hub: HubServer, oracle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve`'s batch (node/engine/batching.py) prefills a joiner's prompt layer-major too: fed in
+    its turns of 8 tokens chunk by chunk, each turn would read again what the last one evicted."""
+    import threading
+
+    from expertmesh.node.engine.batching import BatchEngine
+
+    arch = "kimi_k3"
+    ref, ref_tok = oracle.load(arch)
+    ids = ref_tok.encode(TEXT)
+    want = [
+        r.token
+        for r in mlx_lm.stream_generate(
+            ref, ref_tok, mx.array(ids), max_tokens=3, sampler=make_sampler(0.0), prefill_step_size=STEP
+        )
+    ]
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    pulled_home(arch, tmp_path)
+    probe = open_model(tiny_id(arch), home=tmp_path, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    trace = tmp_path / "trace"
+    store = StoreConfig(ram_budget=str(2 * expert_bytes + 1), prefetch=False, fill=False, trace_path=trace)
+    sm = open_model(tiny_id(arch), home=tmp_path, store=store)
+    engine = BatchEngine(sm, max_batch=2, prefill_step=STEP)  # turns of a few tokens, as a batch feeds
+    try:
+        before = sm.store.stats.snapshot()
+        out = [t.id for t in engine.generate(ids, SamplingSettings(max_tokens=1))]
+        assert out == want[:1]
+        # each of the prompt's experts came from the Hub once, none again from disk
+        fetched = sm.store.stats.since(before).uses
+        assert fetched["disk"] == 0 and fetched["peer"] == 0, fetched
+        assert fetched["hub"] == len(set(read_trace(trace).accesses())), fetched
+
+        # a row decoding meanwhile gets a token between the prompt's layers, and both keep their tokens
+        short = ref_tok.encode("hello experts")
+        alone = [t.id for t in Generator(sm).generate(short, SamplingSettings(max_tokens=14))]
+        first, got, steps = threading.Event(), [], []
+
+        def running() -> None:
+            for t in engine.generate(short, SamplingSettings(max_tokens=14)):
+                got.append(t.id)
+                first.set()
+
+        row = threading.Thread(target=running, daemon=True)
+        row.start()
+        assert first.wait(60)
+        at_join = engine.steps
+        joined = []
+        for t in engine.generate(ids, SamplingSettings(max_tokens=3)):
+            steps.append(engine.steps)
+            joined.append(t.id)
+        row.join(60)
+        assert joined == want and got == alone
+        assert steps[0] - at_join >= len(sm.blocks), (at_join, steps, len(got))  # a decode step a layer
+    finally:
+        engine.close()
+        sm.close()

@@ -41,6 +41,7 @@ SECRET = "remote-test-secret"
 PROMPT = "Move activations, not experts"
 TOKENS = 10
 TIME_SCALE = 0.05  # a K3 expert's 148 ms on gigabit becomes 7.4 ms
+ROW_S = 0.001  # a peer's seconds per row it computes, where its compute grows with its rows
 
 
 def _generate(node, on_token=None) -> list[int]:
@@ -466,3 +467,35 @@ def test_a_prompt_of_several_chunks_sends_a_peer_one_call_a_layer(pairs, oracle,
     d = pair.me.store.stats.since(before)
     assert got == want
     assert d.uses["remote"] > 0 and 0 < d.remote["calls"] <= len(sm.blocks), d.remote
+
+
+def test_a_prompts_call_gets_a_deadline_for_its_rows(pairs, monkeypatch) -> None:
+    """A peer's service time is measured on decode's calls, a row or two per expert; a prompt's
+    call carries many rows per expert and, where compute grows with rows, takes many times as
+    long: its deadline allows for its rows, so the peer computes it rather than being cut off."""
+    from dataclasses import replace
+
+    from expertmesh.node.household import expert_compute
+
+    compute = expert_compute._run
+
+    def by_rows(block, group, rows):  # the peer's compute grows with its rows, as on a CPU
+        done = compute(block, group, rows)
+        time.sleep(ROW_S * sum(rows[e].shape[0] for e in group.served if e in rows))
+        return done
+
+    monkeypatch.setattr(expert_compute, "_run", by_rows)
+    pair = pairs("kimi_k3")
+    warm = pair.me.store.stats.snapshot()
+    assert _generate(pair.me) == pair.expected  # decode's calls: their service time measured
+    assert pair.me.store.stats.since(warm).remote["fallback_deadline"] == 0
+    # the floor out of the way: the deadline is the measured estimate's
+    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, deadline_floor_s=0.01))
+    sm = pair.me.model
+    ids = sm.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
+    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
+    before = pair.me.store.stats.snapshot()
+    got = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1))]
+    d = pair.me.store.stats.since(before)
+    assert got == alone
+    assert d.remote["fallback_deadline"] == 0 and d.remote["calls"] > 0, d.remote

@@ -193,6 +193,12 @@ def add_commands(sub) -> None:
     p.add_argument("--experts", type=arguments.positive_int, default=32, help="experts per layer (default %(default)s)")
     p.add_argument("--top-k", type=arguments.positive_int, default=16, help="experts per token (default %(default)s)")
     p.add_argument("--tokens", type=arguments.positive_int, default=6, help="tokens per prompt (default %(default)s)")
+    p.add_argument(
+        "--prompt-tokens",
+        type=arguments.positive_int,
+        default=128,
+        help="the prompt_* scenarios' prompt, in tokens (default %(default)s)",
+    )
     p.add_argument("--lan", default="118MB", help="each node's NIC, bytes/s each way (default %(default)s: 1 GbE)")
     p.add_argument("--hub-bandwidth", default="100MB", help="the Hub's link, bytes/s (default %(default)s)")
     p.add_argument(
@@ -200,7 +206,8 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--scenarios",
-        default="alone_cold,alone_warm_disk,fetch_from_owners,remote,remote_node_dies,remote_node_joins",
+        default="alone_cold,alone_warm_disk,fetch_from_owners,remote,remote_node_dies,remote_node_joins,"
+        "prompt_fetch_from_owners,prompt_remote",
         help="which to run, in order (default %(default)s)",
     )
     p.add_argument("--loopback", action="store_true", help="do not use network namespaces even as root")
@@ -459,6 +466,7 @@ def lab(args: argparse.Namespace) -> int:
         experts=args.experts,
         top_k=args.top_k,
         tokens=args.tokens,
+        prompt_tokens=args.prompt_tokens,
         lan_bytes_per_s=lan,
         hub_bytes_per_s=hub_bw,
         hub_ttfb_s=args.hub_ttfb,

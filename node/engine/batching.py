@@ -11,9 +11,17 @@ exactly as `mlx_lm.generate.BatchGenerator` does. What differs from BatchGenerat
 - a joining request is prefilled alone, in its own cache, then merged into the batch. Its prompt
   and its first token therefore go through the very steps `Generator._plain` takes (chunks, then
   the last token alone), so they are what the request would get alone; BatchGenerator prefills
-  several prompts together with right padding instead. Prefill is chunked (`prefill_step` tokens
-  a turn, shared by the joiners), and each turn also runs one decode step of the batch, so a long
-  prompt delays the running conversations by one chunk per step, never by its whole length;
+  several prompts together with right padding instead. Each turn also runs one decode step of the
+  batch, so a long prompt delays the running conversations by a part of it per step, never by
+  its whole length. Where experts stream, a joiner's prompt goes layer-major, as the Generator's
+  does (engine/prefill.py: its chunks together, each of a MoE layer's distinct experts fetched
+  once for the whole prompt) and one MoE layer of it a turn: the running rows decode one token
+  between two of its layers. The other way round — the prompt fed in `prefill_step`-token turns,
+  each through every layer — asks the store again, per turn, for what the turn before evicted:
+  with less RAM than a layer's union, a prompt of n turns read its experts about n times, and
+  each turn of a cold prompt waited for nearly a whole union's bytes; a layer of the whole
+  prompt waits for that layer's union once. Where every expert is resident (nothing to fetch)
+  or the core streams, the prompt is fed in `prefill_step`-token turns, as mlx-lm's chunks;
 - no `async_eval` pipelining: a MoE layer whose experts must be fetched synchronises to learn its
   routing anyway, and computing step n+1 before handing out step n's tokens would cost each
   finished sequence a forward pass (and its experts) that nobody reads, and each new one a step of
@@ -69,8 +77,12 @@ from expertmesh.node.engine.generation import (
     backend_error,
     observe_prefix,
     observe_request,
+    prefill_chunks,
+    prefills_layer_major,
+    segment_chunks,
 )
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefill import LayerMajorPrefill
 from expertmesh.node.engine.prefix_cache import PrefixSession
 from expertmesh.node.engine.sampling import Decoder, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
@@ -135,12 +147,18 @@ class _Run:
     fed: int = 0  # tokens its cache has seen
     next_token: int = 0  # fed at the next decode step
     history: list[int] = field(default_factory=list)  # the tokens its cache has seen (with a prefix cache)
+    layer_major: LayerMajorPrefill | None = None  # its prompt (or a segment of it) part-way, layer-major
 
 
 class BatchEngine:
     """Runs every generation of one streamed model in one continuous batch of at most `max_batch`
     sequences; more wait in arrival order (GenerationSlots in node/service.py admits no more
-    than that, so the wait here is short)."""
+    than that, so the wait here is short).
+
+    `layer_major_prefill` (on by default) may be turned off to feed a streamed prompt in
+    `prefill_step`-token turns even where experts stream (tests compare the two)."""
+
+    layer_major_prefill = True
 
     def __init__(self, sm: StreamedModel, max_batch: int = DEFAULT_MAX_BATCH, prefill_step: int = BATCH_PREFILL_STEP):
         """Raises BatchingUnsupported when the model's caches cannot be batched."""
@@ -269,6 +287,7 @@ class BatchEngine:
             except Exception as e:  # noqa: BLE001 - only this request fails
                 if run in self._prefilling:
                     self._prefilling.remove(run)
+                _close_prompt(run)
                 self._fail(run, e)
         if self._rows:
             try:
@@ -318,6 +337,7 @@ class BatchEngine:
         """Rows whose caller left or asked to stop go before the step (their tokens would be for nobody)."""
         for run in [r for r in self._prefilling if _stopped(r.seq)]:
             self._prefilling.remove(run)
+            _close_prompt(run)
             self._finish(run, "interrupted")
         keep = [i for i, r in enumerate(self._rows) if not _stopped(r.seq)]
         if len(keep) < len(self._rows):
@@ -354,6 +374,9 @@ class BatchEngine:
         token in chunks, then the last alone, which gives the first token); returns tokens fed."""
         sm = self.sm
         prefix = run.seq.prefix
+        if run.layer_major is not None or (len(run.todo) > 1 and self.layer_major_prefill and prefills_layer_major(sm)):
+            self._prefill_layer(run)
+            return budget  # a layer of a whole prompt is the turn's share
         if len(run.todo) > 1:
             n = min(budget, len(run.todo) - 1)
             mark = prefix.next_mark(run.fed) if prefix is not None else None
@@ -379,6 +402,45 @@ class BatchEngine:
         if self._emit(run, logits, step):
             self._join(run)
         return 1
+
+    def _prefill_layer(self, run: _Run) -> None:
+        """One MoE layer of the run's prompt, layer-major, in the Generator's chunks (so its tokens
+        are the Generator's): the whole rest of the prompt, or up to the prefix cache's next
+        checkpoint inside it, which then gets the state there. Once the last layer is done the
+        prompt's last pass gives the first token, as `_prefill`'s does."""
+        sm, prefix = self.sm, run.seq.prefix
+        if run.layer_major is None:
+            mark = prefix.next_mark(run.fed) if prefix is not None else None
+            n = mark - run.fed if mark is not None else 0
+            chunks = segment_chunks(run.todo[:n]) if 0 < n < len(run.todo) else prefill_chunks(run.todo)
+            ledgers = [run.seq.uses]
+            run.layer_major = LayerMajorPrefill(
+                lambda x: sm.forward(x, run.cache, ledgers=ledgers), sm.blocks, chunks, run.cache or []
+            )
+        prompt = run.layer_major
+        if not prompt.advance():
+            return
+        run.layer_major = None
+        passes = prompt.passes or []
+        fed = [t for c in prompt.chunks for t in c]
+        for step in passes:
+            step.commit()  # the tokens are the prompt's: they stay
+        if len(fed) < len(run.todo):  # a segment, up to a checkpoint
+            for step in passes:
+                step.count_uses()
+            run.fed, run.todo = run.fed + len(fed), run.todo[len(fed) :]
+            if prefix is not None and run.cache is not None:
+                run.history += fed
+                prefix.at(run.fed, run.history, run.cache)
+            return
+        for step in passes[:-1]:
+            step.count_uses()  # the last pass's uses are counted with the first token
+        if prefix is not None:
+            run.history += fed
+        run.fed, run.todo = run.fed + len(fed), []
+        self._prefilling.remove(run)
+        if self._emit(run, passes[-1].logits[:, -1, :], passes[-1]):
+            self._join(run)
 
     def _emit(self, run: _Run, logits: mx.array, step: ForwardPass | None = None) -> bool:
         """Sample the run's next token from its (1, vocab) logits and hand it over; whether it
@@ -462,6 +524,13 @@ class BatchEngine:
         logger.debug("a batched generation failed: %s", error)
         self._close_summary(run)
         run.seq.out.put(_Done(backend_error(error, self.sm.config.get("model_type"))))
+
+
+def _close_prompt(run: _Run) -> None:
+    """Unwind a prompt left part-way (its caller left, or it failed): on the MLX thread."""
+    prompt, run.layer_major = run.layer_major, None
+    if prompt is not None:
+        prompt.close()
 
 
 def _stopped(seq: _Sequence) -> bool:

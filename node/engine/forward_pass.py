@@ -67,6 +67,7 @@ class ForwardPass:
     guesses: dict[int, mx.array] = field(default_factory=dict)  # a layer -> its routing guessed by the layer before
     predicting: int | None = None  # the layer whose routing is being guessed right now
     state: str = "open"  # open | committed | discarded
+    waiting: bool = False  # a layer-major prompt's chunk parked between two of its layers (engine/prefill.py)
     counted: bool = False
     _open: list[ForwardPass] | None = field(default=None, repr=False)  # its model's passes not counted yet
 

@@ -59,8 +59,20 @@ PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the 
 def prefill_chunks(tokens: list[int]) -> list[list[int]]:
     """The forward passes mlx-lm feeds a prompt in: all but the last token in chunks of
     `PREFILL_STEP`, then the last token alone."""
-    body, last = tokens[:-1], tokens[-1:]
-    return [body[i : i + PREFILL_STEP] for i in range(0, len(body), PREFILL_STEP)] + [last]
+    return segment_chunks(tokens[:-1]) + [tokens[-1:]]
+
+
+def segment_chunks(tokens: list[int]) -> list[list[int]]:
+    """`tokens` in chunks of `PREFILL_STEP`: a part of a prompt that ends before its last token
+    (at a prefix cache's checkpoint)."""
+    return [tokens[i : i + PREFILL_STEP] for i in range(0, len(tokens), PREFILL_STEP)]
+
+
+def prefills_layer_major(sm: StreamedModel) -> bool:
+    """Whether a prompt on `sm` goes layer-major (engine/prefill.py): only where experts stream
+    (a model wholly resident runs mlx-lm's own chunks), and not with a streamed core, whose reads
+    follow token order. The Generator and a batch (engine/batching.py) ask the same."""
+    return sm.core_stream is None and not sm.all_resident() and layer_major.usable(sm.blocks)
 
 
 class PromptError(ExpertmeshError):
@@ -353,7 +365,7 @@ class Generator:
             if n <= 0 or n >= len(tokens):
                 break
             segment, tokens = tokens[:n], tokens[n:]
-            for step in self._layer_major_passes([segment[i : i + PREFILL_STEP] for i in range(0, n, PREFILL_STEP)]):
+            for step in self._layer_major_passes(segment_chunks(segment)):
                 step.commit()
                 step.count_uses()
             self._prefix.at(len(self.history), self.history, self.cache)
@@ -392,15 +404,8 @@ class Generator:
         return approx
 
     def _layer_major(self) -> bool:
-        """Whether a prompt goes layer-major: only where experts stream (a model wholly resident
-        runs mlx-lm's own chunks), and not with a streamed core, whose reads follow token order."""
-        sm = self.sm
-        return (
-            self.layer_major_prefill
-            and sm.core_stream is None
-            and not sm.all_resident()
-            and layer_major.usable(sm.blocks)
-        )
+        """Whether a prompt goes layer-major (`prefills_layer_major`), unless turned off."""
+        return self.layer_major_prefill and prefills_layer_major(self.sm)
 
     def _plain(self, tokens: list[int], book: _TokenBook, decoder: Decoder) -> Iterator[Token]:
         """One token per forward pass, exactly mlx-lm's `generate_step`.

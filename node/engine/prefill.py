@@ -133,53 +133,103 @@ def prefill(
     """Every chunk's forward pass, in order, each fed through `forward` (the streamed model's
     pass over `cache`) layer-major, as the module says; the caller commits them. `chunks` in the
     order mlx-lm feeds them; `progress` is told where the prompt stands after each group of experts."""
-    lengths = [len(c) for c in chunks]
-    base = _offsets(cache)
-    gatherer = LayerMajor(len(blocks), progress)
-    gatherer.approx = approx  # None: exact, as mlx-lm
-    if progress is not None and blocks and blocks[0].store is not None:
-        gatherer.before = dict(blocks[0]._bound_store().stats.bytes)
-    lets = [greenlet(lambda c=c: forward(mx.array(c)[None])) for c in chunks]
-    for block in blocks:
-        block._set("_prefill", gatherer)
-    try:
-        sent: list[mx.array | None] = [None] * len(chunks)
-        passes: list[ForwardPass | None] = [None] * len(chunks)
-        live = list(range(len(chunks)))
-        first_round = True
-        while live:
-            parked: list[tuple[int, _Parked]] = []
-            for i in live:
-                with _offsets_ahead(cache, base, sum(lengths[:i])) if first_round and i else _nothing():
-                    out = lets[i].switch(sent[i]) if not first_round else lets[i].switch()
-                if lets[i].dead:
-                    passes[i] = out
-                elif isinstance(out, _Parked):
-                    parked.append((i, out))
-                else:
-                    raise RuntimeError("a layer-major prefill's chunk switched back with something else")
-            first_round = False
-            if not parked:
-                break
-            if len(parked) != len(live) or len({id(p.block) for _, p in parked}) != 1:
-                raise ExpertmeshError(
-                    "a layer-major prefill's chunks reached different layers: the model's passes differ"
-                )
-            ys = run_layer(parked[0][1].block, [p for _, p in parked])
-            gatherer.done += 1
-            for (i, _), y in zip(parked, ys):
-                sent[i] = y
-            live = [i for i, _ in parked]
-    finally:
-        for let in lets:  # a chunk left waiting by an error is unwound here, on the MLX thread
+    prompt = LayerMajorPrefill(forward, blocks, chunks, cache, progress, approx)
+    while not prompt.advance():
+        pass
+    assert prompt.passes is not None
+    return prompt.passes
+
+
+class LayerMajorPrefill:
+    """A layer-major prompt that advances one MoE layer a call (`advance`): its chunks run up to
+    the next expert block and that layer's experts are computed for all of them. Between two
+    calls nothing of the prompt holds the blocks or the store, so a batch's decode steps run
+    between its layers (engine/batching.py); `prefill` runs it to its end in one go.
+
+    MLX thread only; every call, `close` included, on the thread that made it (greenlets)."""
+
+    def __init__(
+        self,
+        forward: Callable[[mx.array], ForwardPass],
+        blocks: list[StreamingExperts],
+        chunks: list[list[int]],
+        cache: list,
+        progress: Callable[[PrefillProgress], None] | None = None,
+        approx: Any = None,
+    ):
+        self.blocks, self.cache, self.chunks = blocks, cache, chunks
+        self._lengths = [len(c) for c in chunks]
+        self._base = _offsets(cache)
+        self.gatherer = LayerMajor(len(blocks), progress)
+        self.gatherer.approx = approx  # None: exact, as mlx-lm
+        if progress is not None and blocks and blocks[0].store is not None:
+            self.gatherer.before = dict(blocks[0]._bound_store().stats.bytes)
+        self._lets = [greenlet(lambda c=c: forward(mx.array(c)[None])) for c in chunks]
+        self._sent: list[mx.array | None] = [None] * len(chunks)
+        self._done: list[ForwardPass | None] = [None] * len(chunks)
+        self._live = list(range(len(chunks)))
+        self._waiting: list[ForwardPass] = []  # the chunks' passes, parked between two calls
+        self._started = False
+        self.passes: list[ForwardPass] | None = None  # every chunk's pass, in order, once all are done
+
+    def advance(self) -> bool:
+        """Every chunk on to its next MoE layer, and that layer's experts for all of them;
+        True once every chunk's pass is done (`passes`). An error closes the prompt."""
+        if self.passes is not None:
+            return True
+        for step in self._waiting:
+            step.waiting = False
+        for block in self.blocks:
+            block._set("_prefill", self.gatherer)
+        try:
+            done = self._layer()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for block in self.blocks:
+                block._set("_prefill", None)
+        return done
+
+    def close(self) -> None:
+        """Unwind the chunks still waiting (a caller that left, an error): on the MLX thread."""
+        for let in self._lets:
             if not let.dead:
                 let.throw()
-        for block in blocks:
-            block._set("_prefill", None)
-    done = [p for p in passes if p is not None]
-    if len(done) != len(chunks):
-        raise RuntimeError("a layer-major prefill's chunks did not all finish")
-    return done
+        for step in self._waiting:
+            step.waiting = False
+        self._waiting = []
+
+    def _layer(self) -> bool:
+        parked: list[tuple[int, _Parked]] = []
+        for i in self._live:
+            first = not self._started
+            with _offsets_ahead(self.cache, self._base, sum(self._lengths[:i])) if first and i else _nothing():
+                out = self._lets[i].switch() if first else self._lets[i].switch(self._sent[i])
+            if self._lets[i].dead:
+                self._done[i] = out
+            elif isinstance(out, _Parked):
+                parked.append((i, out))
+            else:
+                raise RuntimeError("a layer-major prefill's chunk switched back with something else")
+        self._started = True
+        if not parked:
+            done = [p for p in self._done if p is not None]
+            if len(done) != len(self.chunks):
+                raise RuntimeError("a layer-major prefill's chunks did not all finish")
+            self.passes, self._waiting = done, []
+            return True
+        if len(parked) != len(self._live) or len({id(p.block) for _, p in parked}) != 1:
+            raise ExpertmeshError("a layer-major prefill's chunks reached different layers: the model's passes differ")
+        self._waiting = [p.step for _, p in parked if p.step is not None]
+        ys = run_layer(parked[0][1].block, [p for _, p in parked])
+        self.gatherer.done += 1
+        for (i, _), y in zip(parked, ys):
+            self._sent[i] = y
+        self._live = [i for i, _ in parked]
+        for step in self._waiting:
+            step.waiting = True  # counted once done (StreamedModel.count_open leaves it alone)
+        return False
 
 
 def _offsets(cache: list) -> list[int | None]:

@@ -142,8 +142,12 @@ class StreamedModel:
 
     def count_open(self) -> None:
         """Count the uses of every pass not counted yet; call it once their output is evaluated
-        (a generation does at its start and its end), else reading them syncs."""
+        (a generation does at its start and its end), else reading them syncs. A layer-major
+        prompt's pass parked between its layers (a batch's joiner) is left to its own count:
+        its later layers are still to come."""
         for step in list(self._open):
+            if step.waiting:
+                continue
             try:
                 step.count_uses()
             except RuntimeError:  # MLX could not evaluate the pass (it failed): its uses go uncounted

@@ -70,6 +70,7 @@ class LinkEstimate:
     prior_bandwidth: float = DEFAULT_LAN_BANDWIDTH
     call_s: float | None = None  # a ComputeExperts call's time outside the peer: round trip + activations
     service_s: float | None = None  # the peer's own seconds per expert (read + compute)
+    service_rows: float | None = None  # the rows per expert of the calls `service_s` was measured on
     mlx_wait_s: float = 0.0  # what a call waits at the peer for its MLX thread (its own generation, other peers)
     queued: int = 0  # ComputeExperts calls running at the peer when the last one arrived
     last_call_s: float = 0.0
@@ -91,11 +92,20 @@ class LinkEstimate:
             self.measured_bandwidth = _ewma(self.measured_bandwidth, nbytes / transfer)
 
     def observe_call(
-        self, wall_s: float, server_s: float, n_experts: int, queued: int, mlx_wait_s: float = 0.0
+        self,
+        wall_s: float,
+        server_s: float,
+        n_experts: int,
+        queued: int,
+        mlx_wait_s: float = 0.0,
+        rows: int | None = None,
     ) -> None:
         """One ComputeExperts call: `server_s` the peer's own seconds, `mlx_wait_s` the part of them it
-        waited for its MLX thread. The wait is kept apart: a peer busy with its own generation for a
-        moment is not a peer whose experts are slow."""
+        waited for its MLX thread, `rows` the token rows it computed over all of its experts. The
+        wait is kept apart: a peer busy with its own generation for a moment is not a peer whose
+        experts are slow."""
+        if rows is not None and n_experts > 0:
+            self.service_rows = _ewma(self.service_rows, rows / n_experts)
         server_s = min(max(0.0, server_s), wall_s)  # the peer's own figures: never trusted beyond what we saw
         mlx_wait_s = min(max(0.0, mlx_wait_s), server_s)
         per_expert = (server_s - mlx_wait_s) / max(1, n_experts)
@@ -111,6 +121,13 @@ class LinkEstimate:
 
     def transfer_s(self, nbytes: int) -> float:
         return nbytes / self.bandwidth
+
+    def rows_factor(self, rows_per_expert: float) -> float:
+        """How many times the measured service time a call with `rows_per_expert` may take, at
+        most: its compute grows with its rows (on a CPU about linearly; on a GPU far less), and
+        `service_s` was measured at `service_rows` (a token's few rows, where decode measured
+        it). A prompt's call carries tens of rows per expert: its deadline must allow for them."""
+        return max(1.0, rows_per_expert / max(1.0, self.service_rows or 1.0))
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -333,7 +350,14 @@ class RemoteExperts:
                         experts=batch,
                         fetch_on_miss=any(x.expert in placement.owner_fetch for x in batch),
                     )
-                    timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate)
+                    # the estimate places experts by their bytes and per-expert costs (a row's compute
+                    # costs the same here or there); the deadline must also cover the call's rows
+                    rows_each = sum(x.rows.shape[0] for x in batch) / len(batch)
+                    link = self.links.get(node_id) or self._link(peer)
+                    timeout = max(
+                        self.config.deadline_floor_s,
+                        self.config.deadline_factor * estimate * link.rows_factor(rows_each),
+                    )
                     sent_at = time.perf_counter()
                     fut = self.peers.client(peer.address).compute_experts(request, timeout)
                     call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch}, t.dtype)
@@ -384,6 +408,7 @@ class RemoteExperts:
                 len(got) + len(response.missing),
                 response.queued,
                 response.mlx_wait_seconds,
+                rows=sum(n for e, n in call.rows.items() if e in got),
             )
             stats.record_remote(
                 calls=1, sent_bytes=call.sent_bytes, received_bytes=received, fallback_missing=len(response.missing)

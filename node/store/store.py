@@ -62,6 +62,19 @@ class _Started:
             ram.release([(self.layer, e) for e in held])
 
 
+def _tapered(groups: list[list[int]]) -> list[list[int]]:
+    """`groups` with the last of several split in halves down to two (8 -> 4, 2, 2): the experts computed
+    after a layer's last byte has come are the last group's (store.layer_groups)."""
+    if len(groups) < 2:
+        return groups
+    last, out = groups[-1], groups[:-1]
+    while len(last) > 2:
+        half = (len(last) + 1) // 2
+        out.append(last[:half])
+        last = last[half:]
+    return out + [last]
+
+
 class ExpertGroup:
     """Some of a layer's experts, as the store hands them over: which tier served each (`served`),
     and the ones that arrived, to be written into RAM-tier slots on the MLX thread (`placed`).
@@ -199,9 +212,13 @@ class ExpertStore:
         lets its weights go) before taking the next. Every use of the store's experts, this
         node's own passes and peers' ComputeExperts alike, comes through here.
 
-        The groups are pipelined: the next group's fetches are queued before a group is handed
-        over, so the link or the disk keeps working while the caller computes. Each group is half
-        the hold limit, so the group being computed and the one in flight together stay within it.
+        The groups are pipelined: the next groups' fetches are queued before a group is handed
+        over, as many as fit beside it within the hold limit, so the link or the disk keeps
+        working while the caller computes. Each group is half the hold limit, the group being
+        computed and the one in flight together within it, but the last: it comes in halves
+        (`_tapered`), all queued while the group before it is computed. What the caller computes
+        after the layer's last byte has come is then a few experts, not half the hold limit: the
+        link idles through that compute, since the next layer's experts are known only after it.
 
         Args:
             guess: (next layer, its likely experts), prefetched behind this layer's demands.
@@ -217,19 +234,24 @@ class ExpertStore:
         limit = self.hold_limit()
         size = limit if len(experts) <= limit else max(1, limit // 2)
         # no experts: one empty group all the same (a call that only announces the pass)
-        groups = [experts[i : i + size] for i in range(0, len(experts), size)] or [[]]
+        groups = _tapered([experts[i : i + size] for i in range(0, len(experts), size)]) or [[]]
         started: list[_Started] = []  # pinned RAM hits not yet handed over
         last = len(groups) - 1
+        sizes: list[int] = []  # the started groups' sizes
         try:
             # the guess goes with the last group, behind every demand of this layer: queued with the
             # first, it would start in the gap while the caller computes a group and the next
             # group's demands are not queued yet, and hold the link they then need
             started.append(self._start(layer, groups[0], guess if last == 0 else None))
-            for n, group in enumerate(groups[1:], 1):
-                # queued before the group before it is handed over
-                started.append(self._start(layer, group, guess if n == last else None))
-                yield from self._hand_over(layer, started.pop(0))
+            sizes.append(len(groups[0]))
+            later = list(enumerate(groups[1:], 1))
             while started:
+                # queued before the group before them is handed over, as many as the limit holds beside it
+                while later and (len(started) == 1 or sum(sizes) + len(later[0][1]) <= limit):
+                    n, group = later.pop(0)
+                    started.append(self._start(layer, group, guess if n == last else None))
+                    sizes.append(len(group))
+                sizes.pop(0)
                 yield from self._hand_over(layer, started.pop(0))
         finally:  # the caller stopped early, or a fetch failed: no pin outlives the call
             for rest in started:

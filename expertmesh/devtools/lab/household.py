@@ -15,6 +15,10 @@ one hop away on the same machine. Zeroconf finds the nodes across the bridge.
     remote_node_joins   as remote without the last node (stopped first), started again after the first
                         decode tokens with its disk as it was; the generator follows zeroconf live, and
                         its next prompt starts once the node is seen (that wait is not decode time)
+    prompt_fetch_from_owners  one long prompt (`prompt_tokens`, 128 by default) with the household,
+                        its experts' bytes fetched from their owners: the time to its first token
+    prompt_remote       the same prompt, its experts computed where they are (one ComputeExperts call
+                        per peer per layer, with all of the prompt's rows for that peer)
 
 Every configuration generates greedily on the same prompts and must produce the tokens of
 alone_cold. The projection (projection.py) turns the remote run's measured per-expert costs into
@@ -49,7 +53,17 @@ from typing import IO
 from expertmesh.devtools.lab import network, projection
 from expertmesh.node.sizes import format_size
 
-SCENARIOS = ("alone_cold", "alone_warm_disk", "fetch_from_owners", "remote", "remote_node_dies", "remote_node_joins")
+SCENARIOS = (
+    "alone_cold",
+    "alone_warm_disk",
+    "fetch_from_owners",
+    "remote",
+    "remote_node_dies",
+    "remote_node_joins",
+    "prompt_fetch_from_owners",
+    "prompt_remote",
+)
+PROMPT_DECODE_TOKENS = 2  # a long prompt's scenarios time its first token; one more shows decode still runs
 PROMPTS = ("Count the experts", "Stream the layer")
 WARM_UP = "Warm up:"
 START_TIMEOUT_S = 120.0
@@ -70,6 +84,7 @@ class LabConfig:
     intermediate: int = 3072  # K3's
     hidden: int = 256
     tokens: int = 6  # per prompt
+    prompt_tokens: int = 128  # the prompt scenarios' one prompt
     prompts: tuple[str, ...] = PROMPTS
     lan_bytes_per_s: float = 118e6  # gigabit Ethernet
     hub_bytes_per_s: float = 100e6  # a home link
@@ -274,11 +289,15 @@ class Lab:
             results.append(_row(name, got))
             self.progress(
                 f"  {name}: {got['s_per_token']:.3f} s/token, found {len(got['peers'])} peers by "
-                f"{got['found_by']} ({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f})"
+                f"{got['found_by']}, first tokens after {got['ttft_s']} s ({time.perf_counter() - t0:.0f} s, "
+                f"load {os.getloadavg()[0]:.2f})"
             )
-        ref = next((r for r in results if r["name"] == "alone_cold"), results[0])
-        for r in results:
-            r["tokens_equal_alone"] = r["outputs"] == ref["outputs"]
+        short = [r for r in results if not r["name"].startswith("prompt_")]
+        ref = next((r for r in short if r["name"] == "alone_cold"), short[0] if short else None)
+        long = [r for r in results if r["name"].startswith("prompt_")]  # their own prompt: equal to each other
+        for rows, first in ((short, ref), (long, long[0] if long else None)):
+            for r in rows:
+                r["tokens_equal_alone"] = first is not None and r["outputs"] == first["outputs"]
         remote = next((r for r in results if r["name"] == "remote"), None)
         proj = projection.project(_projection_inputs(remote, c.projection_inputs)) if remote else {}
         return {
@@ -293,6 +312,7 @@ class Lab:
             },
             "tokens_per_prompt": c.tokens,
             "prompts": list(c.prompts),
+            "prompt_tokens": c.prompt_tokens,
             "load": list(os.getloadavg()),
             "configs": results,
             "projection": proj,
@@ -355,6 +375,9 @@ class Lab:
             "lan_bandwidth": c.lan_bytes_per_s,
             "store": {"ram_budget": ram, "disk_budget": "0", "fill": False},
         }
+        if name.startswith("prompt_"):  # one long prompt, its first token timed
+            spec.update(prompt_tokens=c.prompt_tokens, tokens=PROMPT_DECODE_TOKENS)
+            name = name.removeprefix("prompt_")
         if name.startswith("alone"):
             spec["mode"] = "alone"
             if name == "alone_warm_disk":
@@ -444,6 +467,9 @@ def _row(name: str, got: dict) -> dict:
         "peers_found": len(got["peers"]),
         "found_by": got["found_by"],
         "outputs": got["outputs"],
+        "ttft_s": got.get("ttft_s"),  # per prompt: seconds from its request to its first token
+        "prompt_tokens": got.get("prompt_tokens"),
+        "prompt_stats": got.get("prompt_stats"),  # per prompt, up to its first token: uses by source, remote calls
     }
 
 
@@ -487,6 +513,16 @@ def print_table(doc: dict, out: Callable[[str], None] = print) -> None:
         out(
             f"with compute taken out (fetch: seconds waiting for expert bytes; remote: waiting + calls x their "
             f"measured time outside the peer): {f_net:.3f} vs {r_net:.3f} s/token, {f_net / max(r_net, 1e-9):.0f}x"
+        )
+    if "prompt_remote" in c and "prompt_fetch_from_owners" in c:
+        f, r = c["prompt_fetch_from_owners"], c["prompt_remote"]
+        ft, rt = sum(f["ttft_s"]), sum(r["ttft_s"])
+        out(
+            f"a prompt of {r['prompt_tokens']} tokens: first token after {rt:.2f} s with the experts computed where "
+            f"they are, {ft:.2f} s fetched from their owners: {ft / max(rt, 1e-9):.1f}x sooner (target >= 5x); "
+            f"tokens equal: {r['tokens_equal_alone']}; the prompt's uses {f['prompt_stats'][0].get('uses')} fetched, "
+            f"{r['prompt_stats'][0].get('uses')} computed where they are, in "
+            f"{r['prompt_stats'][0].get('remote', {}).get('calls', 0)} remote calls"
         )
     if "remote_node_dies" in c:
         d = c["remote_node_dies"]

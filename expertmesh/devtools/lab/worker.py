@@ -75,6 +75,7 @@ def _generate(sm: StreamedModel, ids: list[int], tokens: int, on_token=None) -> 
 
     summary = GenerationSummary()
     out, before, t_first = [], None, None
+    t_start, at_start = time.perf_counter(), sm.store.stats.snapshot()
     for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=tokens), summary=summary):
         out.append(t.id)
         if before is None:  # decode is measured after the first token
@@ -83,7 +84,23 @@ def _generate(sm: StreamedModel, ids: list[int], tokens: int, on_token=None) -> 
             on_token(len(out))
     decode_s = time.perf_counter() - t_first if t_first else 0.0
     d = sm.store.stats.since(before) if before is not None else sm.store.stats.snapshot()
-    return {"ids": out, "decode_s": decode_s, "decode_tokens": max(0, len(out) - 1), "stats": d}
+    ttft_s = t_first - t_start if t_first else 0.0
+    p = before.since(at_start) if before is not None else None  # the prompt's, up to its first token
+    prompt = {"uses": dict(p.uses), "remote": dict(p.remote), "wait_s": p.wait_seconds} if p is not None else {}
+    return {
+        "ids": out,
+        "decode_s": decode_s,
+        "decode_tokens": max(0, len(out) - 1),
+        "stats": d,
+        "ttft_s": ttft_s,
+        "prompt": prompt,
+    }
+
+
+def _long_prompt(sm: StreamedModel, prompts: list[str], n: int) -> list[int]:
+    """`n` token ids: the lab's prompts' tokens over and over (the same ids in every scenario)."""
+    ids = [t for p in prompts for t in sm.tokenizer.encode(p)]
+    return (ids * (n // max(1, len(ids)) + 1))[:n]
 
 
 def run(spec: dict) -> dict:
@@ -149,13 +166,16 @@ def run(spec: dict) -> dict:
                 tally.estimates.clear()
             hub0 = _hub_bytes(spec["hub_url"])
             runs = []
-            for i, prompt in enumerate(spec["prompts"]):
+            measured = [sm.tokenizer.encode(p) for p in spec["prompts"]]
+            if spec.get("prompt_tokens"):
+                measured = [_long_prompt(sm, spec["prompts"], spec["prompt_tokens"])]
+            for i, ids in enumerate(measured):
                 if i == 1 and out.get("join_asked"):  # the next prompt with the joined node, once zeroconf shows it
                     t0, before = time.monotonic(), out["join_asked"]["peers"]
                     while table is not None and len(table.all()) <= before and time.monotonic() - t0 < JOIN_WAIT_S:
                         time.sleep(0.2)
                     out["join_seen_after_s"] = round(time.monotonic() - t0, 2)
-                runs.append(_generate(sm, sm.tokenizer.encode(prompt), spec["tokens"], on_token if i == 0 else None))
+                runs.append(_generate(sm, ids, spec["tokens"], on_token if i == 0 else None))
             hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
             out["peers_at_end"] = len(table.all()) if table is not None else 0
             if node.remote is not None:
@@ -182,6 +202,9 @@ def run(spec: dict) -> dict:
         remote=remote_counts,
         hub_served_bytes=hub_bytes,  # by the Hub during the prompts: prefill, guesses and decode
         wait_s=wait_s,
+        ttft_s=[r["ttft_s"] for r in runs],
+        prompt_stats=[r["prompt"] for r in runs],
+        prompt_tokens=len(measured[0]),
         placed=dict(tally.placed) if tally else {"here": sum(uses.values())},
         estimates=tally.estimates[-4:] if tally else [],
     )
