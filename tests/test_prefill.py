@@ -72,6 +72,53 @@ def test_a_prompt_of_several_chunks_fetches_each_expert_once_and_equals_mlx_lm(
         sm.close()
 
 
+def test_checkpoints_inside_a_prompt_neither_split_its_experts_nor_move_its_state(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kimi_k3's KDA state cannot trim, so the prefix cache checkpoints a prompt at marks inside
+    it. The state at each mark is taken as each layer passes it (engine/prefill_states.py): the
+    prompt still fetches each of its experts once (checkpoints that split the prompt read 214
+    of them again from disk here), and a request resuming from a checkpoint replies as a fresh
+    node does."""
+    from expertmesh.node.engine.model_thread import model_thread
+    from expertmesh.node.engine.prefix_cache import PrefixCache
+
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    pulled_home("kimi_k3", tmp_path)
+    probe = open_model(tiny_id("kimi_k3"), home=tmp_path, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    trace = tmp_path / "trace"
+    store = StoreConfig(ram_budget=str(2 * expert_bytes + 1), prefetch=False, fill=False, trace_path=trace)
+    sm = open_model(tiny_id("kimi_k3"), home=tmp_path, store=store)
+    try:
+        ids = sm.tokenizer.encode(TEXT)
+        cache = model_thread().call(PrefixCache.for_model, sm.model, 1 << 30, 5)  # marks off the chunks' ends
+        summary = GenerationSummary()
+        session = cache.session("", ids, [11])
+        list(Generator(sm).generate(ids, SamplingSettings(max_tokens=1), summary=summary, prefix=session))
+        marks = session.marks_within(0, len(ids))
+        assert len(marks) >= 3 and any(m % STEP for m in marks), marks
+        uses = summary.experts.uses
+        assert uses["hub"] == len(set(read_trace(trace).accesses())) and uses["disk"] == 0, uses
+        # shares the prompt up to just past its first mark, which is not a chunk's end: resumes there
+        more = ids[: marks[0] + 2] + sm.tokenizer.encode(" and then the answer comes")
+        summary = GenerationSummary()
+        resumed = list(
+            Generator(sm).generate(
+                more, SamplingSettings(max_tokens=4), summary=summary, prefix=cache.session("", more, [])
+            )
+        )
+        assert summary.cached_tokens == marks[0]
+        fresh = list(Generator(sm).generate(more, SamplingSettings(max_tokens=4)))
+        assert [t.id for t in resumed] == [t.id for t in fresh]
+        # tests/test_prefix_cache.py's tolerance: where chunks end moves bf16 results by an ulp
+        gap = max(float(mx.max(mx.abs(a.logprobs - b.logprobs))) for a, b in zip(resumed, fresh))
+        assert gap <= 2**-5, gap
+    finally:
+        sm.close()
+
+
 def test_run_shows_a_cold_prompts_progress_and_doctor_says_what_a_prompt_costs(
     home: Path, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

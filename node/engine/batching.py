@@ -75,14 +75,15 @@ from expertmesh.node.engine.generation import (
     Token,
     _TokenBook,
     backend_error,
+    checkpoint_chunk_ends,
+    marked_chunks,
     observe_prefix,
     observe_request,
-    prefill_chunks,
     prefills_layer_major,
-    segment_chunks,
 )
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.prefill import LayerMajorPrefill
+from expertmesh.node.engine.prefill_states import ChunkEndStates
 from expertmesh.node.engine.prefix_cache import PrefixSession
 from expertmesh.node.engine.sampling import Decoder, SamplingSettings
 from expertmesh.node.engine.streamed_model import StreamedModel
@@ -147,7 +148,8 @@ class _Run:
     fed: int = 0  # tokens its cache has seen
     next_token: int = 0  # fed at the next decode step
     history: list[int] = field(default_factory=list)  # the tokens its cache has seen (with a prefix cache)
-    layer_major: LayerMajorPrefill | None = None  # its prompt (or a segment of it) part-way, layer-major
+    layer_major: LayerMajorPrefill | None = None  # its prompt part-way, layer-major
+    chunk_ends: dict[int, int] = field(default_factory=dict)  # its prompt's chunks that end at a checkpoint
 
 
 class BatchEngine:
@@ -410,12 +412,12 @@ class BatchEngine:
         prompt's last pass gives the first token, as `_prefill`'s does."""
         sm, prefix = self.sm, run.seq.prefix
         if run.layer_major is None:
-            mark = prefix.next_mark(run.fed) if prefix is not None else None
-            n = mark - run.fed if mark is not None else 0
-            chunks = segment_chunks(run.todo[:n]) if 0 < n < len(run.todo) else prefill_chunks(run.todo)
+            marks = prefix.marks_within(run.fed, run.fed + len(run.todo) - 1) if prefix is not None else []
+            chunks, run.chunk_ends = marked_chunks(run.todo, run.fed, marks)
+            states = ChunkEndStates(run.cache, set(run.chunk_ends)) if run.chunk_ends and run.cache else None
             ledgers = [run.seq.uses]
             run.layer_major = LayerMajorPrefill(
-                lambda x: sm.forward(x, run.cache, ledgers=ledgers), sm.blocks, chunks, run.cache or []
+                lambda x: sm.forward(x, run.cache, ledgers=ledgers), sm.blocks, chunks, run.cache or [], states=states
             )
         prompt = run.layer_major
         if not prompt.advance():
@@ -425,18 +427,12 @@ class BatchEngine:
         fed = [t for c in prompt.chunks for t in c]
         for step in passes:
             step.commit()  # the tokens are the prompt's: they stay
-        if len(fed) < len(run.todo):  # a segment, up to a checkpoint
-            for step in passes:
-                step.count_uses()
-            run.fed, run.todo = run.fed + len(fed), run.todo[len(fed) :]
-            if prefix is not None and run.cache is not None:
-                run.history += fed
-                prefix.at(run.fed, run.history, run.cache)
-            return
         for step in passes[:-1]:
             step.count_uses()  # the last pass's uses are counted with the first token
         if prefix is not None:
             run.history += fed
+            if prompt.states is not None:
+                checkpoint_chunk_ends(prefix, run.history, prompt.states, run.chunk_ends)
         run.fed, run.todo = run.fed + len(fed), []
         self._prefilling.remove(run)
         if self._emit(run, passes[-1].logits[:, -1, :], passes[-1]):

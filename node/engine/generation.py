@@ -36,6 +36,7 @@ from expertmesh.node.config import SpeculationConfig
 from expertmesh.node.engine import prefill as layer_major
 from expertmesh.node.engine.forward_pass import ForwardPass
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefill_states import ChunkEndStates
 from expertmesh.node.engine.prefix_cache import PrefixSession
 from expertmesh.node.engine.prompt_experts import Approximation, PromptCount, PromptExperts
 from expertmesh.node.engine.sampling import Decoder, SamplingSettings, TokenLogprobs, token_logprobs
@@ -59,13 +60,37 @@ PREFILL_STEP = 2048  # mlx-lm's default prefill chunk: the same chunks give the 
 def prefill_chunks(tokens: list[int]) -> list[list[int]]:
     """The forward passes mlx-lm feeds a prompt in: all but the last token in chunks of
     `PREFILL_STEP`, then the last token alone."""
-    return segment_chunks(tokens[:-1]) + [tokens[-1:]]
+    body = tokens[:-1]
+    return [body[i : i + PREFILL_STEP] for i in range(0, len(body), PREFILL_STEP)] + [tokens[-1:]]
 
 
-def segment_chunks(tokens: list[int]) -> list[list[int]]:
-    """`tokens` in chunks of `PREFILL_STEP`: a part of a prompt that ends before its last token
-    (at a prefix cache's checkpoint)."""
-    return [tokens[i : i + PREFILL_STEP] for i in range(0, len(tokens), PREFILL_STEP)]
+def marked_chunks(tokens: list[int], start: int, marks: list[int]) -> tuple[list[list[int]], dict[int, int]]:
+    """`prefill_chunks(tokens)` with a chunk also ending at each of `marks` (prompt positions; the
+    cache holds `start` tokens before `tokens`), and which chunks end at a mark: chunk index ->
+    position. A layer-major prefill takes the state there as each layer passes it
+    (engine/prefill_states.py), so a checkpoint no longer splits the prompt's experts in two."""
+    body = len(tokens) - 1
+    cuts = {m - start for m in marks if 0 < m - start <= body}
+    ends = sorted(cuts | set(range(PREFILL_STEP, body, PREFILL_STEP)) | {body})
+    chunks: list[list[int]] = []
+    at: dict[int, int] = {}
+    begin = 0
+    for end in ends:
+        if end > begin:
+            if end in cuts:
+                at[len(chunks)] = start + end
+            chunks.append(tokens[begin:end])
+            begin = end
+    return chunks + [tokens[body:]], at
+
+
+def checkpoint_chunk_ends(
+    prefix: PrefixSession, history: list[int], states: ChunkEndStates, at: dict[int, int]
+) -> None:
+    """Give the prefix cache the states a layer-major prefill took at its checkpoints (`history`:
+    the tokens the cache holds now, the prompt's included)."""
+    for i, state in sorted(states.states().items()):
+        prefix.at(at[i], history[: at[i]], state)
 
 
 def prefills_layer_major(sm: StreamedModel) -> bool:
@@ -356,27 +381,23 @@ class Generator:
         return step
 
     def _prefill_layer_major(self, tokens: list[int]) -> ForwardPass:
-        """`_prefill` layer-major. A prefix cache's checkpoint inside the prompt ends a segment
-        there (its state is stored when the segment is done): each segment's experts are then
-        fetched once per segment, the price of a later turn resuming from that checkpoint."""
-        while self._prefix is not None:
-            mark = self._prefix.next_mark(len(self.history))
-            n = 0 if mark is None else mark - len(self.history)
-            if n <= 0 or n >= len(tokens):
-                break
-            segment, tokens = tokens[:n], tokens[n:]
-            for step in self._layer_major_passes(segment_chunks(segment)):
-                step.commit()
-                step.count_uses()
-            self._prefix.at(len(self.history), self.history, self.cache)
-        passes = self._layer_major_passes(prefill_chunks(tokens))
+        """`_prefill` layer-major. A prefix cache's checkpoint inside the prompt ends a chunk,
+        and the state there is taken as each layer passes it: the prompt's experts are still
+        fetched once for the whole prompt."""
+        start = len(self.history)
+        marks = self._prefix.marks_within(start, start + len(tokens) - 1) if self._prefix is not None else []
+        chunks, at = marked_chunks(tokens, start, marks)
+        states = ChunkEndStates(self.cache, set(at)) if at else None
+        passes = self._layer_major_passes(chunks, states)
         for step in passes:
             step.commit()  # the tokens are the prompt's: they stay
         for step in passes[:-1]:
             step.count_uses()  # the last pass's uses are counted with the first token
+        if states is not None and self._prefix is not None:
+            checkpoint_chunk_ends(self._prefix, self.history, states, at)
         return passes[-1]
 
-    def _layer_major_passes(self, chunks: list[list[int]]) -> list[ForwardPass]:
+    def _layer_major_passes(self, chunks: list[list[int]], states: ChunkEndStates | None = None) -> list[ForwardPass]:
         approx = self._approximation()
         with approx.routers(self.sm.model, self.sm.blocks) if approx is not None else contextlib.nullcontext():
             passes = layer_major.prefill(
@@ -386,6 +407,7 @@ class Generator:
                 self.cache,
                 self.prefill_progress,
                 approx,
+                states,
             )
         self.history.extend(t for chunk in chunks for t in chunk)
         return passes

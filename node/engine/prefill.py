@@ -38,6 +38,7 @@ from greenlet import greenlet
 from expertmesh.node.engine.blocks import Guess, StreamingExperts
 from expertmesh.node.engine.forward_pass import ForwardPass, building, count_by_row
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.engine.prefill_states import ChunkEndStates
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.store.store import Served
 
@@ -129,11 +130,12 @@ def prefill(
     cache: list,
     progress: Callable[[PrefillProgress], None] | None = None,
     approx: Any = None,
+    states: ChunkEndStates | None = None,
 ) -> list[ForwardPass]:
     """Every chunk's forward pass, in order, each fed through `forward` (the streamed model's
     pass over `cache`) layer-major, as the module says; the caller commits them. `chunks` in the
     order mlx-lm feeds them; `progress` is told where the prompt stands after each group of experts."""
-    prompt = LayerMajorPrefill(forward, blocks, chunks, cache, progress, approx)
+    prompt = LayerMajorPrefill(forward, blocks, chunks, cache, progress, approx, states)
     while not prompt.advance():
         pass
     assert prompt.passes is not None
@@ -156,8 +158,10 @@ class LayerMajorPrefill:
         cache: list,
         progress: Callable[[PrefillProgress], None] | None = None,
         approx: Any = None,
+        states: ChunkEndStates | None = None,
     ):
         self.blocks, self.cache, self.chunks = blocks, cache, chunks
+        self.states = states  # the cache's state at the end of chunks a prefix checkpoint ends
         self._lengths = [len(c) for c in chunks]
         self._base = _offsets(cache)
         self.gatherer = LayerMajor(len(blocks), progress)
@@ -204,8 +208,12 @@ class LayerMajorPrefill:
         parked: list[tuple[int, _Parked]] = []
         for i in self._live:
             first = not self._started
+            if self.states is not None:  # outside the offsets moved ahead below, which are put back
+                self.states.before_turn(i)
             with _offsets_ahead(self.cache, self._base, sum(self._lengths[:i])) if first and i else _nothing():
                 out = self._lets[i].switch() if first else self._lets[i].switch(self._sent[i])
+            if self.states is not None:
+                self.states.after_turn(i)
             if self._lets[i].dead:
                 self._done[i] = out
             elif isinstance(out, _Parked):

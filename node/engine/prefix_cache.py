@@ -315,6 +315,10 @@ class PrefixSession:
         marks = set(self.boundaries) | set(range(every, end + 1, every))
         self._marks = sorted(m for m in marks if self.reused + CHECKPOINT_MIN_GAP <= m <= end)
 
+    def marks_within(self, start: int, end: int) -> list[int]:
+        """The checkpoints after `start` and up to `end` prompt tokens, in order."""
+        return [m for m in self._marks if start < m <= end]
+
     def next_mark(self, fed: int) -> int | None:
         """The next checkpoint after `fed` prompt tokens, if any."""
         return next((m for m in self._marks if m > fed), None)
