@@ -8,6 +8,7 @@ cannot drift apart.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -91,7 +92,11 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
     return out
 
 
-GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+@functools.cache
+def _graph() -> dict[str, list[tuple[str, int]]]:
+    """Every module's imports, parsed when a test first asks (not while the suite is collected,
+    which every worker does)."""
+    return {m: _imports(m, p) for m, p in MODULES.items()}
 
 
 def test_every_module_is_in_a_layer():
@@ -103,7 +108,7 @@ def test_every_module_is_in_a_layer():
 def test_imports_run_down_the_layers(module: str):
     depth, entry = _entry(module)
     wrong = []
-    for target, line in GRAPH[module]:
+    for target, line in _graph()[module]:
         if target == GENERATED or target.startswith(GENERATED + "."):
             target_depth, target_entry = 0, GENERATED
         else:
@@ -124,8 +129,8 @@ def test_no_imports_form_a_cycle():
     def visit(module: str) -> list[str] | None:
         state[module] = 1
         stack.append(module)
-        for target, _ in GRAPH.get(module, []):
-            if target not in GRAPH or target == module:
+        for target, _ in _graph().get(module, []):
+            if target not in _graph() or target == module:
                 continue
             if state.get(target) == 1:
                 return [*stack[stack.index(target) :], target]
@@ -135,6 +140,6 @@ def test_no_imports_form_a_cycle():
         state[module] = 2
         return None
 
-    for module in sorted(GRAPH):
+    for module in sorted(_graph()):
         if module not in state and (cycle := visit(module)):
             pytest.fail("imports form a cycle: " + " -> ".join(cycle))
