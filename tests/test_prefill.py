@@ -24,6 +24,20 @@ STEP = 8  # prefill chunk: the prompt below is several chunks long
 TEXT = "the quick brown fox jumps over the lazy dog while experts stream from the hub layer by layer"
 
 
+def _on_two_experts_of_ram(pulled_home, arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The tiny `arch` pulled into `tmp_path`, opened with RAM for two experts (far below any
+    layer's union, so a layer takes its experts in groups) and its routing traced; prefill
+    chunks of STEP tokens. Returns (the model, its trace's path)."""
+    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
+    pulled_home(arch, tmp_path)
+    probe = open_model(tiny_id(arch), home=tmp_path, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
+    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
+    probe.close()
+    trace = tmp_path / "trace"
+    store = StoreConfig(ram_budget=str(2 * expert_bytes + 1), prefetch=False, fill=False, trace_path=trace)
+    return open_model(tiny_id(arch), home=tmp_path, store=store), trace
+
+
 @pytest.mark.parametrize("arch", ["kimi_k3", "qwen3_moe"])
 def test_a_prompt_of_several_chunks_fetches_each_expert_once_and_equals_mlx_lm(
     pulled_home, arch: str, hub: HubServer, oracle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -37,15 +51,7 @@ def test_a_prompt_of_several_chunks_fetches_each_expert_once_and_equals_mlx_lm(
             ref, ref_tok, mx.array(ids), max_tokens=4, sampler=make_sampler(0.0), prefill_step_size=STEP
         )
     ]
-    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
-    pulled_home(arch, tmp_path)
-    probe = open_model(tiny_id(arch), home=tmp_path, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
-    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
-    probe.close()
-    trace = tmp_path / "trace"
-    # two experts of RAM: far below any layer's union, so a layer takes its experts in groups
-    store = StoreConfig(ram_budget=str(2 * expert_bytes + 1), prefetch=False, fill=False, trace_path=trace)
-    sm = open_model(tiny_id(arch), home=tmp_path, store=store)
+    sm, trace = _on_two_experts_of_ram(pulled_home, arch, tmp_path, monkeypatch)
     try:
         summary = GenerationSummary()
         generator = Generator(sm)
@@ -83,14 +89,7 @@ def test_checkpoints_inside_a_prompt_neither_split_its_experts_nor_move_its_stat
     from expertmesh.node.engine.model_thread import model_thread
     from expertmesh.node.engine.prefix_cache import PrefixCache
 
-    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
-    pulled_home("kimi_k3", tmp_path)
-    probe = open_model(tiny_id("kimi_k3"), home=tmp_path, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
-    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
-    probe.close()
-    trace = tmp_path / "trace"
-    store = StoreConfig(ram_budget=str(2 * expert_bytes + 1), prefetch=False, fill=False, trace_path=trace)
-    sm = open_model(tiny_id("kimi_k3"), home=tmp_path, store=store)
+    sm, trace = _on_two_experts_of_ram(pulled_home, "kimi_k3", tmp_path, monkeypatch)
     try:
         ids = sm.tokenizer.encode(TEXT)
         cache = model_thread().call(PrefixCache.for_model, sm.model, 1 << 30, 5)  # marks off the chunks' ends
@@ -174,14 +173,7 @@ def test_a_batching_nodes_prompt_of_several_chunks_fetches_each_expert_once_and_
             ref, ref_tok, mx.array(ids), max_tokens=3, sampler=make_sampler(0.0), prefill_step_size=STEP
         )
     ]
-    monkeypatch.setattr(generation, "PREFILL_STEP", STEP)
-    pulled_home(arch, tmp_path)
-    probe = open_model(tiny_id(arch), home=tmp_path, store=StoreConfig(ram_budget="0", prefetch=False, fill=False))
-    expert_bytes = max(loc.nbytes for loc in probe.index.experts.values())
-    probe.close()
-    trace = tmp_path / "trace"
-    store = StoreConfig(ram_budget=str(2 * expert_bytes + 1), prefetch=False, fill=False, trace_path=trace)
-    sm = open_model(tiny_id(arch), home=tmp_path, store=store)
+    sm, trace = _on_two_experts_of_ram(pulled_home, arch, tmp_path, monkeypatch)
     engine = BatchEngine(sm, max_batch=2, prefill_step=STEP)  # turns of a few tokens, as a batch feeds
     try:
         before = sm.store.stats.snapshot()
