@@ -13,23 +13,30 @@ taken at the end, as it was throughout."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from mlx_lm.models.cache import CacheList
 
 from expertmesh.node.engine.prefix_cache import clone_cache
 
+logger = logging.getLogger(__name__)
+
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
 def _refs(c: Any) -> list[Any]:
-    """What a cache holds, flat: the objects its attributes name (a list's items one by one,
-    as `ArraysCache` rebinds its slots), a `CacheList`'s caches in turn."""
+    """What a cache holds, flat: the objects its attributes name (a list's, tuple's or dict's
+    items one by one, as `ArraysCache` rebinds its slots), a `CacheList`'s caches in turn. An
+    update is seen when it replaces one of them or moves a number, as every mlx-lm cache's does
+    (an array written in place moves the cache's offset)."""
     if isinstance(c, CacheList):
         return [r for x in c.caches for r in _refs(x)]
     out: list[Any] = []
     for value in vars(c).values():
-        out.extend(value if isinstance(value, list) else [value])
+        if isinstance(value, dict):
+            value = list(value.values())
+        out.extend(value if isinstance(value, (list, tuple)) else [value])
     return out
 
 
@@ -52,6 +59,7 @@ class ChunkEndStates:
         self.cache = cache
         self._taken: dict[int, list[Any | None]] = {i: [None] * len(cache) for i in chunks}
         self._before: list[list[Any]] | None = None
+        self._start = [_refs(c) for c in cache]  # what a cache no chunk changes still holds at the end
 
     def watches(self, chunk: int) -> bool:
         return chunk in self._taken
@@ -72,8 +80,14 @@ class ChunkEndStates:
 
     def states(self) -> dict[int, list]:
         """Each watched chunk's whole state, once every chunk is done (the caches no chunk
-        changed are as they were)."""
-        return {
-            i: [t if t is not None else clone_cache([c])[0] for t, c in zip(taken, self.cache)]
-            for i, taken in self._taken.items()
-        }
+        changed are as they were). A chunk with a cache that the prompt changed but none of its
+        turns was seen to change (an update this bookkeeping cannot see) gets no state: no
+        checkpoint rather than a wrong one."""
+        moved = [_moved(start, _refs(c)) for start, c in zip(self._start, self.cache)]
+        out = {}
+        for i, taken in self._taken.items():
+            if any(t is None and m for t, m in zip(taken, moved)):
+                logger.warning("a prefix checkpoint inside the prompt was left out: a cache changed unseen")
+                continue
+            out[i] = [t if t is not None else clone_cache([c])[0] for t, c in zip(taken, self.cache)]
+        return out
