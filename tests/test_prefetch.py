@@ -126,24 +126,33 @@ def test_a_layer_wanting_more_experts_than_memory_holds_comes_in_groups(home: Pa
         sm.close()
 
 
+def _queued_and_computed(store, layer: int, n: int) -> list[tuple[str, list[int]]]:
+    """The order in which `layer_groups` queues the experts 0..n-1 of `layer` and hands their
+    groups over to be computed."""
+    events: list[tuple[str, list[int]]] = []
+    demand = store.flights.demand
+
+    def queued(keys, plan=None):
+        keys = list(keys)
+        events.append(("queued", sorted(e for _, e in keys)))
+        return demand(keys, plan)
+
+    store.flights.demand = queued
+    try:
+        for group in store.layer_groups(layer, range(n)):
+            events.append(("computing", sorted(group.experts)))
+    finally:
+        del store.flights.demand
+    return events
+
+
 def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path) -> None:
     """Pipelined groups: the disk or the link works on group n + 1 while group n is computed,
     instead of idling through every group's compute."""
     sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fetch_concurrency=2, fill=False))
     try:
         store, layer = sm.store, sm.index.moe_layers[-1]
-        events: list[tuple[str, list[int]]] = []
-        demand = store.flights.demand
-
-        def queued(keys, plan=None):
-            keys = list(keys)
-            events.append(("queued", sorted(e for _, e in keys)))
-            return demand(keys, plan)
-
-        store.flights.demand = queued
-        for group in store.layer_groups(layer, range(3)):
-            events.append(("computing", sorted(group.experts)))
-        del store.flights.demand
+        events = _queued_and_computed(store, layer, 3)
         assert events == [
             ("queued", [0]),
             ("queued", [1]),  # before group [0] is handed over
@@ -271,18 +280,7 @@ def test_a_layers_last_group_comes_in_halves_queued_while_the_group_before_is_co
     try:
         store, layer = sm.store, sm.index.moe_layers[0]
         assert store.hold_limit() == 8
-        events: list[tuple[str, list[int]]] = []
-        demand = store.flights.demand
-
-        def queued(keys, plan=None):
-            keys = list(keys)
-            events.append(("queued", sorted(e for _, e in keys)))
-            return demand(keys, plan)
-
-        store.flights.demand = queued
-        for group in store.layer_groups(layer, range(12)):
-            events.append(("computing", sorted(group.experts)))
-        del store.flights.demand
+        events = _queued_and_computed(store, layer, 12)
         assert events == [
             ("queued", [0, 1, 2, 3]),
             ("queued", [4, 5, 6, 7]),
