@@ -90,6 +90,26 @@ def home(pulled_home, hub: HubServer, tmp_path: Path) -> Path:
     return pulled_home("kimi_k3", tmp_path / "home")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def loopback_mdns_timing() -> Iterator[None]:
+    """zeroconf's RFC 6762 timing, shortened for the responders this test process runs itself.
+
+    Registering a service waits 150-250 ms, sends three probes 500 ms apart and then three
+    announcements 225 ms apart: 1.6 s a node, which keeps strangers on a real LAN from taking a
+    name, but on loopback, where every responder is this run's own, it is only waiting (about a
+    third of test_discovery.py's time). The same probes, conflict checks, announcements and
+    goodbyes are still sent, and nodes a test starts as processes keep the library's timing.
+    """
+    from zeroconf import _core
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_core, "_PROBE_RANDOM_DELAY_INTERVAL", (5, 10))
+        patch.setattr(_core, "_CHECK_TIME", 20)
+        patch.setattr(_core, "_REGISTER_TIME", 20)
+        patch.setattr(_core, "_UNREGISTER_TIME", 20)
+        yield
+
+
 @pytest.fixture(scope="module")
 def own_service_type() -> Iterator[str]:
     """For the module: this process advertises and browses zeroconf under a service type of its own

@@ -8,10 +8,9 @@ from __future__ import annotations
 import http.client
 import json
 
-import anthropic
 import openai
 import pytest
-from anthropic.types import message_create_params
+from lazy_import import lazy_import
 from nodes import api_server, node_with_api, serving
 from repos import JSON_TOOLS, KIMI_K3
 from tool_forcing import FORCE_MARK, ForcingService
@@ -21,6 +20,8 @@ from expertmesh.coordinator.api_access import AccessPolicy, KeyRing
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
 from expertmesh.node.engine.chat import chat_token_ids
+
+anthropic = lazy_import("anthropic")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "anthropic-test-secret"
 KEY = "em-test-key-0123456789"
@@ -283,6 +284,8 @@ REFUSED = {
 
 
 def test_the_table_covers_every_field_of_the_schema() -> None:
+    from anthropic.types import message_create_params
+
     schema = set(message_create_params.MessageCreateParamsBase.__annotations__) | {"stream"}
     classified = anthropic_request.HONOURED | anthropic_request.CALLER_FIELDS | set(REFUSED)
     assert schema <= classified, f"fields neither honoured nor refused: {sorted(schema - classified)}"

@@ -7,9 +7,9 @@ batched rows."""
 
 from __future__ import annotations
 
-import anthropic
 import openai
 import pytest
+from lazy_import import lazy_import
 from nodes import serving
 from repos import KIMI_K3
 
@@ -19,6 +19,8 @@ from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, Op
 from expertmesh.coordinator.openai_request import Ask, generate_request
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.rpc.prefix_keys import KEY_BYTES, message_prefix_keys
+
+anthropic = lazy_import("anthropic")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "prefix-routing-secret"
 KEYS = ("route-one-" + "a" * 24, "route-two-" + "b" * 24)
