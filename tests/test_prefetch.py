@@ -84,6 +84,28 @@ def test_poor_guesses_are_judged_without_being_fetched_until_they_get_better(hom
         sm.close()
 
 
+def test_a_prompts_right_guesses_do_not_get_decodes_poor_ones_fetched(home: Path) -> None:
+    """A prompt's guess is the union of its rows' guesses, judged against the union they route to:
+    mostly right. A one-row guess is judged among one-row guesses, so after a prompt decode's
+    poor guesses are still judged without being fetched, and the prompt's next guess still is."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", fill=False))
+    try:
+        store, layer = sm.store, sm.index.moe_layers[1]
+        for _ in range(PREFETCH_WINDOW // 8):  # a prompt's passes: their 8 guesses all routed to
+            store.prefetch(layer, range(8), rows=64)
+            take_layer(store, layer, range(8))
+        issued = store.stats.prefetch["issued"]
+        for _ in range(PREFETCH_WINDOW // 4):  # decode's passes: always 0-3 guessed, 4-5 demanded
+            store.prefetch(layer, [0, 1, 2, 3])
+            take_layer(store, layer, [4, 5])
+        assert store.stats.prefetch["issued"] == issued  # not one byte on a one-row guess
+        store.prefetch(layer, range(8), rows=64)  # the next prompt's guess, right as before: fetched
+        assert store.stats.prefetch["issued"] > issued
+        take_layer(store, layer, range(8))
+    finally:
+        sm.close()
+
+
 def test_guesses_go_out_behind_demands_that_outnumber_the_workers(home: Path) -> None:
     """K3's regime: almost every use of a token is a miss, so a layer's demands outnumber the
     fetch workers. The next layer's guesses are still fetched — queued behind the demands, never

@@ -53,13 +53,12 @@ from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
 from expertmesh.node.model.codec import QuantSpec
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS, layer_number, model_classes
+from expertmesh.node.store.prefetch import LayerGuess
 from expertmesh.node.store.stats import StoreStats
 from expertmesh.node.store.store import ExpertGroup, Served
 from expertmesh.node.store.tiers.ram import RamCache
 
 PLACE_ATTEMPTS = 3  # an expert let go of between the store's look and its placing is asked for again
-
-Guess = tuple[int, list[int]]  # (the next MoE layer, the experts its router would likely choose)
 
 
 class BlockStore(Protocol):
@@ -79,7 +78,7 @@ class BlockStore(Protocol):
         self,
         layer: int,
         experts: Iterable[int],
-        guess: tuple[int, Iterable[int]] | None = None,
+        guess: LayerGuess | None = None,
         routed: Iterable[int] | None = None,
     ) -> Iterator[ExpertGroup]: ...
 
@@ -93,7 +92,7 @@ class RemoteExecution(Protocol):
     compute peers (node/household/remote_experts.py's `RemoteExperts`)."""
 
     def run(
-        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: Guess | None
+        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: LayerGuess | None
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Each expert's output rows for `block`'s layer (`rows[e]`: the rows routed to expert e,
         grouped), and which tier (or `remote`) served each."""
@@ -207,9 +206,9 @@ class StreamingExperts(nn.Module):
         model_thread().between_layers()  # a peer's ComputeExperts waits one layer, not a generation
         flat = np.array(indices).reshape(-1)
         experts = np.unique(flat).tolist()
-        next_guess: Guess | None = None
+        next_guess: LayerGuess | None = None
         if guess is not None and nxt is not None:  # only a block with a next layer guesses
-            next_guess = (nxt, np.unique(np.array(guess)).tolist())
+            next_guess = LayerGuess(nxt, np.unique(np.array(guess)).tolist(), flat.size // indices.shape[-1])
         if self._remote is not None:  # some experts may run on the peers that hold them
             y, served = self._run_remote(self._remote, x, indices.shape[-1], flat, experts, next_guess)
         else:
@@ -295,7 +294,7 @@ class StreamingExperts(nn.Module):
         indices: mx.array,
         flat: np.ndarray,
         experts: list[int],
-        next_guess: Guess | None,
+        next_guess: LayerGuess | None,
     ) -> tuple[mx.array, dict[int, Served]]:
         """The layer on this node: one group (mlx-lm's call over all the rows), or several where
         the layer wants more experts than memory holds (each group computed, then let go)."""
@@ -334,7 +333,7 @@ class StreamingExperts(nn.Module):
         k: int,
         flat: np.ndarray,
         experts: list[int],
-        next_guess: Guess | None,
+        next_guess: LayerGuess | None,
     ) -> tuple[mx.array, dict[int, Served]]:
         """The layer with compute peers: each expert's rows go where RemoteExperts places them."""
         order = np.argsort(flat, kind="stable")

@@ -35,11 +35,12 @@ import mlx.core as mx
 import numpy as np
 from greenlet import greenlet
 
-from expertmesh.node.engine.blocks import Guess, StreamingExperts
+from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.forward_pass import ForwardPass, building, count_by_row
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.prefill_states import ChunkEndStates
 from expertmesh.node.errors import ExpertmeshError
+from expertmesh.node.store.prefetch import LayerGuess
 from expertmesh.node.store.store import Served
 
 
@@ -290,11 +291,12 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
         parts, scales, dropped = gatherer.approx.rewrite(block, store, parts)
     flats = [np.array(p.indices).reshape(-1) for p in parts]
     experts = np.unique(np.concatenate(flats)).tolist()
-    next_guess: Guess | None = None
+    next_guess: LayerGuess | None = None
     if guesses and block._next is not None:
-        next_guess = (
+        next_guess = LayerGuess(
             block._next[0].layer,
             np.unique(np.concatenate([np.array(g).reshape(-1) for g in guesses])).tolist(),
+            sum(f.size for f in flats) // parts[0].indices.shape[-1],
         )
     served: dict[int, Served] = {}
     if block._remote is not None:  # the household: every chunk's rows of an expert in one call per peer
@@ -345,7 +347,7 @@ def _own_call(block: StreamingExperts, part: _Parked) -> mx.array:
 
 
 def _remote_layer(
-    block: StreamingExperts, parts: list[_Parked], flats: list[np.ndarray], experts: list[int], guess: Guess | None
+    block: StreamingExperts, parts: list[_Parked], flats: list[np.ndarray], experts: list[int], guess: LayerGuess | None
 ) -> tuple[list[mx.array], dict[int, Served]]:
     """The layer through the household's remote execution (RemoteExperts.run) once for the whole
     prompt: each expert's rows from every chunk together, so a peer that holds experts gets one

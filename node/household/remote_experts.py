@@ -40,11 +40,12 @@ import grpc
 import mlx.core as mx
 
 from expertmesh.node.config import RemoteConfig
-from expertmesh.node.engine.blocks import Guess, StreamingExperts
+from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.household.peers_tier import PeerSource
 from expertmesh.node.rpc import activations
+from expertmesh.node.store.prefetch import LayerGuess
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.store import ExpertStore, Served
 from expertmesh.v1 import node_pb2
@@ -284,12 +285,12 @@ class RemoteExperts:
     # -- one layer ----------------------------------------------------------------------------
 
     def run(
-        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: Guess | None
+        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: LayerGuess | None
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Every expert's output rows for `block`'s layer, computed here or on peers, and which
         tier (or `remote`) served each."""
         if guess is not None:
-            guess = (guess[0], [e for e in guess[1] if self.prefers_local(guess[0], e)])
+            guess = guess._replace(experts=[e for e in guess.experts if self.prefers_local(guess.layer, e)])
         itemsize = next(iter(rows.values())).itemsize if rows else 4
         placement = self.plan(block.layer, experts, {e: r.shape[0] * r.shape[1] * itemsize for e, r in rows.items()})
         calls = self._send(block, placement, rows) if placement.remote else []
@@ -312,7 +313,7 @@ class RemoteExperts:
         rows: dict[int, mx.array],
         out: dict[int, mx.array],
         served: dict[int, Served],
-        guess: Guess | None,
+        guess: LayerGuess | None,
         routed: list[int],
     ) -> None:
         """`experts` fetched and computed on this node, a group at a time within the hold limit."""

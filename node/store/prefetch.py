@@ -16,6 +16,12 @@ nothing is fetched; from it, guesses are fetched on the link a layer's compute l
 SHARE_MIN_ACCURACY, they may also start while a layer's last demanded pieces are still arriving
 (the fetch queue's `may_share`). Why a wrong guess is not fetched to find out: docs/benchmarks.md,
 "expertmesh bench --model k3-proportions" (guesses judged without being fetched).
+
+A guess is judged among guesses for passes of its own width (`width_class`): one row (decode), a
+few (a speculative draft's check), or many (a prompt). A prompt's guess is the union of its rows'
+guesses and is judged against the union they route to, which covers most of a layer, so it is
+right far more often than a one-row guess; judged together, a prompt would let decode fetch
+guesses that are right one time in seven (docs/benchmarks.md, "Issue 44, second session").
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from expertmesh.node.store.flights import Flights, Guessed
 from expertmesh.node.store.stats import ExpertKey, StoreStats
@@ -36,38 +43,61 @@ PREFETCH_MIN_ACCURACY = 0.25
 # right one saves (each right guess is bytes the next layer demands anyway).
 SHARE_MIN_ACCURACY = 0.5
 MAX_GUESSES_PER_WORKER = 2  # K3: 16 guesses (one layer's top-k) with 8 fetch workers
+FEW_ROWS = 16  # a pass of at most this many rows is judged with speculative checks, not prompts
+
+
+class LayerGuess(NamedTuple):
+    """The experts a layer's router would likely choose at the next MoE layer's pass."""
+
+    layer: int  # the next MoE layer
+    experts: list[int]
+    rows: int = 1  # the rows of the pass that guessed: its guess is judged among guesses as wide
+
+
+def width_class(rows: int) -> int:
+    """0: a one-row pass (decode); 1: a few rows (a draft's check); 2: many (a prompt)."""
+    return 0 if rows <= 1 else 1 if rows <= FEW_ROWS else 2
 
 
 class GuessAccuracy:
-    """How many of the last PREFETCH_WINDOW guessed experts their pass wanted, fetched or not.
+    """How many of the last PREFETCH_WINDOW guessed experts their pass wanted, fetched or not, for
+    passes of each width class.
 
-    Not a record of anything in flight: a window of judgements and each layer's last guess, under
+    Not a record of anything in flight: windows of judgements and each layer's last guess, under
     a lock of its own that is taken last (fetch workers ask `at_least` under the book's lock).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._judged: deque[bool] = deque(maxlen=PREFETCH_WINDOW)  # the last guessed experts: demanded?
-        self._right = 0
-        self._pending: dict[int, set[int]] = {}  # layer -> its last guess, fetched or not, to be judged
+        self._judged: dict[int, deque[bool]] = {}  # width class -> its last guessed experts: demanded?
+        self._right: dict[int, int] = {}
+        self._pending: dict[int, tuple[set[int], int]] = {}  # layer -> its last guess and its width class
+        self._latest = 0  # the width class of the latest guess
 
-    def expect(self, layer: int, experts: Iterable[int]) -> None:
+    def expect(self, layer: int, experts: Iterable[int], width: int = 0) -> None:
         """`experts` is the guess for `layer`'s next pass (it replaces an earlier one)."""
         with self._lock:
-            self._pending[layer] = set(experts)
+            self._pending[layer] = (set(experts), width)
+            self._latest = width
 
     def judge(self, layer: int, demanded: set[int]) -> None:
         with self._lock:
-            for e in self._pending.pop(layer, ()):
-                if len(self._judged) == self._judged.maxlen:
-                    self._right -= self._judged[0]
-                self._judged.append(e in demanded)
-                self._right += e in demanded
+            guessed, width = self._pending.pop(layer, ((), 0))
+            judged = self._judged.setdefault(width, deque(maxlen=PREFETCH_WINDOW))
+            right = self._right.get(width, 0)
+            for e in guessed:
+                if len(judged) == judged.maxlen:
+                    right -= judged[0]
+                judged.append(e in demanded)
+                right += e in demanded
+            self._right[width] = right
 
-    def at_least(self, share: float) -> bool:
+    def at_least(self, share: float, width: int | None = None) -> bool:
+        """Whether guesses of `width` (default: the latest guess's) are right at least `share` of the time."""
         with self._lock:
-            judged = len(self._judged)
-            return judged >= MIN_JUDGED and self._right >= share * judged
+            width = self._latest if width is None else width
+            judged = len(self._judged.get(width, ()))
+            return judged >= MIN_JUDGED and self._right.get(width, 0) >= share * judged
 
 
 class Prefetcher:
@@ -112,14 +142,15 @@ class Prefetcher:
         """Guesses whose fetch has not finished (idle-link fill waits for them)."""
         return self.flights.guesses_in_flight()
 
-    def guess(self, layer: int, experts: Iterable[int]) -> None:
-        """Judge this guess at `layer`'s pass; fetch it at low priority if guesses are good enough
-        and the budget has room."""
+    def guess(self, layer: int, experts: Iterable[int], rows: int = 1) -> None:
+        """Judge this guess at `layer`'s pass; fetch it at low priority if guesses made by passes
+        of as many `rows` are good enough and the budget has room."""
         if not self.enabled:
             return
         experts = [int(e) for e in experts]
-        self.accuracy.expect(layer, experts)
-        if not self.accuracy.at_least(PREFETCH_MIN_ACCURACY):
+        width = width_class(rows)
+        self.accuracy.expect(layer, experts, width)
+        if not self.accuracy.at_least(PREFETCH_MIN_ACCURACY, width):
             return
         budget = self.budget()
         for e in experts:

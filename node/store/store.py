@@ -29,7 +29,7 @@ from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import CLOSE_TIMEOUT_S, FetchQueue
 from expertmesh.node.store.fill import IdleFill
 from expertmesh.node.store.flights import Flights
-from expertmesh.node.store.prefetch import Prefetcher
+from expertmesh.node.store.prefetch import LayerGuess, Prefetcher
 from expertmesh.node.store.routing import RoutingRecorder
 from expertmesh.node.store.runs import demand_runs
 from expertmesh.node.store.stats import ExpertKey
@@ -204,7 +204,7 @@ class ExpertStore:
         self,
         layer: int,
         experts: Iterable[int],
-        guess: tuple[int, Iterable[int]] | None = None,
+        guess: LayerGuess | None = None,
         routed: Iterable[int] | None = None,
     ) -> Iterator[ExpertGroup]:
         """The given experts of `layer`, fetching the ones not in RAM concurrently, a group at a
@@ -221,7 +221,8 @@ class ExpertStore:
         link idles through that compute, since the next layer's experts are known only after it.
 
         Args:
-            guess: (next layer, its likely experts), prefetched behind this layer's demands.
+            guess: (next layer, its likely experts[, the rows that guessed]), prefetched behind
+                this layer's demands.
             routed: every expert this node's pass of the layer routed to, traced and judging the
                 guesses made for it; None: `experts`. Empty for a call that is not a pass of this
                 node (a peer's ComputeExperts) or that asks for more of a pass already announced
@@ -287,7 +288,7 @@ class ExpertStore:
         self.stats.record_ram([self.index.expert(layer, e).nbytes for e in experts])
         self.ram.touch([(layer, e) for e in experts])
 
-    def _start(self, layer: int, experts: list[int], guess: tuple[int, Iterable[int]] | None) -> _Started:
+    def _start(self, layer: int, experts: list[int], guess: LayerGuess | None) -> _Started:
         """Pin what RAM holds, take the guesses that arrived, and queue the rest (then the guess behind them)."""
         held = {key[1]: slot for key, slot in self.ram.acquire([(layer, e) for e in experts]).items()}
         served: dict[int, Served] = {}
@@ -362,9 +363,10 @@ class ExpertStore:
         """Whether guessing the next layer is worth its (small) compute right now."""
         return self.prefetcher.wants_guesses()
 
-    def prefetch(self, layer: int, experts: Iterable[int]) -> None:
-        """Fetch likely experts of `layer` at low priority, if the link has room and guesses pay."""
-        self.prefetcher.guess(layer, experts)
+    def prefetch(self, layer: int, experts: Iterable[int], rows: int = 1) -> None:
+        """Fetch likely experts of `layer` at low priority, if the link has room and guesses made
+        by passes of as many `rows` pay."""
+        self.prefetcher.guess(layer, experts, rows)
 
     def close(self) -> None:
         """Stop fill, the tiers (fetches in flight fail at once) and then the fetch workers (queued
