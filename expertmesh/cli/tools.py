@@ -130,8 +130,8 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--compute",
         action="store_true",
-        help="instead: kernels, syncs, host and CPU seconds and bytes copied per decode token beside mlx-lm, "
-        "for the k3_depth, qwen3_depth and demo shapes (see expertmesh/devtools/bench_compute.py)",
+        help="instead: kernels, syncs, host and CPU seconds, host Python calls and bytes copied per decode token "
+        "beside mlx-lm, for the k3_depth, qwen3_depth and demo shapes (see expertmesh/devtools/bench_compute.py)",
     )
     p.add_argument(
         "--shapes",

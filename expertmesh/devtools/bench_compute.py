@@ -8,7 +8,10 @@ Python seconds per token (the MLX thread's own CPU time: MLX computes on threads
 seconds per token (the process's), and the bytes the RAM tier copied per token (slot writes, and
 whole stacks a write could not update in place), all beside `mlx_lm.stream_generate` on the same
 repo, with the greedy tokens compared. Counting costs time, so the seconds come from other runs,
-taken in turns with mlx-lm's (`repeats` each, the median kept).
+taken in turns with mlx-lm's (`repeats` each, the median kept). Beside the seconds, the Python
+calls per decode token on the MLX thread (functions and builtins entered): on this shared host the
+seconds of a few-millisecond token move with the load, the calls do not, so a change in the host's
+per-token work shows in them whatever the machine is doing.
 
 Shapes, made with the tiny makers (expertmesh/devtools/tiny/):
     k3_depth     Kimi K3's depth: 92 MoE layers of 64 mxfp4 experts, top-16, small widths
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -185,6 +189,26 @@ def _timed(runs: dict[str, Callable[[Callable[[], None]], list[int]]], repeats: 
     }
 
 
+def _python_calls(generate: Callable[[Callable[[], None]], list[int]]) -> float:
+    """Python calls (functions and builtins entered) on the MLX thread per decode token of one
+    generation: what the host runs per token, counted rather than timed. Ours hands each token from
+    the MLX thread to its caller, so the thread's turn-taking is counted too; mlx-lm's generation
+    runs in one turn, its count taken in it (two calls a token: the sample's own)."""
+    count = [0]
+
+    def counter(frame, event: str, arg) -> None:
+        if event == "call" or event == "c_call":
+            count[0] += 1
+
+    samples: list[int] = []
+    _run_on_mlx_thread(sys.setprofile, counter)  # the MLX thread's own: other threads go uncounted
+    try:
+        generate(lambda: samples.append(count[0]))
+    finally:
+        _run_on_mlx_thread(sys.setprofile, None)
+    return (samples[-1] - samples[0]) / (len(samples) - 1) if len(samples) > 1 else 0.0
+
+
 def _copied(sm) -> Callable[[], dict]:
     """Bytes the RAM tier copied so far: one expert per slot write, a whole stack per buffer that moved."""
     ram = sm.store.ram
@@ -282,6 +306,7 @@ def _shape(
         resident_counts = _counted(ours, _copied(sm), sm.model)
         reference = _counted(theirs, dict, ref)
         times = _timed({"ours": ours, "mlx_lm": theirs}, repeats)
+        calls = {"ours": _python_calls(ours), "mlx_lm": _python_calls(theirs)}
         experts, moe_layers = len(sm.index.experts), len(sm.blocks)
         slot_bytes = sm.store.ram.pool(sm.blocks[0].layer).layout.nbytes
     # streaming: a RAM tier for a quarter of the experts, the rest read from the disk
@@ -301,6 +326,8 @@ def _shape(
         "mlx_lm_syncs_per_token": round(reference["syncs"], 2),
         "host_s_per_token": round(times["ours"]["host_s"], 5),
         "mlx_lm_host_s_per_token": round(times["mlx_lm"]["host_s"], 5),
+        "python_calls_per_token": round(calls["ours"], 1),
+        "mlx_lm_python_calls_per_token": round(calls["mlx_lm"], 1),
         "cpu_s_per_token": round(times["ours"]["cpu_s"], 5),
         "mlx_lm_cpu_s_per_token": round(times["mlx_lm"]["cpu_s"], 5),
         "wall_s_per_token": round(times["ours"]["wall_s"], 5),
@@ -318,6 +345,7 @@ def print_table(doc: dict, out: Callable[[str], None] = print) -> None:
         ("syncs / token (resident)", "syncs_per_token_resident", "mlx_lm_syncs_per_token", "{:.2f}"),
         ("syncs / token (streaming)", "syncs_per_token_streaming", None, "{:.2f}"),
         ("host Python s / token", "host_s_per_token", "mlx_lm_host_s_per_token", "{:.4f}"),
+        ("host Python calls / token", "python_calls_per_token", "mlx_lm_python_calls_per_token", "{:.0f}"),
         ("CPU s / token", "cpu_s_per_token", "mlx_lm_cpu_s_per_token", "{:.4f}"),
         ("wall s / token", "wall_s_per_token", "mlx_lm_wall_s_per_token", "{:.4f}"),
         ("bytes copied / token", "copied_bytes_per_token", None, "{:.0f}"),
