@@ -43,6 +43,14 @@ PULL_CONCURRENCY = 8
 MAX_RANGE_BYTES = 64 * 1024 * 1024
 # Free space that `pull` leaves on the disk beyond the core itself.
 DISK_HEADROOM_BYTES = 1 * 1024**3
+# The largest gRPC message a node sends or accepts, on its server and on its channels alike: a
+# FetchExpert chunk is 1 MiB, a ComputeExperts call's rows RPC_MAX_CALL_ROW_BYTES; a message far
+# larger is a bad client, and the bound keeps what one call can make a node hold small.
+RPC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# The rows one ComputeExperts call carries each way at most (household/remote_experts.py splits a
+# peer's rows, an expert's too, into calls no larger): well under the message limit, which also
+# carries the expert ids, shapes and the answer's figures.
+RPC_MAX_CALL_ROW_BYTES = 3 * 1024 * 1024
 HTTP_TIMEOUT_S = 30.0
 HTTP_MAX_RETRIES = 8
 # Slow Hub connections (node/hub/client.py), as curl's --speed-limit/--speed-time: a response whose
