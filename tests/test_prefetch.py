@@ -165,6 +165,30 @@ def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path
         sm.close()
 
 
+def test_what_waits_beside_the_slots_is_two_experts_per_fetch_worker_whatever_ram_holds(home: Path) -> None:
+    """An expert is decoded as it arrives and goes into a RAM-tier slot only when its group is
+    handed over, so what is queued ahead of the group being computed is memory beside the tier.
+    With a RAM budget that holds the whole layer the hold limit is the layer, yet a layer wider
+    than two experts per fetch worker comes in groups of one expert per worker, never more than
+    two of them queued and not yet handed over: the link is as busy, the memory plan holds."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="90%", fetch_concurrency=2, fill=False))
+    try:
+        store, layer = sm.store, sm.index.moe_layers[0]
+        n = sum(1 for lay, _ in sm.index.experts if lay == layer)
+        assert store.hold_limit() >= n > 4
+        events = _queued_and_computed(store, layer, n)
+        queued = handed = 0
+        for what, experts in events:
+            if what == "queued":
+                queued += len(experts)
+            else:
+                assert queued - handed <= 4, events  # beside the slots, the group handed over included
+                handed += len(experts)
+        assert handed == n
+    finally:
+        sm.close()
+
+
 def test_a_layers_guess_goes_out_behind_the_demands_of_all_its_groups(home: Path) -> None:
     """The next layer's guess is queued with this layer's last group, behind every demand of the
     layer: queued with the first, it would start while a group is computed and the next group's
