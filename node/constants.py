@@ -85,6 +85,14 @@ EXPERT_FETCH_CONCURRENCY = 8
 DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
 DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
+# What a node process takes before its core and its experts: the interpreter, MLX, transformers,
+# the tokenizer, expertmesh, its threads (the memory plan counts it). Measured on Linux (x86-64,
+# MLX on the CPU): 0.13 GB resident after opening a K3-proportioned model, less its core
+# (benchmarks/bench_prompt_memory.py; docs/benchmarks.md, issue 46's third session). Not
+# measured on a Mac, where Metal's libraries add to it: rounded up to a quarter GB.
+PROCESS_BASELINE_BYTES = 256 * 1024**2
+# Experts' bytes the disk tier holds queued for its writer at most (store/tiers/disk.py)
+DISK_WRITE_BEHIND_EXPERTS = 2
 # tokens a conversation may hold unless `--max-context` says otherwise: the memory plan counts its KV
 # cache / linear-attention state, and a model's own maximum (a million tokens for K3) would not fit a Mac
 DEFAULT_MAX_CONTEXT = 32768
