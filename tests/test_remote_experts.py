@@ -492,14 +492,19 @@ def test_a_prompts_call_gets_a_deadline_for_its_rows(pairs, monkeypatch) -> None
     assert pair.me.store.stats.since(warm).remote["fallback_deadline"] == 0
     # the floor out of the way: the deadline is the measured estimate's
     monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, deadline_floor_s=0.01))
-    sm = pair.me.model
-    ids = sm.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
-    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
-    before = pair.me.store.stats.snapshot()
-    got = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1))]
-    d = pair.me.store.stats.since(before)
+    got, alone, d = _prompt_here_and_alone(pair)
     assert got == alone
     assert d.remote["fallback_deadline"] == 0 and d.remote["calls"] > 0, d.remote
+
+
+def _prompt_here_and_alone(pair: Pair):
+    """A prompt of several dozen tokens: its first token from the requester (with the peer), the
+    peer's own alone, and the requester's store counts for it."""
+    ids = pair.me.model.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
+    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
+    before = pair.me.store.stats.snapshot()
+    got = [t.id for t in Generator(pair.me.model).generate(ids, SamplingSettings(max_tokens=1))]
+    return got, alone, pair.me.store.stats.since(before)
 
 
 def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(pairs, monkeypatch) -> None:
@@ -512,8 +517,7 @@ def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(p
     from expertmesh.node.rpc.client import NodeClient
 
     pair = pairs("kimi_k3")
-    sm = pair.me.model
-    block = sm.blocks[0]
+    block = pair.me.model.blocks[0]
     limit = 3 * max(block.input_width, block.output_dims) * 4  # three float32 rows a call
     monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, max_call_bytes=limit))
     sent: list[node_pb2.ComputeExpertsRequest] = []
@@ -524,11 +528,7 @@ def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(p
         return compute(self, request, timeout)
 
     monkeypatch.setattr(NodeClient, "compute_experts", recorded)
-    ids = sm.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
-    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
-    before = pair.me.store.stats.snapshot()
-    got = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1))]
-    d = pair.me.store.stats.since(before)
+    got, alone, d = _prompt_here_and_alone(pair)
     assert got == alone
     assert d.uses["remote"] > 0, d.uses
     assert d.remote["fallback_error"] == d.remote["fallback_deadline"] == d.remote["fallback_bad_output"] == 0
