@@ -120,14 +120,12 @@ def main() -> None:
         return
     from expertmesh.devtools import bench_k3, bench_prompt
     from expertmesh.devtools.tiny import k3_proportions
-    from expertmesh.node import constants
     from expertmesh.node.doctor import plan_model
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.hub.pull import pull
 
     p = k3_proportions.Proportions(experts=args.experts, moe_layers=args.moe_layers)
-    repo_id = f"{bench_k3.REPO_ID}-{p.moe_layers}x{p.experts}-{p.expert_bytes}"
-    root = bench_k3._model_dir(constants.expertmesh_home() / "bench" / "hub", repo_id, p, print)
+    repo_id, root = bench_k3.prompt_bench_repo(p)
     eb = p.expert_bytes
     store = {"ram_budget": str(RAM_EXPERTS * eb + eb // 2), "disk_budget": "100%"}
     work = Path(tempfile.mkdtemp(prefix="expertmesh-memory-"))
