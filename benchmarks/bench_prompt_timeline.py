@@ -24,7 +24,6 @@ from pathlib import Path
 
 from expertmesh.devtools import bench_k3, bench_prompt
 from expertmesh.devtools.tiny import k3_proportions
-from expertmesh.node import constants
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -105,8 +104,7 @@ def main() -> None:
     ap.add_argument("--settings", default="even,tapered")
     args = ap.parse_args()
     p = k3_proportions.Proportions(experts=384, moe_layers=args.moe_layers)
-    repo_id = f"{bench_k3.REPO_ID}-{p.moe_layers}x{p.experts}-{p.expert_bytes}"
-    root = bench_k3._model_dir(constants.expertmesh_home() / "bench" / "hub", repo_id, p, print)
+    repo_id, root = bench_k3.prompt_bench_repo(p)
     work = Path(tempfile.mkdtemp(prefix="expertmesh-timeline-"))
     hub = bench_k3._Hub(root.parent.parent, PER_CONNECTION, LINK, TTFB_S)
     try:

@@ -49,7 +49,7 @@ class RemoteConfig:
 
     deadline_floor_s: float = 1.0  # a call's deadline is at least this ...
     deadline_factor: float = 4.0  # ... and at least this many times its estimated duration
-    max_call_bytes: int = 3 * 1024 * 1024  # a peer's rows are split into calls no larger (gRPC's limits)
+    max_call_bytes: int = constants.RPC_MAX_CALL_ROW_BYTES  # a peer's rows are split into calls no larger
     lan_bandwidth: float = 118e6  # bytes/s a peer's link is assumed to carry until measured (gigabit)
 
 

@@ -43,6 +43,14 @@ PULL_CONCURRENCY = 8
 MAX_RANGE_BYTES = 64 * 1024 * 1024
 # Free space that `pull` leaves on the disk beyond the core itself.
 DISK_HEADROOM_BYTES = 1 * 1024**3
+# The largest gRPC message a node sends or accepts, on its server and on its channels alike: a
+# FetchExpert chunk is 1 MiB, a ComputeExperts call's rows RPC_MAX_CALL_ROW_BYTES; a message far
+# larger is a bad client, and the bound keeps what one call can make a node hold small.
+RPC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# The rows one ComputeExperts call carries each way at most (household/remote_experts.py splits a
+# peer's rows, an expert's too, into calls no larger): well under the message limit, which also
+# carries the expert ids, shapes and the answer's figures.
+RPC_MAX_CALL_ROW_BYTES = 3 * 1024 * 1024
 HTTP_TIMEOUT_S = 30.0
 HTTP_MAX_RETRIES = 8
 # Slow Hub connections (node/hub/client.py), as curl's --speed-limit/--speed-time: a response whose
@@ -77,6 +85,14 @@ EXPERT_FETCH_CONCURRENCY = 8
 DEFAULT_RAM_BUDGET = "50%"  # of physical memory not taken by the core
 DEFAULT_DISK_BUDGET = "50%"  # of the free space where the expert cache lives
 MIN_RAM_BUDGET_BYTES = 64 * 1024**2
+# What a node process takes before its core and its experts: the interpreter, MLX, transformers,
+# the tokenizer, expertmesh, its threads (the memory plan counts it). Measured on Linux (x86-64,
+# MLX on the CPU): 0.13 GB resident after opening a K3-proportioned model, less its core
+# (benchmarks/bench_prompt_memory.py; docs/benchmarks.md, issue 46's third session). Not
+# measured on a Mac, where Metal's libraries add to it: rounded up to a quarter GB.
+PROCESS_BASELINE_BYTES = 256 * 1024**2
+# Experts' bytes the disk tier holds queued for its writer at most (store/tiers/disk.py)
+DISK_WRITE_BEHIND_EXPERTS = 2
 # tokens a conversation may hold unless `--max-context` says otherwise: the memory plan counts its KV
 # cache / linear-attention state, and a model's own maximum (a million tokens for K3) would not fit a Mac
 DEFAULT_MAX_CONTEXT = 32768

@@ -99,14 +99,20 @@ def test_the_default_budget_is_a_share_of_what_the_core_leaves_of_the_working_se
     plan = plan_memory("50%", mac, core_bytes=20 * GiB, expert_bytes=16 * MiB, fetch_workers=8)
     in_flight = 2 * 8 * 16 * MiB  # each fetch worker's expert as bytes and as arrays
     assert plan.in_flight_bytes == in_flight
-    assert plan.ram_budget_bytes == (48 * GiB - 20 * GiB - in_flight) // 2
+    assert plan.spare_slot_bytes == 8 * 16 * MiB  # the RAM tier's slots beyond its budget, one per worker
+    # the disk tier's idle read buffers (one per fetch worker by default) and its queued writes
+    assert plan.disk_buffer_bytes == (constants.EXPERT_FETCH_CONCURRENCY + 2) * 16 * MiB
+    assert plan.process_bytes == constants.PROCESS_BASELINE_BYTES
+    buffers = in_flight + plan.spare_slot_bytes + plan.disk_buffer_bytes + plan.process_bytes
+    assert plan.buffer_bytes == buffers
+    assert plan.ram_budget_bytes == (48 * GiB - 20 * GiB - buffers) // 2
     assert plan.buffer_cache_bytes == 16 * MiB  # one expert's buffers, counted inside the budget
     assert plan.ram_tier_bytes == plan.ram_budget_bytes - 16 * MiB
     assert plan.wired_bytes == 20 * GiB + plan.ram_budget_bytes <= mac.working_set_bytes
     cpu = DeviceMemory(memory_bytes=64 * GiB)  # no Metal: the machine's memory bounds it
     assert (
         plan_memory("50%", cpu, core_bytes=20 * GiB, expert_bytes=16 * MiB, fetch_workers=8).ram_budget_bytes
-        == (64 * GiB - 20 * GiB - in_flight) // 2
+        == (64 * GiB - 20 * GiB - buffers) // 2
     )
 
 
@@ -140,10 +146,9 @@ def test_a_core_that_does_not_fit_is_streamed_within_what_the_context_and_buffer
         "50%", mac, core_bytes=layout.core_bytes, expert_bytes=16 * MiB, fetch_workers=8, layout=layout,
         context_bytes=GiB, max_context=32768,
     )  # fmt: skip
-    in_flight = 2 * 8 * 16 * MiB
     assert plan.streamed and not plan.fits
     assert (
-        plan.core_held_bytes == 48 * GiB - GiB - in_flight - constants.MIN_RAM_BUDGET_BYTES
+        plan.core_held_bytes == 48 * GiB - GiB - plan.buffer_bytes - constants.MIN_RAM_BUDGET_BYTES
     )  # all but the least RAM tier
     split = plan.split
     assert split.ahead == 2  # the layer computing and two being read, the rest of the budget pins layers
@@ -184,14 +189,14 @@ def test_wiring_beyond_the_working_set_is_bounded_and_said_in_one_line(
     limits, pulled_home, hub, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     home = pulled_home(ARCH, tmp_path)
-    mac = limits(memory=16 * GiB, working_set=GiB)
+    mac = limits(memory=16 * GiB, working_set=2 * GiB)
     node = _node(home, ram_budget="4GiB")
     with caplog.at_level(logging.WARNING, logger="expertmesh.node.engine.memory"):
         node.start()
     node.close()
-    assert mac.wired[0][1] == GiB  # what Metal allows, not core + 4 GiB
+    assert mac.wired[0][1] == 2 * GiB  # what Metal allows, not core + 4 GiB
     (line,) = [r.getMessage() for r in caplog.records if "wiring" in r.getMessage()]
-    assert "recommended working set is 1.07 GB" in line and "\n" not in line
+    assert "recommended working set is 2.15 GB" in line and "\n" not in line
 
 
 def test_without_metal_nothing_is_wired_and_one_line_says_why(

@@ -187,6 +187,35 @@ def test_the_next_group_is_fetched_while_the_caller_computes_this_one(home: Path
         sm.close()
 
 
+def test_a_layer_wider_than_the_hold_limit_waits_beside_the_slots_two_experts_per_fetch_worker(home: Path) -> None:
+    """An expert is decoded as it arrives and goes into a RAM-tier slot only when its group is
+    handed over, so what is queued ahead of the group being computed is memory beside the tier.
+    With a RAM budget that holds all of a layer but two experts the hold limit is that, yet the
+    layer comes in groups of one expert per fetch worker, never more than two of them queued and
+    not yet handed over: the link is as busy, the memory plan holds."""
+    index = open_model(REPO_ID, home=home, store=StoreConfig(fill=False))
+    layer = index.index.moe_layers[0]
+    n = sum(1 for lay, _ in index.index.experts if lay == layer)
+    nbytes = index.index.expert(layer, 0).nbytes
+    index.close()
+    ram = str((n - 2) * nbytes + nbytes // 2)
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget=ram, fetch_concurrency=2, fill=False))
+    try:
+        store = sm.store
+        assert n > store.hold_limit() > 4 + 1
+        events = _queued_and_computed(store, layer, n)
+        queued = handed = 0
+        for what, experts in events:
+            if what == "queued":
+                queued += len(experts)
+            else:
+                assert queued - handed <= 4, events  # beside the slots, the group handed over included
+                handed += len(experts)
+        assert handed == n
+    finally:
+        sm.close()
+
+
 def test_a_layers_guess_goes_out_behind_the_demands_of_all_its_groups(home: Path) -> None:
     """The next layer's guess is queued with this layer's last group, behind every demand of the
     layer: queued with the first, it would start while a group is computed and the next group's

@@ -384,8 +384,9 @@ def test_placement_follows_the_measured_costs(pairs) -> None:
         plan = remote.plan(layer, experts, rows)
         assert experts[0] not in plan.remote
         assert all(plan.remote.get(e) is peer for e in experts[1:])
-        # rows past one call's size limit (a huge prefill) are not sent anywhere
-        assert not remote.plan(layer, experts, dict.fromkeys(experts, remote.config.max_call_bytes + 1)).remote
+        # rows past one call's size limit (a long prompt's) go all the same, split over calls
+        huge = remote.plan(layer, experts, dict.fromkeys(experts, remote.config.max_call_bytes + 1))
+        assert all(huge.remote.get(e) is peer for e in experts[1:])
         link.service_s = 1.0
         assert not remote.plan(layer, experts, rows).remote
     finally:
@@ -491,11 +492,91 @@ def test_a_prompts_call_gets_a_deadline_for_its_rows(pairs, monkeypatch) -> None
     assert pair.me.store.stats.since(warm).remote["fallback_deadline"] == 0
     # the floor out of the way: the deadline is the measured estimate's
     monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, deadline_floor_s=0.01))
-    sm = pair.me.model
-    ids = sm.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
-    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
-    before = pair.me.store.stats.snapshot()
-    got = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1))]
-    d = pair.me.store.stats.since(before)
+    got, alone, d = _prompt_here_and_alone(pair)
     assert got == alone
     assert d.remote["fallback_deadline"] == 0 and d.remote["calls"] > 0, d.remote
+
+
+def _prompt_here_and_alone(pair: Pair):
+    """A prompt of several dozen tokens: its first token from the requester (with the peer), the
+    peer's own alone, and the requester's store counts for it."""
+    ids = pair.me.model.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
+    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
+    before = pair.me.store.stats.snapshot()
+    got = [t.id for t in Generator(pair.me.model).generate(ids, SamplingSettings(max_tokens=1))]
+    return got, alone, pair.me.store.stats.since(before)
+
+
+def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(pairs, monkeypatch) -> None:
+    """A call carries at most `max_call_bytes` of rows each way, under the message size both sides'
+    gRPC accepts. An expert of a long prompt with more rows than that is not computed here for
+    being large: its rows go in several calls and its answers are joined in order; tokens equal
+    the peer's alone."""
+    from dataclasses import replace
+
+    from expertmesh.node.rpc.client import NodeClient
+
+    pair = pairs("kimi_k3")
+    block = pair.me.model.blocks[0]
+    limit = 3 * max(block.input_width, block.output_dims) * 4  # three float32 rows a call
+    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, max_call_bytes=limit))
+    sent: list[node_pb2.ComputeExpertsRequest] = []
+    compute = NodeClient.compute_experts
+
+    def recorded(self, request, timeout):
+        sent.append(request)
+        return compute(self, request, timeout)
+
+    monkeypatch.setattr(NodeClient, "compute_experts", recorded)
+    got, alone, d = _prompt_here_and_alone(pair)
+    assert got == alone
+    assert d.uses["remote"] > 0, d.uses
+    assert d.remote["fallback_error"] == d.remote["fallback_deadline"] == d.remote["fallback_bad_output"] == 0
+    assert all(sum(len(x.rows.data) for x in r.experts) <= limit for r in sent)
+    calls_per_expert = {}
+    for r in sent:
+        for x in r.experts:
+            calls_per_expert[(r.layer, x.expert)] = calls_per_expert.get((r.layer, x.expert), 0) + 1
+    assert max(calls_per_expert.values()) > 1  # some expert's rows went in several calls
+
+
+def test_a_peers_rows_are_cut_into_calls_within_the_limit_each_expert_once_a_call() -> None:
+    from types import SimpleNamespace
+
+    from expertmesh.node.household.remote_experts import _calls
+
+    block = SimpleNamespace(input_width=4, output_dims=4)
+    rows = {e: mx.arange(n * 4, dtype=mx.float32).reshape(n, 4) for e, n in ((1, 7), (2, 1), (5, 3))}
+    limit = 3 * 16  # three rows
+    calls = _calls(block, [1, 2, 5], rows, limit)
+    assert all(sum(r.shape[0] for _, _, r in c) * 16 <= limit for c in calls)
+    assert all(len({e for e, _, _ in c}) == len(c) for c in calls)  # an expert at most once a call
+    for e, x in rows.items():  # every row sent once, in order
+        parts = sorted((first, r) for c in calls for f, first, r in c if f == e)
+        assert mx.array_equal(mx.concatenate([r for _, r in parts]), x)
+    # a row larger than the limit still goes, alone
+    assert [[e for e, _, _ in c] for c in _calls(block, [1], {1: rows[1][:2]}, 8)] == [[1], [1]]
+
+
+def test_a_message_past_the_limit_is_refused_by_the_sender_and_by_the_node(pairs) -> None:
+    """Both ends bound a message by the same limit: a node never reads one larger (any peer may
+    send anything), and a node's own channel refuses to send what no node would read."""
+    from expertmesh.node import constants
+    from expertmesh.node.rpc.client import NodeClient
+
+    pair = pairs("kimi_k3")
+    block = pair.me.model.blocks[0]
+    n = constants.RPC_MAX_MESSAGE_BYTES // (4 * block.input_width) + 1
+    rows = node_pb2.Tensor(shape=[n, block.input_width], dtype="float32", data=bytes(4 * n * block.input_width))
+    request = node_pb2.ComputeExpertsRequest(
+        model=node_pb2.ModelKey(repo_id=pair.me.repo_id, commit=pair.me.commit),
+        layer=block.layer,
+        experts=[node_pb2.ExpertRows(expert=0, rows=rows)],
+    )
+    with NodeClient(pair.running.address, SECRET) as client, pytest.raises(grpc.RpcError) as sent:
+        client.compute_experts(request, timeout=30).result()
+    assert sent.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Sent message larger than max" in sent.value.details()  # refused here, not by the node
+    with pytest.raises(grpc.RpcError) as read:
+        _compute(pair, request)  # a channel with gRPC's own defaults: no limit on what it sends
+    assert read.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in read.value.details()

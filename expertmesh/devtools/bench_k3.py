@@ -405,6 +405,15 @@ def worker(spec: dict) -> dict:
 # -- the driver -----------------------------------------------------------------------------
 
 
+def prompt_bench_repo(p, progress: Callable[[str], None] = print) -> tuple[str, Path]:
+    """The repo id and folder of the K3-proportioned repo `p` under the bench's Hub (made once), as
+    the prompt bench and the prompt scripts in benchmarks/ use it."""
+    from expertmesh.node import constants
+
+    repo_id = f"{REPO_ID}-{p.moe_layers}x{p.experts}-{p.expert_bytes}"
+    return repo_id, _model_dir(constants.expertmesh_home() / "bench" / "hub", repo_id, p, progress)
+
+
 def _model_dir(cache: Path, repo_id: str, p, progress: Callable[[str], None]) -> Path:
     from expertmesh.devtools.tiny import k3_proportions
 

@@ -9,7 +9,15 @@ counts everything a node keeps against it:
     core            at its bits (node/engine/core_quantization.py)
     context         the KV cache and linear-attention state at `--max-context` tokens
                     (node/engine/model_sizes.py measures them on mlx-lm's own cache classes)
-    fetch buffers   the experts being fetched and decoded: two copies per fetch worker
+    fetch buffers   the experts being fetched and decoded: two copies per fetch worker, and as
+                    many arrived experts waiting beside the RAM tier for their group's turn
+                    (store.layer_groups bounds them so)
+    spare slots     the RAM tier's slots beyond its budget for experts in use that it does not
+                    keep: one per fetch worker (store/tiers/ram.py)
+    disk buffers    the disk tier's: the idle read buffers kept for reuse (store/buffers.py)
+                    and the experts queued for its writer
+    process         the node process itself before its core: Python, MLX, transformers, the
+                    tokenizer (a measured constant, constants.PROCESS_BASELINE_BYTES)
     RAM budget      the RAM tier plus MLX's cache of freed buffers (one expert's worth): MLX keeps
                     freed buffers for reuse up to its cache limit, and every expert the tier let
                     go would otherwise stay resident outside any budget
@@ -46,6 +54,7 @@ from dataclasses import dataclass
 from expertmesh.node import constants
 from expertmesh.node.errors import ExpertmeshError
 from expertmesh.node.sizes import format_size, parse_budget
+from expertmesh.node.store.buffers import POOL_IDLE_BUFFERS
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +183,9 @@ class MemoryPlan:
     split: StreamSplit | None = None  # how a streamed core spends its budget
     over_bytes: int = 0  # how far a RAM budget given as a size goes beyond what the core leaves
     prefix_cache_bytes: int = 0  # states of earlier prompts kept for reuse (engine/prefix_cache.py)
+    spare_slot_bytes: int = 0  # the RAM tier's slots beyond its budget, for experts in use it does not keep
+    disk_buffer_bytes: int = 0  # the disk tier's idle read buffers and queued writes
+    process_bytes: int = 0  # the node process before its core (constants.PROCESS_BASELINE_BYTES)
 
     @property
     def streamed(self) -> bool:
@@ -200,12 +212,18 @@ class MemoryPlan:
         return self.core_memory_bytes + self.ram_budget_bytes
 
     @property
+    def buffer_bytes(self) -> int:
+        """What a node keeps beside the core, the context and the RAM budget: fetch buffers, the
+        tier's spare slots, the disk tier's buffers and the process itself."""
+        return self.in_flight_bytes + self.spare_slot_bytes + self.disk_buffer_bytes + self.process_bytes
+
+    @property
     def total_bytes(self) -> int:
         return (
             self.core_memory_bytes
             + self.context_bytes
             + self.prefix_cache_bytes
-            + self.in_flight_bytes
+            + self.buffer_bytes
             + self.ram_budget_bytes
         )
 
@@ -222,7 +240,9 @@ class MemoryPlan:
             context += f"prefix cache {format_size(self.prefix_cache_bytes)}, "
         return (
             f"{core}, {context}RAM tier {format_size(self.ram_tier_bytes)}, MLX cache "
-            f"{format_size(self.buffer_cache_bytes)}, fetch buffers {format_size(self.in_flight_bytes)}: "
+            f"{format_size(self.buffer_cache_bytes)}, fetch buffers {format_size(self.in_flight_bytes)}, "
+            f"spare slots {format_size(self.spare_slot_bytes)}, disk buffers {format_size(self.disk_buffer_bytes)}, "
+            f"process {format_size(self.process_bytes)}: "
             f"{format_size(self.total_bytes)} of {self.device.limit_name()} {format_size(self.device.limit_bytes)}"
         )
 
@@ -240,6 +260,9 @@ class MemoryPlan:
             "ram_tier_bytes": self.ram_tier_bytes,
             "buffer_cache_bytes": self.buffer_cache_bytes,
             "fetch_buffer_bytes": self.in_flight_bytes,
+            "spare_slot_bytes": self.spare_slot_bytes,
+            "disk_buffer_bytes": self.disk_buffer_bytes,
+            "process_bytes": self.process_bytes,
             "working_set_bytes": self.device.limit_bytes,
             "memory_bytes": self.device.memory_bytes,
         }
@@ -282,9 +305,13 @@ def plan_memory(
     layout = layout or CoreLayout(core_bytes, "bf16" if core_bits == 16 else f"{core_bits}-bit")
     limit = device.limit_bytes
     in_flight = 2 * fetch_workers * expert_bytes  # each worker's expert as bytes and as arrays
+    spare = fetch_workers * expert_bytes  # the RAM tier's spare slots (one per fetch worker)
+    disk_buffers = (POOL_IDLE_BUFFERS + constants.DISK_WRITE_BEHIND_EXPERTS) * expert_bytes
+    process = constants.PROCESS_BASELINE_BYTES
     explicit_ram = None if ram_budget.strip().endswith("%") else parse_budget(ram_budget, 0)
     context_bytes += prefix_cache_bytes  # conversation state, kept and live, comes before the core
-    room = limit - context_bytes - in_flight  # what the core may take: it comes before the RAM tier
+    fixed = in_flight + spare + disk_buffers + process  # whatever the model: before the core too
+    room = limit - context_bytes - fixed  # what the core may take: it comes before the RAM tier
     held = None
     split = None
     if core_budget is not None:
@@ -303,12 +330,12 @@ def plan_memory(
         if split.pinned == len(layout.layer_bytes):  # the budget holds it all after all
             held, split = None, None
     core_memory = layout.core_bytes if held is None else held
-    left = max(0, limit - core_memory - context_bytes - in_flight)
+    left = max(0, limit - core_memory - context_bytes - fixed)
     budget = explicit_ram if explicit_ram is not None else parse_budget(ram_budget, left)
     if ram_budget == constants.DEFAULT_RAM_BUDGET:
         budget = max(constants.MIN_RAM_BUDGET_BYTES, budget)
     cache = min(expert_bytes, budget // 2)
-    over = max(0, core_memory + context_bytes + in_flight + budget - limit) if explicit_ram is not None else 0
+    over = max(0, core_memory + context_bytes + fixed + budget - limit) if explicit_ram is not None else 0
     return MemoryPlan(
         device,
         layout.core_bytes,
@@ -322,6 +349,9 @@ def plan_memory(
         split,
         over,
         prefix_cache_bytes,
+        spare,
+        disk_buffers,
+        process,
     )
 
 

@@ -236,7 +236,7 @@ class Planner:
         if not self.ram_budget.strip().endswith("%"):
             try:
                 p = self.plan(ram_budget="0")
-                room = p.device.limit_bytes - p.core_bytes - p.context_bytes - p.in_flight_bytes
+                room = p.device.limit_bytes - p.core_bytes - p.context_bytes - p.buffer_bytes
                 if p.fits and room > 0:
                     out.append(
                         f"--ram-budget {room // 10**9}GB" if room >= 10**9 else f"--ram-budget {room // 10**6}MB"

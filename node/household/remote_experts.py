@@ -16,9 +16,10 @@ per expert, and this node's own fetch latencies by source from the store's stati
 assigned greedily, each to whichever of "here" or a holding peer would finish it first given what
 is already assigned there (list scheduling); a pass then takes about as long as its slowest peer.
 
-The calls of a layer go out together, and the local experts are fetched (through the store's one
-entry point, `layer_groups`, in groups within its hold limit) and computed while they are in
-flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
+The calls of a layer go out together, each within `max_call_bytes` of rows (a prompt's expert
+with more rows than that has them split over several calls, its answers joined in order), and the
+local experts are fetched (through the store's one entry point, `layer_groups`, in groups within
+its hold limit) and computed while they are in flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
 dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
 computed here: the token is never lost. Everything is counted in the store's statistics (source
 `remote`, activation bytes, fallbacks by reason), so summaries and metrics show the decisions.
@@ -31,9 +32,12 @@ for a deadline.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
-from collections.abc import Container
+from collections import deque
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,6 +49,7 @@ from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.household.peers_tier import PeerSource
 from expertmesh.node.rpc import activations
+from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.store.prefetch import LayerGuess
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.store import ExpertStore, Served
@@ -60,6 +65,7 @@ DEFAULT_HUB_BANDWIDTH = 12.5e6
 DEFAULT_HUB_LATENCY_S = 0.05
 EWMA = 0.2  # weight of a new measurement
 PING_EVERY_S = 30.0  # round-trip time is re-measured this often per peer
+CALLS_IN_FLIGHT_PER_PEER = 2  # a peer's calls of a layer sent at once; the rest as these are answered (_PeerCalls)
 
 
 @dataclass
@@ -139,12 +145,72 @@ def _ewma(old: float | None, new: float) -> float:
 class _Call:
     peer: Peer
     request: node_pb2.ComputeExpertsRequest
-    future: grpc.Future
+    client: NodeClient
+    timeout_s: float
     sent_bytes: int
-    started: float
     rows: dict[int, int]  # expert -> row count expected back
     dtype: str
-    finished: list[float] = field(default_factory=list)  # when the answer arrived (set by the future)
+    first_row: dict[int, int]  # expert -> where its rows in this call start
+    future: grpc.Future | None = None
+    started: float = 0.0
+    finished: float = 0.0  # when the answer arrived (set as it does)
+
+    def send(self, answered: Callable[[], None]) -> None:
+        """Send it; `answered()` once it is (also when it could not be sent: `future` stays None)."""
+        self.started = time.perf_counter()
+        try:
+            self.future = self.client.compute_experts(self.request, self.timeout_s)
+        except ValueError:  # grpc's "closed channel": the node is closing
+            self._answered(answered)
+            return
+        self.future.add_done_callback(lambda _: self._answered(answered))
+
+    def _answered(self, then: Callable[[], None]) -> None:
+        self.finished = time.perf_counter()
+        then()
+
+
+class _PeerCalls:
+    """One peer's calls of one layer, at most CALLS_IN_FLIGHT_PER_PEER of them in flight: the next is
+    sent as one is answered, and `done` completes with the last.
+
+    A peer computes one call at a time on its MLX thread; a second in flight lets the next call's
+    rows cross while it computes. More would only queue there, each holding one of its peer-call
+    slots (rpc/admission.py), which its own fetches and other nodes' calls share; a peer refuses a
+    call beyond them as busy, and a long prompt's rows make many calls (a 1,024-token prompt's
+    rows for one of four peers, in K3's latent width, about twenty)."""
+
+    def __init__(self, calls: list[_Call]):
+        self.calls = calls
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._queue = deque(calls)
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    def start(self) -> _PeerCalls:
+        for _ in range(min(CALLS_IN_FLIGHT_PER_PEER, len(self.calls))):
+            self._send_next()
+        if not self.calls:
+            self.done.set_result(None)
+        return self
+
+    def _send_next(self) -> None:
+        with self._lock:
+            if not self._queue:
+                return
+            call = self._queue.popleft()
+            self._in_flight += 1
+        call.send(self._answered)
+
+    def _answered(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            more = bool(self._queue)
+            last = not more and self._in_flight == 0
+        if more:
+            self._send_next()
+        elif last and not self.done.done():
+            self.done.set_result(None)
 
 
 @dataclass
@@ -242,9 +308,6 @@ class RemoteExperts:
                 fetch = (source.node_id, hub_first + link.transfer_s(loc.nbytes), link.transfer_s(loc.nbytes))
             else:
                 fetch = ("hub", self._fetch_latency_s("hub", loc.nbytes, stats) / lanes, 0.0)
-            if row_bytes[e] > self.config.max_call_bytes:  # rows too big for one call (a huge prefill): run here
-                todo.append((fetch[1], e, loc.nbytes, fetch, []))
-                continue
             options = [(p.node_id, False) for p in holders]
             if owner is not None and owner.compute and owner.live and owner not in holders:
                 options.append((owner.node_id, True))  # the owner fetches it from the Hub, keeps it, computes it
@@ -293,15 +356,15 @@ class RemoteExperts:
             guess = guess._replace(experts=[e for e in guess.experts if self.prefers_local(guess.layer, e)])
         itemsize = next(iter(rows.values())).itemsize if rows else 4
         placement = self.plan(block.layer, experts, {e: r.shape[0] * r.shape[1] * itemsize for e, r in rows.items()})
-        calls = self._send(block, placement, rows) if placement.remote else []
+        chains = self._send(block, placement, rows) if placement.remote else []
         local = [e for e in experts if e not in placement.remote]
         out: dict[int, mx.array] = {}
         served: dict[int, Served] = {}
         # the whole routing announces the pass (traced, judging the guesses made for it); evaluated
         # before waiting for the peers, whose calls to us may then write slots meanwhile
         self._compute_here(block, local, rows, out, served, guess, routed=experts)
-        if calls:
-            failed = self._collect(block, calls, out, served)
+        if chains:
+            failed = self._collect(block, chains, out, served)
             if failed:
                 self._compute_here(block, failed, rows, out, served, None, routed=[])
         return out, served
@@ -327,70 +390,96 @@ class RemoteExperts:
             out.update(part)
             served.update(group.served)
 
-    def _send(self, block: StreamingExperts, placement: Placement, rows: dict[int, mx.array]) -> list[_Call]:
+    def _send(self, block: StreamingExperts, placement: Placement, rows: dict[int, mx.array]) -> list[_PeerCalls]:
+        """Each peer's calls of the layer, the first of them sent (see `_PeerCalls`)."""
         by_peer: dict[str, list[int]] = {}
         peers = {}
         for e, p in placement.remote.items():
             by_peer.setdefault(p.node_id, []).append(e)
             peers[p.node_id] = p
         model = node_pb2.ModelKey(repo_id=self.store.index.repo_id, commit=self.store.index.commit)
-        calls = []
+        chains = []
         for node_id, experts in by_peer.items():
             peer = peers[node_id]
             estimate = placement.estimate_s.get(node_id, 0.0)
-            batch: list[node_pb2.ExpertRows] = []
-            size = 0
-            for i, e in enumerate(sorted(experts)):
-                t = activations.encode(rows[e])
-                batch.append(node_pb2.ExpertRows(expert=e, rows=t))
-                size += len(t.data)
-                if size >= self.config.max_call_bytes or i == len(experts) - 1:
-                    request = node_pb2.ComputeExpertsRequest(
-                        model=model,
-                        layer=block.layer,
-                        experts=batch,
-                        fetch_on_miss=any(x.expert in placement.owner_fetch for x in batch),
+            link = self.links.get(node_id) or self._link(peer)
+            client = self.peers.client(peer.address)
+            calls = []
+            for batch in _calls(block, sorted(experts), rows, self.config.max_call_bytes):
+                request = node_pb2.ComputeExpertsRequest(
+                    model=model,
+                    layer=block.layer,
+                    experts=[node_pb2.ExpertRows(expert=e, rows=activations.encode(r)) for e, _, r in batch],
+                    fetch_on_miss=any(e in placement.owner_fetch for e, _, _ in batch),
+                )
+                # the estimate places experts by their bytes and per-expert costs (a row's compute
+                # costs the same here or there); the deadline must also cover the call's rows
+                rows_each = sum(r.shape[0] for _, _, r in batch) / len(batch)
+                timeout = max(
+                    self.config.deadline_floor_s,
+                    self.config.deadline_factor * estimate * link.rows_factor(rows_each),
+                )
+                calls.append(
+                    _Call(
+                        peer,
+                        request,
+                        client,
+                        timeout,
+                        sum(len(x.rows.data) for x in request.experts),
+                        {e: r.shape[0] for e, _, r in batch},
+                        request.experts[0].rows.dtype,
+                        {e: first for e, first, _ in batch},
                     )
-                    # the estimate places experts by their bytes and per-expert costs (a row's compute
-                    # costs the same here or there); the deadline must also cover the call's rows
-                    rows_each = sum(x.rows.shape[0] for x in batch) / len(batch)
-                    link = self.links.get(node_id) or self._link(peer)
-                    timeout = max(
-                        self.config.deadline_floor_s,
-                        self.config.deadline_factor * estimate * link.rows_factor(rows_each),
-                    )
-                    sent_at = time.perf_counter()
-                    fut = self.peers.client(peer.address).compute_experts(request, timeout)
-                    call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch}, t.dtype)
-                    fut.add_done_callback(lambda _, done=call.finished: done.append(time.perf_counter()))
-                    calls.append(call)
-                    batch, size = [], 0
-        return calls
+                )
+            chains.append(_PeerCalls(calls).start())
+        return chains
 
     def _collect(
-        self, block: StreamingExperts, calls: list[_Call], out: dict[int, mx.array], served: dict[int, Served]
+        self, block: StreamingExperts, chains: list[_PeerCalls], out: dict[int, mx.array], served: dict[int, Served]
     ) -> list[int]:
-        """Put each call's outputs into `out` (`served` says `remote`); returns the experts to
-        fetch and compute here instead."""
-        failed: list[int] = []
+        """Put each call's outputs into `out` (`served` says `remote`), an expert whose rows were
+        split over calls once all of its parts came; returns the experts to fetch and compute here
+        instead (every part of an expert is dropped when one part failed)."""
+        failed: set[int] = set()
+        parts: dict[int, list[tuple[int, mx.array]]] = {}  # expert -> (first row, its output rows)
+        walls: dict[int, float] = {}
         stats = self.store.stats
-        model_thread().wait([call.future for call in calls])  # serving peers' calls meanwhile
+        model_thread().wait([chain.done for chain in chains])  # serving peers' calls meanwhile
+        calls = [call for chain in chains for call in chain.calls]
+
+        def fall_back(asked: list[int], **reason: int) -> None:
+            fresh = [e for e in asked if e not in failed]
+            stats.record_remote(**{k: len(fresh) for k in reason})
+            failed.update(asked)
+
         for call in calls:
             asked = list(call.rows)
+            # the call lets go of its future: the future's callbacks refer to the call, and the
+            # answer's megabytes would otherwise wait in that cycle for a garbage collection
+            future, call.future = call.future, None
+            if future is None:  # never sent
+                fall_back(asked, fallback_error=1)
+                continue
             try:
-                response = call.future.result()
+                response = future.result()
             except grpc.RpcError as error:
                 code = error.code()
                 deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED
-                reason = "deadline" if deadline else "error"
+                if not deadline:  # the count alone says nothing of why: the status does
+                    logger.warning(
+                        "ComputeExperts to %s failed (%s: %s); computing its %d experts here",
+                        call.peer.node_id,
+                        code.name,
+                        error.details(),
+                        len(asked),
+                    )
                 if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
                     self.peers.penalise_call(
                         call.peer, code, "compute_deadline" if deadline else f"compute_{code.name.lower()}"
                     )
-                stats.record_remote(**{f"fallback_{reason}": len(asked)})
-                failed.extend(asked)
+                fall_back(asked, **{"fallback_deadline" if deadline else "fallback_error": 1})
                 continue
-            wall = (call.finished[0] if call.finished else time.perf_counter()) - call.started
+            wall = call.finished - call.started
             try:
                 got = self._check(block, call, response)
             except activations.BadTensor as error:
@@ -398,8 +487,7 @@ class RemoteExperts:
                     "peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, error
                 )
                 self.peers.penalise(call.peer, "bad_output")
-                stats.record_remote(fallback_bad_output=len(asked))
-                failed.extend(asked)
+                fall_back(asked, fallback_bad_output=1)
                 continue
             received = sum(len(x.rows.data) for x in response.experts)
             link = self.links.get(call.peer.node_id) or self._link(call.peer)
@@ -411,19 +499,23 @@ class RemoteExperts:
                 response.mlx_wait_seconds,
                 rows=sum(n for e, n in call.rows.items() if e in got),
             )
-            stats.record_remote(
-                calls=1, sent_bytes=call.sent_bytes, received_bytes=received, fallback_missing=len(response.missing)
-            )
+            stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received)
             for e, arr in got.items():
-                out[e] = arr
+                parts.setdefault(e, []).append((call.first_row[e], arr))
+                walls[e] = max(walls.get(e, 0.0), wall)
                 self.peers.note_holding(call.peer, (block.layer, e), True)
-                # a use with no expert bytes: the LAN bytes are the activations, in record_remote above
-                stats.record("remote", 0, wall)
-                served[e] = Served("remote", 0, wall)
             for e in response.missing:
                 self.peers.note_holding(call.peer, (block.layer, e), False)
-            failed.extend(response.missing)
-        return failed
+            fall_back(list(response.missing), fallback_missing=1)
+        for e, pieces in parts.items():
+            if e in failed:
+                continue
+            pieces.sort(key=lambda piece: piece[0])
+            out[e] = pieces[0][1] if len(pieces) == 1 else mx.concatenate([arr for _, arr in pieces])
+            # a use with no expert bytes: the LAN bytes are the activations, in record_remote above
+            stats.record("remote", 0, walls[e])
+            served[e] = Served("remote", 0, walls[e])
+        return sorted(failed)
 
     def _check(
         self, block: StreamingExperts, call: _Call, response: node_pb2.ComputeExpertsResponse
@@ -447,3 +539,33 @@ class RemoteExperts:
         if got and not bool(mx.all(mx.stack([mx.all(mx.isfinite(a)) for a in got.values()]))):
             raise activations.BadTensor("rows with NaN or infinite values")
         return got
+
+
+def _calls(
+    block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], max_bytes: int
+) -> list[list[tuple[int, int, mx.array]]]:
+    """One peer's experts and rows cut into calls of at most `max_bytes` of rows each way (or a
+    single row, where one row is larger): each call a list of (expert, its first row, its rows).
+
+    An expert whose rows do not fit in the room a call has left is split over calls by rows (a
+    long prompt gives an expert thousands), so no request or answer passes the limit both sides'
+    channels set (rpc/server.py, rpc/tls.py), and none is computed here only for being large. An
+    expert appears at most once per call, as the peer requires."""
+    itemsize = next(iter(rows.values())).itemsize if rows else 4
+    row_bytes = max(block.input_width, block.output_dims) * itemsize  # the answer may be the wider
+    calls: list[list[tuple[int, int, mx.array]]] = []
+    batch: list[tuple[int, int, mx.array]] = []
+    room = max_bytes
+    for e in experts:
+        x, first = rows[e], 0
+        while first < x.shape[0]:
+            if room < row_bytes and batch:
+                calls.append(batch)
+                batch, room = [], max_bytes
+            take = min(x.shape[0] - first, max(1, room // row_bytes))
+            batch.append((e, first, x[first : first + take]))
+            room -= take * row_bytes
+            first += take
+    if batch:
+        calls.append(batch)
+    return calls

@@ -19,11 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from expertmesh.node import constants
 from expertmesh.node.rpc.auth import SecretInterceptor
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SERVICE_NAME = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # chunks are 1 MiB; anything far larger is a bad client
 RESERVED_WORKERS = 4  # threads neither Generate nor peers' fetches and computations hold: health, Info, inventory
 
 
@@ -42,8 +42,8 @@ class NodeServer:
         interceptors=(),
     ):
         options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", constants.RPC_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", constants.RPC_MAX_MESSAGE_BYTES),
         ]
         slots = getattr(servicer, "generation_slots", None)
         if slots is not None:

@@ -49,14 +49,15 @@ def load_ca(path: str | Path | None = None) -> bytes | None:
     return _read_pem(path, "CA certificate") if path else None
 
 
-# A ComputeExperts answer of a long prefill can pass gRPC's 4 MB default; node servers accept 8 MB.
+# A ComputeExperts answer can pass gRPC's 4 MB default; channels accept what node servers send.
 # A channel to a node that went away retries its connection with a backoff that grows to gRPC's
 # default of 120 s, and fails every call (health checks too) in between: a peer restarted after a
 # few minutes down would stay unreachable for up to two minutes. On a LAN a connection attempt
 # costs nothing, so the backoff stops growing at 1 s: a restarted node is reachable within it.
 MAX_RECONNECT_BACKOFF_MS = 1000
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.max_receive_message_length", constants.RPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", constants.RPC_MAX_MESSAGE_BYTES),  # what a node accepts
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),

@@ -213,9 +213,14 @@ class ExpertStore:
         node's own passes and peers' ComputeExperts alike, comes through here.
 
         The groups are pipelined: the next groups' fetches are queued before a group is handed
-        over, as many as fit beside it within the hold limit, so the link or the disk keeps
-        working while the caller computes. Each group is half the hold limit, the group being
-        computed and the one in flight together within it, but the last: it comes in halves
+        over, as many as fit beside it within the limit, so the link or the disk keeps working
+        while the caller computes. A layer within the hold limit is one group (the kernels
+        mlx-lm runs for the layer); a wider one is taken two experts per fetch worker at most,
+        where that is less than the hold limit: an expert is decoded as it arrives and written
+        into a slot only when its group is handed over, so what is queued ahead waits in memory
+        beside the RAM tier's slots, and beyond one group per worker in flight it would only pile
+        up there (the memory plan counts two experts per fetch worker). Each group is half that
+        limit, the group being computed and the one in flight together within it, but the last: it comes in halves
         (`_tapered`), all queued while the group before it is computed. What the caller computes
         after the layer's last byte has come is then a few experts, not half the hold limit: the
         link idles through that compute, since the next layer's experts are known only after it.
@@ -233,6 +238,8 @@ class ExpertStore:
         routed = experts if routed is None else [int(e) for e in routed]
         self._begin_layer(layer, routed, record=bool(routed), own_pass=bool(routed))
         limit = self.hold_limit()
+        if len(experts) > limit:  # in groups: what waits beside the slots is bounded by the workers
+            limit = min(limit, 2 * self.fetches.workers)
         size = limit if len(experts) <= limit else max(1, limit // 2)
         # no experts: one empty group all the same (a call that only announces the pass)
         groups = _tapered([experts[i : i + size] for i in range(0, len(experts), size)]) or [[]]

@@ -45,6 +45,7 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Protocol
 
+from expertmesh.node import constants
 from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex, ExpertLocation
@@ -59,7 +60,9 @@ TMP_SUFFIX = ".tmp"
 _OWN_NAME = re.compile(r"\d+\.bin(?:(?:\.\d+)*" + re.escape(TMP_SUFFIX) + ")?")
 LOCK_FILENAME = ".lock"
 DISK_RETRY_S = 60.0  # a disk that refused a write, or a cache another process keeps, is tried again after this
-WRITE_BEHIND_EXPERTS = 2  # queued writes at most (an SSD drains them in milliseconds); `put` waits beyond
+WRITE_BEHIND_EXPERTS = (
+    constants.DISK_WRITE_BEHIND_EXPERTS
+)  # queued writes at most (an SSD drains them in milliseconds); `put` waits beyond
 # errors that mean the disk will not take more: the tier turns itself off
 _DISK_REFUSES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
 

@@ -1,0 +1,170 @@
+"""Where a prompt's node process keeps its memory, against `doctor --plan` (issue 46).
+
+The K3-proportioned repo of `expertmesh bench --model k3-proportions` (2 MoE layers, 384 experts
+of 17,547,264 bytes a layer unless told), `expertmesh hub` at 100 MB/s, 25 MB/s a connection, 75 ms
+to the first byte; a node with an empty home and a RAM budget of 64 experts (the prompt bench's)
+answers one token of a prompt in a process of its own, as the prompt bench's rows do. With `--cache
+disk` an untimed process puts the prompt's experts on disk first (RAM budget 0) and the measured
+process reads them from there.
+
+The measured process notes its resident memory (Linux's /proc/self/status: VmRSS split into
+anonymous and file-backed, VmHWM the peak) after the interpreter starts, after MLX, after
+transformers and the rest of expertmesh are imported, after the model is opened (core, tokenizer,
+store), and after the prompt; and every 20 ms during the prompt, beside MLX's active and cached
+bytes and the disk tier's pooled and queued buffers, so that the peak can be split into parts.
+Printed beside it: the plan `doctor --plan` makes for the same node.
+
+    python benchmarks/bench_prompt_memory.py [--tokens 16] [--moe-layers 2] [--experts 384] [--cache cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+LINK, PER_CONNECTION, TTFB_S, RAM_EXPERTS = 100e6, 25e6, 0.075, 64
+
+
+def _status() -> dict[str, int]:
+    """This process's VmRSS, RssAnon, RssFile and VmHWM in bytes (Linux)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def child(spec: dict) -> dict:
+    """The measured process: phases, then the prompt sampled."""
+    phases = {"started": _status()}
+    import mlx.core as mx
+
+    phases["mlx imported"] = _status()
+    import transformers  # noqa: F401 - the tokenizer's loader; imported by open_model anyway
+
+    phases["transformers imported"] = _status()
+    from expertmesh.assembly import open_model
+    from expertmesh.devtools import bench_prompt
+    from expertmesh.node.config import StoreConfig
+    from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
+    from expertmesh.node.hub import client as hub_client
+    from expertmesh.node.store import buffers
+
+    phases["expertmesh imported"] = _status()
+    with hub_client.using_endpoint(spec["hub_url"]):
+        sm = open_model(spec["repo_id"], home=Path(spec["home"]), store=StoreConfig(**spec["store"]))
+        phases["model opened"] = _status()
+        disk = sm.store.disk
+        samples: list[dict] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                s = _status()
+                s.update(
+                    mlx_active=mx.get_active_memory(),
+                    mlx_cache=mx.get_cache_memory(),
+                    pool_idle=buffers.shared_pool().idle_bytes,
+                    disk_queued=getattr(disk, "_pending_bytes", 0) if disk is not None else 0,
+                    ram_tier=sm.store.ram.nbytes if hasattr(sm.store.ram, "nbytes") else 0,
+                )
+                samples.append(s)
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        ids = bench_prompt.prompt_ids(spec["tokens"], spec["vocab"])
+        summary = GenerationSummary()
+        list(Generator(sm).generate(ids, SamplingSettings(max_tokens=1), summary=summary))
+        if disk is not None:
+            disk.flush()
+        stop.set()
+        sampler.join()
+        phases["prompt answered"] = _status()
+        peak = max(samples, key=lambda s: s["VmRSS"]) if samples else {}
+        sm.close()
+    return {
+        "phases": phases,
+        "at_peak": peak,
+        "mlx_peak": mx.get_peak_memory(),
+        "ttft_s": summary.time_to_first_token_s,
+    }
+
+
+def _run_child(spec: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--moe-layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--cache", choices=("cold", "disk"), default="cold")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    from expertmesh.devtools import bench_k3, bench_prompt
+    from expertmesh.devtools.tiny import k3_proportions
+    from expertmesh.node.doctor import plan_model
+    from expertmesh.node.hub import client as hub_client
+    from expertmesh.node.hub.pull import pull
+
+    p = k3_proportions.Proportions(experts=args.experts, moe_layers=args.moe_layers)
+    repo_id, root = bench_k3.prompt_bench_repo(p)
+    eb = p.expert_bytes
+    store = {"ram_budget": str(RAM_EXPERTS * eb + eb // 2), "disk_budget": "100%"}
+    work = Path(tempfile.mkdtemp(prefix="expertmesh-memory-"))
+    hub = bench_k3._Hub(root.parent.parent, PER_CONNECTION, LINK, TTFB_S)
+    try:
+        with hub_client.using_endpoint(hub.url):
+            pull(repo_id, home=work / "home", progress=False)
+            vocab = bench_prompt._vocab(work / "home", repo_id)
+            planned = plan_model(work / "home", repo_id, ram_budget=store["ram_budget"], prefix_cache="0")
+        plan = planned.planner.plan()
+        spec = {"repo_id": repo_id, "hub_url": hub.url, "home": str(work / "home"), "tokens": args.tokens}
+        spec.update(vocab=vocab, store=store)
+        if args.cache == "disk":
+            _run_child({**spec, "store": {**store, "ram_budget": "0"}})
+            from expertmesh.devtools.disk_floor import drop_page_cache
+
+            drop_page_cache(sorted(str(f) for f in (work / "home" / "experts").rglob("*.bin")))
+        got = _run_child(spec)
+    finally:
+        hub.close()
+        shutil.rmtree(work, ignore_errors=True)
+    gb = 1e9
+    print(f"{repo_id}, {args.tokens}-token prompt, {args.cache}; RAM budget {RAM_EXPERTS} experts")
+    print(f"plan: {plan.parts()}")
+    print(f"{'phase':<22} {'RSS':>8} {'anon':>8} {'file':>8} {'peak':>8}")
+    for name, s in got["phases"].items():
+        print(
+            f"{name:<22} {s['VmRSS'] / gb:>7.3f}G {s['RssAnon'] / gb:>7.3f}G "
+            f"{s['RssFile'] / gb:>7.3f}G {s['VmHWM'] / gb:>7.3f}G"
+        )
+    peak = got["at_peak"]
+    if peak:
+        print(
+            "at the sampled peak: "
+            + ", ".join(f"{k} {v / gb:.3f}G" for k, v in peak.items() if k not in ("VmHWM", "RssShmem"))
+        )
+    print(f"MLX's own peak: {got['mlx_peak'] / gb:.3f}G; the first token after {got['ttft_s']:.2f} s")
+    print(json.dumps({"plan": plan.as_json(), **got}))
+
+
+if __name__ == "__main__":
+    main()
