@@ -58,7 +58,7 @@ def child(spec: dict) -> dict:
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.store import buffers
 
-    phases["expertmesh imported"] = _status()
+    phases["the package imported"] = _status()
     with hub_client.using_endpoint(spec["hub_url"]):
         sm = open_model(spec["repo_id"], home=Path(spec["home"]), store=StoreConfig(**spec["store"]))
         phases["model opened"] = _status()
