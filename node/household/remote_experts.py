@@ -321,8 +321,8 @@ class RemoteExperts:
         for group in store.layer_groups(block.layer, experts, guess=guess, routed=routed):
             if not group.served:
                 continue  # nothing here: the call only announced the pass
-            with block.placed(store, group) as slots:
-                part = block.compute_rows(slots, {e: rows[e] for e in group.served})
+            with group.placed() as placed:
+                part = block.compute_rows(placed, {e: rows[e] for e in group.served})
                 mx.eval(list(part.values()))
             out.update(part)
             served.update(group.served)
