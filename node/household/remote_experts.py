@@ -20,7 +20,8 @@ The calls of a layer go out together, and the local experts are fetched (through
 entry point, `layer_groups`, in groups within its hold limit) and computed while they are in
 flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
 dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
-computed here: the token is never lost. Everything is counted in the store's statistics (source
+computed here: the token is never lost. A prompt's first miss only lengthens the next prompt's
+deadlines for that peer (`RemoteExperts._forgiven`). Everything is counted in the store's statistics (source
 `remote`, activation bytes, fallbacks by reason), so summaries and metrics show the decisions.
 
 `run` is called inside the forward pass, on the process's MLX thread. While it waits for the
@@ -43,7 +44,7 @@ from expertmesh.node.config import RemoteConfig
 from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
-from expertmesh.node.household.peers_tier import PeerSource
+from expertmesh.node.household.peers_tier import HEALTH_DEADLINE_S, PeerSource
 from expertmesh.node.rpc import activations
 from expertmesh.node.store.prefetch import LayerGuess
 from expertmesh.node.store.stats import ExpertKey, StoreStats
@@ -74,6 +75,8 @@ class LinkEstimate:
     service_rows: float | None = None  # the rows per expert of the calls `service_s` was measured on
     mlx_wait_s: float = 0.0  # what a call waits at the peer for its MLX thread (its own generation, other peers)
     queued: int = 0  # ComputeExperts calls running at the peer when the last one arrived
+    prompt_scale: float = 1.0  # how many times the rows' linear growth a prompt's call takes here, at least
+    misses: int = 0  # deadlines this peer missed since its last answer
     last_call_s: float = 0.0
     pinged_at: float = -1e9
 
@@ -127,8 +130,23 @@ class LinkEstimate:
         """How many times the measured service time a call with `rows_per_expert` may take, at
         most: its compute grows with its rows (on a CPU about linearly; on a GPU far less), and
         `service_s` was measured at `service_rows` (a token's few rows, where decode measured
-        it). A prompt's call carries tens of rows per expert: its deadline must allow for them."""
-        return max(1.0, rows_per_expert / max(1.0, self.service_rows or 1.0))
+        it). A prompt's call carries tens of rows per expert: its deadline must allow for them,
+        and for what such calls were seen to take beyond that growth (`prompt_scale`): every
+        peer computes a prompt's layer at once, so on shared cores each takes longer still."""
+        linear = rows_per_expert / max(1.0, self.service_rows or 1.0)
+        return linear * self.prompt_scale if linear > 1.0 else 1.0
+
+    def observe_prompt_call(self, seconds: float, expected_s: float, answered: bool) -> None:
+        """A prompt-sized call that was `expected_s` long by the linear model (`rows_factor`
+        without `prompt_scale`) took `seconds`, or, when not `answered`, at least `seconds` (its
+        deadline: a censored observation, whose lower bound is all it says)."""
+        if expected_s <= 0:
+            return
+        ratio = max(1.0, seconds / expected_s)
+        if answered:
+            self.prompt_scale = (1 - EWMA) * self.prompt_scale + EWMA * ratio
+        else:
+            self.prompt_scale = max(self.prompt_scale, ratio)
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -144,6 +162,9 @@ class _Call:
     started: float
     rows: dict[int, int]  # expert -> row count expected back
     dtype: str
+    timeout_s: float
+    expected_s: float  # its duration by the linear rows model, when it carries a prompt's rows; else 0
+    misses: int  # the peer's deadlines missed in a row when the call went out
     finished: list[float] = field(default_factory=list)  # when the answer arrived (set by the future)
 
 
@@ -355,13 +376,15 @@ class RemoteExperts:
                     # costs the same here or there); the deadline must also cover the call's rows
                     rows_each = sum(x.rows.shape[0] for x in batch) / len(batch)
                     link = self.links.get(node_id) or self._link(peer)
-                    timeout = max(
-                        self.config.deadline_floor_s,
-                        self.config.deadline_factor * estimate * link.rows_factor(rows_each),
-                    )
+                    factor = link.rows_factor(rows_each)
+                    timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate * factor)
+                    expected = estimate * factor / link.prompt_scale if factor > 1.0 else 0.0
                     sent_at = time.perf_counter()
                     fut = self.peers.client(peer.address).compute_experts(request, timeout)
-                    call = _Call(peer, request, fut, size, sent_at, {x.expert: x.rows.shape[0] for x in batch}, t.dtype)
+                    expected_rows = {x.expert: x.rows.shape[0] for x in batch}
+                    call = _Call(
+                        peer, request, fut, size, sent_at, expected_rows, t.dtype, timeout, expected, link.misses
+                    )
                     fut.add_done_callback(lambda _, done=call.finished: done.append(time.perf_counter()))
                     calls.append(call)
                     batch, size = [], 0
@@ -383,7 +406,8 @@ class RemoteExperts:
                 code = error.code()
                 deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED
                 reason = "deadline" if deadline else "error"
-                if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
+                forgiven = deadline and self._forgiven(call)
+                if not forgiven and code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
                     self.peers.penalise_call(
                         call.peer, code, "compute_deadline" if deadline else f"compute_{code.name.lower()}"
                     )
@@ -403,6 +427,9 @@ class RemoteExperts:
                 continue
             received = sum(len(x.rows.data) for x in response.experts)
             link = self.links.get(call.peer.node_id) or self._link(call.peer)
+            link.misses = 0
+            if call.expected_s > 0:
+                link.observe_prompt_call(wall, call.expected_s, answered=True)
             link.observe_call(
                 wall,
                 response.compute_seconds,
@@ -424,6 +451,20 @@ class RemoteExperts:
                 self.peers.note_holding(call.peer, (block.layer, e), False)
             failed.extend(response.missing)
         return failed
+
+    def _forgiven(self, call: _Call) -> bool:
+        """Whether a call past its deadline is a measurement rather than a fault: the first miss
+        in a row of a prompt-sized call, from a peer that still answers its health check. Its
+        deadline was a guess from decode's few rows; the miss says the peer needs at least that
+        long for a prompt's, so the next prompt's deadlines allow for it (`observe_prompt_call`)
+        and the peer keeps computing decode's experts. A second miss in a row, a decode call's
+        miss or a silent peer is a fault: the peer is skipped (`penalise_call`)."""
+        link = self.links.get(call.peer.node_id) or self._link(call.peer)
+        link.misses += 1
+        if call.expected_s <= 0 or call.misses > 0:
+            return False
+        link.observe_prompt_call(call.timeout_s, call.expected_s, answered=False)
+        return self.peers.client(call.peer.address).serving(HEALTH_DEADLINE_S)
 
     def _check(
         self, block: StreamingExperts, call: _Call, response: node_pb2.ComputeExpertsResponse
