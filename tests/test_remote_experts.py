@@ -119,7 +119,10 @@ class Pair:
         self.remote = self.me.remote
 
     def revive(self) -> None:
+        """The pair as new: an honest peer, not skipped, its link not yet measured (what a test
+        taught the requester of a misbehaving peer is no part of the next test)."""
         self.service.mode = "honest"
+        self.remote.links.clear()
         for p in self.source.table.peers.values():
             p.skip_until = 0.0
 
