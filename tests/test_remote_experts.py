@@ -279,6 +279,18 @@ def test_a_lying_mlx_wait_is_held_to_what_the_caller_saw() -> None:
     assert link.service_s == 0 and link.mlx_wait_s == pytest.approx(0.5 * 0.2)
 
 
+def test_a_missed_deadline_is_a_lower_bound_on_what_a_prompts_call_takes() -> None:
+    link = LinkEstimate(service_s=0.01, service_rows=1.0)
+    assert link.rows_factor(8.0) == 8.0 and link.rows_factor(1.0) == 1.0
+    link.observe_prompt_call(2.0, 0.5, answered=False)  # took at least 4x what the rows' growth says
+    assert link.prompt_scale == 4.0 and link.rows_factor(8.0) == 32.0
+    assert link.rows_factor(1.0) == 1.0  # decode's deadlines are not prompts'
+    link.observe_prompt_call(1.0, 0.5, answered=False)  # a shorter deadline missed says less: kept
+    assert link.prompt_scale == 4.0
+    link.observe_prompt_call(0.5, 0.5, answered=True)  # answered as the rows' growth says: back towards 1
+    assert 1.0 < link.prompt_scale < 4.0
+
+
 @pytest.mark.parametrize("mode", ["short", "nan", "extra"])
 def test_a_peer_with_malformed_outputs_is_caught_skipped_and_counted(pairs, mode: str) -> None:
     pair = pairs("kimi_k3")
