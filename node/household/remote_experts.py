@@ -20,9 +20,10 @@ The calls of a layer go out together, and the local experts are fetched (through
 entry point, `layer_groups`, in groups within its hold limit) and computed while they are in
 flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
 dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
-computed here: the token is never lost. A prompt's first miss only lengthens the next prompt's
-deadlines for that peer (`RemoteExperts._forgiven`). Everything is counted in the store's statistics (source
-`remote`, activation bytes, fallbacks by reason), so summaries and metrics show the decisions.
+computed here: the token is never lost. A prompt's first miss only lengthens that peer's
+deadlines for prompts (`RemoteExperts._forgiven`). Everything is counted in the store's
+statistics (source `remote`, activation bytes, fallbacks by reason), so summaries and metrics show
+the decisions.
 
 `run` is called inside the forward pass, on the process's MLX thread. While it waits for the
 peers' answers that thread serves the peers' own ComputeExperts calls (`ModelThread.wait`): two
@@ -455,9 +456,10 @@ class RemoteExperts:
     def _forgiven(self, call: _Call) -> bool:
         """Whether a call past its deadline is a measurement rather than a fault: the first miss
         in a row of a prompt-sized call, from a peer that still answers its health check. Its
-        deadline was a guess from decode's few rows; the miss says the peer needs at least that
-        long for a prompt's, so the next prompt's deadlines allow for it (`observe_prompt_call`)
-        and the peer keeps computing decode's experts. A second miss in a row, a decode call's
+        deadline was a guess: from decode's few rows, or, before any call, from a prior (often
+        just the floor) while every peer computes the same layer. The miss says the peer needs
+        at least that long for a prompt's rows, so the next prompt's deadlines allow for it
+        (`observe_prompt_call`) and the peer keeps computing the prompt's other layers and decode. A second miss in a row, a decode call's
         miss or a silent peer is a fault: the peer is skipped (`penalise_call`)."""
         link = self.links.get(call.peer.node_id) or self._link(call.peer)
         link.misses += 1
