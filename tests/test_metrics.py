@@ -597,6 +597,19 @@ def test_linger_stops_at_its_bound_when_nobody_scrapes() -> None:
         server.stop()
 
 
+def test_a_scrape_sent_on_the_linger_announcement_ends_it() -> None:
+    """`run` prints "keeping … until it is scraped" and a scraper may answer it at once. The
+    scrapes that count were marked after that line, so a scrape quick enough to begin first did
+    not count and `run` waited out its whole linger (an hour in the e2e test above, which failed
+    about half the time once the node's own threads kept this one from the GIL)."""
+    server = NodeMetrics(MetricsSources()).serve("127.0.0.1", 0)
+    try:
+        # the scrape is answered before linger waits: only a mark taken before announcing counts it
+        assert server.linger(30, announce=lambda: _scrape(server.url)) is True
+    finally:
+        server.stop()
+
+
 def test_idle_connections_to_metrics_cannot_take_a_thread_each() -> None:
     """/metrics needs no key and `serve` listens on the LAN: 400 connections that sent half a
     request held 400 threads for ever (found by an audit). Now at most METRICS_CONNECTIONS are

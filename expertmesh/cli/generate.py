@@ -150,13 +150,16 @@ def _linger(server: MetricsServer, seconds: float) -> None:
     """Keep `/metrics` up until one more scrape, at most `seconds` (MetricsServer.linger says why)."""
     if seconds <= 0:
         return
-    print(
-        f"keeping {server.url} up until it is scraped, at most {seconds:g} s (--metrics-linger; Ctrl-C ends it)",
-        file=sys.stderr,
-        flush=True,
-    )
+
+    def announce() -> None:
+        print(
+            f"keeping {server.url} up until it is scraped, at most {seconds:g} s (--metrics-linger; Ctrl-C ends it)",
+            file=sys.stderr,
+            flush=True,
+        )
+
     try:
-        scraped = server.linger(seconds)
+        scraped = server.linger(seconds, announce)
     except KeyboardInterrupt:
         return
     if not scraped:

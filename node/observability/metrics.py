@@ -567,10 +567,12 @@ class MetricsServer:
         host = f"[{host}]" if ":" in host else host  # an IPv6 address
         return f"http://{host}:{self.port}/metrics"
 
-    def linger(self, seconds: float) -> bool:
+    def linger(self, seconds: float, announce: Callable[[], None] | None = None) -> bool:
         """Keep serving until a scrape that begins from now on was answered, or for `seconds`,
         whichever comes first; True if such a scrape was answered. Call it once the counts are
-        final; `stop` afterwards.
+        final; `stop` afterwards. `announce` (telling the user what it waits for) is called once
+        the scrapes that count are marked: a scrape sent on reading it counts, however soon it
+        arrives (marked after it, one that beat this thread to the lock waited out the bound).
 
         Why: `run` lasts seconds, often less than Prometheus' scrape interval, and its counters
         are final only when its generation ends. Stopping the server right then leaves Prometheus
@@ -581,6 +583,8 @@ class MetricsServer:
         count.
         """
         mark = self.scrapes.next_number()
+        if announce is not None:
+            announce()
         return seconds > 0 and self.scrapes.answered_since(mark, seconds)
 
     def stop(self) -> None:
