@@ -19,7 +19,7 @@ from expertmesh.devtools.tiny import ARCHS, make_tiny_model
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
-pytest_plugins = ["process_guard"]  # keeps the e2e marker true
+pytest_plugins = ["process_guard", "suite_pace"]  # the e2e marker kept true; workers and compiled modules
 
 DENSE_EXPERT_ARCHS = ("qwen3_moe",)  # BF16 experts: streamed in float32 on a CPU (see Oracle.load)
 
