@@ -16,6 +16,8 @@ from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.hub import local_models
+from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
 from tests.store_calls import take_layer
 
 ARCH, REPO_ID = "kimi_k3", KIMI_K3
@@ -119,11 +121,18 @@ def test_a_prefill_of_64_rows_runs_the_sorted_kernels_switchglu_runs(
     assert ours == theirs
 
 
+def _expert_bytes(home: Path) -> int:
+    index = ExpertIndex.load(local_models.find_index(home, REPO_ID) / INDEX_FILENAME)
+    return max(loc.nbytes for loc in index.experts.values())
+
+
 def test_experts_arriving_into_used_slots_never_copy_a_stack(home: Path, hub: HubServer, oracle) -> None:
-    """A RAM tier that keeps nothing, two spare slots: every layer's experts come in groups through
-    the same two slots, each written in place (the stacks' buffers never move), and what comes
-    out is mlx-lm's."""
-    store = StoreConfig(ram_budget="1", fetch_concurrency=2, prefetch=True, fill=False)
+    """An LRU tier that keeps two experts, two spare slots: every arrival is kept and written into
+    one of the same few slots, each written in place (the stacks' buffers never move), and what
+    comes out is mlx-lm's."""
+    store = StoreConfig(
+        ram_budget=str(2 * _expert_bytes(home)), ram_policy="lru", fetch_concurrency=2, prefetch=True, fill=False
+    )
     sm = open_model(REPO_ID, home=home, store=store)
     try:
         ids = sm.tokenizer.encode(PROMPT)
@@ -140,3 +149,22 @@ def test_experts_arriving_into_used_slots_never_copy_a_stack(home: Path, hub: Hu
     assert tokens == oracle.tokens(ARCH, ids, TOKENS)
     assert writes - first[1] > capacity  # slots were written again and again after the first token
     assert buffers == first[0]
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_experts_the_ram_tier_does_not_keep_run_from_their_decoded_arrays_never_written(
+    long: bool, home: Path, hub: HubServer, oracle
+) -> None:
+    """A RAM tier that keeps nothing: every expert is read, used once and let go, in decode and in a
+    prompt of several groups. None is written into a slot (a copy of the expert on the MLX thread
+    that nothing reads again): its kernels read the arrays it was decoded into, and what comes out
+    is mlx-lm's."""
+    sm = open_model(REPO_ID, home=home, store=StoreConfig(ram_budget="1", prefetch=True, fill=False))
+    try:
+        ids = sm.tokenizer.encode(LONG_PROMPT if long else PROMPT)
+        tokens = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=TOKENS))]
+        writes, uses = sm.store.ram.slot_writes, sm.store.stats.total_uses
+    finally:
+        sm.close()
+    assert tokens == oracle.tokens(ARCH, ids, TOKENS)
+    assert uses > 0 and writes == 0

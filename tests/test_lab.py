@@ -159,6 +159,9 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
     assert by["remote"]["uses"]["remote"] > 0
     assert by["remote"]["lan_bytes_per_token"] < by["fetch_from_owners"]["lan_bytes_per_token"]
     assert set(by["remote"]["placed"]) - {"here"}  # some experts were placed on peers
+    warm = by["remote"]["warm_up"]  # what the measured prompts' deadlines were learnt from
+    assert warm["prompt_remote"]["calls"] > 0 and set(warm["links"]) == set(by["remote"]["links"])
+    assert all(link["prompt_scale"] >= 1.0 for link in warm["links"].values())
     # a long prompt, its first token timed: fetched from the owners, or computed there in at most
     # one call per peer per MoE layer; the same tokens either way
     fetched, computed = by["prompt_fetch_from_owners"], by["prompt_remote"]

@@ -85,19 +85,37 @@ def test_an_expert_in_use_keeps_its_slot_when_the_policy_lets_it_go() -> None:
     assert ram.place((1, 3), _expert(1, 3)) is not None
 
 
+def _used(ram: RamCache, key: tuple[int, int], times: int) -> None:
+    """`key` placed and used `times` times in all, released after each use."""
+    ram.place(key, _expert(*key))
+    ram.release([key])
+    for _ in range(times - 1):
+        ram.release(list(ram.acquire([key])))
+
+
+def test_an_arrival_the_policy_does_not_keep_is_never_written_into_a_slot() -> None:
+    """Its kernels read the arrays it was decoded into (engine/blocks.py): a slot write would copy
+    an expert used once, on the MLX thread, only to let it go."""
+    ram = _tier(kept=2, spare=2, policy="lfu")
+    for e in (0, 1):
+        _used(ram, (1, e), 3)  # used often: the policy keeps these over a newcomer
+    before, writes = ram.stack_buffers(), ram.slot_writes
+    assert ram.place((1, 2), _expert(1, 2)) is None
+    assert ram.slot_writes == writes == 2 and (1, 2) not in ram and ram.evictions == 1
+    assert ram.stack_buffers() == before and [_held(ram, (1, e)) for e in (0, 1)] == [100, 101]
+    ram.release([(1, 2)])  # a caller's release of what it never got a slot for changes nothing
+    assert len(ram) == 2 and ram.nbytes == 2 * EXPERT_BYTES
+
+
 def test_every_slot_taken_the_least_recently_used_expert_not_in_use_gives_its_slot_up() -> None:
     ram = _tier(kept=2, spare=1, policy="lfu")
-    for e in (0, 1):
-        ram.place((1, e), _expert(1, e))
-        ram.release([(1, e)])
-        for _ in range(2):  # used often: the policy keeps these over a newcomer
-            ram.release(list(ram.acquire([(1, e)])))
-    pinned = [(1, 2), (1, 3)]  # two newcomers in use at once, one spare slot
-    for key in pinned:
+    _used(ram, (1, 0), 3)  # used often: kept over newcomers
+    in_use = [(1, 1), (1, 2), (1, 3)]
+    for key in in_use:  # each newcomer kept over the last, which stays in its slot while in use
         assert ram.place(key, _expert(*key)) is not None
-    assert (1, 0) not in ram and (1, 1) in ram  # the older of the two gave its slot up
-    assert [_held(ram, key) for key in pinned] == [102, 103]
-    ram.release(pinned)
+    assert (1, 0) not in ram  # no slot was free: the one expert not in use gave its slot up
+    assert [_held(ram, key) for key in in_use] == [101, 102, 103]
+    ram.release(in_use)
 
 
 def test_a_layer_with_every_expert_kept_maps_ids_to_slots_on_the_device() -> None:

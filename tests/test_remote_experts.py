@@ -42,6 +42,7 @@ PROMPT = "Move activations, not experts"
 TOKENS = 10
 TIME_SCALE = 0.05  # a K3 expert's 148 ms on gigabit becomes 7.4 ms
 ROW_S = 0.001  # a peer's seconds per row it computes, where its compute grows with its rows
+PROMPT_ROWS = 4  # rows per expert above which a call carries a prompt's rows (decode's carry one or two)
 
 
 def _generate(node, on_token=None) -> list[int]:
@@ -61,6 +62,11 @@ class _ComputeNode(NodeService):
     def ComputeExperts(self, request, context):
         if self.mode == "slow":
             time.sleep(2.0)
+        prompt = sum(x.rows.shape[0] for x in request.experts) > PROMPT_ROWS * len(request.experts)
+        if prompt and self.mode in ("busy_prompt", "stuck_prompts"):  # answers just past the deadline
+            if self.mode == "busy_prompt":
+                self.mode = "honest"  # a busy spell: its next calls are answered in time
+            time.sleep(context.time_remaining() + 0.1)
         response = super().ComputeExperts(request, context)
         if self.mode == "honest" or not response.experts:
             return response
@@ -98,6 +104,7 @@ class Pair:
         lan.lan = k3_lan(loc.nbytes, row_bytes, TIME_SCALE)
         self.service = self.peer.service
         self.running = self.peer.rpc
+        self.running_id = f"peer-{arch}"
         pull(repo, home=root / "me", progress=False)
         self.me = joined(
             repo,
@@ -112,7 +119,10 @@ class Pair:
         self.remote = self.me.remote
 
     def revive(self) -> None:
+        """The pair as new: an honest peer, not skipped, its link not yet measured (what a test
+        taught the requester of a misbehaving peer is no part of the next test)."""
         self.service.mode = "honest"
+        self.remote.links.clear()
         for p in self.source.table.peers.values():
             p.skip_until = 0.0
 
@@ -267,6 +277,18 @@ def test_a_lying_mlx_wait_is_held_to_what_the_caller_saw() -> None:
     link = LinkEstimate()
     link.observe_call(1.0, 0.5, 2, 0, 1e9)  # more than the peer's own total: at most all of it
     assert link.service_s == 0 and link.mlx_wait_s == pytest.approx(0.5 * 0.2)
+
+
+def test_a_missed_deadline_is_a_lower_bound_on_what_a_prompts_call_takes() -> None:
+    link = LinkEstimate(service_s=0.01, service_rows=1.0)
+    assert link.rows_factor(8.0) == 8.0 and link.rows_factor(1.0) == 1.0
+    link.observe_prompt_call(2.0, 0.5, answered=False)  # took at least 4x what the rows' growth says
+    assert link.prompt_scale == 4.0 and link.rows_factor(8.0) == 32.0
+    assert link.rows_factor(1.0) == 1.0  # decode's deadlines are not prompts'
+    link.observe_prompt_call(1.0, 0.5, answered=False)  # a shorter deadline missed says less: kept
+    assert link.prompt_scale == 4.0
+    link.observe_prompt_call(0.5, 0.5, answered=True)  # answered as the rows' growth says: back towards 1
+    assert 1.0 < link.prompt_scale < 4.0
 
 
 @pytest.mark.parametrize("mode", ["short", "nan", "extra"])
@@ -580,3 +602,38 @@ def test_a_message_past_the_limit_is_refused_by_the_sender_and_by_the_node(pairs
     with pytest.raises(grpc.RpcError) as read:
         _compute(pair, request)  # a channel with gRPC's own defaults: no limit on what it sends
     assert read.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in read.value.details()
+
+
+def test_a_prompts_call_past_its_deadline_teaches_its_deadline_without_skipping_the_peer(pairs, monkeypatch) -> None:
+    """A prompt's call can take longer than its deadline, a guess from decode's few rows, allows
+    (every peer computes the layer at once on shared cores). Its first miss is a measurement:
+    the peer took at least the deadline, the next prompt's deadlines allow for that, and the peer
+    keeps computing the rest of the prompt and its decode. A second miss in a row is a fault:
+    the peer is skipped, as a peer that hangs must be."""
+    from dataclasses import replace
+
+    pair = pairs("kimi_k3")
+    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, deadline_floor_s=0.05))
+    assert _generate(pair.me) == pair.expected  # decode's calls: their service time measured
+    link = pair.remote.links[pair.running_id]
+    sm = pair.me.model
+    ids = sm.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
+    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=4))]
+
+    pair.service.mode = "busy_prompt"
+    before = pair.me.store.stats.snapshot()
+    got = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=4))]
+    d = pair.me.store.stats.since(before)
+    assert got == alone
+    assert d.remote["fallback_deadline"] > 0, d.remote  # the busy call missed and was computed here
+    assert pair.source.table.live_count() == 1  # not skipped: the prompt's other layers and decode ran there
+    assert d.uses["remote"] > 0 and d.remote["calls"] > 0, (d.uses, d.remote)
+    assert link.prompt_scale > 1.0  # the next prompt's deadlines allow for what this one took
+
+    pair.service.mode = "stuck_prompts"
+    before = pair.me.store.stats.snapshot()
+    got = [t.id for t in Generator(sm).generate(ids, SamplingSettings(max_tokens=1))]
+    d = pair.me.store.stats.since(before)
+    assert got == alone[:1]
+    assert d.remote["fallback_deadline"] >= 2, d.remote
+    assert pair.source.table.live_count() == 0  # missed twice in a row: skipped

@@ -256,13 +256,13 @@ def _take(store, layer: int, experts: list[int], guess=None) -> None:
 
 def _place(group) -> None:
     """Into slots and written, as a layer's kernels would make them written before reading them:
-    the replay pays each expert's copy into its slot as decode does. Left lazy, writes that no
+    the replay pays each kept expert's copy into its slot as decode does. Left lazy, writes that no
     kernel ever reads pile up one graph holding every expert replayed, whose memory is never
     reused (every decode then faults in fresh pages: CPU the fetch path does not spend)."""
     import mlx.core as mx
 
-    with group.placed() as slots:
-        if slots:
+    with group.placed() as placed:
+        if placed.slots:
             stacks = group.ram.pool(group.layer).arrays or {}
             mx.eval([a for arrays in stacks.values() for a in arrays.values()])
 

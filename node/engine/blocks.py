@@ -11,7 +11,9 @@ How expert weights reach the kernel: the RAM tier keeps experts in slots of stac
 out as mlx-lm's `QuantizedSwitchLinear`/`SwitchLinear` weights are (store/tiers/ram.py), and a
 layer runs mlx-lm's own `SwitchGLU.__call__` (or `SwitchMLP`'s) over them, with the router's
 expert ids mapped to slot ids: one `gather_qmm` (or `gather_mm`) per projection, sorted as
-mlx-lm sorts from 64 rows on. A token copies no resident expert.
+mlx-lm sorts from 64 rows on. A token copies no resident expert. An arrival the tier does not keep
+is never written into a slot (a copy of it that nothing reads again): the same call runs over its
+own decoded arrays, a stack of one (`compute`).
 
 Two ways a layer runs:
 - resident: every expert of the layer is in a slot. The id -> slot map is an MLX array, so the
@@ -37,7 +39,6 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,16 +50,14 @@ from mlx_lm.utils import load_model
 
 from expertmesh.node.engine.forward_pass import building, count_by_row
 from expertmesh.node.engine.model_thread import model_thread
-from expertmesh.node.errors import ExpertmeshError, UnsupportedModelError
+from expertmesh.node.errors import UnsupportedModelError
 from expertmesh.node.model.codec import QuantSpec
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.model.mlx_lm_models import BLOCK_PROJECTIONS, layer_number, model_classes
 from expertmesh.node.store.prefetch import LayerGuess
 from expertmesh.node.store.stats import StoreStats
-from expertmesh.node.store.store import ExpertGroup, Served
+from expertmesh.node.store.store import ExpertGroup, Placed, Served
 from expertmesh.node.store.tiers.ram import RamCache
-
-PLACE_ATTEMPTS = 3  # an expert let go of between the store's look and its placing is asked for again
 
 
 class BlockStore(Protocol):
@@ -221,17 +220,19 @@ class StreamingExperts(nn.Module):
 
     # -- the kernels ----------------------------------------------------------------------------
 
-    def _switch(self, x: mx.array, slots: mx.array) -> mx.array:
-        """mlx-lm's `SwitchGLU.__call__` (or `SwitchMLP`'s), line for line, over the RAM tier's
-        slots: `slots` are the router's indices mapped to slot ids (lazy).
+    def _switch(self, x: mx.array, slots: mx.array, stacks: dict[str, dict[str, mx.array]] | None = None) -> mx.array:
+        """mlx-lm's `SwitchGLU.__call__` (or `SwitchMLP`'s), line for line, over stacked expert
+        arrays: the RAM tier's slots (`stacks` None), with `slots` the router's indices mapped to
+        slot ids (lazy), or one expert's own arrays as a stack of one (`ExpertWeights.stack`).
 
-        The slot linears hold the pool's stacks only while the call builds its graph: a stack
+        The slot linears hold the stacks only while the call builds its graph: a stack
         referenced anywhere else when a slot is written could not give its buffer to the write,
         and the write would copy the whole stack."""
         pool = self._bound_store().ram.pool(self.layer)
-        if pool.arrays is None:  # made at the first slot write: no slot yet that the ids could name
-            raise RuntimeError(f"expert block of layer {self.layer}: no expert placed in a RAM slot yet")
-        stacks = pool.arrays
+        if stacks is None:
+            if pool.arrays is None:  # made at the first slot write: no slot yet that the ids could name
+                raise RuntimeError(f"expert block of layer {self.layer}: no expert placed in a RAM slot yet")
+            stacks = pool.arrays
         linears = self._linears
         if linears is None:
             quants = {name: quant for name, _, quant in pool.layout.projections}
@@ -251,39 +252,42 @@ class StreamingExperts(nn.Module):
             for linear in linears.values():
                 _bind_slots(linear, {})
 
-    def compute_rows(self, slots: dict[int, int], rows: dict[int, mx.array]) -> dict[int, mx.array]:
+    def compute(self, placed: Placed, x: mx.array, ids: np.ndarray) -> mx.array:
+        """`x` (..., width) through the experts `ids` (..., k) names, lazy, shaped as mlx-lm's call
+        makes it (..., k, output width): one call over the slots where `placed` has every expert
+        in one, else the experts in slots in one call and each loose expert over its own arrays,
+        one (row, expert) pair a row, as mlx-lm computes each pair."""
+        lut = np.zeros(self.num_experts, dtype=np.uint32)
+        lut[list(placed.slots)] = list(placed.slots.values())
+        if not placed.loose:
+            return self._switch(x, mx.array(lut[ids]))
+        k, flat = ids.shape[-1], ids.reshape(-1)
+        rows = x.reshape(-1, x.shape[-1])
+        parts, where = [], []
+        in_slots = np.flatnonzero(np.isin(flat, list(placed.slots)))
+        if in_slots.size:
+            parts.append(self._switch(rows[mx.array(in_slots // k)], mx.array(lut[flat[in_slots]])[:, None]))
+            where.append(in_slots)
+        for e, weights in placed.loose.items():
+            pairs = np.flatnonzero(flat == e)
+            if pairs.size:
+                zeros = mx.zeros((pairs.size, 1), dtype=mx.uint32)
+                parts.append(self._switch(rows[mx.array(pairs // k)], zeros, weights.stack()))
+                where.append(pairs)
+        y = mx.concatenate([part.reshape(part.shape[0], -1) for part in parts], axis=0)
+        return y[mx.array(np.argsort(np.concatenate(where)))].reshape(*ids.shape, -1)
+
+    def compute_rows(self, placed: Placed, rows: dict[int, mx.array]) -> dict[int, mx.array]:
         """Each expert's rows (n, input width) through it, lazy: the same kernels whether the rows
-        are this node's own or arrived from a peer (ComputeExperts). `slots` from `ExpertGroup.placed`."""
+        are this node's own or arrived from a peer (ComputeExperts). `placed` from `ExpertGroup.placed`."""
         experts = list(rows)
         if not experts:
             return {}
         counts = [rows[e].shape[0] for e in experts]
         x = mx.concatenate([rows[e] for e in experts], axis=0)
-        ids = mx.array(np.repeat([slots[e] for e in experts], counts).astype(np.uint32))[:, None]
-        y = self._switch(x, ids).reshape(-1, self.output_dims)
+        y = self.compute(placed, x, np.repeat(experts, counts)[:, None]).reshape(-1, self.output_dims)
         ends = np.cumsum(counts).tolist()
         return {e: y[end - n : end] for e, n, end in zip(experts, counts, ends)}
-
-    @contextmanager
-    def placed(self, store: BlockStore, group: ExpertGroup) -> Iterator[dict[int, int]]:
-        """`group.placed()`, with any expert it could not place asked for again (an expert let go
-        of between the store's look and the placing: peers' calls place experts while a token
-        waits). Slots stay pinned while inside."""
-        with ExitStack() as stack:
-            slots = dict(stack.enter_context(group.placed()))
-            missing = group.missing
-            for _ in range(PLACE_ATTEMPTS):
-                if not missing:
-                    break
-                again_missing = []
-                for again in store.layer_groups(self.layer, missing, routed=()):
-                    slots.update(stack.enter_context(again.placed()))
-                    group.served.update(again.served)
-                    again_missing += again.missing
-                missing = again_missing
-            if missing:
-                raise ExpertmeshError(f"layer {self.layer}: no RAM slot for experts {missing} (every slot in use)")
-            yield slots
 
     # -- a streamed layer ---------------------------------------------------------------------
 
@@ -302,10 +306,8 @@ class StreamingExperts(nn.Module):
         groups = store.layer_groups(self.layer, experts, guess=next_guess)
         first = next(groups)
         if len(first.served) == len(experts):  # one group held them all: the store has no other
-            with self.placed(store, first) as slots:
-                lut = np.zeros(self.num_experts, dtype=np.uint32)
-                lut[list(slots)] = list(slots.values())
-                y = self._switch(x, mx.array(lut[flat].reshape(indices.shape)))
+            with first.placed() as placed:
+                y = self.compute(placed, x, flat.reshape(indices.shape))
             served.update(first.served)
             return y, served
         k = indices.shape[-1]
@@ -316,10 +318,8 @@ class StreamingExperts(nn.Module):
         for group in itertools.chain([first], groups):  # one at a time: a group is fetched as the last is computed
             lo, hi = min(group.served), max(group.served)
             a, b = int(np.searchsorted(by_expert, lo)), int(np.searchsorted(by_expert, hi, side="right"))
-            with self.placed(store, group) as slots:
-                lut = np.zeros(self.num_experts, dtype=np.uint32)
-                lut[list(slots)] = list(slots.values())
-                part = self._switch(x_rows[a:b], mx.array(lut[by_expert[a:b]])[:, None]).reshape(b - a, -1)
+            with group.placed() as placed:
+                part = self.compute(placed, x_rows[a:b], by_expert[a:b, None]).reshape(b - a, -1)
                 mx.eval(part)  # computed now, so this group's slots can go to the next one
             parts.append(part)
             served.update(group.served)

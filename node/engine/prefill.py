@@ -306,10 +306,8 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
     groups = store.layer_groups(block.layer, experts, guess=next_guess)
     first = next(groups)
     if len(first.served) == len(experts):  # one group holds the union: mlx-lm's call per chunk
-        with block.placed(store, first) as slots:
-            lut = np.zeros(block.num_experts, dtype=np.uint32)
-            lut[list(slots)] = list(slots.values())
-            ys = [block._switch(p.x, mx.array(lut[f].reshape(p.indices.shape))) for p, f in zip(parts, flats)]
+        with first.placed() as placed:
+            ys = [block.compute(placed, p.x, f.reshape(p.indices.shape)) for p, f in zip(parts, flats)]
         served.update(first.served)
         if gatherer is not None:
             gatherer.report(store, len(experts), len(experts))
@@ -407,14 +405,12 @@ def _by_groups(
     outs: list[list[mx.array]] = [[] for _ in parts]
     for group in groups:
         lo, hi = min(group.served), max(group.served)
-        with block.placed(store, group) as slots:
-            lut = np.zeros(block.num_experts, dtype=np.uint32)
-            lut[list(slots)] = list(slots.values())
+        with group.placed() as placed:
             made = []
             for i, (e, x_rows) in enumerate(zip(by_expert, rows)):
                 a, b = int(np.searchsorted(e, lo)), int(np.searchsorted(e, hi, side="right"))
                 if b > a:
-                    part = block._switch(x_rows[a:b], mx.array(lut[e[a:b]])[:, None]).reshape(b - a, -1)
+                    part = block.compute(placed, x_rows[a:b], e[a:b, None]).reshape(b - a, -1)
                     outs[i].append(part)
                     made.append(part)
             mx.eval(made)  # computed now, so this group's slots can go to the next one

@@ -11,10 +11,9 @@ node's peer table names another owner: the caller counts it as held here from th
 A call is served in two halves per group of experts: on the gRPC thread that received it, the
 request is checked and the experts are got from the store's one entry point (`layer_groups`,
 in groups within its hold limit: it may wait on a disk or the Hub, and involves no MLX); then
-each group's placing in RAM-tier slots, the compute and the encoded outputs are handed to the
-MLX thread as a peer's call (node/engine/model_thread.py), which takes its turn beside this
-node's own generation. An expert the RAM tier let go of before its group was placed is reported
-missing, like one this node does not hold.
+each group's placing (in RAM-tier slots, or as decoded where the tier does not keep an expert),
+the compute and the encoded outputs are handed to the MLX thread as a peer's call
+(node/engine/model_thread.py), which takes its turn beside this node's own generation.
 """
 
 from __future__ import annotations
@@ -117,10 +116,9 @@ class ExpertComputer:
             # bytes and buffers only on this thread; not this node's own pass of the layer
             for group in store.layer_groups(layer, here, routed=[]) if here else ():
                 asked = time.perf_counter()
-                started, done, lost = model_thread().call_for_peer(_run, block, group, rows)
+                started, done = model_thread().call_for_peer(_run, block, group, rows)
                 waited += started - asked
                 outputs += done
-                missing += lost
             return ComputeResult(outputs, missing, time.perf_counter() - t0, queued, waited)
         finally:
             with self._lock:
@@ -129,23 +127,18 @@ class ExpertComputer:
 
 def _run(
     block: StreamingExperts, group: ExpertGroup, rows: dict[int, node_pb2.Tensor]
-) -> tuple[float, list[node_pb2.ExpertRows], list[int]]:
-    """On the MLX thread: the group in slots, the rows into MLX, through the experts, and back
-    into messages; with when it started and the experts that found no slot.
+) -> tuple[float, list[node_pb2.ExpertRows]]:
+    """On the MLX thread: the group placed, the rows into MLX, through the experts, and back
+    into messages; with when it started.
 
     Outputs go back in the dtype the rows came in, which is what the requester checks
     (household/remote_experts.py): an expert held in another precision than the caller's
     activations (a node that runs BF16 experts in float32 on a CPU, asked by a BF16 one)
     would otherwise answer in its own dtype and every answer would be refused as malformed."""
     started = time.perf_counter()
-    with group.placed() as slots:
-        if not slots:
-            return started, [], group.missing
-        x = {e: activations.decode(rows[e], block.input_width) for e in rows if e in slots}  # the request's order
-        out = {e: y.astype(x[e].dtype) for e, y in block.compute_rows(slots, x).items()}
+    with group.placed() as placed:
+        # the request's order
+        x = {e: activations.decode(rows[e], block.input_width) for e in rows if e in group.served}
+        out = {e: y.astype(x[e].dtype) for e, y in block.compute_rows(placed, x).items()}
         mx.eval(list(out.values()))  # while the slots are pinned
-    return (
-        started,
-        [node_pb2.ExpertRows(expert=e, rows=activations.encode(out[e])) for e in rows if e in out],
-        group.missing,
-    )
+    return started, [node_pb2.ExpertRows(expert=e, rows=activations.encode(out[e])) for e in rows if e in out]

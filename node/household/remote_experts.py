@@ -21,8 +21,10 @@ with more rows than that has them split over several calls, its answers joined i
 local experts are fetched (through the store's one entry point, `layer_groups`, in groups within
 its hold limit) and computed while they are in flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
 dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
-computed here: the token is never lost. Everything is counted in the store's statistics (source
-`remote`, activation bytes, fallbacks by reason), so summaries and metrics show the decisions.
+computed here: the token is never lost. A prompt's first miss only lengthens that peer's
+deadlines for prompts (`RemoteExperts._forgiven`). Everything is counted in the store's
+statistics (source `remote`, activation bytes, fallbacks by reason), so summaries and metrics show
+the decisions.
 
 `run` is called inside the forward pass, on the process's MLX thread. While it waits for the
 peers' answers that thread serves the peers' own ComputeExperts calls (`ModelThread.wait`): two
@@ -47,7 +49,7 @@ from expertmesh.node.config import RemoteConfig
 from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
-from expertmesh.node.household.peers_tier import PeerSource
+from expertmesh.node.household.peers_tier import HEALTH_DEADLINE_S, PeerSource
 from expertmesh.node.rpc import activations
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.store.prefetch import LayerGuess
@@ -80,6 +82,8 @@ class LinkEstimate:
     service_rows: float | None = None  # the rows per expert of the calls `service_s` was measured on
     mlx_wait_s: float = 0.0  # what a call waits at the peer for its MLX thread (its own generation, other peers)
     queued: int = 0  # ComputeExperts calls running at the peer when the last one arrived
+    prompt_scale: float = 1.0  # how many times the rows' linear growth a prompt's call takes here, at least
+    misses: int = 0  # deadlines this peer missed since its last answer
     last_call_s: float = 0.0
     pinged_at: float = -1e9
 
@@ -133,8 +137,23 @@ class LinkEstimate:
         """How many times the measured service time a call with `rows_per_expert` may take, at
         most: its compute grows with its rows (on a CPU about linearly; on a GPU far less), and
         `service_s` was measured at `service_rows` (a token's few rows, where decode measured
-        it). A prompt's call carries tens of rows per expert: its deadline must allow for them."""
-        return max(1.0, rows_per_expert / max(1.0, self.service_rows or 1.0))
+        it). A prompt's call carries tens of rows per expert: its deadline must allow for them,
+        and for what such calls were seen to take beyond that growth (`prompt_scale`): every
+        peer computes a prompt's layer at once, so on shared cores each takes longer still."""
+        linear = rows_per_expert / max(1.0, self.service_rows or 1.0)
+        return linear * self.prompt_scale if linear > 1.0 else 1.0
+
+    def observe_prompt_call(self, seconds: float, expected_s: float, answered: bool) -> None:
+        """A prompt-sized call that was `expected_s` long by the linear model (`rows_factor`
+        without `prompt_scale`) took `seconds`, or, when not `answered`, at least `seconds` (its
+        deadline: a censored observation, whose lower bound is all it says)."""
+        if expected_s <= 0:
+            return
+        ratio = max(1.0, seconds / expected_s)
+        if answered:
+            self.prompt_scale = (1 - EWMA) * self.prompt_scale + EWMA * ratio
+        else:
+            self.prompt_scale = max(self.prompt_scale, ratio)
 
 
 def _ewma(old: float | None, new: float) -> float:
@@ -151,6 +170,8 @@ class _Call:
     rows: dict[int, int]  # expert -> row count expected back
     dtype: str
     first_row: dict[int, int]  # expert -> where its rows in this call start
+    expected_s: float = 0.0  # its duration by the linear rows model, when it carries a prompt's rows; else 0
+    misses: int = 0  # the peer's deadlines missed in a row when the call went out
     future: grpc.Future | None = None
     started: float = 0.0
     finished: float = 0.0  # when the answer arrived (set as it does)
@@ -384,8 +405,8 @@ class RemoteExperts:
         for group in store.layer_groups(block.layer, experts, guess=guess, routed=routed):
             if not group.served:
                 continue  # nothing here: the call only announced the pass
-            with block.placed(store, group) as slots:
-                part = block.compute_rows(slots, {e: rows[e] for e in group.served})
+            with group.placed() as placed:
+                part = block.compute_rows(placed, {e: rows[e] for e in group.served})
                 mx.eval(list(part.values()))
             out.update(part)
             served.update(group.served)
@@ -415,10 +436,8 @@ class RemoteExperts:
                 # the estimate places experts by their bytes and per-expert costs (a row's compute
                 # costs the same here or there); the deadline must also cover the call's rows
                 rows_each = sum(r.shape[0] for _, _, r in batch) / len(batch)
-                timeout = max(
-                    self.config.deadline_floor_s,
-                    self.config.deadline_factor * estimate * link.rows_factor(rows_each),
-                )
+                factor = link.rows_factor(rows_each)
+                timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate * factor)
                 calls.append(
                     _Call(
                         peer,
@@ -429,6 +448,8 @@ class RemoteExperts:
                         {e: r.shape[0] for e, _, r in batch},
                         request.experts[0].rows.dtype,
                         {e: first for e, first, _ in batch},
+                        expected_s=estimate * factor / link.prompt_scale if factor > 1.0 else 0.0,
+                        misses=link.misses,
                     )
                 )
             chains.append(_PeerCalls(calls).start())
@@ -473,7 +494,8 @@ class RemoteExperts:
                         error.details(),
                         len(asked),
                     )
-                if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
+                forgiven = deadline and self._forgiven(call)
+                if not forgiven and code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
                     self.peers.penalise_call(
                         call.peer, code, "compute_deadline" if deadline else f"compute_{code.name.lower()}"
                     )
@@ -491,6 +513,9 @@ class RemoteExperts:
                 continue
             received = sum(len(x.rows.data) for x in response.experts)
             link = self.links.get(call.peer.node_id) or self._link(call.peer)
+            link.misses = 0
+            if call.expected_s > 0:
+                link.observe_prompt_call(wall, call.expected_s, answered=True)
             link.observe_call(
                 wall,
                 response.compute_seconds,
@@ -516,6 +541,22 @@ class RemoteExperts:
             stats.record("remote", 0, walls[e])
             served[e] = Served("remote", 0, walls[e])
         return sorted(failed)
+
+    def _forgiven(self, call: _Call) -> bool:
+        """Whether a call past its deadline is a measurement rather than a fault: the first miss
+        in a row of a prompt-sized call, from a peer that still answers its health check. Its
+        deadline was a guess: from decode's few rows, or, before any call, from a prior (often
+        just the floor) while every peer computes the same layer. The miss says the peer needs
+        at least that long for a prompt's rows, so the next prompt's deadlines allow for it
+        (`observe_prompt_call`) and the peer keeps computing the prompt's other layers and
+        decode. A second miss in a row, a decode call's miss or a silent peer is a fault: the
+        peer is skipped (`penalise_call`)."""
+        link = self.links.get(call.peer.node_id) or self._link(call.peer)
+        link.misses += 1
+        if call.expected_s <= 0 or call.misses > 0:
+            return False
+        link.observe_prompt_call(call.timeout_s, call.expected_s, answered=False)
+        return self.peers.client(call.peer.address).serving(HEALTH_DEADLINE_S)
 
     def _check(
         self, block: StreamingExperts, call: _Call, response: node_pb2.ComputeExpertsResponse

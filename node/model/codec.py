@@ -104,7 +104,8 @@ class SlotLayout:
 
 @dataclass
 class ExpertWeights:
-    """One routed expert as decoded, on its way into a RAM-tier slot (node/store/tiers/ram.py)."""
+    """One routed expert as decoded, on its way into a RAM-tier slot (node/store/tiers/ram.py), or
+    read by the kernels as it is where the tier does not keep it."""
 
     layer: int
     expert: int
@@ -113,6 +114,14 @@ class ExpertWeights:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.projections.values())
+
+    def stack(self) -> dict[str, dict[str, mx.array]]:
+        """The expert as stacks of one slot (projection -> array kind -> (1, *shape)), as a RAM-tier
+        pool holds its slots: views of its arrays, nothing copied."""
+        return {
+            name: {kind: a[None] for kind in ARRAY_KINDS if (a := getattr(p, kind)) is not None}
+            for name, p in self.projections.items()
+        }
 
     def layout(self) -> SlotLayout:
         return SlotLayout(

@@ -75,6 +75,16 @@ def _tapered(groups: list[list[int]]) -> list[list[int]]:
     return out + [last]
 
 
+@dataclass
+class Placed:
+    """A group's experts as the kernels read them (`ExpertGroup.placed`): in RAM-tier slots,
+    pinned (`slots`: expert -> slot), or as they were decoded (`loose`): an arrival the tier does
+    not keep, which a slot write would copy only to let it go."""
+
+    slots: dict[int, int]
+    loose: dict[int, ExpertWeights]
+
+
 class ExpertGroup:
     """Some of a layer's experts, as the store hands them over: which tier served each (`served`),
     and the ones that arrived, to be written into RAM-tier slots on the MLX thread (`placed`).
@@ -98,29 +108,28 @@ class ExpertGroup:
         self.served = served
         self._arrived = arrived
         self._held = dict(held or {})  # expert -> slot, pinned when the store found it in RAM
-        self.missing: list[int] = []
 
     @property
     def experts(self) -> list[int]:
         return list(self.served)
 
     @contextmanager
-    def placed(self) -> Iterator[dict[int, int]]:
-        """On the MLX thread: expert -> slot for the group's experts, pinned while inside, so
-        nothing else takes their slots before their kernels are built. `missing` then lists
-        what has no slot: an arrival that found every slot in use; the caller asks for it again
-        (or a peer's call reports it)."""
-        slots, self._held = self._held, {}  # the pins taken when the store looked are now these
+    def placed(self) -> Iterator[Placed]:
+        """On the MLX thread: every expert of the group, for the kernels (`Placed`): the arrivals
+        the RAM tier keeps written into slots; slots pinned while inside, so nothing else takes
+        them before their kernels are built."""
+        placed, self._held = Placed(self._held, {}), {}  # the pins taken when the store looked are now these
         for e, weights in self._arrived.items():
             slot = self.ram.place((self.layer, e), weights)
-            if slot is not None:
-                slots[e] = slot
-        self._arrived = {}  # written: the decoded copies can go
-        self.missing = [e for e in self.served if e not in slots]
+            if slot is None:
+                placed.loose[e] = weights
+            else:
+                placed.slots[e] = slot
+        self._arrived = {}  # placed: the group keeps no reference of its own
         try:
-            yield slots
+            yield placed
         finally:
-            self.ram.release([(self.layer, e) for e in slots])
+            self.ram.release([(self.layer, e) for e in placed.slots])
 
     def let_go(self) -> None:
         """Unpin the RAM hits of a group that was handed over but never placed."""

@@ -460,6 +460,7 @@ def _row(name: str, got: dict) -> dict:
         "other_s_per_token": (got["decode_s"] - got["wait_s"]) / tokens,  # compute here, remote calls
         "remote": remote,
         "links": got.get("links", {}),
+        "warm_up": got.get("warm_up"),  # the untimed warm-up's calls, and what its links had learnt after it
         "killed": got.get("killed"),
         "join_asked": got.get("join_asked"),
         "peers_at_end": got.get("peers_at_end"),

@@ -103,6 +103,37 @@ def _long_prompt(sm: StreamedModel, prompts: list[str], n: int) -> list[int]:
     return (ids * (n // max(1, len(ids)) + 1))[:n]
 
 
+def _links(node: Node) -> dict[str, dict]:
+    """What the node has learnt of each peer it sends calls to (household/remote_experts.py's
+    `LinkEstimate`): the figures its placements and deadlines are made from."""
+    if node.remote is None:
+        return {}
+    return {
+        nid: {
+            "rtt_s": k.rtt_s,
+            "call_s": k.call_s,
+            "service_s": k.service_s,
+            "bandwidth": k.bandwidth,
+            "prompt_scale": k.prompt_scale,
+            "misses": k.misses,
+        }
+        for nid, k in node.remote.links.items()
+    }
+
+
+def _warm_up_record(warm: dict, node: Node) -> dict:
+    """The untimed warm-up's own calls and what they taught: measured prompts without a missed
+    deadline may owe it to the warm-up's misses (`prompt_scale`), which their figures cannot show."""
+    prompt_remote = warm["prompt"].get("remote", {})
+    decode_remote = warm["stats"].remote
+    return {
+        "ttft_s": warm["ttft_s"],
+        "prompt_remote": prompt_remote,
+        "decode_remote": dict(decode_remote),
+        "links": _links(node),
+    }
+
+
 def run(spec: dict) -> dict:
     from expertmesh.assembly import build_node
     from expertmesh.node.config import HouseholdConfig, NodeConfig, RemoteConfig, RpcConfig, StoreConfig
@@ -148,7 +179,8 @@ def run(spec: dict) -> dict:
                 out["peers"] = sorted(p.address for p in table.all())
             sm = _full(node)
             tally = _Tally(node.remote) if node.remote is not None else None
-            _generate(sm, sm.tokenizer.encode(spec["warm_up"]), 3)  # connections, kernels, first estimates
+            warm = _generate(sm, sm.tokenizer.encode(spec["warm_up"]), 3)  # connections, kernels, first estimates
+            out["warm_up"] = _warm_up_record(warm, node)
             kill = spec.get("kill")
 
             join = spec.get("join")
@@ -179,10 +211,7 @@ def run(spec: dict) -> dict:
             hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
             out["peers_at_end"] = len(table.all()) if table is not None else 0
             if node.remote is not None:
-                out["links"] = {
-                    nid: {"rtt_s": k.rtt_s, "call_s": k.call_s, "service_s": k.service_s, "bandwidth": k.bandwidth}
-                    for nid, k in node.remote.links.items()
-                }
+                out["links"] = _links(node)
         finally:
             node.close()
     tokens = sum(r["decode_tokens"] for r in runs)

@@ -5,9 +5,11 @@ Why slots: the kernels mlx-lm runs for a MoE layer (one `gather_qmm` per project
 `gather_mm` for float experts: mlx_lm/models/switch_layers.py) read the layer's experts from one
 stacked array per projection array, indexed by expert. Here the stacks hold slots: a slot is one
 expert's place in every array of its layout (node/model/codec.py's `SlotLayout`), and a layer runs
-those same kernels with its experts' ids mapped to slots (engine/blocks.py). An expert is written
-into its slot once, when it arrives, never re-stacked per token; the slots are the tier, there is
-no second copy of a resident expert.
+those same kernels with its experts' ids mapped to slots (engine/blocks.py). An expert the policy
+keeps is written into its slot once, when it arrives, never re-stacked per token; the slots are
+the tier, there is no second copy of a resident expert. An arrival the policy does not keep takes
+no slot: its kernels read the arrays it was decoded into (`place` answers None), since a slot write
+would copy, on the MLX thread, an expert that is used once and let go.
 
 Writing a slot is `mx.slice_update` of each stack, on the MLX thread. MLX arrays are immutable,
 so the update makes a new array; when nothing else references the old one, MLX donates its buffer
@@ -16,11 +18,12 @@ engine writes slots only after a layer's sync, when no lazy graph still reads a 
 while one did would still compute the right thing, at the price of a copy of the whole stack.
 
 Memory: the budget is a number of slots of one expert's size, kept by the policy; beside them
-`spare_slots` (one per fetch worker) hold experts in use that the policy did not keep, so the
-stacks stay within the budget plus one expert per fetch worker however many experts a layer
-wants at once (the store's `hold_limit`). An expert in use is pinned: its slot is not reused
-until it is released, even if the policy evicts it meanwhile. When every slot is resident or
-pinned, the least recently used unpinned expert gives its slot up. Layers whose experts are
+`spare_slots` (one per fetch worker) hold experts in use that the policy let go of since they were
+placed, so the stacks stay within the budget plus one expert per fetch worker however many experts
+a layer wants at once (the store's `hold_limit`). An expert in use is pinned: its slot is not
+reused until it is released, even if the policy evicts it meanwhile. When every slot is resident
+or pinned, the least recently used unpinned expert gives its slot up; when every slot is pinned,
+an arrival takes none, as one the policy does not keep. Layers whose experts are
 stored alike share one pool of slots (every model we know has one layout); a model with several
 splits the budget between them by their numbers of layers, and so does a pool whose stacks would
 be larger than the device's largest buffer (Metal's `max_buffer_length`), split into runs of
@@ -69,10 +72,10 @@ class SlotPool:
                 for name, arrays, _ in self.layout.projections
             }
         at = mx.array([slot])
+        one = weights.stack()
         for name, stacks in self.arrays.items():
-            p = weights.projections[name]
             for kind, stack in stacks.items():
-                stacks[kind] = mx.slice_update(stack, getattr(p, kind)[None], at, (0,))
+                stacks[kind] = mx.slice_update(stack, one[name][kind], at, (0,))
 
     @property
     def allocated_bytes(self) -> int:
@@ -215,8 +218,9 @@ class RamCache:
                     pool.recent.move_to_end(key)
 
     def place(self, key: ExpertKey, weights: ExpertWeights) -> int | None:
-        """Write an arrived expert into a slot and pin it; its slot, or None when every slot is
-        pinned (MLX thread only). The policy decides whether it stays once released."""
+        """Write an arrived expert that the policy keeps into a slot and pin it; its slot (MLX
+        thread only). None: not kept, or every slot pinned; the caller computes it from `weights`
+        (a slot write would copy an expert that is used once and let go)."""
         with self._lock:
             slot = self._slot.get(key)
             pool = self._pools[key[0]]
@@ -226,19 +230,19 @@ class RamCache:
             if not pool.free and all(k in self._pins for k in pool.recent):
                 return None  # every slot in use: the policy is not even asked
             _, evicted = pool.policy.access(key)
-            kept = key not in evicted
             for old in cast(list[ExpertKey], evicted):  # the policy holds only the keys this tier gave it
                 self.evictions += 1
                 if old != key:
                     self._let_go(pool, old)
+            if key in evicted:
+                return None
             if not pool.free:
                 self._free_one(pool)
             slot = pool.free.pop()
             self._slot[key] = slot
             self._pins[key] = 1
-            if kept:
-                pool.recent[key] = None
-                self._keep(key, +1)
+            pool.recent[key] = None
+            self._keep(key, +1)
             self.slot_writes += 1
         pool.write(slot, weights)
         return slot
