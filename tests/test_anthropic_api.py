@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 
-import openai
 import pytest
 from lazy_import import lazy_import
 from nodes import api_server, node_with_api, serving
@@ -21,6 +20,7 @@ from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
 from expertmesh.node.engine.chat import chat_token_ids
 
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 anthropic = lazy_import("anthropic")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "anthropic-test-secret"

@@ -13,8 +13,8 @@ import socket
 import stat
 from pathlib import Path
 
-import openai
 import pytest
+from lazy_import import lazy_import
 from repos import KIMI_K3
 
 from expertmesh.assembly import build_node
@@ -23,6 +23,8 @@ from expertmesh.coordinator.http_server import Request
 from expertmesh.coordinator.node_pool import NodePool
 from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, OpenAIServer
 from expertmesh.node.config import ApiConfig, HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "api-access-test-secret"
 IO_TIMEOUT_S = 60

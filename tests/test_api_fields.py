@@ -14,17 +14,17 @@ import math
 
 import mlx.core as mx
 import mlx_lm
-import openai
 import pytest
+from lazy_import import lazy_import
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from nodes import node_with_api
-from openai.types import completion_create_params as completion_params
-from openai.types.chat import completion_create_params as chat_params
 from repos import KIMI_K3
 
 from expertmesh.coordinator.openai_api import OpenAIServer
 from expertmesh.coordinator.openai_request import CALLER_FIELDS, HONOURED_CHAT, HONOURED_COMPLETIONS
 from expertmesh.node.engine.chat import chat_token_ids
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "fields-test-secret"
 PROMPT = "The cache keeps"
@@ -92,6 +92,9 @@ def _schema_fields(params) -> set[str]:
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 def test_the_table_covers_every_field_of_both_schemas(path: str) -> None:
+    from openai.types import completion_create_params as completion_params
+    from openai.types.chat import completion_create_params as chat_params
+
     schema = _schema_fields(chat_params if path == CHAT else completion_params)
     honoured = HONOURED_CHAT if path == CHAT else HONOURED_COMPLETIONS
     classified = honoured | CALLER_FIELDS | set(REFUSED[path])

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-import openai
 import pytest
+from lazy_import import lazy_import
 from nodes import serving
 from repos import KIMI_K3
 from waiting import wait_until
@@ -28,6 +28,8 @@ from expertmesh.coordinator.openai_api import Coordinator, CoordinatorConfig, Op
 from expertmesh.node.config import MetricsConfig
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.v1 import node_pb2
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "api-server-test-secret"
 PROMPT = "The household answers"

@@ -8,14 +8,16 @@ import json
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
+from lazy_import import lazy_import
 from nodes import api_server, serving
 from repos import KIMI_K3
 
 from expertmesh.coordinator.openai_api import OpenAIServer
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.v1 import node_pb2
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "api-test-secret"
 PROMPT = "The household answers"

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import openai
 import pytest
 from fake_nodes import fake_node
+from lazy_import import lazy_import
 from nodes import joined
 from repos import KIMI_K3
 
@@ -42,6 +42,7 @@ from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 SECRET = "faults-test-secret"
 TESTS = Path(__file__).parent
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 # A full node in a process of its own: one token every `pause` seconds, then GenerationDone.
 _FULL_NODE = """

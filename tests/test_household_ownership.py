@@ -19,8 +19,8 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import openai
 import pytest
+from lazy_import import lazy_import
 from nodes import serve_command
 from prometheus_client.parser import text_string_to_metric_families
 from repos import KIMI_K3
@@ -31,6 +31,8 @@ from expertmesh.node.hub.local_models import find_index
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "ownership-secret"
 # unique to this run: another run on this machine shares the loopback multicast

@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-import openai
 import pytest
+from lazy_import import lazy_import
 from nodes import api_server, serving
 from repos import KIMI_K3
 from waiting import wait_until
@@ -32,6 +32,8 @@ from expertmesh.coordinator.openai_api import OpenAIServer
 from expertmesh.devtools import local_hub
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.observability.routing_trace import TraceWriter, read_trace
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "long-running-secret"
 CONTEXT = 4096  # the tiny kimi_k3's max_position_embeddings

@@ -11,14 +11,16 @@ import http.client
 import json
 import socket
 
-import openai
 import pytest
+from lazy_import import lazy_import
 from nodes import api_server, serving
 from repos import KIMI_K3
 
 from expertmesh.coordinator.openai_api import OpenAIServer
 from expertmesh.coordinator.openai_request import ApiError, decode_body, parse_ask
 from expertmesh.node.engine.chat import chat_token_ids, control_tokens
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "edges-test-secret"
 QUESTION = "What is a cache?"

@@ -9,13 +9,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import openai
 import pytest
+from lazy_import import lazy_import
 from repos import KIMI_K3
 
 from expertmesh.assembly import build_node
 from expertmesh.coordinator.api_access import api_keys_path
 from expertmesh.node.config import ApiConfig, HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "prefix-cache-api-secret"
 KEYS = ("key-one-" + "a" * 24, "key-two-" + "b" * 24)

@@ -6,11 +6,13 @@ kept is the first conversation's end, trimmed to the system prompt."""
 
 from __future__ import annotations
 
-import openai
+from lazy_import import lazy_import
 from nodes import api_server, serving
 from repos import QWEN3_MOE
 
 from expertmesh.node.engine.prefix_disk import MIN_TOKENS, stored_prefixes
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "prefix-restart-secret"
 SYSTEM = "You are an agent with tools: search, fetch, read, write, list and run. " * 24

@@ -7,7 +7,6 @@ batched rows."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 from lazy_import import lazy_import
 from nodes import serving
@@ -20,6 +19,7 @@ from expertmesh.coordinator.openai_request import Ask, generate_request
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.rpc.prefix_keys import KEY_BYTES, message_prefix_keys
 
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 anthropic = lazy_import("anthropic")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "prefix-routing-secret"

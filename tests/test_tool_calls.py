@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
+from lazy_import import lazy_import
 from nodes import api_server, serving
 from repos import JSON_TOOLS, KIMI_K3_TOOLS, PYTHON_TEMPLATE
 from tool_forcing import FORCE_MARK, ForcingService
 from transformers import AutoTokenizer
+
+openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
 SECRET = "tool-test-secret"
 TOOLS = [
