@@ -17,8 +17,8 @@ one hop away on the same machine. Zeroconf finds the nodes across the bridge.
                         its next prompt starts once the node is seen (that wait is not decode time)
     prompt_fetch_from_owners  one long prompt (`prompt_tokens`, 128 by default) with the household,
                         its experts' bytes fetched from their owners: the time to its first token
-    prompt_remote       the same prompt, its experts computed where they are (one ComputeExperts call
-                        per peer per layer, with all of the prompt's rows for that peer)
+    prompt_remote       the same prompt, its experts computed where they are (the prompt's rows for
+                        each peer in ComputeExperts calls within the message limit, two at a time)
 
 Every configuration generates greedily on the same prompts and must produce the tokens of
 alone_cold. The projection (projection.py) turns the remote run's measured per-expert costs into
