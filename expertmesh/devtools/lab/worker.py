@@ -124,12 +124,10 @@ def _links(node: Node) -> dict[str, dict]:
 def _warm_up_record(warm: dict, node: Node) -> dict:
     """The untimed warm-up's own calls and what they taught: measured prompts without a missed
     deadline may owe it to the warm-up's misses (`prompt_scale`), which their figures cannot show."""
-    prompt_remote = warm["prompt"].get("remote", {})
-    decode_remote = warm["stats"].remote
     return {
         "ttft_s": warm["ttft_s"],
-        "prompt_remote": prompt_remote,
-        "decode_remote": dict(decode_remote),
+        "prompt_remote": warm["prompt"].get("remote", {}),
+        "decode_remote": dict(warm["stats"].remote),
         "links": _links(node),
     }
 
@@ -210,8 +208,7 @@ def run(spec: dict) -> dict:
                 runs.append(_generate(sm, ids, spec["tokens"], on_token if i == 0 else None))
             hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
             out["peers_at_end"] = len(table.all()) if table is not None else 0
-            if node.remote is not None:
-                out["links"] = _links(node)
+            out["links"] = _links(node)  # {} without remote execution
         finally:
             node.close()
     tokens = sum(r["decode_tokens"] for r in runs)
