@@ -87,6 +87,13 @@ def add_commands(sub) -> None:
         "(default %(default)s; see expertmesh/devtools/bench_prompt.py)",
     )
     p.add_argument(
+        "--prefill",
+        choices=("both", "layer_major", "token_major"),
+        default="both",
+        help="--configs prompt: the prefill orders to run; token_major (mlx-lm's chunk by chunk, the "
+        "comparison) runs only for a prompt longer than one prefill chunk (default %(default)s)",
+    )
+    p.add_argument(
         "--experts-per-layer",
         type=arguments.positive_int,
         help="k3-proportions: routed experts per MoE layer (default 64; K3 has 896, and a decode token misses "
@@ -329,6 +336,7 @@ def _bench_prompt(args: argparse.Namespace) -> int:
     doc = bench_prompt.run(
         args.model,
         lengths,
+        prefills=bench_prompt.PREFILLS if args.prefill == "both" else (args.prefill,),
         per_connection=cap,
         proportions=k3_proportions.Proportions(**{k: v for k, v in shape.items() if v is not None}),
         progress=lambda m: print(m, file=sys.stderr),

@@ -3,7 +3,8 @@
 Decode is measured elsewhere (bench.py, bench_k3.py), each clock starting after the first token;
 at a large MoE's shape the prompt is the larger cost by far (its experts are the union of what its
 tokens route to), so this bench times the first token. For each prompt length, cold (caches empty)
-and with the experts on disk (an untimed run first, the page cache dropped before the timed one),
+and with the experts on disk (the disk tier the cold run of the same prompt left, or an untimed run
+where there was none; the page cache dropped before the timed one),
 a node whose RAM budget is smaller than a layer's union answers one token in a process of its own
 (so its peak RSS is its own), and the row says:
 
@@ -45,6 +46,7 @@ from typing import Any
 
 PROMPT_LENGTHS = (16, 128, 1024, 4096)
 CACHES = ("cold", "disk")
+PREFILLS = ("layer_major", "token_major")  # token_major only for a prompt of several prefill chunks
 MLX_LM_LIMIT_BYTES = 2 << 30  # mlx-lm holds every expert: compare with it only below this
 
 
@@ -121,12 +123,16 @@ def worker(spec: dict) -> dict:
 
     work = Path(spec["work"])
     home = work / "home"
-    shutil.copytree(spec["template"], home)
+    if spec.get("filled_home"):  # the cold run of this prompt fetched its experts onto that disk
+        shutil.move(spec["filled_home"], home)
+    else:
+        shutil.copytree(spec["template"], home)
     with hub_client.using_endpoint(spec["hub_url"]):
         if spec["cache"] == "resident":
             return {**_resident(spec, home), "peak_rss_bytes": _peak_rss()}
         if spec["cache"] == "disk":
-            _one_token({**spec, "store": {**spec["store"], "ram_budget": "0"}}, home, None)
+            if not spec.get("filled_home"):
+                _one_token({**spec, "store": {**spec["store"], "ram_budget": "0"}}, home, None)
             drop_page_cache(_expert_files(home))
         before = _hub_bytes(spec["hub_url"])
         got = _one_token(spec, home, work / "trace")
@@ -220,6 +226,7 @@ def run(
     model: str = "demo",
     lengths: tuple[int, ...] = PROMPT_LENGTHS,
     caches: tuple[str, ...] = CACHES,
+    prefills: tuple[str, ...] = PREFILLS,
     per_connection: float = 25e6,
     proportions=None,
     ram_experts: int | None = None,
@@ -232,7 +239,9 @@ def run(
     bench.py's (the demo: the link scaled so that its expert crosses it as a K3 expert would).
     `ram_experts`: the RAM budget in experts, by default a sixth of a layer's (64 of 384: about the
     1 GB a K3 node's RAM tier gave in the issue's measurement) and at least 8 (so that a small
-    model's layer still takes a few groups at once), below the union of any prompt here."""
+    model's layer still takes a few groups at once), below the union of any prompt here.
+    `prefills`: the orders to run; "token_major" (mlx-lm's chunk by chunk, the comparison) runs
+    only for a prompt longer than one prefill chunk."""
     from expertmesh.devtools import bench_k3
     from expertmesh.devtools.bench import LinkSettings, _bench_repo
     from expertmesh.node import constants
@@ -304,7 +313,9 @@ def run(
                     reference, reference_name = _mlx_lm_token(str(root), prompt_ids(n, vocab)), "mlx_lm"
                 # a prompt of several chunks also fed chunk by chunk as mlx-lm feeds it, side by side
                 chunked = n > PREFILL_STEP + 1
-                runs = [(c, "layer_major") for c in caches] + ([(c, "token_major") for c in caches] if chunked else [])
+                orders = [o for o in prefills if o == "layer_major" or chunked]
+                runs = [(c, o) for o in orders for c in caches]
+                filled: dict[str, str] = {}  # prefill order -> the home its cold run left, for its disk run
                 for cache, prefill in ([("resident", "layer_major")] if small else []) + runs:
                     spec: dict[str, Any] = {
                         "repo_id": repo_id,
@@ -318,12 +329,21 @@ def run(
                         "store": store,
                         "all_expert_bytes": total_expert_bytes,
                     }
+                    if cache == "disk" and prefill in filled:
+                        # the same prompt's experts, as an untimed run would put them there, without
+                        # computing the prompt again (at K3 size that is most of an hour at 4,096 tokens)
+                        spec["filled_home"] = filled.pop(prefill)
                     progress(f"  {n} tokens, {cache}, {prefill} ...")
                     t0 = time.perf_counter()
                     try:
                         got = _run_worker(spec)
                     finally:
-                        shutil.rmtree(spec["work"], ignore_errors=True)  # a cold run's caches hold GBs
+                        if cache == "cold" and "disk" in caches and Path(spec["work"], "home").is_dir():
+                            filled[prefill] = str(Path(spec["work"], "home"))
+                        else:
+                            shutil.rmtree(spec["work"], ignore_errors=True)  # a cold run's caches hold GBs
+                        if spec.get("filled_home"):
+                            shutil.rmtree(Path(spec["filled_home"]).parent, ignore_errors=True)
                     if cache == "resident":
                         resident_s = got["ttft_s"]
                         progress(f"  {n} tokens, every expert resident: TTFT {resident_s:.2f} s")

@@ -41,7 +41,8 @@ from expertmesh.node.model.mlx_lm_models import flat_parameters, model_classes
 K3_LATENT = 3584  # routed_expert_hidden_size
 K3_INTERMEDIATE = 3072  # moe_intermediate_size
 MXFP4_GROUP = 32
-MAKER_VERSION = 2  # 2: balanced routers; a cached repo of another version is made again
+MAKER_VERSION = 3  # 2: balanced routers; 3: K3's context; a cached repo of another version is made again
+K3_CONTEXT = 1048576  # max_position_embeddings, as node/engine/model_sizes.py describes K3
 # e8m0 scale exponents: 2^(s - 127). Random fp4 codes (|v| <= 6) over a 3584-wide input give
 # outputs of about sqrt(3584) * 3 * 2^(s - 127); s around 119 keeps them near 1.
 SCALE_EXPONENTS = (118, 121)
@@ -77,6 +78,9 @@ def config(p: Proportions) -> dict:
         hidden_size=p.hidden,
         intermediate_size=2 * p.hidden,
         num_hidden_layers=layers,
+        # the tiny model's 4,096 would refuse a 4,096-token prompt (no room for its answer); its MLA
+        # layers use no positions (mla_use_nope), so this is only the limit a node enforces
+        max_position_embeddings=K3_CONTEXT,
         num_experts=p.experts,
         num_experts_per_token=p.top_k,
         moe_intermediate_size=p.intermediate,
