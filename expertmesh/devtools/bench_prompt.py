@@ -231,6 +231,7 @@ def run(
     proportions=None,
     ram_experts: int | None = None,
     progress: Callable[[str], None] = print,
+    time_scale: float = 1.0,
 ) -> dict:
     """Every (prompt length, cache) row; returns the JSON document.
 
@@ -241,7 +242,8 @@ def run(
     1 GB a K3 node's RAM tier gave in the issue's measurement) and at least 8 (so that a small
     model's layer still takes a few groups at once), below the union of any prompt here.
     `prefills`: the orders to run; "token_major" (mlx-lm's chunk by chunk, the comparison) runs
-    only for a prompt longer than one prefill chunk."""
+    only for a prompt longer than one prefill chunk.
+    `time_scale`: a bench model's link sped up by this factor's inverse (the tests' quick runs)."""
     from expertmesh.devtools import bench_k3
     from expertmesh.devtools.bench import LinkSettings, _bench_repo
     from expertmesh.node import constants
@@ -277,8 +279,9 @@ def run(
             index = _index(work / "probe", repo_id)
             expert_bytes = max(loc.nbytes for loc in index.experts.values())
             per_layer = max(sum(1 for lay, _ in index.experts if lay == layer) for layer in index.moe_layers)
-            scaled = LinkSettings.scaled(expert_bytes, time_scale=1.0, stands_for=constants.K3_EXPERT_BYTES)
-            link, per_connection = scaled.bandwidth, per_connection * expert_bytes / constants.K3_EXPERT_BYTES
+            scaled = LinkSettings.scaled(expert_bytes, time_scale=time_scale, stands_for=constants.K3_EXPERT_BYTES)
+            link = scaled.bandwidth
+            per_connection = per_connection * expert_bytes / constants.K3_EXPERT_BYTES / time_scale
             ttfb = scaled.ttfb_s
         slots = ram_experts or max(8, per_layer // 6)
         store = {"ram_budget": str(slots * expert_bytes + expert_bytes // 2), "disk_budget": "100%"}
