@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from loopback import SERVICE_TYPE
 from nodes import serve_command
 from repos import KIMI_K3
 from waiting import wait_until
-from zeroconf import DNSOutgoing, DNSPointer, ServiceInfo, Zeroconf
+from zeroconf import DNSIncoming, DNSOutgoing, DNSPointer, DNSQuestion, ServiceInfo, Zeroconf
 from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
 
 from expertmesh.coordinator.node_pool import NodePool
@@ -308,6 +309,58 @@ def test_a_failing_advertisement_does_not_stop_the_resolvers() -> None:
         assert "odd" in seen  # "²" is read as no disk, not as an exception
     finally:
         browser.close()
+
+
+@contextmanager
+def _questions_heard() -> Iterator[list[DNSQuestion]]:
+    """Every mDNS question multicast on loopback while the block runs, heard as every mDNS stack
+    hears them: a socket on port 5353 in the group 224.0.0.251."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("", 5353))
+    sock.setsockopt(
+        socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton("224.0.0.251") + socket.inet_aton("127.0.0.1")
+    )
+    sock.settimeout(0.1)
+    heard: list[DNSQuestion] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        while not stop.is_set():
+            try:
+                data, _ = sock.recvfrom(9000)
+            except TimeoutError:
+                continue
+            message = DNSIncoming(data)
+            if message.is_query():
+                heard.extend(message.questions)
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    try:
+        yield heard
+    finally:
+        stop.set()
+        listener.join()
+        sock.close()
+
+
+def test_a_browser_asks_for_answers_that_every_socket_on_the_machine_hears() -> None:
+    # RFC 6762 section 15.1: a unicast answer (to a QU question) reaches only one of the sockets
+    # bound to port 5353 on the asking machine (mDNSResponder's on a Mac, or a `serve` beside
+    # `run`); a browse that asked QU first found, under load, a node only after its second question
+    name = f"qm-{RUN}"
+    seen: list[str] = []
+    with _advertised(name, 1003, {"node_id": name, "cluster": CLUSTER}), _questions_heard() as heard:
+        browser = Browser(lambda found, sighting: seen.append(found), LOOPBACK)
+        try:
+            assert wait_until(lambda: any(found.startswith(name) for found in seen))
+        finally:
+            browser.close()
+    ours = [q for q in heard if q.name.lower().endswith(SERVICE_TYPE.lower())]
+    assert any(q.type == _TYPE_PTR for q in ours), "the browser's question was not heard"
+    assert not [q for q in ours if q.unique], "a question asked for a unicast (QU) answer"
 
 
 def test_a_flood_of_advertised_names_starts_no_thread_per_name() -> None:

@@ -66,7 +66,8 @@ def test_run_finds_the_household_by_zeroconf_and_uses_it(
         assert f"skipping {wrong.rpc.address}: it refused the household secret" in err and SECRET not in err
         argv = ["run", KIMI_K3, "The household shares", "--max-tokens", "8", "--disk-budget", "0", "--no-prefetch"]
         assert main([*argv, *where]) == 0
-        assert _uses(capsys.readouterr().err, "peer") > 0  # experts came from the node zeroconf found
+        err = capsys.readouterr().err
+        assert _uses(err, "peer") > 0, err  # experts came from the node zeroconf found
         args = build_parser().parse_args(["run", KIMI_K3, "x", *where, "--no-discovery"])
         assert node_config(args).household is None
     finally:

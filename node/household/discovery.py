@@ -26,6 +26,7 @@ import grpc
 from zeroconf import (
     DNSOutgoing,
     DNSQuestion,
+    DNSQuestionType,
     EventLoopBlocked,
     IPVersion,
     ServiceBrowser,
@@ -46,6 +47,11 @@ SERVICE_TYPE = "_expertmesh._tcp.local."
 DEFAULT_CLUSTER = "home"
 RESOLVE_TIMEOUT_MS = 3000
 RESOLVE_WORKERS = 4  # threads that resolve (and prove) advertisements, however many names arrive
+# Every question goes out multicast-response (QM). python-zeroconf asks its first question QU
+# (unicast response), but RFC 6762 section 15.1 warns that a unicast reply to port 5353 reaches
+# only one of the sockets bound there: on a Mac that is mDNSResponder's, beside `serve` another
+# node's, so the answer is lost and a short browse (`run --discovery-wait`) can miss a node.
+QUESTION_TYPE = DNSQuestionType.QM
 MAX_PENDING = 256  # names waiting for a worker; more are dropped (a flood of invented names)
 RESOLVE_LIMIT_S = 10.0  # the longest `wait_resolved` waits
 # After a goodbye for a member's name, the pauses before each check that it really left. mDNS
@@ -168,13 +174,13 @@ class Browser:
         for t in self._workers:
             t.start()
         try:
-            self._browser = ServiceBrowser(self.zc, SERVICE_TYPE, _Listener(self))
+            self._browser = ServiceBrowser(self.zc, SERVICE_TYPE, _Listener(self), question_type=QUESTION_TYPE)
         except BaseException:
             self._stop_workers()
             raise
 
     def _resolve(self, name: str) -> None:
-        info = self.zc.get_service_info(SERVICE_TYPE, name, timeout=RESOLVE_TIMEOUT_MS)
+        info = self.zc.get_service_info(SERVICE_TYPE, name, timeout=RESOLVE_TIMEOUT_MS, question_type=QUESTION_TYPE)
         if info is None or self._closed:
             return
         sighting = parse_service(info)
