@@ -8,10 +8,12 @@ disk` an untimed process puts the prompt's experts on disk first (RAM budget 0) 
 process reads them from there.
 
 The measured process notes its resident memory (Linux's /proc/self/status: VmRSS split into
-anonymous and file-backed, VmHWM the peak) after the interpreter starts, after MLX, after
+anonymous, file-backed and shared, VmHWM the peak) after the interpreter starts, after MLX, after
 transformers and the rest of expertmesh are imported, after the model is opened (core, tokenizer,
 store), and after the prompt; and every 20 ms during the prompt, beside MLX's active and cached
-bytes and the disk tier's pooled and queued buffers, so that the peak can be split into parts.
+bytes, the disk tier's pooled and queued buffers and glibc's account of its heaps (what is in use,
+and the freed space it keeps), so that the peak can be split into parts. The buffer pool's blocks
+are shared anonymous mappings (`mmap.mmap(-1, n)`): they count as RssShmem, not RssAnon.
 Printed beside it: the plan `doctor --plan` makes for the same node.
 
     python benchmarks/bench_prompt_memory.py [--tokens 16] [--moe-layers 2] [--experts 384] [--cache cold]
@@ -40,6 +42,38 @@ def _status() -> dict[str, int]:
         if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
             out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def _glibc_heap() -> dict[str, int]:
+    """glibc's own account of its heaps (mallinfo2, glibc >= 2.33): what the program holds in
+    them, the free space they keep, and the blocks mapped on their own; {} elsewhere. MLX's arrays
+    on the CPU, numpy's and Python's large objects all come from here."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return {}
+    m = libc.mallinfo2()
+    return {"glibc_in_use": m.uordblks + m.hblkhd, "glibc_free_kept": m.fordblks, "glibc_mapped": m.hblkhd}
 
 
 def child(spec: dict) -> dict:
@@ -75,6 +109,7 @@ def child(spec: dict) -> dict:
                     pool_idle=buffers.shared_pool().idle_bytes,
                     disk_queued=getattr(disk, "_pending_bytes", 0) if disk is not None else 0,
                     ram_tier=sm.store.ram.nbytes if hasattr(sm.store.ram, "nbytes") else 0,
+                    **_glibc_heap(),
                 )
                 samples.append(s)
                 time.sleep(0.02)
@@ -158,10 +193,7 @@ def main() -> None:
         )
     peak = got["at_peak"]
     if peak:
-        print(
-            "at the sampled peak: "
-            + ", ".join(f"{k} {v / gb:.3f}G" for k, v in peak.items() if k not in ("VmHWM", "RssShmem"))
-        )
+        print("at the sampled peak: " + ", ".join(f"{k} {v / gb:.3f}G" for k, v in peak.items() if k != "VmHWM"))
     print(f"MLX's own peak: {got['mlx_peak'] / gb:.3f}G; the first token after {got['ttft_s']:.2f} s")
     print(json.dumps({"plan": plan.as_json(), **got}))
 
