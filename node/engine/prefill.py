@@ -389,35 +389,44 @@ def _by_groups(
     dropped: list[np.ndarray | None] | None = None,
 ) -> list[mx.array]:
     """More experts than memory holds: each group, as it is placed, over every chunk's rows routed
-    to it (grouped by expert, one gather per chunk), computed, then let go for the next group.
+    to it (grouped by expert), computed, then let go for the next group.
+
+    A prompt's (row, choice) pairs are many (2,048 rows x K3's 16 choices a chunk, every chunk at
+    once), each as wide as an expert's input and output. So a group gathers only its own pairs'
+    rows, and writes its output into the chunk's one output array in place (a scatter whose input
+    nothing else holds reuses its buffer): no gathered copy of every pair's input, and no
+    concatenation and reordering of every pair's output at the end.
 
     `dropped[i]` (an approximate prompt's): chunk i's (row, choice) entries that are not computed
-    at all; they sort after every expert, so no group takes them, and their output is 0."""
+    at all; they sort after every expert, so no group takes them, and their output stays 0."""
     beyond = block.num_experts  # an id past every expert's
     keys = [f if d is None else np.where(d, beyond, f) for f, d in zip(flats, dropped or [None] * len(flats))]
     orders = [np.argsort(k, kind="stable") for k in keys]
     by_expert = [k[o] for k, o in zip(keys, orders)]
-    gone = [int(np.count_nonzero(e == beyond)) for e in by_expert]
-    rows = [
-        p.x.reshape(-1, p.x.shape[-1])[mx.array(o[: len(o) - n] // p.indices.shape[-1])]
-        for p, o, n in zip(parts, orders, gone)
-    ]
-    outs: list[list[mx.array]] = [[] for _ in parts]
+    inputs = [p.x.reshape(-1, p.x.shape[-1]) for p in parts]
+    outs: list[mx.array | None] = [None] * len(parts)
     for group in groups:
         lo, hi = min(group.served), max(group.served)
         with group.placed() as placed:
             made = []
-            for i, (e, x_rows) in enumerate(zip(by_expert, rows)):
+            for i, (e, order, p) in enumerate(zip(by_expert, orders, parts)):
                 a, b = int(np.searchsorted(e, lo)), int(np.searchsorted(e, hi, side="right"))
                 if b > a:
-                    part = block.compute(placed, x_rows[a:b], e[a:b, None]).reshape(b - a, -1)
-                    outs[i].append(part)
-                    made.append(part)
+                    pairs = order[a:b]
+                    x_rows = inputs[i][mx.array(pairs // p.indices.shape[-1])]
+                    y = block.compute(placed, x_rows, e[a:b, None]).reshape(b - a, -1)
+                    out = outs[i]
+                    if out is None:
+                        out = mx.zeros((len(order), y.shape[-1]), dtype=y.dtype)
+                    out[mx.array(pairs)] = y
+                    outs[i] = out
+                    made.append(out)
             mx.eval(made)  # computed now, so this group's slots can go to the next one
+            del made
         served.update(group.served)
         if report is not None:
             report(len(served))
-    for o, n, p in zip(outs, gone, parts):
-        if n:  # the dropped entries' outputs, last in the sorted order as their ids are
-            o.append(mx.zeros((n, block.output_dims), dtype=o[0].dtype if o else p.x.dtype))
-    return [mx.concatenate(o, axis=0)[mx.array(np.argsort(order))] for o, order in zip(outs, orders)]
+    return [
+        o if o is not None else mx.zeros((len(order), block.output_dims), dtype=p.x.dtype)
+        for o, order, p in zip(outs, orders, parts)
+    ]
