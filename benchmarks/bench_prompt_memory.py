@@ -14,7 +14,8 @@ store), and after the prompt; and every 20 ms during the prompt, beside MLX's ac
 bytes, the disk tier's pooled and queued buffers and glibc's account of its heaps (what is in use,
 and the freed space it keeps), so that the peak can be split into parts. The buffer pool's blocks
 are shared anonymous mappings (`mmap.mmap(-1, n)`): they count as RssShmem, not RssAnon.
-Printed beside it: the plan `doctor --plan` makes for the same node.
+Printed beside it: the plan `doctor --plan` makes for the same node with a context of the prompt
+and its one token (`--max-context`): the context and the prompt's expert outputs at that length.
 
     python benchmarks/bench_prompt_memory.py [--tokens 16] [--moe-layers 2] [--experts 384] [--cache cold]
 """
@@ -169,7 +170,10 @@ def main() -> None:
         with hub_client.using_endpoint(hub.url):
             pull(repo_id, home=work / "home", progress=False)
             vocab = bench_prompt._vocab(work / "home", repo_id)
-            planned = plan_model(work / "home", repo_id, ram_budget=store["ram_budget"], prefix_cache="0")
+            # the plan of a node whose context holds this prompt and its token, as `--max-context` would set it
+            planned = plan_model(
+                work / "home", repo_id, max_context=args.tokens + 1, ram_budget=store["ram_budget"], prefix_cache="0"
+            )
         plan = planned.planner.plan()
         spec = {"repo_id": repo_id, "hub_url": hub.url, "home": str(work / "home"), "tokens": args.tokens}
         spec.update(vocab=vocab, store=store)

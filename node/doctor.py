@@ -272,6 +272,7 @@ def plan_model(
     planner.max_context, planner.ram_budget, planner.core_budget = max_context, ram_budget, core_budget
     planner.fetch_workers = fetch_workers
     model_thread().call(sizes.context_bytes, max_context)  # probed once, where MLX runs
+    model_thread().call(sizes.prompt_bytes, max_context)  # the model built there too
     return PlannedModel(planner, title, computed)
 
 

@@ -76,12 +76,3 @@ class PromptCost:
             "link_bytes_per_s": self.link_bytes_per_s,
             "disk_bytes_per_s": self.disk_bytes_per_s,
         }
-
-
-def top_k_of(config: dict) -> int | None:
-    """The experts a token routes to, under the names mlx-lm's architectures use."""
-    cfg = config.get("text_config", config)
-    for key in ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k", "n_activated_experts"):
-        if isinstance(cfg.get(key), int):
-            return cfg[key]
-    return None

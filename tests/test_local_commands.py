@@ -301,7 +301,7 @@ def test_doctor_warns_of_a_streamed_core_and_fails_one_that_cannot_stream(
     big = max((m for m in local_models.pulled_models(home) if m.state == "complete"), key=lambda m: m.core_bytes)
     plan = plan_model(home, big.repo_id).planner.plan()  # this machine: the core fits whole
     assert plan.fits
-    fixed = plan.context_bytes + plan.prefix_cache_bytes + plan.buffer_bytes  # what comes before the core
+    fixed = plan.context_bytes + plan.prefix_cache_bytes + plan.prompt_bytes + plan.buffer_bytes  # before the core
     for room, status, words in ((plan.core_bytes // 2, "warn", "streamed"), (1000, "fail", "even streamed")):
         machine = DeviceMemory(10 * (fixed + room), fixed + room)
         monkeypatch.setattr("expertmesh.node.engine.memory.device_memory", lambda m=machine: m)

@@ -72,7 +72,8 @@ def _expected(home: Path, ram_budget: str, device: DeviceMemory):
     """The plan from the model's own sizes: what the node must have asked for."""
     path = local_models.find_pulled(home, REPO_ID, None)
     index = ExpertIndex.load(path / INDEX_FILENAME)
-    context = ModelSizes(json.loads((path / "config.json").read_text())).context_bytes(constants.DEFAULT_MAX_CONTEXT)
+    sizes = ModelSizes(json.loads((path / "config.json").read_text()))
+    context = sizes.context_bytes(constants.DEFAULT_MAX_CONTEXT)
     assert context > 0
     return plan_memory(
         ram_budget,
@@ -84,6 +85,7 @@ def _expected(home: Path, ram_budget: str, device: DeviceMemory):
         max_context=constants.DEFAULT_MAX_CONTEXT,
         layout=file_layout(path, "bf16"),
         prefix_cache_bytes=parse_budget(constants.DEFAULT_PREFIX_CACHE, 0),  # the node's default, planned
+        prompt_bytes=sizes.prompt_bytes(constants.DEFAULT_MAX_CONTEXT),
     )
 
 

@@ -64,10 +64,15 @@ def test_doctor_plans_k3_on_a_64_gb_mac(tmp_path: Path, capsys) -> None:
     assert main([*argv, "--core-quant", "mixed_4_6", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["fits"] and doc["computed"] and doc["working_set_bytes"] == 48 * GiB
-    assert doc["core_bytes"] <= 40 * GB and doc["ram_tier_bytes"] >= 6 * GB and doc["context_bytes"] > 0
-    assert doc["core_bytes"] + doc["context_bytes"] + doc["ram_tier_bytes"] <= doc["working_set_bytes"]
+    assert doc["core_bytes"] <= 40 * GB and doc["ram_tier_bytes"] >= 4 * GB and doc["context_bytes"] > 0
+    # a 32k-token prompt prefilled layer-major: 32k + one chunk of rows, each 3,584 wide into the
+    # experts and 16 x 3,584 out of them, in BF16
+    assert doc["prompt_bytes"] == (32768 + 2048) * (3584 + 16 * 3584) * 2
+    parts = ("core_bytes", "context_bytes", "prefix_cache_bytes", "prompt_bytes", "ram_tier_bytes")
+    assert sum(doc[p] for p in parts) <= doc["working_set_bytes"]
     line = capsys.readouterr().out
     assert "K3 on a 64 GB Mac (computed from its shape, not measured)" in line and "context 32k" in line
+    assert "prompt's expert outputs 4.24 GB" in line
     # the BF16 core does not fit: streamed, and the changes that would hold it whole are said
     assert main([*argv, "--json", str(out)]) == 1
     doc = json.loads(out.read_text())

@@ -448,7 +448,8 @@ def _prompt_cost(args: argparse.Namespace):
 
     from expertmesh.node.hub import local_models
     from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
-    from expertmesh.node.prompt_cost import PromptCost, top_k_of
+    from expertmesh.node.model.mlx_lm_models import top_k_of
+    from expertmesh.node.prompt_cost import PromptCost
 
     if args.plan.lower() in ("k3", "kimi-k3", "moonshotai/kimi-k3"):
         shape = (constants.K3_MOE_LAYERS, constants.K3_EXPERTS_PER_LAYER, constants.K3_TOP_K, constants.K3_EXPERT_BYTES)

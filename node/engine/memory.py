@@ -186,6 +186,7 @@ class MemoryPlan:
     spare_slot_bytes: int = 0  # the RAM tier's slots beyond its budget, for experts in use it does not keep
     disk_buffer_bytes: int = 0  # the disk tier's idle read buffers and queued writes
     process_bytes: int = 0  # the node process before its core (constants.PROCESS_BASELINE_BYTES)
+    prompt_bytes: int = 0  # a prompt of `max_context` tokens at an expert layer, prefilled layer-major
 
     @property
     def streamed(self) -> bool:
@@ -223,6 +224,7 @@ class MemoryPlan:
             self.core_memory_bytes
             + self.context_bytes
             + self.prefix_cache_bytes
+            + self.prompt_bytes
             + self.buffer_bytes
             + self.ram_budget_bytes
         )
@@ -238,6 +240,8 @@ class MemoryPlan:
         context = f"context {_tokens(self.max_context)} {format_size(self.context_bytes)}, " if self.max_context else ""
         if self.prefix_cache_bytes:
             context += f"prefix cache {format_size(self.prefix_cache_bytes)}, "
+        if self.prompt_bytes:
+            context += f"prompt's expert outputs {format_size(self.prompt_bytes)}, "
         return (
             f"{core}, {context}RAM tier {format_size(self.ram_tier_bytes)}, MLX cache "
             f"{format_size(self.buffer_cache_bytes)}, fetch buffers {format_size(self.in_flight_bytes)}, "
@@ -256,6 +260,7 @@ class MemoryPlan:
             "core_read_bytes_per_token": self.split.read_bytes_per_token if self.split else 0,
             "context_bytes": self.context_bytes,
             "prefix_cache_bytes": self.prefix_cache_bytes,
+            "prompt_bytes": self.prompt_bytes,
             "max_context": self.max_context,
             "ram_tier_bytes": self.ram_tier_bytes,
             "buffer_cache_bytes": self.buffer_cache_bytes,
@@ -288,9 +293,13 @@ def plan_memory(
     max_context: int | None = None,
     core_budget: str | None = None,
     prefix_cache_bytes: int = 0,
+    prompt_bytes: int = 0,
 ) -> MemoryPlan:
     """The core held whole or streamed, and the RAM tier and buffer cache for `ram_budget` (a
     size, or a share of what the core, the context and the fetch buffers leave).
+
+    `prompt_bytes` is what a prompt of `max_context` tokens holds at an expert layer while it is
+    prefilled layer-major (ModelSizes.prompt_bytes): like the context, it comes before the core.
 
     The buffer cache gets one expert's worth (what an expert's decoding reuses), or half the
     budget when that is smaller; the tier gets the rest. The default budget is at least
@@ -309,7 +318,7 @@ def plan_memory(
     disk_buffers = (POOL_IDLE_BUFFERS + constants.DISK_WRITE_BEHIND_EXPERTS) * expert_bytes
     process = constants.PROCESS_BASELINE_BYTES
     explicit_ram = None if ram_budget.strip().endswith("%") else parse_budget(ram_budget, 0)
-    context_bytes += prefix_cache_bytes  # conversation state, kept and live, comes before the core
+    context_bytes += prefix_cache_bytes + prompt_bytes  # conversation state, kept and live, comes before the core
     fixed = in_flight + spare + disk_buffers + process  # whatever the model: before the core too
     room = limit - context_bytes - fixed  # what the core may take: it comes before the RAM tier
     held = None
@@ -342,7 +351,7 @@ def plan_memory(
         budget - cache,
         cache,
         in_flight,
-        context_bytes - prefix_cache_bytes,
+        context_bytes - prefix_cache_bytes - prompt_bytes,
         max_context,
         held,
         layout.label,
@@ -352,6 +361,7 @@ def plan_memory(
         spare,
         disk_buffers,
         process,
+        prompt_bytes,
     )
 
 

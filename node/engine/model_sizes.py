@@ -31,11 +31,11 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from expertmesh.node.constants import K3_EXPERTS_PER_LAYER
-from expertmesh.node.engine.blocks import install_streaming_blocks
+from expertmesh.node.engine.blocks import StreamingExperts, install_streaming_blocks
 from expertmesh.node.engine.core_quantization import format_name, quantize_model
 from expertmesh.node.engine.memory import CoreLayout, CoreTooLargeError, DeviceMemory, MemoryPlan, plan_memory
 from expertmesh.node.engine.streamed_core import split_parameters
-from expertmesh.node.model.mlx_lm_models import build_model, tree_arrays
+from expertmesh.node.model.mlx_lm_models import build_model, top_k_of, tree_arrays
 from expertmesh.node.sizes import format_size
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class ModelSizes:
     config: dict
     _layouts: dict = field(default_factory=dict, repr=False)
     _context: tuple | None = field(default=None, repr=False)
+    _prompt_row: int | None = field(default=None, repr=False)
 
     def _model(self) -> nn.Module:
         model = build_model(self.config)
@@ -133,6 +134,29 @@ class ModelSizes:
             n = -(-tokens // step) * step  # a KV cache grows in steps of tokens
             total += const + per_token * (min(n, cap) if cap else n)
         return int(total)
+
+    def prompt_bytes(self, tokens: int) -> int:
+        """What a prompt of `tokens` tokens holds at an expert layer while it is prefilled
+        layer-major (engine/prefill.py): the output of each of its (row, choice) pairs, every chunk
+        at once, and one chunk's more while its outputs are weighted and summed. 0 where the
+        model's top-k is not in its config (said once)."""
+        if self._prompt_row is None:
+            self._prompt_row = self._prompt_row_bytes()
+        from expertmesh.node.engine.generation import PREFILL_STEP
+
+        return (tokens + min(tokens, PREFILL_STEP)) * self._prompt_row if tokens > 0 else 0
+
+    def _prompt_row_bytes(self) -> int:
+        """One prompt token at the widest expert layer: its row as the experts take it and top-k
+        outputs, each as wide as an expert's output, in the activations' dtype (the config's)."""
+        k = top_k_of(self.config)
+        blocks = [m for m in self._model().modules() if isinstance(m, StreamingExperts)]
+        if not k or not blocks:
+            if blocks:
+                logger.warning("a prompt's memory could not be computed: the config names no top-k")
+            return 0
+        dtype = getattr(mx, _dtype_name(self.config), mx.bfloat16)
+        return max(b.input_width + k * b.output_dims for b in blocks) * dtype.size
 
     def _probe(self) -> tuple:
         from mlx_lm.models.cache import make_prompt_cache
@@ -214,6 +238,7 @@ class Planner:
             core_bits=self.core_bits,
             layout=layout,
             context_bytes=self.sizes.context_bytes(context) or 0,
+            prompt_bytes=self.sizes.prompt_bytes(context),
             max_context=context,
             core_budget=self.core_budget,
             prefix_cache_bytes=self.prefix_cache_bytes,
@@ -236,7 +261,14 @@ class Planner:
         if not self.ram_budget.strip().endswith("%"):
             try:
                 p = self.plan(ram_budget="0")
-                room = p.device.limit_bytes - p.core_bytes - p.context_bytes - p.buffer_bytes
+                room = (
+                    p.device.limit_bytes
+                    - p.core_bytes
+                    - p.context_bytes
+                    - p.prefix_cache_bytes
+                    - p.prompt_bytes
+                    - p.buffer_bytes
+                )
                 if p.fits and room > 0:
                     out.append(
                         f"--ram-budget {room // 10**9}GB" if room >= 10**9 else f"--ram-budget {room // 10**6}MB"

@@ -182,3 +182,12 @@ def tree_arrays(tree: object) -> list[mx.array]:
     # tree_flatten's return type names both of its forms; without a dict to fill it is the list
     pairs = cast(list[tuple[str, object]], tree_flatten(tree))
     return [a for _, a in pairs if isinstance(a, mx.array)]
+
+
+def top_k_of(config: dict) -> int | None:
+    """The experts a token routes to, under the names mlx-lm's architectures use."""
+    cfg = config.get("text_config", config)
+    for key in ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k", "n_activated_experts"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    return None
