@@ -137,8 +137,8 @@ class ModelSizes:
 
     def prompt_bytes(self, tokens: int) -> int:
         """What a prompt of `tokens` tokens holds at an expert layer while it is prefilled
-        layer-major (engine/prefill.py): the output of each of its (row, choice) pairs, every chunk
-        at once, and one chunk's more while its outputs are weighted and summed. 0 where the
+        layer-major (engine/prefill.py): each token's row into the experts and its top-k outputs,
+        every chunk at once, and one chunk's more while its outputs are weighted and summed. 0 where the
         model's top-k is not in its config (said once)."""
         if self._prompt_row is None:
             self._prompt_row = self._prompt_row_bytes()

@@ -415,14 +415,11 @@ def _by_groups(
                     pairs = order[a:b]
                     x_rows = inputs[i][mx.array(pairs // p.indices.shape[-1])]
                     y = block.compute(placed, x_rows, e[a:b, None]).reshape(b - a, -1)
-                    out = outs[i]
-                    if out is None:
-                        out = mx.zeros((len(order), y.shape[-1]), dtype=y.dtype)
-                    out[mx.array(pairs)] = y
-                    outs[i] = out
-                    made.append(out)
+                    if outs[i] is None:
+                        outs[i] = mx.zeros((len(order), y.shape[-1]), dtype=y.dtype)
+                    outs[i][mx.array(pairs)] = y  # type: ignore[index]
+                    made.append(outs[i])
             mx.eval(made)  # computed now, so this group's slots can go to the next one
-            del made
         served.update(group.served)
         if report is not None:
             report(len(served))
