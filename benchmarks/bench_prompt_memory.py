@@ -18,11 +18,13 @@ Printed beside it: the plan `doctor --plan` makes for the same node with a conte
 and its one token (`--max-context`): the context and the prompt's expert outputs at that length.
 
     python benchmarks/bench_prompt_memory.py [--tokens 16] [--moe-layers 2] [--experts 384] [--cache cold]
+        [--intermediate 3072]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -148,6 +150,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--moe-layers", type=int, default=2)
     ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument(
+        "--intermediate",
+        type=int,
+        default=None,
+        help="the experts' intermediate width (K3's 3,072 unless told): a narrower one computes a long "
+        "prompt in minutes with the same rows and outputs, so its activations can be split quickly",
+    )
     ap.add_argument("--cache", choices=("cold", "disk"), default="cold")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,6 +170,8 @@ def main() -> None:
     from expertmesh.node.hub.pull import pull
 
     p = k3_proportions.Proportions(experts=args.experts, moe_layers=args.moe_layers)
+    if args.intermediate:
+        p = dataclasses.replace(p, intermediate=args.intermediate)
     repo_id, root = bench_k3.prompt_bench_repo(p)
     eb = p.expert_bytes
     store = {"ram_budget": str(RAM_EXPERTS * eb + eb // 2), "disk_budget": "100%"}

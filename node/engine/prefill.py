@@ -211,8 +211,10 @@ class LayerMajorPrefill:
             first = not self._started
             if self.states is not None:  # outside the offsets moved ahead below, which are put back
                 self.states.before_turn(i)
+            sent, self._sent[i] = self._sent[i], None  # the chunk holds its output; the next layer's is as large
             with _offsets_ahead(self.cache, self._base, sum(self._lengths[:i])) if first and i else _nothing():
-                out = self._lets[i].switch() if first else self._lets[i].switch(self._sent[i])
+                out = self._lets[i].switch() if first else self._lets[i].switch(sent)
+            del sent
             if self.states is not None:
                 self.states.after_turn(i)
             if self._lets[i].dead:
