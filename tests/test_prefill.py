@@ -78,6 +78,38 @@ def test_a_prompt_of_several_chunks_fetches_each_expert_once_and_equals_mlx_lm(
         sm.close()
 
 
+def test_a_layers_expert_outputs_are_let_go_before_the_next_layer_makes_its_own(
+    pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt's largest arrays are its expert outputs: every token's top-k rows at an expert
+    layer's width, which the memory plan counts once (ModelSizes.prompt_bytes). Before, the prefill
+    kept each layer's outputs for its chunks while the next layer made its own: at 4,096 tokens of
+    K3's shape, 0.94 GB over the plan (docs/benchmarks.md, issue 46's sixth session)."""
+    import weakref
+
+    from expertmesh.node.engine import prefill
+
+    sm, _ = _on_two_experts_of_ram(pulled_home, "kimi_k3", tmp_path, monkeypatch)
+    made: list[list[weakref.ref]] = []  # per MoE layer: its chunks' outputs
+    alive: list[int] = []  # of the layer before's outputs, as each layer starts
+    real = prefill.run_layer
+
+    def watched(block, parts):
+        alive.append(sum(r() is not None for r in made[-1]) if made else 0)
+        ys = real(block, parts)
+        made.append([weakref.ref(y) for y in ys])
+        return ys
+
+    monkeypatch.setattr(prefill, "run_layer", watched)
+    try:
+        ids = sm.tokenizer.encode(TEXT)
+        list(Generator(sm).generate(ids, SamplingSettings(max_tokens=1)))
+    finally:
+        sm.close()
+    assert len(made) == len(sm.blocks) > 1 and all(len(m) > 2 for m in made)  # several chunks, several layers
+    assert alive == [0] * len(made), alive
+
+
 def test_checkpoints_inside_a_prompt_neither_split_its_experts_nor_move_its_state(
     pulled_home, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
