@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from expertmesh.devtools.lab import network, projection
-from expertmesh.devtools.lab.household import Lab, LabConfig
+from expertmesh.devtools.lab.household import Lab, LabConfig, print_table
 
 NEEDS_NAMESPACES = network.available()
 
@@ -118,6 +118,44 @@ def test_projection_arithmetic_on_given_inputs() -> None:
     assert "stands in for Metal" in text and "input (assumed)" in text
 
 
+def test_prompt_projection_arithmetic_on_given_inputs() -> None:
+    """A long prompt's layer needs every expert (its union), each with thousands of rows: fetched,
+    most of them cross our NIC as expert bytes; computed where they are, only their rows do."""
+    p = projection.PromptInputs(
+        tokens=10_000,  # on 8 experts choosing 2: the union is all 8, 2,500 rows each
+        row_bytes=1_000,
+        call_s=0.01,
+        cpu_row_s=1e-6,
+        metal_row_s=0.0,
+        metal_expert_s=0.0,
+        ssd_bytes_per_s=1e6 / 0.004,  # 4 ms to read one expert
+        core_s=0.1,
+        max_call_bytes=2_000_000,
+        expert_bytes=1_000_000,
+        experts=8,
+        layers=10,
+        top_k=2,
+    )
+    gbe = projection.LINKS["1GbE"]
+    service = 0.004 + 2_500 * 1e-6  # an expert read from SSD and computed over its rows
+    assert projection.prompt_layer_seconds(p, 1, gbe, metal=False, remote=True) == pytest.approx(8 * service)
+    # four Macs, fetching: the 6 experts others hold cross our NIC, and are computed here
+    fetch = 6 * (1e6 / 118e6 + 2_500 * 1e-6)
+    assert projection.prompt_layer_seconds(p, 4, gbe, metal=False, remote=False) == pytest.approx(fetch)
+    # remote: a peer's 2.5 MB of rows in two calls (in flight together), 15,000 rows' bytes through our NIC
+    remote = 0.01 + 15_000 * 1_000 / 118e6 + 2 * service
+    assert projection.prompt_layer_seconds(p, 4, gbe, metal=False, remote=True) == pytest.approx(remote)
+    doc = projection.project_prompt(p)
+    four = next(r for r in doc["rows"] if (r["compute"], r["link"], r["macs"]) == ("cpu_measured", "1GbE", 4))
+    assert four["fetch_ttft_s"] == pytest.approx(10 * fetch + 0.1) and four["remote_ttft_s"] == pytest.approx(
+        10 * remote + 0.1
+    )
+    # Metal here computes in no time: each layer is the NIC's, 6 experts fetched or 15,000 rows sent
+    metal_fetch, metal_remote = 6 * 1e6 / 118e6, 0.01 + 15_000 * 1_000 / 118e6 + 2 * 0.004
+    assert doc["target"]["projected"] == pytest.approx((10 * metal_fetch + 0.1) / (10 * metal_remote + 0.1))
+    assert "not a measurement" in projection.format_prompt_projection(doc)
+
+
 REQUIRED = ("alone_cold", "alone_warm_disk", "fetch_from_owners", "remote")
 PROMPT = ("prompt_fetch_from_owners", "prompt_remote")
 
@@ -172,6 +210,12 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
     assert computed["outputs"] == fetched["outputs"]
     assert doc["projection"]["moonshot"]["target_s_per_token"] == 1.5
     assert doc["projection"]["inputs"]["activation_bytes"] > 0
+    # the prompt's projection to K3 is made from these two rows' bytes, calls and compute
+    inputs = doc["prompt_projection"]["inputs"]
+    assert inputs["tokens"] == 12 and inputs["row_bytes"] > 0 and inputs["cpu_row_s"] > 0
+    out: list[str] = []
+    print_table(doc, out.append)
+    assert any(line.startswith("prompt target (K3, 4 Macs") for line in "\n".join(out).splitlines())
     if NEEDS_NAMESPACES is None:
         assert not any(n.startswith(ours) for n in _namespaces())  # everything it made is gone
     else:

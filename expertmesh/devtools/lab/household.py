@@ -22,7 +22,9 @@ one hop away on the same machine. Zeroconf finds the nodes across the bridge.
 
 Every configuration generates greedily on the same prompts and must produce the tokens of
 alone_cold. The projection (projection.py) turns the remote run's measured per-expert costs into
-K3 on 1, 2 and 4 Macs.
+K3 on 1, 2 and 4 Macs, and the two prompt runs' bytes per row, calls and CPU time per row into a K3
+prompt's time to its first token: the prompt's target (>= 5x sooner computed where the experts are)
+is about Macs whose compute is far below the link's time, which this host's shared 2 cores are not.
 
 Without root or iproute2 the lab runs on loopback instead and says so in its output and JSON
 (`"network": "loopback"`): the Hub's own bandwidth knob for the home link, and each node's LAN
@@ -300,6 +302,12 @@ class Lab:
                 r["tokens_equal_alone"] = first is not None and r["outputs"] == first["outputs"]
         remote = next((r for r in results if r["name"] == "remote"), None)
         proj = projection.project(_projection_inputs(remote, c.projection_inputs)) if remote else {}
+        prompts = {r["name"]: r for r in long}
+        prompt_proj = (
+            projection.project_prompt(_prompt_projection_inputs(prompts, p))
+            if {"prompt_remote", "prompt_fetch_from_owners"} <= set(prompts)
+            else {}
+        )
         return {
             "network": mode,
             "nodes": c.nodes,
@@ -316,6 +324,7 @@ class Lab:
             "load": list(os.getloadavg()),
             "configs": results,
             "projection": proj,
+            "prompt_projection": prompt_proj,
         }
 
     def _start_hub(self, root: Path, mode: str) -> str:
@@ -486,6 +495,26 @@ def _projection_inputs(remote: dict, overrides: dict) -> projection.ProjectionIn
     return projection.ProjectionInputs(compute_s=service, call_s=call, activation_bytes=act, ping_s=ping, **overrides)
 
 
+def _prompt_projection_inputs(prompts: dict[str, dict], model) -> projection.PromptInputs:
+    """The prompt scenarios' measured figures: LAN bytes per row computed remotely, the calls' time
+    outside the peer, and this CPU's time per row through one expert (the fetched prompt's TTFT less
+    what it waited for bytes). A row-use is one token's row through one of its top-k experts."""
+    remote, fetched = prompts["prompt_remote"], prompts["prompt_fetch_from_owners"]
+    tokens = remote["prompt_tokens"]
+    row_uses = tokens * model.top_k * model.moe_layers
+    stats = remote["prompt_stats"][0]
+    uses = stats.get("uses", {})
+    share = uses.get("remote", 0) / max(1, sum(uses.values()))
+    moved = stats.get("remote", {}).get("sent_bytes", 0) + stats.get("remote", {}).get("received_bytes", 0)
+    computing = sum(fetched["ttft_s"]) - fetched["prompt_stats"][0].get("wait_s", 0.0)
+    return projection.PromptInputs(
+        tokens=tokens,
+        row_bytes=moved / (row_uses * share) if share else 0.0,
+        call_s=remote["call_s"] or 0.0,
+        cpu_row_s=computing / row_uses,
+    )
+
+
 def print_table(doc: dict, out: Callable[[str], None] = print) -> None:
     out(f"network: {doc['network']}; {doc['nodes']} nodes; load average {', '.join(f'{x:.2f}' for x in doc['load'])}")
     out(
@@ -542,3 +571,5 @@ def print_table(doc: dict, out: Callable[[str], None] = print) -> None:
         )
     if doc.get("projection"):
         out(projection.format_projection(doc["projection"]))
+    if doc.get("prompt_projection"):
+        out(projection.format_prompt_projection(doc["prompt_projection"]))
