@@ -28,6 +28,7 @@ def test_the_cold_and_disk_rows_read_each_expert_once_and_equal_mlx_lm(sixteen_t
         assert r["distinct_experts"] > 0 and r["fetch_redundancy"] <= 1.05
         assert r["compute_measured"] == "resident"
         assert r["ttft_over_floor"] == pytest.approx(r["ttft_s"] / r["floor_s"])
+        assert r["plan_bytes"] > 0  # the plan beside the peak it should hold
     assert rows["cold"]["uses_by_source"]["hub"] > 0
     # the cold row's disk, taken over: every expert of the prompt is there, none comes from the Hub
     assert rows["disk"]["uses_by_source"]["hub"] == 0

@@ -21,6 +21,8 @@ a node whose RAM budget is smaller than a layer's union answers one token in a p
                        "resident"), else the same run's time outside waits for experts
     ttft_over_floor    ttft_s ÷ floor_s
     peak_rss_bytes     the node process's peak resident memory
+    plan_bytes         what `doctor --plan` gives the same node (its RAM budget, no prefix cache) with a
+                       context of the prompt and its token (`--max-context`): the peak should be within it
     tokens_equal       the first token equals mlx-lm's on the same prompt (with every expert in
                        memory), where mlx-lm was run; at K3 size (tens of GB of experts) it is
                        compared with the cold run's instead (`tokens_reference` says which)
@@ -166,6 +168,7 @@ def row(
     reference: int | None,
     reference_name: str,
     resident_s: float | None = None,
+    plan_bytes: int | None = None,
 ) -> dict:
     """The issue's JSON row of one measurement, with what it was computed from beside it."""
     distinct = got["distinct_bytes"]
@@ -187,6 +190,7 @@ def row(
         "floor_s": floor,
         "ttft_over_floor": got["ttft_s"] / floor if floor else None,
         "peak_rss_bytes": got["peak_rss_bytes"],
+        "plan_bytes": plan_bytes,
         "tokens_equal": None if reference is None else got["token"] == reference,
         # what the figures come from
         "tokens_reference": reference_name,
@@ -310,6 +314,7 @@ def run(
                 reference: int | None = None
                 reference_name = "cold"
                 total_expert_bytes = per_layer * expert_bytes * len(_index(template, repo_id).moe_layers)
+                plan_bytes = _plan_bytes(template, repo_id, n, store["ram_budget"])
                 resident_s: float | None = None
                 small = total_expert_bytes < MLX_LM_LIMIT_BYTES
                 if small:
@@ -353,7 +358,7 @@ def run(
                         continue
                     firsts.setdefault(cache, got["token"])
                     ref = reference if reference_name == "mlx_lm" else firsts.get("cold")
-                    r = row(spec, got, link, ref, reference_name, resident_s)
+                    r = row(spec, got, link, ref, reference_name, resident_s, plan_bytes)
                     rows.append(r)
                     progress(
                         f"  {n} tokens, {cache}, {prefill}: {r['distinct_experts']} distinct experts, redundancy "
@@ -372,6 +377,14 @@ def run(
         "load": os.getloadavg(),
         "configs": rows,
     }
+
+
+def _plan_bytes(home: Path, repo_id: str, tokens: int, ram_budget: str) -> int:
+    """The memory plan's total for the bench's node answering a prompt of `tokens` tokens."""
+    from expertmesh.node.doctor import plan_model
+
+    planned = plan_model(home, repo_id, max_context=tokens + 1, ram_budget=ram_budget, prefix_cache="0")
+    return planned.planner.plan().total_bytes
 
 
 def _index(home: Path, repo_id: str):
@@ -398,13 +411,14 @@ def _vocab(home: Path, repo_id: str) -> int:
 def print_table(doc: dict, out=print) -> None:
     out(
         f"{'tokens':>6} {'cache':<5} {'prefill':<11} {'distinct':>9} {'GB':>7} {'redund.':>7} {'TTFT s':>8} {'floor s':>8} "
-        f"{'/floor':>6} {'peak RSS':>9} {'equal':>5} {'all reads':>9}"
+        f"{'/floor':>6} {'peak RSS':>9} {'plan':>7} {'equal':>5} {'all reads':>9}"
     )
     for r in doc["configs"]:
         out(
             f"{r['prompt_tokens']:>6} {r['cache']:<5} {r.get('prefill', 'layer_major'):<11} {r['distinct_experts']:>9} {r['distinct_bytes'] / 1e9:>7.2f} "
             f"{r['fetch_redundancy'] or 0:>7.3f} {r['ttft_s']:>8.2f} {r['floor_s']:>8.2f} "
-            f"{r['ttft_over_floor'] or 0:>6.2f} {r['peak_rss_bytes'] / 1e9:>8.2f}G {str(r['tokens_equal']):>5} {r['all_reads_redundancy'] or 0:>9.3f}"
+            f"{r['ttft_over_floor'] or 0:>6.2f} {r['peak_rss_bytes'] / 1e9:>8.2f}G {(r.get('plan_bytes') or 0) / 1e9:>6.2f}G "
+            f"{str(r['tokens_equal']):>5} {r['all_reads_redundancy'] or 0:>9.3f}"
         )
     rows = {(r["prompt_tokens"], r["cache"], r.get("prefill")): r for r in doc["configs"]}
     for (n, cache, prefill), r in rows.items():
