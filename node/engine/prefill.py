@@ -352,31 +352,34 @@ def _remote_layer(
     """The layer through the household's remote execution (RemoteExperts.run) once for the whole
     prompt: each expert's rows from every chunk together, so a peer that holds experts gets one
     ComputeExperts call a layer with all of the prompt's rows for them, placed by the cost model
-    with the prompt's row counts."""
+    with the prompt's row counts.
+
+    Each expert's rows are gathered from the chunks' inputs as it is sent or computed, and each
+    output written in place into its chunk's one output array, as `_by_groups` does: no sorted
+    copy of every chunk's (row, choice) pairs first, and no concatenation and reordering after."""
     remote = block._remote
     assert remote is not None
-    spans: list[dict[int, tuple[int, int]]] = []  # per chunk: expert -> its rows' span, grouped by expert
-    grouped: list[mx.array] = []
-    orders = []
-    for p, f in zip(parts, flats):
-        order = np.argsort(f, kind="stable")
+    k = parts[0].indices.shape[-1]
+    orders = [np.argsort(f, kind="stable") for f in flats]  # per chunk: its pairs, grouped by expert
+    spans: list[dict[int, tuple[int, int]]] = []  # per chunk: expert -> its pairs' span in that order
+    for f, order in zip(flats, orders):
         ids, starts, counts = np.unique(f[order], return_index=True, return_counts=True)
-        grouped.append(p.x.reshape(-1, p.x.shape[-1])[mx.array(order // p.indices.shape[-1])])
         spans.append({int(e): (int(a), int(a + n)) for e, a, n in zip(ids, starts, counts)})
-        orders.append(order)
-    rows = {
-        e: mx.concatenate([g[s[e][0] : s[e][1]] for g, s in zip(grouped, spans) if e in s], axis=0) for e in experts
-    }
+    inputs = [p.x.reshape(-1, p.x.shape[-1]) for p in parts]
+    rows = {}
+    for e in experts:
+        pieces = [x[mx.array(o[s[e][0] : s[e][1]] // k)] for x, o, s in zip(inputs, orders, spans) if e in s]
+        rows[e] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
     out, served = remote.run(block, experts, rows, guess)
+    del rows
     taken = dict.fromkeys(experts, 0)  # rows of each expert's output handed to earlier chunks
     ys = []
-    for s, order in zip(spans, orders):
-        pieces = []
-        for e in sorted(s):
-            a, b = s[e]
-            pieces.append(out[e][taken[e] : taken[e] + b - a])
+    for p, s, order in zip(parts, spans, orders):
+        y = mx.zeros((len(order), block.output_dims), dtype=out[next(iter(s))].dtype if s else p.x.dtype)
+        for e, (a, b) in s.items():
+            y[mx.array(order[a:b])] = out[e][taken[e] : taken[e] + b - a]
             taken[e] += b - a
-        ys.append(mx.concatenate(pieces, axis=0)[mx.array(np.argsort(order))])
+        ys.append(y)
     return ys, served
 
 
