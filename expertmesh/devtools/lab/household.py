@@ -50,10 +50,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from expertmesh.devtools.lab import network, projection
 from expertmesh.node.sizes import format_size
+
+if TYPE_CHECKING:
+    from expertmesh.devtools.tiny.k3_proportions import Proportions
 
 SCENARIOS = (
     "alone_cold",
@@ -495,7 +498,7 @@ def _projection_inputs(remote: dict, overrides: dict) -> projection.ProjectionIn
     return projection.ProjectionInputs(compute_s=service, call_s=call, activation_bytes=act, ping_s=ping, **overrides)
 
 
-def _prompt_projection_inputs(prompts: dict[str, dict], model) -> projection.PromptInputs:
+def _prompt_projection_inputs(prompts: dict[str, dict], model: Proportions) -> projection.PromptInputs:
     """The prompt scenarios' measured figures: LAN bytes per row computed remotely, the calls' time
     outside the peer, and this CPU's time per row through one expert (the fetched prompt's TTFT less
     what it waited for bytes). A row-use is one token's row through one of its top-k experts."""

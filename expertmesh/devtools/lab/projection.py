@@ -187,7 +187,7 @@ def format_projection(doc: dict) -> str:
 # where they are, only those experts' rows cross it (T k (M - 1)/M rows, in and out). Either way
 # the Macs read their own share from SSD and compute it.
 #
-#     expert_s      metal_compute_s + R x row_s          one expert over its R rows
+#     expert_s      metal_expert_s + R x metal_row_s     one expert over its R rows (CPU: R x cpu_row_s)
 #     service_s     (1 - ram_hit_rate) x expert_bytes / ssd + expert_s
 #     here_s        (U/M) x service_s
 #     fetch layer   max(here_s, U (M-1)/M x (expert_bytes / link + expert_s))
