@@ -42,6 +42,7 @@ PROMPT = "Move activations, not experts"
 TOKENS = 10
 TIME_SCALE = 0.05  # a K3 expert's 148 ms on gigabit becomes 7.4 ms
 ROW_S = 0.001  # a peer's seconds per row it computes, where its compute grows with its rows
+SLOW_PING_S = 0.3  # a ping answered this late is a spell at the peer, not its link
 PROMPT_ROWS = 4  # rows per expert above which a call carries a prompt's rows (decode's carry one or two)
 
 
@@ -58,6 +59,12 @@ class _ComputeNode(NodeService):
     """A compute peer whose ComputeExperts can be made to misbehave (`mode`)."""
 
     mode = "honest"
+
+    def Info(self, request, context):
+        if self.mode == "slow_ping":  # a busy spell: this one answer comes late
+            self.mode = "honest"
+            time.sleep(SLOW_PING_S)
+        return super().Info(request, context)
 
     def ComputeExperts(self, request, context):
         if self.mode == "slow":
@@ -155,6 +162,22 @@ def test_remote_execution_gives_the_single_node_output(pairs, arch: str) -> None
     assert d.uses["remote"] > 0, d.uses  # the cost model sent experts to the peer that holds them
     assert d.remote["calls"] > 0 and d.remote["sent_bytes"] > 0 and d.remote["received_bytes"] == d.remote["sent_bytes"]
     assert d.remote["fallback_error"] == d.remote["fallback_bad_output"] == 0
+
+
+def test_one_late_ping_does_not_keep_a_peer_from_computing(pairs) -> None:
+    """The round trip is measured by pinging the peer, and a call's fixed cost is reckoned from it
+    until calls are seen. One ping that a busy moment delayed (a GC pause, a loaded core) is not
+    the link: were it taken as the round trip, every expert would look cheaper to fetch than to
+    send rows for, until the next ping half a minute later. The link is judged by its quickest
+    of several pings."""
+    pair = pairs("kimi_k3")
+    pair.service.mode = "slow_ping"
+    before = pair.me.store.stats.snapshot()
+    assert _generate(pair.me) == pair.expected
+    d = pair.me.store.stats.since(before)
+    assert pair.service.mode == "honest", "the requester pinged the peer"
+    assert d.remote["calls"] > 0 and d.uses["remote"] > 0, (d.remote, d.uses)
+    assert next(iter(pair.remote.links.values())).rtt_s < SLOW_PING_S / 2
 
 
 def _held_request(pair: Pair) -> tuple[list[int], dict[int, mx.array], node_pb2.ComputeExpertsRequest]:
