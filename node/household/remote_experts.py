@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -164,7 +164,7 @@ def _ewma(old: float | None, new: float) -> float:
 @dataclass
 class _Call:
     peer: Peer
-    request: node_pb2.ComputeExpertsRequest
+    request: node_pb2.ComputeExpertsRequest | None  # let go once answered: a prompt's call holds MBs of rows
     client: NodeClient
     timeout_s: float
     sent_bytes: int
@@ -180,6 +180,7 @@ class _Call:
     def send(self, answered: Callable[[], None]) -> None:
         """Send it; `answered()` once it is (also when it could not be sent: `future` stays None)."""
         self.started = time.perf_counter()
+        assert self.request is not None, "a call is sent once"
         try:
             self.future = self.client.compute_experts(self.request, self.timeout_s)
         except ValueError:  # grpc's "closed channel": the node is closing
@@ -189,6 +190,7 @@ class _Call:
 
     def _answered(self, then: Callable[[], None]) -> None:
         self.finished = time.perf_counter()
+        self.request = None  # its rows are the peer's now (or computed here, from the caller's own)
         then()
 
 
@@ -381,10 +383,16 @@ class RemoteExperts:
     # -- one layer ----------------------------------------------------------------------------
 
     def run(
-        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: LayerGuess | None
+        self,
+        block: StreamingExperts,
+        experts: list[int],
+        rows: Mapping[int, mx.array],
+        guess: LayerGuess | None,
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Every expert's output rows for `block`'s layer, computed here or on peers, and which
-        tier (or `remote`) served each."""
+        tier (or `remote`) served each. `rows[e]` is asked for when expert e's rows are sent or
+        computed, and not kept after: a prompt's mapping gathers them on each ask, so its rows
+        live on only in the calls that carry them, until each is answered."""
         if guess is not None:
             guess = guess._replace(experts=[e for e in guess.experts if self.prefers_local(guess.layer, e)])
         itemsize = next(iter(rows.values())).itemsize if rows else 4
@@ -406,7 +414,7 @@ class RemoteExperts:
         self,
         block: StreamingExperts,
         experts: list[int],
-        rows: dict[int, mx.array],
+        rows: Mapping[int, mx.array],
         out: dict[int, mx.array],
         served: dict[int, Served],
         guess: LayerGuess | None,
@@ -423,7 +431,7 @@ class RemoteExperts:
             out.update(part)
             served.update(group.served)
 
-    def _send(self, block: StreamingExperts, placement: Placement, rows: dict[int, mx.array]) -> list[_PeerCalls]:
+    def _send(self, block: StreamingExperts, placement: Placement, rows: Mapping[int, mx.array]) -> list[_PeerCalls]:
         """Each peer's calls of the layer, the first of them sent (see `_PeerCalls`)."""
         by_peer: dict[str, list[int]] = {}
         peers = {}
@@ -431,6 +439,7 @@ class RemoteExperts:
             by_peer.setdefault(p.node_id, []).append(e)
             peers[p.node_id] = p
         model = node_pb2.ModelKey(repo_id=self.store.index.repo_id, commit=self.store.index.commit)
+        rows_itemsize = rows[next(iter(placement.remote))].itemsize
         chains = []
         for node_id, experts in by_peer.items():
             peer = peers[node_id]
@@ -438,16 +447,23 @@ class RemoteExperts:
             link = self.links.get(node_id) or self._link(peer)
             client = self.peers.client(peer.address)
             calls = []
-            for batch in _calls(block, sorted(experts), rows, self.config.max_call_bytes):
+            held: tuple[int, mx.array] | None = None  # the expert being encoded: its parts are consecutive
+            counts = {e: rows[e].shape[0] for e in experts}
+            for batch in _calls(block, sorted(experts), counts, rows_itemsize, self.config.max_call_bytes):
+                encoded = []
+                for e, first, n in batch:
+                    if held is None or held[0] != e:
+                        held = (e, rows[e])
+                    encoded.append(node_pb2.ExpertRows(expert=e, rows=activations.encode(held[1][first : first + n])))
                 request = node_pb2.ComputeExpertsRequest(
                     model=model,
                     layer=block.layer,
-                    experts=[node_pb2.ExpertRows(expert=e, rows=activations.encode(r)) for e, _, r in batch],
+                    experts=encoded,
                     fetch_on_miss=any(e in placement.owner_fetch for e, _, _ in batch),
                 )
                 # the estimate places experts by their bytes and per-expert costs (a row's compute
                 # costs the same here or there); the deadline must also cover the call's rows
-                rows_each = sum(r.shape[0] for _, _, r in batch) / len(batch)
+                rows_each = sum(n for _, _, n in batch) / len(batch)
                 factor = link.rows_factor(rows_each)
                 timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate * factor)
                 calls.append(
@@ -457,13 +473,14 @@ class RemoteExperts:
                         client,
                         timeout,
                         sum(len(x.rows.data) for x in request.experts),
-                        {e: r.shape[0] for e, _, r in batch},
+                        {e: n for e, _, n in batch},
                         request.experts[0].rows.dtype,
                         {e: first for e, first, _ in batch},
                         expected_s=estimate * factor / link.prompt_scale if factor > 1.0 else 0.0,
                         misses=link.misses,
                     )
                 )
+            held = None
             chains.append(_PeerCalls(calls).start())
         return chains
 
@@ -595,28 +612,28 @@ class RemoteExperts:
 
 
 def _calls(
-    block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], max_bytes: int
-) -> list[list[tuple[int, int, mx.array]]]:
-    """One peer's experts and rows cut into calls of at most `max_bytes` of rows each way (or a
-    single row, where one row is larger): each call a list of (expert, its first row, its rows).
+    block: StreamingExperts, experts: list[int], counts: dict[int, int], itemsize: int, max_bytes: int
+) -> list[list[tuple[int, int, int]]]:
+    """One peer's experts and their `counts` of rows cut into calls of at most `max_bytes` of rows
+    each way (or a single row, where one row is larger): each call a list of (expert, its first
+    row, how many rows).
 
     An expert whose rows do not fit in the room a call has left is split over calls by rows (a
     long prompt gives an expert thousands), so no request or answer passes the limit both sides'
     channels set (rpc/server.py, rpc/tls.py), and none is computed here only for being large. An
-    expert appears at most once per call, as the peer requires."""
-    itemsize = next(iter(rows.values())).itemsize if rows else 4
+    expert appears at most once per call, as the peer requires; its parts are in consecutive calls."""
     row_bytes = max(block.input_width, block.output_dims) * itemsize  # the answer may be the wider
-    calls: list[list[tuple[int, int, mx.array]]] = []
-    batch: list[tuple[int, int, mx.array]] = []
+    calls: list[list[tuple[int, int, int]]] = []
+    batch: list[tuple[int, int, int]] = []
     room = max_bytes
     for e in experts:
-        x, first = rows[e], 0
-        while first < x.shape[0]:
+        first = 0
+        while first < counts[e]:
             if room < row_bytes and batch:
                 calls.append(batch)
                 batch, room = [], max_bytes
-            take = min(x.shape[0] - first, max(1, room // row_bytes))
-            batch.append((e, first, x[first : first + take]))
+            take = min(counts[e] - first, max(1, room // row_bytes))
+            batch.append((e, first, take))
             room -= take * row_bytes
             first += take
     if batch:
