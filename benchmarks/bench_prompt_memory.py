@@ -17,8 +17,14 @@ are shared anonymous mappings (`mmap.mmap(-1, n)`): they count as RssShmem, not 
 Printed beside it: the plan `doctor --plan` makes for the same node with a context of the prompt
 and its one token (`--max-context`): the context and the prompt's expert outputs at that length.
 
+With `--household` the measured node has a compute peer: a node in this (unmeasured) process
+that holds every expert on its disk, on loopback, with the same secret; and every expert the
+measured node lacks in RAM is placed at that peer (RemoteExperts.plan replaced: on loopback the
+cost model would fetch instead). A layer then hands all of its prompt's rows to the peer in calls
+and waits for their answers: the most a household prompt's layer holds at once.
+
     python benchmarks/bench_prompt_memory.py [--tokens 16] [--moe-layers 2] [--experts 384] [--cache cold]
-        [--intermediate 3072]
+        [--intermediate 3072] [--household]
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import time
 from pathlib import Path
 
 LINK, PER_CONNECTION, TTFB_S, RAM_EXPERTS = 100e6, 25e6, 0.075, 64
+SECRET = "bench-prompt-memory"
 
 
 def _status() -> dict[str, int]:
@@ -97,7 +104,10 @@ def child(spec: dict) -> dict:
 
     phases["the package imported"] = _status()
     with hub_client.using_endpoint(spec["hub_url"]):
-        sm = open_model(spec["repo_id"], home=Path(spec["home"]), store=StoreConfig(**spec["store"]))
+        if spec.get("peer"):
+            sm = _with_peer(spec)
+        else:
+            sm = open_model(spec["repo_id"], home=Path(spec["home"]), store=StoreConfig(**spec["store"]))
         phases["model opened"] = _status()
         disk = sm.store.disk
         samples: list[dict] = []
@@ -134,7 +144,49 @@ def child(spec: dict) -> dict:
         "at_peak": peak,
         "mlx_peak": mx.get_peak_memory(),
         "ttft_s": summary.time_to_first_token_s,
+        "remote": dict(summary.experts.remote),  # calls, bytes and fallbacks to the peer (--household)
     }
+
+
+def _with_peer(spec: dict):
+    """The measured node, joined to the peer at `spec["peer"]`, every expert it lacks in RAM placed
+    there."""
+    from expertmesh.assembly import build_node
+    from expertmesh.node.config import HouseholdConfig, NodeConfig, StoreConfig
+    from expertmesh.node.household.remote_experts import Placement, RemoteExperts
+
+    def at_the_peer(self, layer: int, experts: list[int], row_bytes: dict[int, int]) -> Placement:
+        peer = self._compute_peers()[0]
+        self._link(peer)  # pinged, as the cost model would
+        remote = {e: peer for e in experts if (layer, e) not in self.store.ram}
+        return Placement(remote=remote, estimate_s={peer.node_id: 600.0})  # deadlines no measurement cuts short
+
+    RemoteExperts.plan = at_the_peer  # type: ignore[method-assign]
+    household = HouseholdConfig(secret=SECRET, peers=[spec["peer"]])
+    config = NodeConfig(
+        spec["repo_id"],
+        home=Path(spec["home"]),
+        node_id="measured",
+        store=StoreConfig(**spec["store"]),
+        household=household,
+    )
+    return build_node(config).start().require_model()
+
+
+def _peer(repo_id: str, home: Path):
+    """The compute peer: a node of this process serving gRPC on loopback, its experts on its disk."""
+    from expertmesh.assembly import build_node
+    from expertmesh.node.config import HouseholdConfig, NodeConfig, RpcConfig, StoreConfig
+
+    config = NodeConfig(
+        repo_id,
+        home=home,
+        node_id="peer",
+        store=StoreConfig(prefetch=False),
+        household=HouseholdConfig(secret=SECRET),
+        rpc=RpcConfig(host="127.0.0.1", port=0),
+    )
+    return build_node(config).start()
 
 
 def _run_child(spec: dict) -> dict:
@@ -158,6 +210,11 @@ def main() -> None:
         "prompt in minutes with the same rows and outputs, so its activations can be split quickly",
     )
     ap.add_argument("--cache", choices=("cold", "disk"), default="cold")
+    ap.add_argument(
+        "--household",
+        action="store_true",
+        help="a compute peer that holds every expert computes every one the node lacks (see above)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -193,12 +250,25 @@ def main() -> None:
             from expertmesh.devtools.disk_floor import drop_page_cache
 
             drop_page_cache(sorted(str(f) for f in (work / "home" / "experts").rglob("*.bin")))
-        got = _run_child(spec)
+        peer = None
+        if args.household:
+            with hub_client.using_endpoint(hub.url):
+                pull(repo_id, home=work / "peer", progress=False)
+            _run_child({**spec, "home": str(work / "peer"), "store": {**store, "ram_budget": "0"}})  # onto its disk
+            with hub_client.using_endpoint(hub.url):
+                peer = _peer(repo_id, work / "peer")
+            spec.update(peer=peer.rpc.address, store={**store, "disk_budget": "0"})
+        try:
+            got = _run_child(spec)
+        finally:
+            if peer is not None:
+                peer.close()
     finally:
         hub.close()
         shutil.rmtree(work, ignore_errors=True)
     gb = 1e9
-    print(f"{repo_id}, {args.tokens}-token prompt, {args.cache}; RAM budget {RAM_EXPERTS} experts")
+    where = "; every expert it lacks computed by a peer" if args.household else ""
+    print(f"{repo_id}, {args.tokens}-token prompt, {args.cache}; RAM budget {RAM_EXPERTS} experts{where}")
     print(f"plan: {plan.parts()}")
     print(f"{'phase':<22} {'RSS':>8} {'anon':>8} {'file':>8} {'peak':>8}")
     for name, s in got["phases"].items():
@@ -210,6 +280,8 @@ def main() -> None:
     if peak:
         print("at the sampled peak: " + ", ".join(f"{k} {v / gb:.3f}G" for k, v in peak.items() if k != "VmHWM"))
     print(f"MLX's own peak: {got['mlx_peak'] / gb:.3f}G; the first token after {got['ttft_s']:.2f} s")
+    if args.household:
+        print("remote execution: " + ", ".join(f"{k} {v:,}" for k, v in got["remote"].items()))
     print(json.dumps({"plan": plan.as_json(), **got}))
 
 
