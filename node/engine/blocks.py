@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -86,15 +86,40 @@ class BlockStore(Protocol):
     def resident_uses(self, layer: int, experts: list[int]) -> None: ...
 
 
+class ExpertOutputs(Protocol):
+    """Where a layer's expert outputs go as they are made, a part of an expert's rows at a time:
+    a prompt writes each into its chunks' outputs at once, so no part waits for the rest."""
+
+    def put(self, expert: int, first: int, rows: mx.array) -> None:
+        """Rows `first`, `first + 1`, ... of `expert`'s outputs (in the order of its input rows)."""
+        ...
+
+    def drop(self, expert: int) -> None:
+        """Forget what was put of `expert`: it will be put again, whole."""
+        ...
+
+
 class RemoteExecution(Protocol):
     """Running a streamed layer's experts where they are cheapest, here or on the household's
     compute peers (node/household/remote_experts.py's `RemoteExperts`)."""
 
     def run(
-        self, block: StreamingExperts, experts: list[int], rows: dict[int, mx.array], guess: LayerGuess | None
+        self, block: StreamingExperts, experts: list[int], rows: Mapping[int, mx.array], guess: LayerGuess | None
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Each expert's output rows for `block`'s layer (`rows[e]`: the rows routed to expert e,
         grouped), and which tier (or `remote`) served each."""
+        ...
+
+    def run_into(
+        self,
+        block: StreamingExperts,
+        experts: list[int],
+        rows: Mapping[int, mx.array],
+        guess: LayerGuess | None,
+        outputs: ExpertOutputs,
+    ) -> dict[int, Served]:
+        """As `run`, each part of an expert's output rows put into `outputs` as it is made;
+        `rows[e]` asked for only when expert e's rows are sent or computed."""
         ...
 
 

@@ -379,18 +379,73 @@ class _GatheredRows(Mapping[int, mx.array]):
         return len(self._experts)
 
 
+class _ChunkOutputs:
+    """A household prompt's layer outputs, written into each chunk's one output array as each part
+    of an expert's rows is made here or answered by a peer (RemoteExperts.run_into).
+
+    A part waits for nothing: put in place (a scatter whose input nothing else holds reuses its
+    buffer) and evaluated once `FLUSH_BYTES` of parts are pending, it is let go, so the layer
+    holds its outputs once, not every peer's answers besides until the last comes."""
+
+    FLUSH_BYTES = 16 << 20
+
+    def __init__(
+        self, parts: list[_Parked], orders: list[np.ndarray], spans: list[dict[int, tuple[int, int]]], width: int
+    ):
+        self._orders, self._width = orders, width
+        self._dtypes = [p.x.dtype for p in parts]
+        self.ys: list[mx.array | None] = [None] * len(parts)
+        # expert -> (chunk, where its rows of that chunk start among all of its rows, span in the chunk's order)
+        self._where: dict[int, list[tuple[int, int, int, int]]] = {}
+        for i, s in enumerate(spans):
+            for e, (a, b) in s.items():
+                at = self._where.setdefault(e, [])
+                start = at[-1][1] + (at[-1][3] - at[-1][2]) if at else 0
+                at.append((i, start, a, b))
+        self._pending = 0
+
+    def put(self, expert: int, first: int, rows: mx.array) -> None:
+        end = first + rows.shape[0]
+        for i, start, a, b in self._where[expert]:
+            lo, hi = max(first, start), min(end, start + b - a)
+            if lo >= hi:
+                continue
+            y = self.ys[i]
+            if y is None:
+                y = mx.zeros((len(self._orders[i]), self._width), dtype=rows.dtype)
+            y[mx.array(self._orders[i][a + lo - start : a + hi - start])] = rows[lo - first : hi - first]
+            self.ys[i] = y
+        self._pending += rows.nbytes
+        if self._pending >= self.FLUSH_BYTES:
+            self.flush()
+
+    def drop(self, expert: int) -> None:
+        """Nothing to forget: an expert put again, whole, overwrites its rows."""
+
+    def flush(self) -> None:
+        mx.eval([y for y in self.ys if y is not None])
+        self._pending = 0
+
+    def finished(self) -> list[mx.array]:
+        self.flush()
+        return [
+            y if y is not None else mx.zeros((len(o), self._width), dtype=d)
+            for y, o, d in zip(self.ys, self._orders, self._dtypes)
+        ]
+
+
 def _remote_layer(
     block: StreamingExperts, parts: list[_Parked], flats: list[np.ndarray], experts: list[int], guess: LayerGuess | None
 ) -> tuple[list[mx.array], dict[int, Served]]:
-    """The layer through the household's remote execution (RemoteExperts.run) once for the whole
-    prompt: each expert's rows from every chunk together, so a peer that holds experts gets one
-    ComputeExperts call a layer with all of the prompt's rows for them, placed by the cost model
-    with the prompt's row counts.
+    """The layer through the household's remote execution (RemoteExperts.run_into) once for the
+    whole prompt: each expert's rows from every chunk together, so a peer that holds experts gets
+    one ComputeExperts call a layer with all of the prompt's rows for them (in calls within
+    `max_call_bytes`), placed by the cost model with the prompt's row counts.
 
-    Each expert's rows are gathered from the chunks' inputs as it is sent or computed
-    (`_GatheredRows`), and each output written in place into its chunk's one output array, as
-    `_by_groups` does: no sorted copy of every chunk's (row, choice) pairs first, and no
-    concatenation and reordering after."""
+    Each expert's rows are gathered from the chunks' inputs as they are sent or computed
+    (`_GatheredRows`), and each part of its outputs written in place into its chunks' output
+    arrays as it comes (`_ChunkOutputs`), as `_by_groups` does: no sorted copy of every chunk's
+    (row, choice) pairs first, and no concatenation and reordering after."""
     remote = block._remote
     assert remote is not None
     orders = [np.argsort(f, kind="stable") for f in flats]  # per chunk: its pairs, grouped by expert
@@ -398,16 +453,9 @@ def _remote_layer(
     for f, order in zip(flats, orders):
         ids, starts, counts = np.unique(f[order], return_index=True, return_counts=True)
         spans.append({int(e): (int(a), int(a + n)) for e, a, n in zip(ids, starts, counts)})
-    out, served = remote.run(block, experts, _GatheredRows(parts, orders, spans), guess)
-    taken = dict.fromkeys(experts, 0)  # rows of each expert's output handed to earlier chunks
-    ys = []
-    for p, s, order in zip(parts, spans, orders):
-        y = mx.zeros((len(order), block.output_dims), dtype=out[next(iter(s))].dtype if s else p.x.dtype)
-        for e, (a, b) in s.items():
-            y[mx.array(order[a:b])] = out[e][taken[e] : taken[e] + b - a]
-            taken[e] += b - a
-        ys.append(y)
-    return ys, served
+    outputs = _ChunkOutputs(parts, orders, spans, block.output_dims)
+    served = remote.run_into(block, experts, _GatheredRows(parts, orders, spans), guess, outputs)
+    return outputs.finished(), served
 
 
 def _by_groups(

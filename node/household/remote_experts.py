@@ -17,10 +17,11 @@ assigned greedily, each to whichever of "here" or a holding peer would finish it
 is already assigned there (list scheduling); a pass then takes about as long as its slowest peer.
 
 The calls of a layer go out together, each within `max_call_bytes` of rows (a prompt's expert
-with more rows than that has them split over several calls, its answers joined in order), and the
-local experts are fetched (through the store's one entry point, `layer_groups`, in groups within
-its hold limit) and computed while they are in flight. A peer that errs, misses its deadline or answers with rows of the wrong shape,
-dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
+with more rows than that has them split over several calls), a few encoded at a time as earlier
+ones are answered, and each answer is handed on (`ExpertOutputs`) as it comes; the local experts
+are fetched (through the store's one entry point, `layer_groups`, in groups within its hold
+limit) and computed while they are in flight. A peer that errs, misses its deadline or answers
+with rows of the wrong shape, dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
 computed here: the token is never lost. A prompt's first miss only lengthens that peer's
 deadlines for prompts (`RemoteExperts._forgiven`). Everything is counted in the store's
 statistics (source `remote`, activation bytes, fallbacks by reason), so summaries and metrics show
@@ -46,7 +47,7 @@ import grpc
 import mlx.core as mx
 
 from expertmesh.node.config import RemoteConfig
-from expertmesh.node.engine.blocks import StreamingExperts
+from expertmesh.node.engine.blocks import ExpertOutputs, StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.household.peers_tier import HEALTH_DEADLINE_S, PeerSource
@@ -69,6 +70,7 @@ EWMA = 0.2  # weight of a new measurement
 PING_EVERY_S = 30.0  # round-trip time is re-measured this often per peer
 PINGS = 3  # back to back each time; the quickest is the link's (_link)
 CALLS_IN_FLIGHT_PER_PEER = 2  # a peer's calls of a layer sent at once; the rest as these are answered (_PeerCalls)
+CALLS_ENCODED_PER_PEER = 4  # of them at most this many encoded at once, those in flight included
 
 
 @dataclass
@@ -177,8 +179,8 @@ class _Call:
     started: float = 0.0
     finished: float = 0.0  # when the answer arrived (set as it does)
 
-    def send(self, answered: Callable[[], None]) -> None:
-        """Send it; `answered()` once it is (also when it could not be sent: `future` stays None)."""
+    def send(self, answered: Callable[[_Call], None]) -> None:
+        """Send it; `answered(self)` once it is (also when it could not be sent: `future` stays None)."""
         self.started = time.perf_counter()
         assert self.request is not None, "a call is sent once"
         try:
@@ -188,53 +190,96 @@ class _Call:
             return
         self.future.add_done_callback(lambda _: self._answered(answered))
 
-    def _answered(self, then: Callable[[], None]) -> None:
+    def _answered(self, then: Callable[[_Call], None]) -> None:
         self.finished = time.perf_counter()
         self.request = None  # its rows are the peer's now (or computed here, from the caller's own)
-        then()
+        then(self)
+
+
+class _Answers:
+    """Answered calls, handed from gRPC's threads to the MLX thread as they come."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: deque[_Call] = deque()
+        self._arrived: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def put(self, call: _Call) -> None:
+        with self._lock:
+            self._calls.append(call)
+            if not self._arrived.done():
+                self._arrived.set_result(None)
+
+    def take(self) -> list[_Call]:
+        """Those answered since the last take; on the MLX thread it waits for one serving the
+        peers' calls meanwhile (`ModelThread.wait`)."""
+        while True:
+            with self._lock:
+                if self._calls:
+                    calls = list(self._calls)
+                    self._calls.clear()
+                    self._arrived = concurrent.futures.Future()
+                    return calls
+                arrived = self._arrived
+            model_thread().wait([arrived])
 
 
 class _PeerCalls:
-    """One peer's calls of one layer, at most CALLS_IN_FLIGHT_PER_PEER of them in flight: the next is
-    sent as one is answered, and `done` completes with the last.
+    """One peer's calls of one layer, each encoded on the MLX thread shortly before it is sent.
 
-    A peer computes one call at a time on its MLX thread; a second in flight lets the next call's
-    rows cross while it computes. More would only queue there, each holding one of its peer-call
-    slots (rpc/admission.py), which its own fetches and other nodes' calls share; a peer refuses a
-    call beyond them as busy, and a long prompt's rows make many calls (a 1,024-token prompt's
-    rows for one of four peers, in K3's latent width, about twenty)."""
+    At most CALLS_IN_FLIGHT_PER_PEER are in flight. A peer computes one call at a time on its MLX
+    thread; a second in flight lets the next call's rows cross while it computes. More would only
+    queue there, each holding one of its peer-call slots (rpc/admission.py), which its own fetches
+    and other nodes' calls share; a peer refuses a call beyond them as busy, and a long prompt's
+    rows make many calls (a 1,024-token prompt's rows for one of four peers, in K3's latent width,
+    about twenty).
 
-    def __init__(self, calls: list[_Call]):
-        self.calls = calls
-        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._queue = deque(calls)
+    Encoded just in time, a prompt's rows exist as the calls that carry them only a few calls at a
+    time (CALLS_ENCODED_PER_PEER, each within `max_call_bytes`) instead of the layer's whole share
+    for the peer at once, beside the answers. The ones encoded beyond those in flight are sent by
+    the gRPC thread that sees an answer, so the peer is kept busy while the MLX thread computes
+    (`fill` runs between the local groups and as answers are taken)."""
+
+    def __init__(
+        self,
+        batches: list[list[tuple[int, int, int]]],
+        encode: Callable[[list[tuple[int, int, int]]], _Call],
+        answers: _Answers,
+    ):
+        self.total = len(batches)
+        self._batches = deque(batches)
+        self._encode = encode
+        self._ready: deque[_Call] = deque()
         self._in_flight = 0
         self._lock = threading.Lock()
+        self._answers = answers
 
-    def start(self) -> _PeerCalls:
-        for _ in range(min(CALLS_IN_FLIGHT_PER_PEER, len(self.calls))):
-            self._send_next()
-        if not self.calls:
-            self.done.set_result(None)
-        return self
+    def fill(self) -> None:
+        """On the MLX thread: encode up to CALLS_ENCODED_PER_PEER ahead, each sent at once if a
+        slot in flight is free."""
+        while self._batches:
+            with self._lock:
+                if len(self._ready) + self._in_flight >= CALLS_ENCODED_PER_PEER:
+                    break
+            call = self._encode(self._batches.popleft())
+            with self._lock:
+                self._ready.append(call)
+            self._send_ready()
 
-    def _send_next(self) -> None:
-        with self._lock:
-            if not self._queue:
-                return
-            call = self._queue.popleft()
-            self._in_flight += 1
-        call.send(self._answered)
+    def _send_ready(self) -> None:
+        while True:
+            with self._lock:
+                if not self._ready or self._in_flight >= CALLS_IN_FLIGHT_PER_PEER:
+                    return
+                call = self._ready.popleft()
+                self._in_flight += 1
+            call.send(self._answered)
 
-    def _answered(self) -> None:
+    def _answered(self, call: _Call) -> None:
         with self._lock:
             self._in_flight -= 1
-            more = bool(self._queue)
-            last = not more and self._in_flight == 0
-        if more:
-            self._send_next()
-        elif last and not self.done.done():
-            self.done.set_result(None)
+        self._answers.put(call)
+        self._send_ready()
 
 
 @dataclass
@@ -390,37 +435,61 @@ class RemoteExperts:
         guess: LayerGuess | None,
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Every expert's output rows for `block`'s layer, computed here or on peers, and which
-        tier (or `remote`) served each. `rows[e]` is asked for when expert e's rows are sent or
-        computed, and not kept after: a prompt's mapping gathers them on each ask, so its rows
-        live on only in the calls that carry them, until each is answered."""
+        tier (or `remote`) served each (`run_into`, the parts of an expert joined)."""
+        joined = _Joined()
+        served = self.run_into(block, experts, rows, guess, joined)
+        return joined.outputs(), served
+
+    def run_into(
+        self,
+        block: StreamingExperts,
+        experts: list[int],
+        rows: Mapping[int, mx.array],
+        guess: LayerGuess | None,
+        outputs: ExpertOutputs,
+    ) -> dict[int, Served]:
+        """Every expert's output rows for `block`'s layer into `outputs` as each part is made here
+        or answered by a peer, and which tier (or `remote`) served each.
+
+        `rows[e]` is asked for when expert e's rows are encoded into a call or computed here, and
+        not kept after: a prompt's mapping gathers them on each ask, so its rows live only in the
+        few calls encoded at a time (`_PeerCalls`), and each answer goes to `outputs` as it comes.
+        An expert that fails at a peer after some of its parts were put is put again, whole, once
+        computed here (`outputs.drop` first)."""
         if guess is not None:
             guess = guess._replace(experts=[e for e in guess.experts if self.prefers_local(guess.layer, e)])
-        itemsize = next(iter(rows.values())).itemsize if rows else 4
-        placement = self.plan(block.layer, experts, {e: r.shape[0] * r.shape[1] * itemsize for e, r in rows.items()})
-        chains = self._send(block, placement, rows) if placement.remote else []
+        sizes = {e: rows[e].shape for e in experts}
+        itemsize = rows[experts[0]].itemsize if experts else 4
+        placement = self.plan(block.layer, experts, {e: n * w * itemsize for e, (n, w) in sizes.items()})
+        answers = _Answers()
+        chains = self._calls_of(block, placement, rows, {e: n for e, (n, _) in sizes.items()}, itemsize, answers)
+        _fill(chains)
         local = [e for e in experts if e not in placement.remote]
-        out: dict[int, mx.array] = {}
         served: dict[int, Served] = {}
         # the whole routing announces the pass (traced, judging the guesses made for it); evaluated
         # before waiting for the peers, whose calls to us may then write slots meanwhile
-        self._compute_here(block, local, rows, out, served, guess, routed=experts)
+        self._compute_here(block, local, rows, outputs, served, guess, routed=experts, between=lambda: _fill(chains))
         if chains:
-            failed = self._collect(block, chains, out, served)
+            failed = self._collect(block, chains, answers, outputs, served)
             if failed:
-                self._compute_here(block, failed, rows, out, served, None, routed=[])
-        return out, served
+                for e in failed:
+                    outputs.drop(e)
+                self._compute_here(block, failed, rows, outputs, served, None, routed=[])
+        return served
 
     def _compute_here(
         self,
         block: StreamingExperts,
         experts: list[int],
         rows: Mapping[int, mx.array],
-        out: dict[int, mx.array],
+        outputs: ExpertOutputs,
         served: dict[int, Served],
         guess: LayerGuess | None,
         routed: list[int],
+        between: Callable[[], None] | None = None,
     ) -> None:
-        """`experts` fetched and computed on this node, a group at a time within the hold limit."""
+        """`experts` fetched and computed on this node, a group at a time within the hold limit;
+        `between()` after each group (the peers' next calls encoded meanwhile)."""
         store = self.store
         for group in store.layer_groups(block.layer, experts, guess=guess, routed=routed):
             if not group.served:
@@ -428,148 +497,150 @@ class RemoteExperts:
             with group.placed() as placed:
                 part = block.compute_rows(placed, {e: rows[e] for e in group.served})
                 mx.eval(list(part.values()))
-            out.update(part)
+            for e, y in part.items():
+                outputs.put(e, 0, y)
+            del part
             served.update(group.served)
+            if between is not None:
+                between()
 
-    def _send(self, block: StreamingExperts, placement: Placement, rows: Mapping[int, mx.array]) -> list[_PeerCalls]:
-        """Each peer's calls of the layer, the first of them sent (see `_PeerCalls`)."""
+    def _calls_of(
+        self,
+        block: StreamingExperts,
+        placement: Placement,
+        rows: Mapping[int, mx.array],
+        counts: dict[int, int],
+        itemsize: int,
+        answers: _Answers,
+    ) -> list[_PeerCalls]:
+        """Each peer's calls of the layer, none encoded yet (see `_PeerCalls`)."""
         by_peer: dict[str, list[int]] = {}
         peers = {}
         for e, p in placement.remote.items():
             by_peer.setdefault(p.node_id, []).append(e)
             peers[p.node_id] = p
         model = node_pb2.ModelKey(repo_id=self.store.index.repo_id, commit=self.store.index.commit)
-        rows_itemsize = rows[next(iter(placement.remote))].itemsize
         chains = []
         for node_id, experts in by_peer.items():
             peer = peers[node_id]
-            estimate = placement.estimate_s.get(node_id, 0.0)
             link = self.links.get(node_id) or self._link(peer)
-            client = self.peers.client(peer.address)
-            calls = []
-            held: tuple[int, mx.array] | None = None  # the expert being encoded: its parts are consecutive
-            counts = {e: rows[e].shape[0] for e in experts}
-            for batch in _calls(block, sorted(experts), counts, rows_itemsize, self.config.max_call_bytes):
-                encoded = []
-                for e, first, n in batch:
-                    if held is None or held[0] != e:
-                        held = (e, rows[e])
-                    encoded.append(node_pb2.ExpertRows(expert=e, rows=activations.encode(held[1][first : first + n])))
-                request = node_pb2.ComputeExpertsRequest(
-                    model=model,
-                    layer=block.layer,
-                    experts=encoded,
-                    fetch_on_miss=any(e in placement.owner_fetch for e, _, _ in batch),
-                )
-                # the estimate places experts by their bytes and per-expert costs (a row's compute
-                # costs the same here or there); the deadline must also cover the call's rows
-                rows_each = sum(n for _, _, n in batch) / len(batch)
-                factor = link.rows_factor(rows_each)
-                timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * estimate * factor)
-                calls.append(
-                    _Call(
-                        peer,
-                        request,
-                        client,
-                        timeout,
-                        sum(len(x.rows.data) for x in request.experts),
-                        {e: n for e, _, n in batch},
-                        request.experts[0].rows.dtype,
-                        {e: first for e, first, _ in batch},
-                        expected_s=estimate * factor / link.prompt_scale if factor > 1.0 else 0.0,
-                        misses=link.misses,
-                    )
-                )
-            held = None
-            chains.append(_PeerCalls(calls).start())
+            batches = _calls(block, sorted(experts), counts, itemsize, self.config.max_call_bytes)
+            encode = _Encoder(
+                self.config,
+                peer,
+                self.peers.client(peer.address),
+                link,
+                placement.estimate_s.get(node_id, 0.0),
+                node_pb2.ComputeExpertsRequest(model=model, layer=block.layer),
+                placement.owner_fetch,
+                rows,
+            )
+            chains.append(_PeerCalls(batches, encode, answers))
         return chains
 
     def _collect(
-        self, block: StreamingExperts, chains: list[_PeerCalls], out: dict[int, mx.array], served: dict[int, Served]
+        self,
+        block: StreamingExperts,
+        chains: list[_PeerCalls],
+        answers: _Answers,
+        outputs: ExpertOutputs,
+        served: dict[int, Served],
     ) -> list[int]:
-        """Put each call's outputs into `out` (`served` says `remote`), an expert whose rows were
-        split over calls once all of its parts came; returns the experts to fetch and compute here
-        instead (every part of an expert is dropped when one part failed)."""
+        """Each call's outputs into `outputs` as it is answered (the peer's next calls encoded and
+        sent meanwhile); `served` says `remote` for an expert all of whose parts came. Returns the
+        experts to fetch and compute here instead (an expert with a failed part among them)."""
         failed: set[int] = set()
-        parts: dict[int, list[tuple[int, mx.array]]] = {}  # expert -> (first row, its output rows)
         walls: dict[int, float] = {}
         stats = self.store.stats
-        model_thread().wait([chain.done for chain in chains])  # serving peers' calls meanwhile
-        calls = [call for chain in chains for call in chain.calls]
 
         def fall_back(asked: list[int], **reason: int) -> None:
             fresh = [e for e in asked if e not in failed]
             stats.record_remote(**{k: len(fresh) for k in reason})
             failed.update(asked)
 
-        for call in calls:
-            asked = list(call.rows)
-            # the call lets go of its future: the future's callbacks refer to the call, and the
-            # answer's megabytes would otherwise wait in that cycle for a garbage collection
-            future, call.future = call.future, None
-            if future is None:  # never sent
-                fall_back(asked, fallback_error=1)
-                continue
-            try:
-                response = future.result()
-            except grpc.RpcError as error:
-                code = error.code()
-                deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED
-                if not deadline:  # the count alone says nothing of why: the status does
-                    logger.warning(
-                        "ComputeExperts to %s failed (%s: %s); computing its %d experts here",
-                        call.peer.node_id,
-                        code.name,
-                        error.details(),
-                        len(asked),
-                    )
-                forgiven = deadline and self._forgiven(call)
-                if not forgiven and code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
-                    self.peers.penalise_call(
-                        call.peer, code, "compute_deadline" if deadline else f"compute_{code.name.lower()}"
-                    )
-                fall_back(asked, **{"fallback_deadline" if deadline else "fallback_error": 1})
-                continue
-            wall = call.finished - call.started
-            try:
-                got = self._check(block, call, response)
-            except activations.BadTensor as error:
-                logger.warning(
-                    "peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, error
-                )
-                self.peers.penalise(call.peer, "bad_output")
-                fall_back(asked, fallback_bad_output=1)
-                continue
-            received = sum(len(x.rows.data) for x in response.experts)
-            link = self.links.get(call.peer.node_id) or self._link(call.peer)
-            link.misses = 0
-            if call.expected_s > 0:
-                link.observe_prompt_call(wall, call.expected_s, answered=True)
-            link.observe_call(
-                wall,
-                response.compute_seconds,
-                len(got) + len(response.missing),
-                response.queued,
-                response.mlx_wait_seconds,
-                rows=sum(n for e, n in call.rows.items() if e in got),
-            )
-            stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received)
-            for e, arr in got.items():
-                parts.setdefault(e, []).append((call.first_row[e], arr))
-                walls[e] = max(walls.get(e, 0.0), wall)
-                self.peers.note_holding(call.peer, (block.layer, e), True)
-            for e in response.missing:
-                self.peers.note_holding(call.peer, (block.layer, e), False)
-            fall_back(list(response.missing), fallback_missing=1)
-        for e, pieces in parts.items():
+        left = sum(chain.total for chain in chains)
+        while left:
+            for call in answers.take():
+                left -= 1
+                self._take(block, call, outputs, walls, fall_back)
+            _fill(chains)
+        for e, wall in walls.items():
             if e in failed:
                 continue
-            pieces.sort(key=lambda piece: piece[0])
-            out[e] = pieces[0][1] if len(pieces) == 1 else mx.concatenate([arr for _, arr in pieces])
             # a use with no expert bytes: the LAN bytes are the activations, in record_remote above
-            stats.record("remote", 0, walls[e])
-            served[e] = Served("remote", 0, walls[e])
+            stats.record("remote", 0, wall)
+            served[e] = Served("remote", 0, wall)
         return sorted(failed)
+
+    def _take(
+        self,
+        block: StreamingExperts,
+        call: _Call,
+        outputs: ExpertOutputs,
+        walls: dict[int, float],
+        fall_back: Callable[..., None],
+    ) -> None:
+        """One answered call: its rows checked and put, its timings learnt, or its experts failed."""
+        asked = list(call.rows)
+        # the call lets go of its future: the future's callbacks refer to the call, and the
+        # answer's megabytes would otherwise wait in that cycle for a garbage collection
+        future, call.future = call.future, None
+        if future is None:  # never sent
+            fall_back(asked, fallback_error=1)
+            return
+        try:
+            response = future.result()
+        except grpc.RpcError as error:
+            code = error.code()
+            deadline = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            if not deadline:  # the count alone says nothing of why: the status does
+                logger.warning(
+                    "ComputeExperts to %s failed (%s: %s); computing its %d experts here",
+                    call.peer.node_id,
+                    code.name,
+                    error.details(),
+                    len(asked),
+                )
+            forgiven = deadline and self._forgiven(call)
+            if not forgiven and code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # busy is no fault: not skipped
+                self.peers.penalise_call(
+                    call.peer, code, "compute_deadline" if deadline else f"compute_{code.name.lower()}"
+                )
+            fall_back(asked, **{"fallback_deadline" if deadline else "fallback_error": 1})
+            return
+        wall = call.finished - call.started
+        try:
+            got = self._check(block, call, response)
+        except activations.BadTensor as error:
+            logger.warning(
+                "peer %s answered ComputeExperts with bad rows (%s); computing here", call.peer.node_id, error
+            )
+            self.peers.penalise(call.peer, "bad_output")
+            fall_back(asked, fallback_bad_output=1)
+            return
+        received = sum(len(x.rows.data) for x in response.experts)
+        link = self.links.get(call.peer.node_id) or self._link(call.peer)
+        link.misses = 0
+        if call.expected_s > 0:
+            link.observe_prompt_call(wall, call.expected_s, answered=True)
+        link.observe_call(
+            wall,
+            response.compute_seconds,
+            len(got) + len(response.missing),
+            response.queued,
+            response.mlx_wait_seconds,
+            rows=sum(n for e, n in call.rows.items() if e in got),
+        )
+        self.store.stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received)
+        missing = list(response.missing)
+        del response  # its bytes: decoded into `got` now
+        for e, arr in got.items():
+            outputs.put(e, call.first_row[e], arr)
+            walls[e] = max(walls.get(e, 0.0), wall)
+            self.peers.note_holding(call.peer, (block.layer, e), True)
+        for e in missing:
+            self.peers.note_holding(call.peer, (block.layer, e), False)
+        fall_back(missing, fallback_missing=1)
 
     def _forgiven(self, call: _Call) -> bool:
         """Whether a call past its deadline is a measurement rather than a fault: the first miss
@@ -639,3 +710,82 @@ def _calls(
     if batch:
         calls.append(batch)
     return calls
+
+
+def _fill(chains: list[_PeerCalls]) -> None:
+    for chain in chains:
+        chain.fill()
+
+
+class _Encoder:
+    """Makes one peer's calls of one layer from its batches of (expert, first row, rows), on the
+    MLX thread: each expert's rows asked of the layer's mapping once for all of its parts (they
+    are in consecutive calls), and let go with its last."""
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        peer: Peer,
+        client: NodeClient,
+        link: LinkEstimate,
+        estimate_s: float,
+        head: node_pb2.ComputeExpertsRequest,
+        owner_fetch: set[int],
+        rows: Mapping[int, mx.array],
+    ):
+        self.config, self.peer, self.client, self.link = config, peer, client, link
+        self.estimate_s, self.head, self.owner_fetch, self.rows = estimate_s, head, owner_fetch, rows
+        self.misses = link.misses  # as the layer began: its calls' misses are judged together (_forgiven)
+        self._held: tuple[int, mx.array] | None = None
+
+    def __call__(self, batch: list[tuple[int, int, int]]) -> _Call:
+        encoded = []
+        for e, first, n in batch:
+            if self._held is None or self._held[0] != e:
+                self._held = None
+                self._held = (e, self.rows[e])
+            x = self._held[1]
+            encoded.append(node_pb2.ExpertRows(expert=e, rows=activations.encode(x[first : first + n])))
+            if first + n == x.shape[0]:
+                self._held = None  # its last part
+        request = node_pb2.ComputeExpertsRequest()
+        request.CopyFrom(self.head)
+        request.experts.extend(encoded)
+        request.fetch_on_miss = any(e in self.owner_fetch for e, _, _ in batch)
+        # the estimate places experts by their bytes and per-expert costs (a row's compute costs
+        # the same here or there); the deadline must also cover the call's rows
+        factor = self.link.rows_factor(sum(n for _, _, n in batch) / len(batch))
+        timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * self.estimate_s * factor)
+        return _Call(
+            self.peer,
+            request,
+            self.client,
+            timeout,
+            sum(len(x.rows.data) for x in request.experts),
+            {e: n for e, _, n in batch},
+            request.experts[0].rows.dtype,
+            {e: first for e, first, _ in batch},
+            expected_s=self.estimate_s * factor / self.link.prompt_scale if factor > 1.0 else 0.0,
+            misses=self.misses,
+        )
+
+
+class _Joined:
+    """A layer's outputs as one array per expert, an expert's parts (from several calls) joined in
+    order: what decode's layer takes."""
+
+    def __init__(self) -> None:
+        self._parts: dict[int, list[tuple[int, mx.array]]] = {}
+
+    def put(self, expert: int, first: int, rows: mx.array) -> None:
+        self._parts.setdefault(expert, []).append((first, rows))
+
+    def drop(self, expert: int) -> None:
+        self._parts.pop(expert, None)
+
+    def outputs(self) -> dict[int, mx.array]:
+        out = {}
+        for e, pieces in self._parts.items():
+            pieces.sort(key=lambda piece: piece[0])
+            out[e] = pieces[0][1] if len(pieces) == 1 else mx.concatenate([arr for _, arr in pieces])
+        return out
