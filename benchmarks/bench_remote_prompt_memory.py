@@ -22,16 +22,31 @@ import sys
 import mlx.core as mx
 import numpy as np
 
+from expertmesh.node.constants import RPC_MAX_CALL_ROW_BYTES
+
 WIDTH, TOP_K, EXPERTS, CHUNK = 3584, 16, 384, 2048
 
 
 class _Household:
-    """Stands in for RemoteExperts: each expert's rows doubled, evaluated as the peers' answers are."""
+    """Stands in for RemoteExperts: each expert's rows doubled, evaluated as the peers' answers are,
+    in parts of at most a call's rows (`run_into`, what engine/prefill.py calls now), or all at
+    once (`run`, what an earlier checkout's prefill calls, for `--prefill-module`)."""
 
     def run(self, block, experts, rows, guess):
         out = {e: rows[e] * 2.0 for e in experts}
         mx.eval(list(out.values()))
         return out, {}
+
+    def run_into(self, block, experts, rows, guess, outputs):
+        per_call = max(1, RPC_MAX_CALL_ROW_BYTES // (WIDTH * 4))
+        for e in experts:
+            x = rows[e]
+            for first in range(0, x.shape[0], per_call):
+                part = x[first : first + per_call] * 2.0
+                mx.eval(part)
+                outputs.put(e, first, part)
+            del x
+        return {}
 
 
 class _Block:
