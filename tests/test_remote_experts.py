@@ -72,6 +72,9 @@ class _ComputeNode(NodeService):
         if self.mode == "slow":
             time.sleep(2.0)
         prompt = sum(x.rows.shape[0] for x in request.experts) > PROMPT_ROWS * len(request.experts)
+        if self.mode == "lies_after_one_call":  # its first answer is honest, every later one NaN
+            self.mode = "nan"
+            return super().ComputeExperts(request, context)
         if prompt and self.mode in ("busy_prompt", "stuck_prompts"):  # answers just past the deadline
             if self.mode == "busy_prompt":
                 self.mode = "honest"  # a busy spell: its next calls are answered in time
@@ -640,6 +643,39 @@ def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(p
         for x in r.experts:
             calls_per_expert[(r.layer, x.expert)] = calls_per_expert.get((r.layer, x.expert), 0) + 1
     assert max(calls_per_expert.values()) > 1  # some expert's rows went in several calls
+
+
+def test_an_expert_whose_later_part_comes_back_bad_is_computed_here_whole(pairs, monkeypatch) -> None:
+    """A prompt's answers are written into its outputs as they come, so an expert split over two
+    calls may have one part written when the other comes back bad: the expert is then computed
+    here, all of its rows, over what was written. Tokens equal the peer's alone."""
+    from dataclasses import replace
+
+    from expertmesh.node.rpc.client import NodeClient
+
+    pair = pairs("kimi_k3")
+    block = pair.me.model.blocks[0]
+    limit = 3 * max(block.input_width, block.output_dims) * 4  # three float32 rows a call
+    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, max_call_bytes=limit))
+    sent: list[node_pb2.ComputeExpertsRequest] = []
+    compute = NodeClient.compute_experts
+
+    def recorded(self, request, timeout):
+        sent.append(request)
+        return compute(self, request, timeout)
+
+    monkeypatch.setattr(NodeClient, "compute_experts", recorded)
+    ids = pair.me.model.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
+    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
+    pair.service.mode = "lies_after_one_call"
+    before = pair.me.store.stats.snapshot()
+    got = [t.id for t in Generator(pair.me.model).generate(ids, SamplingSettings(max_tokens=1))]
+    d = pair.me.store.stats.since(before)
+    assert len(sent) >= 2 and {x.expert for x in sent[0].experts} & {x.expert for x in sent[1].experts}, (
+        "the first two calls share an expert: one part answered honestly, the other with NaN"
+    )
+    assert got == alone
+    assert d.remote["calls"] >= 1 and d.remote["fallback_bad_output"] > 0, d.remote
 
 
 def test_a_peers_rows_are_cut_into_calls_within_the_limit_each_expert_once_a_call() -> None:
