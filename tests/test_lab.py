@@ -197,6 +197,9 @@ def test_the_lab_on_a_small_model_with_two_nodes(tmp_path: Path) -> None:
     assert by["remote"]["uses"]["remote"] > 0
     assert by["remote"]["lan_bytes_per_token"] < by["fetch_from_owners"]["lan_bytes_per_token"]
     assert set(by["remote"]["placed"]) - {"here"}  # some experts were placed on peers
+    # each household node's own uses during the measured prompts, by node: where an owner got what it lacked
+    assert len(by["remote"]["nodes_uses"]) == len(by["fetch_from_owners"]["nodes_uses"]) == 2
+    assert by["alone_cold"]["nodes_uses"] == {}
     warm = by["remote"]["warm_up"]  # what the measured prompts' deadlines were learnt from
     assert warm["prompt_remote"]["calls"] > 0 and set(warm["links"]) == set(by["remote"]["links"])
     assert all(link["prompt_scale"] >= 1.0 for link in warm["links"].values())

@@ -483,6 +483,7 @@ def _row(name: str, got: dict) -> dict:
         "ttft_s": got.get("ttft_s"),  # per prompt: seconds from its request to its first token
         "prompt_tokens": got.get("prompt_tokens"),
         "prompt_stats": got.get("prompt_stats"),  # per prompt, up to its first token: uses by source, remote calls
+        "nodes_uses": got.get("nodes_uses", {}),  # the household nodes' own expert uses by source, measured prompts
     }
 
 
@@ -532,6 +533,12 @@ def print_table(doc: dict, out: Callable[[str], None] = print) -> None:
             f"{r['hub_bytes_per_token']:>12,.0f} {r['wait_s_per_token']:>9.3f} {r['other_s_per_token']:>9.3f} "
             f"{'yes' if r['tokens_equal_alone'] else 'NO':>7}  {uses}; placed: {placed}"
         )
+    for r in doc["configs"]:
+        fetched = {k: sum(u.get(k, 0) for u in r.get("nodes_uses", {}).values()) for k in ("peer", "hub")}
+        if any(fetched.values()):  # an owner lacked what it was asked to compute or send
+            out(
+                f"  {r['name']}: the nodes themselves fetched {fetched['peer']} experts from each other, {fetched['hub']} from the Hub"
+            )
     c = {r["name"]: r for r in doc["configs"]}
     if "remote" in c and "fetch_from_owners" in c:
         f, r = c["fetch_from_owners"], c["remote"]

@@ -103,6 +103,24 @@ def _long_prompt(sm: StreamedModel, prompts: list[str], n: int) -> list[int]:
     return (ids * (n // max(1, len(ids)) + 1))[:n]
 
 
+def _nodes_uses(node: Node) -> dict[str, dict[str, int]]:
+    """Each household node's own expert uses by source since it started (its Info), by node id:
+    taken before and after the measured prompts, they show where the nodes got what they were
+    asked to compute or send (an owner that lacks an expert fetches it from its peers or the Hub)."""
+    import grpc
+
+    source = node.peer_tier
+    if source is None:
+        return {}
+    uses = {}
+    for p in source.table.all():
+        try:
+            uses[p.node_id] = dict(source.client(p.address).info(timeout=5.0).expert_uses)
+        except grpc.RpcError:
+            continue  # a node killed by the scenario
+    return uses
+
+
 def _links(node: Node) -> dict[str, dict]:
     """What the node has learnt of each peer it sends calls to (household/remote_experts.py's
     `LinkEstimate`): the figures its placements and deadlines are made from."""
@@ -195,6 +213,7 @@ def run(spec: dict) -> dict:
                 tally.placed.clear()
                 tally.estimates.clear()
             hub0 = _hub_bytes(spec["hub_url"])
+            nodes0 = _nodes_uses(node)
             runs = []
             measured = [sm.tokenizer.encode(p) for p in spec["prompts"]]
             if spec.get("prompt_tokens"):
@@ -207,6 +226,12 @@ def run(spec: dict) -> dict:
                     out["join_seen_after_s"] = round(time.monotonic() - t0, 2)
                 runs.append(_generate(sm, ids, spec["tokens"], on_token if i == 0 else None))
             hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
+            nodes1 = _nodes_uses(node)
+            out["nodes_uses"] = {  # during the measured prompts, by node and source
+                nid: {k: v - nodes0[nid].get(k, 0) for k, v in after.items() if v - nodes0[nid].get(k, 0)}
+                for nid, after in nodes1.items()
+                if nid in nodes0
+            }
             out["peers_at_end"] = len(table.all()) if table is not None else 0
             out["links"] = _links(node)  # {} without remote execution
         finally:
