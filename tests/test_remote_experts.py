@@ -547,11 +547,34 @@ def test_a_prompts_call_gets_a_deadline_for_its_rows(pairs, monkeypatch) -> None
     assert d.remote["fallback_deadline"] == 0 and d.remote["calls"] > 0, d.remote
 
 
-def _prompt_here_and_alone(pair: Pair):
-    """A prompt of several dozen tokens: its first token from the requester (with the peer), the
-    peer's own alone, and the requester's store counts for it."""
+def _three_rows_a_call(pair: Pair, monkeypatch) -> tuple[int, list[node_pb2.ComputeExpertsRequest]]:
+    """Calls of at most three float32 rows, so a prompt's experts are split over calls; returns
+    that limit in bytes and the list every ComputeExperts request the requester sends goes into."""
+    from dataclasses import replace
+
+    from expertmesh.node.rpc.client import NodeClient
+
+    block = pair.me.model.blocks[0]
+    limit = 3 * max(block.input_width, block.output_dims) * 4
+    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, max_call_bytes=limit))
+    sent: list[node_pb2.ComputeExpertsRequest] = []
+    compute = NodeClient.compute_experts
+
+    def recorded(self, request, timeout):
+        sent.append(request)
+        return compute(self, request, timeout)
+
+    monkeypatch.setattr(NodeClient, "compute_experts", recorded)
+    return limit, sent
+
+
+def _prompt_here_and_alone(pair: Pair, peer_mode: str | None = None):
+    """A prompt of several dozen tokens: its first token from the requester (with the peer, in
+    `peer_mode` if given), the peer's own alone, and the requester's store counts for it."""
     ids = pair.me.model.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
     alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
+    if peer_mode is not None:
+        pair.service.mode = peer_mode
     before = pair.me.store.stats.snapshot()
     got = [t.id for t in Generator(pair.me.model).generate(ids, SamplingSettings(max_tokens=1))]
     return got, alone, pair.me.store.stats.since(before)
@@ -564,15 +587,12 @@ def test_a_prompts_rows_are_encoded_a_few_calls_at_a_time(pairs, monkeypatch) ->
     ahead (CALLS_ENCODED_PER_PEER), and an expert's gathered rows are let go with its last part:
     while the layer waits for an answer, at most one expert's gathered rows (one split over calls)
     is alive here, as references count, without a garbage collection. Tokens equal the peer's alone."""
-    from dataclasses import replace
 
     from expertmesh.node.engine import prefill
     from expertmesh.node.household import remote_experts as rx
 
     pair = pairs("kimi_k3")
-    block = pair.me.model.blocks[0]
-    limit = 3 * max(block.input_width, block.output_dims) * 4  # three float32 rows a call: many calls
-    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, max_call_bytes=limit))
+    _three_rows_a_call(pair, monkeypatch)  # many calls
     handed: list[weakref.ref] = []
     gather = prefill._GatheredRows.__getitem__
 
@@ -617,22 +637,8 @@ def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(p
     gRPC accepts. An expert of a long prompt with more rows than that is not computed here for
     being large: its rows go in several calls and its answers are joined in order; tokens equal
     the peer's alone."""
-    from dataclasses import replace
-
-    from expertmesh.node.rpc.client import NodeClient
-
     pair = pairs("kimi_k3")
-    block = pair.me.model.blocks[0]
-    limit = 3 * max(block.input_width, block.output_dims) * 4  # three float32 rows a call
-    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, max_call_bytes=limit))
-    sent: list[node_pb2.ComputeExpertsRequest] = []
-    compute = NodeClient.compute_experts
-
-    def recorded(self, request, timeout):
-        sent.append(request)
-        return compute(self, request, timeout)
-
-    monkeypatch.setattr(NodeClient, "compute_experts", recorded)
+    limit, sent = _three_rows_a_call(pair, monkeypatch)
     got, alone, d = _prompt_here_and_alone(pair)
     assert got == alone
     assert d.uses["remote"] > 0, d.uses
@@ -649,28 +655,9 @@ def test_an_expert_whose_later_part_comes_back_bad_is_computed_here_whole(pairs,
     """A prompt's answers are written into its outputs as they come, so an expert split over two
     calls may have one part written when the other comes back bad: the expert is then computed
     here, all of its rows, over what was written. Tokens equal the peer's alone."""
-    from dataclasses import replace
-
-    from expertmesh.node.rpc.client import NodeClient
-
     pair = pairs("kimi_k3")
-    block = pair.me.model.blocks[0]
-    limit = 3 * max(block.input_width, block.output_dims) * 4  # three float32 rows a call
-    monkeypatch.setattr(pair.remote, "config", replace(pair.remote.config, max_call_bytes=limit))
-    sent: list[node_pb2.ComputeExpertsRequest] = []
-    compute = NodeClient.compute_experts
-
-    def recorded(self, request, timeout):
-        sent.append(request)
-        return compute(self, request, timeout)
-
-    monkeypatch.setattr(NodeClient, "compute_experts", recorded)
-    ids = pair.me.model.tokenizer.encode("experts stream from the hub layer by layer, each fetched once " * 2)
-    alone = [t.id for t in Generator(pair.peer.model).generate(ids, SamplingSettings(max_tokens=1))]
-    pair.service.mode = "lies_after_one_call"
-    before = pair.me.store.stats.snapshot()
-    got = [t.id for t in Generator(pair.me.model).generate(ids, SamplingSettings(max_tokens=1))]
-    d = pair.me.store.stats.since(before)
+    limit, sent = _three_rows_a_call(pair, monkeypatch)
+    got, alone, d = _prompt_here_and_alone(pair, peer_mode="lies_after_one_call")
     assert len(sent) >= 2 and {x.expert for x in sent[0].experts} & {x.expert for x in sent[1].experts}, (
         "the first two calls share an expert: one part answered honestly, the other with NaN"
     )
