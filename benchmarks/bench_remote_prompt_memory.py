@@ -39,10 +39,11 @@ class _Household:
 
     def run_into(self, block, experts, rows, guess, outputs):
         per_call = max(1, RPC_MAX_CALL_ROW_BYTES // (WIDTH * 4))
+        host = getattr(rows, "host", None)  # a peer's rows are read on the host since engine/expert_rows.py
         for e in experts:
-            x = rows[e]
+            x = host(e) if host is not None else rows[e]
             for first in range(0, x.shape[0], per_call):
-                part = x[first : first + per_call] * 2.0
+                part = mx.array(x[first : first + per_call]) * 2.0
                 mx.eval(part)
                 outputs.put(e, first, part)
             del x

@@ -588,13 +588,13 @@ def test_a_prompts_rows_are_encoded_a_few_calls_at_a_time(pairs, monkeypatch) ->
     while the layer waits for an answer, at most one expert's gathered rows (one split over calls)
     is alive here, as references count, without a garbage collection. Tokens equal the peer's alone."""
 
-    from expertmesh.node.engine import prefill
+    from expertmesh.node.engine.expert_rows import RoutedRows
     from expertmesh.node.household import remote_experts as rx
 
     pair = pairs("kimi_k3")
     _three_rows_a_call(pair, monkeypatch)  # many calls
     handed: list[weakref.ref] = []
-    gather = prefill._GatheredRows.__getitem__
+    gather = RoutedRows.host
 
     def recorded(self, e):
         x = gather(self, e)
@@ -621,7 +621,7 @@ def test_a_prompts_rows_are_encoded_a_few_calls_at_a_time(pairs, monkeypatch) ->
         alive_while_waiting.append(sum(r() is not None for r in handed))
         return take(self)
 
-    monkeypatch.setattr(prefill._GatheredRows, "__getitem__", recorded)
+    monkeypatch.setattr(RoutedRows, "host", recorded)
     monkeypatch.setattr(rx._Encoder, "__call__", counted_encode)
     monkeypatch.setattr(rx._PeerCalls, "_answered", counted_answer)
     monkeypatch.setattr(rx._Answers, "take", checked)
@@ -630,6 +630,38 @@ def test_a_prompts_rows_are_encoded_a_few_calls_at_a_time(pairs, monkeypatch) ->
     assert d.remote["calls"] > 4 * rx.CALLS_ENCODED_PER_PEER and d.remote["fallback_error"] == 0, d.remote
     assert max(ahead) <= rx.CALLS_ENCODED_PER_PEER, ahead
     assert alive_while_waiting and max(alive_while_waiting) <= 1, alive_while_waiting
+
+
+def test_a_peers_rows_are_encoded_without_waiting_for_the_device(pairs, monkeypatch) -> None:
+    """Encoding a call reads its rows on the host from the layer's inputs, which the layer's one
+    sync evaluated: no kernel and no wait for the device per expert sent. Gathered on the device,
+    each remote expert cost a gather and a sync of its own: up to K3's 16 a layer, 93 layers a
+    token, and a prompt's every part. Counted for decode and for a prompt split over many calls;
+    tokens equal the single node's."""
+    from expertmesh.devtools.graph_counts import GraphCounter
+    from expertmesh.node.household import remote_experts as rx
+
+    pair = pairs("kimi_k3")
+    counted = {"calls": 0, "experts": 0, "kernels": 0, "syncs": 0}
+    encode = rx._Encoder.__call__
+
+    def watched(self, batch):
+        with GraphCounter() as graph:
+            call = encode(self, batch)
+        counted["calls"] += 1
+        counted["experts"] += len(batch)
+        counted["kernels"] += graph.kernels
+        counted["syncs"] += graph.syncs
+        return call
+
+    monkeypatch.setattr(rx._Encoder, "__call__", watched)
+    assert _generate(pair.me) == pair.expected
+    decode = dict(counted)
+    _three_rows_a_call(pair, monkeypatch)
+    got, alone, d = _prompt_here_and_alone(pair)
+    assert got == alone and d.remote["fallback_error"] == d.remote["fallback_bad_output"] == 0, d.remote
+    assert decode["experts"] > 0 and counted["calls"] > decode["calls"], (decode, counted)
+    assert counted["kernels"] == counted["syncs"] == 0, (decode, counted)
 
 
 def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(pairs, monkeypatch) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +48,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 from mlx_lm.utils import load_model
 
+from expertmesh.node.engine.expert_rows import GroupedRows, RoutedRows
 from expertmesh.node.engine.forward_pass import building, count_by_row
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.errors import UnsupportedModelError
@@ -104,7 +105,7 @@ class RemoteExecution(Protocol):
     compute peers (node/household/remote_experts.py's `RemoteExperts`)."""
 
     def run(
-        self, block: StreamingExperts, experts: list[int], rows: Mapping[int, mx.array], guess: LayerGuess | None
+        self, block: StreamingExperts, experts: list[int], rows: RoutedRows, guess: LayerGuess | None
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Each expert's output rows for `block`'s layer (`rows[e]`: the rows routed to expert e,
         grouped), and which tier (or `remote`) served each."""
@@ -114,7 +115,7 @@ class RemoteExecution(Protocol):
         self,
         block: StreamingExperts,
         experts: list[int],
-        rows: Mapping[int, mx.array],
+        rows: RoutedRows,
         guess: LayerGuess | None,
         outputs: ExpertOutputs,
     ) -> dict[int, Served]:
@@ -226,7 +227,9 @@ class StreamingExperts(nn.Module):
             step.unread.append((store, self.layer, indices))
             store.stats.record_layer("resident")
             return self._switch(x, slot_map[indices])
-        mx.eval(indices, *([] if guess is None else [guess]))  # the one sync of this layer; the guess rides on it
+        # the one sync of this layer; the guess rides on it, and so do the rows a household reads
+        # on the host to send to peers (engine/expert_rows.py)
+        mx.eval(indices, *([] if guess is None else [guess]), *([] if self._remote is None else [x]))
         model_thread().between_layers()  # a peer's ComputeExperts waits one layer, not a generation
         flat = np.array(indices).reshape(-1)
         experts = np.unique(flat).tolist()
@@ -361,13 +364,9 @@ class StreamingExperts(nn.Module):
         next_guess: LayerGuess | None,
     ) -> tuple[mx.array, dict[int, Served]]:
         """The layer with compute peers: each expert's rows go where RemoteExperts places them."""
-        order = np.argsort(flat, kind="stable")
-        _, starts = np.unique(flat[order], return_index=True)
-        x_rows = x.reshape(-1, x.shape[-1])[mx.array(order // k)]  # grouped by expert: one gather
-        ends = [*starts[1:].tolist(), len(order)]
-        rows = {e: x_rows[start:end] for e, start, end in zip(experts, starts.tolist(), ends)}
+        rows = GroupedRows(x, flat, k)
         out, served = remote.run(self, experts, rows, next_guess)
-        y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(order))]
+        y = mx.concatenate([out[e] for e in experts], axis=0)[mx.array(np.argsort(rows.order))]
         return y, served
 
 

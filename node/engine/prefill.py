@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,7 @@ import numpy as np
 from greenlet import greenlet
 
 from expertmesh.node.engine.blocks import StreamingExperts
+from expertmesh.node.engine.expert_rows import RoutedRows
 from expertmesh.node.engine.forward_pass import ForwardPass, building, count_by_row
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.prefill_states import ChunkEndStates
@@ -285,7 +286,9 @@ def run_layer(block: StreamingExperts, parts: list[_Parked]) -> list[mx.array]:
     guesses = [p.guess for p in parts if p.guess is not None]
     if gatherer is not None and gatherer.approx is not None:
         guesses = []  # an approximate prompt would not use much of what a guess fetches
-    mx.eval(*[p.indices for p in parts], *guesses)  # the layer's one sync; the guesses ride on it
+    # the layer's one sync; the guesses ride on it, and so do the rows a household reads on the
+    # host to send to peers (engine/expert_rows.py)
+    mx.eval(*[p.indices for p in parts], *guesses, *([p.x for p in parts] if block._remote is not None else []))
     model_thread().between_layers()
     scales: list = [None] * len(parts)
     dropped: list[np.ndarray | None] = [None] * len(parts)
@@ -344,39 +347,6 @@ def _own_call(block: StreamingExperts, part: _Parked) -> mx.array:
     assert part.step is not None
     with part.step.entered():
         return block(part.x, part.indices)
-
-
-class _GatheredRows(Mapping[int, mx.array]):
-    """Each expert's rows of a whole prompt, gathered from the chunks' inputs each time they are
-    asked for and never kept here.
-
-    The household's remote execution encodes a peer's rows into its calls and then needs them no
-    more, unless a call fails and the expert is computed here after all. Kept from the first ask,
-    every expert's rows (top-k rows a token, as wide as the model) would stay beside the calls'
-    copies and the answers until the layer ends: at 4,096 tokens of K3 in float32, 0.94 GB the
-    memory plan does not count. Gathered on each ask, they live as long as their user holds them."""
-
-    def __init__(self, parts: list[_Parked], orders: list[np.ndarray], spans: list[dict[int, tuple[int, int]]]):
-        self._k = parts[0].indices.shape[-1]
-        self._inputs = [p.x.reshape(-1, p.x.shape[-1]) for p in parts]
-        self._orders, self._spans = orders, spans
-        self._experts = sorted({e for s in spans for e in s})
-
-    def __getitem__(self, e: int) -> mx.array:
-        pieces = [
-            x[mx.array(o[s[e][0] : s[e][1]] // self._k)]
-            for x, o, s in zip(self._inputs, self._orders, self._spans)
-            if e in s
-        ]
-        if not pieces:
-            raise KeyError(e)
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._experts)
-
-    def __len__(self) -> int:
-        return len(self._experts)
 
 
 class _ChunkOutputs:
@@ -443,18 +413,23 @@ def _remote_layer(
     `max_call_bytes`), placed by the cost model with the prompt's row counts.
 
     Each expert's rows are gathered from the chunks' inputs as they are sent or computed
-    (`_GatheredRows`), and each part of its outputs written in place into its chunks' output
+    (`RoutedRows`), and each part of its outputs written in place into its chunks' output
     arrays as it comes (`_ChunkOutputs`), as `_by_groups` does: no sorted copy of every chunk's
     (row, choice) pairs first, and no concatenation and reordering after."""
     remote = block._remote
     assert remote is not None
+    k = parts[0].indices.shape[-1]
     orders = [np.argsort(f, kind="stable") for f in flats]  # per chunk: its pairs, grouped by expert
     spans: list[dict[int, tuple[int, int]]] = []  # per chunk: expert -> its pairs' span in that order
-    for f, order in zip(flats, orders):
+    picks: dict[int, list[tuple[int, np.ndarray]]] = {}  # expert -> (chunk, its rows there) for each chunk
+    for i, (f, order) in enumerate(zip(flats, orders)):
         ids, starts, counts = np.unique(f[order], return_index=True, return_counts=True)
         spans.append({int(e): (int(a), int(a + n)) for e, a, n in zip(ids, starts, counts)})
+        for e, (a, b) in spans[-1].items():
+            picks.setdefault(e, []).append((i, order[a:b] // k))
     outputs = _ChunkOutputs(parts, orders, spans, block.output_dims)
-    served = remote.run_into(block, experts, _GatheredRows(parts, orders, spans), guess, outputs)
+    rows = RoutedRows([p.x for p in parts], dict(sorted(picks.items())))
+    served = remote.run_into(block, experts, rows, guess, outputs)
     return outputs.finished(), served
 
 

@@ -40,14 +40,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import grpc
 import mlx.core as mx
+import numpy as np
 
 from expertmesh.node.config import RemoteConfig
 from expertmesh.node.engine.blocks import ExpertOutputs, StreamingExperts
+from expertmesh.node.engine.expert_rows import RoutedRows
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.household.membership import Peer, expert_key
 from expertmesh.node.household.peers_tier import HEALTH_DEADLINE_S, PeerSource
@@ -431,7 +433,7 @@ class RemoteExperts:
         self,
         block: StreamingExperts,
         experts: list[int],
-        rows: Mapping[int, mx.array],
+        rows: RoutedRows,
         guess: LayerGuess | None,
     ) -> tuple[dict[int, mx.array], dict[int, Served]]:
         """Every expert's output rows for `block`'s layer, computed here or on peers, and which
@@ -444,25 +446,25 @@ class RemoteExperts:
         self,
         block: StreamingExperts,
         experts: list[int],
-        rows: Mapping[int, mx.array],
+        rows: RoutedRows,
         guess: LayerGuess | None,
         outputs: ExpertOutputs,
     ) -> dict[int, Served]:
         """Every expert's output rows for `block`'s layer into `outputs` as each part is made here
         or answered by a peer, and which tier (or `remote`) served each.
 
-        `rows[e]` is asked for when expert e's rows are encoded into a call or computed here, and
-        not kept after: a prompt's mapping gathers them on each ask, so its rows live only in the
-        few calls encoded at a time (`_PeerCalls`), and each answer goes to `outputs` as it comes.
+        Expert e's rows are gathered when they are encoded into a call (`rows.host(e)`) or computed
+        here (`rows[e]`), and not kept after: a prompt's rows live only in the few calls encoded
+        at a time (`_PeerCalls`), and each answer goes to `outputs` as it comes.
         An expert that fails at a peer after some of its parts were put is put again, whole, once
         computed here (`outputs.drop` first)."""
         if guess is not None:
             guess = guess._replace(experts=[e for e in guess.experts if self.prefers_local(guess.layer, e)])
-        sizes = {e: rows[e].shape for e in experts}
-        itemsize = rows[experts[0]].itemsize if experts else 4
-        placement = self.plan(block.layer, experts, {e: n * w * itemsize for e, (n, w) in sizes.items()})
+        counts = {e: rows.count(e) for e in experts}
+        itemsize = rows.dtype.size
+        placement = self.plan(block.layer, experts, {e: n * rows.width * itemsize for e, n in counts.items()})
         answers = _Answers()
-        chains = self._calls_of(block, placement, rows, {e: n for e, (n, _) in sizes.items()}, itemsize, answers)
+        chains = self._calls_of(block, placement, rows, counts, itemsize, answers)
         _fill(chains)
         local = [e for e in experts if e not in placement.remote]
         served: dict[int, Served] = {}
@@ -481,7 +483,7 @@ class RemoteExperts:
         self,
         block: StreamingExperts,
         experts: list[int],
-        rows: Mapping[int, mx.array],
+        rows: RoutedRows,
         outputs: ExpertOutputs,
         served: dict[int, Served],
         guess: LayerGuess | None,
@@ -508,7 +510,7 @@ class RemoteExperts:
         self,
         block: StreamingExperts,
         placement: Placement,
-        rows: Mapping[int, mx.array],
+        rows: RoutedRows,
         counts: dict[int, int],
         itemsize: int,
         answers: _Answers,
@@ -719,8 +721,8 @@ def _fill(chains: list[_PeerCalls]) -> None:
 
 class _Encoder:
     """Makes one peer's calls of one layer from its batches of (expert, first row, rows), on the
-    MLX thread: each expert's rows asked of the layer's mapping once for all of its parts (they
-    are in consecutive calls), and let go with its last."""
+    MLX thread: each expert's rows gathered on the host once for all of its parts (they are in
+    consecutive calls), and let go with its last."""
 
     def __init__(
         self,
@@ -731,21 +733,22 @@ class _Encoder:
         estimate_s: float,
         head: node_pb2.ComputeExpertsRequest,
         owner_fetch: set[int],
-        rows: Mapping[int, mx.array],
+        rows: RoutedRows,
     ):
         self.config, self.peer, self.client, self.link = config, peer, client, link
         self.estimate_s, self.head, self.owner_fetch, self.rows = estimate_s, head, owner_fetch, rows
         self.misses = link.misses  # as the layer began: its calls' misses are judged together (_forgiven)
-        self._held: tuple[int, mx.array] | None = None
+        self.dtype = activations.wire_dtype(rows.dtype)
+        self._held: tuple[int, np.ndarray] | None = None
 
     def __call__(self, batch: list[tuple[int, int, int]]) -> _Call:
         encoded = []
         for e, first, n in batch:
             if self._held is None or self._held[0] != e:
                 self._held = None
-                self._held = (e, self.rows[e])
+                self._held = (e, self.rows.host(e))  # gathered on the host: no wait for the device
             x = self._held[1]
-            encoded.append(node_pb2.ExpertRows(expert=e, rows=activations.encode(x[first : first + n])))
+            encoded.append(node_pb2.ExpertRows(expert=e, rows=activations.encode(x[first : first + n], self.dtype)))
             if first + n == x.shape[0]:
                 self._held = None  # its last part
         request = node_pb2.ComputeExpertsRequest()
