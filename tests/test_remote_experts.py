@@ -632,36 +632,49 @@ def test_a_prompts_rows_are_encoded_a_few_calls_at_a_time(pairs, monkeypatch) ->
     assert alive_while_waiting and max(alive_while_waiting) <= 1, alive_while_waiting
 
 
-def test_a_peers_rows_are_encoded_without_waiting_for_the_device(pairs, monkeypatch) -> None:
-    """Encoding a call reads its rows on the host from the layer's inputs, which the layer's one
-    sync evaluated: no kernel and no wait for the device per expert sent. Gathered on the device,
-    each remote expert cost a gather and a sync of its own: up to K3's 16 a layer, 93 layers a
-    token, and a prompt's every part. Counted for decode and for a prompt split over many calls;
-    tokens equal the single node's."""
+def test_rows_and_answers_cross_to_a_peer_without_waits_of_their_own(pairs, monkeypatch) -> None:
+    """The requester encodes a call's rows on the host from the layer's inputs, which the layer's
+    one sync evaluated: no kernel and no wait for the device per expert sent (gathered on the
+    device, each cost a gather and a sync: up to K3's 16 a layer, 93 layers a token, and a
+    prompt's every part). The peer waits once a call, for its outputs, and reads them without
+    another trip through the device per expert (a bfloat16 view was one). Counted for decode and
+    for a prompt split over many calls; tokens equal the single node's."""
     from expertmesh.devtools.graph_counts import GraphCounter
+    from expertmesh.node.household import expert_compute
     from expertmesh.node.household import remote_experts as rx
 
     pair = pairs("kimi_k3")
-    counted = {"calls": 0, "experts": 0, "kernels": 0, "syncs": 0}
-    encode = rx._Encoder.__call__
+    sent = {"calls": 0, "experts": 0, "kernels": 0, "syncs": 0}
+    answered = {"groups": 0, "experts": 0, "syncs": 0}
+    encode, run = rx._Encoder.__call__, expert_compute._run
 
-    def watched(self, batch):
+    def watched_encode(self, batch):
         with GraphCounter() as graph:
             call = encode(self, batch)
-        counted["calls"] += 1
-        counted["experts"] += len(batch)
-        counted["kernels"] += graph.kernels
-        counted["syncs"] += graph.syncs
+        sent["calls"] += 1
+        sent["experts"] += len(batch)
+        sent["kernels"] += graph.kernels
+        sent["syncs"] += graph.syncs
         return call
 
-    monkeypatch.setattr(rx._Encoder, "__call__", watched)
+    def watched_run(block, group, rows):
+        with GraphCounter() as graph:
+            started, done = run(block, group, rows)
+        answered["groups"] += 1
+        answered["experts"] += len(done)
+        answered["syncs"] += graph.syncs
+        return started, done
+
+    monkeypatch.setattr(rx._Encoder, "__call__", watched_encode)
+    monkeypatch.setattr(expert_compute, "_run", watched_run)
     assert _generate(pair.me) == pair.expected
-    decode = dict(counted)
+    decode = dict(sent)
     _three_rows_a_call(pair, monkeypatch)
     got, alone, d = _prompt_here_and_alone(pair)
     assert got == alone and d.remote["fallback_error"] == d.remote["fallback_bad_output"] == 0, d.remote
-    assert decode["experts"] > 0 and counted["calls"] > decode["calls"], (decode, counted)
-    assert counted["kernels"] == counted["syncs"] == 0, (decode, counted)
+    assert decode["experts"] > 0 and sent["calls"] > decode["calls"], (decode, sent)
+    assert sent["kernels"] == sent["syncs"] == 0, (decode, sent)
+    assert answered["experts"] > answered["groups"] and answered["syncs"] == answered["groups"], answered
 
 
 def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(pairs, monkeypatch) -> None:

@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping
 import mlx.core as mx
 import numpy as np
 
+from expertmesh.node.engine.host_view import host_view
+
 
 class RoutedRows(Mapping[int, mx.array]):
     """Expert e's rows: `picks[e]` names, for each input that routes rows to it, those rows (in
@@ -54,18 +56,8 @@ class RoutedRows(Mapping[int, mx.array]):
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
 
     def _host_input(self, i: int) -> np.ndarray:
-        """Input i as (rows, width) on the host: a view of its memory, which an evaluated array
-        gives without a graph run of its own (bfloat16 not in C order: a copy, made by MLX)."""
         if i not in self._hosts:
-            x = self._given[i]
-            mx.eval(x)  # nothing to run if its layer's sync evaluated it; said, not hidden in a buffer read
-            if x.dtype != mx.bfloat16:
-                host = np.array(x, copy=False)
-            # numpy reads no bfloat16: its bit patterns (MLX's stubs do not say it exports a buffer)
-            elif (view := memoryview(x)).c_contiguous:  # type: ignore[arg-type]
-                host = np.frombuffer(view.cast("B"), dtype=np.uint16).reshape(view.shape)
-            else:
-                host = np.array(x.view(mx.uint16), copy=False)
+            host = host_view(self._given[i])
             self._hosts[i] = host.reshape(-1, host.shape[-1])
         return self._hosts[i]
 

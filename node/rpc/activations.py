@@ -14,6 +14,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from expertmesh.node.engine.host_view import host_view
 from expertmesh.v1 import node_pb2
 
 DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {  # wire name -> (MLX dtype, numpy carrier)
@@ -36,11 +37,10 @@ def wire_dtype(dtype: mx.Dtype) -> str:
 
 
 def to_numpy(rows: mx.array) -> np.ndarray:
-    """The rows' bytes as a numpy array (evaluates them); bfloat16 as uint16 bit patterns."""
+    """The rows' bytes as a C-ordered numpy array (evaluates them); bfloat16 as uint16 bit
+    patterns, read without a device round trip of their own (engine/host_view.py)."""
     name = wire_dtype(rows.dtype)
-    if name == "bfloat16":
-        rows = rows.view(mx.uint16)
-    return np.ascontiguousarray(np.array(rows, copy=False), dtype=DTYPES[name][1])
+    return np.ascontiguousarray(host_view(rows), dtype=DTYPES[name][1])
 
 
 def encode(rows: mx.array | np.ndarray, dtype: str | None = None) -> node_pb2.Tensor:
