@@ -94,7 +94,8 @@ class _ComputeNode(NodeService):
                 )
             )
         elif self.mode == "nan":
-            first.rows.CopyFrom(activations.encode(mx.full((t.shape[0], t.shape[1]), float("nan"))))
+            nan = mx.full((t.shape[0], t.shape[1]), float("nan"), dtype=activations.DTYPES[t.dtype][0])
+            first.rows.CopyFrom(activations.encode(nan))  # in the dtype asked: caught as NaN, not as a dtype
         elif self.mode == "extra":
             response.experts.append(node_pb2.ExpertRows(expert=first.expert, rows=t))
         return response
@@ -636,9 +637,10 @@ def test_rows_and_answers_cross_to_a_peer_without_waits_of_their_own(pairs, monk
     """The requester encodes a call's rows on the host from the layer's inputs, which the layer's
     one sync evaluated: no kernel and no wait for the device per expert sent (gathered on the
     device, each cost a gather and a sync: up to K3's 16 a layer, 93 layers a token, and a
-    prompt's every part). The peer waits once a call, for its outputs, and reads them without
-    another trip through the device per expert (a bfloat16 view was one). Counted for decode and
-    for a prompt split over many calls; tokens equal the single node's."""
+    prompt's every part), and checks each answer from its bytes (on the device, a NaN check was
+    a wait a call). The peer waits once a call, for its outputs, and reads them without another
+    trip through the device per expert (a bfloat16 view was one). Counted for decode and for a
+    prompt split over many calls; tokens equal the single node's."""
     from expertmesh.devtools.graph_counts import GraphCounter
     from expertmesh.node.household import expert_compute
     from expertmesh.node.household import remote_experts as rx
@@ -665,14 +667,24 @@ def test_rows_and_answers_cross_to_a_peer_without_waits_of_their_own(pairs, monk
         answered["syncs"] += graph.syncs
         return started, done
 
+    check = rx.RemoteExperts._check
+
+    def watched_check(self, block, call, response):
+        with GraphCounter() as graph:
+            got = check(self, block, call, response)
+        sent["checked"] = sent.get("checked", 0) + 1
+        sent["syncs"] += graph.syncs
+        return got
+
     monkeypatch.setattr(rx._Encoder, "__call__", watched_encode)
+    monkeypatch.setattr(rx.RemoteExperts, "_check", watched_check)
     monkeypatch.setattr(expert_compute, "_run", watched_run)
     assert _generate(pair.me) == pair.expected
     decode = dict(sent)
     _three_rows_a_call(pair, monkeypatch)
     got, alone, d = _prompt_here_and_alone(pair)
     assert got == alone and d.remote["fallback_error"] == d.remote["fallback_bad_output"] == 0, d.remote
-    assert decode["experts"] > 0 and sent["calls"] > decode["calls"], (decode, sent)
+    assert decode["experts"] > 0 and sent["calls"] > decode["calls"] and sent["checked"] > 0, (decode, sent)
     assert sent["kernels"] == sent["syncs"] == 0, (decode, sent)
     assert answered["experts"] > answered["groups"] and answered["syncs"] == answered["groups"], answered
 

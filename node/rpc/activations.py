@@ -83,5 +83,14 @@ def decode(t: node_pb2.Tensor, width: int, dtype: str | None = None, rows: int |
     return arr.view(mlx_dtype) if t.dtype == "bfloat16" else arr
 
 
+def finite(t: node_pb2.Tensor) -> bool:
+    """Whether every value of a Tensor message (checked by `check`) is finite, read from its
+    bytes on the host: asked of the device, it would be a kernel and a wait for each answer."""
+    values = np.frombuffer(t.data, dtype=DTYPES[t.dtype][1])
+    if t.dtype == "bfloat16":  # all exponent bits set: an infinity or a NaN
+        return not bool(np.any(values & 0x7F80 == 0x7F80))
+    return bool(np.isfinite(values).all())
+
+
 def nbytes(t: node_pb2.Tensor) -> int:
     return len(t.data)
