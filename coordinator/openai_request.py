@@ -191,6 +191,13 @@ NEUTRAL_CHAT: dict[str, tuple] = {
 NEUTRAL_COMPLETIONS: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
 
 
+def is_neutral(value: Any, neutral: tuple) -> bool:
+    """Whether `value` is one of the `neutral` values, of the same JSON type too: Python's `==`
+    takes `0` for `False` and `1` for `True`, so `store: 0` or `parallel_tool_calls: 1` (a
+    wrong type, which OpenAI refuses) would otherwise pass as the value that asks for nothing."""
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
 def unsupported_fields(
     body: dict, honoured: frozenset[str] | set[str], caller: frozenset[str], neutral: dict[str, tuple]
 ) -> list[str]:
@@ -199,7 +206,10 @@ def unsupported_fields(
     return [
         name
         for name, value in body.items()
-        if value is not None and name not in honoured and name not in caller and value not in neutral.get(name, ())
+        if value is not None
+        and name not in honoured
+        and name not in caller
+        and not is_neutral(value, neutral.get(name, ()))
     ]
 
 
