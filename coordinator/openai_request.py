@@ -189,6 +189,9 @@ NEUTRAL_CHAT: dict[str, tuple] = {
     "service_tier": ("auto", "default"),
 }
 NEUTRAL_COMPLETIONS: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
+# `stream_options`' own keys beside `include_usage`: obfuscation pads each chunk with an
+# `obfuscation` field, which is not sent here, so only its `false` asks for nothing.
+STREAM_OPTIONS_NEUTRAL: dict[str, tuple] = {"include_obfuscation": (False,)}
 
 
 def is_neutral(value: Any, neutral: tuple) -> bool:
@@ -347,12 +350,7 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
     if stream is not None and not isinstance(stream, bool):
         raise _bad("'stream' must be true or false", param="stream")
     ask.stream = bool(stream)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", param="stream_options")
-    if options is not None and not ask.stream:  # as OpenAI and vLLM answer: usage then comes in the body
-        raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
-    ask.include_usage = bool((options or {}).get("include_usage"))
+    ask.include_usage = _stream_options(body.get("stream_options"), ask.stream)
     mode = body.get("prompt_experts")
     if mode is not None:
         if not isinstance(mode, str):
@@ -365,6 +363,26 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
         except ValueError as e:
             raise _bad(f"'prompt_experts': {e}", param="prompt_experts") from None
     return ask
+
+
+def _stream_options(options: Any, stream: bool) -> bool:
+    """Whether `stream_options` asks for the usage chunk. Its keys are checked as the body's are:
+    `include_usage` must be a boolean, `include_obfuscation` is served only at false (no
+    `obfuscation` field is sent), and any other key is refused by name, never ignored."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", param="stream_options")
+    if not stream:  # as OpenAI and vLLM answer: usage then comes in the body
+        raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
+    asked = unsupported_fields(options, {"include_usage"}, frozenset(), STREAM_OPTIONS_NEUTRAL)
+    if asked:
+        names = ", ".join(f"'stream_options.{a}'" for a in asked)
+        raise _bad(f"{names} {'is' if len(asked) == 1 else 'are'} not supported here", param="stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise _bad("'stream_options.include_usage' must be true or false", param="stream_options")
+    return bool(include_usage)
 
 
 def _sampling(body: dict, ask: Ask) -> None:
