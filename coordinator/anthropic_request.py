@@ -127,6 +127,18 @@ def _message(i: int, m: Any) -> list[dict]:
     return [*results, *([{"role": "user", "content": text}] if texts or not results else [])]
 
 
+def _refuse_prefill(messages: list) -> None:
+    """Refuse a conversation that ends with the assistant's turn. Anthropic reads it as a prefill:
+    the answer continues that text (`{"role": "assistant", "content": "{"}` to get JSON). The
+    chat template here closes every turn it is given and opens a new one, so the answer would
+    start afresh after it, silently not what was asked: a 400 says so instead."""
+    if messages[-1].get("role") == "assistant":
+        raise _bad(
+            f"messages[{len(messages) - 1}] is the assistant's: continuing a prefilled assistant turn is not "
+            "supported here; end the conversation with a user message"
+        )
+
+
 def _tools(tools: Any) -> list[dict]:
     if not isinstance(tools, list):
         raise _bad("'tools' must be a list of tools")
@@ -177,6 +189,7 @@ def openai_body(body: Any, counting: bool = False) -> dict:
         chat.extend(_message(i, m))
     out: dict = {"model": body.get("model"), "messages": chat}
     if not counting:
+        _refuse_prefill(messages)
         max_tokens = body.get("max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise _bad("'max_tokens' is required: a positive integer")

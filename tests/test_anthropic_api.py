@@ -168,6 +168,19 @@ def test_errors_come_in_anthropics_shape(client: anthropic.Anthropic, api: OpenA
     assert e.value.body["error"]["type"] == "not_found_error"
 
 
+def test_a_prefilled_assistant_turn_is_a_400_not_a_new_answer(client: anthropic.Anthropic) -> None:
+    """Anthropic continues a conversation's final assistant message (a prefill: `{` to get JSON);
+    the template here would close that turn and answer afresh, which was served as a 200."""
+    prefilled = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The answer is"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=KIMI_K3, max_tokens=2, messages=prefilled)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[1]" in e.value.body["error"]["message"] and "prefill" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):
+        with client.messages.stream(model=KIMI_K3, max_tokens=2, messages=prefilled) as stream:
+            stream.get_final_message()
+
+
 def test_a_full_queue_is_a_429_rate_limit_error(node) -> None:
     config = CoordinatorConfig(secret=SECRET, models=lambda: [KIMI_K3], max_waiting=0)
     server = OpenAIServer(Coordinator(config, NodePool([node.rpc.address])), "127.0.0.1", 0).start()
