@@ -86,7 +86,13 @@ class OpenAIServer:
         self.coordinator = coordinator
         self.access = access or AccessPolicy(host)
         self.http = HttpServer(
-            self._handle, host, port, limits, on_response=coordinator.metrics.record, name="openai-api"
+            self._handle,
+            host,
+            port,
+            limits,
+            on_response=coordinator.metrics.record,
+            name="openai-api",
+            error_body=_http_error_body,
         )
         self.host, self.port = host, self.http.port
         per_node = max(1, coordinator.config.generations_per_node)
@@ -424,6 +430,14 @@ class OpenAIServer:
             await send({**self._envelope(ask, rid, chunk=True), "choices": [], "usage": self._usage(usage)})
         await send("[DONE]")
         await ex.end_stream()
+
+
+def _http_error_body(path: str, status: int, message: str) -> bytes:
+    """An error the HTTP server answers itself (a body over the cap, late or malformed), in the
+    shape of the API at `path`: Anthropic's clients read `error.type` (`request_too_large` for a
+    413) from their own shape, OpenAI's from theirs."""
+    error = ApiError(HTTPStatus(status), message, type_="server_error" if status >= 500 else "invalid_request_error")
+    return json.dumps(anthropic_api.error_body(error) if path.rstrip("/") in _MESSAGES_PATHS else error.body()).encode()
 
 
 async def _chained(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:

@@ -1,12 +1,13 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) driven by the official
 `anthropic` client: the same answers as the chat completions endpoint, its streaming events in
-Anthropic's order, its error shape for 400, 401 and 429, the same keys through `x-api-key`, and
+Anthropic's order, its error shape for 400, 401, 413 and 429, the same keys through `x-api-key`, and
 every request field honoured or refused by name."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 
 import pytest
 from lazy_import import lazy_import
@@ -179,6 +180,30 @@ def test_a_prefilled_assistant_turn_is_a_400_not_a_new_answer(client: anthropic.
     with pytest.raises(anthropic.BadRequestError):
         with client.messages.stream(model=KIMI_K3, max_tokens=2, messages=prefilled) as stream:
             stream.get_final_message()
+
+
+def _refused(api: OpenAIServer, path: str, *headers: str, body: bytes = b"") -> tuple[int, dict]:
+    """The HTTP server's answer to a request head (and `body`) it refuses before any API reads it."""
+    head = "".join(f"{h}\r\n" for h in (f"POST {path} HTTP/1.1", f"Host: {api.host}:{api.port}", *headers))
+    with socket.create_connection((api.host, api.port), timeout=60) as s:
+        s.sendall(head.encode() + b"\r\n" + body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        return r.status, json.loads(r.read())
+
+
+def test_refusals_of_the_http_server_come_in_anthropics_shape(api: OpenAIServer) -> None:
+    """A body over the cap, or a malformed one, is refused by the HTTP server before any API sees
+    it; on /v1/messages it came in OpenAI's shape, without the `error.type` Anthropic's clients
+    read (`request_too_large` for a 413)."""
+    status, body = _refused(api, "/v1/messages", "Content-Length: 999999999")
+    assert status == 413 and body["type"] == "error" and body["error"]["type"] == "request_too_large"
+    status, body = _refused(api, "/v1/messages/count_tokens", "Transfer-Encoding: chunked", body=b"zz\r\n")
+    assert status == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "malformed" in body["error"]["message"]
+    # the OpenAI API keeps its own shape
+    status, body = _refused(api, "/v1/chat/completions", "Content-Length: 999999999")
+    assert status == 413 and body["error"]["type"] == "invalid_request_error" and "over" in body["error"]["message"]
 
 
 def test_a_full_queue_is_a_429_rate_limit_error(node) -> None:
