@@ -24,7 +24,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from urllib.parse import unquote
@@ -228,19 +228,30 @@ class OpenAIServer:
                 completion, finish = await self._completion(ask, rid, generation, usage)
                 await self._json(ex, 200, anthropic_api.message(completion, finish, usage, ask.model, mid))
                 return
-            first = await self._first(generation)
-            await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
             events = anthropic_api.EventStream(ask.model, mid, usage)
 
             async def send(pairs: list[tuple[str, dict]]) -> None:
                 for name, data in pairs:
                     await ex.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
 
-            await send(events.start())
+            async def start() -> None:
+                await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+                await send(events.start())
+
+            # as a chat stream is: a prompt that takes long to prefill gets Anthropic's own
+            # keep-alive, ping events, once its stream was started with message_start
+            ping = f"event: ping\ndata: {json.dumps(anthropic_api.PING)}\n\n".encode()
+            waiting, started = await self._first_kept_alive(ex, generation, start, ping)
             try:
+                first = waiting.result()
+                if not started:
+                    await start()
+                    started = True
                 async for chunk in self._chunks(ask, rid, first, generation):
                     await send(events.end(chunk) if isinstance(chunk, Finish) else events.chunk(chunk))
-            except ApiError as e:  # after the first token: the stream ends with the error
+            except ApiError as e:  # after the first token, or once kept alive: the stream ends with the error
+                if not started:
+                    raise
                 await send([("error", anthropic_api.error_body(e))])
             await ex.end_stream()
         finally:
@@ -340,6 +351,26 @@ class OpenAIServer:
         body.update(choices=[choice], usage=self._usage(usage))
         return body, finish
 
+    async def _first_kept_alive(
+        self, ex: Exchange, pieces: ThreadedGeneration, start: Callable[[], Awaitable[None]], keepalive: bytes
+    ) -> tuple[asyncio.Future[Piece], bool]:
+        """Wait for a stream's first piece while its prompt is prefilled (a cold one at K3's size
+        fetches for minutes): every SSE_KEEPALIVE_S without it, the stream is started (`start`,
+        once) and `keepalive` written, so the client and any proxy between see the connection
+        alive. Returns the first piece's finished future (its result raises the generation's
+        error) and whether the stream was started."""
+        waiting = asyncio.ensure_future(self._first(pieces))
+        started = False
+        try:
+            while not (await asyncio.wait({waiting}, timeout=SSE_KEEPALIVE_S))[0]:
+                if not started:
+                    await start()
+                    started = True
+                await ex.write(keepalive)
+        finally:
+            waiting.cancel()  # a no-op once done; else the client left while the prompt was prefilled
+        return waiting, started
+
     @staticmethod
     async def _first(pieces: ThreadedGeneration) -> Piece:
         """The first piece, before a stream starts: errors until then are still plain HTTP errors."""
@@ -397,16 +428,7 @@ class OpenAIServer:
 
         # errors before the first token are plain HTTP errors, unless the prompt took so long that
         # the stream was started to keep the client alive: then they end the stream, as later ones do
-        waiting = asyncio.ensure_future(self._first(pieces))
-        started = False
-        try:
-            while not (await asyncio.wait({waiting}, timeout=SSE_KEEPALIVE_S))[0]:
-                if not started:
-                    await start()
-                    started = True
-                await ex.write(b": prefilling the prompt\n\n")
-        finally:
-            waiting.cancel()  # a no-op once done; else the client left while the prompt was prefilled
+        waiting, started = await self._first_kept_alive(ex, pieces, start, b": prefilling the prompt\n\n")
         try:
             first = waiting.result()
             if not started:

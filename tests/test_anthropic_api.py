@@ -110,6 +110,32 @@ def test_the_ping_comes_after_the_first_block_starts(api: OpenAIServer) -> None:
     assert names[-2:] == ["message_delta", "message_stop"]
 
 
+def test_a_stream_is_kept_alive_with_pings_while_the_prompt_is_prefilled(
+    api: OpenAIServer, client: anthropic.Anthropic, chat_answer: str, monkeypatch
+) -> None:
+    """A cold prompt at K3's size takes minutes before its first token; a Messages stream sent
+    nothing until then (a chat stream has its keep-alive comments), so a client or proxy with an
+    idle timeout gave it up. Now the stream starts with message_start and pings meanwhile."""
+    from expertmesh.coordinator import openai_api
+
+    monkeypatch.setattr(openai_api, "SSE_KEEPALIVE_S", 0.005)  # here any prefill outlasts the interval
+    body = {"model": KIMI_K3, "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    status, text = _raw(api, "/v1/messages", body)
+    names = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
+    opened = names.index("content_block_start")
+    assert status == 200 and names[0] == "message_start" and set(names[1:opened]) == {"ping"} and opened > 1
+    assert names[-2:] == ["message_delta", "message_stop"]
+    # the official client skips the pings: the same text, and the prompt's tokens, counted after
+    # message_start went out, come in message_delta
+    with client.messages.stream(
+        model=KIMI_K3, max_tokens=8, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}],
+        extra_body={"temperature": 0},
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert final.content[0].text == chat_answer
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens > 0 and final.usage.output_tokens > 0
+
+
 def test_a_stop_sequence_is_named_in_the_stop_reason(client: anthropic.Anthropic, chat_answer: str) -> None:
     stop = chat_answer[2:4]
     m = _create(client, stop_sequences=[stop])
