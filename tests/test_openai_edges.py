@@ -352,3 +352,12 @@ def test_stream_options_that_ask_for_nothing_more_are_served(client: openai.Open
     )
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+
+
+def test_a_schema_no_value_can_start_is_a_400(api: OpenAIServer) -> None:
+    """`{"$ref": "#"}` compiles but admits no first token: it was a 200 with "" as its JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+    body = {"model": KIMI_K3, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": fmt}
+    status, answer = _post(api, json.dumps(body).encode())
+    assert status == 400, answer
+    assert "cannot start" in answer["error"]["message"]
