@@ -24,7 +24,13 @@ import re
 from http import HTTPStatus
 from typing import Any
 
-from expertmesh.coordinator.openai_request import MAX_STOPS, ApiError, unsupported_fields
+from expertmesh.coordinator.openai_request import (
+    MAX_STOPS,
+    ApiError,
+    caller_type_message,
+    mistyped_caller_field,
+    unsupported_fields,
+)
 
 # Every field of Anthropic's MessageCreateParams (the `anthropic` package lists them), by what
 # happens to it. HONOURED: translated and served; `temperature`, `top_p` and `top_k` are no longer
@@ -35,7 +41,8 @@ HONOURED = frozenset(
     {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
      "tools", "tool_choice"}
 )  # fmt: skip
-CALLER_FIELDS = frozenset({"metadata", "cache_control", "user_profile_id", "workspace_id"})
+CALLER_TYPES: dict[str, type] = {"metadata": dict, "cache_control": dict, "user_profile_id": str, "workspace_id": str}
+CALLER_FIELDS = frozenset(CALLER_TYPES)
 NEUTRAL: dict[str, tuple] = {
     "thinking": ({"type": "disabled"},),
     "service_tier": ("auto", "standard_only"),
@@ -58,6 +65,9 @@ def _refuse_unsupported(body: dict, counting: bool) -> None:
     if asked:
         names = ", ".join(f"'{a}'" for a in asked)
         raise _bad(f"{names} {'is' if len(asked) == 1 else 'are'} not supported here")
+    mistyped = mistyped_caller_field(body, CALLER_TYPES)
+    if mistyped is not None:
+        raise _bad(caller_type_message(mistyped, CALLER_TYPES))
 
 
 def _text(blocks: Any, where: str, system: bool = False) -> str:

@@ -179,7 +179,10 @@ HONOURED_CHAT = HONOURED_COMMON | {
     "tools", "tool_choice", "response_format",  # rendered by the model's template, enforced by a grammar
 }  # fmt: skip
 HONOURED_COMPLETIONS = HONOURED_COMMON | {"prompt"}
-CALLER_FIELDS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+# What each CALLER field must be: it changes no answer, but a value of another type is the client's
+# mistake all the same, a 400 naming it, as OpenAI answers it.
+CALLER_TYPES: dict[str, type] = {"user": str, "metadata": dict, "safety_identifier": str, "prompt_cache_key": str}
+CALLER_FIELDS = frozenset(CALLER_TYPES)
 # name -> the values that ask for nothing. `parallel_tool_calls: false` asks for at most one call,
 # which nothing enforces yet: only its default is accepted.
 NEUTRAL_CHAT: dict[str, tuple] = {
@@ -216,6 +219,26 @@ def unsupported_fields(
     ]
 
 
+def mistyped_caller_field(body: dict, types: dict[str, type]) -> str | None:
+    """The first caller field of `body` whose value is not of its JSON type (null means absent):
+    a string, or an object of strings (OpenAI's `metadata`, Anthropic's `metadata` and
+    `cache_control`). Their values are not read, so nothing else would notice a wrong one."""
+    for name, kind in types.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            return name
+        if isinstance(value, dict) and not all(isinstance(v, str | None) for v in value.values()):
+            return name
+    return None
+
+
+def caller_type_message(name: str, types: dict[str, type]) -> str:
+    """What `mistyped_caller_field`'s field must be, for the 400 that names it."""
+    return f"'{name}' must be " + ("an object of strings" if types[name] is dict else "a string")
+
+
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     """Refuse by name every field that is neither honoured nor neutral at its value (null means absent)."""
     honoured = HONOURED_CHAT if chat else HONOURED_COMPLETIONS
@@ -228,6 +251,9 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             param=asked[0],
             code="unsupported_parameter",
         )
+    mistyped = mistyped_caller_field(body, CALLER_TYPES)
+    if mistyped is not None:
+        raise _bad(caller_type_message(mistyped, CALLER_TYPES), param=mistyped)
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):

@@ -381,6 +381,13 @@ def test_caller_fields_and_neutral_values_are_accepted(api: OpenAIServer) -> Non
     assert _raw(api, "/v1/messages", body)[0] == 200
 
 
+@pytest.mark.parametrize(("field", "value"), [("metadata", "u"), ("metadata", {"user_id": 5}), ("cache_control", [])])
+def test_a_caller_field_of_another_type_is_a_400_naming_it(api: OpenAIServer, field: str, value) -> None:
+    body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, text = _raw(api, "/v1/messages", body)
+    assert status == 400 and f"'{field}'" in json.loads(text)["error"]["message"], text
+
+
 @pytest.mark.parametrize(
     ("content", "named"),
     [

@@ -131,6 +131,18 @@ def test_a_neutral_value_of_another_type_is_a_400_naming_it(api: OpenAIServer, p
     assert answer["error"]["param"] == field
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("user", 5), ("metadata", "x"), ("metadata", {"k": 1}), ("safety_identifier", []), ("prompt_cache_key", 1)],
+)
+def test_a_caller_field_of_another_type_is_a_400_naming_it(api: OpenAIServer, field: str, value) -> None:
+    """Caller fields change no answer, but a wrong type was accepted silently where OpenAI refuses it."""
+    body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, answer = _post(api, body, CHAT)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field and f"'{field}'" in answer["error"]["message"]
+
+
 def test_caller_fields_are_accepted_and_change_nothing(client: openai.OpenAI) -> None:
     def text(**extra) -> str:
         return (
