@@ -30,6 +30,10 @@ ERROR_TYPES = {
 }
 
 
+# Anthropic's keep-alive event: its streams "may include any number of" them, and clients skip them
+PING = {"type": "ping"}
+
+
 def error_body(e: ApiError) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}}
 
@@ -101,7 +105,7 @@ class EventStream:
             ("content_block_start", {"type": "content_block_start", "index": self._block, "content_block": block})
         )
         if self._block == 0:  # Anthropic pings once the first block is open
-            events.append(("ping", {"type": "ping"}))
+            events.append(("ping", PING))
         return events
 
     def _close(self) -> list[tuple[str, dict]]:
@@ -139,7 +143,10 @@ class EventStream:
         events += self._close()
         stop_reason, stop_sequence = _stop(Finish(self._finish, finish.stop_sequence))
         delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-        usage = {"output_tokens": self.usage.completion_tokens}
+        # the whole usage, as Anthropic's message_delta carries it (cumulative; its clients take
+        # each count given): a stream kept alive through a long prefill started before the
+        # prompt's tokens were counted, so its message_start said 0 input tokens
+        usage = _usage(self.usage)
         events.append(("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}))
         events.append(("message_stop", {"type": "message_stop"}))
         return events

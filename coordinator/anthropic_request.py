@@ -24,7 +24,13 @@ import re
 from http import HTTPStatus
 from typing import Any
 
-from expertmesh.coordinator.openai_request import MAX_STOPS, ApiError, unsupported_fields
+from expertmesh.coordinator.openai_request import (
+    MAX_STOPS,
+    ApiError,
+    caller_type_message,
+    mistyped_caller_field,
+    unsupported_fields,
+)
 
 # Every field of Anthropic's MessageCreateParams (the `anthropic` package lists them), by what
 # happens to it. HONOURED: translated and served; `temperature`, `top_p` and `top_k` are no longer
@@ -35,7 +41,8 @@ HONOURED = frozenset(
     {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
      "tools", "tool_choice"}
 )  # fmt: skip
-CALLER_FIELDS = frozenset({"metadata", "cache_control", "user_profile_id", "workspace_id"})
+CALLER_TYPES: dict[str, type] = {"metadata": dict, "cache_control": dict, "user_profile_id": str, "workspace_id": str}
+CALLER_FIELDS = frozenset(CALLER_TYPES)
 NEUTRAL: dict[str, tuple] = {
     "thinking": ({"type": "disabled"},),
     "service_tier": ("auto", "standard_only"),
@@ -58,6 +65,9 @@ def _refuse_unsupported(body: dict, counting: bool) -> None:
     if asked:
         names = ", ".join(f"'{a}'" for a in asked)
         raise _bad(f"{names} {'is' if len(asked) == 1 else 'are'} not supported here")
+    mistyped = mistyped_caller_field(body, CALLER_TYPES)
+    if mistyped is not None:
+        raise _bad(caller_type_message(mistyped, CALLER_TYPES))
 
 
 def _text(blocks: Any, where: str, system: bool = False) -> str:
@@ -127,6 +137,18 @@ def _message(i: int, m: Any) -> list[dict]:
     return [*results, *([{"role": "user", "content": text}] if texts or not results else [])]
 
 
+def _refuse_prefill(messages: list) -> None:
+    """Refuse a conversation that ends with the assistant's turn. Anthropic reads it as a prefill:
+    the answer continues that text (`{"role": "assistant", "content": "{"}` to get JSON). The
+    chat template here closes every turn it is given and opens a new one, so the answer would
+    start afresh after it, silently not what was asked: a 400 says so instead."""
+    if messages[-1].get("role") == "assistant":
+        raise _bad(
+            f"messages[{len(messages) - 1}] is the assistant's: continuing a prefilled assistant turn is not "
+            "supported here; end the conversation with a user message"
+        )
+
+
 def _tools(tools: Any) -> list[dict]:
     if not isinstance(tools, list):
         raise _bad("'tools' must be a list of tools")
@@ -177,6 +199,7 @@ def openai_body(body: Any, counting: bool = False) -> dict:
         chat.extend(_message(i, m))
     out: dict = {"model": body.get("model"), "messages": chat}
     if not counting:
+        _refuse_prefill(messages)
         max_tokens = body.get("max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise _bad("'max_tokens' is required: a positive integer")

@@ -97,11 +97,20 @@ class Request:
 
 
 Handler = Callable[["Exchange"], Awaitable[None]]
+# The body of an error the server answers itself (a body too large, late or malformed, a failed
+# handler), from the request's path ("" before a request head was read), its status and message:
+# the API behind a path decides the shape its clients parse.
+ErrorBody = Callable[[str, int, str], bytes]
 
 
 def error_body(message: str, type_: str = "invalid_request_error") -> bytes:
     """OpenAI's error shape, so clients show our message for refusals made here too."""
     return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}}).encode()
+
+
+def openai_error_body(path: str, status: int, message: str) -> bytes:
+    """The default ErrorBody: OpenAI's shape on every path, a server error typed as one."""
+    return error_body(message, "server_error" if status >= 500 else "invalid_request_error")
 
 
 def _phrase(status: int) -> str:
@@ -361,7 +370,7 @@ class _Connection(asyncio.Protocol):
             if exchange.status is None:
                 logger.info("%s %s %s: %d %s", self.client, request.method, request.path, e.status, e.message)
                 self.record(request, e.status, log=False)
-                self.refuse(e.status, e.message, record=False)
+                self.refuse(e.status, e.message, record=False, path=request.path)
             return False
         except (ClientGone, asyncio.CancelledError):
             raise
@@ -369,11 +378,11 @@ class _Connection(asyncio.Protocol):
             logger.exception("the API failed on %s %s", request.method, request.path)
             if exchange.status is None:
                 self.record(request, HTTPStatus.INTERNAL_SERVER_ERROR)
-                self.refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error", record=False)
+                self.refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error", record=False, path=request.path)
             return False
         if exchange.status is None:  # a handler that answered nothing: a bug, not a hang
             logger.error("the API answered nothing to %s %s", request.method, request.path)
-            self.refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error")
+            self.refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "internal error", path=request.path)
             return False
         return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
 
@@ -423,12 +432,20 @@ class _Connection(asyncio.Protocol):
             if self.lost:
                 raise ClientGone
 
-    def refuse(self, status: int, message: str, headers: Sequence[tuple[str, str]] = (), record: bool = True) -> None:
-        """Answer an error outside h11 and close the connection (the answer is flushed first)."""
+    def refuse(
+        self,
+        status: int,
+        message: str,
+        headers: Sequence[tuple[str, str]] = (),
+        record: bool = True,
+        path: str = "",
+    ) -> None:
+        """Answer an error outside h11 and close the connection (the answer is flushed first), in
+        the shape of the API at `path` (the server's ErrorBody)."""
         if record:
-            self.server.record("", status)
+            self.server.record(path, status)
         if not self.lost:
-            self.transport.write(_raw_response(status, error_body(message), list(headers)))
+            self.transport.write(_raw_response(status, self.server.error_body(path, status, message), list(headers)))
             self.transport.close()
 
     def record(self, request: Request, status: int, log: bool = True) -> None:
@@ -456,8 +473,10 @@ class HttpServer:
         limits: ServerLimits | None = None,
         on_response: Callable[[str, int], None] | None = None,
         name: str = "http",
+        error_body: ErrorBody = openai_error_body,
     ):
         self.handler = handler
+        self.error_body = error_body
         self.limits = limits or ServerLimits()
         self.max_connections = connection_cap(self.limits.max_connections)
         self._on_response = on_response

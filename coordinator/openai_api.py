@@ -24,7 +24,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from urllib.parse import unquote
@@ -86,7 +86,13 @@ class OpenAIServer:
         self.coordinator = coordinator
         self.access = access or AccessPolicy(host)
         self.http = HttpServer(
-            self._handle, host, port, limits, on_response=coordinator.metrics.record, name="openai-api"
+            self._handle,
+            host,
+            port,
+            limits,
+            on_response=coordinator.metrics.record,
+            name="openai-api",
+            error_body=_http_error_body,
         )
         self.host, self.port = host, self.http.port
         per_node = max(1, coordinator.config.generations_per_node)
@@ -222,19 +228,30 @@ class OpenAIServer:
                 completion, finish = await self._completion(ask, rid, generation, usage)
                 await self._json(ex, 200, anthropic_api.message(completion, finish, usage, ask.model, mid))
                 return
-            first = await self._first(generation)
-            await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
             events = anthropic_api.EventStream(ask.model, mid, usage)
 
             async def send(pairs: list[tuple[str, dict]]) -> None:
                 for name, data in pairs:
                     await ex.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
 
-            await send(events.start())
+            async def start() -> None:
+                await ex.start_stream(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+                await send(events.start())
+
+            # as a chat stream is: a prompt that takes long to prefill gets Anthropic's own
+            # keep-alive, ping events, once its stream was started with message_start
+            ping = f"event: ping\ndata: {json.dumps(anthropic_api.PING)}\n\n".encode()
+            waiting, started = await self._first_kept_alive(ex, generation, start, ping)
             try:
+                first = waiting.result()
+                if not started:
+                    await start()
+                    started = True
                 async for chunk in self._chunks(ask, rid, first, generation):
                     await send(events.end(chunk) if isinstance(chunk, Finish) else events.chunk(chunk))
-            except ApiError as e:  # after the first token: the stream ends with the error
+            except ApiError as e:  # after the first token, or once kept alive: the stream ends with the error
+                if not started:
+                    raise
                 await send([("error", anthropic_api.error_body(e))])
             await ex.end_stream()
         finally:
@@ -334,6 +351,26 @@ class OpenAIServer:
         body.update(choices=[choice], usage=self._usage(usage))
         return body, finish
 
+    async def _first_kept_alive(
+        self, ex: Exchange, pieces: ThreadedGeneration, start: Callable[[], Awaitable[None]], keepalive: bytes
+    ) -> tuple[asyncio.Future[Piece], bool]:
+        """Wait for a stream's first piece while its prompt is prefilled (a cold one at K3's size
+        fetches for minutes): every SSE_KEEPALIVE_S without it, the stream is started (`start`,
+        once) and `keepalive` written, so the client and any proxy between see the connection
+        alive. Returns the first piece's finished future (its result raises the generation's
+        error) and whether the stream was started."""
+        waiting = asyncio.ensure_future(self._first(pieces))
+        started = False
+        try:
+            while not (await asyncio.wait({waiting}, timeout=SSE_KEEPALIVE_S))[0]:
+                if not started:
+                    await start()
+                    started = True
+                await ex.write(keepalive)
+        finally:
+            waiting.cancel()  # a no-op once done; else the client left while the prompt was prefilled
+        return waiting, started
+
     @staticmethod
     async def _first(pieces: ThreadedGeneration) -> Piece:
         """The first piece, before a stream starts: errors until then are still plain HTTP errors."""
@@ -391,16 +428,7 @@ class OpenAIServer:
 
         # errors before the first token are plain HTTP errors, unless the prompt took so long that
         # the stream was started to keep the client alive: then they end the stream, as later ones do
-        waiting = asyncio.ensure_future(self._first(pieces))
-        started = False
-        try:
-            while not (await asyncio.wait({waiting}, timeout=SSE_KEEPALIVE_S))[0]:
-                if not started:
-                    await start()
-                    started = True
-                await ex.write(b": prefilling the prompt\n\n")
-        finally:
-            waiting.cancel()  # a no-op once done; else the client left while the prompt was prefilled
+        waiting, started = await self._first_kept_alive(ex, pieces, start, b": prefilling the prompt\n\n")
         try:
             first = waiting.result()
             if not started:
@@ -424,6 +452,14 @@ class OpenAIServer:
             await send({**self._envelope(ask, rid, chunk=True), "choices": [], "usage": self._usage(usage)})
         await send("[DONE]")
         await ex.end_stream()
+
+
+def _http_error_body(path: str, status: int, message: str) -> bytes:
+    """An error the HTTP server answers itself (a body over the cap, late or malformed), in the
+    shape of the API at `path`: Anthropic's clients read `error.type` (`request_too_large` for a
+    413) from their own shape, OpenAI's from theirs."""
+    error = ApiError(HTTPStatus(status), message, type_="server_error" if status >= 500 else "invalid_request_error")
+    return json.dumps(anthropic_api.error_body(error) if path.rstrip("/") in _MESSAGES_PATHS else error.body()).encode()
 
 
 async def _chained(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:

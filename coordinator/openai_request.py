@@ -179,7 +179,10 @@ HONOURED_CHAT = HONOURED_COMMON | {
     "tools", "tool_choice", "response_format",  # rendered by the model's template, enforced by a grammar
 }  # fmt: skip
 HONOURED_COMPLETIONS = HONOURED_COMMON | {"prompt"}
-CALLER_FIELDS = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
+# What each CALLER field must be: it changes no answer, but a value of another type is the client's
+# mistake all the same, a 400 naming it, as OpenAI answers it.
+CALLER_TYPES: dict[str, type] = {"user": str, "metadata": dict, "safety_identifier": str, "prompt_cache_key": str}
+CALLER_FIELDS = frozenset(CALLER_TYPES)
 # name -> the values that ask for nothing. `parallel_tool_calls: false` asks for at most one call,
 # which nothing enforces yet: only its default is accepted.
 NEUTRAL_CHAT: dict[str, tuple] = {
@@ -189,6 +192,16 @@ NEUTRAL_CHAT: dict[str, tuple] = {
     "service_tier": ("auto", "default"),
 }
 NEUTRAL_COMPLETIONS: dict[str, tuple] = {"echo": (False,), "best_of": (1,), "suffix": ("",)}
+# `stream_options`' own keys beside `include_usage`: obfuscation pads each chunk with an
+# `obfuscation` field, which is not sent here, so only its `false` asks for nothing.
+STREAM_OPTIONS_NEUTRAL: dict[str, tuple] = {"include_obfuscation": (False,)}
+
+
+def is_neutral(value: Any, neutral: tuple) -> bool:
+    """Whether `value` is one of the `neutral` values, of the same JSON type too: Python's `==`
+    takes `0` for `False` and `1` for `True`, so `store: 0` or `parallel_tool_calls: 1` (a
+    wrong type, which OpenAI refuses) would otherwise pass as the value that asks for nothing."""
+    return any(type(value) is type(n) and value == n for n in neutral)
 
 
 def unsupported_fields(
@@ -199,8 +212,31 @@ def unsupported_fields(
     return [
         name
         for name, value in body.items()
-        if value is not None and name not in honoured and name not in caller and value not in neutral.get(name, ())
+        if value is not None
+        and name not in honoured
+        and name not in caller
+        and not is_neutral(value, neutral.get(name, ()))
     ]
+
+
+def mistyped_caller_field(body: dict, types: dict[str, type]) -> str | None:
+    """The first caller field of `body` whose value is not of its JSON type (null means absent):
+    a string, or an object of strings (OpenAI's `metadata`, Anthropic's `metadata` and
+    `cache_control`). Their values are not read, so nothing else would notice a wrong one."""
+    for name, kind in types.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            return name
+        if isinstance(value, dict) and not all(isinstance(v, str | None) for v in value.values()):
+            return name
+    return None
+
+
+def caller_type_message(name: str, types: dict[str, type]) -> str:
+    """What `mistyped_caller_field`'s field must be, for the 400 that names it."""
+    return f"'{name}' must be " + ("an object of strings" if types[name] is dict else "a string")
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -215,6 +251,9 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             param=asked[0],
             code="unsupported_parameter",
         )
+    mistyped = mistyped_caller_field(body, CALLER_TYPES)
+    if mistyped is not None:
+        raise _bad(caller_type_message(mistyped, CALLER_TYPES), param=mistyped)
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
@@ -337,12 +376,7 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
     if stream is not None and not isinstance(stream, bool):
         raise _bad("'stream' must be true or false", param="stream")
     ask.stream = bool(stream)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", param="stream_options")
-    if options is not None and not ask.stream:  # as OpenAI and vLLM answer: usage then comes in the body
-        raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
-    ask.include_usage = bool((options or {}).get("include_usage"))
+    ask.include_usage = _stream_options(body.get("stream_options"), ask.stream)
     mode = body.get("prompt_experts")
     if mode is not None:
         if not isinstance(mode, str):
@@ -355,6 +389,26 @@ def parse_ask(body: Any, chat: bool, models: list[str], default_max_tokens: int,
         except ValueError as e:
             raise _bad(f"'prompt_experts': {e}", param="prompt_experts") from None
     return ask
+
+
+def _stream_options(options: Any, stream: bool) -> bool:
+    """Whether `stream_options` asks for the usage chunk. Its keys are checked as the body's are:
+    `include_usage` must be a boolean, `include_obfuscation` is served only at false (no
+    `obfuscation` field is sent), and any other key is refused by name, never ignored."""
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", param="stream_options")
+    if not stream:  # as OpenAI and vLLM answer: usage then comes in the body
+        raise _bad("'stream_options' may be set only with 'stream': true", param="stream_options")
+    asked = unsupported_fields(options, {"include_usage"}, frozenset(), STREAM_OPTIONS_NEUTRAL)
+    if asked:
+        names = ", ".join(f"'stream_options.{a}'" for a in asked)
+        raise _bad(f"{names} {'is' if len(asked) == 1 else 'are'} not supported here", param="stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise _bad("'stream_options.include_usage' must be true or false", param="stream_options")
+    return bool(include_usage)
 
 
 def _sampling(body: dict, ask: Ask) -> None:

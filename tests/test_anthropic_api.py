@@ -1,12 +1,13 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) driven by the official
 `anthropic` client: the same answers as the chat completions endpoint, its streaming events in
-Anthropic's order, its error shape for 400, 401 and 429, the same keys through `x-api-key`, and
+Anthropic's order, its error shape for 400, 401, 413 and 429, the same keys through `x-api-key`, and
 every request field honoured or refused by name."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import socket
 
 import pytest
 from lazy_import import lazy_import
@@ -109,6 +110,32 @@ def test_the_ping_comes_after_the_first_block_starts(api: OpenAIServer) -> None:
     assert names[-2:] == ["message_delta", "message_stop"]
 
 
+def test_a_stream_is_kept_alive_with_pings_while_the_prompt_is_prefilled(
+    api: OpenAIServer, client: anthropic.Anthropic, chat_answer: str, monkeypatch
+) -> None:
+    """A cold prompt at K3's size takes minutes before its first token; a Messages stream sent
+    nothing until then (a chat stream has its keep-alive comments), so a client or proxy with an
+    idle timeout gave it up. Now the stream starts with message_start and pings meanwhile."""
+    from expertmesh.coordinator import openai_api
+
+    monkeypatch.setattr(openai_api, "SSE_KEEPALIVE_S", 0.005)  # here any prefill outlasts the interval
+    body = {"model": KIMI_K3, "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    status, text = _raw(api, "/v1/messages", body)
+    names = [line.split(": ", 1)[1] for line in text.splitlines() if line.startswith("event: ")]
+    opened = names.index("content_block_start")
+    assert status == 200 and names[0] == "message_start" and set(names[1:opened]) == {"ping"} and opened > 1
+    assert names[-2:] == ["message_delta", "message_stop"]
+    # the official client skips the pings: the same text, and the prompt's tokens, counted after
+    # message_start went out, come in message_delta
+    with client.messages.stream(
+        model=KIMI_K3, max_tokens=8, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}],
+        extra_body={"temperature": 0},
+    ) as stream:  # fmt: skip
+        final = stream.get_final_message()
+    assert final.content[0].text == chat_answer
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens > 0 and final.usage.output_tokens > 0
+
+
 def test_a_stop_sequence_is_named_in_the_stop_reason(client: anthropic.Anthropic, chat_answer: str) -> None:
     stop = chat_answer[2:4]
     m = _create(client, stop_sequences=[stop])
@@ -166,6 +193,43 @@ def test_errors_come_in_anthropics_shape(client: anthropic.Anthropic, api: OpenA
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="someone/else", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_a_prefilled_assistant_turn_is_a_400_not_a_new_answer(client: anthropic.Anthropic) -> None:
+    """Anthropic continues a conversation's final assistant message (a prefill: `{` to get JSON);
+    the template here would close that turn and answer afresh, which was served as a 200."""
+    prefilled = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "The answer is"}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=KIMI_K3, max_tokens=2, messages=prefilled)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[1]" in e.value.body["error"]["message"] and "prefill" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):
+        with client.messages.stream(model=KIMI_K3, max_tokens=2, messages=prefilled) as stream:
+            stream.get_final_message()
+
+
+def _refused(api: OpenAIServer, path: str, *headers: str, body: bytes = b"") -> tuple[int, dict]:
+    """The HTTP server's answer to a request head (and `body`) it refuses before any API reads it."""
+    head = "".join(f"{h}\r\n" for h in (f"POST {path} HTTP/1.1", f"Host: {api.host}:{api.port}", *headers))
+    with socket.create_connection((api.host, api.port), timeout=60) as s:
+        s.sendall(head.encode() + b"\r\n" + body)
+        r = http.client.HTTPResponse(s)
+        r.begin()
+        return r.status, json.loads(r.read())
+
+
+def test_refusals_of_the_http_server_come_in_anthropics_shape(api: OpenAIServer) -> None:
+    """A body over the cap, or a malformed one, is refused by the HTTP server before any API sees
+    it; on /v1/messages it came in OpenAI's shape, without the `error.type` Anthropic's clients
+    read (`request_too_large` for a 413)."""
+    status, body = _refused(api, "/v1/messages", "Content-Length: 999999999")
+    assert status == 413 and body["type"] == "error" and body["error"]["type"] == "request_too_large"
+    status, body = _refused(api, "/v1/messages/count_tokens", "Transfer-Encoding: chunked", body=b"zz\r\n")
+    assert status == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "malformed" in body["error"]["message"]
+    # the OpenAI API keeps its own shape
+    status, body = _refused(api, "/v1/chat/completions", "Content-Length: 999999999")
+    assert status == 413 and body["error"]["type"] == "invalid_request_error" and "over" in body["error"]["message"]
 
 
 def test_a_full_queue_is_a_429_rate_limit_error(node) -> None:
@@ -315,6 +379,13 @@ def test_caller_fields_and_neutral_values_are_accepted(api: OpenAIServer) -> Non
             "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"}, "service_tier": "auto",
             "top_k": 5, "top_p": 0.9, "temperature": 0.5}  # fmt: skip
     assert _raw(api, "/v1/messages", body)[0] == 200
+
+
+@pytest.mark.parametrize(("field", "value"), [("metadata", "u"), ("metadata", {"user_id": 5}), ("cache_control", [])])
+def test_a_caller_field_of_another_type_is_a_400_naming_it(api: OpenAIServer, field: str, value) -> None:
+    body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, text = _raw(api, "/v1/messages", body)
+    assert status == 400 and f"'{field}'" in json.loads(text)["error"]["message"], text
 
 
 @pytest.mark.parametrize(

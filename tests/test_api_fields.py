@@ -111,6 +111,38 @@ def test_a_field_not_honoured_is_a_400_naming_it(api: OpenAIServer, path: str, f
     assert answer["error"]["param"] == field and f"'{field}'" in answer["error"]["message"]
 
 
+# The value that asks for nothing, spelled in another JSON type: Python's `==` took `0` for `false`
+# and `1` for `true`, so these passed as neutral and the wrong type was never told.
+WRONG_TYPE_NEUTRAL = [
+    (CHAT, "store", 0),
+    (CHAT, "parallel_tool_calls", 1),
+    (COMPLETIONS, "echo", 0),
+    (COMPLETIONS, "best_of", True),
+    (COMPLETIONS, "best_of", 1.0),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "value"), WRONG_TYPE_NEUTRAL)
+def test_a_neutral_value_of_another_type_is_a_400_naming_it(api: OpenAIServer, path: str, field: str, value) -> None:
+    body = {"model": KIMI_K3, "max_tokens": 2, field: value}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"})
+    status, answer = _post(api, body, path)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("user", 5), ("metadata", "x"), ("metadata", {"k": 1}), ("safety_identifier", []), ("prompt_cache_key", 1)],
+)
+def test_a_caller_field_of_another_type_is_a_400_naming_it(api: OpenAIServer, field: str, value) -> None:
+    """Caller fields change no answer, but a wrong type was accepted silently where OpenAI refuses it."""
+    body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, answer = _post(api, body, CHAT)
+    assert status == 400, answer
+    assert answer["error"]["param"] == field and f"'{field}'" in answer["error"]["message"]
+
+
 def test_caller_fields_are_accepted_and_change_nothing(client: openai.OpenAI) -> None:
     def text(**extra) -> str:
         return (

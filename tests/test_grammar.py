@@ -77,6 +77,12 @@ def test_a_schema_the_engine_cannot_compile_is_refused_with_why(demo) -> None:
         _constraint(demo, {"type": "string", "pattern": "(?<=x)a"})
 
 
+def test_a_schema_that_fails_at_its_first_token_is_refused(demo) -> None:
+    """`{"$ref": "#"}` compiles, but no value of it can start: it was served as "" (not JSON)."""
+    with pytest.raises(GrammarError, match="cannot start"):
+        _constraint(demo, {"$ref": "#"})
+
+
 def test_a_constrained_request_is_served_without_speculation(demo) -> None:
     """Drafts would need a mask per position to be verified: a node that speculates serves a
     constrained request on the plain path, and says so (no speculation in its summary)."""

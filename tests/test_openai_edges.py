@@ -325,3 +325,39 @@ def test_stream_options_without_streaming_is_a_400() -> None:
     assert parse_ask(
         {**base, "stream": True, "stream_options": {"include_usage": True}}, True, [KIMI_K3], 256
     ).include_usage
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"include_usage": "yes"}, "include_usage"),  # was taken as true
+        ({"include_usage": 1}, "include_usage"),
+        ({"include_obfuscation": True}, "'stream_options.include_obfuscation'"),  # no obfuscation field is sent
+        ({"not_an_option": True}, "'stream_options.not_an_option'"),  # was ignored
+    ],
+)
+def test_stream_options_are_checked_key_by_key(client: openai.OpenAI, options: dict, named: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, [{"role": "user", "content": "hi"}], max_tokens=2, stream=True, stream_options=options)
+    assert e.value.param == "stream_options" and named in e.value.message
+
+
+def test_stream_options_that_ask_for_nothing_more_are_served(client: openai.OpenAI) -> None:
+    stream = _chat(
+        client,
+        [{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+
+
+def test_a_schema_no_value_can_start_is_a_400(api: OpenAIServer) -> None:
+    """`{"$ref": "#"}` compiles but admits no first token: it was a 200 with "" as its JSON."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+    body = {"model": KIMI_K3, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": fmt}
+    status, answer = _post(api, json.dumps(body).encode())
+    assert status == 400, answer
+    assert "cannot start" in answer["error"]["message"]

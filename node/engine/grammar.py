@@ -60,6 +60,14 @@ class GrammarConstraint:
         self.matcher = llguidance.LLMatcher(self.ll, grammar)
         if self.matcher.is_error():
             raise GrammarError("the grammar engine cannot compile it: " + self.matcher.get_error())
+        # Some schemas compile and fail only at their first mask (`{"$ref": "#"}`: a value that is
+        # only itself has no first byte): the matcher then allows nothing but the end, and the
+        # answer was "" with finish_reason "stop", not JSON. The first mask costs tens of
+        # microseconds; computed here, such a schema is refused before any token.
+        self.matcher.compute_bitmask()
+        if self.matcher.is_error():
+            reason = self.matcher.get_error().split("\n", 1)[0]  # the rest is the parser's state dump
+            raise GrammarError(f"the grammar engine cannot start a value of it ({reason})")
 
     def mask(self, logprobs: mx.array) -> mx.array:
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
