@@ -72,6 +72,7 @@ from expertmesh.node.engine.tools import (
     tool_format,
     tools_from_json,
 )
+from expertmesh.node.engine.vocabulary import token_bytes
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.hub.rate_limit import GATE
@@ -573,9 +574,11 @@ class NodeService(node_pb2_grpc.NodeServicer):
         with self._tokenize_lock:
             return {
                 "logprob": t.chosen.logprob,
-                "token_bytes": _token_bytes(sm, t.id),
+                "token_bytes": token_bytes(sm.tokenizer, t.id),
                 "top_logprobs": [
-                    node_pb2.ApiTopLogprob(id=top.id, logprob=top.logprob, token_bytes=_token_bytes(sm, top.id))
+                    node_pb2.ApiTopLogprob(
+                        id=top.id, logprob=top.logprob, token_bytes=token_bytes(sm.tokenizer, top.id)
+                    )
                     for top in t.chosen.top
                 ],
             }
@@ -724,11 +727,6 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 prompt_expert_uses_substituted=summary.prompt_substituted,
             )
         )
-
-
-def _token_bytes(sm: StreamedModel, token: int) -> bytes:
-    """A token's own text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
-    return sm.tokenizer.decode([token]).encode("utf-8")
 
 
 def _chat_message(m: node_pb2.ChatMessage) -> dict:

@@ -322,7 +322,11 @@ def test_chat_logprobs_streamed_or_not_are_the_log_softmax_of_the_logits(
         entries, text = choice.logprobs.content, choice.message.content
     generated = _mlx_lm_text(oracle, ids, TOKENS)
     assert text == tokenizer.decode(generated) == "".join(e.token for e in entries)
-    assert all(bytes(e.bytes) == e.token.encode() for e in entries)
+    # a token that is part of a character (this model makes some) has its own bytes, which join
+    # with its neighbours' into the text, and not the replacement character's
+    assert all(bytes(e.bytes).decode("utf-8", errors="replace") == e.token for e in entries)
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", errors="replace") == text
+    assert not any("\ufffd".encode() in bytes(e.bytes) for e in entries)
     tops = [[t.logprob for t in e.top_logprobs] for e in entries]
     assert all(len(t) == 20 for t in tops)
     _check(_reference_logprobs(oracle, ids, generated), generated, [e.logprob for e in entries], tops)

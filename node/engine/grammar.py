@@ -21,17 +21,16 @@ any whitespace can write it forever. Control tokens in the markup are matched as
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import mlx.core as mx
 import numpy as np
 
 from expertmesh.node.engine.chat import control_tokens, render_chat
 from expertmesh.node.engine.tools import ToolFormat, chat_messages
+from expertmesh.node.engine.vocabulary import ll_tokenizer
 
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Stand-ins rendered through the template to find where a call's name and arguments go.
@@ -43,17 +42,11 @@ class GrammarError(ValueError):
     """A schema or tool choice the grammar engine cannot enforce: said to the client as a 400."""
 
 
-@functools.lru_cache(maxsize=8)
-def _ll_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
-    """llguidance's view of a tokenizer: made once per tokenizer (the node keeps one)."""
-    return llguidance.hf.from_tokenizer(getattr(tokenizer, "_tokenizer", tokenizer))
-
-
 class GrammarConstraint:
     """A compiled grammar following one generation: masks before each sample, consumes each token."""
 
     def __init__(self, tokenizer: Any, grammar: str):
-        self.ll = _ll_tokenizer(tokenizer)
+        self.ll = ll_tokenizer(tokenizer)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
         if failed:
             raise GrammarError("the grammar engine cannot compile it: " + "; ".join(messages))
