@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import threading
@@ -71,6 +70,7 @@ from expertmesh.node.engine.tools import (
     check_renders_tools,
     tool_format,
     tools_from_json,
+    wire_json,
 )
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
@@ -591,13 +591,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         """What the request's sampling must follow (its grammar: node/engine/grammar.py), or None:
         free text. A grammar that cannot be compiled is INVALID_ARGUMENT, with the reason."""
         try:
-            response_format = json.loads(request.response_format) if request.response_format else None
+            response_format = wire_json(request.response_format, "response_format") if request.response_format else None
             if response_format is not None and not isinstance(response_format, dict):
                 raise GrammarError("response_format must be a JSON object")
             return request_constraint(
                 sm.tokenizer, response_format, request.tool_choice, request.tool_choice_name, tools, fmt
             )
-        except ValueError as e:  # GrammarError, or response_format that is not JSON
+        except ValueError as e:  # GrammarError, or response_format that is not JSON (ToolsError)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot enforce the requested format: {e}")
 
     def _take_speculation(self) -> bool:
@@ -735,10 +735,7 @@ def _chat_message(m: node_pb2.ChatMessage) -> dict:
     """A wire message as the chat template takes it (OpenAI's shape); bad JSON: INVALID_ARGUMENT."""
     out: dict = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        try:
-            calls = json.loads(m.tool_calls)
-        except ValueError:
-            raise ToolsError("a message's tool_calls are not JSON") from None
+        calls = wire_json(m.tool_calls, "a message's tool_calls")
         if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
             raise ToolsError("a message's tool_calls must be a list of objects")
         out["tool_calls"] = calls

@@ -1,7 +1,8 @@
 """A node's Generate under load and abuse, over a real channel on loopback: calls beyond the
 generation slots are refused at once while health and Info stay answered, every field is checked
-(NaN and infinities too), a client that goes away stops its generation within a token or two, and
-text that spells the chat template's control tokens reaches the model as plain text."""
+(NaN and infinities too, and JSON text of the wrong shape or nested past any limit), a client that
+goes away stops its generation within a token or two, and text that spells the chat template's
+control tokens reaches the model as plain text."""
 
 from __future__ import annotations
 
@@ -53,6 +54,14 @@ def _request(**fields) -> node_pb2.GenerateRequest:
     return node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=KIMI_K3), **fields)
 
 
+def _calls(tool_calls: str) -> node_pb2.ChatMessage:
+    """An assistant message with `tool_calls` as its JSON text."""
+    return node_pb2.ChatMessage(role="assistant", content="", tool_calls=tool_calls)
+
+
+_DEEP = "[" * 5000 + "]" * 5000  # past Python's recursion limit for json and anything that walks it
+
+
 def _idle(node) -> bool:
     return node.service.generation_slots.in_use() == 0
 
@@ -101,6 +110,13 @@ def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answ
         ({"max_tokens": 40000}, "max_tokens"),
         ({"prompt": ""}, "prompt"),
         ({"messages": [node_pb2.ChatMessage(role="robot", content="x")]}, "role"),
+        # JSON text fields, as any member may send them without the coordinator's checks
+        ({"messages": [_calls('[{"function": "get_weather"}]')]}, "tool_calls"),
+        ({"messages": [_calls('[{"function": [1, 2]}]')]}, "tool_calls"),
+        ({"messages": [_calls(_DEEP)]}, "tool_calls"),
+        ({"tools": _DEEP}, "tools"),
+        ({"response_format": _DEEP}, "response_format"),
+        ({"response_format": '{"type": "json_schema", "json_schema": [1]}'}, "json_schema"),
     ],
 )
 def test_every_generate_field_is_checked(node, channel, fields: dict, named: str) -> None:
