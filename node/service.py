@@ -499,11 +499,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self._vocab = len(self.sm.tokenizer.get_vocab())
         return self._vocab or 0
 
-    def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> _Prompt:
+    def _prompt_ids(
+        self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext, stored: bool = True
+    ) -> _Prompt:
         """The prompt's tokens: a chat through its template (with its tools, node/engine/tools.py),
         message text kept as plain text (so it cannot forge a turn; node/engine/chat.py), or the
         raw prompt as the client wrote it; where its messages end, when the prefix cache
-        checkpoints there; the model's tool-call format, if it has one, and the tools."""
+        checkpoints there; the model's tool-call format, if it has one, and the tools.
+
+        `stored` False (a call that only counts): no message ends or labels. Finding them renders
+        the template once per message count, the conversation's length squared (10,000 messages:
+        minutes under the tokenizer lock, which every Generate call needs), and a call that stores
+        no state has no use for them."""
         tok = sm.tokenizer
         fmt = tool_format(tok)
         with self._tokenize_lock:
@@ -521,7 +528,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     if rendered is not None:
                         fmt = check_renders_tools(tok, text, render_chat(tok, messages))
                     ids = encode_rendered(tok, text)
-                    if self.prefix is None:
+                    if self.prefix is None or not stored:
                         return _Prompt(ids, [], fmt, tools)
                     # a state that trims serves every prefix of its tokens: it needs no checkpoint,
                     # only the labels a next turn (all messages) or another conversation with the
@@ -544,7 +551,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             )
         self._check_generate(request, context)
         if request.count_only:  # tokenising only: no slot, no model thread
-            counted = len(self._prompt_ids(sm, request, context).ids)
+            counted = len(self._prompt_ids(sm, request, context, stored=False).ids)
             yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(prompt_tokens=counted, stop_reason="counted"))
             return
         slots = self.generation_slots

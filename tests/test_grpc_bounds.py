@@ -17,7 +17,9 @@ from nodes import serving
 from repos import KIMI_K3
 from waiting import wait_until
 
-from expertmesh.node.engine.chat import ChatSession, chat_token_ids, control_tokens
+from expertmesh.node import service
+from expertmesh.node.engine import chat
+from expertmesh.node.engine.chat import ChatSession, chat_token_ids, control_tokens, encode_rendered, render_chat
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -125,6 +127,30 @@ def test_every_generate_field_is_checked(node, channel, fields: dict, named: str
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in e.value.details()
     assert _idle(node)  # a refused call holds no slot
+
+
+def test_counting_a_conversation_renders_it_once(node, channel, monkeypatch) -> None:
+    """count_only takes no generation slot and stores no prompt state: it must not look for where
+    each message ends (one rendering per message count, a conversation's length squared, holding
+    the tokenizer lock every Generate call needs), only render the conversation and count it."""
+    renders = []
+
+    def counted(*args, **kwargs):
+        renders.append(1)
+        return render_chat(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "render_chat", counted)  # as chat_token_ids finds it
+    monkeypatch.setattr(service, "render_chat", counted)
+    turns = [node_pb2.ChatMessage(role=("user", "assistant")[i % 2], content=f"turn {i} of a count") for i in range(40)]
+    request = _request(messages=turns, count_only=True)
+    [event] = node_pb2_grpc.NodeStub(channel).Generate(request, metadata=_md("Generate"), timeout=60)
+    assert event.done.stop_reason == "counted"
+    sm = node.model
+    expected = encode_rendered(
+        sm.tokenizer, render_chat(sm.tokenizer, [{"role": m.role, "content": m.content} for m in turns])
+    )
+    assert event.done.prompt_tokens == len(expected)
+    assert len(renders) == 1
 
 
 def test_a_negative_seed_generates_and_repeats(node, channel) -> None:
