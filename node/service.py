@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import threading
@@ -71,6 +70,7 @@ from expertmesh.node.engine.tools import (
     check_renders_tools,
     tool_format,
     tools_from_json,
+    wire_json,
 )
 from expertmesh.node.engine.vocabulary import token_bytes
 from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
@@ -500,11 +500,18 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 self._vocab = len(self.sm.tokenizer.get_vocab())
         return self._vocab or 0
 
-    def _prompt_ids(self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext) -> _Prompt:
+    def _prompt_ids(
+        self, sm: StreamedModel, request: node_pb2.GenerateRequest, context: CallContext, stored: bool = True
+    ) -> _Prompt:
         """The prompt's tokens: a chat through its template (with its tools, node/engine/tools.py),
         message text kept as plain text (so it cannot forge a turn; node/engine/chat.py), or the
         raw prompt as the client wrote it; where its messages end, when the prefix cache
-        checkpoints there; the model's tool-call format, if it has one, and the tools."""
+        checkpoints there; the model's tool-call format, if it has one, and the tools.
+
+        `stored` False (a call that only counts): no message ends or labels. Finding them renders
+        the template once per message count, the conversation's length squared (10,000 messages:
+        minutes under the tokenizer lock, which every Generate call needs), and a call that stores
+        no state has no use for them."""
         tok = sm.tokenizer
         fmt = tool_format(tok)
         with self._tokenize_lock:
@@ -522,7 +529,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
                     if rendered is not None:
                         fmt = check_renders_tools(tok, text, render_chat(tok, messages))
                     ids = encode_rendered(tok, text)
-                    if self.prefix is None:
+                    if self.prefix is None or not stored:
                         return _Prompt(ids, [], fmt, tools)
                     # a state that trims serves every prefix of its tokens: it needs no checkpoint,
                     # only the labels a next turn (all messages) or another conversation with the
@@ -545,7 +552,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             )
         self._check_generate(request, context)
         if request.count_only:  # tokenising only: no slot, no model thread
-            counted = len(self._prompt_ids(sm, request, context).ids)
+            counted = len(self._prompt_ids(sm, request, context, stored=False).ids)
             yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(prompt_tokens=counted, stop_reason="counted"))
             return
         slots = self.generation_slots
@@ -594,13 +601,13 @@ class NodeService(node_pb2_grpc.NodeServicer):
         """What the request's sampling must follow (its grammar: node/engine/grammar.py), or None:
         free text. A grammar that cannot be compiled is INVALID_ARGUMENT, with the reason."""
         try:
-            response_format = json.loads(request.response_format) if request.response_format else None
+            response_format = wire_json(request.response_format, "response_format") if request.response_format else None
             if response_format is not None and not isinstance(response_format, dict):
                 raise GrammarError("response_format must be a JSON object")
             return request_constraint(
                 sm.tokenizer, response_format, request.tool_choice, request.tool_choice_name, tools, fmt
             )
-        except ValueError as e:  # GrammarError, or response_format that is not JSON
+        except ValueError as e:  # GrammarError, or response_format that is not JSON (ToolsError)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot enforce the requested format: {e}")
 
     def _take_speculation(self) -> bool:
@@ -733,10 +740,7 @@ def _chat_message(m: node_pb2.ChatMessage) -> dict:
     """A wire message as the chat template takes it (OpenAI's shape); bad JSON: INVALID_ARGUMENT."""
     out: dict = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        try:
-            calls = json.loads(m.tool_calls)
-        except ValueError:
-            raise ToolsError("a message's tool_calls are not JSON") from None
+        calls = wire_json(m.tool_calls, "a message's tool_calls")
         if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
             raise ToolsError("a message's tool_calls must be a list of objects")
         out["tool_calls"] = calls

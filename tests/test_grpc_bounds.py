@@ -1,7 +1,8 @@
 """A node's Generate under load and abuse, over a real channel on loopback: calls beyond the
 generation slots are refused at once while health and Info stay answered, every field is checked
-(NaN and infinities too), a client that goes away stops its generation within a token or two, and
-text that spells the chat template's control tokens reaches the model as plain text."""
+(NaN and infinities too, and JSON text of the wrong shape or nested past any limit), a client that
+goes away stops its generation within a token or two, and text that spells the chat template's
+control tokens reaches the model as plain text."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from nodes import serving
 from repos import KIMI_K3
 from waiting import wait_until
 
-from expertmesh.node.engine.chat import ChatSession, chat_token_ids, control_tokens
+from expertmesh.node import service
+from expertmesh.node.engine import chat
+from expertmesh.node.engine.chat import ChatSession, chat_token_ids, control_tokens, encode_rendered, render_chat
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
@@ -51,6 +54,14 @@ def _md(method: str):
 def _request(**fields) -> node_pb2.GenerateRequest:
     fields.setdefault("prompt", LONG_PROMPT)
     return node_pb2.GenerateRequest(model=node_pb2.ModelKey(repo_id=KIMI_K3), **fields)
+
+
+def _calls(tool_calls: str) -> node_pb2.ChatMessage:
+    """An assistant message with `tool_calls` as its JSON text."""
+    return node_pb2.ChatMessage(role="assistant", content="", tool_calls=tool_calls)
+
+
+_DEEP = "[" * 5000 + "]" * 5000  # past Python's recursion limit for json and anything that walks it
 
 
 def _idle(node) -> bool:
@@ -101,6 +112,13 @@ def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answ
         ({"max_tokens": 40000}, "max_tokens"),
         ({"prompt": ""}, "prompt"),
         ({"messages": [node_pb2.ChatMessage(role="robot", content="x")]}, "role"),
+        # JSON text fields, as any member may send them without the coordinator's checks
+        ({"messages": [_calls('[{"function": "get_weather"}]')]}, "tool_calls"),
+        ({"messages": [_calls('[{"function": [1, 2]}]')]}, "tool_calls"),
+        ({"messages": [_calls(_DEEP)]}, "tool_calls"),
+        ({"tools": _DEEP}, "tools"),
+        ({"response_format": _DEEP}, "response_format"),
+        ({"response_format": '{"type": "json_schema", "json_schema": [1]}'}, "json_schema"),
     ],
 )
 def test_every_generate_field_is_checked(node, channel, fields: dict, named: str) -> None:
@@ -109,6 +127,30 @@ def test_every_generate_field_is_checked(node, channel, fields: dict, named: str
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in e.value.details()
     assert _idle(node)  # a refused call holds no slot
+
+
+def test_counting_a_conversation_renders_it_once(node, channel, monkeypatch) -> None:
+    """count_only takes no generation slot and stores no prompt state: it must not look for where
+    each message ends (one rendering per message count, a conversation's length squared, holding
+    the tokenizer lock every Generate call needs), only render the conversation and count it."""
+    renders = []
+
+    def counted(*args, **kwargs):
+        renders.append(1)
+        return render_chat(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "render_chat", counted)  # as chat_token_ids finds it
+    monkeypatch.setattr(service, "render_chat", counted)
+    turns = [node_pb2.ChatMessage(role=("user", "assistant")[i % 2], content=f"turn {i} of a count") for i in range(40)]
+    request = _request(messages=turns, count_only=True)
+    [event] = node_pb2_grpc.NodeStub(channel).Generate(request, metadata=_md("Generate"), timeout=60)
+    assert event.done.stop_reason == "counted"
+    sm = node.model
+    expected = encode_rendered(
+        sm.tokenizer, render_chat(sm.tokenizer, [{"role": m.role, "content": m.content} for m in turns])
+    )
+    assert event.done.prompt_tokens == len(expected)
+    assert len(renders) == 1
 
 
 def test_a_negative_seed_generates_and_repeats(node, channel) -> None:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 from lazy_import import lazy_import
 from nodes import api_server, serving
 from repos import JSON_TOOLS, KIMI_K3_TOOLS, PYTHON_TEMPLATE
 from tool_forcing import FORCE_MARK, ForcingService
 from transformers import AutoTokenizer
+
+from expertmesh.node.rpc.auth import call_metadata, node_method
+from expertmesh.v1 import node_pb2, node_pb2_grpc
 
 openai = lazy_import("openai")  # on first use, not at collection (tests/lazy_import.py)
 
@@ -173,6 +177,41 @@ def test_bad_tool_fields_are_400s_that_name_them(family) -> None:
         )
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):
         client.chat.completions.create(model=repo, messages=[*msgs, {"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [{}],
+        [{"type": "function", "function": "get_weather"}],
+        [{"type": "function", "function": {"description": "no name"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+    ],
+)
+def test_malformed_tools_sent_to_a_node_directly_are_invalid_arguments(
+    tools, tool_repos, pulled_home, hub, tmp_path
+) -> None:
+    """A household member may call a node without the API's checks: tools of the wrong shape with a
+    forced call, which reads each tool's function, name and parameters, are INVALID_ARGUMENT naming
+    `tools`, never an exception in the call."""
+    home = pulled_home("kimi_k3_tools", tmp_path / "home")
+    with serving(KIMI_K3_TOOLS, home, SECRET, node_id="tools-direct") as node:
+        with grpc.insecure_channel(node.rpc.address) as channel:
+            request = node_pb2.GenerateRequest(
+                model=node_pb2.ModelKey(repo_id=KIMI_K3_TOOLS),
+                messages=[node_pb2.ChatMessage(**SYSTEM), node_pb2.ChatMessage(role="user", content="Weather?")],
+                tools=json.dumps(tools),
+                tool_choice="required",
+                max_tokens=4,
+            )
+            with pytest.raises(grpc.RpcError) as e:
+                list(
+                    node_pb2_grpc.NodeStub(channel).Generate(
+                        request, metadata=call_metadata(SECRET, node_method("Generate")), timeout=60
+                    )
+                )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tools" in e.value.details()
 
 
 FORECAST = {

@@ -88,13 +88,16 @@ def response_format_grammar(response_format: dict) -> str:
     """The grammar of OpenAI's `response_format` (json_object or json_schema).
 
     Raises:
-        GrammarError: another type, or a json_schema without a schema object.
+        GrammarError: another type, or a json_schema that is not an object or has no schema object.
     """
     kind = response_format.get("type")
     if kind == "json_object":
         return "start: " + _json({"type": "object"})
     if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema", {})
+        spec = response_format.get("json_schema") or {}
+        if not isinstance(spec, dict):
+            raise GrammarError("response_format.json_schema must be an object")
+        schema = spec.get("schema", {})
         if not isinstance(schema, dict):
             raise GrammarError("response_format.json_schema.schema must be an object")
         return "start: " + _json(schema)

@@ -26,9 +26,47 @@ from mlx_lm.generate import TextStateMachine
 
 Parser = Callable[[str, Any], Any]
 
+# JSON nesting a request's tools, calls or format may have: the coordinator's bound for a whole body
+# (coordinator/openai_request.py); a real schema needs a handful of levels. Deeper text is refused
+# before anything recursive (json's decoder, the marking of control tokens, the chat template, the
+# grammar's encoder) reaches Python's recursion limit on a gRPC thread.
+MAX_JSON_DEPTH = 64
+
 
 class ToolsError(ValueError):
     """Tools this model cannot take: said to the client as a 400."""
+
+
+def wire_json(text: str, field: str) -> Any:
+    """The JSON value of a GenerateRequest's text `field` (tools, a message's tool_calls,
+    response_format), or ToolsError naming the field.
+
+    Any household member may call a node directly, so the text is hostile: `json.loads` raises
+    RecursionError, not ValueError, on deep nesting, and a value nested within its limit can still
+    exhaust the stack of whatever walks it later; both are refused here, as a 400, not an
+    exception inside the call."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ToolsError(f"{field} is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as e:
+        raise ToolsError(f"{field} is not JSON: {e}") from None
+    if _deeper_than(value, MAX_JSON_DEPTH):
+        raise ToolsError(f"{field} is nested more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` nests lists and objects more than `limit` levels; iterative, so checking
+    the depth costs no stack."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 @dataclass(frozen=True)
@@ -178,7 +216,10 @@ def chat_messages(messages: list[dict], tokenizer: Any) -> list[dict]:
         if calls:
             fixed = []
             for c in calls:
-                fn = dict(c.get("function") or {})
+                fn = c.get("function") or {}
+                if not isinstance(fn, dict):  # a call the template would read as an object
+                    raise ToolsError(f"messages[{i}].tool_calls: a call's function must be an object")
+                fn = dict(fn)
                 args = fn.get("arguments", "{}")
                 try:
                     value = json.loads(args) if isinstance(args, str) else args
@@ -194,13 +235,20 @@ def chat_messages(messages: list[dict], tokenizer: Any) -> list[dict]:
 
 
 def tools_from_json(text: str) -> list[dict]:
-    """The request's `tools` (JSON text from the wire): a list of objects, or ToolsError."""
-    try:
-        tools = json.loads(text)
-    except ValueError as e:
-        raise ToolsError(f"tools is not JSON: {e}") from None
+    """The request's `tools` (JSON text from the wire), or ToolsError: a list of OpenAI's function
+    tools, each `{"function": {"name": str, "parameters": object (optional)}}`, as the coordinator
+    checks them (coordinator/tool_calls.py). The node checks them too, since a member may call it
+    directly, and a forced call's grammar (engine/grammar.py) reads each tool's function, name and
+    parameters."""
+    tools = wire_json(text, "tools")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise ToolsError("tools must be a list of objects")
+    for i, t in enumerate(tools):
+        fn = t.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ToolsError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object")
     return tools
 
 
