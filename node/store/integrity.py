@@ -1,8 +1,13 @@
 """The digests of every expert, recorded at first fetch, so later copies can be checked.
 
 Upstream publishes a digest per shard, not per byte range, so an expert's sha256 is taken from
-the first bytes that passed the Hub's strict 206 checks, and every copy that comes from anywhere
-but RAM afterwards (the disk cache, a peer) must match it.
+the first copy that crossed a network, and every copy that comes from anywhere but RAM afterwards
+(the disk cache, a peer, the Hub again) must match it. That first copy is the Hub's, after its
+strict 206 checks, or a household peer's (store/tier_chain.py `verify`): members hold the
+household's secret and are trusted for content, as they are for the outputs they compute for each
+other (household/remote_experts.py), which nothing here could check either. So a member that
+lies consistently, bytes and digest alike, is believed by a node that had no record of the
+expert; the record is replaced only when two fresh copies from the Hub agree against it.
 
 Two digests, for two kinds of copy. What crosses a network (the Hub, a peer) is checked against
 the sha256: it is what the Hub and the household vouch for, and a peer's bytes must not be able to
