@@ -7,7 +7,8 @@ strict 206 checks, or a household peer's (store/tier_chain.py `verify`): members
 household's secret and are trusted for content, as they are for the outputs they compute for each
 other (household/remote_experts.py), which nothing here could check either. So a member that
 lies consistently, bytes and digest alike, is believed by a node that had no record of the
-expert; the record is replaced only when two fresh copies from the Hub agree against it.
+expert; the record is replaced only when two fresh copies from the Hub agree against it, which
+`expertmesh verify` asks for every unverified expert on disk (store/verify.py).
 
 Two digests, for two kinds of copy. What crosses a network (the Hub, a peer) is checked against
 the sha256: it is what the Hub and the household vouch for, and a peer's bytes must not be able to
