@@ -100,6 +100,7 @@ MAX_REPETITION_PENALTY = 10.0  # multiplicative: beyond this every repeated toke
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: -100 bans a token, 100 forces it
 MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI's
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+TOOL_CHOICES = ("", "auto", "none", "required", "function")  # GenerateRequest.tool_choice (node.proto)
 DEFAULT_WAITING_GENERATIONS = 3  # calls that may wait for the running one; more are refused
 WAIT_POLL_S = 0.25  # how often a waiting call checks that its client is still there
 SEED_MODULUS = 2**64  # MLX seeds are unsigned 64-bit; the proto's (and OpenAI's) are signed
@@ -487,6 +488,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 refuse(f"logit_bias names token {token}, and this model's tokens are 0 to {vocab - 1}")
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                 refuse(f"logit_bias values must be numbers from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}")
+        if request.tool_choice not in TOOL_CHOICES:  # an unknown one would be served as "auto"
+            refuse(
+                f"tool_choice must be one of {', '.join(repr(c) for c in TOOL_CHOICES)}, not {request.tool_choice!r}"
+            )
+        if request.tool_choice == "function" and not request.tool_choice_name:
+            refuse("tool_choice 'function' needs tool_choice_name")
         if request.prompt_experts:
             try:
                 PromptExperts.parse(request.prompt_experts)

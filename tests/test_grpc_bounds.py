@@ -119,6 +119,8 @@ def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answ
         ({"tools": _DEEP}, "tools"),
         ({"response_format": _DEEP}, "response_format"),
         ({"response_format": '{"type": "json_schema", "json_schema": [1]}'}, "json_schema"),
+        ({"tool_choice": "any"}, "tool_choice"),  # Anthropic's word: served as "auto" before
+        ({"tool_choice": "function"}, "tool_choice_name"),
     ],
 )
 def test_every_generate_field_is_checked(node, channel, fields: dict, named: str) -> None:
