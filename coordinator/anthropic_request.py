@@ -204,12 +204,18 @@ def openai_body(body: Any, counting: bool = False) -> dict:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise _bad("'max_tokens' is required: a positive integer")
         out["max_tokens"] = max_tokens
+        # checked here in Anthropic's terms, so that a 400 names Anthropic's field and range, not
+        # the chat request's it is translated into
         temperature = body.get("temperature")
-        if temperature is not None and not (isinstance(temperature, (int, float)) and 0 <= temperature <= 1):
+        if temperature is not None and (
+            isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and 0 <= temperature <= 1)
+        ):
             raise _bad("'temperature' must be a number from 0 to 1")
         stops = body.get("stop_sequences")
-        if stops is not None and not (isinstance(stops, list) and len(stops) <= MAX_STOPS):
-            raise _bad(f"'stop_sequences' must be a list of at most {MAX_STOPS} strings")
+        if stops is not None and not (
+            isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(x, str) and x for x in stops)
+        ):
+            raise _bad(f"'stop_sequences' must be a list of at most {MAX_STOPS} non-empty strings")
         for name, to in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                          ("stop_sequences", "stop"), ("stream", "stream")):  # fmt: skip
             if body.get(name) is not None:

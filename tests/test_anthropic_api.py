@@ -389,6 +389,22 @@ def test_a_caller_field_of_another_type_is_a_400_naming_it(api: OpenAIServer, fi
 
 
 @pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("temperature", 1.5, "from 0 to 1"),  # Anthropic's range, not the chat request's 0 to 2
+        ("temperature", True, "from 0 to 1"),
+        ("stop_sequences", [1], "'stop_sequences'"),  # not the chat request's 'stop'
+        ("stop_sequences", [""], "'stop_sequences'"),
+    ],
+)
+def test_a_sampling_field_out_of_anthropics_terms_is_a_400_in_them(api: OpenAIServer, field: str, value, said) -> None:
+    body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], field: value}
+    status, text = _raw(api, "/v1/messages", body)
+    message = json.loads(text)["error"]["message"]
+    assert status == 400 and said in message and f"'{field}'" in message, text
+
+
+@pytest.mark.parametrize(
     ("content", "named"),
     [
         ([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}], "image"),
