@@ -349,6 +349,9 @@ class _Connection(asyncio.Protocol):
             return HttpError(HTTPStatus.BAD_REQUEST, "the request target must be a path")
         if "content-length" in request.headers and "transfer-encoding" in request.headers:
             return HttpError(HTTPStatus.BAD_REQUEST, "both Content-Length and Transfer-Encoding")
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # a gzipped body would be read as JSON and fail as "not JSON"
+            return HttpError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding!r} is not supported")
         length = _declared_length(request)
         if length is not None and length > self.limits.max_body_bytes:
             return HttpError(

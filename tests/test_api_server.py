@@ -6,6 +6,7 @@ streaming or not — stops its generation on the node."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import logging
@@ -200,6 +201,16 @@ def test_bodies_are_framed_strictly(api: OpenAIServer, caplog: pytest.LogCapture
             assert _raw(port, garbage)[0] == 400
         assert _raw(port, _head(port, "GET /healthz", "X: " + "a" * 40000))[0] == 431
     assert not [r for r in caplog.records if r.exc_info], "a malformed request logged a traceback"
+
+
+def test_an_encoded_body_is_refused_as_such(api: OpenAIServer) -> None:
+    """A body under a Content-Encoding this server does not decode is a 415 that says so, not a
+    400 "not JSON" (a gzipped body) nor a plain one taken as if the header were not there."""
+    body = _body(max_tokens=2)
+    for encoding, sent in (("gzip", gzip.compress(body)), ("gzip", body), ("br", body)):
+        status, _, answer = _raw(api.port, _post(api.port, "/v1/completions", sent, f"Content-Encoding: {encoding}"))
+        assert status == 415 and encoding in json.loads(answer)["error"]["message"]
+    assert _raw(api.port, _post(api.port, "/v1/completions", body, "Content-Encoding: identity"))[0] == 200
 
 
 def test_a_chunked_body_is_a_body_and_the_connection_goes_on(api: OpenAIServer) -> None:
