@@ -41,6 +41,7 @@ from expertmesh.coordinator.openai_request import ApiError, Ask, generate_reques
 from expertmesh.coordinator.request_queue import LeftQueue, QueueFull, RequestQueue
 from expertmesh.coordinator.stop_sequences import StopScanner
 from expertmesh.node.constants import CONTEXT_LENGTH_EXCEEDED, REASON_METADATA_KEY
+from expertmesh.node.rpc.admission import is_busy
 from expertmesh.node.rpc.call_watch import QUIET_S, CallWatch, Watched
 from expertmesh.node.rpc.client import NodeClient
 from expertmesh.node.rpc.prefix_keys import held_table, message_prefix_keys
@@ -388,11 +389,12 @@ class Coordinator:
         """The tokens of `ask`'s prompt as its model's template and tokenizer make them (the
         Messages API's count_tokens), asked of the least busy node; no queue slot: nothing runs.
 
-        Raises ApiError: the node refused the prompt (400), or no node could answer (503)."""
+        Raises ApiError: the node refused the prompt (400), every node was busy counting (429,
+        which the API sends with Retry-After), or no node could answer (503)."""
         self._forget_departed()
         request = generate_request(ask)
         request.count_only = True
-        tried = 0
+        tried, busy = 0, 0
         for address in self.pool.ranked(exclude=set()):
             tried += 1
             try:
@@ -402,7 +404,14 @@ class Coordinator:
             except grpc.RpcError as e:
                 if e.code() in _NODE_ERRORS:
                     raise _refusal(e, _NODE_ERRORS[e.code()], ask.chat) from None
+                busy += is_busy(e)
                 logger.warning("node %s could not count tokens (%s); trying another", address, e.code().name.lower())
+        if tried and busy == tried:  # a burst of counts: the client's to pace, not the household's fault
+            raise ApiError(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                f"every full node of the household is counting tokens already (tried {tried}); retry shortly",
+                type_="rate_limit_error",
+            )
         raise ApiError(
             HTTPStatus.SERVICE_UNAVAILABLE,
             f"no full node of the household could count the tokens (tried {tried})",

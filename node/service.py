@@ -101,6 +101,7 @@ MAX_LOGIT_BIAS = 100.0  # as OpenAI's: -100 bans a token, 100 forces it
 MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI's
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 TOOL_CHOICES = ("", "auto", "none", "required", "function")  # GenerateRequest.tool_choice (node.proto)
+COUNT_CALLS = 2  # token counts at once: they take turns at the tokenizer's lock, so more only wait
 DEFAULT_WAITING_GENERATIONS = 3  # calls that may wait for the running one; more are refused
 WAIT_POLL_S = 0.25  # how often a waiting call checks that its client is still there
 SEED_MODULUS = 2**64  # MLX seeds are unsigned 64-bit; the proto's (and OpenAI's) are signed
@@ -265,6 +266,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         self.generation_slots = GenerationSlots(waiting_generations, running=max_batch if sm is not None else 1)
         # FetchExpert and ComputeExperts together (rpc/admission.py); rpc/server.py sizes them
         self.peer_call_slots = CallSlots()
+        # Generate's token counts: no generation slot (nothing runs), but each holds a worker
+        # thread while it waits for the tokenizer's lock; unbounded, a burst of counts of long
+        # conversations (count_tokens is the API's, open to every client) would hold them all
+        self.count_slots = CallSlots(COUNT_CALLS)
         # Tokenisers keep "parse special tokens or not" as shared state that each encode sets, and
         # chat encoding switches it per piece: one encode at a time keeps each piece as intended.
         self._tokenize_lock = threading.Lock()
@@ -558,8 +563,16 @@ class NodeService(node_pb2_grpc.NodeServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "this node is a cache peer: it has no core to generate with"
             )
         self._check_generate(request, context)
-        if request.count_only:  # tokenising only: no slot, no model thread
-            counted = len(self._prompt_ids(sm, request, context, stored=False).ids)
+        if request.count_only:  # tokenising only: no generation slot, no model thread
+            if not self.count_slots.enter():
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{BUSY}: {self.count_slots.capacity} token counts at once; try another node or later",
+                )
+            try:
+                counted = len(self._prompt_ids(sm, request, context, stored=False).ids)
+            finally:
+                self.count_slots.leave()
             yield node_pb2.GenerateEvent(done=node_pb2.GenerationDone(prompt_tokens=counted, stop_reason="counted"))
             return
         slots = self.generation_slots

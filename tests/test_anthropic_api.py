@@ -154,6 +154,28 @@ def test_count_tokens_counts_the_templated_prompt(client: anthropic.Anthropic, o
     assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens
 
 
+def test_count_tokens_while_every_node_counts_already_is_a_429(api: OpenAIServer, node) -> None:
+    """A node counts COUNT_CALLS at once and refuses more as busy; with every node busy the API
+    answers 429 with Retry-After in Anthropic's shape (a burst for the client to pace), not a 503."""
+    slots = node.service.count_slots
+    held = [slots.enter() for _ in range(slots.capacity)]
+    try:
+        assert all(held)
+        conn = http.client.HTTPConnection(api.host, api.port, timeout=120)
+        body = {"model": KIMI_K3, "messages": [{"role": "user", "content": QUESTION}]}
+        conn.request(
+            "POST", "/v1/messages/count_tokens", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        answer = json.loads(r.read())
+        conn.close()
+    finally:
+        for _ in held:
+            slots.leave()
+    assert r.status == 429 and r.getheader("Retry-After", "").isdigit(), answer
+    assert answer["type"] == "error" and answer["error"]["type"] == "rate_limit_error"
+
+
 def _billing(cch: str) -> dict:
     """Claude Code's first system block, whose `cch=` changes on every request."""
     return {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.14.abc; cc_entrypoint=cli; cch={cch};"}

@@ -21,6 +21,7 @@ from expertmesh.node import service
 from expertmesh.node.engine import chat
 from expertmesh.node.engine.chat import ChatSession, chat_token_ids, control_tokens, encode_rendered, render_chat
 from expertmesh.node.engine.generation import Generator, SamplingSettings
+from expertmesh.node.rpc.admission import BUSY
 from expertmesh.node.rpc.auth import call_metadata, node_method
 from expertmesh.v1 import node_pb2, node_pb2_grpc
 
@@ -129,6 +130,40 @@ def test_every_generate_field_is_checked(node, channel, fields: dict, named: str
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert named in e.value.details()
     assert _idle(node)  # a refused call holds no slot
+
+
+def test_token_counts_beyond_their_slots_are_refused_while_health_answers(node, channel, monkeypatch) -> None:
+    """A count takes no generation slot, but it holds a worker thread while it waits for the
+    tokenizer: counts beyond COUNT_CALLS are refused at once as busy (the API answers 429), so a
+    burst of them cannot take the threads that health checks and Info are answered on."""
+    gate = threading.Event()
+    entered: list[int] = []
+
+    def held(*args, **kwargs):  # a long conversation's rendering, held until the test lets it go
+        entered.append(1)
+        gate.wait(30)
+        return render_chat(*args, **kwargs)
+
+    monkeypatch.setattr(service, "render_chat", held)
+    stub = node_pb2_grpc.NodeStub(channel)
+    request = _request(messages=[node_pb2.ChatMessage(role="user", content="count me")], count_only=True)
+    capacity = node.service.count_slots.capacity
+    calls = [stub.Generate(request, metadata=_md("Generate"), timeout=60) for _ in range(capacity + 3)]
+    try:
+        assert wait_until(lambda: sum(c.done() for c in calls) == 3 and entered, timeout_s=20)
+        refused = [c for c in calls if c.done()]
+        assert {c.code() for c in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert all(c.details().startswith(BUSY) for c in refused)
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="expertmesh.v1.Node"), timeout=5
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        gate.set()
+    admitted = [c for c in calls if c not in refused]
+    assert len(admitted) == capacity
+    assert all([e.done.stop_reason for e in c] == ["counted"] for c in admitted)
+    assert wait_until(lambda: node.service.count_slots.in_use() == 0, timeout_s=10)
 
 
 def test_counting_a_conversation_renders_it_once(node, channel, monkeypatch) -> None:

@@ -236,7 +236,8 @@ def test_owner_fetches_beyond_the_slots_are_refused_while_health_and_info_answer
     gate = _gate_owner_fetches(node, monkeypatch)
     model = model_key(node.index.repo_id, node.index.commit)
     workers = 16  # RpcConfig's default
-    capacity = workers - RESERVED_WORKERS - node.service.generation_slots.capacity  # 8
+    service = node.service
+    capacity = workers - RESERVED_WORKERS - service.generation_slots.capacity - service.count_slots.capacity  # 6
     keys = [k for k in node.index.experts if k not in node.disk][: workers + 4]
     assert len(keys) == workers + 4  # more owner fetches than threads
     refused: list = []

@@ -7,8 +7,9 @@ and the port is known (port 0 picks a free one) before anything advertises it; `
 Every call runs on one of `max_workers` threads, and a streaming Generate keeps its thread to the
 end. The service's generation slots (node/service.py) are fitted to leave RESERVED_WORKERS threads
 to everything else, and its peer-call slots (FetchExpert and ComputeExperts, rpc/admission.py) get
-what Generate and the reserve leave, so health checks, Info and GetInventory are answered however
-many generations, expert fetches and computations are asked for.
+what Generate's generations and token counts and the reserve leave, so health checks, Info and
+GetInventory are answered however many generations, counts, expert fetches and computations are
+asked for.
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ class NodeServer:
         peer_calls = getattr(servicer, "peer_call_slots", None)
         if peer_calls is not None:
             # a cache peer (no model) refuses Generate at once: no thread goes to it
-            generating = slots.capacity if slots is not None and getattr(servicer, "sm", None) is not None else 0
-            peer_calls.fit(max_workers - RESERVED_WORKERS - generating)
+            full = getattr(servicer, "sm", None) is not None
+            generating = slots.capacity if slots is not None and full else 0
+            counts = getattr(servicer, "count_slots", None)
+            counting = counts.capacity if counts is not None and full else 0
+            peer_calls.fit(max_workers - RESERVED_WORKERS - generating - counting)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc")
         self.server = grpc.server(
             self.executor, interceptors=[SecretInterceptor(secret), *interceptors], options=options
