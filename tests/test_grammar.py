@@ -4,7 +4,10 @@ schema the engine cannot compile is refused with the reason."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+from collections.abc import Callable
 
 import jsonschema
 import pytest
@@ -16,7 +19,7 @@ from expertmesh.devtools.tiny.demo_model import REPO_ID, make_demo_model
 from expertmesh.node.config import SpeculationConfig, StoreConfig
 from expertmesh.node.engine.batching import BatchEngine
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.grammar import GrammarConstraint, GrammarError, response_format_grammar
+from expertmesh.node.engine.grammar import GrammarConstraint, GrammarError, GrammarFailure, response_format_grammar
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -81,6 +84,74 @@ def test_a_schema_that_fails_at_its_first_token_is_refused(demo) -> None:
     """`{"$ref": "#"}` compiles, but no value of it can start: it was served as "" (not JSON)."""
     with pytest.raises(GrammarError, match="cannot start"):
         _constraint(demo, {"$ref": "#"})
+
+
+class _Breaks:
+    """llguidance's matcher, as it is once it has failed partway: in an error state from the first
+    token it consumes after `when()` holds."""
+
+    def __init__(self, matcher, when: Callable[[], bool]):
+        self._matcher, self._when, self._broken = matcher, when, False
+
+    def consume_token(self, token: int) -> bool:
+        self._broken = self._broken or self._when()
+        return self._matcher.consume_token(token)
+
+    def is_error(self) -> bool:
+        return self._broken or self._matcher.is_error()
+
+    def get_error(self) -> str:
+        return "lexer blew up\nparser state ..."
+
+    def __getattr__(self, name: str):
+        return getattr(self._matcher, name)
+
+
+def test_a_grammar_that_fails_partway_fails_the_answer(demo) -> None:
+    """A failed matcher allows only the end: the answer would stop as finished with its JSON cut."""
+    constraint = _constraint(demo, SCHEMAS[0])
+    consumed = itertools.count(1)
+    constraint.matcher = _Breaks(constraint.matcher, when=lambda: next(consumed) >= 3)
+    summary = GenerationSummary()
+    settings = SamplingSettings(max_tokens=MAX_TOKENS, constraint=constraint)
+    with pytest.raises(GrammarFailure, match="partway through the answer .lexer blew up.$"):
+        list(Generator(demo).generate(demo.tokenizer.encode(PROMPT), settings, summary=summary))
+    assert summary.stop_reason != "eos"
+
+
+def test_a_grammar_that_fails_partway_in_a_batch_fails_only_its_own_answer(demo) -> None:
+    """Rows of a batch decode in one step: one row's grammar failing ends that row alone."""
+    batch = BatchEngine(demo, max_batch=2)
+    try:
+        ids = demo.tokenizer.encode(PROMPT)
+        broken = _constraint(demo, SCHEMAS[12])
+        broken.matcher = _Breaks(broken.matcher, when=lambda: len(batch._rows) == 2)  # once both decode together
+        summary = GenerationSummary()
+        asks = {
+            "broken": batch.generate(ids, SamplingSettings(max_tokens=MAX_TOKENS, constraint=broken)),
+            "other": batch.generate(
+                ids, SamplingSettings(max_tokens=MAX_TOKENS, constraint=_constraint(demo, SCHEMAS[12])), summary=summary
+            ),
+        }
+        got: dict[str, list | BaseException] = {}
+
+        def drain(name: str) -> None:
+            try:
+                got[name] = list(asks[name])
+            except Exception as e:  # noqa: BLE001 - what the test looks at
+                got[name] = e
+
+        threads = [threading.Thread(target=drain, args=(name,)) for name in asks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert isinstance(got["broken"], GrammarFailure), got["broken"]
+        other = got["other"]
+        assert isinstance(other, list), other
+        jsonschema.validate(json.loads(_text(other, summary)), SCHEMAS[12])
+    finally:
+        batch.close()
 
 
 def test_a_constrained_request_is_served_without_speculation(demo) -> None:

@@ -366,7 +366,12 @@ class BatchEngine:
             run.fed += 1
             if run.seq.prefix is not None:
                 run.history.append(run.next_token)
-            if self._emit(run, logits[i : i + 1]):
+            try:
+                goes_on = self._emit(run, logits[i : i + 1])
+            except Exception as e:  # noqa: BLE001 - a row's own sampling (its grammar failed): only it fails
+                self._fail(run, e)
+                goes_on = False
+            if goes_on:
                 keep.append(i)
         if len(keep) < len(rows):
             self._filter(keep)

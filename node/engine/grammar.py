@@ -31,6 +31,7 @@ import numpy as np
 from expertmesh.node.engine.chat import control_tokens, render_chat
 from expertmesh.node.engine.tools import ToolFormat, chat_messages
 from expertmesh.node.engine.vocabulary import ll_tokenizer
+from expertmesh.node.errors import ExpertmeshError
 
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Stand-ins rendered through the template to find where a call's name and arguments go.
@@ -40,6 +41,12 @@ _ARGS_KEY = "zzargumentszz"
 
 class GrammarError(ValueError):
     """A schema or tool choice the grammar engine cannot enforce: said to the client as a 400."""
+
+
+class GrammarFailure(ExpertmeshError):
+    """The grammar engine reported an error partway through an answer. Its matcher then allows
+    only the end, so the answer would stop as if finished, with its JSON cut short: it fails
+    instead, as a generation that could not go on."""
 
 
 class GrammarConstraint:
@@ -63,7 +70,9 @@ class GrammarConstraint:
             raise GrammarError(f"the grammar engine cannot start a value of it ({reason})")
 
     def mask(self, logprobs: mx.array) -> mx.array:
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        raw = self.matcher.compute_bitmask()
+        self._fail_if_broken()
+        bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
         width = logprobs.shape[-1]
         allowed = mx.array(bits[: min(width, self.ll.vocab_size)].astype(np.bool_))
         if width > allowed.shape[0]:  # ids the model has and the tokenizer does not: never
@@ -73,6 +82,12 @@ class GrammarConstraint:
     def advance(self, token: int) -> None:
         if not self.matcher.is_stopped():
             self.matcher.consume_token(token)
+            self._fail_if_broken()
+
+    def _fail_if_broken(self) -> None:
+        if self.matcher.is_error():
+            reason = self.matcher.get_error().split("\n", 1)[0]  # the rest is the parser's state dump
+            raise GrammarFailure(f"the grammar engine failed partway through the answer ({reason})")
 
     @property
     def accepting(self) -> bool:
