@@ -440,6 +440,8 @@ class OpenAIServer:
                 if chunk["choices"] and chunk["choices"][0].get("finish_reason") is not None:
                     # a stream's headers left before the prompt ran: its last chunk says whether it was approximate
                     chunk = {**chunk, "prompt_expert_uses_substituted": usage.prompt_expert_uses_substituted}
+                if ask.include_usage:  # as OpenAI's: every chunk has the field, null until the usage chunk
+                    chunk = {**chunk, "usage": None}
                 await send(chunk)
         except ApiError as e:  # after the first token, or once the stream was kept alive: it ends with the error
             if not started:

@@ -77,6 +77,9 @@ def test_a_streamed_chat_completion_through_the_official_client(client: openai.O
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes in (["length"], ["stop"])
     usage = chunks[-1].usage
+    # as OpenAI streams: every chunk carries `usage`, null but in the last, which has no choices
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == []
     assert usage.prompt_tokens > 0 and 0 < usage.completion_tokens <= 12
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
