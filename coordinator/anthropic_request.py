@@ -103,6 +103,8 @@ def _message(i: int, m: Any) -> list[dict]:
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise _bad(f"{where} must be an object with a role of 'user' or 'assistant' and a content")
     role, content = m["role"], m.get("content")
+    if content == "" or content == []:  # as Anthropic answers: a turn of nothing is the client's mistake
+        raise _bad(f"{where}: all messages must have non-empty content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):

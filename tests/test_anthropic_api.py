@@ -426,6 +426,13 @@ def test_a_sampling_field_out_of_anthropics_terms_is_a_400_in_them(api: OpenAISe
     assert status == 400 and said in message and f"'{field}'" in message, text
 
 
+@pytest.mark.parametrize("content", ["", []])
+def test_a_message_of_nothing_is_a_400(api: OpenAIServer, content) -> None:
+    body = {"model": KIMI_K3, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    status, text = _raw(api, "/v1/messages", body)
+    assert status == 400 and "non-empty content" in json.loads(text)["error"]["message"], text
+
+
 @pytest.mark.parametrize(
     ("content", "named"),
     [
