@@ -98,6 +98,10 @@ class _ComputeNode(NodeService):
             first.rows.CopyFrom(activations.encode(nan))  # in the dtype asked: caught as NaN, not as a dtype
         elif self.mode == "extra":
             response.experts.append(node_pb2.ExpertRows(expert=first.expert, rows=t))
+        elif self.mode == "missing_twice":  # one expert said missing twice: counted twice, were it taken
+            e = first.expert
+            del response.experts[0]
+            response.missing.extend([e, e])
         return response
 
 
@@ -320,7 +324,7 @@ def test_a_missed_deadline_is_a_lower_bound_on_what_a_prompts_call_takes() -> No
     assert 1.0 < link.prompt_scale < 4.0
 
 
-@pytest.mark.parametrize("mode", ["short", "nan", "extra"])
+@pytest.mark.parametrize("mode", ["short", "nan", "extra", "missing_twice"])
 def test_a_peer_with_malformed_outputs_is_caught_skipped_and_counted(pairs, mode: str) -> None:
     pair = pairs("kimi_k3")
     pair.service.mode = mode
