@@ -28,6 +28,14 @@ def test_a_special_tokens_bytes_are_its_text() -> None:
     assert token_bytes(tokenizer, eos) == tokenizer.decode([eos]).encode()
 
 
+def test_an_id_past_the_tokenizers_vocabulary_has_its_decoded_text() -> None:
+    """A model's embedding may be padded past its tokenizer's ids; such an id decodes to nothing,
+    not to llguidance's `<[id]>` marker."""
+    tokenizer = load_tokenizer(DEMO)
+    past = len(tokenizer.get_vocab()) + 100
+    assert token_bytes(tokenizer, past) == tokenizer.decode([past]).encode()
+
+
 class _Unreadable:
     """A tokenizer llguidance cannot read (as a slow, tiktoken-based one): its text stands in."""
 

@@ -41,6 +41,8 @@ def token_bytes(tokenizer: Any, token: int) -> bytes:
     """A token's own bytes (a special token's: its text), or its text's UTF-8 where llguidance
     cannot read the tokenizer."""
     view = _bytes_view(tokenizer)
-    if view is None:
+    if (
+        view is None or token >= view.vocab_size
+    ):  # an id past the tokenizer's (a padded embedding's): no bytes of its own
         return tokenizer.decode([token]).encode("utf-8")
     return view.decode_bytes([token])
