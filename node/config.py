@@ -74,7 +74,7 @@ class RpcConfig:
     port: int = 0  # 0 picks a free port
     tls_cert: str | None = None  # PEM files of the household certificate (rpc/tls.py)
     tls_key: str | None = None
-    max_workers: int = 16
+    max_workers: int = 18  # 4 kept for health and Info, 4 generations, 2 token counts, 8 peer calls (rpc/server.py)
 
 
 @dataclass

@@ -162,7 +162,7 @@ def test_requests_of_every_kind_leave_no_thread_connection_or_generation_behind(
 
 
 # Thread pools of a bounded size that start a worker when they first run that many calls at once:
-# the node's gRPC server (16 workers) and the API's Info calls. A warm-up cannot be sure to have
+# the node's gRPC server (18 workers) and the API's Info calls. A warm-up cannot be sure to have
 # reached their peak, and a worker one of them adds later is no leak (the test failed now and then
 # on a second `grpc_` worker).
 _BOUNDED_POOLS = ("grpc_", "api-info_")

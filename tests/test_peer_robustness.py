@@ -18,6 +18,7 @@ from nodes import serving
 from repos import KIMI_K3
 from waiting import wait_until
 
+from expertmesh.node.config import RpcConfig
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable
 from expertmesh.node.household.peers_tier import PeerSource, SkipPolicy
 from expertmesh.node.household.warm import WarmNode, warm
@@ -235,9 +236,9 @@ def _gate_owner_fetches(node, monkeypatch) -> threading.Event:
 def test_owner_fetches_beyond_the_slots_are_refused_while_health_and_info_answer(node, monkeypatch) -> None:
     gate = _gate_owner_fetches(node, monkeypatch)
     model = model_key(node.index.repo_id, node.index.commit)
-    workers = 16  # RpcConfig's default
+    workers = RpcConfig().max_workers
     service = node.service
-    capacity = workers - RESERVED_WORKERS - service.generation_slots.capacity - service.count_slots.capacity  # 6
+    capacity = workers - RESERVED_WORKERS - service.generation_slots.capacity - service.count_slots.capacity  # 8
     keys = [k for k in node.index.experts if k not in node.disk][: workers + 4]
     assert len(keys) == workers + 4  # more owner fetches than threads
     refused: list = []

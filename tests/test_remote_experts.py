@@ -637,6 +637,61 @@ def test_a_prompts_rows_are_encoded_a_few_calls_at_a_time(pairs, monkeypatch) ->
     assert alive_while_waiting and max(alive_while_waiting) <= 1, alive_while_waiting
 
 
+def test_a_peers_answers_are_taken_while_this_node_computes_its_own_groups(pairs, monkeypatch) -> None:
+    """A layer that computes some experts here, in groups, and sends the rest to a peer takes the
+    peer's answers between its groups: each is put into the outputs and let go, and the peer gets
+    its next call. Encoding the next calls between groups without taking the answers held every
+    answer that came meanwhile; now a peer has at most CALLS_ENCODED_PER_PEER calls held, answered
+    ones waiting to be taken included, and answers are taken before the layer's own experts are
+    all computed. Tokens equal the peer's alone."""
+    from expertmesh.node.household import remote_experts as rx
+
+    pair = pairs("kimi_k3")
+    _three_rows_a_call(pair, monkeypatch)  # many calls
+    plan = rx.RemoteExperts.plan
+
+    def half_here(self, layer, experts, sizes):  # every other expert the peer would compute, here
+        placement = plan(self, layer, experts, sizes)
+        for e in sorted(placement.remote)[::2]:
+            del placement.remote[e]
+        return placement
+
+    counts = {"encoded": 0, "taken": 0, "taken_between": 0}
+    held: list[int] = []
+    encode, take, compute_here = rx._Encoder.__call__, rx.RemoteExperts._take, rx.RemoteExperts._compute_here
+    computing: list[bool] = []
+
+    def counted_encode(self, batch):
+        counts["encoded"] += 1
+        held.append(counts["encoded"] - counts["taken"])
+        return encode(self, batch)
+
+    def counted_take(self, *args, **kwargs):
+        counts["taken"] += 1
+        counts["taken_between"] += bool(computing)
+        return take(self, *args, **kwargs)
+
+    def watched_compute_here(self, *args, **kwargs):
+        computing.append(True)
+        try:
+            return compute_here(self, *args, **kwargs)
+        finally:
+            computing.pop()
+
+    monkeypatch.setattr(rx.RemoteExperts, "plan", half_here)
+    monkeypatch.setattr(rx._Encoder, "__call__", counted_encode)
+    monkeypatch.setattr(rx.RemoteExperts, "_take", counted_take)
+    monkeypatch.setattr(rx.RemoteExperts, "_compute_here", watched_compute_here)
+    got, alone, d = _prompt_here_and_alone(pair)
+    assert got == alone
+    # (a call the peer refuses as busy, its slots taken by this node's fetches of the experts it
+    # computes here, is computed here too: no fault, counted as a fallback)
+    assert d.remote["calls"] > rx.CALLS_ENCODED_PER_PEER, d.remote
+    assert sum(d.uses[k] for k in ("ram", "disk", "peer", "hub")) > 0, d.uses  # groups computed here
+    assert max(held) <= rx.CALLS_ENCODED_PER_PEER, held
+    assert counts["taken_between"] > 0, counts
+
+
 def test_rows_and_answers_cross_to_a_peer_without_waits_of_their_own(pairs, monkeypatch) -> None:
     """The requester encodes a call's rows on the host from the layer's inputs, which the layer's
     one sync evaluated: no kernel and no wait for the device per expert sent (gathered on the

@@ -212,6 +212,13 @@ class _Answers:
             if not self._arrived.done():
                 self._arrived.set_result(None)
 
+    def take_ready(self) -> list[_Call]:
+        """Those answered since the last take, without waiting for one."""
+        with self._lock:
+            calls = list(self._calls)
+            self._calls.clear()
+            return calls
+
     def take(self) -> list[_Call]:
         """Those answered since the last take; on the MLX thread it waits for one serving the
         peers' calls meanwhile (`ModelThread.wait`)."""
@@ -237,36 +244,47 @@ class _PeerCalls:
     about twenty).
 
     Encoded just in time, a prompt's rows exist as the calls that carry them only a few calls at a
-    time (CALLS_ENCODED_PER_PEER, each within `max_call_bytes`) instead of the layer's whole share
-    for the peer at once, beside the answers. The ones encoded beyond those in flight are sent by
-    the gRPC thread that sees an answer, so the peer is kept busy while the MLX thread computes
-    (`fill` runs between the local groups and as answers are taken)."""
+    time instead of the layer's whole share for the peer at once, beside the answers: at most
+    CALLS_ENCODED_PER_PEER calls of a peer (each within `max_call_bytes` each way) are held at
+    once, encoded and waiting to be sent, in flight, or answered and waiting for the MLX thread to
+    take them (`taken`). The ones encoded beyond those in flight are sent by the gRPC thread that
+    sees an answer, so the peer is kept busy while the MLX thread computes (`fill` runs between
+    the local groups and as answers are taken)."""
 
     def __init__(
         self,
+        node_id: str,
         batches: list[list[tuple[int, int, int]]],
         encode: Callable[[list[tuple[int, int, int]]], _Call],
         answers: _Answers,
     ):
+        self.node_id = node_id
         self.total = len(batches)
         self._batches = deque(batches)
         self._encode = encode
         self._ready: deque[_Call] = deque()
         self._in_flight = 0
+        self._held = 0  # encoded and not yet taken: ready, in flight, or answered and waiting
         self._lock = threading.Lock()
         self._answers = answers
 
     def fill(self) -> None:
-        """On the MLX thread: encode up to CALLS_ENCODED_PER_PEER ahead, each sent at once if a
-        slot in flight is free."""
+        """On the MLX thread: encode while fewer than CALLS_ENCODED_PER_PEER calls are held, each
+        sent at once if a slot in flight is free."""
         while self._batches:
             with self._lock:
-                if len(self._ready) + self._in_flight >= CALLS_ENCODED_PER_PEER:
+                if self._held >= CALLS_ENCODED_PER_PEER:
                     break
+                self._held += 1
             call = self._encode(self._batches.popleft())
             with self._lock:
                 self._ready.append(call)
             self._send_ready()
+
+    def taken(self) -> None:
+        """An answered call of this peer's was taken by the MLX thread (its answer let go)."""
+        with self._lock:
+            self._held -= 1
 
     def _send_ready(self) -> None:
         while True:
@@ -470,9 +488,10 @@ class RemoteExperts:
         served: dict[int, Served] = {}
         # the whole routing announces the pass (traced, judging the guesses made for it); evaluated
         # before waiting for the peers, whose calls to us may then write slots meanwhile
-        self._compute_here(block, local, rows, outputs, served, guess, routed=experts, between=lambda: _fill(chains))
+        collecting = _Collecting(self, block, chains, answers, outputs)
+        self._compute_here(block, local, rows, outputs, served, guess, routed=experts, between=collecting.between)
         if chains:
-            failed = self._collect(block, chains, answers, outputs, served)
+            failed = collecting.rest(served)
             if failed:
                 for e in failed:
                     outputs.drop(e)
@@ -491,7 +510,7 @@ class RemoteExperts:
         between: Callable[[], None] | None = None,
     ) -> None:
         """`experts` fetched and computed on this node, a group at a time within the hold limit;
-        `between()` after each group (the peers' next calls encoded meanwhile)."""
+        `between()` after each group (the peers' answers taken and next calls encoded meanwhile)."""
         store = self.store
         for group in store.layer_groups(block.layer, experts, guess=guess, routed=routed):
             if not group.served:
@@ -537,42 +556,8 @@ class RemoteExperts:
                 placement.owner_fetch,
                 rows,
             )
-            chains.append(_PeerCalls(batches, encode, answers))
+            chains.append(_PeerCalls(node_id, batches, encode, answers))
         return chains
-
-    def _collect(
-        self,
-        block: StreamingExperts,
-        chains: list[_PeerCalls],
-        answers: _Answers,
-        outputs: ExpertOutputs,
-        served: dict[int, Served],
-    ) -> list[int]:
-        """Each call's outputs into `outputs` as it is answered (the peer's next calls encoded and
-        sent meanwhile); `served` says `remote` for an expert all of whose parts came. Returns the
-        experts to fetch and compute here instead (an expert with a failed part among them)."""
-        failed: set[int] = set()
-        walls: dict[int, float] = {}
-        stats = self.store.stats
-
-        def fall_back(asked: list[int], **reason: int) -> None:
-            fresh = [e for e in asked if e not in failed]
-            stats.record_remote(**{k: len(fresh) for k in reason})
-            failed.update(asked)
-
-        left = sum(chain.total for chain in chains)
-        while left:
-            for call in answers.take():
-                left -= 1
-                self._take(block, call, outputs, walls, fall_back)
-            _fill(chains)
-        for e, wall in walls.items():
-            if e in failed:
-                continue
-            # a use with no expert bytes: the LAN bytes are the activations, in record_remote above
-            stats.record("remote", 0, wall)
-            served[e] = Served("remote", 0, wall)
-        return sorted(failed)
 
     def _take(
         self,
@@ -717,6 +702,61 @@ def _calls(
 def _fill(chains: list[_PeerCalls]) -> None:
     for chain in chains:
         chain.fill()
+
+
+class _Collecting:
+    """A layer's answers, taken whenever the MLX thread looks: between its local groups without
+    waiting (`between`), then waiting for the rest (`rest`). Each is checked and put into
+    `outputs` as it is taken and its answer let go, and the peer's next calls are encoded: a peer
+    holds at most CALLS_ENCODED_PER_PEER calls at once, answered ones waiting here included
+    (_PeerCalls), while it is kept busy through a long local phase."""
+
+    def __init__(
+        self,
+        remote: RemoteExperts,
+        block: StreamingExperts,
+        chains: list[_PeerCalls],
+        answers: _Answers,
+        outputs: ExpertOutputs,
+    ):
+        self._remote, self._block, self._chains = remote, block, chains
+        self._answers, self._outputs = answers, outputs
+        self._chain_of = {chain.node_id: chain for chain in chains}
+        self._left = sum(chain.total for chain in chains)
+        self._failed: set[int] = set()
+        self._walls: dict[int, float] = {}
+
+    def between(self) -> None:
+        """Between local groups: the answers already here taken, the peers' next calls encoded."""
+        self._take_all(self._answers.take_ready())
+        _fill(self._chains)
+
+    def rest(self, served: dict[int, Served]) -> list[int]:
+        """Every answer still to come, taken as it comes; `served` says `remote` for an expert
+        all of whose parts came. Returns the experts to fetch and compute here instead (an
+        expert with a failed part among them)."""
+        while self._left:
+            self._take_all(self._answers.take())
+            _fill(self._chains)
+        stats = self._remote.store.stats
+        for e, wall in self._walls.items():
+            if e in self._failed:
+                continue
+            # a use with no expert bytes: the LAN bytes are the activations, in record_remote
+            stats.record("remote", 0, wall)
+            served[e] = Served("remote", 0, wall)
+        return sorted(self._failed)
+
+    def _take_all(self, calls: list[_Call]) -> None:
+        for call in calls:
+            self._left -= 1
+            self._remote._take(self._block, call, self._outputs, self._walls, self._fall_back)
+            self._chain_of[call.peer.node_id].taken()
+
+    def _fall_back(self, asked: list[int], **reason: int) -> None:
+        fresh = [e for e in asked if e not in self._failed]
+        self._remote.store.stats.record_remote(**{k: len(fresh) for k in reason})
+        self._failed.update(asked)
 
 
 class _Encoder:

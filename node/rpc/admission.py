@@ -16,7 +16,7 @@ import threading
 import grpc
 
 BUSY = "this node is busy"  # how every "full, try elsewhere" refusal's details begin (Generate's too)
-DEFAULT_PEER_CALLS = 6  # the default 16 workers, less the 4 reserved, Generate's 4 places and its 2 counts
+DEFAULT_PEER_CALLS = 8  # the default 18 workers, less the 4 reserved, Generate's 4 places and its 2 counts
 
 
 class CallSlots:

@@ -38,7 +38,7 @@ class NodeServer:
         secret: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_workers: int = 16,
+        max_workers: int = 18,
         tls: grpc.ServerCredentials | None = None,
         interceptors=(),
     ):
