@@ -120,7 +120,8 @@ class RemoteExecution(Protocol):
         outputs: ExpertOutputs,
     ) -> dict[int, Served]:
         """As `run`, each part of an expert's output rows put into `outputs` as it is made;
-        `rows[e]` asked for only when expert e's rows are sent or computed."""
+        expert e's rows gathered only when they are sent (`rows.host(e)`) or computed here
+        (`rows[e]`)."""
         ...
 
 
