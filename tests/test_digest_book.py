@@ -104,3 +104,34 @@ def test_a_folder_where_the_book_belongs_is_moved_aside(tmp_path: Path) -> None:
     assert path.is_file()
     [aside] = tmp_path.glob("digests.tsv.not-a-book.*")
     assert (aside / "kept.txt").read_text() == "someone's"
+
+
+def test_a_peers_copy_is_recorded_as_its_and_forgotten_with_it(tmp_path: Path) -> None:
+    """A record taken from a peer's copy names the peer, across a reload; when that peer is shown
+    wrong, all it vouched for is forgotten in this process and in the book, and the next copy of
+    each expert is recorded afresh."""
+    path = tmp_path / "digests.tsv"
+    book = DigestBook(path)
+    book.record((1, 1), A, vouched_by="liar")
+    book.record((1, 2), B, vouched_by="honest")
+    book.record((1, 3), C, vouched_by="liar")
+    book.record((1, 4), C)  # the Hub's
+    assert parse_record(format_record((1, 1), A, vouched_by="liar")) == Record((1, 1), A, vouched_by="liar")
+    assert DigestBook(path).vouched() == {(1, 1): "liar", (1, 2): "honest", (1, 3): "liar"}
+    book.mark_verified((1, 3))  # the Hub agreed with this one: no longer the peer's word
+    assert book.vouched_by((1, 3)) is None and DigestBook(path).verified((1, 3))
+
+    assert book.forget_vouched("liar") == [(1, 1)]
+    assert book.get((1, 1)) is None and book.get((1, 2)) == B and book.get((1, 3)) == C
+    reloaded = DigestBook(path)  # the book forgets too, and is compacted at load
+    assert reloaded.get((1, 1)) is None and reloaded.vouched() == {(1, 2): "honest"}
+    assert "forgotten" not in path.read_text()
+    assert reloaded.check((1, 1), b"another copy", may_record=True)  # recorded afresh
+
+
+def test_a_peer_id_that_could_break_a_line_is_written_as_a_digest_of_it(tmp_path: Path) -> None:
+    book = DigestBook(tmp_path / "digests.tsv")
+    book.record((2, 2), A, vouched_by="evil id\n2 3 " + B)
+    (peer,) = DigestBook(tmp_path / "digests.tsv").vouched().values()
+    assert peer.startswith("h") and " " not in peer and len(peer) <= 64
+    assert DigestBook(tmp_path / "digests.tsv").get((2, 3)) is None  # no record smuggled in

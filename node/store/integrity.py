@@ -4,11 +4,16 @@ Upstream publishes a digest per shard, not per byte range, so an expert's sha256
 the first copy that crossed a network, and every copy that comes from anywhere but RAM afterwards
 (the disk cache, a peer, the Hub again) must match it. That first copy is the Hub's, after its
 strict 206 checks, or a household peer's (store/tier_chain.py `verify`): members hold the
-household's secret and are trusted for content, as they are for the outputs they compute for each
-other (household/remote_experts.py), which nothing here could check either. So a member that
-lies consistently, bytes and digest alike, is believed by a node that had no record of the
-expert; the record is replaced only when two fresh copies from the Hub agree against it, which
-`expertmesh verify` asks for every unverified expert on disk (store/verify.py).
+household's secret, as they do for the outputs they compute for each other
+(household/remote_experts.py), which nothing here could check either. But a member's copy can be
+wrong without malice (its own first fetch damaged in a way the 206 checks miss, and recorded as
+the truth there), and a wrong first copy would otherwise spread through the household unseen. So
+a record made from a peer's copy says whose copy it was (state `p:<peer>`), and is audited: on an
+idle link a sample of such records is checked against fresh copies from the Hub
+(store/peer_audit.py), and a record that two agreeing Hub copies contradict, there or on any
+later fetch, costs its peer the household's trust for content: every record it vouched for is
+forgotten (a `forgotten` line), so each of those experts is taken anew from another source.
+`expertmesh verify` checks them as it checks every unverified expert on disk (store/verify.py).
 
 Two digests, for two kinds of copy. What crosses a network (the Hub, a peer) is checked against
 the sha256: it is what the Hub and the household vouch for, and a peer's bytes must not be able to
@@ -23,17 +28,19 @@ is for any practical purpose; it is not a defence against a chosen forgery, whic
 does not need. Its one cost: the xxhash binding holds the interpreter lock while it hashes.
 
 Kept as an append-only text file beside the disk cache, one record per line:
-`layer expert sha256 state [xxh3_128] crc32`, state `u` (unverified: taken from one fetch) or `v`
-(verified: two independent fresh copies from the Hub agreed, store/verify.py), the xxh3_128 (32 hex
+`layer expert sha256 state [xxh3_128] crc32`, state `u` (unverified: taken from one fetch from the
+Hub), `p:<peer>` (unverified: a household peer's copy, `<peer>` its node id as `book_peer_id`
+writes it) or `v` (verified: two independent fresh copies agreed, store/verify.py), the xxh3_128 (32 hex
 digits; optional: books written before it have none, and an expert without one is checked once by
 its sha256 on its next disk read, which then records it), the crc32 (8 hex digits) taken
 over the fields before it, so a torn, cut or merged line is recognised and skipped instead of read
 as a record of the wrong expert (a cut inside a layer number would otherwise parse). A line is written before the
 expert's file is published, so a cached file always has its digest; a file whose record was lost
 is deleted as unverifiable. Nothing is appended onto a torn tail (a newline goes first), and a
-book with skipped lines, duplicates or lines of the older three-field format is compacted at load
-(written anew and renamed into place). When records of one expert disagree, the last one wins:
-that is how a wrong digest is replaced (`replace`).
+book with skipped lines, duplicates, forgotten experts or lines of the older three-field format is
+compacted at load (written anew and renamed into place). When records of one expert disagree, the
+last one wins: that is how a wrong digest is replaced (`replace`), and `layer expert forgotten
+crc32` drops the expert's record (`forget_vouched`).
 
 Several processes may share a home: appends and compaction happen under an exclusive `flock`
 on a lock file beside the book, and before appending, a process reads what the others appended
@@ -48,6 +55,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 import zlib
@@ -65,6 +73,9 @@ DIGESTS_FILENAME = "digests.tsv"
 # a write refused for these is the disk tier's warning (store/tiers/disk.py), not the book's
 _DISK_REFUSES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 LOCK_SUFFIX = ".lock"
+FORGOTTEN = "forgotten"  # the third field of a line that drops an expert's record
+# a peer's id as the book writes it: one field, no spaces, never more than 64 characters
+_BOOK_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def sha256(blob: ExpertBytes) -> str:
@@ -81,6 +92,24 @@ def _is_hex(s: str, n: int) -> bool:
     return len(s) == n and all(c in "0123456789abcdef" for c in s)
 
 
+def book_peer_id(node_id: str) -> str:
+    """`node_id` as a record names its peer: as it is when it is a plain one-word id (a node's own
+    are 16 hex digits), else a digest of it, so an id a peer chose cannot break a line or pass
+    for another peer's."""
+    if _BOOK_PEER_ID.fullmatch(node_id):
+        return node_id
+    return "h" + hashlib.sha256(node_id.encode("utf-8", "surrogatepass")).hexdigest()[:31]
+
+
+def _state(field: str) -> tuple[bool, str | None] | None:
+    """(verified, the peer that vouched) of a record's state field; None if it is not one."""
+    if field in ("u", "v"):
+        return field == "v", None
+    if field.startswith("p:") and _BOOK_PEER_ID.fullmatch(field[2:]):
+        return False, field[2:]
+    return None
+
+
 @dataclass(frozen=True)
 class Record:
     key: tuple[int, int]
@@ -88,16 +117,28 @@ class Record:
     verified: bool = False
     fast: str | None = None  # the xxh3_128 of the same bytes, when recorded
     old_format: bool = False  # a line of an earlier format: the book is rewritten in this one
+    vouched_by: str | None = None  # the peer whose copy the digest was taken from (`book_peer_id`)
+    forgotten: bool = False  # the line drops the expert's record (its digest is "")
 
 
 def _crc(fields: list[str]) -> str:
     return f"{zlib.crc32(' '.join(fields).encode()):08x}"
 
 
-def format_record(key: tuple[int, int], digest: str, verified: bool = False, fast: str | None = None) -> str:
-    fields = [str(key[0]), str(key[1]), digest, "v" if verified else "u"]
+def format_record(
+    key: tuple[int, int], digest: str, verified: bool = False, fast: str | None = None, vouched_by: str | None = None
+) -> str:
+    """One record's line; `vouched_by`: the `book_peer_id` of the peer whose copy it is (unverified)."""
+    state = "v" if verified else ("u" if vouched_by is None else f"p:{vouched_by}")
+    fields = [str(key[0]), str(key[1]), digest, state]
     if fast is not None:
         fields.append(fast)
+    return " ".join([*fields, _crc(fields)]) + "\n"
+
+
+def format_forgotten(key: tuple[int, int]) -> str:
+    """The line that drops `key`'s record: the next good copy from anywhere is recorded afresh."""
+    fields = [str(key[0]), str(key[1]), FORGOTTEN]
     return " ".join([*fields, _crc(fields)]) + "\n"
 
 
@@ -108,17 +149,20 @@ def parse_record(line: str) -> Record | None:
     parts = line.split()
     if len(parts) not in (3, 4, 5, 6) or not (parts[0].isdigit() and parts[1].isdigit()):
         return None
+    key = (int(parts[0]), int(parts[1]))
+    if len(parts) == 4 and parts[2] == FORGOTTEN:
+        return Record(key, "", forgotten=True) if parts[3] == _crc(parts[:3]) else None
     if not _is_hex(parts[2], 64):
         return None
-    key = (int(parts[0]), int(parts[1]))
+    state = _state(parts[3]) if len(parts) >= 5 else None
     if len(parts) == 6:
-        if parts[3] not in ("u", "v") or not _is_hex(parts[4], 32) or parts[5] != _crc(parts[:5]):
+        if state is None or not _is_hex(parts[4], 32) or parts[5] != _crc(parts[:5]):
             return None
-        return Record(key, parts[2], verified=parts[3] == "v", fast=parts[4])
+        return Record(key, parts[2], verified=state[0], fast=parts[4], vouched_by=state[1])
     if len(parts) == 5:
-        if parts[3] not in ("u", "v") or parts[4] != _crc(parts[:4]):
+        if state is None or parts[4] != _crc(parts[:4]):
             return None
-        return Record(key, parts[2], verified=parts[3] == "v")
+        return Record(key, parts[2], verified=state[0], vouched_by=state[1])
     if len(parts) == 4 and parts[3] != _crc(parts[:3]):
         return None
     return Record(key, parts[2], old_format=True)
@@ -131,6 +175,7 @@ class DigestBook:
         self._fast: dict[tuple[int, int], str] = {}  # xxh3_128 of the bytes whose sha256 is in _digests
         self._unpersisted: set[tuple[int, int]] = set()
         self._verified: set[tuple[int, int]] = set()
+        self._vouched: dict[tuple[int, int], str] = {}  # unverified records taken from a peer's copy: whose
         self._lock = threading.Lock()
         self._seen: tuple[int, int] = (0, 0)  # (inode, offset) of the book read so far
         self._torn_at: tuple[int, int] | None = None  # (inode, offset) of a torn tail already counted
@@ -195,6 +240,10 @@ class DigestBook:
                     )
                 continue
             key = record.key
+            if record.forgotten:
+                messy = True  # the record and this line both go at the next compaction
+                self._drop(key)
+                continue
             messy |= record.old_format or key in self._digests
             if self._digests.get(key) != record.digest:
                 self._fast.pop(key, None)  # a fast hash belongs to the bytes of one sha256
@@ -205,6 +254,7 @@ class DigestBook:
                 self._verified.add(key)
             else:
                 self._verified.discard(key)
+            self._vouch(key, record.vouched_by)
             self._unpersisted.discard(key)
         if torn.strip() and (st.st_ino, offset + consumed) != self._torn_at:
             self._torn_at = (st.st_ino, offset + consumed)  # counted once, however often it is read
@@ -214,6 +264,20 @@ class DigestBook:
         self._seen = (st.st_ino, offset + consumed)
         return messy
 
+    def _vouch(self, key: tuple[int, int], peer: str | None) -> None:
+        if peer is None:
+            self._vouched.pop(key, None)
+        else:
+            self._vouched[key] = peer
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Forget everything known of `key` (the book's lock held)."""
+        self._digests.pop(key, None)
+        self._fast.pop(key, None)
+        self._verified.discard(key)
+        self._vouched.pop(key, None)
+        self._unpersisted.discard(key)
+
     def _compact(self) -> None:
         """One record per expert, written anew and renamed into place (both locks held)."""
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -221,7 +285,11 @@ class DigestBook:
             with open(tmp, "w", encoding="ascii") as f:
                 for key, digest in self._digests.items():
                     if key not in self._unpersisted:
-                        f.write(format_record(key, digest, key in self._verified, self._fast.get(key)))
+                        f.write(
+                            format_record(
+                                key, digest, key in self._verified, self._fast.get(key), self._vouched.get(key)
+                            )
+                        )
             os.replace(tmp, self.path)
             self._seen = (os.stat(self.path).st_ino, os.stat(self.path).st_size)
         except OSError as e:
@@ -241,12 +309,15 @@ class DigestBook:
         first copy, whose digest is then recorded. A disk copy without a digest is unverifiable."""
         return self.check_digest(key, sha256(blob), may_record, blob)
 
-    def check_digest(self, key: tuple[int, int], digest: str, may_record: bool, blob=None) -> bool:
+    def check_digest(
+        self, key: tuple[int, int], digest: str, may_record: bool, blob=None, vouched_by: str | None = None
+    ) -> bool:
         """`check` for a sha256 already computed; given the `blob` too, its fast hash is recorded
-        with it (or beside an older record without one) for `check_local`."""
+        with it (or beside an older record without one) for `check_local`. `vouched_by`: the node
+        id of the peer the copy came from, recorded with a first copy (None: from the Hub)."""
         known = self.get(key)
         if known is None and may_record:
-            self.record(key, digest, fast_digest(blob) if blob is not None else None)
+            self.record(key, digest, fast_digest(blob) if blob is not None else None, vouched_by)
             return True
         if digest != known:
             return False
@@ -275,14 +346,32 @@ class DigestBook:
 
     def _learn_fast(self, key: tuple[int, int], digest: str, fast: str) -> None:
         """Add the fast hash of bytes that matched the sha256 `digest` to the record of `key`."""
-        self._write(key, digest, replace=True, verified=key in self._verified, fast=fast, unless_changed=True)
+        self._write(
+            key,
+            digest,
+            replace=True,
+            verified=key in self._verified,
+            fast=fast,
+            unless_changed=True,
+            vouched_by=self._vouched.get(key),
+        )
 
     def verified(self, key: tuple[int, int]) -> bool:
         """Whether the digest of `key` was confirmed by two independent fresh copies from the Hub."""
         return key in self._verified
 
+    def vouched_by(self, key: tuple[int, int]) -> str | None:
+        """The peer (`book_peer_id`) whose copy gave `key`'s unverified record, if a peer's did."""
+        return self._vouched.get(key)
+
+    def vouched(self) -> dict[tuple[int, int], str]:
+        """Every unverified record a peer's copy gave, and whose copy it was."""
+        with self._lock:
+            return dict(self._vouched)
+
     def mark_verified(self, key: tuple[int, int]) -> None:
-        """A fresh copy from the Hub agreed with the recorded digest: it is the expert's."""
+        """A fresh copy from the Hub agreed with the recorded digest (taken from another copy, the
+        Hub's or a peer's): it is the expert's."""
         digest = self.get(key)
         if digest is not None and key not in self._verified:
             self._write(key, digest, replace=True, verified=True, fast=self._fast.get(key))
@@ -291,21 +380,23 @@ class DigestBook:
         """Whether the digest of `key` is on disk: only then may its expert be cached on disk."""
         return key in self._digests and key not in self._unpersisted
 
-    def record(self, key: tuple[int, int], digest: str, fast: str | None = None) -> None:
+    def record(self, key: tuple[int, int], digest: str, fast: str | None = None, vouched_by: str | None = None) -> None:
         """Remember `digest` (and `fast`, the xxh3_128 of the same bytes) for `key` unless one is
         recorded (here or by another process sharing the book): the first one stays the reference
-        until `replace`d.
+        until `replace`d. `vouched_by`: the node id of the peer whose copy it is (None: the Hub's).
 
         A failed write (a full or read-only disk) keeps the digest in memory only; `persisted`
         then says no.
         """
-        self._write(key, digest, replace=False, verified=False, fast=fast)
+        peer = None if vouched_by is None else book_peer_id(vouched_by)
+        self._write(key, digest, replace=False, verified=False, fast=fast, vouched_by=peer)
 
-    def replace(self, key: tuple[int, int], digest: str, fast: str | None = None) -> None:
+    def replace(self, key: tuple[int, int], digest: str, fast: str | None = None) -> str | None:
         """Make `digest` (and `fast`, the xxh3_128 of the same bytes) the reference for `key`: the
         recorded one was contradicted by fresh copies from the Hub that agreed with each other
-        (store/tier_chain.py)."""
-        old = self.get(key)
+        (store/tier_chain.py, store/peer_audit.py). Returns the peer that had vouched for the
+        record replaced (`book_peer_id`), if a peer's copy gave it."""
+        old, peer = self.get(key), self._vouched.get(key)
         self._write(key, digest, replace=True, verified=True, fast=fast)  # two fresh copies agreed on it
         self.replaced += 1
         logger.warning(
@@ -315,6 +406,25 @@ class DigestBook:
             (old or "none")[:12],
             digest[:12],
         )
+        return peer
+
+    def forget_vouched(self, peer: str) -> list[tuple[int, int]]:
+        """Drop every unverified record `peer` (a `book_peer_id`) vouched for, in this process and
+        in the book (one `forgotten` line each); the experts whose records were dropped. What
+        another process recorded meanwhile is read first, so its records from that peer go too."""
+        with self._lock:
+            try:
+                with self._locked():
+                    self._read_new()
+                    keys = [k for k, p in self._vouched.items() if p == peer]
+                    if keys:
+                        self._append("".join(format_forgotten(k) for k in keys).encode())
+            except OSError as e:  # kept in RAM only: the copies go, and the book forgets at its next load
+                keys = [k for k, p in self._vouched.items() if p == peer]
+                logger.warning("could not write to %s (%s): its records are dropped in RAM only", self.path, e.strerror)
+            for key in keys:
+                self._drop(key)
+        return keys
 
     def _write(
         self,
@@ -324,9 +434,12 @@ class DigestBook:
         verified: bool,
         fast: str | None = None,
         unless_changed: bool = False,
+        vouched_by: str | None = None,
     ) -> None:
         """Append a record; `unless_changed`: only while `digest` is still the recorded one (adding
         a fast hash must not bring back a sha256 another process replaced meanwhile)."""
+        if verified:
+            vouched_by = None
         with self._lock:
             if not replace and key in self._digests:
                 return
@@ -342,12 +455,13 @@ class DigestBook:
                     self._digests[key] = digest
                     if fast is not None:
                         self._fast[key] = fast
-                    self._append(format_record(key, digest, verified, fast).encode())
+                    self._append(format_record(key, digest, verified, fast, vouched_by).encode())
                 self._unpersisted.discard(key)
                 if verified:
                     self._verified.add(key)
                 else:
                     self._verified.discard(key)
+                self._vouch(key, vouched_by)
             except OSError as e:
                 if unless_changed:  # only a fast hash was to be added: kept in RAM, the record stands
                     if self._digests.get(key) == digest and fast is not None:
@@ -358,6 +472,7 @@ class DigestBook:
                 self._digests[key] = digest
                 if fast is not None:
                     self._fast[key] = fast
+                self._vouch(key, vouched_by)
                 self._unpersisted.add(key)
                 # once, not per expert; a disk that refuses (full, read-only) is the disk tier's one
                 # warning already (it stops writing when the book cannot be written), not a second one
