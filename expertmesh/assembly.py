@@ -431,6 +431,7 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list[Tier
         coalesce=s.coalesce,
         trace=trace,
         wait=model_thread().wait,  # a token waiting for experts lets peers' calls run meanwhile
+        audit=s.audit,
     )
     node.model = core.bind(node.store, node.disk, close=node.close)
     if node.peer_tier is not None:  # an approximate prompt counts what peers hold as held

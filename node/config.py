@@ -35,6 +35,7 @@ class StoreConfig:
     trace_path: Path | None = None  # record every layer's routed experts here (`--trace`)
     prefetch: bool = True  # guess the next layer's experts and fetch them behind the demands
     fill: bool = True  # while generating, fetch experts not yet held onto free disk budget when the link is idle
+    audit: bool = True  # in a household, check a sample of peers' copies against the Hub on the idle link
     hub_min_piece_bytes: int = constants.HUB_MIN_PIECE_BYTES  # experts are split into pieces no smaller
     hub_connections: int = constants.HUB_CONNECTIONS  # range requests in flight to the Hub at once, at first
     hub_max_connections: int = constants.HUB_MAX_CONNECTIONS  # ... grown to at most (measured; equal: fixed)

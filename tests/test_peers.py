@@ -3,6 +3,7 @@ Hub, each crosses the Hub once, the output is the single-node output, and a lyin
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.household.membership import Peer, PeerTable, rendezvous_score
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.service import NodeService
+from expertmesh.node.store.peer_audit import AUDIT_FIRST
 from expertmesh.v1 import node_pb2
 
 SECRET = "peers-test-secret"
@@ -80,6 +82,72 @@ def test_a_lying_peer_is_caught_skipped_and_counted(hub: HubServer, expected, tm
     finally:
         client.close()
         liar.close()
+
+
+class _WrongCopies(NodeService):
+    """Serves wrong bytes with their own sha256, as a member whose first Hub fetch was damaged
+    would: nothing on the wire tells them from good ones."""
+
+    def FetchExpert(self, request, context):
+        chunks = list(super().FetchExpert(request, context))
+        data = bytes(b ^ 0x01 for c in chunks for b in c.data)  # the low bit: finite, plausible, wrong
+        digest = hashlib.sha256(data).hexdigest()
+        at = 0
+        for c in chunks:
+            yield node_pb2.ExpertChunk(size=c.size, sha256=digest, data=data[at : at + len(c.data)])
+            at += len(c.data)
+
+
+def test_a_peer_whose_copies_are_wrong_is_found_by_the_audit_and_no_longer_asked(
+    hub: HubServer, expected, tmp_path: Path
+) -> None:
+    wrong = _node(tmp_path / "wrong", _WrongCopies, node_id="wrong")
+    client = _client(tmp_path / "client", wrong.rpc.address)
+    try:
+        _generate(client)  # believed: nothing could tell
+        book = client.store.digests
+        vouched = [k for k, peer in book.vouched().items() if peer == "wrong"]
+        assert vouched and client.peers.errors["bad_digest"] == 0
+        assert client.store.audit is not None
+        client.store.audit.stop()  # audited by hand below, not by its thread meanwhile
+        client.store.audit.join(10)
+        before = hub.stats()["bytes_served"]
+        assert client.store.audit.audit(vouched[0]) == "wrong"
+        # two Hub copies agreed against it: the peer is skipped, all it vouched for is forgotten
+        nbytes = client.index.expert(*vouched[0]).nbytes
+        assert hub.stats()["bytes_served"] - before == 2 * nbytes == client.store.stats.audit_bytes
+        peer = client.peers.get("wrong")
+        assert not peer.live and client.peer_tier.skip_reason(peer) == "lied" and client.peers.errors["lied"] == 1
+        assert book.vouched() == {} and not any(k in client.store.ram for k in vouched)
+        assert client.store.stats.audits["wrong"] == 1
+        peer_uses = client.store.stats.uses["peer"]
+        assert _generate(client) == expected  # every expert taken anew from the Hub
+        assert client.store.stats.uses["peer"] == peer_uses and client.peers.errors["bad_digest"] == 0
+    finally:
+        client.close()
+        wrong.close()
+
+
+def test_the_audit_confirms_an_honest_peers_copies_on_the_idle_link(hub: HubServer, expected, tmp_path: Path) -> None:
+    """While a generation goes on, the audit's thread checks the owner's first copies against the
+    Hub by itself; they agree, so the records are verified and the owner stays trusted."""
+    owner = _node(tmp_path / "owner")
+    # a RAM tier of one expert: every layer asks the store, so the generation keeps the audit going
+    client = _client(
+        tmp_path / "client", owner.rpc.address, StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")
+    )
+    try:
+        stats = client.store.stats
+        for _ in range(10):  # bounded: each generation gives the thread idle moments between layers
+            assert _generate(client) == expected
+            if stats.audits["confirmed"] >= AUDIT_FIRST:
+                break
+        assert stats.audits["confirmed"] >= AUDIT_FIRST and stats.audits["wrong"] == 0
+        assert sum(client.store.digests.verified(k) for k in client.index.experts) >= AUDIT_FIRST
+        assert client.peers.get("owner").live and client.peers.errors["lied"] == 0
+    finally:
+        client.close()
+        owner.close()
 
 
 def test_ownership_follows_disk_budgets_and_moves_little() -> None:

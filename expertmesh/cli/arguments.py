@@ -174,6 +174,12 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
         help="do not use the idle link while generating to fetch experts not yet held onto free disk budget",
     )
     p.add_argument(
+        "--no-audit",
+        action="store_true",
+        help="in a household, do not check a sample of the experts peers sent against fresh Hub copies on the "
+        "idle link (their copies are then trusted until `expertmesh verify`)",
+    )
+    p.add_argument(
         "--hub-connections",
         type=positive_int,
         metavar="N",
@@ -414,6 +420,7 @@ def store_config(args: argparse.Namespace) -> StoreConfig:
         trace_path=Path(args.trace) if args.trace else None,
         prefetch=not args.no_prefetch,
         fill=not args.no_fill,
+        audit=not args.no_audit,
         **(
             {"hub_connections": args.hub_connections, "hub_max_connections": args.hub_connections}
             if args.hub_connections

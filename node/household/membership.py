@@ -27,6 +27,10 @@ from expertmesh.node.rpc.proof import PROVE_DEADLINE_S, ProofError, prove
 logger = logging.getLogger(__name__)
 
 SKIP_AFTER_ERROR_S = 30.0
+# a peer whose copy of an expert two agreeing Hub copies contradicted is not asked for experts, nor
+# to compute them, for this long (its owner's `expertmesh verify` repairs it meanwhile); after it,
+# its copies are audited afresh (store/peer_audit.py)
+DISTRUST_S = 3600.0
 
 
 @dataclass
@@ -66,6 +70,9 @@ class PeerTable:
     peers: dict[str, Peer] = field(default_factory=dict)
     errors: Counter = field(default_factory=Counter)  # reason -> count
     version: int = 0  # bumped when a member comes, goes or changes its weight: ownership moved
+    # node id -> until when (monotonic) it is not trusted for content: kept apart from the Peer,
+    # which a new advertisement replaces
+    distrusted: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, peer: Peer) -> None:
@@ -75,6 +82,7 @@ class PeerTable:
             old = self.peers.get(peer.node_id)
             if old is None or old.weight != peer.weight:
                 self.version += 1
+            peer.skip_until = max(peer.skip_until, self.distrusted.get(peer.node_id, 0.0))
             self.peers[peer.node_id] = peer
 
     def get(self, node_id: str) -> Peer | None:
@@ -105,16 +113,29 @@ class PeerTable:
             return [p.address for p in self.peers.values() if p.role == "full" and p.live]
 
     def restore(self, peer: Peer) -> None:
-        """A skipped peer answered its health check: use it again now, not when its skip ends."""
+        """A skipped peer answered its health check: use it again now, not when its skip ends
+        (unless it is distrusted: a healthy peer that sends wrong bytes is still not asked)."""
         with self._lock:
-            peer.skip_until = 0.0
+            peer.skip_until = self.distrusted.get(peer.node_id, 0.0)
 
     def penalise(self, peer: Peer, reason: str) -> None:
         with self._lock:
             self.errors[reason] += 1
-            peer.skip_until = time.monotonic() + SKIP_AFTER_ERROR_S
+            peer.skip_until = max(time.monotonic() + SKIP_AFTER_ERROR_S, self.distrusted.get(peer.node_id, 0.0))
         logger.warning(
             "peer %s (%s): %s; skipping it for %.0f s", peer.node_id, peer.address, reason, SKIP_AFTER_ERROR_S
+        )
+
+    def distrust(self, peer: Peer, seconds: float = DISTRUST_S) -> None:
+        """`peer` sent an expert's copy that two agreeing Hub copies contradict: skip it for
+        everything (fetches, remote compute, generations) for `seconds`, re-advertised or not."""
+        with self._lock:
+            until = time.monotonic() + seconds
+            self.errors["lied"] += 1
+            self.distrusted[peer.node_id] = until
+            peer.skip_until = max(peer.skip_until, until)
+        logger.warning(
+            "peer %s (%s) sent a wrong copy of an expert: not asking it for %.0f s", peer.node_id, peer.address, seconds
         )
 
     def ranked(self, key: str) -> list[Peer | None]:

@@ -43,6 +43,7 @@ from expertmesh.node.rpc.call_watch import CallWatch
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
 from expertmesh.node.rpc.inventory import layer_sizes
 from expertmesh.node.store.buffers import shared_pool
+from expertmesh.node.store.integrity import book_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +269,21 @@ class PeerSource:
         if self.transfer_observer is not None:
             self.transfer_observer(peer, len(blob), time.perf_counter() - t0)
         return blob
+
+    def voucher(self, loc: ExpertLocation) -> str | None:
+        """The node id of the peer that sent the copy of `loc` fetched last."""
+        peer = self._last_server.get((loc.layer, loc.expert))
+        return peer.node_id if peer is not None else None
+
+    def distrust(self, peer: str) -> None:
+        """Skip the member whose `book_peer_id` is `peer` for DISTRUST_S: two agreeing Hub copies
+        contradicted a copy it sent (store/tier_chain.py)."""
+        for member in self.table.all():
+            if book_peer_id(member.node_id) == peer:
+                self.table.distrust(member)
+                with self._lock:
+                    skips = self._skips.setdefault(member.node_id, _Skips())
+                    skips.reason, skips.call_until = "lied", max(skips.call_until, member.skip_until)
 
     def discard(self, loc: ExpertLocation) -> None:
         """The store found these bytes disagree with the digest it recorded: the peer lied."""

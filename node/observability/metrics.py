@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from expertmesh.node.store.stats import PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES, StoreStats
+from expertmesh.node.store.stats import AUDIT_OUTCOMES, PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES, StoreStats
 
 if TYPE_CHECKING:
     from expertmesh.node.engine.streamed_core import StreamedCore
@@ -147,6 +147,21 @@ class _StateCollector(Collector):
                 nbytes.add_metric([s], stats.bytes[s] if stats else 0)
             bad.add_metric([s], stats.integrity_failures[s] if stats else 0)
         yield from (uses, nbytes, bad)
+
+        audits = CounterMetricFamily(
+            PREFIX + "peer_audits",
+            "Experts whose recorded digest came from a peer's copy, checked against fresh Hub copies on the "
+            "idle link, by outcome (confirmed; wrong: replaced, the peer no longer trusted; undecided; failed).",
+            labels=["outcome"],
+        )
+        for o in AUDIT_OUTCOMES:
+            audits.add_metric([o], stats.audits[o] if stats else 0)
+        yield audits
+        yield CounterMetricFamily(
+            PREFIX + "peer_audit_bytes",
+            "Bytes the audits of peers' copies fetched from the Hub (not uses: not in expertmesh_expert_bytes_total).",
+            value=stats.audit_bytes if stats else 0,
+        )
 
         prefetch = CounterMetricFamily(
             PREFIX + "prefetch",

@@ -28,6 +28,9 @@ REMOTE_COUNTS = (
     "fallback_bad_output",
     "fallback_missing",
 )
+# audits of peers' copies against the Hub (store/peer_audit.py): the record confirmed, shown wrong
+# (replaced, its peer no longer trusted), undecided (three different copies), or not made (the Hub failed)
+AUDIT_OUTCOMES = ("confirmed", "wrong", "undecided", "failed")
 # how each MoE layer of a pass ran: resident (every expert of the layer in a slot: no sync, the
 # experts mapped to slots on the device) or streamed (a sync to read the routing, then the store)
 LAYER_PASSES = ("resident", "streamed")
@@ -49,6 +52,8 @@ class StoreStats:
     # calls that waited for them waited
     waited_bytes: int = 0
     wait_seconds: float = 0.0
+    audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(AUDIT_OUTCOMES, 0))
+    audit_bytes: int = 0  # fetched from the Hub by audits: not a use of any expert
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # called as observer(source, nbytes, seconds) after each use (observability/metrics.py: the fetch histogram)
     observer: Callable[[str, int, float], None] | None = field(default=None, repr=False, compare=False)
@@ -70,6 +75,13 @@ class StoreStats:
         with self._lock:
             self.waited_bytes += nbytes
             self.wait_seconds += seconds
+
+    def record_audit(self, outcome: str | None, nbytes: int) -> None:
+        """An audit's `outcome` (None: given up to a demand, to be made again) and its Hub bytes."""
+        with self._lock:
+            if outcome is not None:
+                self.audits[outcome] += 1
+            self.audit_bytes += nbytes
 
     def record_integrity_failure(self, source: str) -> None:
         with self._lock:
@@ -104,6 +116,8 @@ class StoreStats:
                 dict(self.layers),
                 self.waited_bytes,
                 self.wait_seconds,
+                dict(self.audits),
+                self.audit_bytes,
             )
 
     def since(self, before: StoreStats) -> StoreStats:
@@ -118,6 +132,8 @@ class StoreStats:
             {k: now.layers[k] - before.layers[k] for k in LAYER_PASSES},
             now.waited_bytes - before.waited_bytes,
             now.wait_seconds - before.wait_seconds,
+            {k: now.audits[k] - before.audits[k] for k in AUDIT_OUTCOMES},
+            now.audit_bytes - before.audit_bytes,
         )
 
     @property

@@ -29,6 +29,7 @@ from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.fetch_queue import CLOSE_TIMEOUT_S, FetchQueue
 from expertmesh.node.store.fill import IdleFill
 from expertmesh.node.store.flights import Flights
+from expertmesh.node.store.peer_audit import PeerAudit
 from expertmesh.node.store.prefetch import LayerGuess, Prefetcher
 from expertmesh.node.store.routing import RoutingRecorder
 from expertmesh.node.store.runs import demand_runs
@@ -151,6 +152,8 @@ class ExpertStore:
             node fills only the experts it owns).
         coalesce: demanded experts back to back in a shard go as one run of requests when a
             layer wants more experts than the Hub has connections (store/runs.py).
+        audit: with a household tier, check a sample of its copies against the origin on the
+            idle link (store/peer_audit.py).
         trace: a TraceWriter (observability/routing_trace.py) that records every layer call.
         wait: waits for a layer's demanded fetches (default: each in turn). The node passes the
             MLX thread's `wait`, which serves peers' calls while a token waits for its experts.
@@ -168,6 +171,7 @@ class ExpertStore:
         coalesce: bool = True,
         trace: RoutingRecorder | None = None,
         wait: Callable[[list[Future]], None] | None = None,
+        audit: bool = True,
     ):
         self.index = index
         self.wait = wait
@@ -189,13 +193,28 @@ class ExpertStore:
         self.fill = None
         if fill_order:
             self.fill = IdleFill(index, fill_order, self.flights, chain, ram, self.stats, threads=workers, owns=owns)
+        # in a household, what peers vouched for is sampled against the origin (store/peer_audit.py)
+        origin = next((t for t in chain.remote if not t.household), None)
+        self.audit: PeerAudit | None = None
+        if audit and origin is not None and chain.digests is not None and any(t.household for t in chain.remote):
+            self.audit = PeerAudit(index, chain, origin, self.flights, self.stats)
+            chain.on_suspect = self.audit.suspect
+        chain.on_forgotten = self._forgotten
 
     def start(self) -> ExpertStore:
         """Start the fetch workers (and fill threads); nothing runs before this."""
         self.fetches.start()
         if self.fill is not None:
             self.fill.start()
+        if self.audit is not None:
+            self.audit.start()
         return self
+
+    def _forgotten(self, peer: str, keys: list[ExpertKey]) -> None:
+        """`peer` was shown to send a wrong copy: the copies recorded from it leave RAM too."""
+        self.ram.discard(keys)
+        if self.audit is not None:
+            self.audit.forgotten(peer)
 
     @property
     def fetch_workers(self) -> int:
@@ -291,6 +310,8 @@ class ExpertStore:
         """A layer is asked for: generation is on (fill), its routing is traced, its guesses are judged."""
         if self.fill is not None:
             self.fill.touch()
+        if self.audit is not None:
+            self.audit.touch()
         if self.trace is not None and record:
             self.trace.record(layer, experts)
         if own_pass:
@@ -393,9 +414,13 @@ class ExpertStore:
         """
         if self.fill is not None:
             self.fill.stop()
+        if self.audit is not None:
+            self.audit.stop()
         self.chain.close()  # first: fetches in flight end at once instead of running on
         self.fetches.close()
         if self.fill is not None:
             self.fill.join(CLOSE_TIMEOUT_S)
+        if self.audit is not None:
+            self.audit.join(CLOSE_TIMEOUT_S)
         if self.trace is not None:
             self.trace.close()

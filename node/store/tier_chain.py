@@ -6,14 +6,21 @@ its tier and counted; a remote tier is asked again a few times, since a transfer
 where the source is not. Bytes from beyond this machine are decoded for MLX and written to the
 disk cache, so the next use of the expert is a disk hit; in a household, a copy from a peer is
 kept on disk only by the expert's owner (others hold it in RAM while they use it).
+
+A peer's first copy of an expert becomes its reference as the Hub's would, but the record names
+the peer (store/integrity.py). When two fresh Hub copies that agree contradict such a record (on a
+fetch here, or in the idle link's audit, store/peer_audit.py), the peer is shown to have sent
+wrong bytes: every record it vouched for is forgotten, the copies made from them go from disk and
+RAM (`on_forgotten`), and the household tier stops asking it (`peer_lied`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from expertmesh.node.errors import DownloadError
 from expertmesh.node.fetching import DEMAND, FetchContext
@@ -21,7 +28,7 @@ from expertmesh.node.model.codec import ExpertCodec, ExpertWeights
 from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex
 from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
 from expertmesh.node.store.stats import ExpertKey, StoreStats
-from expertmesh.node.store.tiers import RunFetcher, Tier
+from expertmesh.node.store.tiers import HouseholdTier, RunFetcher, Tier
 from expertmesh.node.store.tiers.disk import DiskCache
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,12 @@ class TierChain:
         self.stats = stats
         self.digests = digests
         self.runs = runs
+        # told of a peer shown wrong and the experts whose records went with it (the RAM tier
+        # drops its copies of them, the audit samples the peer afresh)
+        self.on_forgotten: Callable[[str, list[ExpertKey]], None] | None = None
+        # told of an expert two peers' copies disagreed on (the audit takes it first)
+        self.on_suspect: Callable[[ExpertKey], None] | None = None
+        self.lies: dict[str, int] = {}  # peer (book id) -> experts shown wrong that it vouched for
 
     def fetch(self, key: ExpertKey, keep_now: bool = False, ctx: FetchContext = DEMAND, decode: bool = True) -> Fetched:
         """The expert from the nearest tier with a good copy. Bytes from beyond this machine are
@@ -161,17 +174,50 @@ class TierChain:
                 return True
         else:
             digest = sha256(blob)
-            if self.digests.check_digest(key, digest, may_record=True, blob=blob):
+            voucher = cast(HouseholdTier, tier).voucher(self.index.expert(*key)) if tier.household else None
+            if self.digests.check_digest(key, digest, may_record=True, blob=blob, vouched_by=voucher):
                 return True
         if contradicting is not None and digest is not None and not tier.household:
             if digest in contradicting:
-                self.digests.replace(key, digest, fast_digest(blob))
+                self.correct(key, digest, blob)
                 return True
             contradicting.add(digest)
+        if tier.household and self.on_suspect is not None and self.digests.vouched_by(key) is not None:
+            self.on_suspect(key)  # this peer or the one whose copy was recorded is wrong
         self.stats.record_integrity_failure(tier.source)
         logger.warning("expert %s from %s failed its integrity check; discarding that copy", key, tier.source)
         tier.discard(self.index.expert(*key))
         return False
+
+    def correct(self, key: ExpertKey, digest: str, blob: ExpertBytes) -> None:
+        """Two fresh Hub copies agree on `digest` against `key`'s record: theirs is the reference
+        now, and a peer that vouched for the old one lied (`peer_lied`)."""
+        assert self.digests is not None
+        peer = self.digests.replace(key, digest, fast_digest(blob))
+        if peer is not None:
+            self.peer_lied(peer, key)
+
+    def peer_lied(self, peer: str, key: ExpertKey) -> None:
+        """`peer` (a `book_peer_id`) vouched for a wrong copy of `key`: forget every record it
+        vouched for, drop the copies made from them, and stop asking it."""
+        assert self.digests is not None
+        self.lies[peer] = self.lies.get(peer, 0) + 1
+        forgotten = self.digests.forget_vouched(peer)
+        logger.warning(
+            "peer %s sent a wrong copy of expert %s (two agreeing Hub copies differ from it): it is no longer "
+            "asked for experts, and the %d other records it vouched for are forgotten; on that peer, "
+            "`expertmesh verify` finds its damaged copies",
+            peer,
+            key,
+            len(forgotten),
+        )
+        for k in (key, *forgotten):  # a copy of `key` on disk is the wrong one too
+            self.disk.discard(self.index.expert(*k))
+        if self.on_forgotten is not None:
+            self.on_forgotten(peer, [key, *forgotten])
+        for tier in self.remote:
+            if tier.household:
+                cast(HouseholdTier, tier).distrust(peer)
 
     def close(self) -> None:
         for tier in self.remote:

@@ -212,7 +212,7 @@ def run(spec: dict) -> dict:
             if tally is not None:  # what the measured prompts placed, not the warm-up's
                 tally.placed.clear()
                 tally.estimates.clear()
-            hub0 = _hub_bytes(spec["hub_url"])
+            hub0, audit0 = _hub_bytes(spec["hub_url"]), node.stats.audit_bytes
             nodes0 = _nodes_uses(node)
             runs = []
             measured = [sm.tokenizer.encode(p) for p in spec["prompts"]]
@@ -226,6 +226,7 @@ def run(spec: dict) -> dict:
                     out["join_seen_after_s"] = round(time.monotonic() - t0, 2)
                 runs.append(_generate(sm, ids, spec["tokens"], on_token if i == 0 else None))
             hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
+            out["audit_bytes"] = node.stats.audit_bytes - audit0  # its part of hub_bytes
             nodes1 = _nodes_uses(node)
             out["nodes_uses"] = {  # during the measured prompts, by node and source
                 nid: {k: v - nodes0[nid].get(k, 0) for k, v in after.items() if v - nodes0[nid].get(k, 0)}
@@ -251,7 +252,8 @@ def run(spec: dict) -> dict:
         uses=uses,
         bytes=nbytes,
         remote=remote_counts,
-        hub_served_bytes=hub_bytes,  # by the Hub during the prompts: prefill, guesses and decode
+        # by the Hub during the prompts: prefill, guesses, decode and this node's audits of peers' copies
+        hub_served_bytes=hub_bytes,
         wait_s=wait_s,
         ttft_s=[r["ttft_s"] for r in runs],
         prompt_stats=[r["prompt"] for r in runs],

@@ -15,6 +15,10 @@ A tier declares what it can do, so the store never singles one out by name:
     discard(loc)  a copy it gave failed its digest: delete it (disk), blame its sender (peers)
     close()       stop its threads and connections
 
+A household tier (`household` true) is a `HouseholdTier`: it says which peer sent the copy it just
+gave (`voucher`), and stops asking a peer whose copies two agreeing Hub copies contradicted
+(`distrust`, store/integrity.py).
+
 A tier that can also fetch experts lying back to back in a shard as one request (the Hub) is a
 `RunFetcher`; the node hands it to the store explicitly.
 """
@@ -53,3 +57,15 @@ class RunFetcher(Tier, Protocol):
     def run_bytes(self) -> int: ...
 
     def fetch_run(self, locs: list[ExpertLocation], ctx: FetchContext = DEMAND) -> list[ExpertBytes]: ...
+
+
+class HouseholdTier(Tier, Protocol):
+    """A tier whose copies come from peers, each of which vouches for what it sent."""
+
+    def voucher(self, loc: ExpertLocation) -> str | None:
+        """The node id of the peer whose copy of `loc` this tier gave last (None: unknown)."""
+        ...
+
+    def distrust(self, peer: str) -> None:
+        """Stop taking content from the peer whose `book_peer_id` is `peer` (a proven wrong copy)."""
+        ...

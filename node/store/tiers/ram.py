@@ -260,6 +260,18 @@ class RamCache:
                 if key not in pool.recent and key in self._slot:
                     pool.free.append(self._slot.pop(key))
 
+    def discard(self, keys: list[ExpertKey]) -> None:
+        """Keep none of `keys` from now on: their records were forgotten as wrong
+        (store/tier_chain.py). A slot in use stays its user's until released, then goes free."""
+        with self._lock:
+            for key in keys:
+                pool = self._pools.get(key[0])
+                if pool is None or key not in pool.recent:
+                    continue
+                pool.policy.discard(key)
+                self.evictions += 1
+                self._let_go(pool, key)
+
     def slot_map(self, layer: int) -> mx.array | None:
         """Expert id -> slot of `layer` as an MLX array, if every expert of it is resident (MLX thread)."""
         if not self.resident(layer):
