@@ -53,6 +53,8 @@ class _Misbehaving(node_pb2_grpc.NodeServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY}: 8 expert fetches run")
         if self.mode == "busy twice":
             return iter([node_pb2.ExpertChunk(size=1)])
+        if self.mode == "not found":
+            context.abort(grpc.StatusCode.NOT_FOUND, "not held")
         if self.mode == "busy, then serve":  # twice busy, then the asked size of zeros
             if self.asked <= 2:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY}: 8 expert fetches run")
@@ -208,6 +210,27 @@ def test_a_peer_inventory_is_read_only_as_far_as_it_fits_the_model(index, fake) 
         assert held == {(first, e) for e in range(n)}
     finally:
         servicer.inventory = []
+        source.close()
+
+
+def test_a_peer_that_misses_what_its_inventory_lists_is_not_asked_for_it_again(index, fake) -> None:
+    """Its inventory says it holds every expert, its answers say NOT_FOUND: after the first miss the
+    expert is no longer believed there (until its inventory is read anew), so later misses do not
+    ask it again first; an honest miss is not penalised."""
+    servicer, _, address = fake
+    first = index.moe_layers[0]
+    n = layer_sizes(index)[first]
+    servicer.inventory = [node_pb2.LayerBitmap(layer=first, num_experts=n, bits=b"\xff" * bitmap_bytes(n))]
+    servicer.mode = "not found"
+    source, peer = _source(index, address)
+    try:
+        loc = index.expert(first, 0)
+        assert source._holds(peer, (first, 0), 1.0)  # as its inventory says
+        assert source._fetch_from(peer, loc, owner=False, timeout=5.0) is None
+        assert not source._holds(peer, (first, 0), 1.0) and source._holds(peer, (first, 1), 1.0)
+        assert peer.live and sum(source.table.errors.values()) == 0
+    finally:
+        servicer.mode, servicer.inventory = "hang", []
         source.close()
 
 

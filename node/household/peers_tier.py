@@ -252,7 +252,10 @@ class PeerSource:
                     self._penalise_health(peer, HUNG, counted_as="hung")
                 return None
             if e.code() == grpc.StatusCode.NOT_FOUND and not owner:
-                return None  # an honest miss
+                # an honest miss (evicted since its inventory was read), or an inventory that lies:
+                # either way it is not asked for this expert again until its inventory is read anew
+                self.note_holding(peer, (loc.layer, loc.expert), False)
+                return None
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return _BUSY  # its admission is full: it works, so it is not skipped
             self.penalise_call(peer, e.code(), e.code().name.lower())
