@@ -417,6 +417,14 @@ def test_compute_requests_are_checked(pairs) -> None:
                 node_pb2.ExpertRows(expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype="int8", data=good.data))
             ],
         ),
+        # quoted whole in the error, it made a trailer past gRPC's metadata limit: RESOURCE_EXHAUSTED
+        "a long unknown dtype": node_pb2.ComputeExpertsRequest(
+            model=model,
+            layer=block.layer,
+            experts=[
+                node_pb2.ExpertRows(expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype="x" * 65536, data=good.data))
+            ],
+        ),
     }
     with grpc.insecure_channel(f"127.0.0.1:{pair.running.port}") as channel:
         stub = node_pb2_grpc.NodeStub(channel)
