@@ -7,6 +7,7 @@ stranger into the table (nor the secret sent to it), and a flood of names costs 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -170,6 +171,40 @@ def test_a_duplicate_node_id_is_reported_not_joined() -> None:
             assert wait_until(lambda: a.duplicates > 0)
             assert "same-id" not in a.table.peers
     finally:
+        a.close()
+
+
+def test_a_duplicate_of_this_nodes_id_is_logged_once_however_often_it_is_announced(caplog) -> None:
+    """Anyone on the LAN may advertise this node's id, and re-announce it (a changed TXT record) as
+    often as it likes: each announcement is resolved again and counted, but the error is logged
+    once per name and address, as every other refusal of an advertisement is."""
+    caplog.set_level(logging.WARNING, logger="expertmesh.node.household.discovery")
+    a = _discovery("same-id")
+    zc = Zeroconf(interfaces=LOOPBACK)
+
+    def copy(disk: int) -> ServiceInfo:
+        props = Advertisement("same-id", CLUSTER, "full", 2000, disk).properties()
+        address = [socket.inet_aton("127.0.0.1")]
+        return ServiceInfo(
+            SERVICE_TYPE,
+            f"copied.{SERVICE_TYPE}",
+            port=2000,
+            addresses=address,
+            properties=props,
+            server="copied.local.",
+        )
+
+    try:
+        zc.register_service(copy(1), cooperating_responders=True)
+        assert wait_until(lambda: a.duplicates > 0)
+        for disk in range(2, 7):
+            before = a.duplicates
+            zc.update_service(copy(disk))
+            assert wait_until(lambda before=before: a.duplicates > before)
+        logged = [r for r in caplog.records if "advertises this node's id" in r.getMessage()]
+        assert a.duplicates >= 6 and len(logged) == 1 and logged[0].levelno == logging.ERROR
+    finally:
+        zc.close()
         a.close()
 
 

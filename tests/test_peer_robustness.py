@@ -45,6 +45,7 @@ class _Misbehaving(node_pb2_grpc.NodeServicer):
         self.asked = 0
         self.release = threading.Event()
         self.inventory: list[node_pb2.LayerBitmap] = []
+        self.inventory_model: node_pb2.ModelKey | None = None  # the model its inventory names (None: the one asked)
         self.serve_bytes = 0
 
     def FetchExpert(self, request, context):
@@ -66,7 +67,7 @@ class _Misbehaving(node_pb2_grpc.NodeServicer):
         return iter(())
 
     def GetInventory(self, request, context):
-        return node_pb2.InventoryResponse(model=request.model, layers=self.inventory)
+        return node_pb2.InventoryResponse(model=self.inventory_model or request.model, layers=self.inventory)
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +233,27 @@ def test_a_peer_that_misses_what_its_inventory_lists_is_not_asked_for_it_again(i
     finally:
         servicer.mode, servicer.inventory = "hang", []
         source.close()
+
+
+def test_an_inventory_answered_for_another_model_holds_nothing(index, fake) -> None:
+    """A node refuses the inventory of a model it does not serve; a peer that answers one anyway
+    for another model or revision names experts of something else, though its bitmaps fit."""
+    servicer, _, address = fake
+    first = index.moe_layers[0]
+    n = layer_sizes(index)[first]
+    servicer.inventory = [node_pb2.LayerBitmap(layer=first, num_experts=n, bits=b"\xff" * bitmap_bytes(n))]
+    others = [model_key("someone/else", index.commit), model_key(index.repo_id, "0" * 40), None]
+    try:
+        for other in others:
+            servicer.inventory_model = other
+            source, peer = _source(index, address)
+            try:
+                held = source.inventory(peer)
+            finally:
+                source.close()
+            assert held == (set() if other is not None else {(first, e) for e in range(n)}), other
+    finally:
+        servicer.inventory, servicer.inventory_model = [], None
 
 
 # -- a node's own admission -------------------------------------------------------------------

@@ -61,6 +61,7 @@ class _ComputeNode(NodeService):
     """A compute peer whose ComputeExperts can be made to misbehave (`mode`)."""
 
     mode = "honest"
+    asked_as_owner = 0  # calls with fetch_on_miss that "all_missing" answered
 
     def Info(self, request, context):
         if self.mode == "slow_ping":  # a busy spell: this one answer comes late
@@ -71,6 +72,9 @@ class _ComputeNode(NodeService):
     def ComputeExperts(self, request, context):
         if self.mode == "slow":
             time.sleep(2.0)
+        if self.mode == "all_missing":  # says it holds nothing, and fetches nothing even as the owner
+            self.asked_as_owner += request.fetch_on_miss
+            return node_pb2.ComputeExpertsResponse(missing=[x.expert for x in request.experts])
         prompt = sum(x.rows.shape[0] for x in request.experts) > PROMPT_ROWS * len(request.experts)
         if self.mode == "lies_after_one_call":  # its first answer is honest, every later one NaN
             self.mode = "nan"
@@ -344,6 +348,23 @@ def test_a_slow_peer_is_cut_off_at_the_deadline(pairs) -> None:
     assert pair.me.store.stats.since(before).remote["fallback_deadline"] > 0
 
 
+def test_an_owner_that_answers_missing_what_it_was_asked_to_fetch_is_skipped(pairs) -> None:
+    """Asked as the owner (`fetch_on_miss`), an honest peer fetches what it lacks and computes it:
+    it never answers an expert missing. One that does was asked again at every layer of every
+    token, each time a round trip before the experts were computed here, and never skipped."""
+    pair = pairs("kimi_k3")
+    pair.service.mode, pair.service.asked_as_owner = "all_missing", 0
+    before = pair.me.store.stats.snapshot()
+    assert _generate(pair.me) == pair.expected  # everything computed here instead
+    assert pair.me.store.stats.since(before).remote["fallback_missing"] > 0
+    assert pair.service.asked_as_owner > 0
+    assert pair.source.table.errors["owner_missing"] > 0
+    assert pair.source.table.live_count() == 0  # skipped for a while
+    asked = pair.service.asked_as_owner
+    assert _generate(pair.me) == pair.expected
+    assert pair.service.asked_as_owner == asked  # and not asked again meanwhile
+
+
 def test_a_compute_peer_killed_mid_generation_loses_no_token(hub: HubServer, tmp_path: Path) -> None:
     pair = Pair("kimi_k3", tmp_path)
     try:
@@ -394,6 +415,14 @@ def test_compute_requests_are_checked(pairs) -> None:
             layer=block.layer,
             experts=[
                 node_pb2.ExpertRows(expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype="int8", data=good.data))
+            ],
+        ),
+        # quoted whole in the error, it made a trailer past gRPC's metadata limit: RESOURCE_EXHAUSTED
+        "a long unknown dtype": node_pb2.ComputeExpertsRequest(
+            model=model,
+            layer=block.layer,
+            experts=[
+                node_pb2.ExpertRows(expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype="x" * 65536, data=good.data))
             ],
         ),
     }

@@ -322,7 +322,7 @@ class Discovery:
         self._noted: OrderedDict[tuple[str, str], None] = OrderedDict()  # failures logged once
         self.browser = Browser(self._changed, zc=self._zc)
 
-    def _note_once(self, name: str, address: str, message: str, *args) -> None:
+    def _note_once(self, name: str, address: str, message: str, *args, level: int = logging.WARNING) -> None:
         """Log a refusal once per (name, address): a hostile advertiser cannot fill the log."""
         with self._lock:
             key = (name, address)
@@ -331,7 +331,7 @@ class Discovery:
             self._noted[key] = None
             if len(self._noted) > _MAX_NOTED:
                 self._noted.popitem(last=False)
-        logger.warning(message, *args)
+        logger.log(level, message, *args)
 
     def _holder(self, name: str, node_id: str) -> str | None:
         """Who holds `node_id` if not `name`: "name" (another advertisement owns it), "static" (the
@@ -354,10 +354,13 @@ class Discovery:
         if ad.node_id == self.ad.node_id:
             if self._info is not None and name != self._info.name:
                 self.duplicates += 1
-                logger.error(
+                self._note_once(  # once per name and address: each re-announcement is resolved again
+                    name,
+                    sighting.address,
                     "another node (%s) advertises this node's id %s: give one of them a fresh home",
                     sighting.address,
                     ad.node_id,
+                    level=logging.ERROR,
                 )
             return
         token = object()

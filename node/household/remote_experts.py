@@ -20,8 +20,9 @@ The calls of a layer go out together, each within `max_call_bytes` of rows (a pr
 with more rows than that has them split over several calls), a few encoded at a time as earlier
 ones are answered, and each answer is handed on (`ExpertOutputs`) as it comes; the local experts
 are fetched (through the store's one entry point, `layer_groups`, in groups within its hold
-limit) and computed while they are in flight. A peer that errs, misses its deadline or answers
-with rows of the wrong shape, dtype or count is skipped for a while (the peer table's penalty) and its experts are fetched and
+limit) and computed while they are in flight. A peer that errs, misses its deadline, answers
+with rows of the wrong shape, dtype or count, or answers missing what it was asked to fetch as the
+owner is skipped for a while (the peer table's penalty) and its experts are fetched and
 computed here: the token is never lost. A prompt's first miss only lengthens that peer's
 deadlines for prompts (`RemoteExperts._forgiven`). Everything is counted in the store's
 statistics (source `remote`, activation bytes, fallbacks by reason), so summaries and metrics show
@@ -177,6 +178,7 @@ class _Call:
     first_row: dict[int, int]  # expert -> where its rows in this call start
     expected_s: float = 0.0  # its duration by the linear rows model, when it carries a prompt's rows; else 0
     misses: int = 0  # the peer's deadlines missed in a row when the call went out
+    as_owner: bool = False  # sent with fetch_on_miss: the peer must fetch what it lacks, never answer it missing
     future: grpc.Future | None = None
     started: float = 0.0
     finished: float = 0.0  # when the answer arrived (set as it does)
@@ -621,6 +623,15 @@ class RemoteExperts:
         self.store.stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received)
         missing = list(response.missing)
         del response  # its bytes: decoded into `got` now
+        if call.as_owner and missing:
+            # asked as the owner, a peer fetches what it lacks (household/expert_compute.py) and
+            # never answers it missing: one that does would be asked again at every layer
+            logger.warning(
+                "peer %s answered %d experts missing though asked to fetch them as their owner; computing here",
+                call.peer.node_id,
+                len(missing),
+            )
+            self.peers.penalise(call.peer, "owner_missing")
         for e, arr in got.items():
             outputs.put(e, call.first_row[e], arr)
             walls[e] = max(walls.get(e, 0.0), wall)
@@ -810,6 +821,7 @@ class _Encoder:
             {e: first for e, first, _ in batch},
             expected_s=self.estimate_s * factor / self.link.prompt_scale if factor > 1.0 else 0.0,
             misses=self.misses,
+            as_owner=request.fetch_on_miss,
         )
 
 

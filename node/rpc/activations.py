@@ -60,7 +60,9 @@ def check(t: node_pb2.Tensor, width: int, dtype: str | None = None, rows: int | 
             unexpected dtype, or a byte length that does not match the shape.
     """
     if t.dtype not in DTYPES:
-        raise BadTensor(f"unknown dtype {t.dtype!r} (expected one of {', '.join(DTYPES)})")
+        # quoted in part: the whole string is the sender's to choose, and an error's text travels back
+        # in a gRPC trailer, which a long one would push past the metadata limit
+        raise BadTensor(f"unknown dtype {t.dtype[:32]!r} (expected one of {', '.join(DTYPES)})")
     if dtype is not None and t.dtype != dtype:
         raise BadTensor(f"dtype {t.dtype}, expected {dtype}")
     shape = tuple(t.shape)

@@ -61,10 +61,11 @@ class NodeClient:
     ) -> set[tuple[int, int]]:
         """The experts of `model` the node's disk holds, read against `sizes` (experts per MoE
         layer, rpc/inventory.py's `layer_sizes` of the model's index): bitmaps that do not fit
-        the model are dropped, so a peer cannot make this node hold more keys than the model has."""
+        the model are dropped, so a peer cannot make this node hold more keys than the model has,
+        and an answer for another model than `model` holds nothing."""
         request = node_pb2.InventoryRequest(model=model)
         answer = self._stub.GetInventory(request, metadata=self._credential("GetInventory"), timeout=timeout)
-        return inventory_keys(answer, sizes, source=f"node {self.address}")
+        return inventory_keys(answer, sizes, source=f"node {self.address}", model=model)
 
     def fetch_expert(
         self,

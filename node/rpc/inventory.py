@@ -45,16 +45,31 @@ def encode_inventory(sizes: Mapping[int, int], held: Container[tuple[int, int]])
 
 
 def inventory_keys(
-    inv: node_pb2.InventoryResponse, sizes: Mapping[int, int], source: str = "a peer"
+    inv: node_pb2.InventoryResponse,
+    sizes: Mapping[int, int],
+    source: str = "a peer",
+    model: node_pb2.ModelKey | None = None,
 ) -> set[tuple[int, int]]:
     """The (layer, expert) keys an InventoryResponse marks as held, read against this node's model.
 
-    A bitmap is kept only if its layer is one of `sizes` (from `layer_sizes`), its `num_experts`
+    Given the `model` asked for, an answer for another model (or revision) holds nothing: a node
+    refuses an inventory of a model it does not serve (NOT_FOUND), so such an answer is a lie, and
+    its bitmaps, however well they fit, name experts of something else. A bitmap is kept only if its layer is one of `sizes` (from `layer_sizes`), its `num_experts`
     is that layer's count and its `bits` are exactly `bitmap_bytes` long, and only the first for a
     layer; the rest are dropped with one warning naming `source`. So the keys are at most the
     model's experts, and the work is linear in them: `bits` is read from the message once per
     bitmap (each access to a protobuf bytes field copies it).
     """
+    if model is not None and inv.model != model:
+        logger.warning(
+            "%s answered the inventory of %s@%s for another model (%r@%r): taken as holding nothing",
+            source,
+            model.repo_id,
+            model.commit[:12],
+            inv.model.repo_id[:100],
+            inv.model.commit[:40],
+        )
+        return set()
     held: set[tuple[int, int]] = set()
     seen: set[int] = set()
     dropped, reasons = 0, list[str]()
