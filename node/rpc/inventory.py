@@ -54,11 +54,12 @@ def inventory_keys(
 
     Given the `model` asked for, an answer for another model (or revision) holds nothing: a node
     refuses an inventory of a model it does not serve (NOT_FOUND), so such an answer is a lie, and
-    its bitmaps, however well they fit, name experts of something else. A bitmap is kept only if its layer is one of `sizes` (from `layer_sizes`), its `num_experts`
-    is that layer's count and its `bits` are exactly `bitmap_bytes` long, and only the first for a
-    layer; the rest are dropped with one warning naming `source`. So the keys are at most the
-    model's experts, and the work is linear in them: `bits` is read from the message once per
-    bitmap (each access to a protobuf bytes field copies it).
+    its bitmaps, however well they fit, name experts of something else. A bitmap is kept only if
+    its layer is one of `sizes` (from `layer_sizes`), its `num_experts` is that layer's count and
+    its `bits` are exactly `bitmap_bytes` long, and only the first for a layer; the rest are
+    dropped with one warning naming `source`. So the keys are at most the model's experts, and the
+    work is linear in them: `bits` is read from the message once per bitmap (each access to a
+    protobuf bytes field copies it).
     """
     if model is not None and inv.model != model:
         logger.warning(
