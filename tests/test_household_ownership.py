@@ -93,19 +93,27 @@ class Served:
             )
         return info.live_peers
 
-    def expert_uses(self) -> dict[str, float]:
-        """source -> expert uses, from the node's /metrics."""
+    def _counters(self, name: str) -> dict[str, float]:
+        """label value -> count of the counter family `name`, from the node's /metrics."""
         url = self.metrics_url.rstrip("/")
         url = url if url.endswith("/metrics") else url + "/metrics"
         with urllib.request.urlopen(url, timeout=10) as r:
             text = r.read().decode()
-        uses: dict[str, float] = {}
+        out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
-            if family.name == "expertmesh_expert_requests":
+            if family.name == name:
                 for s in family.samples:
                     if s.name.endswith("_total"):
-                        uses[s.labels["source"]] = s.value
-        return uses
+                        out[next(iter(s.labels.values()), "")] = s.value
+        return out
+
+    def expert_uses(self) -> dict[str, float]:
+        """source -> expert uses."""
+        return self._counters("expertmesh_expert_requests")
+
+    def audit_bytes(self) -> float:
+        """What the node's audits of peers' copies fetched from the Hub."""
+        return self._counters("expertmesh_peer_audit_bytes").get("", 0.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -216,12 +224,15 @@ def test_the_hub_serves_each_expert_at_most_once_whatever_the_small_disk_node_ge
             assert reply.usage.completion_tokens > 0
 
         stats = hub.stats()
+        # beyond the one copy of each expert, only the small node's audits of its peers' copies
+        # (store/peer_audit.py: a few experts, each fetched once more, twice if it disagreed)
         more = {k: most for k, (_, most) in sorted(_sent(stats, index).items()) if most > 1}
-        assert not more, (
+        audited = small.audit_bytes()
+        assert sum((n - 1) * index.expert(*k).nbytes for k, n in more.items()) == audited, (
             f"experts the Hub sent more than once (layer, expert) -> times: {more}; "
-            f"bytes {stats['bytes_served']} for a model of {model_bytes}"
+            f"bytes {stats['bytes_served']} for a model of {model_bytes}, {audited} of them the audits'"
         )
-        assert stats["bytes_served"] == model_bytes
+        assert stats["bytes_served"] == model_bytes + audited and audited < model_bytes / 10
         uses = small.expert_uses()
         # the test could fail: the small node used experts others own, fetched from its peers, and
         # its own from its disk, never from the Hub
