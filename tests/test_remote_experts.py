@@ -30,7 +30,7 @@ from expertmesh.node.config import RemoteConfig, StoreConfig
 from expertmesh.node.engine.core_quantization import quantize_core
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
-from expertmesh.node.household.remote_experts import LinkEstimate, RemoteExperts
+from expertmesh.node.household.remote_experts import PING_DEADLINE_S, LinkEstimate, RemoteExperts
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.rpc import activations
@@ -67,6 +67,8 @@ class _ComputeNode(NodeService):
         if self.mode == "slow_ping":  # a busy spell: this one answer comes late
             self.mode = "honest"
             time.sleep(SLOW_PING_S)
+        if self.mode == "silent_ping":  # computes, but lets every Info ping run out
+            time.sleep(PING_DEADLINE_S + 0.5)
         return super().Info(request, context)
 
     def ComputeExperts(self, request, context):
@@ -192,6 +194,18 @@ def test_one_late_ping_does_not_keep_a_peer_from_computing(pairs) -> None:
     assert pair.service.mode == "honest", "the requester pinged the peer"
     assert d.remote["calls"] > 0 and d.uses["remote"] > 0, (d.remote, d.uses)
     assert next(iter(pair.remote.links.values())).rtt_s < SLOW_PING_S / 2
+
+
+def test_a_peer_whose_ping_runs_out_is_skipped(pairs) -> None:
+    """The ping is made on the MLX thread: a peer that computes but never answers it used to cost
+    each token its whole deadline every half minute, and was never skipped."""
+    pair = pairs("kimi_k3")
+    pair.service.mode = "silent_ping"
+    for link in pair.remote.links.values():
+        link.pinged_at = -1e9  # due again
+    assert _generate(pair.me) == pair.expected
+    assert pair.source.table.errors["ping_deadline_exceeded"] == 1
+    assert pair.source.table.live_count() == 0  # skipped for a while; its experts are fetched here
 
 
 def _held_request(pair: Pair) -> tuple[list[int], dict[int, mx.array], node_pb2.ComputeExpertsRequest]:

@@ -72,6 +72,7 @@ DEFAULT_HUB_LATENCY_S = 0.05
 EWMA = 0.2  # weight of a new measurement
 PING_EVERY_S = 30.0  # round-trip time is re-measured this often per peer
 PINGS = 3  # back to back each time; the quickest is the link's (_link)
+PING_DEADLINE_S = 2.0  # an Info ping unanswered this long skips the peer as a failed call
 CALLS_IN_FLIGHT_PER_PEER = 2  # a peer's calls of a layer sent at once; the rest as these are answered (_PeerCalls)
 CALLS_ENCODED_PER_PEER = 4  # of them at most this many encoded at once, those in flight included
 
@@ -341,9 +342,13 @@ class RemoteExperts:
             for _ in range(PINGS):
                 t0 = time.perf_counter()
                 try:
-                    client.info(timeout=2.0)
-                except grpc.RpcError:
-                    break  # the call itself will find out
+                    client.info(timeout=PING_DEADLINE_S)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        # the ping runs on the MLX thread: a peer that lets it hang would cost every
+                        # token that wait each PING_EVERY_S, and its calls would hang as well
+                        self.peers.penalise(peer, "ping_deadline_exceeded")
+                    break  # any other failure: the call itself will find out
                 took = time.perf_counter() - t0
                 quickest = took if quickest is None else min(quickest, took)
             if quickest is None:
