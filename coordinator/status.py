@@ -15,6 +15,15 @@ from expertmesh.node.sizes import format_size
 from expertmesh.node.store.stats import SOURCES
 
 
+def shown(text: str, limit: int = 40) -> str:
+    """A peer's word (its id, role, model name, a bucket's name) as a terminal line may carry it:
+    control characters, which could move the cursor, rewrite earlier lines or set the window's
+    title, become `?`, and it is cut to `limit` characters. Members hold the secret, but what
+    they say is still theirs to choose."""
+    clean = "".join(c if c.isprintable() else "?" for c in text)
+    return clean if len(clean) <= limit else clean[: limit - 1] + "…"
+
+
 def _fill(used: int, budget: int) -> str:
     return f"{format_size(used)} / {format_size(budget)}" if budget else "-"
 
@@ -28,10 +37,10 @@ def _hub_request_lines(nodes: list[NodeAnswer]) -> list[str]:
             continue
         quota = dict(n.info.hub_quota)
         counts = ", ".join(
-            f"{bucket} {count:,}" + (f" of {quota[bucket]:,}" if bucket in quota else "")
+            f"{shown(bucket, 16)} {count:,}" + (f" of {quota[bucket]:,}" if bucket in quota else "")
             for bucket, count in sorted(n.info.hub_requests.items())
         )
-        lines.append(f"{n.info.node_id}: Hub requests this rate-limit window: {counts}")
+        lines.append(f"{shown(n.info.node_id)}: Hub requests this rate-limit window: {counts}")
     return lines
 
 
@@ -47,10 +56,10 @@ def status_lines(nodes: list[NodeAnswer]) -> list[str]:
         if i is None:
             lines.append(f"{'?':<18} {n.address:<22} {'?':<6} ({n.error})")
             continue
-        model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in i.models)
+        model = ", ".join(f"{shown(m.repo_id, 96)}@{shown(m.commit[:8])}" for m in i.models[:4])
         rate = f"{i.generated_tokens / i.generation_seconds:.2f}" if i.generation_seconds > 0 else "-"
         lines.append(
-            f"{i.node_id:<18} {n.address:<22} {i.role:<6} {model:<34} {_fill(i.ram_used_bytes, i.ram_budget_bytes):>20} "
+            f"{shown(i.node_id):<18} {n.address:<22} {shown(i.role, 8):<6} {model:<34} {_fill(i.ram_used_bytes, i.ram_budget_bytes):>20} "
             f"{_fill(i.disk_used_bytes, i.disk_budget_bytes):>22} {i.live_peers:>5} {i.generated_tokens:>7} {rate:>8}"
         )
         uses.update(dict(i.expert_uses))

@@ -346,3 +346,23 @@ def test_get_inventory_counts_the_layers_once(node) -> None:
     assert walks[0] == 0
     assert [b.layer for b in again.layers] == sorted(sizes)
     assert inventory_keys(first, sizes) == inventory_keys(again, sizes) == {k for k in kept if k in node.disk}
+
+
+def test_a_peers_words_reach_the_terminal_without_control_characters() -> None:
+    """`status` and `peers` print what each node's Info says of itself; a member's id, role, model
+    name or Hub bucket cannot move the cursor, set the window's title or add lines."""
+    from expertmesh.coordinator.status import status_lines
+    from expertmesh.node.rpc.client import NodeAnswer
+
+    hostile = "\x1b]0;owned\x07\x1b[2J\nnode"
+    info = node_pb2.InfoResponse(
+        node_id=hostile,
+        role=hostile,
+        models=[node_pb2.ModelKey(repo_id=hostile * 50, commit=hostile)],
+        hub_requests={hostile: 3},
+    )
+    lines = status_lines([NodeAnswer("127.0.0.1:1", info=info)])
+    text = "\n".join(lines)
+    assert "\x1b" not in text and "\x07" not in text
+    assert len(text.splitlines()) == len(lines)  # no line of a peer's making
+    assert max(len(line) for line in lines) < 400  # cut, not 50 copies of its name

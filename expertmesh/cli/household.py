@@ -98,6 +98,7 @@ def no_node_accepted(answers: list[NodeAnswer], source: str) -> str | None:
 
 def peers(args: argparse.Namespace) -> int:
     """The household as this machine sees it: every node found (zeroconf and --peer), asked for Info."""
+    from expertmesh.coordinator.status import shown
     from expertmesh.node.rpc.client import ask_info
 
     secret, source = arguments.known_secret(args)  # a bad secret fails before the wait for advertisements
@@ -109,11 +110,11 @@ def peers(args: argparse.Namespace) -> int:
     for n in answers:
         info = n.info
         if info is None:
-            print(f"{names[n.address]:<18} {n.address:<22} {'?':<6} {'(' + n.error + ')':<40}")
+            print(f"{shown(names[n.address]):<18} {n.address:<22} {'?':<6} {'(' + n.error + ')':<40}")
             continue
-        model = ", ".join(f"{m.repo_id}@{m.commit[:8]}" for m in info.models)
+        model = ", ".join(f"{shown(m.repo_id, 96)}@{shown(m.commit[:8])}" for m in info.models[:4])
         disk = f"{format_size(info.disk_used_bytes)} / {format_size(info.disk_budget_bytes)}"
-        print(f"{info.node_id:<18} {n.address:<22} {info.role:<6} {model:<40} {disk:>22}")
+        print(f"{shown(info.node_id):<18} {n.address:<22} {shown(info.role, 8):<6} {model:<40} {disk:>22}")
     sys.stdout.flush()  # the table before the error line, when both go to one terminal
     if not names:
         raise ExpertmeshError("no nodes found (is multicast blocked? try --peer HOST:PORT)")
