@@ -460,6 +460,8 @@ def _row(name: str, got: dict) -> dict:
         "s_per_token": got["s_per_token"],
         "lan_bytes_per_token": lan / tokens,
         "hub_bytes_per_token": got["bytes"].get("hub", 0) / tokens,
+        # what the generating node's audits of its peers' copies fetched from the Hub (not uses)
+        "audit_bytes": got.get("audit_bytes", 0),
         "tokens_equal_alone": None,  # set against alone_cold
         "tokens": got["tokens"],
         "uses": got["uses"],  # where each use ran / came from
