@@ -16,7 +16,7 @@ from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.household.membership import Peer, PeerTable, rendezvous_score
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.service import NodeService
-from expertmesh.node.store.peer_audit import AUDIT_FIRST
+from expertmesh.node.store import peer_audit
 from expertmesh.v1 import node_pb2
 
 SECRET = "peers-test-secret"
@@ -56,7 +56,9 @@ def test_experts_come_from_the_owner_and_cross_the_hub_once(hub: HubServer, expe
         assert stats.uses["peer"] > 0 and stats.uses["hub"] == 0
         distinct = {(lay, e) for lay, e in client.index.experts if (lay, e) in owner.disk}
         served = hub.stats()["bytes_served"] - before
-        assert served == sum(owner.index.expert(*k).nbytes for k in distinct)  # the owner fetched each once
+        # the owner fetched each once; the client checked the owner's first copy against one more
+        assert stats.audits["confirmed"] == 1 and stats.audit_bytes > 0
+        assert served == sum(owner.index.expert(*k).nbytes for k in distinct) + stats.audit_bytes
         assert _generate(client) == expected  # again: the owner now serves from its disk
         assert hub.stats()["bytes_served"] - before == served
     finally:
@@ -86,10 +88,17 @@ def test_a_lying_peer_is_caught_skipped_and_counted(hub: HubServer, expected, tm
 
 class _WrongCopies(NodeService):
     """Serves wrong bytes with their own sha256, as a member whose first Hub fetch was damaged
-    would: nothing on the wire tells them from good ones."""
+    would: nothing on the wire tells them from good ones. `honest_first`: that many good copies
+    before the wrong ones."""
+
+    honest_first = 0
 
     def FetchExpert(self, request, context):
         chunks = list(super().FetchExpert(request, context))
+        if self.honest_first > 0:
+            self.honest_first -= 1
+            yield from chunks
+            return
         data = bytes(b ^ 0x01 for c in chunks for b in c.data)  # the low bit: finite, plausible, wrong
         digest = hashlib.sha256(data).hexdigest()
         at = 0
@@ -98,56 +107,74 @@ class _WrongCopies(NodeService):
             at += len(c.data)
 
 
-def test_a_peer_whose_copies_are_wrong_is_found_by_the_audit_and_no_longer_asked(
+def test_a_peer_whose_copies_are_all_wrong_is_caught_by_its_first_before_any_token_uses_it(
     hub: HubServer, expected, tmp_path: Path
 ) -> None:
     wrong = _node(tmp_path / "wrong", _WrongCopies, node_id="wrong")
     client = _client(tmp_path / "client", wrong.rpc.address)
     try:
-        _generate(client)  # believed: nothing could tell
-        book = client.store.digests
-        vouched = [k for k, peer in book.vouched().items() if peer == "wrong"]
-        assert vouched and client.peers.errors["bad_digest"] == 0
-        assert client.store.audit is not None
-        client.store.audit.stop()  # audited by hand below, not by its thread meanwhile
-        client.store.audit.join(10)
         before = hub.stats()["bytes_served"]
-        assert client.store.audit.audit(vouched[0]) == "wrong"
-        # two Hub copies agreed against it: the peer is skipped, all it vouched for is forgotten
-        nbytes = client.index.expert(*vouched[0]).nbytes
-        assert hub.stats()["bytes_served"] - before == 2 * nbytes == client.store.stats.audit_bytes
+        assert _generate(client) == expected  # its first copy was checked against the Hub, and failed
+        stats = client.store.stats
+        assert stats.audits["wrong"] == 1 and stats.uses["peer"] == 0
         peer = client.peers.get("wrong")
         assert not peer.live and client.peer_tier.skip_reason(peer) == "lied" and client.peers.errors["lied"] == 1
-        assert book.vouched() == {} and not any(k in client.store.ram for k in vouched)
-        assert client.store.stats.audits["wrong"] == 1
-        peer_uses = client.store.stats.uses["peer"]
-        assert _generate(client) == expected  # every expert taken anew from the Hub
-        assert client.store.stats.uses["peer"] == peer_uses and client.peers.errors["bad_digest"] == 0
+        assert client.store.digests.vouched() == {} and client.peers.errors["bad_digest"] == 0
+        used = {(lay, e) for lay, e in client.index.experts if client.store.digests.get((lay, e)) is not None}
+        # each expert the client used once from the Hub, and the two Hub copies that judged the peer
+        assert stats.audit_bytes == 2 * max(client.index.expert(*k).nbytes for k in used)
+        assert hub.stats()["bytes_served"] - before >= sum(client.index.expert(*k).nbytes for k in used)
     finally:
         client.close()
         wrong.close()
 
 
-def test_the_audit_confirms_an_honest_peers_copies_on_the_idle_link(hub: HubServer, expected, tmp_path: Path) -> None:
-    """While a generation goes on, the audit's thread checks the owner's first copies against the
-    Hub by itself; they agree, so the records are verified and the owner stays trusted."""
+def _sampled_client(home: Path, address: str):
+    """A client whose audit samples every record (one in 1, not one in 256) and whose RAM holds one
+    expert, so every layer asks the store and a generation keeps the audit's thread going."""
+    return _client(home, address, StoreConfig(prefetch=False, disk_budget="0", ram_budget="1"))
+
+
+def test_the_audit_confirms_an_honest_peers_copies_on_the_idle_link(
+    hub: HubServer, expected, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(peer_audit, "AUDIT_EVERY", 1)
     owner = _node(tmp_path / "owner")
-    # a RAM tier of one expert: every layer asks the store, so the generation keeps the audit going
-    client = _client(
-        tmp_path / "client", owner.rpc.address, StoreConfig(prefetch=False, disk_budget="0", ram_budget="1")
-    )
+    client = _sampled_client(tmp_path / "client", owner.rpc.address)
     try:
         stats = client.store.stats
         for _ in range(10):  # bounded: each generation gives the thread idle moments between layers
             assert _generate(client) == expected
-            if stats.audits["confirmed"] >= AUDIT_FIRST:
+            if stats.audits["confirmed"] >= 3:  # the first copy's check, and two of the sample
                 break
-        assert stats.audits["confirmed"] >= AUDIT_FIRST and stats.audits["wrong"] == 0
-        assert sum(client.store.digests.verified(k) for k in client.index.experts) >= AUDIT_FIRST
+        assert stats.audits["confirmed"] >= 3 and stats.audits["wrong"] == 0
+        assert sum(client.store.digests.verified(k) for k in client.index.experts) >= 3
         assert client.peers.get("owner").live and client.peers.errors["lied"] == 0
     finally:
         client.close()
         owner.close()
+
+
+def test_a_peer_wrong_only_after_its_first_copies_is_caught_by_the_sample(
+    hub: HubServer, expected, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setattr(peer_audit, "AUDIT_EVERY", 1)
+    monkeypatch.setattr(_WrongCopies, "honest_first", 3)
+    wrong = _node(tmp_path / "wrong", _WrongCopies, node_id="wrong")
+    client = _sampled_client(tmp_path / "client", wrong.rpc.address)
+    try:
+        for _ in range(10):  # bounded, as above
+            _generate(client)
+            if client.peers.errors["lied"]:
+                break
+        # the sample, or a Hub copy fetched after one of its copies contradicted an honest record
+        assert client.peers.errors["lied"] == 1
+        assert client.store.digests.vouched() == {}  # all it vouched for forgotten
+        assert not any(k in client.store.ram for k in client.index.experts if client.store.digests.get(k) is None)
+        assert _generate(client) == expected  # from the Hub since
+    finally:
+        client.close()
+        wrong.close()
 
 
 def test_ownership_follows_disk_budgets_and_moves_little() -> None:

@@ -259,7 +259,9 @@ def test_a_node_asked_as_owner_keeps_what_it_fetched_from_a_peer(pulled_home, hu
         width = x.model.blocks[0].input_width
         hub_before = hub.stats()["bytes_served"]
         response = _compute(x.rpc.address, index, layer, [asked[1]], width, fetch_on_miss=True)
-        assert list(response.missing) == [] and hub.stats()["bytes_served"] == hub_before  # from z, not the Hub
+        assert list(response.missing) == []
+        # from z, not the Hub: the Hub served only the check of z's first copy here
+        assert x.stats.audits["confirmed"] == 1 and hub.stats()["bytes_served"] - hub_before == x.stats.audit_bytes
         for e in own:  # x's RAM lets the asked expert go
             assert list(_compute(x.rpc.address, index, layer, [e], width).missing) == []
         assert asked not in x.store.ram

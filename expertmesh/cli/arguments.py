@@ -176,8 +176,8 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-audit",
         action="store_true",
-        help="in a household, do not check a sample of the experts peers sent against fresh Hub copies on the "
-        "idle link (their copies are then trusted until `expertmesh verify`)",
+        help="in a household, do not check each peer's first copy of an expert, and a sample of the rest on the "
+        "idle link, against fresh Hub copies (peers' copies are then trusted until `expertmesh verify`)",
     )
     p.add_argument(
         "--hub-connections",

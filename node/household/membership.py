@@ -130,8 +130,10 @@ class PeerTable:
         """`peer` sent an expert's copy that two agreeing Hub copies contradict: skip it for
         everything (fetches, remote compute, generations) for `seconds`, re-advertised or not."""
         with self._lock:
-            until = time.monotonic() + seconds
-            self.errors["lied"] += 1
+            now = time.monotonic()
+            until = now + seconds
+            if self.distrusted.get(peer.node_id, 0.0) <= now:  # one count for copies shown wrong together
+                self.errors["lied"] += 1
             self.distrusted[peer.node_id] = until
             peer.skip_until = max(peer.skip_until, until)
         logger.warning(

@@ -6,24 +6,24 @@ on the household's path can tell a wrong copy from a right one: the peer's own r
 believes, and a member whose first Hub fetch was damaged believes its damage. Left alone, that copy
 spreads through the household and every token computed with it is wrong.
 
-What it costs: for each peer, its first AUDIT_FIRST records in this process and then one in
-AUDIT_EVERY of the rest it vouched for, drawn at random, so the peer cannot tell which of its
-copies are checked: at most 1/AUDIT_EVERY of the household's expert bytes again from the Hub, plus
-AUDIT_FIRST experts a peer. An audit is one Hub download (two when the first disagrees), made by
+What it costs: one in AUDIT_EVERY of the records each peer vouched for, drawn at random, so the
+peer cannot tell which of its copies are checked: at most 1/AUDIT_EVERY of the household's expert
+bytes again from the Hub (a peer's first copy in each process is checked apart, before it is
+used: store/tier_chain.py). An audit is one Hub download (two when the first disagrees), made by
 the fill's rule (store/fill.py): while a generation is going on and neither a demand nor a guess
-wants the link (store/flights.py), giving the link up to any demand that arrives. Its bytes are
+wants the link (store/flights.py), at the fill's priority in the Hub's pool. Its bytes are
 counted apart from the experts' uses (`StoreStats.audit_bytes`). Experts two peers' copies
-disagreed on (store/tier_chain.py) are audited first, beyond the sample.
+disagreed on (store/tier_chain.py) are audited first, beyond the sample. A peer's very first copy
+is not left to the sample: it is checked before it is used (`TierChain`'s first-copy check).
 
-What it decides, as `expertmesh verify` does (store/verify.py): a fresh copy equal to the record
-confirms it (`v`: the peer's copy and the Hub's agree); one that differs is fetched again, and two
-Hub copies that agree with each other replace the record and show the peer wrong
-(`TierChain.correct`: its records are forgotten and it is no longer asked); three different
-answers leave the record as it is (`undecided`).
+What it decides, as `expertmesh verify` does (store/origin_check.py): a fresh copy equal to the
+record confirms it (`v`: the peer's copy and the Hub's agree); two Hub copies that agree against
+it show the peer wrong (`TierChain.correct`: its records are forgotten and it is no longer
+asked); three different answers leave the record as it is (`undecided`).
 
-What it catches: a peer wrong in every copy at its first audit; one wrong in a fraction f of its
-copies after about AUDIT_EVERY / f of them, each of which is also caught by any later fetch of
-that expert from the Hub.
+What it catches: a peer wrong in a fraction f of its copies after about AUDIT_EVERY / f of them,
+each of which is also caught by any later fetch of that expert from the Hub (a peer wrong in every
+copy is caught by the check of its first).
 """
 
 from __future__ import annotations
@@ -34,24 +34,23 @@ import threading
 import time
 from collections import Counter
 
-from expertmesh.node.errors import Abandoned
 from expertmesh.node.fetching import FetchContext, Priority
-from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex
+from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.store.flights import Flights
-from expertmesh.node.store.integrity import sha256
+from expertmesh.node.store.origin_check import check_against_origin
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tier_chain import TierChain
 from expertmesh.node.store.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
-AUDIT_FIRST = 2  # a peer's first records in this process are all audited
-# then one in this many of the rest: a peer wrong in every copy is caught by its first ones, so the
-# sample is for the rarer damage, at 0.4% more Hub bytes (1/32 cost 9% for a household of four)
+# one in this many of a peer's records: a peer wrong in every copy is caught by the check of its
+# first, so the sample is for rarer damage, at 0.4% more Hub bytes (1/32 cost 9% for a household of four)
 AUDIT_EVERY = 256
 AUDIT_ACTIVE_S = 2.0  # audits run while a layer was asked for within this many seconds (as fills do)
 AUDIT_RECHECK_S = 5.0  # how often the book is looked at again when nothing is due
 AUDIT_BACKOFF_S = 60.0  # after the Hub failed an audit (offline, rate-limited), before the next
+AUDIT = FetchContext(Priority.FILL)
 
 
 class PeerAudit:
@@ -118,55 +117,29 @@ class PeerAudit:
                     by_peer.setdefault(peer, []).append(key)
             for peer, keys in sorted(by_peer.items()):
                 done = self._audits_of[peer]
-                if done < AUDIT_FIRST + (len(keys) + done) // AUDIT_EVERY:
+                if done < (len(keys) + done) // AUDIT_EVERY:
                     return self._rng.choice(keys)
         return None
 
     def audit(self, key: ExpertKey) -> str | None:
         """Check `key`'s record against the Hub now; its outcome (confirmed | wrong | undecided |
-        failed), or None when there was nothing to audit or the link went to a demand."""
-        peer = self.digests.vouched_by(key)
-        if peer is None:
+        failed), or None when there was nothing to audit."""
+        peer, recorded = self.digests.vouched_by(key), self.digests.get(key)
+        if peer is None or recorded is None:
             return None  # verified or forgotten meanwhile
-        loc = self.index.expert(*key)
-        ctx = FetchContext(Priority.FILL, abandon=lambda: self.flights.demand_busy)
-        fetched = 0
-        second: ExpertBytes | None = None
         try:
-            first = self.origin.fetch(loc, ctx)
-            if first is None:
-                raise LookupError("the Hub has no copy")
-            fetched += loc.nbytes
-            digest, recorded = sha256(first), self.digests.get(key)
-            if digest == recorded:
-                outcome = "confirmed"
-            else:
-                second = self.origin.fetch(loc, ctx)
-                if second is None:
-                    raise LookupError("the Hub has no copy")
-                fetched += loc.nbytes
-                again = sha256(second)
-                outcome = "wrong" if again == digest else "confirmed" if again == recorded else "undecided"
-        except Abandoned:
-            self.stats.record_audit(None, fetched)
-            with self._lock:
-                self._suspects.insert(0, key)  # its turn again when the link is idle
-            return None
+            # not given up to a demand: the Hub's pool serves demands' pieces first, and bytes
+            # fetched and dropped halfway would be bytes nobody counted
+            verdict = check_against_origin(self.origin, self.index.expert(*key), recorded, AUDIT)
         except Exception as e:  # noqa: BLE001 - an audit that cannot be made now is made later
-            self.stats.record_audit("failed", fetched)
+            self.stats.record_audit("failed", 0)
             logger.info("could not audit expert %s against the Hub (%s); trying again later", key, e)
             return "failed"
         with self._lock:
             self._audited.add(key)
             self._audits_of[peer] += 1
-        if outcome == "confirmed":
-            self.digests.mark_verified(key)
-        elif outcome == "wrong" and second is not None:
-            self.chain.correct(key, digest, second)
-        else:
-            logger.warning("expert %s: a peer's copy and two fresh copies from the Hub all differ", key)
-        self.stats.record_audit(outcome, fetched)
-        return outcome
+        self.chain.settle(key, verdict)
+        return verdict.outcome
 
     def _loop(self) -> None:
         while not self._closing.is_set():

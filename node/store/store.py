@@ -152,8 +152,8 @@ class ExpertStore:
             node fills only the experts it owns).
         coalesce: demanded experts back to back in a shard go as one run of requests when a
             layer wants more experts than the Hub has connections (store/runs.py).
-        audit: with a household tier, check a sample of its copies against the origin on the
-            idle link (store/peer_audit.py).
+        audit: with a household tier, check each peer's first copy against the origin before it
+            is used, and a sample of the rest on the idle link (store/peer_audit.py).
         trace: a TraceWriter (observability/routing_trace.py) that records every layer call.
         wait: waits for a layer's demanded fetches (default: each in turn). The node passes the
             MLX thread's `wait`, which serves peers' calls while a token waits for its experts.
@@ -200,6 +200,7 @@ class ExpertStore:
             self.audit = PeerAudit(index, chain, origin, self.flights, self.stats)
             chain.on_suspect = self.audit.suspect
         chain.on_forgotten = self._forgotten
+        chain.check_senders = audit
 
     def start(self) -> ExpertStore:
         """Start the fetch workers (and fill threads); nothing runs before this."""

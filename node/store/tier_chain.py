@@ -8,7 +8,10 @@ disk cache, so the next use of the expert is a disk hit; in a household, a copy 
 kept on disk only by the expert's owner (others hold it in RAM while they use it).
 
 A peer's first copy of an expert becomes its reference as the Hub's would, but the record names
-the peer (store/integrity.py). When two fresh Hub copies that agree contradict such a record (on a
+the peer (store/integrity.py), and before the first copy a peer sends in this process is used it
+is checked against a fresh copy from the Hub (`_sender_checked`): one Hub fetch a peer, so a
+member whose copies are all wrong is caught before any token is computed with them; the rest are
+sampled on the idle link (store/peer_audit.py). When two fresh Hub copies that agree contradict such a record (on a
 fetch here, or in the idle link's audit, store/peer_audit.py), the peer is shown to have sent
 wrong bytes: every record it vouched for is forgotten, the copies made from them go from disk and
 RAM (`on_forgotten`), and the household tier stops asking it (`peer_lied`).
@@ -17,6 +20,7 @@ RAM (`on_forgotten`), and the household tier stops asking it (`peer_lied`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +30,8 @@ from expertmesh.node.errors import DownloadError
 from expertmesh.node.fetching import DEMAND, FetchContext
 from expertmesh.node.model.codec import ExpertCodec, ExpertWeights
 from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex
-from expertmesh.node.store.integrity import DigestBook, fast_digest, sha256
+from expertmesh.node.store.integrity import DigestBook, book_peer_id, fast_digest, sha256
+from expertmesh.node.store.origin_check import OriginVerdict, check_against_origin
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.tiers import HouseholdTier, RunFetcher, Tier
 from expertmesh.node.store.tiers.disk import DiskCache
@@ -34,6 +39,12 @@ from expertmesh.node.store.tiers.disk import DiskCache
 logger = logging.getLogger(__name__)
 
 INTEGRITY_RETRIES = 2  # refetches from a remote tier whose bytes failed their sha256 check
+# how long a fetch with a peer's copy waits for the check of that peer's first copy (two Hub fetches
+# at most, each bounded by the Hub's own deadline) before it takes the next tier instead
+SENDER_CHECK_WAIT_S = 300.0
+# a peer shown wrong: copies of it that were in flight then are refused unchecked for this long (its
+# household tier stops asking it for far longer, household/membership.py's DISTRUST_S)
+SENDER_WRONG_S = 60.0
 
 
 @dataclass
@@ -80,6 +91,12 @@ class TierChain:
         # told of an expert two peers' copies disagreed on (the audit takes it first)
         self.on_suspect: Callable[[ExpertKey], None] | None = None
         self.lies: dict[str, int] = {}  # peer (book id) -> experts shown wrong that it vouched for
+        self.origin: Tier | None = next((t for t in self.remote if not t.household), None)
+        self.check_senders = True  # False: a peer's copies are used unchecked (`--no-audit`)
+        self._senders_lock = threading.Lock()
+        self._trusted: set[str] = set()  # peers (node ids) a first copy of which the Hub confirmed here
+        self._checking: dict[str, threading.Event] = {}  # peers whose first copy is being checked
+        self._shown_wrong: dict[str, float] = {}  # peer (book id) -> when (monotonic) it was
 
     def fetch(self, key: ExpertKey, keep_now: bool = False, ctx: FetchContext = DEMAND, decode: bool = True) -> Fetched:
         """The expert from the nearest tier with a good copy. Bytes from beyond this machine are
@@ -105,6 +122,8 @@ class TierChain:
                 blob = None
             if blob is None:
                 continue
+            if tier.household and not self._sender_checked(key, cast(HouseholdTier, tier)):
+                continue  # its sender was shown to send wrong copies: the next tier (the Hub)
             if not tier.local and (not tier.household or self.disk.owns(key)):
                 self.disk.put(loc, blob, wait=keep_now)
             if not decode:
@@ -189,6 +208,65 @@ class TierChain:
         tier.discard(self.index.expert(*key))
         return False
 
+    def _sender_checked(self, key: ExpertKey, tier: HouseholdTier) -> bool:
+        """Whether the copy of `key` that `tier` just gave may be used: its sender is trusted here
+        (a copy of its matched the Hub's), or this copy is the one that proves it. The first copy
+        of each peer is checked against a fresh Hub copy while its other fetches wait for the
+        verdict; a copy that matched a record the Hub gave proves its sender without one. A check
+        the Hub cannot make (offline, failing) trusts the peer, as before, and says so."""
+        loc = self.index.expert(*key)
+        peer = tier.voucher(loc)
+        if peer is None or self.origin is None or self.digests is None or not self.check_senders:
+            return True
+        book_id = book_peer_id(peer)
+        with self._senders_lock:
+            if peer in self._trusted:
+                return True
+            wrong_at = self._shown_wrong.get(book_id)
+            check = self._checking.get(peer)
+            mine = check is None and (wrong_at is None or time.monotonic() - wrong_at >= SENDER_WRONG_S)
+            if mine:
+                check = self._checking[peer] = threading.Event()
+        if not mine:  # its check is under way, or it was just shown wrong with this copy in flight
+            if check is not None:
+                check.wait(SENDER_CHECK_WAIT_S)
+            with self._senders_lock:
+                if peer in self._trusted:
+                    return True
+            self.digests.forget_vouched(book_id)  # what it recorded meanwhile
+            return False
+        assert check is not None
+        trusted = True
+        try:
+            if self.digests.vouched_by(key) == book_id:
+                verdict = check_against_origin(self.origin, loc, self.digests.get(key) or "", DEMAND)
+                self.settle(key, verdict)
+                trusted = verdict.outcome != "wrong"
+            # else the copy matched a record the Hub gave (or one confirmed): that proves it
+        except Exception as e:  # noqa: BLE001 - the Hub cannot say now: the peer's copies are used as before
+            self.stats.record_audit("failed", 0)
+            logger.warning(
+                "could not check peer %s's first copy against %s (%s): trusting it", peer, self.origin.source, e
+            )
+        finally:
+            with self._senders_lock:
+                if trusted:
+                    self._trusted.add(peer)
+                self._checking.pop(peer, None)
+            check.set()
+        return trusted
+
+    def settle(self, key: ExpertKey, verdict: OriginVerdict) -> None:
+        """Act on what fresh origin copies said of `key`'s peer-given record, and count it."""
+        assert self.digests is not None
+        self.stats.record_audit(verdict.outcome, verdict.fetched_bytes)
+        if verdict.outcome == "confirmed":
+            self.digests.mark_verified(key)
+        elif verdict.outcome == "wrong" and verdict.blob is not None:
+            self.correct(key, verdict.digest, verdict.blob)
+        else:
+            logger.warning("expert %s: a peer's copy and two fresh copies from the Hub all differ", key)
+
     def correct(self, key: ExpertKey, digest: str, blob: ExpertBytes) -> None:
         """Two fresh Hub copies agree on `digest` against `key`'s record: theirs is the reference
         now, and a peer that vouched for the old one lied (`peer_lied`)."""
@@ -202,6 +280,9 @@ class TierChain:
         vouched for, drop the copies made from them, and stop asking it."""
         assert self.digests is not None
         self.lies[peer] = self.lies.get(peer, 0) + 1
+        with self._senders_lock:  # its copies in flight are refused; when its distrust ends, checked again
+            self._shown_wrong[peer] = time.monotonic()
+            self._trusted = {p for p in self._trusted if book_peer_id(p) != peer}
         forgotten = self.digests.forget_vouched(peer)
         logger.warning(
             "peer %s sent a wrong copy of expert %s (two agreeing Hub copies differ from it): it is no longer "
