@@ -86,6 +86,17 @@ def test_a_schema_that_fails_at_its_first_token_is_refused(demo) -> None:
         _constraint(demo, {"$ref": "#"})
 
 
+def test_a_schema_the_engine_would_only_approximate_is_refused(demo) -> None:
+    """llguidance's lenient mode ignores what it cannot do, with a warning: that grammar is not the
+    schema asked for. A client's own x-guidance is replaced by ours, so its lenient never applies."""
+    schema = {"type": "string", "format": "no-such-format"}
+    lenient = "start: %json " + json.dumps({**schema, "x-guidance": {"lenient": True}})
+    with pytest.raises(GrammarError, match="only approximate it: Unknown format"):
+        GrammarConstraint(demo.tokenizer, lenient)
+    with pytest.raises(GrammarError, match="cannot compile it.*Unknown format"):
+        _constraint(demo, {**schema, "x-guidance": {"lenient": True}})
+
+
 class _Breaks:
     """llguidance's matcher, as it is once it has failed partway: in an error state from the first
     token it consumes after `when()` holds."""

@@ -57,6 +57,8 @@ class GrammarConstraint:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll)
         if failed:
             raise GrammarError("the grammar engine cannot compile it: " + "; ".join(messages))
+        if messages:  # an approximation (oneOf as anyOf, keys or formats ignored): not the schema asked for
+            raise GrammarError("the grammar engine would only approximate it: " + "; ".join(messages))
         self.matcher = llguidance.LLMatcher(self.ll, grammar)
         if self.matcher.is_error():
             raise GrammarError("the grammar engine cannot compile it: " + self.matcher.get_error())
