@@ -10,6 +10,9 @@ import threading
 from collections.abc import Callable
 
 import jsonschema
+import llguidance
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from expertmesh.assembly import open_model
@@ -19,7 +22,14 @@ from expertmesh.devtools.tiny.demo_model import REPO_ID, make_demo_model
 from expertmesh.node.config import SpeculationConfig, StoreConfig
 from expertmesh.node.engine.batching import BatchEngine
 from expertmesh.node.engine.generation import GenerationSummary, Generator, SamplingSettings
-from expertmesh.node.engine.grammar import GrammarConstraint, GrammarError, GrammarFailure, response_format_grammar
+from expertmesh.node.engine.grammar import (
+    MAX_FORCED_RUN,
+    MAX_NESTED_REPEATS,
+    GrammarConstraint,
+    GrammarError,
+    GrammarFailure,
+    response_format_grammar,
+)
 from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 
@@ -84,6 +94,94 @@ def test_a_schema_that_fails_at_its_first_token_is_refused(demo) -> None:
     """`{"$ref": "#"}` compiles, but no value of it can start: it was served as "" (not JSON)."""
     with pytest.raises(GrammarError, match="cannot start"):
         _constraint(demo, {"$ref": "#"})
+
+
+def _allowed(constraint: GrammarConstraint, vocab: int) -> set[int]:
+    """The ids the constraint's mask lets through now."""
+    masked = constraint.mask(mx.zeros((1, vocab)))
+    return {int(i) for i in np.flatnonzero(np.isfinite(np.array(masked.reshape(-1))))}
+
+
+def _string_of(pattern: str, **more) -> dict:
+    return {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern, **more}}, "required": ["s"]}
+
+
+# Regexes llguidance compiles and masks a first token for, and then cannot enforce: the audit's
+# `(a{1000}){1000}`, as a pattern and as a patternProperties name, nested repetitions elsewhere in
+# a schema, and a forced run (node/engine/grammar.py, `_check_repetition`).
+UNENFORCEABLE = {
+    "nests": [
+        {"type": "string", "pattern": "(a{1000}){1000}"},
+        {"type": "string", "pattern": "^(?:a{0,100}){0,100}$"},
+        {"type": "string", "pattern": "^a{0,100}{0,100}$"},  # stacked: the same nesting
+        {"type": "string", "pattern": "(?x)^(?i: a{0,100} ) {0,100}$"},  # the x flag ignores the spaces
+        _string_of("^([a-z]{0,33}\\.){0,32}$"),  # 1,056: just over
+        {"type": "object", "patternProperties": {"^(k{1000}){1000}$": {"type": "integer"}}},
+        {"type": "array", "items": {"$ref": "#/$defs/t"}, "$defs": {"t": {"pattern": "((ab){0,64}c){1,64}"}}},
+        {"type": "object", "properties": {"const": _string_of("(a{1000}){1000}")}},  # a property's name is no keyword
+    ],
+    "forces a run": [
+        {"type": "string", "pattern": "^a{1000000}$"},
+        _string_of("^x(abc){4000}$"),
+    ],
+}
+
+
+def test_a_pattern_the_engine_would_fail_partway_is_refused_before_any_token(demo) -> None:
+    """llguidance builds its lexer lazily: a nested or forced repetition compiles, masks its first
+    token, and runs out of lexer fuel partway through the answer (or forces no choice for a
+    million characters). Such a schema is refused up front, naming the pattern and the limit."""
+    for reason, schemas in UNENFORCEABLE.items():
+        for schema in schemas:
+            with pytest.raises(GrammarError, match=f"the pattern .* {reason} .*at most .*cannot enforce"):
+                _constraint(demo, schema)
+    # What the limit guards against, in llguidance itself: accepted, then failed 100 characters in.
+    ll = GrammarConstraint(demo.tokenizer, 'start: "x"').ll
+    grammar = llguidance.LLMatcher.grammar_from_regex("(a{0,100}){0,100}")
+    assert llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll) == (False, [])
+    matcher = llguidance.LLMatcher(ll, grammar)
+    [a] = demo.tokenizer.encode("a")
+    consumed = 0
+    while consumed < 1000 and matcher.consume_token(a):
+        consumed += 1
+    assert matcher.is_error() and "lexer" in matcher.get_error() and consumed < 1000
+
+
+def test_patterns_within_the_limits_are_accepted_and_their_masks_constrain(demo) -> None:
+    """Up to the limits, a pattern is enforced token by token: its masks allow only what can go on."""
+    vocab = demo.tokenizer.vocab_size
+    for schema in SCHEMAS:  # the first mask of every accepted schema forbids something
+        assert 0 < len(_allowed(_constraint(demo, schema), vocab)) < vocab, schema
+    texts = {i: demo.tokenizer.decode([i]) for i in range(vocab)}
+    side = int(MAX_NESTED_REPEATS**0.5)
+    cases = {
+        f"^(a{{0,{side}}}){{0,{side}}}$": "a",  # nested: MAX_NESTED_REPEATS
+        f"^a{{{MAX_FORCED_RUN}}}$": "a",  # forced: MAX_FORCED_RUN
+        "^[ab]{1000000}$": "ab",  # a class repeated: no forced run, cheap however many
+        ".{0,1000000}": None,  # anything, up to a million characters
+    }
+    for pattern, letters in cases.items():
+        constraint = _constraint(demo, {"type": "string", "pattern": pattern})
+        assert all(texts[i].startswith('"') for i in _allowed(constraint, vocab)), pattern
+        constraint.advance(demo.tokenizer.encode('"')[0])
+        allowed = _allowed(constraint, vocab)
+        assert 0 < len(allowed) < vocab
+        if letters is not None:
+            assert all(set(texts[i]) <= set(letters + '"') for i in allowed), pattern  # '"' ends it
+            assert any(set(letters) & set(texts[i]) for i in allowed)
+        constraint.advance(min(allowed))
+        assert len(_allowed(constraint, vocab)) < vocab
+
+
+def test_a_schema_the_engine_would_only_approximate_is_refused(demo) -> None:
+    """llguidance's lenient mode ignores what it cannot do, with a warning: that grammar is not the
+    schema asked for. A client's own x-guidance is replaced by ours, so its lenient never applies."""
+    schema = {"type": "string", "format": "no-such-format"}
+    lenient = "start: %json " + json.dumps({**schema, "x-guidance": {"lenient": True}})
+    with pytest.raises(GrammarError, match="only approximate it: Unknown format"):
+        GrammarConstraint(demo.tokenizer, lenient)
+    with pytest.raises(GrammarError, match="cannot compile it.*Unknown format"):
+        _constraint(demo, {**schema, "x-guidance": {"lenient": True}})
 
 
 class _Breaks:

@@ -6,6 +6,7 @@ control tokens reaches the model as plain text."""
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -120,6 +121,15 @@ def test_generate_beyond_the_slots_is_refused_at_once_while_health_and_info_answ
         ({"tools": _DEEP}, "tools"),
         ({"response_format": _DEEP}, "response_format"),
         ({"response_format": '{"type": "json_schema", "json_schema": [1]}'}, "json_schema"),
+        # llguidance compiles it, then cannot enforce it: refused before any token (node/engine/grammar.py)
+        (
+            {
+                "response_format": json.dumps(
+                    {"type": "json_schema", "json_schema": {"schema": {"pattern": "(a{1000}){1000}"}}}
+                )
+            },
+            "nests counted repetitions",
+        ),
         ({"tool_choice": "any"}, "tool_choice"),  # Anthropic's word: served as "auto" before
         ({"tool_choice": "function"}, "tool_choice_name"),
     ],

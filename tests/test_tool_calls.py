@@ -7,6 +7,7 @@ return it as `tool_calls`, whole or streamed, with no markup left in the content
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import pytest
@@ -272,6 +273,30 @@ def test_response_format_is_enforced_through_the_api(family) -> None:
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}
     with pytest.raises(openai.BadRequestError, match="(?s)cannot enforce.*look-around"):
         client.chat.completions.create(**ask, response_format=bad)
+
+
+def test_a_pattern_the_engine_cannot_enforce_is_a_400_before_any_token(family) -> None:
+    """`(a{1000}){1000}` compiles in llguidance and fails only partway through an answer (its lexer
+    is built lazily): a response_format or a forced call's parameters with it are refused up front,
+    streamed or not, with the reason (node/engine/grammar.py, `_check_repetition`)."""
+    repo, client = family
+    if repo != KIMI_K3_TOOLS:
+        pytest.skip("the wire path is the same for every family; the limits are tested in test_grammar.py")
+    ask = {"model": repo, "messages": [SYSTEM, {"role": "user", "content": "JSON?"}], "max_tokens": 8}
+    hostile = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(a{1000}){1000}"}}}
+    reason = "(?s)cannot enforce.*the pattern " + re.escape("'(a{1000}){1000}' nests counted repetitions")
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": hostile}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=reason):
+            client.chat.completions.create(**ask, response_format=fmt, stream=stream)
+    tool = {"type": "function", "function": {"name": "f", "parameters": hostile}}
+    with pytest.raises(openai.BadRequestError, match=reason):
+        client.chat.completions.create(**ask, tools=[tool], tool_choice="required")
+    within = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{0,32}){0,32}$"}}}
+    r = client.chat.completions.create(
+        **ask, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": within}}
+    )
+    assert r.choices[0].message.content.startswith("{")
 
 
 def test_a_model_without_a_tool_format_cannot_take_tools(tiny_repos) -> None:
