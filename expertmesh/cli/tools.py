@@ -455,10 +455,10 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def lab(args: argparse.Namespace) -> int:
-    from expertmesh.devtools.lab.household import SCENARIOS, Lab, LabConfig, print_table
+    from expertmesh.devtools.lab.household import OPTIONAL_SCENARIOS, SCENARIOS, Lab, LabConfig, print_table
     from expertmesh.node.sizes import parse_size
 
-    scenarios = _names("--scenarios", args.scenarios, SCENARIOS)
+    scenarios = _names("--scenarios", args.scenarios, SCENARIOS + OPTIONAL_SCENARIOS)
     try:
         lan, hub_bw = float(parse_size(args.lan)), float(parse_size(args.hub_bandwidth))
     except ValueError as e:

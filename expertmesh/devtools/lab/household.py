@@ -17,6 +17,8 @@ one hop away on the same machine. Zeroconf finds the nodes across the bridge.
                         its next prompt starts once the node is seen (that wait is not decode time)
     prompt_fetch_from_owners  one long prompt (`prompt_tokens`, 128 by default) with the household,
                         its experts' bytes fetched from their owners: the time to its first token
+    fetch_from_owners_unchecked  (asked for by name) as fetch_from_owners, with no peer's copy
+                        checked against the Hub (`--no-audit`): what that check costs
     prompt_remote       the same prompt, its experts computed where they are (the prompt's rows for
                         each peer in ComputeExperts calls within the message limit, two at a time)
 
@@ -68,6 +70,7 @@ SCENARIOS = (
     "prompt_fetch_from_owners",
     "prompt_remote",
 )
+OPTIONAL_SCENARIOS = ("fetch_from_owners_unchecked",)  # run only when named
 PROMPT_DECODE_TOKENS = 2  # a long prompt's scenarios time its first token; one more shows decode still runs
 PROMPTS = ("Count the experts", "Stream the layer")
 WARM_UP = "Warm up:"
@@ -396,7 +399,9 @@ class Lab:
                 spec["store"]["disk_budget"] = "100%"
                 spec["warm_first"] = True
         else:
-            spec["mode"] = "fetch" if name == "fetch_from_owners" else "remote"
+            spec["mode"] = "fetch" if name.startswith("fetch_from_owners") else "remote"
+            if name == "fetch_from_owners_unchecked":
+                spec["store"]["audit"] = False
             spec.update(cluster=self.cluster, interface=self._address("n0"), expect_peers=len(nodes))
             if name == "remote_node_dies":
                 victim = nodes[-1]
@@ -542,6 +547,14 @@ def print_table(doc: dict, out: Callable[[str], None] = print) -> None:
                 f"  {r['name']}: the nodes themselves fetched {fetched['peer']} experts from each other, {fetched['hub']} from the Hub"
             )
     c = {r["name"]: r for r in doc["configs"]}
+    if "fetch_from_owners" in c and "fetch_from_owners_unchecked" in c:
+        f, u = c["fetch_from_owners"], c["fetch_from_owners_unchecked"]
+        out(
+            f"checking peers' copies against the Hub: first tokens after {sum(f['ttft_s']):.2f} s against "
+            f"{sum(u['ttft_s']):.2f} s unchecked ({sum(f['ttft_s']) / max(1e-9, sum(u['ttft_s'])):.2f}x), "
+            f"{f['s_per_token'] / max(1e-9, u['s_per_token']):.2f}x the s/token, "
+            f"{format_size(f['audit_bytes'])} from the Hub for the checks"
+        )
     if "remote" in c and "fetch_from_owners" in c:
         f, r = c["fetch_from_owners"], c["remote"]
         out(
