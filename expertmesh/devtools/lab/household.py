@@ -548,13 +548,17 @@ def print_table(doc: dict, out: Callable[[str], None] = print) -> None:
             )
     c = {r["name"]: r for r in doc["configs"]}
     if "fetch_from_owners" in c and "fetch_from_owners_unchecked" in c:
+        # a peer's first copy is checked in the warm-up, the first prompt of the run: its first
+        # token is the one that pays
         f, u = c["fetch_from_owners"], c["fetch_from_owners_unchecked"]
-        out(
-            f"checking peers' copies against the Hub: first tokens after {sum(f['ttft_s']):.2f} s against "
-            f"{sum(u['ttft_s']):.2f} s unchecked ({sum(f['ttft_s']) / max(1e-9, sum(u['ttft_s'])):.2f}x), "
-            f"{f['s_per_token'] / max(1e-9, u['s_per_token']):.2f}x the s/token, "
-            f"{format_size(f['audit_bytes'])} from the Hub for the checks"
-        )
+        fw, uw = f.get("warm_up") or {}, u.get("warm_up") or {}
+        if fw.get("ttft_s") and uw.get("ttft_s"):
+            out(
+                f"checking peers' first copies against the Hub: the run's first token after {fw['ttft_s']:.2f} s "
+                f"against {uw['ttft_s']:.2f} s unchecked ({fw['ttft_s'] / uw['ttft_s']:.2f}x), "
+                f"{format_size(fw.get('audit_bytes', 0) + f['audit_bytes'])} from the Hub for the checks; "
+                f"then {f['s_per_token'] / max(1e-9, u['s_per_token']):.2f}x the s/token"
+            )
     if "remote" in c and "fetch_from_owners" in c:
         f, r = c["fetch_from_owners"], c["remote"]
         out(

@@ -147,6 +147,8 @@ def _warm_up_record(warm: dict, node: Node) -> dict:
         "prompt_remote": warm["prompt"].get("remote", {}),
         "decode_remote": dict(warm["stats"].remote),
         "links": _links(node),
+        # what checking the peers' first copies fetched from the Hub: it is done in the warm-up
+        "audit_bytes": node.stats.audit_bytes,
     }
 
 
