@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 from nodes import joined, serving
 from repos import KIMI_K3
+from waiting import wait_until
 
 from expertmesh.devtools.local_hub import HubServer
 from expertmesh.node.config import StoreConfig
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.household.membership import Peer, PeerTable, rendezvous_score
+from expertmesh.node.hub import client as hub_client
 from expertmesh.node.hub.pull import pull
 from expertmesh.node.service import NodeService
 from expertmesh.node.store import peer_audit
@@ -127,6 +129,34 @@ def test_a_peer_whose_copies_are_all_wrong_is_caught_by_its_first_before_any_tok
     finally:
         client.close()
         wrong.close()
+
+
+def test_a_hub_that_is_down_does_not_hold_the_households_tokens_for_the_check(
+    hub_root: Path, pulled_home, tmp_path: Path
+) -> None:
+    """The owner holds what the prompt needs and the Hub is gone: the check of the owner's first
+    copy cannot be made, so after a few seconds the copies are used as before the check existed,
+    the tokens equal the owner's own, and the check ends as `failed` later, the owner trusted."""
+    with HubServer(hub_root) as server, hub_client.using_endpoint(server.url):
+        owner = _node(tmp_path / "owner")  # its own Hub, stopped below
+        reference = _generate(owner)  # the owner keeps every expert the prompt uses
+        owner.disk.flush()
+    client = None
+    try:
+        with hub_client.using_endpoint(server.url):  # the address of a Hub that is no longer there
+            home = pulled_home("kimi_k3", tmp_path / "client")  # pulled before: nothing to ask the Hub
+            store = StoreConfig(prefetch=False, disk_budget="0")
+            client = joined(KIMI_K3, home, SECRET, [owner.rpc.address], node_id="client", store=store)
+            assert _generate(client) == reference
+            stats = client.store.stats
+            assert stats.uses["peer"] > 0 and stats.uses["hub"] == 0
+            assert sum(stats.audits.values()) == 0  # the tokens did not wait for the check's end
+            assert wait_until(lambda: stats.audits["failed"] == 1, timeout_s=120, interval_s=0.2)
+            assert client.peers.get("owner").live and client.peers.errors["lied"] == 0
+    finally:
+        if client is not None:
+            client.close()
+        owner.close()
 
 
 def _sampled_client(home: Path, address: str):

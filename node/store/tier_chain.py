@@ -8,10 +8,10 @@ disk cache, so the next use of the expert is a disk hit; in a household, a copy 
 kept on disk only by the expert's owner (others hold it in RAM while they use it).
 
 A peer's first copy of an expert becomes its reference as the Hub's would, but the record names
-the peer (store/integrity.py), and before the first copy a peer sends in this process is used it
-is checked against a fresh copy from the Hub (`_sender_checked`): one Hub fetch a peer, so a
-member whose copies are all wrong is caught before any token is computed with them; the rest are
-sampled on the idle link (store/peer_audit.py). When two fresh Hub copies that agree contradict such a record (on a
+the peer (store/integrity.py), and the first copy a peer sends in this process is checked against
+a fresh copy from the Hub (`_sender_checked`): one Hub fetch a peer, waited for a few seconds at
+most, so with a Hub that answers, a member whose copies are all wrong is caught before any token
+is computed with them; the rest are sampled on the idle link (store/peer_audit.py). When two fresh Hub copies that agree contradict such a record (on a
 fetch here, or in the idle link's audit, store/peer_audit.py), the peer is shown to have sent
 wrong bytes: every record it vouched for is forgotten, the copies made from them go from disk and
 RAM (`on_forgotten`), and the household tier stops asking it (`peer_lied`).
@@ -39,12 +39,21 @@ from expertmesh.node.store.tiers.disk import DiskCache
 logger = logging.getLogger(__name__)
 
 INTEGRITY_RETRIES = 2  # refetches from a remote tier whose bytes failed their sha256 check
-# how long a fetch with a peer's copy waits for the check of that peer's first copy (two Hub fetches
-# at most, each bounded by the Hub's own deadline) before it takes the next tier instead
-SENDER_CHECK_WAIT_S = 300.0
+# how long from the start of the check of a peer's first copy its fetches wait for the verdict: one
+# K3 expert from the Hub takes about 0.3 s at 100 MB/s and 1.5 s at 100 Mbit/s; a check not done by
+# then (a Hub that is down retries for seconds) goes on without holding the tokens
+SENDER_CHECK_WAIT_S = 3.0
 # a peer shown wrong: copies of it that were in flight then are refused unchecked for this long (its
 # household tier stops asking it for far longer, household/membership.py's DISTRUST_S)
 SENDER_WRONG_S = 60.0
+
+
+@dataclass
+class _SenderCheck:
+    """The check of one peer's first copy: set when its verdict is in, waited for until `until`."""
+
+    done: threading.Event
+    until: float  # monotonic
 
 
 @dataclass
@@ -95,7 +104,7 @@ class TierChain:
         self.check_senders = True  # False: a peer's copies are used unchecked (`--no-audit`)
         self._senders_lock = threading.Lock()
         self._trusted: set[str] = set()  # peers (node ids) a first copy of which the Hub confirmed here
-        self._checking: dict[str, threading.Event] = {}  # peers whose first copy is being checked
+        self._checking: dict[str, _SenderCheck] = {}  # peers whose first copy is being checked
         self._shown_wrong: dict[str, float] = {}  # peer (book id) -> when (monotonic) it was
 
     def fetch(self, key: ExpertKey, keep_now: bool = False, ctx: FetchContext = DEMAND, decode: bool = True) -> Fetched:
@@ -209,11 +218,15 @@ class TierChain:
         return False
 
     def _sender_checked(self, key: ExpertKey, tier: HouseholdTier) -> bool:
-        """Whether the copy of `key` that `tier` just gave may be used: its sender is trusted here
-        (a copy of its matched the Hub's), or this copy is the one that proves it. The first copy
-        of each peer is checked against a fresh Hub copy while its other fetches wait for the
-        verdict; a copy that matched a record the Hub gave proves its sender without one. A check
-        the Hub cannot make (offline, failing) trusts the peer, as before, and says so."""
+        """Whether the copy of `key` that `tier` just gave may be used.
+
+        The first copy a peer sends in this run is checked against a fresh Hub copy, in a thread
+        of its own; the peer's fetches wait for the verdict for up to SENDER_CHECK_WAIT_S from the
+        check's start (a Hub that answers takes well under that for one expert), and a copy of a
+        peer shown wrong is refused. A verdict later than that lets the copies be used meanwhile,
+        as any unchecked copy: a Hub that is down or slow must not hold the household's tokens,
+        and a late "wrong" still drops the peer and all it sent (`peer_lied`). A copy that
+        matched a record the Hub gave proves its sender without a check."""
         loc = self.index.expert(*key)
         peer = tier.voucher(loc)
         if peer is None or self.origin is None or self.digests is None or not self.check_senders:
@@ -222,24 +235,37 @@ class TierChain:
         with self._senders_lock:
             if peer in self._trusted:
                 return True
-            wrong_at = self._shown_wrong.get(book_id)
             check = self._checking.get(peer)
-            mine = check is None and (wrong_at is None or time.monotonic() - wrong_at >= SENDER_WRONG_S)
-            if mine:
-                check = self._checking[peer] = threading.Event()
-        if not mine:  # its check is under way, or it was just shown wrong with this copy in flight
-            if check is not None:
-                check.wait(SENDER_CHECK_WAIT_S)
-            with self._senders_lock:
-                if peer in self._trusted:
-                    return True
-            self.digests.forget_vouched(book_id)  # what it recorded meanwhile
+            if check is None and not self._recently_wrong(book_id):
+                check = self._checking[peer] = _SenderCheck(threading.Event(), time.monotonic() + SENDER_CHECK_WAIT_S)
+                threading.Thread(
+                    target=self._check_sender, args=(peer, key, check), name="peer-first-copy-check", daemon=True
+                ).start()
+        if check is not None:
+            check.done.wait(max(0.0, check.until - time.monotonic()))
+        with self._senders_lock:
+            if peer in self._trusted:
+                return True
+            wrong = self._recently_wrong(book_id)
+        if wrong:
+            self.digests.forget_vouched(book_id)  # what it recorded while the check ran
             return False
-        assert check is not None
+        return True  # no verdict in time: used unchecked, as before the check existed
+
+    def _recently_wrong(self, peer: str) -> bool:
+        """Whether `peer` (a book id) was shown wrong within SENDER_WRONG_S (the senders' lock held)."""
+        at = self._shown_wrong.get(peer)
+        return at is not None and time.monotonic() - at < SENDER_WRONG_S
+
+    def _check_sender(self, peer: str, key: ExpertKey, check: _SenderCheck) -> None:
+        """Check `peer`'s copy of `key` against the origin, and settle what it shows."""
+        assert self.digests is not None and self.origin is not None
         trusted = True
         try:
-            if self.digests.vouched_by(key) == book_id:
-                verdict = check_against_origin(self.origin, loc, self.digests.get(key) or "", DEMAND)
+            if self.digests.vouched_by(key) == book_peer_id(peer):
+                verdict = check_against_origin(
+                    self.origin, self.index.expert(*key), self.digests.get(key) or "", DEMAND
+                )
                 self.settle(key, verdict)
                 trusted = verdict.outcome != "wrong"
             # else the copy matched a record the Hub gave (or one confirmed): that proves it
@@ -253,8 +279,7 @@ class TierChain:
                 if trusted:
                     self._trusted.add(peer)
                 self._checking.pop(peer, None)
-            check.set()
-        return trusted
+            check.done.set()
 
     def settle(self, key: ExpertKey, verdict: OriginVerdict) -> None:
         """Act on what fresh origin copies said of `key`'s peer-given record, and count it."""
