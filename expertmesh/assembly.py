@@ -322,7 +322,8 @@ def open_model(
 def plan_node_memory(config: NodeConfig, index: ExpertIndex, home: Path) -> MemoryPlan:
     """A full node's memory from this machine (node/engine/memory.py): the core as pulled (held
     whole, or streamed), the context at `config.max_context`, the RAM tier, the buffers — the plan
-    `doctor --plan` prints for the same model (node/doctor.py).
+    `doctor --plan` prints for the same model (node/doctor.py), and in a household what the node
+    holds for its peers (node/household/planned_memory.py), which a lone node's plan has not.
 
     Raises:
         CoreTooLargeError: the core does not fit, not even streamed.
@@ -340,6 +341,12 @@ def plan_node_memory(config: NodeConfig, index: ExpertIndex, home: Path) -> Memo
         fetch_workers=config.store.fetch_concurrency,
         prefix_cache=config.prefix_cache,
     )
+    household = config.household
+    if household is not None and (household.peers or household.discover):
+        from expertmesh.node.household.planned_memory import household_buffer_bytes
+
+        expert_bytes = max((loc.nbytes for loc in index.experts.values()), default=0)
+        planned.planner.household_bytes = household_buffer_bytes(household, expert_bytes)
     return planned.planner.plan()
 
 

@@ -20,15 +20,16 @@ from repos import tiny_id
 
 from expertmesh.assembly import build_node
 from expertmesh.node import constants
-from expertmesh.node.config import NodeConfig, StoreConfig
+from expertmesh.node.config import HouseholdConfig, NodeConfig, StoreConfig
 from expertmesh.node.engine import streamed_model
 from expertmesh.node.engine.memory import CoreLayout, CoreTooLargeError, DeviceMemory, plan_memory
 from expertmesh.node.engine.model_sizes import ModelSizes
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_core import file_layout
+from expertmesh.node.household.planned_memory import household_buffer_bytes
 from expertmesh.node.hub import local_models
 from expertmesh.node.model.expert_index import INDEX_FILENAME, ExpertIndex
-from expertmesh.node.sizes import parse_budget
+from expertmesh.node.sizes import format_size, parse_budget
 
 GiB, MiB = 1024**3, 1024**2
 ARCH = "kimi_k3"
@@ -116,6 +117,25 @@ def test_the_default_budget_is_a_share_of_what_the_core_leaves_of_the_working_se
         plan_memory("50%", cpu, core_bytes=20 * GiB, expert_bytes=16 * MiB, fetch_workers=8).ram_budget_bytes
         == (64 * GiB - 20 * GiB - buffers) // 2
     )
+
+
+def test_a_household_nodes_buffers_for_its_peers_come_before_the_ram_tier() -> None:
+    """Calls to peers in flight and checks of their copies are held beside everything else, so they
+    come out of what a share of a budget is taken from, and the plan says so."""
+    mac = DeviceMemory(memory_bytes=64 * GiB, working_set_bytes=48 * GiB)
+    lone = plan_memory("50%", mac, core_bytes=20 * GiB, expert_bytes=16 * MiB, fetch_workers=8)
+    expert = 17_547_264
+    household = household_buffer_bytes(HouseholdConfig(secret="s"), expert)
+    # three peers planned: four calls of 3 MiB each way, and two experts checked, each; the audit's two
+    assert household == 3 * (4 * 2 * 3 * MiB + 2 * expert) + 2 * expert
+    assert household_buffer_bytes(HouseholdConfig(secret="s", peers=[f"p{i}:1" for i in range(5)]), expert) > household
+    member = plan_memory(
+        "50%", mac, core_bytes=20 * GiB, expert_bytes=16 * MiB, fetch_workers=8, household_bytes=household
+    )
+    assert member.household_bytes == household and member.buffer_bytes == lone.buffer_bytes + household
+    assert member.ram_budget_bytes == (48 * GiB - 20 * GiB - member.buffer_bytes) // 2
+    assert f"household {format_size(household)}" in member.parts() and "household" not in lone.parts()
+    assert member.as_json()["household_bytes"] == household
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,9 @@ def test_experts_come_from_the_owner_and_cross_the_hub_once(hub: HubServer, expe
         assert served == sum(owner.index.expert(*k).nbytes for k in distinct) + stats.audit_bytes
         assert _generate(client) == expected  # again: the owner now serves from its disk
         assert hub.stats()["bytes_served"] - before == served
+        # its memory plan holds what it keeps for its peers (none asked to compute: checks only)
+        expert = max(loc.nbytes for loc in client.index.experts.values())
+        assert client.memory.household_bytes == 3 * 2 * expert + 2 * expert
     finally:
         client.close()
         owner.close()

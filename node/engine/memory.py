@@ -187,6 +187,7 @@ class MemoryPlan:
     disk_buffer_bytes: int = 0  # the disk tier's idle read buffers and queued writes
     process_bytes: int = 0  # the node process before its core (constants.PROCESS_BASELINE_BYTES)
     prompt_bytes: int = 0  # a prompt of `max_context` tokens at an expert layer, prefilled layer-major
+    household_bytes: int = 0  # a household node's calls to peers in flight and checks of their copies
 
     @property
     def streamed(self) -> bool:
@@ -215,8 +216,14 @@ class MemoryPlan:
     @property
     def buffer_bytes(self) -> int:
         """What a node keeps beside the core, the context and the RAM budget: fetch buffers, the
-        tier's spare slots, the disk tier's buffers and the process itself."""
-        return self.in_flight_bytes + self.spare_slot_bytes + self.disk_buffer_bytes + self.process_bytes
+        tier's spare slots, the disk tier's buffers, the household's buffers and the process itself."""
+        return (
+            self.in_flight_bytes
+            + self.spare_slot_bytes
+            + self.disk_buffer_bytes
+            + self.household_bytes
+            + self.process_bytes
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -246,7 +253,8 @@ class MemoryPlan:
             f"{core}, {context}RAM tier {format_size(self.ram_tier_bytes)}, MLX cache "
             f"{format_size(self.buffer_cache_bytes)}, fetch buffers {format_size(self.in_flight_bytes)}, "
             f"spare slots {format_size(self.spare_slot_bytes)}, disk buffers {format_size(self.disk_buffer_bytes)}, "
-            f"process {format_size(self.process_bytes)}: "
+            + (f"household {format_size(self.household_bytes)}, " if self.household_bytes else "")
+            + f"process {format_size(self.process_bytes)}: "
             f"{format_size(self.total_bytes)} of {self.device.limit_name()} {format_size(self.device.limit_bytes)}"
         )
 
@@ -267,6 +275,7 @@ class MemoryPlan:
             "fetch_buffer_bytes": self.in_flight_bytes,
             "spare_slot_bytes": self.spare_slot_bytes,
             "disk_buffer_bytes": self.disk_buffer_bytes,
+            "household_bytes": self.household_bytes,
             "process_bytes": self.process_bytes,
             "working_set_bytes": self.device.limit_bytes,
             "memory_bytes": self.device.memory_bytes,
@@ -294,12 +303,15 @@ def plan_memory(
     core_budget: str | None = None,
     prefix_cache_bytes: int = 0,
     prompt_bytes: int = 0,
+    household_bytes: int = 0,
 ) -> MemoryPlan:
     """The core held whole or streamed, and the RAM tier and buffer cache for `ram_budget` (a
     size, or a share of what the core, the context and the fetch buffers leave).
 
     `prompt_bytes` is what a prompt of `max_context` tokens holds at an expert layer while it is
     prefilled layer-major (ModelSizes.prompt_bytes): like the context, it comes before the core.
+    `household_bytes` is what a household node holds for its peers beside that (the composition
+    root's `household_buffer_bytes`): a fixed part, as the fetch buffers are.
 
     The buffer cache gets one expert's worth (what an expert's decoding reuses), or half the
     budget when that is smaller; the tier gets the rest. The default budget is at least
@@ -319,7 +331,7 @@ def plan_memory(
     process = constants.PROCESS_BASELINE_BYTES
     explicit_ram = None if ram_budget.strip().endswith("%") else parse_budget(ram_budget, 0)
     context_bytes += prefix_cache_bytes + prompt_bytes  # conversation state, kept and live, comes before the core
-    fixed = in_flight + spare + disk_buffers + process  # whatever the model: before the core too
+    fixed = in_flight + spare + disk_buffers + household_bytes + process  # whatever the model: before the core too
     room = limit - context_bytes - fixed  # what the core may take: it comes before the RAM tier
     held = None
     split = None
@@ -362,6 +374,7 @@ def plan_memory(
         disk_buffers,
         process,
         prompt_bytes,
+        household_bytes,
     )
 
 

@@ -221,6 +221,7 @@ class Planner:
     core_bits: int = 16
     pulled_bits: int | None = None
     prefix_cache_bytes: int = 0
+    household_bytes: int = 0  # a household node's buffers for its peers (engine/memory.py)
 
     def plan(
         self, layout: CoreLayout | None = None, max_context: int | None = None, ram_budget: str | None = None
@@ -242,6 +243,7 @@ class Planner:
             max_context=context,
             core_budget=self.core_budget,
             prefix_cache_bytes=self.prefix_cache_bytes,
+            household_bytes=self.household_bytes,
         )
 
     def _fits(
