@@ -15,7 +15,9 @@ bytes, the disk tier's pooled and queued buffers and glibc's account of its heap
 and the freed space it keeps), so that the peak can be split into parts. The buffer pool's blocks
 are shared anonymous mappings (`mmap.mmap(-1, n)`): they count as RssShmem, not RssAnon.
 Printed beside it: the plan `doctor --plan` makes for the same node with a context of the prompt
-and its one token (`--max-context`): the context and the prompt's expert outputs at that length.
+and its one token (`--max-context`): the context and the prompt's expert outputs at that length;
+with `--household`, and what the node holds for its peers (node/household/planned_memory.py), as
+a node that joins a household plans.
 
 With `--household` the measured node has a compute peer: a node in this (unmeasured) process
 that holds every expert on its disk, on loopback, with the same secret; and every expert the
@@ -222,7 +224,9 @@ def main() -> None:
         return
     from expertmesh.devtools import bench_k3, bench_prompt
     from expertmesh.devtools.tiny import k3_proportions
+    from expertmesh.node.config import HouseholdConfig
     from expertmesh.node.doctor import plan_model
+    from expertmesh.node.household.planned_memory import household_buffer_bytes
     from expertmesh.node.hub import client as hub_client
     from expertmesh.node.hub.pull import pull
 
@@ -258,6 +262,11 @@ def main() -> None:
             with hub_client.using_endpoint(hub.url):
                 peer = _peer(repo_id, work / "peer")
             spec.update(peer=peer.rpc.address, store={**store, "disk_budget": "0"})
+            # the measured node is in a household: its plan holds what it keeps for its peers
+            planned.planner.household_bytes = household_buffer_bytes(
+                HouseholdConfig(secret=SECRET, peers=[peer.rpc.address]), eb
+            )
+            plan = planned.planner.plan()
         try:
             got = _run_child(spec)
         finally:
