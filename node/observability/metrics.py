@@ -113,6 +113,16 @@ class MetricsSources:
     core: StreamedCore | None = None
 
 
+def _by_label(
+    name: str, documentation: str, label: str, values: tuple[str, ...], counts: dict[str, int] | None
+) -> CounterMetricFamily:
+    """A counter family with one sample per value of `label`, read from `counts` (0 without them)."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for v in values:
+        family.add_metric([v], counts[v] if counts is not None else 0)
+    return family
+
+
 class _StateCollector(Collector):
     """Reads the tiers' own counters at scrape time."""
 
@@ -148,30 +158,29 @@ class _StateCollector(Collector):
             bad.add_metric([s], stats.integrity_failures[s] if stats else 0)
         yield from (uses, nbytes, bad)
 
-        audits = CounterMetricFamily(
+        yield _by_label(
             PREFIX + "peer_audits",
-            "Experts whose recorded digest came from a peer's copy, checked against fresh Hub copies on the "
-            "idle link, by outcome (confirmed; wrong: replaced, the peer no longer trusted; undecided; failed).",
-            labels=["outcome"],
+            "Experts whose recorded digest came from a peer's copy, checked against fresh Hub copies (each "
+            "peer's first copy, and a sample on the idle link), by outcome (confirmed; wrong: replaced, the "
+            "peer no longer trusted; undecided; failed).",
+            "outcome",
+            AUDIT_OUTCOMES,
+            stats.audits if stats else None,
         )
-        for o in AUDIT_OUTCOMES:
-            audits.add_metric([o], stats.audits[o] if stats else 0)
-        yield audits
         yield CounterMetricFamily(
             PREFIX + "peer_audit_bytes",
             "Bytes the audits of peers' copies fetched from the Hub (not uses: not in expertmesh_expert_bytes_total).",
             value=stats.audit_bytes if stats else 0,
         )
 
-        prefetch = CounterMetricFamily(
+        yield _by_label(
             PREFIX + "prefetch",
             "Guesses of the next layer's experts: issued (fetched), "
             "used (demanded by the pass they were for), wasted (not demanded).",
-            labels=["outcome"],
+            "outcome",
+            PREFETCH_OUTCOMES,
+            stats.prefetch if stats else None,
         )
-        for o in PREFETCH_OUTCOMES:
-            prefetch.add_metric([o], stats.prefetch[o] if stats else 0)
-        yield prefetch
 
         remote = stats.remote if stats else dict.fromkeys(REMOTE_COUNTS, 0)
         yield CounterMetricFamily(

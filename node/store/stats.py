@@ -28,7 +28,8 @@ REMOTE_COUNTS = (
     "fallback_bad_output",
     "fallback_missing",
 )
-# audits of peers' copies against the Hub (store/peer_audit.py): the record confirmed, shown wrong
+# checks of peers' copies against the Hub (each peer's first, store/tier_chain.py; a sample,
+# store/peer_audit.py): the record confirmed, shown wrong
 # (replaced, its peer no longer trusted), undecided (three different copies), or not made (the Hub failed)
 AUDIT_OUTCOMES = ("confirmed", "wrong", "undecided", "failed")
 # how each MoE layer of a pass ran: resident (every expert of the layer in a slot: no sync, the
