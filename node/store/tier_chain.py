@@ -99,7 +99,6 @@ class TierChain:
         self.on_forgotten: Callable[[str, list[ExpertKey]], None] | None = None
         # told of an expert two peers' copies disagreed on (the audit takes it first)
         self.on_suspect: Callable[[ExpertKey], None] | None = None
-        self.lies: dict[str, int] = {}  # peer (book id) -> experts shown wrong that it vouched for
         self.origin: Tier | None = next((t for t in self.remote if not t.household), None)
         self.check_senders = True  # False: a peer's copies are used unchecked (`--no-audit`)
         self._senders_lock = threading.Lock()
@@ -304,7 +303,6 @@ class TierChain:
         """`peer` (a `book_peer_id`) vouched for a wrong copy of `key`: forget every record it
         vouched for, drop the copies made from them, and stop asking it."""
         assert self.digests is not None
-        self.lies[peer] = self.lies.get(peer, 0) + 1
         with self._senders_lock:  # its copies in flight are refused; when its distrust ends, checked again
             self._shown_wrong[peer] = time.monotonic()
             self._trusted = {p for p in self._trusted if book_peer_id(p) != peer}
