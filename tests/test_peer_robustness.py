@@ -18,6 +18,7 @@ from nodes import serving
 from repos import KIMI_K3
 from waiting import wait_until
 
+from expertmesh.node import constants
 from expertmesh.node.config import RpcConfig
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable
 from expertmesh.node.household.peers_tier import PeerSource, SkipPolicy
@@ -38,7 +39,8 @@ HUNG_DEADLINE_S = 0.3  # the fetch deadline against the hung peer (30 s by defau
 class _Misbehaving(node_pb2_grpc.NodeServicer):
     """A peer that answers health SERVING and does what `mode` says with FetchExpert: "hang" (until
     `release` is set), "busy" (RESOURCE_EXHAUSTED, as a full admission does), or "busy twice" (so
-    twice, then it keeps the expert as warm asks); its GetInventory answers `inventory`."""
+    twice, then it keeps the expert as warm asks), or "slow keeps" (keeps one expert at a time,
+    each taking `keep_s`, as an owner on a slow home link does); its GetInventory answers `inventory`."""
 
     def __init__(self) -> None:
         self.mode = "hang"
@@ -47,9 +49,15 @@ class _Misbehaving(node_pb2_grpc.NodeServicer):
         self.inventory: list[node_pb2.LayerBitmap] = []
         self.inventory_model: node_pb2.ModelKey | None = None  # the model its inventory names (None: the one asked)
         self.serve_bytes = 0
+        self.keep_s = 0.0
+        self._keeping = threading.Lock()
 
     def FetchExpert(self, request, context):
         self.asked += 1
+        if self.mode == "slow keeps":
+            with self._keeping:
+                time.sleep(self.keep_s)
+            return iter([node_pb2.ExpertChunk(size=1)])
         if self.mode == "busy" or (self.mode == "busy twice" and self.asked <= 2):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY}: 8 expert fetches run")
         if self.mode == "busy twice":
@@ -189,6 +197,23 @@ def test_warm_asks_a_busy_node_again_rather_than_take_it_for_full(index, fake) -
         servicer.mode = "hang"
     assert servicer.asked == 3
     assert result.kept == 1 and not result.full and not result.errors
+
+
+def test_warm_waits_for_an_owner_whose_hub_link_is_slow(index, fake, monkeypatch) -> None:
+    """On a slow home link an owner's keeps queue behind each other, each within its own Hub
+    fetch's bound: warm must wait for them, not give up on work the owner is still doing and
+    then on the owner. Time is scaled down: a Hub fetch's bound of 0.65 s, keeps of 0.5 s."""
+    monkeypatch.setattr(constants, "HUB_FETCH_DEADLINE_S", 0.6)
+    monkeypatch.setattr(constants, "HUB_SPEED_WINDOW_S", 0.05)
+    servicer, _, address = fake
+    servicer.mode, servicer.asked, servicer.keep_s = "slow keeps", 0, 0.5
+    order = list(index.experts)[:4]
+    try:
+        [result] = warm(index, [WarmNode("slow", address, 2**40)], SECRET, order=order, concurrency=4)
+    finally:
+        servicer.mode = "hang"
+    assert servicer.asked == len(order)
+    assert result.kept == len(order) and not result.errors and not result.unreachable
 
 
 def test_a_peer_inventory_is_read_only_as_far_as_it_fits_the_model(index, fake) -> None:

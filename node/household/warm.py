@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from expertmesh.node import constants
 from expertmesh.node.household.membership import expert_key, rendezvous_score
-from expertmesh.node.household.peers_tier import FETCH_DEADLINE_S
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.admission import is_busy
 from expertmesh.node.rpc.client import NodeClient, ask_info, model_key
@@ -33,6 +33,19 @@ DEFAULT_CONCURRENCY = 4  # keep requests in flight per node: the owner's Hub lin
 GIVE_UP_AFTER_ERRORS = 5  # consecutive failures before a node is left out of this warm
 BUSY_RETRIES = 4  # a busy node is asked again after 0.5, 1, 2 and 4 s before it counts as a failure
 BUSY_WAIT_S = 0.5
+
+
+def keep_deadline_s(concurrency: int) -> float:
+    """How long one keep may take before warm counts it a failure.
+
+    A keep is one Hub fetch on the owner, which bounds it there by HUB_FETCH_DEADLINE_S from its
+    first request (and one read timeout more). With `concurrency` keeps in flight on one owner the
+    last may start only when the others end, so its bound is theirs added up. A peer's demand
+    deadline (30 s) is not one: on a home link of 20 Mbit/s or less four K3 experts take longer,
+    the owner goes on fetching what warm gave up on, and after five such keeps warm leaves a
+    healthy owner out.
+    """
+    return max(1, concurrency) * (constants.HUB_FETCH_DEADLINE_S + constants.HUB_SPEED_WINDOW_S)
 
 
 def warm_order(index: ExpertIndex, uses: Counter | None = None) -> list[ExpertKey]:
@@ -126,13 +139,14 @@ def warm(
     }
     lock = threading.Lock()
     counts = [0, 0]
+    deadline_s = keep_deadline_s(concurrency)
 
     def keep(client: NodeClient, key: ExpertKey) -> None:
         """Ask the node to keep `key`; a node that is busy (rpc/admission.py) is asked again a few
         times, waiting longer each time. Raises grpc.RpcError."""
         for attempt in range(BUSY_RETRIES + 1):
             try:
-                for _ in client.fetch_expert(model, *key, FETCH_DEADLINE_S, fetch_on_miss=True, keep_only=True):
+                for _ in client.fetch_expert(model, *key, deadline_s, fetch_on_miss=True, keep_only=True):
                     pass
                 return
             except grpc.RpcError as e:

@@ -221,7 +221,10 @@ class Lab:
     def _run(self, host: str, argv: list[str], env: dict[str, str], timeout_s: float) -> str:
         r = subprocess.run(self._command(host, argv), env=env, capture_output=True, text=True, timeout=timeout_s)
         if r.returncode != 0:
-            raise LabError(f"`{' '.join(argv[2:6])}` failed:\n{r.stderr[-3000:]}")
+            # warm prints each node's outcome (why it left one out) on stdout, its progress on stderr
+            raise LabError(
+                f"`{' '.join(argv[2:6])}` failed (exit {r.returncode}):\n{r.stderr[-3000:]}{r.stdout[-3000:]}"
+            )
         return r.stdout
 
     # -- the run ------------------------------------------------------------------------------
