@@ -313,7 +313,7 @@ class Lab:
         proj = projection.project(_projection_inputs(remote, c.projection_inputs)) if remote else {}
         prompts = {r["name"]: r for r in long}
         prompt_proj = (
-            projection.project_prompt(_prompt_projection_inputs(prompts, p))
+            projection.project_prompt(_prompt_projection_inputs(prompts, p, c.lan_bytes_per_s))
             if {"prompt_remote", "prompt_fetch_from_owners"} <= set(prompts)
             else {}
         )
@@ -509,7 +509,9 @@ def _projection_inputs(remote: dict, overrides: dict) -> projection.ProjectionIn
     return projection.ProjectionInputs(compute_s=service, call_s=call, activation_bytes=act, ping_s=ping, **overrides)
 
 
-def _prompt_projection_inputs(prompts: dict[str, dict], model: Proportions) -> projection.PromptInputs:
+def _prompt_projection_inputs(
+    prompts: dict[str, dict], model: Proportions, lan_bytes_per_s: float
+) -> projection.PromptInputs:
     """The prompt scenarios' measured figures: LAN bytes per row computed remotely, the calls' time
     outside the peer, and this CPU's time per row through one expert (the fetched prompt's TTFT less
     what it waited for bytes). A row-use is one token's row through one of its top-k experts."""
@@ -526,6 +528,7 @@ def _prompt_projection_inputs(prompts: dict[str, dict], model: Proportions) -> p
         row_bytes=moved / (row_uses * share) if share else 0.0,
         call_s=remote["call_s"] or 0.0,
         cpu_row_s=computing / row_uses,
+        lab_lan_bytes_per_s=lan_bytes_per_s,
     )
 
 

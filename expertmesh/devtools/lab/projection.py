@@ -136,10 +136,10 @@ def _input_lines(inputs: dict, labels: dict[str, str]) -> list[str]:
     """Each input, in its unit, beside where it comes from (measured, or an input and whose)."""
     lines = []
     for k, v in inputs.items():
-        if k.endswith("_per_s"):
-            shown = f"{v / 1e9:.2f} GB/s"
-        elif v is None:
+        if v is None:
             shown = "-"
+        elif k.endswith("_per_s"):
+            shown = f"{v / 1e9:.2f} GB/s"
         elif k.endswith("_s"):
             shown = f"{v * 1000:,.3f} ms"
         else:
@@ -220,12 +220,18 @@ class PromptInputs:
     experts: int = K3_EXPERTS_PER_LAYER
     layers: int = K3_MOE_LAYERS
     top_k: int = K3_TOP_K
+    lab_lan_bytes_per_s: float | None = None  # the NIC call_s was measured through
 
     def labels(self) -> dict[str, str]:
+        # A call's time outside the peer includes its rows' transfer through the lab's NIC, which
+        # the layer's sum counts again on the projected link: a lab LAN slower than that link
+        # makes the remote figure err slow (a 12 MB/s lab gave 43x where a 1 GbE one gave 78x).
+        lan = self.lab_lan_bytes_per_s
+        through = f" through a {lan / 1e6:g} MB/s NIC, its rows' transfer included" if lan else ""
         return {
             "tokens": "the prompt",
             "row_bytes": "measured (lab prompt_remote: LAN activation bytes / its remote row-uses)",
-            "call_s": "measured (lab prompt_remote; includes queueing on the shared 2 cores)",
+            "call_s": f"measured (lab prompt_remote{through}; includes queueing on the shared 2 cores)",
             "cpu_row_s": "measured (lab prompt_fetch_from_owners: TTFT less its waits / row-uses)",
             "metal_row_s": "input (66 MFLOP a row at gather_qmm's 0.79 TFLOP/s, mlx-serve #366)",
             "metal_expert_s": "input (expert bytes / 400 GB/s)",
@@ -237,6 +243,7 @@ class PromptInputs:
             "experts": "K3 experts per MoE layer",
             "layers": "K3 MoE layers",
             "top_k": "K3",
+            "lab_lan_bytes_per_s": "the lab's --lan (where call_s was measured)",
         }
 
 
