@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
+from expertmesh.node import constants
+
 
 class Priority(IntEnum):
     """Lower is served first."""
@@ -91,6 +93,14 @@ class FetchContext:
     def time_left(self, seconds: float) -> float:
         """`seconds`, cut to what the deadline leaves (never 0: httpx2 reads 0 as no wait)."""
         return seconds if self.deadline is None else max(0.001, min(seconds, self.deadline.left()))
+
+
+def hub_fetch_bound_s(nbytes: int) -> float:
+    """The longest a node's Hub fetch of `nbytes` runs before it fails, at the default settings
+    (`RangeReader.fetch_bound_s`): the budget, its bytes' time at the floor, one read more. What an
+    owner fetching an expert for a peer may take before it gives up itself."""
+    read_s = min(constants.HTTP_TIMEOUT_S, constants.HUB_SPEED_WINDOW_S)
+    return constants.HUB_FETCH_DEADLINE_S + nbytes / constants.HUB_MIN_BYTES_PER_S + read_s
 
 
 DEMAND = FetchContext()  # a demanded fetch with no bound of its own: what a plain call makes
