@@ -53,21 +53,23 @@ RPC_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 RPC_MAX_CALL_ROW_BYTES = 3 * 1024 * 1024
 HTTP_TIMEOUT_S = 30.0
 HTTP_MAX_RETRIES = 8
-# Slow Hub connections (node/hub/client.py), as curl's --speed-limit/--speed-time: a response whose
+# Slow Hub connections (node/hub/speed.py), as curl's --speed-limit/--speed-time: a response whose
 # bytes arrive slower than HUB_MIN_BYTES_PER_S, averaged over HUB_SPEED_WINDOW_S, is given up and
-# asked again on another connection (a retry). A timeout only catches silence, so a degraded CDN
-# edge dripping a few bytes a second would otherwise hold a fetch for good. The floor is 1/200 of
-# a home link's per-connection share (12.5 MB/s): only a broken edge is below it, and a K3
-# expert's 4.4 MB piece still arrives at it within 70 s. The window outlasts a few TCP
+# the rest asked again on another connection (a retry), when the node's other connections do far
+# better or all of them are below it too: a connection slow only because it shares a full link is
+# kept. A timeout only catches silence, so a degraded CDN edge dripping a few bytes a second would
+# otherwise hold a fetch for good. The floor is 1/200 of a home link's per-connection share
+# (12.5 MB/s): only a broken edge is below it alone. The window outlasts a few TCP
 # retransmissions; it also bounds a wait for any single read, since silence is below every floor.
 HUB_MIN_BYTES_PER_S = 64 * 1024
 HUB_SPEED_WINDOW_S = 10.0
-# The most one fetch from the Hub tier (an expert's pieces, or a run of adjacent experts, with all
-# their retries) spends, counted from its first request; then it fails with one error, and a failed
-# run's experts are not asked for again one by one. A read in progress when it passes ends within
-# one more read timeout (min(HTTP_TIMEOUT_S, HUB_SPEED_WINDOW_S)), so a Hub that only drips or
-# stalls fails a fetch within 120 + 10 = 130 s of its first request. 120 s lets a whole K3 expert
-# arrive with every connection at the floor (about 70 s), with room for a retry.
+# The time one fetch from the Hub tier (an expert's pieces, or a run of adjacent experts, with all
+# their retries) may spend beyond what its bytes earn at HUB_MIN_BYTES_PER_S as they arrive (so a
+# slow, full link never ends a fetch that keeps receiving), counted from its first request; then
+# it fails with one error, and a failed run's experts are not asked for again one by one. A read
+# in progress when it passes ends within one more read timeout (min(HTTP_TIMEOUT_S,
+# HUB_SPEED_WINDOW_S)), so a Hub that stalls fails a fetch within 120 + 10 = 130 s of its first
+# request, and one that drips within 130 s plus its bytes' time at the floor.
 HUB_FETCH_DEADLINE_S = 120.0
 
 # The Hub tier (node/store/tiers/hub.py); each default was chosen by a benchmark whose command

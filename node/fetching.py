@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
+from expertmesh.node import constants
+
 
 class Priority(IntEnum):
     """Lower is served first."""
@@ -31,11 +33,15 @@ class Deadline:
     separate connections and every retry of each.
 
     The clock starts with the fetch's first request, not when the fetch is queued: a guess that
-    waits behind demands for a connection must not spend its budget waiting.
+    waits behind demands for a connection must not spend its budget waiting. Every byte that
+    arrives adds the time it takes at `earned_bytes_per_s` to the budget: a fetch that keeps
+    receiving at least that fast never runs out, however slow a full link makes it, while one
+    that stalls or drips (or keeps failing) spends its `seconds` and ends.
     """
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, earned_bytes_per_s: float = 0.0):
         self.seconds = seconds
+        self.earned_bytes_per_s = earned_bytes_per_s
         self._ends: float | None = None
         self._lock = threading.Lock()
 
@@ -45,13 +51,22 @@ class Deadline:
             if self._ends is None:
                 self._ends = time.monotonic() + self.seconds
 
+    def received(self, nbytes: int) -> None:
+        """`nbytes` of the fetch arrived: they earn their time at `earned_bytes_per_s` (not once
+        the deadline passed: a fetch that ended for it stays ended)."""
+        if self.earned_bytes_per_s > 0:
+            with self._lock:
+                if self._ends is not None and time.monotonic() < self._ends:
+                    self._ends += nbytes / self.earned_bytes_per_s
+
     def left(self) -> float:
         """Seconds left (the whole budget before the first request)."""
         ends = self._ends
         return self.seconds if ends is None else max(0.0, ends - time.monotonic())
 
     def passed(self) -> bool:
-        return self._ends is not None and time.monotonic() >= self._ends
+        ends = self._ends
+        return ends is not None and time.monotonic() >= ends
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,14 @@ class FetchContext:
     def time_left(self, seconds: float) -> float:
         """`seconds`, cut to what the deadline leaves (never 0: httpx2 reads 0 as no wait)."""
         return seconds if self.deadline is None else max(0.001, min(seconds, self.deadline.left()))
+
+
+def hub_fetch_bound_s(nbytes: int) -> float:
+    """The longest a node's Hub fetch of `nbytes` runs before it fails, at the default settings
+    (`RangeReader.fetch_bound_s`): the budget, its bytes' time at the floor, one read more. What an
+    owner fetching an expert for a peer may take before it gives up itself."""
+    read_s = min(constants.HTTP_TIMEOUT_S, constants.HUB_SPEED_WINDOW_S)
+    return constants.HUB_FETCH_DEADLINE_S + nbytes / constants.HUB_MIN_BYTES_PER_S + read_s
 
 
 DEMAND = FetchContext()  # a demanded fetch with no bound of its own: what a plain call makes

@@ -380,3 +380,28 @@ def test_peers_follow_grpc_health(hub: HubServer, tmp_path: Path) -> None:
     finally:
         client.close()
         owner.close()
+
+
+def test_an_owner_slow_to_fetch_from_the_hub_is_waited_for_not_fetched_around(hub: HubServer, tmp_path: Path) -> None:
+    """On a slow household link the owner's Hub fetch outlasts the time a peer's expert takes over
+    the LAN: the asking node waits for it rather than fetch the expert from the Hub as well while
+    the owner goes on fetching, which would send it over the one internet link twice."""
+    owner = _node(tmp_path / "owner")
+    client = _client(tmp_path / "client", owner.rpc.address)
+    keys = sorted(client.index.experts)[:2]
+    distinct = sum(client.index.expert(*k).nbytes for k in keys)
+    client.peer_tier.deadline_s = 0.2  # what an expert may take over the LAN, scaled down
+    hub.knobs.bandwidth_bytes_per_s = distinct  # the owner's fetch of one takes longer: 0.5 s at least
+    try:
+        with hub.stats_.lock:
+            hub.stats_.reset()
+        results = [client.store.chain.fetch(k, keep_now=True, decode=False) for k in keys]
+        assert all(r.source == "peer" for r in results), results
+        assert "deadline_exceeded" not in client.peers.errors  # the owner was not taken for a failing one
+        stats = client.store.stats
+        assert stats.uses["hub"] == 0
+        assert hub.stats()["bytes_served"] == distinct + stats.audit_bytes  # each expert crossed once
+    finally:
+        hub.knobs.bandwidth_bytes_per_s = 0
+        client.close()
+        owner.close()

@@ -51,6 +51,11 @@ from expertmesh.node.sizes import parse_size
 _LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".npz")
 _LFS_MIN_BYTES = 10 * 1024 * 1024
 _CHUNK = 256 * 1024  # bytes read and sent at a time: bounded memory per connection
+# A capped link sends what it carries in this long at a time, at least _MIN_CAPPED_CHUNK: a slow
+# link then trickles to each of its connections as TCP does, instead of bursting a whole _CHUNK
+# to one after the others' turns, which would read as seconds of silence on a link shared by many.
+_CAPPED_SLICE_S = 0.02
+_MIN_CAPPED_CHUNK = 1024
 _SMALL_HASH_BYTES = 64 * 1024 * 1024  # files up to this size are hashed when first asked; larger ones in the background
 _EDGE_BYTES = 1024 * 1024  # a large file enters the commit by its size and its first and last MiB
 DIGESTS_FILE = Path(".hub_cache") / "digests.json"
@@ -541,6 +546,12 @@ class HubServer:
         return None
 
 
+def _capped_chunk(knobs: HubKnobs) -> int:
+    """Bytes sent at a time on a capped link: `_CAPPED_SLICE_S` of its slowest cap, within bounds."""
+    rate = min(r for r in (knobs.bandwidth_bytes_per_s, knobs.per_connection_bytes_per_s) if r > 0)
+    return int(min(_CHUNK, max(_MIN_CAPPED_CHUNK, rate * _CAPPED_SLICE_S)))
+
+
 def _git_blob_id(f: _File) -> str:
     """A small file's git blob id: what the Hub gives as its ETag and tree `oid`."""
     data = f.path.read_bytes()
@@ -999,8 +1010,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             capped = bool(knobs.bandwidth_bytes_per_s or knobs.per_connection_bytes_per_s)
             with open(f.path, "rb") as fh:
+                chunk_bytes = _capped_chunk(knobs) if capped else limit
                 while sent < limit:
-                    want = min(_CHUNK, limit - sent) if capped else limit - sent
+                    want = min(chunk_bytes, limit - sent)
                     take_together(
                         want,
                         (self.hub.link, knobs.bandwidth_bytes_per_s),

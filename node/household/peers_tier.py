@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
-from expertmesh.node.fetching import DEMAND, FetchContext
+from expertmesh.node.fetching import DEMAND, FetchContext, hub_fetch_bound_s
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable, expert_key
 from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex, ExpertLocation
 from expertmesh.node.rpc.call_watch import CallWatch
@@ -47,7 +47,7 @@ from expertmesh.node.store.integrity import book_peer_id
 
 logger = logging.getLogger(__name__)
 
-FETCH_DEADLINE_S = 30.0  # for one expert from one peer, the owner's Hub fetch included
+FETCH_DEADLINE_S = 30.0  # for one expert from one peer; an owner has its own Hub fetch's bound more
 INVENTORY_TTL_S = 30.0  # how long a peer's inventory is trusted before it is asked again
 HEALTH_EVERY_S = 10.0  # every peer's gRPC health is checked this often
 HEALTH_DEADLINE_S = 2.0
@@ -107,8 +107,12 @@ class PeerSource:
         tls_ca: bytes | None = None,
         skips: SkipPolicy = SkipPolicy(),
         quiet_s: float = PEER_QUIET_S,
+        owner_hub_s: Callable[[int], float] = hub_fetch_bound_s,
     ):
+        """`deadline_s`: for one expert from one peer; from its owner, `owner_hub_s(nbytes)` more,
+        the longest the owner's own Hub fetch of it may run (see `fetch`)."""
         self.index = index
+        self.owner_hub_s = owner_hub_s
         self.skip_policy = skips
         self.table = table
         self.secret = secret
@@ -194,12 +198,19 @@ class PeerSource:
         """The expert from the household, or None: the caller goes to the Hub (this node owns it, or
         no peer could serve it in time)."""
         ranked = self.table.ranked(expert_key(self.index, loc.layer, loc.expert))
-        deadline = time.monotonic() + self.deadline_s
+        started = time.monotonic()
         for n, peer in enumerate(ranked):
             if peer is None:
                 if n == 0:
                     return None  # we own it: we fetch it from the Hub ourselves
                 continue
+            deadline = started + self.deadline_s
+            if n == 0:
+                # The owner fetches it from the Hub on a miss and goes on when we give up: given up
+                # before its own fetch would end, the expert crosses the household's one internet
+                # link twice, on the slow links where that hurts most. A dead owner, or a hung one
+                # that fails its health check, is noticed apart from it (`penalise_call`, `watch`).
+                deadline += self.owner_hub_s(loc.nbytes)
             left = deadline - time.monotonic()
             if left <= 0:
                 break

@@ -5,9 +5,11 @@ Everything goes through huggingface_hub: its configured endpoint (`HF_ENDPOINT`)
 What huggingface_hub does not do for us is the strict range read: a Hub or CDN answer must be
 a 206 with exactly the `Content-Range` and length we asked for; anything else is retried or
 fails loudly, and a 200 carrying a whole shard is closed before its body is read. Nor does it
-give up a connection that is merely slow: a body arriving below a floor for a window (curl's
---speed-limit/--speed-time) is dropped and asked again on another connection, and a `Deadline`
-bounds everything one fetch may spend on retries.
+give up a connection that is broken: a body arriving below a floor for a window (curl's
+--speed-limit/--speed-time) while the node's other connections do better, or while all of them
+are below it, is dropped and the rest of its range asked again on another connection (speed.py
+says why a connection slow only because the link is full is kept); and a `Deadline` bounds what
+one fetch may spend on retries and stalls.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from expertmesh.node.errors import (
 )
 from expertmesh.node.fetching import DEMAND, Deadline, FetchContext
 from expertmesh.node.hub.rate_limit import GATE, bucket_of, hub_origins, limit_of, observed_session, origin
+from expertmesh.node.hub.speed import LinkMeter, LinkTotals, SpeedWindow
 from expertmesh.node.model import safetensors_format
 from expertmesh.node.model.safetensors_format import TensorEntry
 
@@ -424,6 +427,7 @@ class RangeReader:
         self.slow_responses = (
             0  # responses given up for arriving below the floor (each also a retry or the last failure)
         )
+        self._link = LinkMeter()  # what all of this reader's responses receive: what a slow one is judged by
         self._cancelled = threading.Event()
 
     @property
@@ -432,14 +436,17 @@ class RangeReader:
         return min(self.timeout_s, self.speed_window_s) if self.min_bytes_per_s > 0 else self.timeout_s
 
     def deadline(self) -> Deadline:
-        """A new budget for one fetch; it ends, at the latest, `fetch_bound_s` after its first request."""
-        return Deadline(self.fetch_deadline_s)
+        """A new budget for one fetch: `fetch_deadline_s`, plus the time its bytes take at the speed
+        floor as they arrive, so a full link's slowness never ends a fetch that goes on receiving;
+        it ends, at the latest, `fetch_bound_s(nbytes)` after its first request."""
+        return Deadline(self.fetch_deadline_s, self.min_bytes_per_s)
 
-    @property
-    def fetch_bound_s(self) -> float:
-        """The documented bound on a fetch with a `deadline()`: the budget, plus one read that was
-        in progress when it passed (a read cannot be interrupted, only not followed by another)."""
-        return self.fetch_deadline_s + self.read_timeout_s
+    def fetch_bound_s(self, nbytes: int = 0) -> float:
+        """The documented bound on a fetch of `nbytes` with a `deadline()`: the budget, the time its
+        bytes earn at the floor (none arrive on a Hub that stalls), plus one read that was in
+        progress when it passed (a read cannot be interrupted, only not followed by another)."""
+        earned = nbytes / self.min_bytes_per_s if self.min_bytes_per_s > 0 else 0.0
+        return self.fetch_deadline_s + earned + self.read_timeout_s
 
     def cancel(self) -> None:
         """Stop: reads in flight end at their next chunk, and nothing is retried (Ctrl-C, close)."""
@@ -499,8 +506,9 @@ class RangeReader:
         # one is finished: giving it up saves the link less than asking for it again costs
         if end - start >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
             raise Abandoned(f"{remote}: bytes {start}-{end - 1} given up before asking")
-        return retrying(
-            lambda: self._read_once(remote, start, end, out, ctx),
+        got = _Received(bytearray() if out is None else out)
+        size = retrying(
+            lambda: self._read_once(remote, start, end, got, ctx),
             f"{remote}: bytes {start}-{end - 1}",
             self.max_retries,
             self.backoff_base_s,
@@ -509,23 +517,18 @@ class RangeReader:
             cancelled=self._cancelled,
             deadline=ctx.deadline,
         )
+        return (got.into if isinstance(got.into, bytearray) else got.into[: got.n]), size
 
     def _count_retry(self) -> None:
         self.retries += 1
 
-    def _too_slow(self, nbytes: int, seconds: float) -> None:
-        """Give the response up if `nbytes` in `seconds` (at least one speed window) is below the
-        floor: raising inside the stream closes its connection (the body is unread, so it cannot
-        go back to the pool), and the next attempt asks on another one, at once: the slowness
-        belongs to that connection's path, not to a server asking us to back off."""
-        if self.min_bytes_per_s <= 0 or nbytes >= self.min_bytes_per_s * seconds:
-            return
+    def _give_up_slow(self, reason: str) -> NoReturn:
+        """Give a response up that `SpeedWindow` judged too slow: raising inside the stream closes
+        its connection (the body is unread, so it cannot go back to the pool), and the next attempt
+        asks for the rest on another one, at once: the slowness belongs to that connection's path,
+        not to a server asking us to back off."""
         self.slow_responses += 1
-        raise _Retryable(
-            f"{nbytes / seconds / 1024:.1f} kB/s for {seconds:.1f} s, below the floor of "
-            f"{self.min_bytes_per_s / 1024:g} kB/s; the connection was given up",
-            wait_s=0,
-        )
+        raise _Retryable(reason, wait_s=0)
 
     def _location(self, remote: RemoteFile, ctx: FetchContext) -> tuple[str, bool]:
         """The URL to ask, and whether it is a remembered CDN location."""
@@ -563,17 +566,18 @@ class RangeReader:
         with self._lock:
             self._locations.pop(remote, None)
 
-    def _read_once(
-        self, remote: RemoteFile, start: int, end: int, out: memoryview | None, ctx: FetchContext
-    ) -> tuple[bytearray | memoryview, int | None]:
+    def _read_once(self, remote: RemoteFile, start: int, end: int, got: _Received, ctx: FetchContext) -> int | None:
+        """One attempt at what is still missing of `[start, end)` (bytes from `start + got.n`),
+        into `got`; returns the file's size, if the server says it."""
         url, is_cdn = self._location(remote, ctx)
-        headers = build_hf_headers(headers={"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+        first = start + got.n
+        headers = build_hf_headers(headers={"Range": f"bytes={first}-{end - 1}", "Accept-Encoding": "identity"})
         if is_cdn:  # signed CDN URLs must not receive the Hub token
             headers.pop("authorization", None)
             headers.pop("Authorization", None)
         try:
             with self._session() as session:
-                return self._read_redirected(session, remote, url, headers, is_cdn, start, end, out, ctx)
+                return self._read_redirected(session, remote, url, headers, is_cdn, first, end, got, ctx)
         finally:
             if not is_cdn:
                 self._resolved(remote)  # no redirect came (a small file, an error): the others ask themselves
@@ -593,18 +597,20 @@ class RangeReader:
         is_cdn: bool,
         start: int,
         end: int,
-        out: memoryview | None,
+        got: _Received,
         ctx: FetchContext,
-    ) -> tuple[bytearray | memoryview, int | None]:
+    ) -> int | None:
         for _ in range(5):  # redirects
             # a request the Hub counts waits while its bucket's rate limit is used up (rate_limit.py)
             GATE.wait(bucket_of(url, self.endpoint), ctx.deadline, self._cancelled)
             # connecting and sending within the per-request timeout; each read within the speed
             # window too (silence that long is below any floor); none past the fetch's deadline
             timeout = httpx2.Timeout(ctx.time_left(self.timeout_s), read=ctx.time_left(self.read_timeout_s))
-            asked_at = time.monotonic()
             try:
-                with session.stream("GET", url, headers=headers, follow_redirects=False, timeout=timeout) as r:
+                with (
+                    self._link.reading() as asked,
+                    session.stream("GET", url, headers=headers, follow_redirects=False, timeout=timeout) as r,
+                ):
                     if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
                         url = urllib.parse.urljoin(url, r.headers["location"])
                         if self._is_hub(url):
@@ -616,7 +622,7 @@ class RangeReader:
                         headers.pop("authorization", None)
                         headers.pop("Authorization", None)
                         continue
-                    return self._check_body(r, remote, start, end, is_cdn, out, asked_at, ctx)
+                    return self._check_body(r, remote, start, end, is_cdn, got, asked, ctx)
             except httpx2.TransportError as e:
                 raise _Retryable(
                     f"{type(e).__name__}", cut_short=ctx.deadline is not None and ctx.deadline.passed()
@@ -636,12 +642,13 @@ class RangeReader:
         start: int,
         end: int,
         is_cdn: bool,
-        out: memoryview | None,
-        asked_at: float,
+        got: _Received,
+        asked: LinkTotals,
         ctx: FetchContext,
-    ) -> tuple[bytearray | memoryview, int | None]:
-        """The body of a strict 206 into `out`, and the file's size; raises `_Retryable` for
-        anything else worth another try: a wrong or short answer, or one that arrives too slowly.
+    ) -> int | None:
+        """The body of a strict 206 for `[start, end)` into `got`, and the file's size; raises
+        `_Retryable` for anything else worth another try: a wrong or short answer, or one that
+        arrives too slowly.
 
         A 200 to a range from byte 0 is the whole file, which a CDN may send for a small one: it
         is taken when the file is no longer than the range (then it is exactly the bytes asked),
@@ -650,12 +657,13 @@ class RangeReader:
             length = r.headers.get("content-length")
             if length is None or (length.isascii() and length.isdigit() and int(length) <= end):
                 want = end if length is None else int(length)
-                body = self._stream_body(r, remote, start, end, want, out, asked_at, ctx, whole=length is None)
-                return body, len(body)
+                self._stream_body(r, remote, start, end, want, got, asked, ctx, whole=length is None)
+                return got.n
         if r.status_code != 206:
             self._refuse(r, remote, start, end, is_cdn)
         want, size = _checked_range(r, start, end)
-        return self._stream_body(r, remote, start, end, want, out, asked_at, ctx), size
+        self._stream_body(r, remote, start, end, want, got, asked, ctx)
+        return size
 
     def _refuse(self, r: httpx2.Response, remote: RemoteFile, start: int, end: int, is_cdn: bool) -> NoReturn:
         """What an answer other than a 206 means: another try (`_Retryable`), or an error to raise."""
@@ -689,39 +697,37 @@ class RangeReader:
         start: int,
         end: int,
         want: int,
-        out: memoryview | None,
-        asked_at: float,
+        got: _Received,
+        asked: LinkTotals,
         ctx: FetchContext,
         whole: bool = False,
-    ) -> bytearray | memoryview:
-        """Exactly `want` bytes of `r`'s body, into `out` (or a buffer that grows as they come);
-        `whole`: the body is a whole file of unknown length, at most `want` bytes.
+    ) -> None:
+        """Exactly `want` bytes of `r`'s body into `got`, after what it holds; `whole`: the body
+        is a whole file of unknown length, at most `want` bytes.
 
         Between chunks: a cancelled reader stops, a read that may give its link up does so
-        (`Abandoned`), the fetch's deadline ends the attempt, and a window below the speed floor
-        gives the connection up (`_too_slow`)."""
-        # Without `out`, the buffer grows with the bytes that arrive: a Content-Range is only a
-        # claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes.
-        body: bytearray | memoryview = bytearray() if out is None else out[:want]
-        n = 0
-        # the first window counts the wait for the first byte, as curl's
-        speed = _SpeedWindow(asked_at, self.speed_window_s, self._too_slow)
+        (`Abandoned`), the fetch's deadline ends the attempt, and a window too slow for the link
+        gives the connection up (speed.py). What came before an attempt ends stays in `got`, so
+        the next asks for the rest only: a connection given up costs its link nothing twice."""
+        n, before = 0, got.n
+        speed = SpeedWindow(asked, self.speed_window_s, self.min_bytes_per_s, self._link, self._give_up_slow)
         for chunk in r.iter_bytes():
             if self._cancelled.is_set():
                 raise DownloadError(f"{remote}: cancelled")
             if want - n >= ABANDON_MIN_LEFT_BYTES and ctx.should_abandon():
                 raise Abandoned(f"{remote}: gave bytes {start}-{end - 1} up to a demand")
             if n + len(chunk) > want:
+                got.n = before  # an answer that breaks its own promise: none of its bytes is kept
                 raise _Retryable(
                     "the server ignored the Range header (200, longer than the range)"
                     if whole
                     else "more bytes than the range"
                 )
-            if isinstance(body, bytearray):
-                body += chunk
-            else:
-                body[n : n + len(chunk)] = chunk
+            got.append(chunk)
             n += len(chunk)
+            self._link.received(len(chunk))
+            if ctx.deadline is not None:
+                ctx.deadline.received(len(chunk))
             if n == want:
                 continue  # complete: the stream ends next, and its connection goes back to the pool
             if ctx.deadline is not None and ctx.deadline.passed():
@@ -729,23 +735,24 @@ class RangeReader:
             speed.count(n)
         if n != want and not whole:
             raise _Retryable(f"connection ended after {n} of {want} bytes")
-        return body if isinstance(body, bytearray) else body[:n]
 
 
-class _SpeedWindow:
-    """One response's bytes counted per window of `window_s`; each window ended is judged by `judge`
-    (bytes, seconds), which raises to give the connection up."""
+class _Received:
+    """The bytes of one range read so far, kept across its attempts: into `out` when the caller
+    gave a buffer, else into a bytearray that grows as they come (a `Content-Range` is only a
+    claim, and a server that claims gigabytes and sends 18 bytes must cost 18 bytes)."""
 
-    def __init__(self, started_at: float, window_s: float, judge: Callable[[int, float], None]):
-        self.started_at, self.window_s, self.judge = started_at, window_s, judge
-        self.bytes_before = 0
+    def __init__(self, into: bytearray | memoryview):
+        self.into = into
+        self.n = 0
 
-    def count(self, n: int) -> None:
-        """`n` bytes have come in all."""
-        now = time.monotonic()
-        if now - self.started_at >= self.window_s:
-            self.judge(n - self.bytes_before, now - self.started_at)
-            self.started_at, self.bytes_before = now, n
+    def append(self, chunk: bytes) -> None:
+        if isinstance(self.into, bytearray):
+            del self.into[self.n :]  # what an answer that was not kept left behind
+            self.into += chunk
+        else:
+            self.into[self.n : self.n + len(chunk)] = chunk
+        self.n += len(chunk)
 
 
 def _checked_range(r: httpx2.Response, start: int, end: int) -> tuple[int, int | None]:

@@ -16,7 +16,8 @@ already fills every piece, so K3's 17.5 MB experts are never run together.
 
 A Hub that only drips or stalls ends each fetch in one error within a bound: the pieces of an
 expert or of a run share one `Deadline` (node/fetching.py, `HUB_FETCH_DEADLINE_S` from the
-first request), and pieces still queued when it passes are cancelled. The experts of a run whose
+first request, plus what their bytes earn at the speed floor as they arrive, so a slow, full link
+never ends a fetch that keeps receiving), and pieces still queued when it passes are cancelled. The experts of a run whose
 request failed are not asked for again one by one (store/tier_chain.py): the run had the budget
 of one fetch, and asking again per expert would multiply it by the run's length.
 """
