@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 from waiting import wait_until
 
@@ -267,3 +268,39 @@ def test_the_counts_the_waiters_read_come_back_to_nothing_after_any_mix_of_chang
     assert flights.claim_fill([(9, 9)], [7], cap_bytes=50)  # the link is idle again
     flights.release_fill([(9, 9)])
     assert all(flights.guess((8, e), budget=4) is Guessed.ISSUED for e in range(4))  # the budget is whole again
+
+
+def test_a_waiter_with_a_busy_bound_goes_after_it_while_generations_keep_the_link_busy() -> None:
+    """A household's decode keeps a demand in flight at every layer, so the link is never idle:
+    the peer audit's wait must end after its bound, and the fill's (no bound) must not."""
+    flights = Flights()
+    flights.demand([(7, 0)])  # queued and never fetched: the link stays busy
+    active = lambda: time.monotonic() + 10.0  # noqa: E731 - a generation that goes on
+    stop = threading.Event()
+    ended: dict[str, bool] = {}
+
+    def wait(name: str, bound: float | None) -> None:
+        ended[name] = flights.wait_for_idle_link(1, active, stop.is_set, bound)
+
+    waiters = [threading.Thread(target=wait, args=("audit", 0.2)), threading.Thread(target=wait, args=("fill", None))]
+    for t in waiters:
+        t.start()
+    waiters[0].join(timeout=10.0)
+    assert ended.get("audit") is True  # after its bound of busy link
+    assert "fill" not in ended  # still waiting for an idle link
+    stop.set()
+    flights.notify()
+    waiters[1].join(timeout=10.0)
+    assert ended.get("fill") is False
+
+    no_generation = {}
+    gone = lambda: time.monotonic() - 1.0  # noqa: E731 - no generation: nothing runs, bound or not
+    stop2 = threading.Event()
+    t = threading.Thread(target=lambda: no_generation.update(r=flights.wait_for_idle_link(1, gone, stop2.is_set, 0.05)))
+    t.start()
+    t.join(timeout=0.5)
+    assert t.is_alive()  # waiting: the bound counts busy generations only
+    stop2.set()
+    flights.notify()
+    t.join(timeout=10.0)
+    assert no_generation["r"] is False

@@ -368,17 +368,38 @@ class Flights:
     # -- idle-link fill -----------------------------------------------------------------------
 
     def wait_for_idle_link(
-        self, cap_bytes: int, active_until: Callable[[], float], stopping: Callable[[], bool]
+        self,
+        cap_bytes: int,
+        active_until: Callable[[], float],
+        stopping: Callable[[], bool],
+        busy_bound_s: float | None = None,
     ) -> bool:
         """Wait until a generation is going on (`active_until()`, monotonic seconds), no demand is
         queued or fetched, no guess is in flight and fills reserve under `cap_bytes`; False once
-        the book closes or `stopping()`. Both callables are read under the lock."""
+        the book closes or `stopping()`. Both callables are read under the lock.
+
+        `busy_bound_s`: True also once generations have kept the link busy that long without a
+        break, for a waiter that must not starve under continuous use (a household's decode asks
+        its peers at every layer, so its link is never idle)."""
+        busy_since: float | None = None
         with self._lock:
             while not self._closed and not stopping():
-                left = active_until() - time.monotonic()
-                if left > 0 and self._link_idle(cap_bytes):
+                now = time.monotonic()
+                left = active_until() - now
+                if left <= 0:
+                    busy_since = None
+                    self._changed.wait(None)
+                    continue
+                if self._link_idle(cap_bytes):
                     return True
-                self._changed.wait(left if left > 0 else None)
+                if busy_bound_s is None:
+                    self._changed.wait(left)
+                    continue
+                busy_since = now if busy_since is None else busy_since
+                bound_left = busy_since + busy_bound_s - now
+                if bound_left <= 0:
+                    return True
+                self._changed.wait(min(left, bound_left))
             return False
 
     def claim_fill(self, keys: list[ExpertKey], nbytes: list[int], cap_bytes: int) -> list[Future]:

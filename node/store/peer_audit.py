@@ -11,7 +11,8 @@ peer cannot tell which of its copies are checked: at most 1/AUDIT_EVERY of the h
 bytes again from the Hub (a peer's first copy in each process is checked apart, before it is
 used: store/tier_chain.py). An audit is one Hub download (two when the first disagrees), made by
 the fill's rule (store/fill.py): while a generation is going on and neither a demand nor a guess
-wants the link (store/flights.py), at the fill's priority in the Hub's pool. Its bytes are
+wants the link (store/flights.py), at the fill's priority in the Hub's pool; or after
+AUDIT_BUSY_BOUND_S of generations that never left the link idle. Its bytes are
 counted apart from the experts' uses (`StoreStats.audit_bytes`). Experts two peers' copies
 disagreed on (store/tier_chain.py) are audited first, beyond the sample. A peer's very first copy
 is not left to the sample: it is checked before it is used (`TierChain`'s first-copy check).
@@ -50,6 +51,10 @@ AUDIT_EVERY = 256
 AUDIT_ACTIVE_S = 2.0  # audits run while a layer was asked for within this many seconds (as fills do)
 AUDIT_RECHECK_S = 5.0  # how often the book is looked at again when nothing is due
 AUDIT_BACKOFF_S = 60.0  # after the Hub failed an audit (offline, rate-limited), before the next
+# A household's decode asks its peers at every layer, so its link is never idle: an audit due
+# waits at most this long of busy generations, then goes anyway (at the fill's priority in the
+# Hub's pool, behind every demand's piece): at most one expert a minute from the Hub.
+AUDIT_BUSY_BOUND_S = 60.0
 AUDIT = FetchContext(Priority.FILL)
 
 
@@ -148,7 +153,9 @@ class PeerAudit:
                 self._wake.wait(AUDIT_RECHECK_S)
                 self._wake.clear()
                 continue
-            if not self.flights.wait_for_idle_link(self._cap, lambda: self._active_until, self._closing.is_set):
+            if not self.flights.wait_for_idle_link(
+                self._cap, lambda: self._active_until, self._closing.is_set, AUDIT_BUSY_BOUND_S
+            ):
                 return
             if self.audit(key) == "failed":
                 self._closing.wait(AUDIT_BACKOFF_S)
