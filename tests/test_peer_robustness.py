@@ -205,7 +205,7 @@ def test_warm_asks_a_busy_node_again_rather_than_take_it_for_full(index, fake) -
 def test_warm_waits_for_an_owner_whose_hub_link_is_slow(index, fake, monkeypatch) -> None:
     """On a slow home link an owner's keeps queue behind each other, each within its own Hub
     fetch's bound: warm must wait for them, not give up on work the owner is still doing and
-    then on the owner. Time is scaled down: a Hub fetch's bound of 0.65 s, keeps of 0.5 s."""
+    then on the owner. Time is scaled down: a Hub fetch's bound of about 0.7 s, keeps of 0.5 s."""
     monkeypatch.setattr(constants, "HUB_FETCH_DEADLINE_S", 0.6)
     monkeypatch.setattr(constants, "HUB_SPEED_WINDOW_S", 0.05)
     servicer, _, address = fake

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from expertmesh.node import constants
+from expertmesh.node.fetching import hub_fetch_bound_s
 from expertmesh.node.household.membership import expert_key, rendezvous_score
 from expertmesh.node.model.expert_index import ExpertIndex
 from expertmesh.node.rpc.admission import is_busy
@@ -35,17 +35,17 @@ BUSY_RETRIES = 4  # a busy node is asked again after 0.5, 1, 2 and 4 s before it
 BUSY_WAIT_S = 0.5
 
 
-def keep_deadline_s(concurrency: int) -> float:
-    """How long one keep may take before warm counts it a failure.
+def keep_deadline_s(concurrency: int, nbytes: int) -> float:
+    """How long one keep of an expert of `nbytes` may take before warm counts it a failure.
 
-    A keep is one Hub fetch on the owner, which bounds it there by HUB_FETCH_DEADLINE_S from its
-    first request (and one read timeout more). With `concurrency` keeps in flight on one owner the
-    last may start only when the others end, so its bound is theirs added up. A peer's demand
-    deadline (30 s) is not one: on a home link of 20 Mbit/s or less four K3 experts take longer,
-    the owner goes on fetching what warm gave up on, and after five such keeps warm leaves a
-    healthy owner out.
+    A keep is one Hub fetch on the owner, which bounds it there (`hub_fetch_bound_s`: a budget,
+    and more while bytes keep coming on a slow, full link). With `concurrency` keeps in flight on
+    one owner the last may start only when the others end, so its bound is theirs added up. A
+    peer's demand deadline (30 s) is not one: on a home link of 20 Mbit/s or less four K3 experts
+    take longer, the owner goes on fetching what warm gave up on, and after five such keeps warm
+    leaves a healthy owner out.
     """
-    return max(1, concurrency) * (constants.HUB_FETCH_DEADLINE_S + constants.HUB_SPEED_WINDOW_S)
+    return max(1, concurrency) * hub_fetch_bound_s(nbytes)
 
 
 def warm_order(index: ExpertIndex, uses: Counter | None = None) -> list[ExpertKey]:
@@ -139,14 +139,16 @@ def warm(
     }
     lock = threading.Lock()
     counts = [0, 0]
-    deadline_s = keep_deadline_s(concurrency)
+
+    def deadline_s(key: ExpertKey) -> float:
+        return keep_deadline_s(concurrency, index.expert(*key).nbytes)
 
     def keep(client: NodeClient, key: ExpertKey) -> None:
         """Ask the node to keep `key`; a node that is busy (rpc/admission.py) is asked again a few
         times, waiting longer each time. Raises grpc.RpcError."""
         for attempt in range(BUSY_RETRIES + 1):
             try:
-                for _ in client.fetch_expert(model, *key, deadline_s, fetch_on_miss=True, keep_only=True):
+                for _ in client.fetch_expert(model, *key, deadline_s(key), fetch_on_miss=True, keep_only=True):
                     pass
                 return
             except grpc.RpcError as e:
