@@ -107,12 +107,12 @@ def test_a_slow_window_is_judged_against_the_link(
 
 
 def test_a_deadline_earns_time_with_the_bytes_that_arrive() -> None:
-    deadline = Deadline(0.2, earned_bytes_per_s=1000)
+    deadline = Deadline(100.0, earned_bytes_per_s=1000)
     deadline.received(10_000)  # nothing before its first request
-    assert deadline.left() == 0.2
+    assert deadline.left() == 100.0
     deadline.start()
-    deadline.received(1000)  # a second at the floor
-    assert 1.0 < deadline.left() <= 1.2
+    deadline.received(100_000)  # 100 s at the floor: more than any pause of this machine's
+    assert 100.0 < deadline.left() <= 200.0
     ended = Deadline(0.01, earned_bytes_per_s=1000)
     ended.start()
     time.sleep(0.02)
