@@ -95,12 +95,19 @@ class FetchContext:
         return seconds if self.deadline is None else max(0.001, min(seconds, self.deadline.left()))
 
 
+def fetch_bound_s(nbytes: int, budget_s: float, floor_bytes_per_s: float, read_timeout_s: float) -> float:
+    """The longest a Hub fetch of `nbytes` with a `Deadline(budget_s, floor_bytes_per_s)` runs: the
+    budget, the time its bytes earn at the floor (none arrive on a Hub that stalls), plus one read
+    that was in progress when it passed (a read cannot be interrupted, only not followed by another)."""
+    earned = nbytes / floor_bytes_per_s if floor_bytes_per_s > 0 else 0.0
+    return budget_s + earned + read_timeout_s
+
+
 def hub_fetch_bound_s(nbytes: int) -> float:
-    """The longest a node's Hub fetch of `nbytes` runs before it fails, at the default settings
-    (`RangeReader.fetch_bound_s`): the budget, its bytes' time at the floor, one read more. What an
-    owner fetching an expert for a peer may take before it gives up itself."""
+    """`fetch_bound_s` at the default settings (`RangeReader`'s): what an owner fetching an expert
+    for a peer may take before it gives up itself."""
     read_s = min(constants.HTTP_TIMEOUT_S, constants.HUB_SPEED_WINDOW_S)
-    return constants.HUB_FETCH_DEADLINE_S + nbytes / constants.HUB_MIN_BYTES_PER_S + read_s
+    return fetch_bound_s(nbytes, constants.HUB_FETCH_DEADLINE_S, constants.HUB_MIN_BYTES_PER_S, read_s)
 
 
 DEMAND = FetchContext()  # a demanded fetch with no bound of its own: what a plain call makes

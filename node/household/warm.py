@@ -41,9 +41,8 @@ def keep_deadline_s(concurrency: int, nbytes: int) -> float:
     A keep is one Hub fetch on the owner, which bounds it there (`hub_fetch_bound_s`: a budget,
     and more while bytes keep coming on a slow, full link). With `concurrency` keeps in flight on
     one owner the last may start only when the others end, so its bound is theirs added up. A
-    peer's demand deadline (30 s) is not one: on a home link of 20 Mbit/s or less four K3 experts
-    take longer, the owner goes on fetching what warm gave up on, and after five such keeps warm
-    leaves a healthy owner out.
+    shorter one gives up on a slow link while the owner goes on fetching, and after five such
+    keeps warm leaves a healthy owner out.
     """
     return max(1, concurrency) * hub_fetch_bound_s(nbytes)
 

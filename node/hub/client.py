@@ -43,7 +43,7 @@ from expertmesh.node.errors import (
     ModelNotFoundError,
     RateLimitedError,
 )
-from expertmesh.node.fetching import DEMAND, Deadline, FetchContext
+from expertmesh.node.fetching import DEMAND, Deadline, FetchContext, fetch_bound_s
 from expertmesh.node.hub.rate_limit import GATE, bucket_of, hub_origins, limit_of, observed_session, origin
 from expertmesh.node.hub.speed import LinkMeter, LinkTotals, SpeedWindow
 from expertmesh.node.model import safetensors_format
@@ -442,11 +442,8 @@ class RangeReader:
         return Deadline(self.fetch_deadline_s, self.min_bytes_per_s)
 
     def fetch_bound_s(self, nbytes: int = 0) -> float:
-        """The documented bound on a fetch of `nbytes` with a `deadline()`: the budget, the time its
-        bytes earn at the floor (none arrive on a Hub that stalls), plus one read that was in
-        progress when it passed (a read cannot be interrupted, only not followed by another)."""
-        earned = nbytes / self.min_bytes_per_s if self.min_bytes_per_s > 0 else 0.0
-        return self.fetch_deadline_s + earned + self.read_timeout_s
+        """The documented bound on a fetch of `nbytes` with a `deadline()` (node/fetching.py)."""
+        return fetch_bound_s(nbytes, self.fetch_deadline_s, self.min_bytes_per_s, self.read_timeout_s)
 
     def cancel(self) -> None:
         """Stop: reads in flight end at their next chunk, and nothing is retried (Ctrl-C, close)."""

@@ -225,7 +225,7 @@ class PromptInputs:
     def labels(self) -> dict[str, str]:
         # A call's time outside the peer includes its rows' transfer through the lab's NIC, which
         # the layer's sum counts again on the projected link: a lab LAN slower than that link
-        # makes the remote figure err slow (a 12 MB/s lab gave 43x where a 1 GbE one gave 78x).
+        # makes the remote figure err slow (docs/benchmarks.md, the lab at 12 MB/s).
         lan = self.lab_lan_bytes_per_s
         through = f" through a {lan / 1e6:g} MB/s NIC, its rows' transfer included" if lan else ""
         return {
