@@ -287,6 +287,7 @@ def build_node(
             remote_tiers,
             stats,
             ram_budget_bytes=ram_bytes if not config.cache_only else 0,
+            received_bytes=_received_bytes(hub, node.peer_tier),
         )
         if not config.cache_only:
             _build_model(node, path, ram_bytes, remote_tiers, digests)
@@ -386,6 +387,14 @@ def _join_household(node: Node, household: HouseholdConfig) -> None:
         from expertmesh.node.household.peers_tier import PeerSource
 
         node.peer_tier = PeerSource(node.index, node.peers, household.secret, tls_ca=household.tls_ca)
+
+
+def _received_bytes(hub: HubSource, peer_tier: PeerSource | None) -> Callable[[], int]:
+    """What this node's remote tiers have received, together: the progress its owner fetches
+    show the peers waiting on them (rpc/fetch_progress.py)."""
+    if peer_tier is None:
+        return hub.reader.received_bytes
+    return lambda: hub.reader.received_bytes() + peer_tier.received_bytes()
 
 
 def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list[Tier], digests: DigestBook) -> None:

@@ -73,12 +73,13 @@ from expertmesh.node.engine.tools import (
     wire_json,
 )
 from expertmesh.node.engine.vocabulary import token_bytes
-from expertmesh.node.errors import DownloadError, ExpertmeshError, SpeculationError
+from expertmesh.node.errors import Abandoned, DownloadError, ExpertmeshError, SpeculationError
 from expertmesh.node.household.expert_compute import ComputeRequestError, ExpertComputer
 from expertmesh.node.hub.rate_limit import GATE
 from expertmesh.node.model.expert_index import ExpertBytes, ExpertLocation
 from expertmesh.node.rpc.admission import BUSY, CallSlots
 from expertmesh.node.rpc.call_context import CallContext
+from expertmesh.node.rpc.fetch_progress import fetch_reporting_progress
 from expertmesh.node.rpc.inventory import encode_inventory, layer_sizes
 from expertmesh.node.rpc.prefix_keys import MAX_HELD, message_prefix_keys
 from expertmesh.node.rpc.proof import Identity, ProofRefused, Prover
@@ -404,7 +405,12 @@ class NodeService(node_pb2_grpc.NodeServicer):
             if not request.fetch_on_miss:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"expert {key.expert} of layer {key.layer} is not held here")
             try:
-                blob = self.experts.fetch_as_owner(loc)
+                if request.progress:
+                    blob = yield from fetch_reporting_progress(self.experts, loc, context)
+                else:
+                    blob = self.experts.fetch_as_owner(loc, context.is_active)
+            except Abandoned:
+                context.abort(grpc.StatusCode.CANCELLED, "the caller gave up before the owner's fetch began")
             except ExpertmeshError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
         digest = sha256(blob)
@@ -418,7 +424,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
     def _keep(self, loc: ExpertLocation, context: CallContext) -> node_pb2.ExpertChunk:
         """FetchExpert with keep_only: hold the expert (fetching it on a miss), send no bytes."""
         try:
-            kept = self.experts.keep(loc)
+            kept = self.experts.keep(loc, context.is_active)
+        except Abandoned:
+            context.abort(grpc.StatusCode.CANCELLED, "the caller gave up before the owner's fetch began")
         except ExpertmeshError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"fetching the expert failed: {e}")
         if not kept:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from expertmesh.coordinator.generation import Coordinator, CoordinatorConfig, Finish, Usage
@@ -143,3 +144,19 @@ def test_a_node_that_stalls_past_one_health_check_finishes_the_answer() -> None:
             assert hs.checks >= 2
         finally:
             coordinator.close()
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_call_is_cancelled_when_its_caller_stops_waiting(moved: bool) -> None:
+    """The peers tier sets when it stops waiting on an owner, and moves it as the owner's progress
+    comes (household/owner_wait.py): the watch cancels the call then, and only then."""
+    watch = _stopped_watch([True] * 4)  # SERVING: only its end gives the call up
+    call = _Call()
+    with watch.watching("owner:1", call) as watched:
+        watch.give_up_at(watched, 0.0)  # long past
+        if moved:
+            watch.give_up_at(watched, float("inf"))  # progress moved the end on
+        watch.check()
+        assert (watched.gave_up, call.cancelled) == ((False, 0) if moved else (True, 1))
+        watch.check()
+        assert call.cancelled == (0 if moved else 1)  # once

@@ -298,9 +298,9 @@ def _gate_owner_fetches(node, monkeypatch) -> threading.Event:
     gate = threading.Event()
     fetch = node.service.experts.fetch_as_owner
 
-    def slow(loc):
+    def slow(loc, *args):
         gate.wait(30)
-        return fetch(loc)
+        return fetch(loc, *args)
 
     monkeypatch.setattr(node.service.experts, "fetch_as_owner", slow)
     return gate

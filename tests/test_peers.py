@@ -77,6 +77,9 @@ class _LyingNode(NodeService):
 
     def FetchExpert(self, request, context):
         for chunk in super().FetchExpert(request, context):
+            if chunk.HasField("progress"):  # an owner's word on its fetch, before any bytes
+                yield chunk
+                continue
             yield node_pb2.ExpertChunk(size=chunk.size, sha256=chunk.sha256, data=bytes(b ^ 0xFF for b in chunk.data))
 
 
@@ -100,7 +103,7 @@ class _WrongCopies(NodeService):
     honest_first = 0
 
     def FetchExpert(self, request, context):
-        chunks = list(super().FetchExpert(request, context))
+        chunks = [c for c in super().FetchExpert(request, context) if not c.HasField("progress")]
         if self.honest_first > 0:
             self.honest_first -= 1
             yield from chunks

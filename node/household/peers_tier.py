@@ -38,7 +38,9 @@ from grpc_health.v1 import health_pb2
 
 from expertmesh.node.fetching import DEMAND, FetchContext, hub_fetch_bound_s
 from expertmesh.node.household.membership import SKIP_AFTER_ERROR_S, Peer, PeerTable, expert_key
+from expertmesh.node.household.owner_wait import DEADLINE_EXCEEDED, OwnerWait
 from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex, ExpertLocation
+from expertmesh.node.rpc.admission import DEFAULT_PEER_CALLS
 from expertmesh.node.rpc.call_watch import CallWatch
 from expertmesh.node.rpc.client import INFO_DEADLINE_S, NodeClient, model_key
 from expertmesh.node.rpc.inventory import layer_sizes
@@ -48,6 +50,9 @@ from expertmesh.node.store.integrity import book_peer_id
 logger = logging.getLogger(__name__)
 
 FETCH_DEADLINE_S = 30.0  # for one expert from one peer; an owner has its own Hub fetch's bound more
+# An owner fetching for us whose links receive nothing this long is given up (`OwnerWait`): many
+# times its progress messages' period, and longer than a Hub response's first byte takes.
+OWNER_STALL_S = 30.0
 INVENTORY_TTL_S = 30.0  # how long a peer's inventory is trusted before it is asked again
 HEALTH_EVERY_S = 10.0  # every peer's gRPC health is checked this often
 HEALTH_DEADLINE_S = 2.0
@@ -58,6 +63,9 @@ STRIKES_KEPT_S = MAX_SKIP_S  # a peer's failed calls are forgotten this long aft
 BUSY_WAIT_S = 2.0  # how long a busy peer is asked again before the next one (or the Hub) is
 BUSY_PAUSES_S = (0.02, 0.05, 0.1, 0.2, 0.4)  # between those asks (the last one repeats)
 _BUSY = object()  # `_fetch_from`'s answer when the peer refused as busy
+# An owner's fetches for peers that may run ahead of ours (its admission's default): what the
+# call's deadline allows beyond our own wait, which progress ends sooner (`OwnerWait`).
+OWNER_QUEUE = DEFAULT_PEER_CALLS
 
 
 @dataclass(frozen=True)
@@ -108,11 +116,14 @@ class PeerSource:
         skips: SkipPolicy = SkipPolicy(),
         quiet_s: float = PEER_QUIET_S,
         owner_hub_s: Callable[[int], float] = hub_fetch_bound_s,
+        owner_stall_s: float = OWNER_STALL_S,
     ):
         """`deadline_s`: for one expert from one peer; from its owner, `owner_hub_s(nbytes)` more,
-        the longest the owner's own Hub fetch of it may run (see `fetch`)."""
+        the longest the owner's own Hub fetch of it may run (see `fetch`), unless the owner's
+        progress shows its links received nothing for `owner_stall_s`."""
         self.index = index
         self.owner_hub_s = owner_hub_s
+        self.owner_stall_s = owner_stall_s
         self.skip_policy = skips
         self.table = table
         self.secret = secret
@@ -130,6 +141,7 @@ class PeerSource:
         self.transfer_observer: Callable[[Peer, int, float], None] | None = None
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
+        self._received_bytes = 0  # expert bytes peers sent this tier: part of this node's progress as an owner
         # one strike: a peer given up costs one expert from the next tier, and a token waits on it
         self.watch = CallWatch(
             lambda address, timeout_s: self.client(address).serving(timeout_s), quiet_s, HEALTH_DEADLINE_S, strikes=1
@@ -241,26 +253,50 @@ class PeerSource:
 
     def _fetch_from(self, peer: Peer, loc: ExpertLocation, owner: bool, timeout: float):
         """The expert's checked bytes from `peer`, None when it failed (skipped) or missed, or
-        `_BUSY` when it refused for now."""
+        `_BUSY` when it refused for now. The owner is asked for its progress and waited for while
+        it moves (`OwnerWait`); the call's own deadline then only bounds a queue of its fetches."""
         t0 = time.perf_counter()
         blob = shared_pool().lend(loc.nbytes)  # the chunks land in place: no join, no fresh pages
-        call = self.client(peer.address).fetch_expert(self._model, loc.layer, loc.expert, timeout, fetch_on_miss=owner)
+        wait = OwnerWait(timeout, self.owner_stall_s) if owner else None
+        call_timeout = timeout + OWNER_QUEUE * (self.deadline_s + self.owner_hub_s(loc.nbytes)) if owner else timeout
+        call = self.client(peer.address).fetch_expert(
+            self._model, loc.layer, loc.expert, call_timeout, fetch_on_miss=owner, progress=owner
+        )
         try:
             size, digest, received = None, None, 0
             with self.watch.watching(peer.address, call) as watched:
+                if wait is not None:
+                    self.watch.give_up_at(watched, wait.give_up_at)
                 for chunk in call:
                     watched.heard()
+                    if chunk.HasField("progress"):
+                        if wait is None or size is not None:  # not asked for, or after the data began
+                            self.penalise(peer, "malformed")
+                            return None
+                        self.watch.give_up_at(watched, wait.heard(chunk.progress))
+                        continue
                     if size is None:
                         size, digest = chunk.size, chunk.sha256
+                        if wait is not None:  # the owner has it: what is left is a LAN transfer
+                            self.watch.give_up_at(watched, time.monotonic() + self.deadline_s)
                     if received + len(chunk.data) > loc.nbytes:
                         self.penalise(peer, "oversized")
                         return None
                     blob[received : received + len(chunk.data)] = chunk.data
                     received += len(chunk.data)
+                    with self._lock:
+                        self._received_bytes += len(chunk.data)
         except grpc.RpcError as e:
             if watched.hung:  # it failed its health check: skipped until it answers SERVING again
                 if peer.live:
                     self._penalise_health(peer, HUNG, counted_as="hung")
+                return None
+            if watched.gave_up and wait is not None:  # the owner's fetch stalled or ran past its bound
+                why = wait.why() if size is None else DEADLINE_EXCEEDED  # or its data came too slowly
+                logger.info(
+                    "owner %s of %s: its fetch %s; asking the next tier", peer.node_id, loc, why.replace("_", " ")
+                )
+                self.penalise(peer, why)
                 return None
             if e.code() == grpc.StatusCode.NOT_FOUND and not owner:
                 # an honest miss (evicted since its inventory was read), or an inventory that lies:
@@ -283,6 +319,11 @@ class PeerSource:
         if self.transfer_observer is not None:
             self.transfer_observer(peer, len(blob), time.perf_counter() - t0)
         return blob
+
+    def received_bytes(self) -> int:
+        """Expert bytes peers have sent this tier since it started."""
+        with self._lock:
+            return self._received_bytes
 
     def voucher(self, loc: ExpertLocation) -> str | None:
         """The node id of the peer that sent the copy of `loc` fetched last."""

@@ -445,6 +445,10 @@ class RangeReader:
         """The documented bound on a fetch of `nbytes` with a `deadline()` (node/fetching.py)."""
         return fetch_bound_s(nbytes, self.fetch_deadline_s, self.min_bytes_per_s, self.read_timeout_s)
 
+    def received_bytes(self) -> int:
+        """Bytes this reader's responses have received since it was made."""
+        return self._link.totals().nbytes
+
     def cancel(self) -> None:
         """Stop: reads in flight end at their next chunk, and nothing is retried (Ctrl-C, close)."""
         self._cancelled.set()

@@ -49,6 +49,10 @@ class Watched:
     call: grpc.Future
     heard_at: float = field(default_factory=time.monotonic)
     hung: bool = False
+    # The caller's own end of its wait, which it may move as it hears from the node (monotonic
+    # seconds; None: the call's deadline only): the watch cancels the call once it passes.
+    give_up_at: float | None = None
+    gave_up: bool = False
 
     def heard(self) -> None:
         """An event arrived: the node is alive."""
@@ -76,6 +80,7 @@ class CallWatch:
         self._failed: dict[str, list[float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a call's `give_up_at` was set: the next round may be sooner
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -94,11 +99,14 @@ class CallWatch:
                 self._calls.discard(watched)
 
     def check(self) -> None:
-        """One round: ask the health of every node with a quiet call (not asked within `quiet_s`);
-        give up the calls to a node that failed `strikes` checks in a row and that heard nothing
-        since before the first of them."""
+        """One round: cancel the calls whose `give_up_at` passed; ask the health of every node with
+        a quiet call (not asked within `quiet_s`); give up the calls to a node that failed
+        `strikes` checks in a row and that heard nothing since before the first of them."""
         now = time.monotonic()
         with self._lock:
+            ended = [w for w in self._calls if w.give_up_at is not None and now >= w.give_up_at and not w.gave_up]
+            for w in ended:
+                w.gave_up = True
             watched = {w.address for w in self._calls}
             for address in [a for a in self._asked if a not in watched]:  # no call waits on it any more
                 del self._asked[address]
@@ -107,6 +115,8 @@ class CallWatch:
             due = [a for a in quiet if now - self._asked.get(a, -self.quiet_s) >= self.quiet_s]
             for address in due:
                 self._asked[address] = now
+        for w in ended:
+            w.call.cancel()
         for address in due:
             serving = self._serving(address, self.health_deadline_s)
             with self._lock:
@@ -136,9 +146,28 @@ class CallWatch:
             for w in hung:
                 w.call.cancel()
 
-    def _loop(self) -> None:
+    def _next_round_s(self) -> float:
+        """Until the next round: a fraction of `quiet_s`, or sooner when a call's `give_up_at` comes."""
         every_s = max(0.05, min(1.0, self.quiet_s / 4))
-        while not self._stop.wait(every_s):
+        with self._lock:
+            ends = [w.give_up_at for w in self._calls if w.give_up_at is not None and not w.gave_up]
+        if ends:
+            every_s = min(every_s, max(0.01, min(ends) - time.monotonic()))
+        return every_s
+
+    def give_up_at(self, watched: Watched, at: float) -> None:
+        """Set when the caller stops waiting on `watched` (monotonic seconds): the watch cancels
+        the call then, to within a few milliseconds."""
+        with self._lock:
+            watched.give_up_at = at
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()  # before the next end is read: a `give_up_at` set after it wakes the wait
+            self._wake.wait(self._next_round_s())
+            if self._stop.is_set():
+                break
             try:
                 self.check()
             except Exception:  # the watch must outlive one bad round
@@ -146,5 +175,6 @@ class CallWatch:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(self.health_deadline_s + 2)

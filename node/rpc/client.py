@@ -75,12 +75,15 @@ class NodeClient:
         timeout: float,
         fetch_on_miss: bool = False,
         keep_only: bool = False,
+        progress: bool = False,
     ) -> ChunkStream:
-        """The expert's chunks as they stream (`keep_only`: the node keeps it, one empty chunk)."""
+        """The expert's chunks as they stream (`keep_only`: the node keeps it, one empty chunk;
+        `progress`: progress messages come first while it fetches on a miss)."""
         request = node_pb2.FetchExpertRequest(
             key=node_pb2.ExpertKey(model=model, layer=layer, expert=expert),
             fetch_on_miss=fetch_on_miss,
             keep_only=keep_only,
+            progress=progress,
         )
         return self._stub.FetchExpert(request, metadata=self._credential("FetchExpert"), timeout=timeout)
 

@@ -7,9 +7,10 @@ is why this does not depend on a loaded model.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from expertmesh.node.errors import DownloadError
+from expertmesh.node.errors import Abandoned, DownloadError
 from expertmesh.node.model.expert_index import ExpertBytes, ExpertIndex, ExpertLocation
 from expertmesh.node.store.integrity import DigestBook
 from expertmesh.node.store.stats import StoreStats
@@ -27,6 +28,9 @@ class ServedExperts:
     remote_tiers: list[Tier]  # nearest first, after the disk: peers, then the Hub
     stats: StoreStats
     ram_budget_bytes: int = 0
+    # Expert bytes the remote tiers have received since the node started (a counter): what a
+    # peer waiting on this owner's fetch is shown as its progress (FetchExpert's `progress`).
+    received_bytes: Callable[[], int] = field(default=lambda: 0, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def held_copy(self, loc: ExpertLocation) -> bytes | None:
@@ -40,12 +44,21 @@ class ServedExperts:
         self.disk.discard(loc)
         return None
 
-    def fetch_as_owner(self, loc: ExpertLocation) -> ExpertBytes:
+    def fetch_as_owner(
+        self,
+        loc: ExpertLocation,
+        wanted: Callable[[], bool] = lambda: True,
+        begun: Callable[[], None] = lambda: None,
+    ) -> ExpertBytes:
         """Fetch a missing expert from the sources after the disk, keep it and return it.
 
-        One at a time, so peers asking for the same expert at once cost one Hub fetch.
+        One at a time, so peers asking for the same expert at once cost one Hub fetch. `wanted`
+        is asked once this fetch's turn comes: a caller that gave up while it waited behind the
+        others is not fetched for, since it is fetching the expert itself by then and the
+        household's link would carry it twice. `begun` is called as the fetch starts.
 
         Raises:
+            Abandoned: `wanted` said no.
             DownloadError: no source gave a good copy.
         """
         key = (loc.layer, loc.expert)
@@ -54,6 +67,9 @@ class ServedExperts:
             blob = self.held_copy(loc)
             if blob is not None:
                 return blob
+            if not wanted():
+                raise Abandoned(f"expert {loc.expert} of layer {loc.layer}: its caller gave up before its turn")
+            begun()
             for tier in self.remote_tiers:
                 fetched = tier.fetch(loc)
                 if fetched is None or len(fetched) != loc.nbytes:
@@ -67,7 +83,7 @@ class ServedExperts:
                 return fetched
         raise DownloadError(f"expert {loc.expert} of layer {loc.layer}: no source has a good copy")
 
-    def keep(self, loc: ExpertLocation) -> bool:
+    def keep(self, loc: ExpertLocation, wanted: Callable[[], bool] = lambda: True) -> bool:
         """Warm-up: hold this expert on disk, fetching it as its owner if missing, but never by
         evicting another — a warm fills free budget and must not churn what use has cached.
 
@@ -83,7 +99,7 @@ class ServedExperts:
                 return True
             if not self.disk.has_room(loc.nbytes):
                 return False
-            self.fetch_as_owner(loc)
+            self.fetch_as_owner(loc, wanted)
             return key in self.disk
 
     def close(self) -> None:

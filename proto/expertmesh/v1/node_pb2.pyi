@@ -133,24 +133,36 @@ class InventoryResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerBitmap, _Mapping]]] = ...) -> None: ...
 
 class FetchExpertRequest(_message.Message):
-    __slots__ = ("key", "fetch_on_miss", "keep_only")
+    __slots__ = ("key", "fetch_on_miss", "keep_only", "progress")
     KEY_FIELD_NUMBER: _ClassVar[int]
     FETCH_ON_MISS_FIELD_NUMBER: _ClassVar[int]
     KEEP_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     key: ExpertKey
     fetch_on_miss: bool
     keep_only: bool
-    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., fetch_on_miss: _Optional[bool] = ..., keep_only: _Optional[bool] = ...) -> None: ...
+    progress: bool
+    def __init__(self, key: _Optional[_Union[ExpertKey, _Mapping]] = ..., fetch_on_miss: _Optional[bool] = ..., keep_only: _Optional[bool] = ..., progress: _Optional[bool] = ...) -> None: ...
 
 class ExpertChunk(_message.Message):
-    __slots__ = ("size", "sha256", "data")
+    __slots__ = ("size", "sha256", "data", "progress")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     size: int
     sha256: str
     data: bytes
-    def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    progress: FetchProgress
+    def __init__(self, size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ..., progress: _Optional[_Union[FetchProgress, _Mapping]] = ...) -> None: ...
+
+class FetchProgress(_message.Message):
+    __slots__ = ("fetching", "received_bytes")
+    FETCHING_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    fetching: bool
+    received_bytes: int
+    def __init__(self, fetching: _Optional[bool] = ..., received_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "chat", "max_tokens", "temperature", "top_p", "seed", "messages", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_p", "logit_bias", "logprobs", "top_logprobs", "count_only", "tools", "tool_choice", "tool_choice_name", "response_format", "prefix_space", "prompt_experts")
