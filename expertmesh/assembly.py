@@ -169,6 +169,8 @@ class Node:
             stops.append(close_service)  # its batch engine, once no call can reach it
         if self.metrics_server is not None:
             stops.append(self.metrics_server.stop)
+        if self.remote is not None and self.remote.audit is not None:
+            stops.append(self.remote.audit.stop)  # before the store it fetches through
         if self.store is not None:
             stops.append(self.store.close)  # its fetch workers, then its tiers
         else:
@@ -457,6 +459,13 @@ def _build_model(node: Node, path: Path, ram_bytes: int, remote_tiers: list[Tier
         from expertmesh.node.household.remote_experts import RemoteExperts
 
         node.remote = RemoteExperts(node.store, node.peer_tier, node.disk, remote)
+        if s.audit:  # what peers compute is sampled as what they send is (household/compute_audit.py)
+            from expertmesh.node.household.compute_audit import ComputeAudit
+            from expertmesh.node.household.expert_compute import ExpertComputer
+
+            node.remote.audit = ComputeAudit(
+                ExpertComputer(node.model), node.store.flights, node.peer_tier.distrust_peer, node.stats
+            )
         for block in node.model.blocks:
             block.bind_remote(node.remote)
 

@@ -102,6 +102,10 @@ class _ComputeNode(NodeService):
         elif self.mode == "nan":
             nan = mx.full((t.shape[0], t.shape[1]), float("nan"), dtype=activations.DTYPES[t.dtype][0])
             first.rows.CopyFrom(activations.encode(nan))  # in the dtype asked: caught as NaN, not as a dtype
+        elif self.mode == "wrong_values":  # every answer well formed, finite and wrong: scaled by 1.5
+            for item in response.experts:
+                x = activations.decode(item.rows, item.rows.shape[1])
+                item.rows.CopyFrom(activations.encode(x * 1.5))
         elif self.mode == "extra":
             response.experts.append(node_pb2.ExpertRows(expert=first.expert, rows=t))
         elif self.mode == "missing_twice":  # one expert said missing twice: counted twice, were it taken
@@ -140,6 +144,9 @@ class Pair:
         )
         self.source = self.me.peer_tier
         self.remote = self.me.remote
+        # the compute audit's fetches are uses the store's bookkeeping tests count: on only where a
+        # test turns it on (`audited`)
+        self.audit, self.remote.audit = self.remote.audit, None
 
     def revive(self) -> None:
         """The pair as new: an honest peer, not skipped, its link not yet measured (what a test
@@ -148,6 +155,13 @@ class Pair:
         self.remote.links.clear()
         for p in self.source.table.peers.values():
             p.skip_until = 0.0
+        self.source.table.distrusted.clear()
+        self.remote.audit = None
+        self.audit.forget(self.running_id)  # its next answer is audited as its first
+
+    def audited(self) -> None:
+        """This test's calls are audited as the node's are (household/compute_audit.py)."""
+        self.remote.audit = self.audit
 
     def close(self) -> None:
         self.me.close()
@@ -352,6 +366,32 @@ def test_a_peer_with_malformed_outputs_is_caught_skipped_and_counted(pairs, mode
     assert d.remote["fallback_bad_output"] > 0
     assert pair.source.table.errors["bad_output"] > errors
     assert pair.source.table.live_count() == 0  # skipped for a while after lying
+
+
+def test_a_peer_whose_answers_are_wrong_is_caught_by_the_audit_of_its_first(pairs) -> None:
+    """Well formed, finite and wrong, its answers pass every check of their form: computing its
+    first again here shows it, and the peer is asked for nothing more."""
+    pair = pairs("kimi_k3")
+    pair.audited()
+    pair.service.mode = "wrong_values"
+    stats = pair.me.store.stats
+    before = stats.snapshot()
+    _generate(pair.me)  # its first answers are used: the audit stops the harm, it does not undo it
+    assert wait_until(lambda: stats.since(before).compute_audits["wrong"] == 1, timeout_s=30)
+    assert pair.source.table.errors["lied"] >= 1 and pair.source.table.live_count() == 0
+    remote = stats.since(before).remote["calls"]
+    assert _generate(pair.me) == pair.expected  # computed here from now on
+    assert stats.since(before).remote["calls"] == remote
+
+
+def test_an_honest_peers_first_answer_is_confirmed(pairs) -> None:
+    pair = pairs("kimi_k3")
+    pair.audited()
+    stats = pair.me.store.stats
+    before = stats.snapshot()
+    assert _generate(pair.me) == pair.expected
+    assert wait_until(lambda: stats.since(before).compute_audits["confirmed"] >= 1, timeout_s=30)
+    assert stats.since(before).compute_audits["wrong"] == 0 and pair.source.table.live_count() == 1
 
 
 def test_a_slow_peer_is_cut_off_at_the_deadline(pairs) -> None:

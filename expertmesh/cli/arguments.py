@@ -177,7 +177,8 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
         "--no-audit",
         action="store_true",
         help="in a household, do not check each peer's first copy of an expert, and a sample of the rest on the "
-        "idle link, against fresh Hub copies (peers' copies are then trusted until `expertmesh verify`)",
+        "idle link, against fresh Hub copies (peers' copies are then trusted until `expertmesh verify`), nor "
+        "each peer's first computed answer, and a sample of the rest, against this node's own computation",
     )
     p.add_argument(
         "--hub-connections",

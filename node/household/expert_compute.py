@@ -27,6 +27,7 @@ import mlx.core as mx
 from expertmesh.node.engine.blocks import StreamingExperts
 from expertmesh.node.engine.model_thread import model_thread
 from expertmesh.node.engine.streamed_model import StreamedModel
+from expertmesh.node.errors import DownloadError
 from expertmesh.node.rpc import activations
 from expertmesh.node.store.store import ExpertGroup
 from expertmesh.v1 import node_pb2
@@ -123,6 +124,24 @@ class ExpertComputer:
         finally:
             with self._lock:
                 self._running -= 1
+
+    def recompute(self, layer: int, expert: int, rows: node_pb2.Tensor) -> node_pb2.Tensor:
+        """`expert` of `layer` on `rows` here, as a peer's call is served, fetched through the store
+        where this node does not hold it (no claim: it is no owner's duty): what a compute peer's
+        answer is checked against (household/compute_audit.py).
+
+        Raises:
+            ComputeRequestError: an unknown layer or expert, or malformed rows.
+            DownloadError: the expert could not be had.
+        """
+        request = node_pb2.ComputeExpertsRequest(layer=layer, experts=[node_pb2.ExpertRows(expert=expert, rows=rows)])
+        block = self.check(request)
+        done: list[node_pb2.ExpertRows] = []
+        for group in self.sm.store.layer_groups(layer, [expert], routed=[]):
+            done += model_thread().call_for_peer(_run, block, group, {expert: rows})[1]
+        if not done:
+            raise DownloadError(f"expert {expert} of layer {layer} could not be had to compute")
+        return done[0].rows
 
 
 def _run(

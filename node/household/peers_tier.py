@@ -340,6 +340,10 @@ class PeerSource:
                     skips = self._skips.setdefault(member.node_id, _Skips())
                     skips.reason, skips.call_until = "lied", max(skips.call_until, member.skip_until)
 
+    def distrust_peer(self, peer: Peer) -> None:
+        """`distrust` `peer`: an answer it computed was shown wrong (household/compute_audit.py)."""
+        self.distrust(book_peer_id(peer.node_id))
+
     def discard(self, loc: ExpertLocation) -> None:
         """The store found these bytes disagree with the digest it recorded: the peer lied."""
         peer = self._last_server.pop((loc.layer, loc.expert), None)

@@ -43,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import mlx.core as mx
@@ -60,6 +61,9 @@ from expertmesh.node.store.prefetch import LayerGuess
 from expertmesh.node.store.stats import ExpertKey, StoreStats
 from expertmesh.node.store.store import ExpertStore, Served
 from expertmesh.v1 import node_pb2
+
+if TYPE_CHECKING:
+    from expertmesh.node.household.compute_audit import ComputeAudit
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +184,8 @@ class _Call:
     expected_s: float = 0.0  # its duration by the linear rows model, when it carries a prompt's rows; else 0
     misses: int = 0  # the peer's deadlines missed in a row when the call went out
     as_owner: bool = False  # sent with fetch_on_miss: the peer must fetch what it lacks, never answer it missing
+    # sampled for the compute audit: (an expert of it, its rows as sent, whether the peer's first)
+    audit: tuple[int, node_pb2.Tensor, bool] | None = None
     future: grpc.Future | None = None
     started: float = 0.0
     finished: float = 0.0  # when the answer arrived (set as it does)
@@ -325,6 +331,7 @@ class RemoteExperts:
         self.disk = disk
         self.config = config or RemoteConfig()
         self.links: dict[str, LinkEstimate] = {}
+        self.audit: ComputeAudit | None = None  # set by the composition root unless audits are off
         peers.transfer_observer = lambda peer, nbytes, seconds: self._link(peer).observe_transfer(nbytes, seconds)
 
     # -- cost model ---------------------------------------------------------------------------
@@ -563,6 +570,7 @@ class RemoteExperts:
                 placement.owner_fetch,
                 rows,
             )
+            encode.audit = self.audit
             chains.append(_PeerCalls(node_id, batches, encode, answers))
         return chains
 
@@ -627,6 +635,10 @@ class RemoteExperts:
         )
         self.store.stats.record_remote(calls=1, sent_bytes=call.sent_bytes, received_bytes=received)
         missing = list(response.missing)
+        audit, call.audit = call.audit, None
+        if audit is not None and self.audit is not None and audit[0] in got:
+            answered = next(x.rows for x in response.experts if x.expert == audit[0])
+            self.audit.offer(call.peer, block.layer, audit[0], audit[1], answered, audit[2])
         del response  # its bytes: decoded into `got` now
         if call.as_owner and missing:
             # asked as the owner, a peer fetches what it lacks (household/expert_compute.py) and
@@ -796,6 +808,7 @@ class _Encoder:
         self.misses = link.misses  # as the layer began: its calls' misses are judged together (_forgiven)
         self.dtype = activations.wire_dtype(rows.dtype)
         self._held: tuple[int, np.ndarray] | None = None
+        self.audit: ComputeAudit | None = None
 
     def __call__(self, batch: list[tuple[int, int, int]]) -> _Call:
         encoded = []
@@ -815,6 +828,11 @@ class _Encoder:
         # the same here or there); the deadline must also cover the call's rows
         factor = self.link.rows_factor(sum(n for _, _, n in batch) / len(batch))
         timeout = max(self.config.deadline_floor_s, self.config.deadline_factor * self.estimate_s * factor)
+        audit = None
+        sampled = self.audit.sample(self.peer) if self.audit is not None else None
+        if self.audit is not None and sampled is not None:
+            item = request.experts[self.audit.pick(len(request.experts))]  # any: the peer cannot tell which
+            audit = (item.expert, item.rows, sampled == "first")
         return _Call(
             self.peer,
             request,
@@ -827,6 +845,7 @@ class _Encoder:
             expected_s=self.estimate_s * factor / self.link.prompt_scale if factor > 1.0 else 0.0,
             misses=self.misses,
             as_owner=request.fetch_on_miss,
+            audit=audit,
         )
 
 

@@ -29,7 +29,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from expertmesh.node.store.stats import AUDIT_OUTCOMES, PREFETCH_OUTCOMES, REMOTE_COUNTS, SOURCES, StoreStats
+from expertmesh.node.store.stats import (
+    AUDIT_OUTCOMES,
+    COMPUTE_AUDIT_OUTCOMES,
+    PREFETCH_OUTCOMES,
+    REMOTE_COUNTS,
+    SOURCES,
+    StoreStats,
+)
 
 if TYPE_CHECKING:
     from expertmesh.node.engine.streamed_core import StreamedCore
@@ -166,6 +173,14 @@ class _StateCollector(Collector):
             "outcome",
             AUDIT_OUTCOMES,
             stats.audits if stats else None,
+        )
+        yield _by_label(
+            PREFIX + "compute_audits",
+            "Peers' ComputeExperts answers computed again here (each peer's first, and one call in 4096), "
+            "by outcome (confirmed; wrong: the peer no longer trusted; failed: the expert could not be had).",
+            "outcome",
+            COMPUTE_AUDIT_OUTCOMES,
+            stats.compute_audits if stats else None,
         )
         yield CounterMetricFamily(
             PREFIX + "peer_audit_bytes",

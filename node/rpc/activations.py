@@ -94,5 +94,14 @@ def finite(t: node_pb2.Tensor) -> bool:
     return bool(np.isfinite(values).all())
 
 
+def as_float32(t: node_pb2.Tensor) -> np.ndarray:
+    """A Tensor message's values (checked by `check`) as float32 on the host, bfloat16 widened
+    from its bit patterns: for comparing answers without MLX, off its thread."""
+    values = np.frombuffer(t.data, dtype=DTYPES[t.dtype][1]).reshape(tuple(t.shape))
+    if t.dtype == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32)
+
+
 def nbytes(t: node_pb2.Tensor) -> int:
     return len(t.data)

@@ -32,6 +32,9 @@ REMOTE_COUNTS = (
 # store/peer_audit.py): the record confirmed, shown wrong
 # (replaced, its peer no longer trusted), undecided (three different copies), or not made (the Hub failed)
 AUDIT_OUTCOMES = ("confirmed", "wrong", "undecided", "failed")
+# checks of peers' ComputeExperts answers computed again here (household/compute_audit.py): right,
+# wrong (the peer no longer trusted), or not made (the expert could not be had here)
+COMPUTE_AUDIT_OUTCOMES = ("confirmed", "wrong", "failed")
 # how each MoE layer of a pass ran: resident (every expert of the layer in a slot: no sync, the
 # experts mapped to slots on the device) or streamed (a sync to read the routing, then the store)
 LAYER_PASSES = ("resident", "streamed")
@@ -55,6 +58,7 @@ class StoreStats:
     wait_seconds: float = 0.0
     audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(AUDIT_OUTCOMES, 0))
     audit_bytes: int = 0  # fetched from the Hub by audits: not a use of any expert
+    compute_audits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COMPUTE_AUDIT_OUTCOMES, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # called as observer(source, nbytes, seconds) after each use (observability/metrics.py: the fetch histogram)
     observer: Callable[[str, int, float], None] | None = field(default=None, repr=False, compare=False)
@@ -83,6 +87,10 @@ class StoreStats:
             if outcome is not None:
                 self.audits[outcome] += 1
             self.audit_bytes += nbytes
+
+    def record_compute_audit(self, outcome: str) -> None:
+        with self._lock:
+            self.compute_audits[outcome] += 1
 
     def record_integrity_failure(self, source: str) -> None:
         with self._lock:
@@ -119,6 +127,7 @@ class StoreStats:
                 self.wait_seconds,
                 dict(self.audits),
                 self.audit_bytes,
+                dict(self.compute_audits),
             )
 
     def since(self, before: StoreStats) -> StoreStats:
@@ -135,6 +144,7 @@ class StoreStats:
             now.wait_seconds - before.wait_seconds,
             {k: now.audits[k] - before.audits[k] for k in AUDIT_OUTCOMES},
             now.audit_bytes - before.audit_bytes,
+            {k: now.compute_audits[k] - before.compute_audits[k] for k in COMPUTE_AUDIT_OUTCOMES},
         )
 
     @property
