@@ -149,6 +149,8 @@ def _warm_up_record(warm: dict, node: Node) -> dict:
         "links": _links(node),
         # what checking the peers' first copies fetched from the Hub: it is done in the warm-up
         "audit_bytes": node.stats.audit_bytes,
+        # each compute peer's first answer computed again here (household/compute_audit.py)
+        "compute_audits": dict(node.stats.compute_audits),
     }
 
 
@@ -229,6 +231,10 @@ def run(spec: dict) -> dict:
                 runs.append(_generate(sm, ids, spec["tokens"], on_token if i == 0 else None))
             hub_bytes = _hub_bytes(spec["hub_url"]) - hub0
             out["audit_bytes"] = node.stats.audit_bytes - audit0  # its part of hub_bytes
+            out["compute_audits"] = dict(
+                node.stats.compute_audits
+            )  # since the node started: warm-up's first answers too
+            out["peer_errors"] = dict(table.errors) if table is not None else {}  # e.g. an owner's fetch "stalled"
             nodes1 = _nodes_uses(node)
             out["nodes_uses"] = {  # during the measured prompts, by node and source
                 nid: {k: v - nodes0[nid].get(k, 0) for k, v in after.items() if v - nodes0[nid].get(k, 0)}
