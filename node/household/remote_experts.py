@@ -637,7 +637,7 @@ class RemoteExperts:
         missing = list(response.missing)
         audit, call.audit = call.audit, None
         if audit is not None and self.audit is not None and audit[0] in got:
-            answered = next(x.rows for x in response.experts if x.expert == audit[0])
+            answered = _own_copy(next(x.rows for x in response.experts if x.expert == audit[0]))
             self.audit.offer(call.peer, block.layer, audit[0], audit[1], answered, audit[2])
         del response  # its bytes: decoded into `got` now
         if call.as_owner and missing:
@@ -832,7 +832,7 @@ class _Encoder:
         sampled = self.audit.sample(self.peer) if self.audit is not None else None
         if self.audit is not None and sampled is not None:
             item = request.experts[self.audit.pick(len(request.experts))]  # any: the peer cannot tell which
-            audit = (item.expert, item.rows, sampled == "first")
+            audit = (item.expert, _own_copy(item.rows), sampled == "first")
         return _Call(
             self.peer,
             request,
@@ -847,6 +847,14 @@ class _Encoder:
             as_owner=request.fetch_on_miss,
             audit=audit,
         )
+
+
+def _own_copy(rows: node_pb2.Tensor) -> node_pb2.Tensor:
+    """One expert's rows apart from their message: a part kept alone would keep the whole call's
+    rows alive (megabytes of a prompt's) until its audit is done."""
+    copy = node_pb2.Tensor()
+    copy.CopyFrom(rows)
+    return copy
 
 
 class _Joined:
