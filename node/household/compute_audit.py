@@ -80,8 +80,10 @@ class ComputeAudit:
         stats: StoreStats,
         every: int = AUDIT_EVERY,
         rng: random.Random | None = None,
+        background: bool = True,
     ):
-        """`distrust(peer)`: what a wrong answer does to its peer (PeerSource.distrust_peer)."""
+        """`distrust(peer)`: what a wrong answer does to its peer (PeerSource.distrust_peer);
+        `background` False: no thread of its own, `run_pending` audits what waits."""
         self.computer, self.flights, self.distrust, self.stats = computer, flights, distrust, stats
         self.every = max(1, every)
         self._rng = rng or random.Random()
@@ -90,6 +92,7 @@ class ComputeAudit:
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._background = background
 
     def sample(self, peer: Peer) -> str | None:
         """Whether the call about to be sent to `peer` is audited: "first" (its first this run),
@@ -126,7 +129,7 @@ class ComputeAudit:
 
     def _start(self) -> None:
         with self._lock:
-            if self._thread is None and not self._stop.is_set():
+            if self._background and self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._loop, name="compute-audit", daemon=True)
                 self._thread.start()
 
@@ -158,6 +161,12 @@ class ComputeAudit:
         """The next answer of the peer `node_id` is audited as its first."""
         with self._lock:
             self._seen.discard(node_id)
+
+    def run_pending(self) -> list[str]:
+        """Audit every answer that waits, now, in order (first answers first); their outcomes."""
+        with self._lock:
+            samples, self._pending = list(self._pending), deque()
+        return [self.check(s) for s in samples]
 
     def _next(self) -> _Sample | None:
         with self._lock:
