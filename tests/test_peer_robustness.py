@@ -64,6 +64,17 @@ class _Misbehaving(node_pb2_grpc.NodeServicer):
             return iter([node_pb2.ExpertChunk(size=1)])
         if self.mode == "not found":
             context.abort(grpc.StatusCode.NOT_FOUND, "not held")
+        if self.mode == "progress after data":  # the expert, then word of a fetch it no longer makes
+            data = bytes(self.serve_bytes)
+            digest = hashlib.sha256(data).hexdigest()
+            progress = node_pb2.FetchProgress(fetching=True, received_bytes=1)
+            return iter(
+                [
+                    node_pb2.ExpertChunk(progress=progress),
+                    node_pb2.ExpertChunk(size=len(data), sha256=digest, data=data),
+                    node_pb2.ExpertChunk(progress=progress),
+                ]
+            )
         if self.mode == "busy, then serve":  # twice busy, then the asked size of zeros
             if self.asked <= 2:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{BUSY}: 8 expert fetches run")
@@ -186,6 +197,21 @@ def test_a_busy_owner_is_asked_again_before_the_hub(index, fake) -> None:
         assert blob is not None and len(blob) == loc.nbytes  # from the owner, not the Hub
         assert servicer.asked == 3
         assert peer.live and sum(source.table.errors.values()) == 0
+    finally:
+        servicer.mode = "hang"
+        source.close()
+
+
+def test_an_owner_whose_progress_comes_after_its_data_is_refused_as_malformed(index, fake) -> None:
+    """Progress says how a fetch goes before its bytes; after them it is a confused or hostile
+    node's, and its bytes are not used."""
+    servicer, _, address = fake
+    loc = next(iter(index.experts.values()))
+    servicer.mode, servicer.serve_bytes = "progress after data", loc.nbytes
+    source, peer = _source(index, address)
+    try:
+        assert source.fetch(loc) is None  # to the Hub instead
+        assert source.table.errors["malformed"] == 1 and not peer.live
     finally:
         servicer.mode = "hang"
         source.close()
