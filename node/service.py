@@ -323,6 +323,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             generation_seconds=self._generation_seconds,
             ram_used_bytes=self.sm.store.ram.nbytes if self.sm is not None else 0,
             compute=self.computer is not None,
+            shared_rows=self.computer is not None,
             # what an API in front of it may send at once (coordinator/node_pool.py)
             generation_slots=self.generation_slots.running if self.sm is not None else 0,
             hub_requests={bucket: u.requests for bucket, u in hub.items()},

@@ -37,6 +37,20 @@ def test_host_rows_are_the_device_rows(dtype: mx.Dtype, layout: str) -> None:
         )
 
 
+def test_a_row_routed_to_several_experts_has_one_id_and_its_rows_gather_back() -> None:
+    """A peer's call sends each row once (ComputeExpertsRequest.rows): ids name rows across inputs,
+    and the rows gathered by id are each expert's host rows."""
+    a = mx.arange(12 * 4, dtype=mx.float32).reshape(12, 4)
+    b = mx.arange(5 * 4, dtype=mx.float32).reshape(5, 4) + 1000
+    picks = {3: [(0, np.array([11, 0, 4])), (1, np.array([2]))], 7: [(0, np.array([4])), (1, np.array([2, 1]))]}
+    rows = RoutedRows([a, b], picks)
+    assert rows.row_ids(3).tolist() == [11, 0, 4, 14] and rows.row_ids(7).tolist() == [4, 14, 13]
+    unique, index = np.unique(np.concatenate([rows.row_ids(3), rows.row_ids(7)]), return_inverse=True)
+    assert len(unique) == 5  # rows 4 of a and 2 of b go to both experts: sent once each
+    shared = rows.host_rows(unique)
+    assert np.array_equal(shared[index[:4]], rows.host(3)) and np.array_equal(shared[index[4:]], rows.host(7))
+
+
 def test_a_decode_steps_rows_are_grouped_by_expert_in_one_gather() -> None:
     x = mx.arange(4 * 3, dtype=mx.float32).reshape(4, 3)
     flat = np.array([5, 1, 1, 2, 5, 0, 2, 5])  # four rows, two choices each

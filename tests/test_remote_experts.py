@@ -30,6 +30,7 @@ from expertmesh.node.config import RemoteConfig, StoreConfig
 from expertmesh.node.engine.core_quantization import quantize_core
 from expertmesh.node.engine.generation import Generator, SamplingSettings
 from expertmesh.node.engine.model_thread import model_thread
+from expertmesh.node.household.expert_compute import MAX_ROWS_PER_CALL
 from expertmesh.node.household.remote_experts import PING_DEADLINE_S, LinkEstimate, RemoteExperts
 from expertmesh.node.hub import local_models
 from expertmesh.node.hub.pull import pull
@@ -62,6 +63,8 @@ class _ComputeNode(NodeService):
 
     mode = "honest"
     asked_as_owner = 0  # calls with fetch_on_miss that "all_missing" answered
+    older = False  # its Info says nothing of shared rows, as a node from before them
+    recorded: list[node_pb2.ComputeExpertsRequest] | None = None  # requests as they arrived, when a list
 
     def Info(self, request, context):
         if self.mode == "slow_ping":  # a busy spell: this one answer comes late
@@ -69,15 +72,21 @@ class _ComputeNode(NodeService):
             time.sleep(SLOW_PING_S)
         if self.mode == "silent_ping":  # computes, but lets every Info ping run out
             time.sleep(PING_DEADLINE_S + 0.5)
-        return super().Info(request, context)
+        info = super().Info(request, context)
+        if self.older:
+            info.shared_rows = False
+        return info
 
     def ComputeExperts(self, request, context):
+        if self.recorded is not None:
+            self.recorded.append(node_pb2.ComputeExpertsRequest.FromString(request.SerializeToString()))
         if self.mode == "slow":
             time.sleep(2.0)
         if self.mode == "all_missing":  # says it holds nothing, and fetches nothing even as the owner
             self.asked_as_owner += request.fetch_on_miss
             return node_pb2.ComputeExpertsResponse(missing=[x.expert for x in request.experts])
-        prompt = sum(x.rows.shape[0] for x in request.experts) > PROMPT_ROWS * len(request.experts)
+        rows = sum(len(x.row_index) or (x.rows.shape[0] if x.rows.shape else 0) for x in request.experts)
+        prompt = rows > PROMPT_ROWS * len(request.experts)
         if self.mode == "lies_after_one_call":  # its first answer is honest, every later one NaN
             self.mode = "nan"
             return super().ComputeExperts(request, context)
@@ -151,7 +160,7 @@ class Pair:
     def revive(self) -> None:
         """The pair as new: an honest peer, not skipped, its link not yet measured (what a test
         taught the requester of a misbehaving peer is no part of the next test)."""
-        self.service.mode = "honest"
+        self.service.mode, self.service.older, self.service.recorded = "honest", False, None
         self.remote.links.clear()
         for p in self.source.table.peers.values():
             p.skip_until = 0.0
@@ -190,7 +199,9 @@ def test_remote_execution_gives_the_single_node_output(pairs, arch: str) -> None
     assert _generate(pair.me) == pair.expected
     d = pair.me.store.stats.since(before)
     assert d.uses["remote"] > 0, d.uses  # the cost model sent experts to the peer that holds them
-    assert d.remote["calls"] > 0 and d.remote["sent_bytes"] > 0 and d.remote["received_bytes"] == d.remote["sent_bytes"]
+    assert d.remote["calls"] > 0 and d.remote["sent_bytes"] > 0
+    # a token's row goes once to the peer, which computes several of its experts; an answer per expert
+    assert d.remote["sent_bytes"] < d.remote["received_bytes"]
     assert d.remote["fallback_error"] == d.remote["fallback_bad_output"] == 0
 
 
@@ -471,6 +482,28 @@ def test_compute_requests_are_checked(pairs) -> None:
                 node_pb2.ExpertRows(expert=0, rows=node_pb2.Tensor(shape=good.shape, dtype="int8", data=good.data))
             ],
         ),
+        "a shared row index past the rows": node_pb2.ComputeExpertsRequest(
+            model=model, layer=block.layer, rows=good, experts=[node_pb2.ExpertRows(expert=0, row_index=[0, 2])]
+        ),
+        "shared rows and rows of its own": node_pb2.ComputeExpertsRequest(
+            model=model, layer=block.layer, rows=good, experts=[node_pb2.ExpertRows(expert=0, rows=good, row_index=[0])]
+        ),
+        "shared rows, none named": node_pb2.ComputeExpertsRequest(
+            model=model, layer=block.layer, rows=good, experts=[node_pb2.ExpertRows(expert=0)]
+        ),
+        "shared rows of the wrong width": node_pb2.ComputeExpertsRequest(
+            model=model,
+            layer=block.layer,
+            rows=activations.encode(mx.zeros((2, block.input_width + 1))),
+            experts=[node_pb2.ExpertRows(expert=0, row_index=[0])],
+        ),
+        # each index makes a row: refused before one is copied
+        "more shared rows named than a call may hold": node_pb2.ComputeExpertsRequest(
+            model=model,
+            layer=block.layer,
+            rows=good,
+            experts=[node_pb2.ExpertRows(expert=0, row_index=[0] * (MAX_ROWS_PER_CALL + 1))],
+        ),
         # quoted whole in the error, it made a trailer past gRPC's metadata limit: RESOURCE_EXHAUSTED
         "a long unknown dtype": node_pb2.ComputeExpertsRequest(
             model=model,
@@ -499,7 +532,33 @@ def test_compute_requests_are_checked(pairs) -> None:
             stub.ComputeExperts(other, metadata=call_metadata(SECRET, node_method("ComputeExperts")), timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         info = stub.Info(node_pb2.InfoRequest(), metadata=call_metadata(SECRET, node_method("Info")), timeout=10)
-        assert info.compute and info.role == "full"
+        assert info.compute and info.role == "full" and info.shared_rows
+        # the same rows, shared: each expert named by index answers what its own rows did
+        own = node_pb2.ComputeExpertsRequest(
+            model=model, layer=block.layer, experts=[node_pb2.ExpertRows(expert=0, rows=good)]
+        )
+        shared = node_pb2.ComputeExpertsRequest(
+            model=model, layer=block.layer, rows=good, experts=[node_pb2.ExpertRows(expert=0, row_index=[0, 1])]
+        )
+        answers = [
+            stub.ComputeExperts(r, metadata=call_metadata(SECRET, node_method("ComputeExperts")), timeout=10)
+            for r in (own, shared)
+        ]
+        assert answers[0].experts == answers[1].experts
+
+
+def test_a_peer_that_does_not_take_shared_rows_is_sent_each_experts_rows(pairs) -> None:
+    pair = pairs("kimi_k3")
+    pair.service.older, pair.service.recorded = True, []
+    try:
+        before = pair.me.store.stats.snapshot()
+        assert _generate(pair.me) == pair.expected
+        d = pair.me.store.stats.since(before)
+        sent = pair.service.recorded
+    finally:
+        pair.service.older, pair.service.recorded = False, None
+    assert sent and not any(r.HasField("rows") or any(x.row_index for x in r.experts) for r in sent)
+    assert d.remote["sent_bytes"] == d.remote["received_bytes"]  # each expert's rows in full, as before
 
 
 def test_placement_follows_the_measured_costs(pairs) -> None:
@@ -842,7 +901,7 @@ def test_a_prompts_expert_with_more_rows_than_a_call_holds_is_split_over_calls(p
     assert got == alone
     assert d.uses["remote"] > 0, d.uses
     assert d.remote["fallback_error"] == d.remote["fallback_deadline"] == d.remote["fallback_bad_output"] == 0
-    assert all(sum(len(x.rows.data) for x in r.experts) <= limit for r in sent)
+    assert all(len(r.rows.data) + sum(len(x.rows.data) for x in r.experts) <= limit for r in sent)
     calls_per_expert = {}
     for r in sent:
         for x in r.experts:

@@ -55,6 +55,27 @@ class RoutedRows(Mapping[int, mx.array]):
         pieces = [self._host_input(i)[rows] for i, rows in self._picks[e]]
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
 
+    def row_ids(self, e: int) -> np.ndarray:
+        """Expert e's rows as ids over all inputs (row r of input i is input i's first id + r), in
+        the order `host(e)` gives them: a token routed to several experts has one id."""
+        starts = self._starts()
+        pieces = [starts[i] + np.asarray(rows, dtype=np.int64) for i, rows in self._picks[e]]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def host_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The rows with these ids (`row_ids`), in order, gathered on the host as `host` does."""
+        starts = self._starts()
+        which = np.searchsorted(starts, ids, side="right") - 1
+        first = self._host_input(int(which[0]))
+        out = np.empty((len(ids), first.shape[-1]), dtype=first.dtype)
+        for i in np.unique(which).tolist():
+            at = which == i
+            out[at] = self._host_input(i)[ids[at] - starts[i]]
+        return out
+
+    def _starts(self) -> np.ndarray:
+        return np.cumsum([0] + [x.shape[0] for x in self._inputs[:-1]], dtype=np.int64)
+
     def _host_input(self, i: int) -> np.ndarray:
         if i not in self._hosts:
             host = host_view(self._given[i])

@@ -39,6 +39,34 @@ class ComputeRequestError(ValueError):
     """A ComputeExperts request that names what does not exist or carries malformed rows."""
 
 
+def expand_shared_rows(request: node_pb2.ComputeExpertsRequest, width: int) -> None:
+    """Give each expert of a request with shared rows (`rows` once, `row_index` per expert) its own
+    rows, in place, on the host: the rest of the path then reads a call as older callers send it.
+
+    Raises:
+        ComputeRequestError: shared rows of the wrong shape or dtype, an expert with rows of its
+            own as well or with none, an index past the shared rows, or more rows than a call may hold.
+    """
+    shared = request.rows
+    try:
+        activations.check(shared, width)
+    except activations.BadTensor as e:
+        raise ComputeRequestError(f"shared rows: {e}") from None
+    n = shared.shape[0]
+    total = sum(len(item.row_index) for item in request.experts)
+    if total > MAX_ROWS_PER_CALL:  # before any copy: each index makes a row
+        raise ComputeRequestError(f"{total} rows in one call; at most {MAX_ROWS_PER_CALL}")
+    for item in request.experts:
+        if item.HasField("rows") or not item.row_index:
+            raise ComputeRequestError(f"expert {item.expert}: with shared rows, name its rows by row_index only")
+        last = max(item.row_index)
+        if last >= n:
+            raise ComputeRequestError(f"expert {item.expert}: row index {last} past the {n} shared rows")
+        item.rows.CopyFrom(activations.take_rows(shared, item.row_index))
+        del item.row_index[:]
+    request.ClearField("rows")
+
+
 @dataclass
 class ComputeResult:
     outputs: list[node_pb2.ExpertRows]
@@ -69,6 +97,8 @@ class ExpertComputer:
             raise ComputeRequestError(f"layer {request.layer} has no routed experts in {self.sm.repo_id}")
         if not request.experts:
             raise ComputeRequestError("no experts to compute")
+        if request.HasField("rows"):
+            expand_shared_rows(request, block.input_width)
         seen: set[int] = set()
         total, dtype = 0, request.experts[0].rows.dtype  # one pass, one dtype
         for item in request.experts:

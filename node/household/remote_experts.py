@@ -95,6 +95,7 @@ class LinkEstimate:
     queued: int = 0  # ComputeExperts calls running at the peer when the last one arrived
     prompt_scale: float = 1.0  # how many times the rows' linear growth a prompt's call takes here, at least
     misses: int = 0  # deadlines this peer missed since its last answer
+    shared_rows: bool = False  # its Info says it takes a call's rows once (ComputeExpertsRequest.rows)
     last_call_s: float = 0.0
     pinged_at: float = -1e9
 
@@ -349,7 +350,7 @@ class RemoteExperts:
             for _ in range(PINGS):
                 t0 = time.perf_counter()
                 try:
-                    client.info(timeout=PING_DEADLINE_S)
+                    link.shared_rows = client.info(timeout=PING_DEADLINE_S).shared_rows
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                         # the ping runs on the MLX thread: a peer that lets it hang would cost every
@@ -810,7 +811,8 @@ class _Encoder:
         self._held: tuple[int, np.ndarray] | None = None
         self.audit: ComputeAudit | None = None
 
-    def __call__(self, batch: list[tuple[int, int, int]]) -> _Call:
+    def _own(self, batch: list[tuple[int, int, int]]) -> list[node_pb2.ExpertRows]:
+        """Each expert's rows in full, as an older peer takes them."""
         encoded = []
         for e, first, n in batch:
             if self._held is None or self._held[0] != e:
@@ -820,9 +822,26 @@ class _Encoder:
             encoded.append(node_pb2.ExpertRows(expert=e, rows=activations.encode(x[first : first + n], self.dtype)))
             if first + n == x.shape[0]:
                 self._held = None  # its last part
+        return encoded
+
+    def _shared(self, batch: list[tuple[int, int, int]], request: node_pb2.ComputeExpertsRequest) -> None:
+        """The call's rows once (`request.rows`), each expert's named by index: a token routed to
+        several experts this peer computes crosses the LAN once, not once per expert."""
+        ids = [self.rows.row_ids(e)[first : first + n] for e, first, n in batch]
+        unique, index = np.unique(np.concatenate(ids), return_inverse=True)
+        request.rows.CopyFrom(activations.encode(self.rows.host_rows(unique), self.dtype))
+        at = 0
+        for e, _, n in batch:
+            request.experts.append(node_pb2.ExpertRows(expert=e, row_index=index[at : at + n].tolist()))
+            at += n
+
+    def __call__(self, batch: list[tuple[int, int, int]]) -> _Call:
         request = node_pb2.ComputeExpertsRequest()
         request.CopyFrom(self.head)
-        request.experts.extend(encoded)
+        if self.link.shared_rows:
+            self._shared(batch, request)
+        else:
+            request.experts.extend(self._own(batch))
         request.fetch_on_miss = any(e in self.owner_fetch for e, _, _ in batch)
         # the estimate places experts by their bytes and per-expert costs (a row's compute costs
         # the same here or there); the deadline must also cover the call's rows
@@ -832,21 +851,28 @@ class _Encoder:
         sampled = self.audit.sample(self.peer) if self.audit is not None else None
         if self.audit is not None and sampled is not None:
             item = request.experts[self.audit.pick(len(request.experts))]  # any: the peer cannot tell which
-            audit = (item.expert, _own_copy(item.rows), sampled == "first")
+            audit = (item.expert, _expert_input(request, item), sampled == "first")
         return _Call(
             self.peer,
             request,
             self.client,
             timeout,
-            sum(len(x.rows.data) for x in request.experts),
+            len(request.rows.data) + sum(len(x.rows.data) for x in request.experts),
             {e: n for e, _, n in batch},
-            request.experts[0].rows.dtype,
+            self.dtype,
             {e: first for e, first, _ in batch},
             expected_s=self.estimate_s * factor / self.link.prompt_scale if factor > 1.0 else 0.0,
             misses=self.misses,
             as_owner=request.fetch_on_miss,
             audit=audit,
         )
+
+
+def _expert_input(request: node_pb2.ComputeExpertsRequest, item: node_pb2.ExpertRows) -> node_pb2.Tensor:
+    """`item`'s input rows as a Tensor of their own, whether the call sent them with it or shared."""
+    if not request.HasField("rows"):
+        return _own_copy(item.rows)
+    return activations.take_rows(request.rows, item.row_index)
 
 
 def _own_copy(rows: node_pb2.Tensor) -> node_pb2.Tensor:

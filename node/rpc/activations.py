@@ -10,6 +10,7 @@ wrong shape, dtype or length is caught here, not as a broadcasting error deep in
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -92,6 +93,14 @@ def finite(t: node_pb2.Tensor) -> bool:
     if t.dtype == "bfloat16":  # all exponent bits set: an infinity or a NaN
         return not bool(np.any(values & 0x7F80 == 0x7F80))
     return bool(np.isfinite(values).all())
+
+
+def take_rows(t: node_pb2.Tensor, index: Sequence[int]) -> node_pb2.Tensor:
+    """The rows of a Tensor message (checked by `check`) at `index`, in that order, as a message
+    of their own: an expert's rows out of a call's shared rows."""
+    values = np.frombuffer(t.data, dtype=DTYPES[t.dtype][1]).reshape(tuple(t.shape))
+    picked = values[np.fromiter(index, dtype=np.int64, count=len(index))]
+    return encode(np.ascontiguousarray(picked), t.dtype)
 
 
 def as_float32(t: node_pb2.Tensor) -> np.ndarray:

@@ -29,7 +29,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes", "compute", "generation_slots", "hub_requests", "hub_quota", "prefixes_held")
+    __slots__ = ("node_id", "role", "models", "ram_budget_bytes", "disk_budget_bytes", "disk_used_bytes", "expertmesh_version", "mlx_version", "protocol_version", "live_peers", "expert_uses", "expert_bytes", "generated_tokens", "generation_seconds", "ram_used_bytes", "compute", "generation_slots", "hub_requests", "hub_quota", "shared_rows", "prefixes_held")
     class ExpertUsesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class InfoResponse(_message.Message):
     GENERATION_SLOTS_FIELD_NUMBER: _ClassVar[int]
     HUB_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HUB_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ROWS_FIELD_NUMBER: _ClassVar[int]
     PREFIXES_HELD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
@@ -97,8 +98,9 @@ class InfoResponse(_message.Message):
     generation_slots: int
     hub_requests: _containers.ScalarMap[str, int]
     hub_quota: _containers.ScalarMap[str, int]
+    shared_rows: bool
     prefixes_held: _containers.RepeatedCompositeFieldContainer[PrefixHeld]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ..., compute: _Optional[bool] = ..., generation_slots: _Optional[int] = ..., hub_requests: _Optional[_Mapping[str, int]] = ..., hub_quota: _Optional[_Mapping[str, int]] = ..., prefixes_held: _Optional[_Iterable[_Union[PrefixHeld, _Mapping]]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelKey, _Mapping]]] = ..., ram_budget_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., expertmesh_version: _Optional[str] = ..., mlx_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., live_peers: _Optional[int] = ..., expert_uses: _Optional[_Mapping[str, int]] = ..., expert_bytes: _Optional[_Mapping[str, int]] = ..., generated_tokens: _Optional[int] = ..., generation_seconds: _Optional[float] = ..., ram_used_bytes: _Optional[int] = ..., compute: _Optional[bool] = ..., generation_slots: _Optional[int] = ..., hub_requests: _Optional[_Mapping[str, int]] = ..., hub_quota: _Optional[_Mapping[str, int]] = ..., shared_rows: _Optional[bool] = ..., prefixes_held: _Optional[_Iterable[_Union[PrefixHeld, _Mapping]]] = ...) -> None: ...
 
 class PrefixHeld(_message.Message):
     __slots__ = ("key", "tokens")
@@ -358,24 +360,28 @@ class Tensor(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ExpertRows(_message.Message):
-    __slots__ = ("expert", "rows")
+    __slots__ = ("expert", "rows", "row_index")
     EXPERT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_INDEX_FIELD_NUMBER: _ClassVar[int]
     expert: int
     rows: Tensor
-    def __init__(self, expert: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    row_index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, expert: _Optional[int] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ..., row_index: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ComputeExpertsRequest(_message.Message):
-    __slots__ = ("model", "layer", "experts", "fetch_on_miss")
+    __slots__ = ("model", "layer", "experts", "fetch_on_miss", "rows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_FIELD_NUMBER: _ClassVar[int]
     FETCH_ON_MISS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     model: ModelKey
     layer: int
     experts: _containers.RepeatedCompositeFieldContainer[ExpertRows]
     fetch_on_miss: bool
-    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layer: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., fetch_on_miss: _Optional[bool] = ...) -> None: ...
+    rows: Tensor
+    def __init__(self, model: _Optional[_Union[ModelKey, _Mapping]] = ..., layer: _Optional[int] = ..., experts: _Optional[_Iterable[_Union[ExpertRows, _Mapping]]] = ..., fetch_on_miss: _Optional[bool] = ..., rows: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class ComputeExpertsResponse(_message.Message):
     __slots__ = ("experts", "missing", "compute_seconds", "queued", "mlx_wait_seconds")
