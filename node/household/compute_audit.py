@@ -13,8 +13,9 @@ the store, so its bytes are checked as any fetch's, and the same kernels), and c
 the peer answered. An answer further than TOLERANCE from it (relative L2 distance; the same
 kernels on another machine or batch differ in a few low bits, a wrong answer in all of them)
 gets the peer distrusted as a liar of copies is (household/membership.py: asked for nothing for
-an hour). The first answer's audit goes at once; the sample's waits for an idle link, as the
-copies' audit does (store/peer_audit.py), or for AUDIT_BUSY_BOUND_S of busy generations.
+an hour). Each audit waits for an idle link, as the copies' audit does (store/peer_audit.py), or
+for AUDIT_BUSY_BOUND_S of busy generations, so a cold prompt's first token never waits behind
+one; a first answer's audit goes ahead of the sample's.
 
 What it costs: one expert's bytes (from the household or the Hub, kept as any use) and its compute
 for each peer per run, and as much again for one call in AUDIT_EVERY. What it catches: a peer
@@ -179,15 +180,14 @@ class ComputeAudit:
             s = self._next()
             if s is None:
                 continue
-            if not s.first:
-                self.flights.wait_for_idle_link(
-                    len(s.asked.data),
-                    lambda: time.monotonic() + _ACTIVE_S,
-                    self._stop.is_set,
-                    busy_bound_s=AUDIT_BUSY_BOUND_S,
-                )
-                if self._stop.is_set():
-                    return
+            self.flights.wait_for_idle_link(
+                len(s.asked.data),
+                lambda: time.monotonic() + _ACTIVE_S,
+                self._stop.is_set,
+                busy_bound_s=AUDIT_BUSY_BOUND_S,
+            )
+            if self._stop.is_set():
+                return
             try:
                 self.stats.record_compute_audit(self.check(s))
             except Exception:  # the audit must outlive one bad round
