@@ -570,8 +570,8 @@ class RemoteExperts:
                 node_pb2.ComputeExpertsRequest(model=model, layer=block.layer),
                 placement.owner_fetch,
                 rows,
+                self.audit,
             )
-            encode.audit = self.audit
             chains.append(_PeerCalls(node_id, batches, encode, answers))
         return chains
 
@@ -803,13 +803,14 @@ class _Encoder:
         head: node_pb2.ComputeExpertsRequest,
         owner_fetch: set[int],
         rows: RoutedRows,
+        audit: ComputeAudit | None = None,
     ):
         self.config, self.peer, self.client, self.link = config, peer, client, link
         self.estimate_s, self.head, self.owner_fetch, self.rows = estimate_s, head, owner_fetch, rows
         self.misses = link.misses  # as the layer began: its calls' misses are judged together (_forgiven)
         self.dtype = activations.wire_dtype(rows.dtype)
         self._held: tuple[int, np.ndarray] | None = None
-        self.audit: ComputeAudit | None = None
+        self.audit = audit  # samples calls for the compute audit (household/compute_audit.py)
 
     def _own(self, batch: list[tuple[int, int, int]]) -> list[node_pb2.ExpertRows]:
         """Each expert's rows in full, as an older peer takes them."""
